@@ -1,0 +1,61 @@
+"""Watchpoint conditions: small classes that judge tensor statistics.
+
+``tensordbg.rules.DEFAULT`` is what ``tensordbg.attach(rules=None)`` uses::
+
+    [NaN(), Overflow(), ExplodingGradient(), VanishingGradient(), WeightNotChanging()]
+
+Each rule's defaults come from the debuggers that came before (MindInsight, SageMaker Debugger);
+its docstring says which. Third-party rules register through the ``tensordbg.rules`` entry-point
+group (see :mod:`tensordbg.rules.base`).
+"""
+
+from tensordbg.rules.activations import DeadActivation, SaturatedActivation
+from tensordbg.rules.base import Finding, Rule, available_rules
+from tensordbg.rules.gradients import ExplodingGradient, VanishingGradient
+from tensordbg.rules.loss import LossNotDecreasing
+from tensordbg.rules.numeric import AllZero, NaN, Overflow, TensorRange
+from tensordbg.rules.weights import PoorInitialization, WeightNotChanging, WeightUpdateRatio
+
+BUILTIN = (
+    "NaN",
+    "Overflow",
+    "ExplodingGradient",
+    "VanishingGradient",
+    "WeightNotChanging",
+    "WeightUpdateRatio",
+    "DeadActivation",
+    "SaturatedActivation",
+    "AllZero",
+    "PoorInitialization",
+    "LossNotDecreasing",
+    "TensorRange",
+)
+
+
+def default_rules() -> list[Rule]:
+    """Fresh instances of the default rules."""
+    return [NaN(), Overflow(), ExplodingGradient(), VanishingGradient(), WeightNotChanging()]
+
+
+DEFAULT: list[Rule] = default_rules()
+
+__all__ = [
+    "BUILTIN",
+    "DEFAULT",
+    "AllZero",
+    "DeadActivation",
+    "ExplodingGradient",
+    "Finding",
+    "LossNotDecreasing",
+    "NaN",
+    "Overflow",
+    "PoorInitialization",
+    "Rule",
+    "SaturatedActivation",
+    "TensorRange",
+    "VanishingGradient",
+    "WeightNotChanging",
+    "WeightUpdateRatio",
+    "available_rules",
+    "default_rules",
+]

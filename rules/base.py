@@ -1,0 +1,223 @@
+"""The rule interface: what a watchpoint condition is, and how third-party rules are found.
+
+A rule is a small object that judges statistics, never tensors. It says which tensors it applies to
+(``kinds``, ``match``, ``exclude``), which statistics it needs (``needs`` or :meth:`Rule.stats_for`)
+and decides (:meth:`Rule.check`). The engine computes only the statistics the active rules need,
+on the training device, and calls ``check`` with a :class:`~tensordbg.stats.TensorStats`; offline,
+the same rule runs on statistics computed by numpy.
+
+Writing a rule takes a subclass::
+
+    from tensordbg.rules import Finding, Rule
+    from tensordbg.stats import MAX, MIN
+
+    class LargeActivation(Rule):
+        '''An activation whose magnitude passes ``limit``.'''
+        kinds = frozenset({"output"})
+        needs = (MIN, MAX)
+
+        def __init__(self, limit: float = 1e4, **selection):
+            super().__init__(**selection)
+            self.limit = limit
+
+        def check(self, t, state):
+            peak = t.abs_max
+            if peak is not None and peak > self.limit:
+                return Finding(peak, self.limit, f"{t.name} reaches {peak:.3g} (limit {self.limit:g}).")
+            return None
+
+and, for others to install it, an entry point in the ``tensordbg.rules`` group::
+
+    [project.entry-points."tensordbg.rules"]
+    LargeActivation = "mypackage.rules:LargeActivation"
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from importlib.metadata import entry_points
+from typing import Any, ClassVar
+
+from tensordbg.stats import KINDS, Stat, TensorStats
+
+ENTRY_POINT_GROUP = "tensordbg.rules"
+# Constructor arguments every rule has; the rest are its thresholds, listed by Rule.params().
+SELECTION_ARGS = ("match", "exclude", "kinds")
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """A rule's verdict on one tensor: the measured value, the threshold it crossed and one
+    sentence for a person (what, where, how much, what it usually means)."""
+
+    value: float
+    threshold: float | None
+    message: str
+
+
+class Rule:
+    """Base class of every watchpoint condition. See the module docstring for an example.
+
+    Class attributes a subclass sets:
+
+    - ``kinds``: tensor kinds the rule looks at (``tensordbg.stats.KINDS``).
+    - ``needs``: statistics it needs for every tensor; override :meth:`stats_for` when they depend
+      on the tensor (its shape, its module type).
+    - ``propagates``: True when the condition flows downstream with the value (NaN, Inf). The engine
+      then names as origin only the module that produced it, not every module that passed it on.
+
+    Constructor arguments other than ``match``, ``exclude`` and ``kinds`` are the rule's
+    thresholds: store each under its own name, so :meth:`params` lists them and a person can edit
+    them from the UI.
+    """
+
+    kinds: ClassVar[frozenset[str]] = frozenset(KINDS)
+    needs: ClassVar[tuple[Stat, ...]] = ()
+    propagates: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        *,
+        match: str | Sequence[str] = "*",
+        exclude: str | Sequence[str] = (),
+        kinds: Iterable[str] | None = None,
+    ):
+        self.match = (match,) if isinstance(match, str) else tuple(match)
+        self.exclude = (exclude,) if isinstance(exclude, str) else tuple(exclude)
+        if kinds is not None:
+            unknown = set(kinds) - set(KINDS)
+            if unknown:
+                raise ValueError(
+                    f"{type(self).__name__}: unknown tensor kinds {sorted(unknown)}; "
+                    f"choose among {', '.join(KINDS)}"
+                )
+            self.kinds = frozenset(kinds)
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    # --- which tensors -------------------------------------------------------------------------
+
+    def applies(self, t: TensorStats) -> bool:
+        """Whether the rule looks at ``t`` (its kind, and its name or module against the patterns).
+
+        Called once per tensor identity, not per step: the engine caches the answer.
+        """
+        if t.kind not in self.kinds:
+            return False
+        if not any(_matches(t, p) for p in self.match):
+            return False
+        return not any(_matches(t, p) for p in self.exclude)
+
+    def stats_for(self, t: TensorStats) -> tuple[Stat, ...]:
+        """Statistics needed to judge ``t``; by default the class's ``needs``."""
+        return self.needs
+
+    # --- judging ---------------------------------------------------------------------------------
+
+    def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
+        """Judge one tensor. ``state`` is this rule's memory across steps within one session (a
+        plain dict the rule may use freely, e.g. a running median per tensor name)."""
+        raise NotImplementedError
+
+    def check_phase(
+        self, tensors: Sequence[TensorStats], state: dict[str, Any]
+    ) -> list[tuple[TensorStats, Finding]]:
+        """Judge all tensors of one phase the rule applies to, in execution order. Override it for
+        a rule that compares tensors with each other; by default it calls :meth:`check` on each."""
+        found = []
+        for t in tensors:
+            finding = self.check(t, state)
+            if finding is not None:
+                found.append((t, finding))
+        return found
+
+    # --- thresholds --------------------------------------------------------------------------------
+
+    def params(self) -> dict[str, Any]:
+        """The rule's thresholds by name, e.g. ``{"threshold": 1e-07}``."""
+        named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        names = [
+            n
+            for n, p in inspect.signature(type(self).__init__).parameters.items()
+            if n != "self" and n not in SELECTION_ARGS and p.kind in named
+        ]
+        return {n: getattr(self, n) for n in names if hasattr(self, n)}
+
+    def set_params(self, **values: Any) -> None:
+        """Change thresholds, keeping each one's type; unknown names are an error."""
+        current = self.params()
+        for key, value in values.items():
+            if key not in current:
+                raise ValueError(
+                    f"{self.name} has no threshold {key!r}; it has {', '.join(current) or 'none'}"
+                )
+            setattr(self, key, _coerce(self.name, key, current[key], value))
+
+    def describe(self) -> str:
+        """The first line of the rule's docstring."""
+        doc = inspect.getdoc(type(self)) or self.name
+        return doc.strip().splitlines()[0]
+
+    def __repr__(self) -> str:
+        args = [f"{k}={v!r}" for k, v in self.params().items()]
+        if self.match != ("*",):
+            args.append(f"match={self.match!r}")
+        if self.exclude:
+            args.append(f"exclude={self.exclude!r}")
+        return f"{self.name}({', '.join(args)})"
+
+
+def _matches(t: TensorStats, pattern: str) -> bool:
+    return fnmatchcase(t.name, pattern) or fnmatchcase(t.module, pattern)
+
+
+def _coerce(rule: str, key: str, old: Any, new: Any) -> Any:
+    if old is None or isinstance(new, type(old)):
+        return new
+    try:
+        if isinstance(old, bool):
+            if isinstance(new, str):
+                return new.strip().lower() in ("1", "true", "yes", "on")
+            return bool(new)
+        if isinstance(old, (int, float, str)):
+            return type(old)(new)
+        if isinstance(old, tuple):
+            return tuple(new)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{rule}.{key} takes a {type(old).__name__}, not {new!r}") from e
+    return new
+
+
+def builtin_rules() -> dict[str, type[Rule]]:
+    """The rules shipped with tensordbg, by class name."""
+    from tensordbg import rules
+
+    return {name: getattr(rules, name) for name in rules.BUILTIN}
+
+
+def available_rules() -> dict[str, type[Rule]]:
+    """Built-in rules plus those installed through the ``tensordbg.rules`` entry-point group.
+
+    A plugin that fails to load is skipped with a warning; it never stops a training.
+    """
+    found = builtin_rules()
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            cls = ep.load()
+        except Exception as e:  # a broken plugin must not break the training
+            warnings.warn(f"tensordbg: rule plugin {ep.name!r} failed to load: {e}", stacklevel=2)
+            continue
+        if not (isinstance(cls, type) and issubclass(cls, Rule)):
+            warnings.warn(
+                f"tensordbg: rule plugin {ep.name!r} is not a tensordbg.rules.Rule subclass",
+                stacklevel=2,
+            )
+            continue
+        found.setdefault(ep.name, cls)
+    return found

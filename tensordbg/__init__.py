@@ -1,0 +1,38 @@
+"""tensordbg: an interactive numerical debugger for PyTorch training.
+
+>>> import tensordbg
+>>> session = tensordbg.attach(model, optimizer=opt)       # default rules, pause on a hit
+>>> for batch in loader:
+...     loss = model(batch).loss
+...     session.observe("loss", loss)
+...     loss.backward(); opt.step(); opt.zero_grad()
+>>> session.hits[0].message
+
+Importing ``tensordbg`` does not import torch: the terminal UI (``tensordbg.tui``) and the wire
+protocol run where torch is absent. ``attach`` and ``Session`` load it on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tensordbg.hit import Hit, WatchpointHit
+
+__version__ = "0.1.0"
+__all__ = ["Hit", "Session", "WatchpointHit", "__version__", "attach", "rules"]
+
+if TYPE_CHECKING:
+    from tensordbg import rules
+    from tensordbg.session import Session, attach
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("attach", "Session"):
+        from tensordbg import session
+
+        return getattr(session, name)
+    if name == "rules":
+        import tensordbg.rules
+
+        return tensordbg.rules
+    raise AttributeError(f"module 'tensordbg' has no attribute {name!r}")

@@ -1,0 +1,66 @@
+"""What a watchpoint reports: :class:`Hit`, and :class:`WatchpointHit` for ``on_hit="raise"``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class Hit:
+    """One watchpoint that fired on one tensor.
+
+    >>> hit = session.hits[0]
+    >>> hit.rule, hit.module, hit.kind, hit.step, hit.origin
+    ('NaN', 'layers.1.attn', 'output', 12, True)
+    >>> print(hit.message)
+    NaN in layers.1.attn.output at step 12: 16 of 32768 values are NaN ...
+    """
+
+    rule: str
+    """The rule's class name, e.g. ``"NaN"``."""
+    tensor: str
+    """Display name of the tensor, e.g. ``"layers.1.attn.output"``."""
+    module: str
+    """Path from ``model.named_modules()``; ``""`` is the root model."""
+    kind: str
+    """``input``, ``output``, ``grad_output``, ``grad_input``, ``param``, ``grad``, ``update`` or
+    ``observed``."""
+    step: int
+    """Optimizer steps completed before this hit (without an optimizer: root forward calls)."""
+    phase: str
+    """``forward``, ``backward`` or ``optimizer``."""
+    origin: bool
+    """True where the problem was produced; False where a value was only passed on."""
+    value: float
+    threshold: float | None
+    message: str
+    id: int = -1
+    """Session-unique number, in the order hits were found."""
+    ref: int = -1
+    """The record of the tensor within its phase; the server resolves it while it is retained."""
+    call: int = 0
+    """Which call of the module within the root forward (shared modules are called several times)."""
+    summary: dict[str, Any] = field(default_factory=dict)
+    """The tensor's one-glance statistics (see ``tensordbg.stats.Summary``) when known."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        where = "origin" if self.origin else "passed on"
+        return f"[{self.rule}] {self.tensor} step {self.step} {self.phase} ({where}): {self.message}"
+
+
+class WatchpointHit(RuntimeError):
+    """Raised into the training loop by ``on_hit="raise"``; ``.hit`` is the origin hit.
+
+    >>> try:
+    ...     train()
+    ... except tensordbg.WatchpointHit as e:
+    ...     print(e.hit.module)
+    """
+
+    def __init__(self, hit: Hit):
+        super().__init__(hit.message)
+        self.hit = hit

@@ -1,0 +1,163 @@
+"""Numpy-style slice text, parsed without evaluating anything, and the UI's 2-D window on it.
+
+``parse_index("[0, :, 3:8:2]")`` gives ``(0, slice(None), slice(3, 8, 2))``, which indexes a torch
+tensor and a numpy array alike. Only integers, ``:``-slices, ``...``, ``None`` (a new axis) and
+short lists of integers are accepted; anything else is refused with the position of the problem.
+This module never imports torch.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+from typing import Any
+
+MAX_TEXT = 200
+MAX_LIST = 4096
+
+Index = tuple[Any, ...]
+
+
+class SliceError(ValueError):
+    """Slice text that is not a valid numpy-style index, or does not fit the tensor's shape."""
+
+
+def parse_index(text: str) -> Index:
+    """Parse ``"[0, :, 3:8:2]"`` (brackets optional) into an index tuple; ``""`` is everything."""
+    text = text.strip()
+    if len(text) > MAX_TEXT:
+        raise SliceError(f"slice text is {len(text)} characters; at most {MAX_TEXT} are accepted")
+    if text.startswith("[") and text.endswith("]") and _balanced_outer(text):
+        text = text[1:-1].strip()
+    if not text:
+        return ()
+    try:
+        tree = ast.parse(f"_[{text}]", mode="eval")
+    except SyntaxError as e:
+        col = max((e.offset or 3) - 3, 0)
+        raise SliceError(f"cannot read slice {text!r} near column {col + 1}: {e.msg}") from None
+    node = tree.body
+    if not isinstance(node, ast.Subscript) or not isinstance(node.value, ast.Name):
+        raise SliceError(f"{text!r} is not one index: write it as [a, b:c, ...]")
+    parts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+    return tuple(_part(p, text) for p in parts)
+
+
+def _balanced_outer(text: str) -> bool:
+    """True when the first '[' closes at the last character (so '[0][1]' keeps its brackets)."""
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += ch == "["
+        depth -= ch == "]"
+        if depth == 0:
+            return i == len(text) - 1
+    return False
+
+
+def _part(node: ast.AST, text: str) -> Any:
+    if isinstance(node, ast.Slice):
+        bounds = [_int_or_none(n, text) for n in (node.lower, node.upper, node.step)]
+        if bounds[2] == 0:
+            raise SliceError("slice step cannot be zero")
+        return slice(*bounds)
+    if isinstance(node, ast.Constant) and node.value is Ellipsis:
+        return Ellipsis
+    if isinstance(node, ast.Constant) and node.value is None:
+        return None
+    if isinstance(node, ast.List):
+        if len(node.elts) > MAX_LIST:
+            raise SliceError(f"an index list takes at most {MAX_LIST} integers")
+        return [_int(e, text) for e in node.elts]
+    return _int(node, text)
+
+
+def _int_or_none(node: ast.AST | None, text: str) -> int | None:
+    if node is None or isinstance(node, ast.Constant) and node.value is None:
+        return None
+    return _int(node, text)
+
+
+def _int(node: ast.AST, text: str) -> int:
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _int(node.operand, text)
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    fragment = ast.get_source_segment(f"_[{text}]", node) or "?"
+    raise SliceError(
+        f"{fragment!r} is not allowed in a slice: use integers, start:stop:step, ..., None "
+        "or a list of integers"
+    )
+
+
+def format_index(index: Index) -> str:
+    """The canonical text of an index: ``(0, slice(None), slice(3, 8, 2))`` -> ``"[0, :, 3:8:2]"``."""
+    if not index:
+        return ""
+    return "[" + ", ".join(_format_part(p) for p in index) + "]"
+
+
+def _format_part(part: Any) -> str:
+    if isinstance(part, slice):
+        start = "" if part.start is None else str(part.start)
+        stop = "" if part.stop is None else str(part.stop)
+        text = f"{start}:{stop}"
+        return text if part.step is None else f"{text}:{part.step}"
+    if part is Ellipsis:
+        return "..."
+    if part is None:
+        return "None"
+    if isinstance(part, list):
+        return "[" + ", ".join(map(str, part)) + "]"
+    return str(part)
+
+
+def apply_index(x: Any, index: Index) -> Any:
+    """``x[index]`` for a torch tensor or numpy array, with a clear error for a misfit."""
+    if not index:
+        return x
+    try:
+        return x[index]
+    except (IndexError, TypeError, ValueError, RuntimeError) as e:
+        shape = "x".join(map(str, tuple(x.shape))) or "scalar"
+        raise SliceError(f"{format_index(index)} does not fit a tensor of shape {shape}: {e}") from None
+
+
+def grid_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """Rows and columns of the 2-D view of a tensor: a 1-D tensor is one row, dims before the last
+    are flattened into rows, a scalar is a 1x1 grid."""
+    if len(shape) == 0:
+        return 1, 1
+    if len(shape) == 1:
+        return 1, shape[0]
+    return math.prod(shape[:-1]), shape[-1]
+
+
+def clamp_window(
+    shape: tuple[int, ...], window: list[list[int]] | None, max_elements: int
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The window of the 2-D view to send, clipped to the grid; without ``window``, the whole
+    grid. Refuses a window of more than ``max_elements``."""
+    rows, cols = grid_shape(shape)
+    if window is None:
+        (r0, r1), (c0, c1) = (0, rows), (0, cols)
+    else:
+        if len(window) != 2 or any(len(w) != 2 for w in window):
+            raise SliceError("a window is [[row0, row1], [col0, col1]]")
+        (r0, r1), (c0, c1) = window
+        r0, r1 = max(0, min(r0, rows)), max(0, min(r1, rows))
+        c0, c1 = max(0, min(c0, cols)), max(0, min(c1, cols))
+        r1, c1 = max(r0, r1), max(c0, c1)
+    if (r1 - r0) * (c1 - c0) > max_elements:
+        raise SliceError(
+            f"that is {(r1 - r0) * (c1 - c0):,} values; at most {max_elements:,} are sent at "
+            "once: narrow the slice"
+        )
+    return (r0, r1), (c0, c1)
+
+
+def window_of(x: Any, rows: tuple[int, int], cols: tuple[int, int]) -> Any:
+    """The ``rows`` x ``cols`` block of the 2-D view of ``x`` (torch tensor or numpy array)."""
+    grid_rows, grid_cols = grid_shape(tuple(x.shape))
+    flat = x.reshape(grid_rows, grid_cols)
+    return flat[rows[0] : rows[1], cols[0] : cols[1]]

@@ -1,0 +1,307 @@
+"""Tensor statistics: the vocabulary rules speak, and its numpy reference implementation.
+
+Rules never see tensors. Each rule asks for a few :class:`Stat` values; the engine computes only
+those, next to the tensor (``tensordbg.stats_torch`` on the training device), and hands the rule a
+:class:`TensorStats`. Offline, the same statistics come from :func:`compute_numpy`, so a rule runs
+unchanged on a live training or on a dump. This module never imports torch.
+
+>>> import numpy as np
+>>> compute_numpy(np.array([1.0, -3.0, 0.0]), (MIN, MAX, ZERO_FRAC))[ZERO_FRAC]
+0.3333333333333333
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Kinds of watched tensors and the phase each is captured in.
+KINDS = ("input", "output", "grad_output", "grad_input", "param", "grad", "update", "observed")
+PHASES = ("forward", "backward", "optimizer")
+
+# Largest finite value of each floating dtype, by torch's dtype name.
+FLOAT_MAX: dict[str, float] = {
+    "float64": 1.7976931348623157e308,
+    "float32": 3.4028234663852886e38,
+    "float16": 65504.0,
+    "bfloat16": 3.3895313892515355e38,
+    "float8_e4m3fn": 448.0,
+    "float8_e4m3fnuz": 240.0,
+    "float8_e5m2": 57344.0,
+    "float8_e5m2fnuz": 57344.0,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Stat:
+    """One statistic of a tensor, named and, for some, parameterised.
+
+    Stats are hashable and compare by value, so rules can ask for the same statistic and the
+    engine computes it once: ``in_range_frac(-1, 0) == in_range_frac(-1, 0)``.
+    """
+
+    name: str
+    params: tuple[float, ...] = ()
+
+    def __str__(self) -> str:
+        if not self.params:
+            return self.name
+        return f"{self.name}({', '.join(f'{p:g}' for p in self.params)})"
+
+
+# Screening statistics: one pass over the tensor. Both propagate NaN, like numpy's min and max,
+# so together they answer "any NaN?", "any Inf?" and "how large?" at once.
+MIN = Stat("min")
+MAX = Stat("max")
+# Counts of non-finite elements.
+NAN = Stat("nan")
+POSINF = Stat("posinf")
+NEGINF = Stat("neginf")
+# Moments and norms (NaN as soon as one element is NaN).
+MEAN = Stat("mean")
+STD = Stat("std")  # population standard deviation (ddof 0)
+ABS_MEAN = Stat("abs_mean")
+L2 = Stat("l2")
+ZERO_FRAC = Stat("zero_frac")
+# Statistics of an optimizer update: the parameter now against the parameter before the step.
+UPDATE_ABS_MEAN = Stat("update_abs_mean")  # mean |p - p_prev|
+PREV_ABS_MEAN = Stat("prev_abs_mean")  # mean |p_prev|
+
+UPDATE_STATS = frozenset({"update_abs_mean", "prev_abs_mean", "update_unchanged"})
+
+
+def in_range_frac(lo: float, hi: float) -> Stat:
+    """Fraction of elements x with lo <= x <= hi."""
+    return Stat("in_range_frac", (float(lo), float(hi)))
+
+
+def dead_unit_frac(lo: float, hi: float, unit_dim: int, min_live: float) -> Stat:
+    """Fraction of units (indices along ``unit_dim``) that are live in under ``min_live`` of
+    their elements, where an element is live when lo < x < hi. A ReLU unit is dead when it is
+    positive for under 1 % of the batch: ``dead_unit_frac(0, inf, -1, 0.01)``."""
+    return Stat("dead_unit_frac", (float(lo), float(hi), float(unit_dim), float(min_live)))
+
+
+def update_unchanged(rtol: float, atol: float) -> Stat:
+    """1.0 when every element of the update satisfies |p - p_prev| <= atol + rtol * |p_prev|."""
+    return Stat("update_unchanged", (float(rtol), float(atol)))
+
+
+@dataclass(slots=True)
+class Summary:
+    """What a person wants to know of a tensor at a glance. Moments are over finite elements."""
+
+    numel: int
+    nan: int = 0
+    posinf: int = 0
+    neginf: int = 0
+    zeros: int = 0
+    min: float = math.nan
+    max: float = math.nan
+    mean: float = math.nan
+    std: float = math.nan
+    abs_mean: float = math.nan
+    l2: float = math.nan
+
+    @property
+    def nonfinite(self) -> int:
+        return self.nan + self.posinf + self.neginf
+
+    def line(self, shape: Iterable[int], dtype: str) -> str:
+        """One line in the spirit of lovely-tensors:
+        ``tensor[8,128] float32 n=1024 x∈[-2.1, 2.6] μ=0.01 σ=1 NaN×3!``"""
+        dims = ",".join(str(d) for d in shape)
+        parts = [f"tensor[{dims}]", dtype, f"n={self.numel}"]
+        if self.numel and self.nonfinite < self.numel:
+            parts.append(f"x∈[{_g(self.min)}, {_g(self.max)}]")
+            parts.append(f"μ={_g(self.mean)}")
+            parts.append(f"σ={_g(self.std)}")
+        if self.zeros == self.numel and self.numel:
+            parts.append("all zeros")
+        if self.nan:
+            parts.append(f"NaN×{self.nan}!")
+        if self.posinf:
+            parts.append(f"+Inf×{self.posinf}!")
+        if self.neginf:
+            parts.append(f"-Inf×{self.neginf}!")
+        return " ".join(parts)
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, float | int]) -> Summary:
+        return cls(**{k: data[k] for k in cls.__slots__ if k in data})
+
+
+def _g(x: float) -> str:
+    return f"{x:.3g}" if math.isfinite(x) else str(x)
+
+
+@dataclass(slots=True, eq=False)
+class TensorStats:
+    """A watched tensor as rules see it: where it came from and the statistics computed for it.
+
+    ``values`` holds exactly the statistics the active rules asked for; :meth:`get` returns None
+    for one that was not computed (a rule added later, an interval step skipped).
+    """
+
+    name: str
+    module: str
+    kind: str
+    phase: str
+    step: int
+    shape: tuple[int, ...]
+    dtype: str
+    values: dict[Stat, float] = field(default_factory=dict)
+    module_type: str = ""
+    call: int = 0
+    trainable: bool = False
+    summary: Summary | None = None
+    ref: int = -1
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def get(self, stat: Stat) -> float | None:
+        return self.values.get(stat)
+
+    @property
+    def has_nan(self) -> bool | None:
+        """True or False when known, None when neither the counts nor the range were computed."""
+        if self.summary is not None:
+            return self.summary.nan > 0
+        if NAN in self.values:
+            return self.values[NAN] > 0
+        lo, hi = self.values.get(MIN), self.values.get(MAX)
+        if lo is None or hi is None:
+            return None
+        return math.isnan(lo) or math.isnan(hi)
+
+    @property
+    def has_inf(self) -> bool | None:
+        """True or False when known. A NaN hides an Inf from the range, so then only counts tell."""
+        if self.summary is not None:
+            return self.summary.posinf + self.summary.neginf > 0
+        if POSINF in self.values and NEGINF in self.values:
+            return self.values[POSINF] + self.values[NEGINF] > 0
+        lo, hi = self.values.get(MIN), self.values.get(MAX)
+        if lo is None or hi is None:
+            return None
+        if math.isinf(lo) or math.isinf(hi):
+            return True
+        return None if math.isnan(lo) or math.isnan(hi) else False
+
+    @property
+    def nonfinite(self) -> bool | None:
+        nan, inf = self.has_nan, self.has_inf
+        if nan or inf:
+            return True
+        if nan is None or inf is None:
+            return None
+        return False
+
+    @property
+    def abs_max(self) -> float | None:
+        """Largest magnitude among finite elements when the summary is known, else from the range."""
+        if self.summary is not None and self.summary.numel > self.summary.nonfinite:
+            return max(abs(self.summary.min), abs(self.summary.max))
+        lo, hi = self.values.get(MIN), self.values.get(MAX)
+        if lo is None or hi is None:
+            return None
+        return max(abs(lo), abs(hi))
+
+    def line(self) -> str:
+        """The one-line summary when known, else shape and dtype."""
+        if self.summary is not None:
+            return self.summary.line(self.shape, self.dtype)
+        return f"tensor[{','.join(map(str, self.shape))}] {self.dtype}"
+
+
+# ---------------------------------------------------------------------------------------------
+# numpy reference implementation (offline rules, tests, replay)
+
+
+def compute_numpy(
+    array: np.ndarray, stats: Iterable[Stat], prev: np.ndarray | None = None
+) -> dict[Stat, float]:
+    """Compute ``stats`` of ``array`` with numpy; update statistics need ``prev``."""
+    x = np.asarray(array)
+    if not np.issubdtype(x.dtype, np.floating):
+        x = x.astype(np.float64)
+    out: dict[Stat, float] = {}
+    for stat in stats:
+        out[stat] = float(_numpy_stat(x, stat, prev))
+    return out
+
+
+def _numpy_stat(x: np.ndarray, stat: Stat, prev: np.ndarray | None) -> float:
+    name, p = stat.name, stat.params
+    wide = x.astype(np.float64, copy=False)
+    if name == "min":
+        return float(np.min(x))
+    if name == "max":
+        return float(np.max(x))
+    if name == "nan":
+        return float(np.count_nonzero(np.isnan(x)))
+    if name == "posinf":
+        return float(np.count_nonzero(np.isposinf(x)))
+    if name == "neginf":
+        return float(np.count_nonzero(np.isneginf(x)))
+    if name == "mean":
+        return float(np.mean(wide))
+    if name == "std":
+        return float(np.std(wide))
+    if name == "abs_mean":
+        return float(np.mean(np.abs(wide)))
+    if name == "l2":
+        return float(np.sqrt(np.sum(wide * wide)))
+    if name == "zero_frac":
+        return float(np.count_nonzero(x == 0)) / x.size
+    if name == "in_range_frac":
+        return float(np.count_nonzero((x >= p[0]) & (x <= p[1]))) / x.size
+    if name == "dead_unit_frac":
+        lo, hi, dim, min_live = p
+        live = ((x > lo) & (x < hi)).astype(np.float64)
+        unit_dim = int(dim) % x.ndim
+        other = tuple(d for d in range(x.ndim) if d != unit_dim)
+        live_frac = live.mean(axis=other) if other else live
+        return float(np.mean(live_frac < min_live))
+    if name in UPDATE_STATS:
+        if prev is None:
+            raise ValueError(f"statistic {stat} needs the previous value of the tensor")
+        before = np.asarray(prev, dtype=np.float64)
+        delta = np.abs(wide - before)
+        if name == "update_abs_mean":
+            return float(np.mean(delta))
+        if name == "prev_abs_mean":
+            return float(np.mean(np.abs(before)))
+        rtol, atol = p
+        return float(np.all(delta <= atol + rtol * np.abs(before)))
+    raise KeyError(f"unknown statistic {stat}")
+
+
+def summarize_numpy(array: np.ndarray) -> Summary:
+    """The :class:`Summary` of an array; moments over its finite elements."""
+    x = np.asarray(array)
+    if not np.issubdtype(x.dtype, np.floating):
+        x = x.astype(np.float64)
+    finite = np.isfinite(x)
+    s = Summary(
+        numel=int(x.size),
+        nan=int(np.count_nonzero(np.isnan(x))),
+        posinf=int(np.count_nonzero(np.isposinf(x))),
+        neginf=int(np.count_nonzero(np.isneginf(x))),
+        zeros=int(np.count_nonzero(x == 0)),
+    )
+    values = x[finite].astype(np.float64) if not finite.all() else x.astype(np.float64).ravel()
+    if values.size:
+        s.min, s.max = float(values.min()), float(values.max())
+        s.mean, s.std = float(values.mean()), float(values.std())
+        s.abs_mean = float(np.abs(values).mean())
+        s.l2 = float(np.sqrt(np.sum(values * values)))
+    return s
