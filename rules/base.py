@@ -23,7 +23,7 @@ Writing a rule takes a subclass::
         def check(self, t, state):
             peak = t.abs_max
             if peak is not None and peak > self.limit:
-                return Finding(peak, self.limit, f"{t.name} reaches {peak:.3g} (limit {self.limit:g}).")
+                return Finding(peak, self.limit, f"{t.name} reaches {peak:.3g}.")
             return None
 
 and, for others to install it, an entry point in the ``tensordbg.rules`` group::
@@ -137,7 +137,7 @@ class Rule:
                 found.append((t, finding))
         return found
 
-    # --- thresholds --------------------------------------------------------------------------------
+    # --- thresholds ------------------------------------------------------------------------------
 
     def params(self) -> dict[str, Any]:
         """The rule's thresholds by name, e.g. ``{"threshold": 1e-07}``."""

@@ -1,2 +1,184 @@
-def main() -> int:
-    return 0
+"""The ``tensordbg`` command: ``demo``, ``run``, ``tui``.
+
+This module imports neither torch nor the UI until a command needs them, so ``--help`` is quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Sequence
+
+from tensordbg import __version__
+
+EXAMPLES = {
+    "demo": """
+        examples:
+          tensordbg demo                 a tiny GPT trains, a batch breaks its attention, the UI opens
+          tensordbg demo --no-ui         the same training, hits printed as text
+        """,
+    "run": """
+        examples:
+          tensordbg run train.py --epochs 3
+          tensordbg run --rules default,DeadActivation --on-hit record train.py
+          tensordbg run --include 'encoder.*' --sync batched train.py
+
+        The script runs as __main__ with its own arguments; the first module with trainable
+        parameters it calls is watched, with the first optimizer that steps it. Open the UI
+        with `tensordbg tui` in another terminal.
+        """,
+    "tui": """
+        examples:
+          tensordbg tui                               the only running session, or a list
+          tensordbg tui /run/user/1000/tensordbg/3f2a1c9e-0.json
+          tensordbg tui --run-id 3f2a1c9e --wait 30   wait for a training that is starting
+        """,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 0
+    return int(args.handler(args) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tensordbg",
+        description="An interactive numerical debugger for PyTorch training.",
+        epilog="Run `tensordbg COMMAND --help` for a command's options and examples.",
+    )
+    parser.add_argument("--version", action="version", version=f"tensordbg {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    demo = _command(commands, "demo", "train a small model that goes wrong, with the UI attached")
+    demo.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    demo.add_argument("--bad-step", type=int, default=25, help="the step whose batch is broken")
+    demo.add_argument("--no-ui", action="store_true", help="print the hits instead of the UI")
+    demo.set_defaults(handler=_demo)
+
+    run = _command(commands, "run", "debug a training script without changing it")
+    run.add_argument("--rules", default="default",
+                     help="comma-separated rule names; 'default' is the default set")
+    run.add_argument("--on-hit", choices=("pause", "raise", "record"), default="pause")
+    run.add_argument("--sync", choices=("auto", "eager", "batched"), default="auto")
+    run.add_argument("--include", action="append", default=[], metavar="PATTERN",
+                     help="watch only modules whose path matches (repeatable)")
+    run.add_argument("--exclude", action="append", default=[], metavar="PATTERN")
+    run.add_argument("--interval", type=int, default=1,
+                     help="statistics beyond the NaN/Inf screen every N steps")
+    run.add_argument("--remote", action="store_true",
+                     help="listen on TCP with CURVE encryption instead of a local socket")
+    run.add_argument("script", help="the training script")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    run.set_defaults(handler=_run)
+
+    tui = _command(commands, "tui", "open the terminal UI on a running training")
+    tui.add_argument("connection", nargs="?", help="a session's connection file")
+    tui.add_argument("--run-id", help="the run to open (waits for it with --wait)")
+    tui.add_argument("--wait", type=float, default=0.0, help="seconds to wait for --run-id")
+    tui.set_defaults(handler=_tui)
+    return parser
+
+
+def _command(commands: argparse._SubParsersAction, name: str, help: str) -> argparse.ArgumentParser:
+    return commands.add_parser(
+        name,
+        help=help,
+        description=help[0].upper() + help[1:] + ".",
+        epilog=textwrap.dedent(EXAMPLES[name]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def _rules(spec: str) -> list | None:
+    from tensordbg.rules import default_rules
+    from tensordbg.rules.base import available_rules
+
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if names == ["default"]:
+        return None
+    available = available_rules()
+    rules = []
+    for name in names:
+        if name == "default":
+            rules.extend(default_rules())
+        elif name in available:
+            rules.append(available[name]())
+        else:
+            known = ", ".join(sorted(available))
+            raise SystemExit(f"tensordbg: no rule named {name!r}; the rules are: {known}")
+    return rules
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tensordbg.runner import run_script
+
+    return run_script(
+        args.script,
+        args.args,
+        rules=_rules(args.rules),
+        on_hit=args.on_hit,
+        sync=args.sync,
+        include=args.include,
+        exclude=args.exclude,
+        interval=args.interval,
+        remote=args.remote,
+    )
+
+
+def _tui(args: argparse.Namespace) -> int:
+    from tensordbg.tui import run_tui
+
+    return run_tui(args.connection, run_id=args.run_id, wait=args.wait)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    demo_args = ["--steps", str(args.steps), "--bad-step", str(args.bad_step)]
+    if args.no_ui:
+        from tensordbg import demo
+
+        return demo.main([*demo_args, "--no-ui"])
+    if not sys.stdout.isatty():
+        print("tensordbg demo needs a terminal; use `tensordbg demo --no-ui` to print the hits.")
+        return 2
+    from tensordbg.tui import run_tui
+
+    run_id = f"demo{secrets.token_hex(3)}"
+    log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - the training writes it while the UI runs
+        "w", prefix="tensordbg-demo-", suffix=".log", delete=False
+    )
+    env = {**os.environ, "TENSORDBG_RUN_ID": run_id}
+    training = subprocess.Popen(
+        [sys.executable, "-m", "tensordbg.demo", *demo_args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+    )
+    try:
+        code = run_tui(run_id=run_id, wait=120.0)
+    finally:
+        try:
+            training.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            training.terminate()
+            training.wait(timeout=10)
+        log.close()
+    with open(log.name) as f:
+        tail = f.read().strip().splitlines()[-8:]
+    print("\n".join(tail))
+    print(f"(the training's output: {log.name})")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -40,7 +40,8 @@ class Hit:
     ref: int = -1
     """The record of the tensor within its phase; the server resolves it while it is retained."""
     call: int = 0
-    """Which call of the module within the root forward (shared modules are called several times)."""
+    """Which call of the module within the root forward (a shared module is called several
+    times)."""
     summary: dict[str, Any] = field(default_factory=dict)
     """The tensor's one-glance statistics (see ``tensordbg.stats.Summary``) when known."""
 
@@ -49,7 +50,8 @@ class Hit:
 
     def __str__(self) -> str:
         where = "origin" if self.origin else "passed on"
-        return f"[{self.rule}] {self.tensor} step {self.step} {self.phase} ({where}): {self.message}"
+        head = f"[{self.rule}] {self.tensor} step {self.step} {self.phase} ({where})"
+        return f"{head}: {self.message}"
 
 
 class WatchpointHit(RuntimeError):

@@ -72,7 +72,7 @@ def _part(node: ast.AST, text: str) -> Any:
 
 
 def _int_or_none(node: ast.AST | None, text: str) -> int | None:
-    if node is None or isinstance(node, ast.Constant) and node.value is None:
+    if node is None or (isinstance(node, ast.Constant) and node.value is None):
         return None
     return _int(node, text)
 
@@ -91,7 +91,8 @@ def _int(node: ast.AST, text: str) -> int:
 
 
 def format_index(index: Index) -> str:
-    """The canonical text of an index: ``(0, slice(None), slice(3, 8, 2))`` -> ``"[0, :, 3:8:2]"``."""
+    """The canonical text of an index: ``(0, slice(None), slice(3, 8, 2))`` gives
+    ``"[0, :, 3:8:2]"``."""
     if not index:
         return ""
     return "[" + ", ".join(_format_part(p) for p in index) + "]"
@@ -120,7 +121,8 @@ def apply_index(x: Any, index: Index) -> Any:
         return x[index]
     except (IndexError, TypeError, ValueError, RuntimeError) as e:
         shape = "x".join(map(str, tuple(x.shape))) or "scalar"
-        raise SliceError(f"{format_index(index)} does not fit a tensor of shape {shape}: {e}") from None
+        text = format_index(index)
+        raise SliceError(f"{text} does not fit a tensor of shape {shape}: {e}") from None
 
 
 def grid_shape(shape: tuple[int, ...]) -> tuple[int, int]:

@@ -207,7 +207,8 @@ class TensorStats:
 
     @property
     def abs_max(self) -> float | None:
-        """Largest magnitude among finite elements when the summary is known, else from the range."""
+        """Largest magnitude among finite elements when the summary is known, else from the
+        range."""
         if self.summary is not None and self.summary.numel > self.summary.nonfinite:
             return max(abs(self.summary.min), abs(self.summary.max))
         lo, hi = self.values.get(MIN), self.values.get(MAX)
@@ -305,3 +306,43 @@ def summarize_numpy(array: np.ndarray) -> Summary:
         s.abs_mean = float(np.abs(values).mean())
         s.l2 = float(np.sqrt(np.sum(values * values)))
     return s
+
+
+def stats_from_numpy(
+    array: np.ndarray,
+    stats: Iterable[Stat],
+    *,
+    prev: np.ndarray | None = None,
+    name: str,
+    module: str = "",
+    kind: str,
+    phase: str = "forward",
+    step: int = 0,
+    module_type: str = "",
+    trainable: bool = False,
+    summary: bool = False,
+) -> TensorStats:
+    """A :class:`TensorStats` for a numpy array, as the engine would build it for a tensor.
+
+    Offline re-runs of rules (and tests) use it. The summary is computed when asked for, and
+    always for a non-finite array, as the engine does for tensors that look non-finite.
+
+    >>> t = stats_from_numpy(np.array([1.0, np.nan]), (MIN, MAX), name="fc.weight", kind="param")
+    >>> t.has_nan, t.summary.nan
+    (True, 1)
+    """
+    x = np.asarray(array)
+    nonfinite = not bool(np.isfinite(x).all())
+    return TensorStats(
+        name=name,
+        module=module,
+        kind=kind,
+        phase=phase,
+        step=step,
+        shape=tuple(x.shape),
+        dtype=str(x.dtype),
+        values=compute_numpy(x, stats, prev),
+        module_type=module_type,
+        trainable=trainable,
+        summary=summarize_numpy(x) if summary or nonfinite else None,
+    )

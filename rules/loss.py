@@ -1,0 +1,111 @@
+"""Rules on observed training curves: a loss that goes up or stops going down."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tensordbg.rules.base import Finding, Rule
+
+from tensordbg.stats import MEAN, TensorStats
+
+
+@dataclass
+class _LossCurve:
+    """One loss per step: the mean of the observations made during the step."""
+
+    step: int = 0
+    total: float = 0.0
+    count: int = 0
+    done: list[tuple[int, float]] = field(default_factory=list)  # (step, mean), oldest first
+    completed: int = 0  # steps completed so far, to know where windows end
+
+    def add(self, step: int, value: float) -> bool:
+        """Record an observation; True when it closed the previous step."""
+        closed = self.count > 0 and step != self.step
+        if closed:
+            self.done.append((self.step, self.total / self.count))
+            self.completed += 1
+            self.total, self.count = 0.0, 0
+        self.step = step
+        self.total += value
+        self.count += 1
+        return closed
+
+
+class LossNotDecreasing(Rule):
+    """A loss whose average over the last ``num_steps`` steps went up, or did not go down enough.
+
+    Defaults: SageMaker's LossNotDecreasing, ``num_steps`` 10, ``diff_percent`` 0.1 % and
+    ``increase_threshold_percent`` 5 %. Mini-batch losses are noisy, so the rule compares whole
+    windows: each step counts once (the mean of its observations, e.g. over gradient
+    accumulation), and every ``num_steps`` completed steps the mean of the latest window is
+    compared with the mean of the window before. A step is complete when the next one is first
+    observed, so the verdict on steps 10-19 comes with step 20's loss. Non-finite losses are left
+    to the NaN rule.
+
+    Example: ``LossNotDecreasing(num_steps=100, match="val_loss")`` watches a validation loss.
+    """
+
+    kinds = frozenset({"observed"})
+    needs = (MEAN,)
+
+    def __init__(
+        self,
+        *,
+        num_steps: int = 10,
+        diff_percent: float = 0.1,
+        increase_threshold_percent: float = 5.0,
+        match: str | Sequence[str] = "*loss*",
+        **selection: Any,
+    ):
+        super().__init__(match=match, **selection)
+        self.num_steps = num_steps
+        self.diff_percent = diff_percent
+        self.increase_threshold_percent = increase_threshold_percent
+
+    def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
+        value = t.get(MEAN)
+        if value is None or not math.isfinite(value):
+            return None
+        curve: _LossCurve = state.setdefault(t.name, _LossCurve())
+        if not curve.add(t.step, value):
+            return None
+        n = self.num_steps
+        del curve.done[: -2 * n]
+        if curve.completed % n or len(curve.done) < 2 * n:
+            return None
+        before, latest = curve.done[:n], curve.done[n:]
+        prev = sum(v for _, v in before) / n
+        cur = sum(v for _, v in latest) / n
+        if prev == 0:
+            return None
+        change = 100 * (cur - prev) / abs(prev)
+        means = (
+            f"mean {cur:.4g} over steps {latest[0][0]}-{latest[-1][0]} against {prev:.4g} over "
+            f"steps {before[0][0]}-{before[-1][0]}"
+        )
+        if change > self.increase_threshold_percent:
+            return Finding(
+                change,
+                self.increase_threshold_percent,
+                f"{t.name} went up {change:.3g}% over the last {n} steps ({means}, threshold "
+                f"{self.increase_threshold_percent:g}%); training is diverging: lower the "
+                "learning rate, or look for a bad batch or a bug in the data.",
+            )
+        decrease = -change
+        if decrease < self.diff_percent:
+            if decrease > 0:
+                what = f"decreased by only {decrease:.3g}%"
+            else:
+                what = f"did not decrease (it changed {change:+.3g}%)"
+            return Finding(
+                decrease,
+                self.diff_percent,
+                f"{t.name} {what} over the last {n} steps ({means}, expected at "
+                f"least {self.diff_percent:g}%); training has stalled: the learning rate may be "
+                "too low, or so high that the loss bounces, or the model has learned what it can.",
+            )
+        return None

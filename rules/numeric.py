@@ -1,0 +1,271 @@
+"""Rules on the values of any tensor: NaN, Inf and near-overflow, all zeros, and set bounds."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from tensordbg.rules.base import Finding, Rule
+
+from tensordbg.stats import (
+    ABS_MEAN,
+    FLOAT_MAX,
+    KINDS,
+    MAX,
+    MEAN,
+    MIN,
+    NAN,
+    ZERO_FRAC,
+    Stat,
+    TensorStats,
+    in_range_frac,
+)
+
+# Every kind but "update": a parameter's values are judged as the "param" kind already.
+VALUE_KINDS = frozenset(KINDS) - {"update"}
+# Dtypes narrow enough that a finite value close to the top of the range is already a warning.
+NARROW_FLOATS = frozenset(FLOAT_MAX) - {"float32", "float64"}
+
+
+class NaN(Rule):
+    """A NaN in any watched tensor: forward, backward, parameters, updates and observed values.
+
+    Defaults: MindInsight's "tensor overflow" and SageMaker's ExplodingTensor check NaN with no
+    threshold; so does this rule. The engine names as origin only the module that produced it.
+
+    Example: ``NaN(kinds={"grad", "update"})`` watches gradients and optimizer updates only.
+    """
+
+    kinds = VALUE_KINDS
+    needs = (MIN, MAX)
+    propagates = True
+
+    def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
+        if not t.has_nan:
+            return None
+        count = t.summary.nan if t.summary is not None else int(t.values.get(NAN, 1))
+        return Finding(
+            float(count),
+            None,
+            f"{t.name} holds {count} NaN among {t.numel} values; a NaN usually comes from 0/0, "
+            "log or sqrt of a negative or zero value, or an overflow just before.",
+        )
+
+
+class Overflow(Rule):
+    """An infinite value, or a float16/bfloat16/float8 value close to its dtype's largest.
+
+    Defaults: Inf as in MindInsight's "tensor overflow" and SageMaker's ExplodingTensor; for
+    narrow dtypes, tensordbg also warns before the overflow, at ``near`` = 0.5 of the dtype's
+    largest finite value (65504 for float16). float32 and float64 are judged on Inf only.
+
+    Example: ``Overflow(near=0.25)`` warns a float16 training at 16376 instead of 32752.
+    """
+
+    kinds = VALUE_KINDS
+    needs = (MIN, MAX)
+    propagates = True
+
+    def __init__(self, *, near: float = 0.5, **selection: Any):
+        super().__init__(**selection)
+        self.near = near
+
+    def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
+        if t.has_inf:
+            s = t.summary
+            count = s.posinf + s.neginf if s is not None else 1
+            signs = f" (+Inf×{s.posinf}, -Inf×{s.neginf})" if s is not None else ""
+            return Finding(
+                float(count),
+                None,
+                f"{t.name} holds {count} infinite values{signs} among {t.numel}; a value "
+                f"overflowed {t.dtype}: usually too high a learning rate, exp of a large input "
+                "or a division by a value near zero.",
+            )
+        if t.dtype not in NARROW_FLOATS:
+            return None
+        peak = t.abs_max
+        limit = self.near * FLOAT_MAX[t.dtype]
+        if peak is None or not peak >= limit:
+            return None
+        return Finding(
+            peak,
+            limit,
+            f"{t.name} reaches {peak:.3g}, {peak / FLOAT_MAX[t.dtype]:.0%} of the largest "
+            f"{t.dtype} {FLOAT_MAX[t.dtype]:.5g} (threshold {self.near:g} of it); it is about to "
+            "overflow: scale the loss down (GradScaler), normalise the inputs or run this "
+            "operation in float32.",
+        )
+
+
+# What an all-zero tensor usually means, by kind.
+_ZERO_MEANING = {
+    "grad": "no gradient reaches it: the parameter is not used in the loss, sits behind a "
+    "detached branch or behind dead units",
+    "param": "a layer of zeros passes nothing on: check its initialisation and weight decay",
+    "output": "the layer passes nothing on: dead units or a zero-initialised layer",
+}
+
+
+class AllZero(Rule):
+    """A tensor that is all zeros (or as close to it as ``threshold``, a fraction of elements).
+
+    Defaults: SageMaker's AllZero fires at 100 % zeros, MindInsight's "tensor all zero" at
+    ``zero_percentage_ge`` 100; ``threshold`` = 1.0 is the same.
+
+    Example: ``AllZero(threshold=0.99, kinds={"grad"})`` flags gradients that are 99 % zeros.
+    """
+
+    kinds = frozenset({"output", "param", "grad", "observed"})
+    needs = (ZERO_FRAC,)
+
+    def __init__(self, *, threshold: float = 1.0, **selection: Any):
+        super().__init__(**selection)
+        self.threshold = threshold
+
+    def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
+        frac = t.get(ZERO_FRAC)
+        if frac is None or not frac >= self.threshold:
+            return None
+        meaning = _ZERO_MEANING.get(t.kind, "check what produces it")
+        return Finding(
+            frac,
+            self.threshold,
+            f"{t.name} is {frac:.1%} zeros among {t.numel} values (threshold "
+            f"{self.threshold:.1%}); {meaning}.",
+        )
+
+
+# TensorRange's bounds in the order they are checked and reported: threshold name, statistic
+# label, comparison.
+_SIMPLE_BOUNDS = (
+    ("min_lt", MIN, "min", "<"),
+    ("max_gt", MAX, "max", ">"),
+    ("mean_lt", MEAN, "mean", "<"),
+    ("mean_gt", MEAN, "mean", ">"),
+    ("abs_mean_lt", ABS_MEAN, "mean |x|", "<"),
+    ("abs_mean_gt", ABS_MEAN, "mean |x|", ">"),
+)
+_PERCENT_BOUNDS = (("range_percentage_lt", "<"), ("range_percentage_gt", ">"))
+
+
+class TensorRange(Rule):
+    """Values outside bounds you set: min, max, mean, mean |x|, or the share within a range.
+
+    Defaults: none, as in MindInsight's "tensor too large / too small" and "activation range"
+    conditions, whose parameters these are; each set bound is checked on its own and the message
+    lists every one that fired. ``range_percentage_lt``/``_gt`` are percentages (0-100) of the
+    elements within [``range_lo``, ``range_hi``]; leave one end None for an open range.
+
+    Example: MindInsight's tanh saturation preset is
+    ``TensorRange(range_lo=math.tanh(-8.8), range_hi=math.tanh(8.8), range_percentage_lt=0.1)``.
+    """
+
+    kinds = VALUE_KINDS
+    propagates = True
+
+    def __init__(
+        self,
+        *,
+        min_lt: float | None = None,
+        max_gt: float | None = None,
+        mean_lt: float | None = None,
+        mean_gt: float | None = None,
+        abs_mean_lt: float | None = None,
+        abs_mean_gt: float | None = None,
+        range_lo: float | None = None,
+        range_hi: float | None = None,
+        range_percentage_lt: float | None = None,
+        range_percentage_gt: float | None = None,
+        **selection: Any,
+    ):
+        super().__init__(**selection)
+        self.min_lt = min_lt
+        self.max_gt = max_gt
+        self.mean_lt = mean_lt
+        self.mean_gt = mean_gt
+        self.abs_mean_lt = abs_mean_lt
+        self.abs_mean_gt = abs_mean_gt
+        self.range_lo = range_lo
+        self.range_hi = range_hi
+        self.range_percentage_lt = range_percentage_lt
+        self.range_percentage_gt = range_percentage_gt
+        _require_a_bound(self.params())
+
+    def set_params(self, **values: Any) -> None:
+        _require_a_bound({**self.params(), **values})
+        super().set_params(**values)
+
+    def _range(self) -> Stat | None:
+        if self.range_percentage_lt is None and self.range_percentage_gt is None:
+            return None
+        lo = -math.inf if self.range_lo is None else self.range_lo
+        hi = math.inf if self.range_hi is None else self.range_hi
+        return in_range_frac(lo, hi)
+
+    def stats_for(self, t: TensorStats) -> tuple[Stat, ...]:
+        wanted = [stat for key, stat, _, _ in _SIMPLE_BOUNDS if getattr(self, key) is not None]
+        in_range = self._range()
+        if in_range is not None:
+            wanted.append(in_range)
+        return tuple(dict.fromkeys(wanted))
+
+    def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
+        fired: list[tuple[float, float, str]] = []
+        for key, stat, label, op in _SIMPLE_BOUNDS:
+            bound, value = getattr(self, key), t.get(stat)
+            if bound is not None and value is not None and _crosses(value, op, bound):
+                fired.append((value, bound, f"{label} {value:.3g} {op} {bound:.3g}"))
+        in_range = self._range()
+        frac = t.get(in_range) if in_range is not None else None
+        if frac is not None:
+            lo, hi = in_range.params
+            for key, op in _PERCENT_BOUNDS:
+                bound = getattr(self, key)
+                if bound is not None and _crosses(100 * frac, op, bound):
+                    fired.append(
+                        (
+                            100 * frac,
+                            bound,
+                            f"{100 * frac:.3g}% of values within [{lo:.3g}, {hi:.3g}] {op} "
+                            f"{bound:.3g}%",
+                        )
+                    )
+        if not fired:
+            return None
+        value, bound, _ = fired[0]
+        return Finding(
+            value,
+            bound,
+            f"{t.name} is outside the bounds set for it: {', '.join(f[2] for f in fired)}; "
+            "look at what feeds it (unnormalised inputs, a drifting layer, a learning rate "
+            "too high).",
+        )
+
+
+def _crosses(value: float, op: str, bound: float) -> bool:
+    return value < bound if op == "<" else value > bound
+
+
+def _require_a_bound(params: Mapping[str, Any]) -> None:
+    """Refuse a TensorRange that could never fire, or whose range has no percentage bound."""
+    simple = [key for key, _, _, _ in _SIMPLE_BOUNDS]
+    percent = [key for key, _ in _PERCENT_BOUNDS]
+    has_percent = any(params[k] is not None for k in percent)
+    has_range = params["range_lo"] is not None or params["range_hi"] is not None
+    if has_percent and not has_range:
+        raise ValueError(
+            "TensorRange: range_percentage_lt/_gt need range_lo and/or range_hi, the range "
+            "whose share of values they bound"
+        )
+    if has_range and not has_percent:
+        raise ValueError(
+            "TensorRange: range_lo/range_hi need range_percentage_lt or range_percentage_gt, "
+            "the share of values within the range that should fire"
+        )
+    if not has_percent and all(params[k] is None for k in simple):
+        raise ValueError(
+            "TensorRange needs at least one bound, e.g. TensorRange(max_gt=1e4); choose among "
+            f"{', '.join(simple + percent)}"
+        )

@@ -1,0 +1,263 @@
+"""Rules on parameters and their optimizer updates: not changing, changing too much or too
+little, and a poor initialisation."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from tensordbg.rules.base import Finding, Rule
+
+from tensordbg.stats import (
+    MAX,
+    MIN,
+    PREV_ABS_MEAN,
+    STD,
+    UPDATE_ABS_MEAN,
+    Stat,
+    TensorStats,
+    update_unchanged,
+)
+
+
+class WeightNotChanging(Rule):
+    """A trainable parameter that the optimizer leaves unchanged for ``num_steps`` steps in a row.
+
+    Defaults: "unchanged" is MindInsight's "weight not changed" test, every element within
+    ``atol`` (1e-8) + ``rtol`` (1e-5) x |previous value|; the streak length ``num_steps`` = 3 is
+    SageMaker's UnchangedTensor. The rule fires once per streak and re-arms when the parameter
+    moves again; a step whose statistic was not computed neither extends nor breaks a streak.
+
+    Example: ``WeightNotChanging(num_steps=10, exclude="*.bias")`` tolerates longer pauses.
+    """
+
+    kinds = frozenset({"update"})
+
+    def __init__(
+        self, *, num_steps: int = 3, rtol: float = 1e-5, atol: float = 1e-8, **selection: Any
+    ):
+        super().__init__(**selection)
+        self.num_steps = num_steps
+        self.rtol = rtol
+        self.atol = atol
+
+    def stats_for(self, t: TensorStats) -> tuple[Stat, ...]:
+        return (update_unchanged(self.rtol, self.atol),)
+
+    def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
+        unchanged = t.get(update_unchanged(self.rtol, self.atol))
+        if not t.trainable or unchanged is None:
+            return None
+        # Per tensor: [length of the current streak, whether it has been reported].
+        streak = state.setdefault(t.name, [0, False])
+        if unchanged != 1.0:
+            streak[:] = [0, False]
+            return None
+        streak[0] += 1
+        if streak[1] or streak[0] < self.num_steps:
+            return None
+        streak[1] = True
+        return Finding(
+            float(streak[0]),
+            float(self.num_steps),
+            f"{t.name} has not changed for {streak[0]} optimizer steps (every element within "
+            f"{self.atol:.3g} + {self.rtol:.3g} x |value|, threshold {self.num_steps} steps); "
+            "it is not learning: its learning rate may be zero, it may be missing from the "
+            "optimizer's parameter groups, or its gradient is zero.",
+        )
+
+
+class WeightUpdateRatio(Rule):
+    """Optimizer steps that are too large or too small for the size of the parameter.
+
+    Defaults: SageMaker's WeightUpdateRatio, ratio = mean |w - w_prev| / (mean |w_prev| +
+    ``epsilon``) with ``large_threshold`` 10, ``small_threshold`` 1e-8 and ``epsilon`` 1e-9
+    (MindInsight's "weight change too large/small" uses the same ratio). A healthy ratio is
+    often around 1e-3.
+
+    Example: ``WeightUpdateRatio(large_threshold=1.0)`` uses MindInsight's recommended bound.
+    """
+
+    kinds = frozenset({"update"})
+    needs = (UPDATE_ABS_MEAN, PREV_ABS_MEAN)
+
+    def __init__(
+        self,
+        *,
+        large_threshold: float = 10.0,
+        small_threshold: float = 1e-8,
+        epsilon: float = 1e-9,
+        **selection: Any,
+    ):
+        super().__init__(**selection)
+        self.large_threshold = large_threshold
+        self.small_threshold = small_threshold
+        self.epsilon = epsilon
+
+    def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
+        update, before = t.get(UPDATE_ABS_MEAN), t.get(PREV_ABS_MEAN)
+        if not t.trainable or update is None or before is None:
+            return None
+        ratio = update / (before + self.epsilon)
+        if ratio > self.large_threshold:
+            return Finding(
+                ratio,
+                self.large_threshold,
+                f"{t.name} moved by {ratio:.3g}x its own mean magnitude in one optimizer step "
+                f"(mean |update| {update:.3g}, mean |value| {before:.3g}, threshold "
+                f"{self.large_threshold:g}x); steps this large undo what the layer learned: "
+                "lower the learning rate or add a warmup.",
+            )
+        if ratio < self.small_threshold:
+            return Finding(
+                ratio,
+                self.small_threshold,
+                f"{t.name} moved by only {ratio:.3g} of its own mean magnitude in one optimizer "
+                f"step (mean |update| {update:.3g}, mean |value| {before:.3g}, threshold "
+                f"{self.small_threshold:.3g}); it barely learns: its learning rate may be too "
+                "low, or its gradient vanishes.",
+            )
+        return None
+
+
+# Weight-bearing layers whose initialisation is comparable across a network.
+WEIGHTED_LAYERS = (
+    "Linear",
+    "Bilinear",
+    "Conv1d",
+    "Conv2d",
+    "Conv3d",
+    "ConvTranspose1d",
+    "ConvTranspose2d",
+    "ConvTranspose3d",
+)
+
+
+class PoorInitialization(Rule):
+    """Weight matrices that start constant, out of scale with the other layers, or out of bounds.
+
+    Defaults: SageMaker's PoorWeightInitialization and MindInsight's "weight initialization",
+    judged once, on step 0, over the weights of Linear, Conv, ConvTranspose and Bilinear layers:
+
+    - a constant weight (all zeros included): its units stay identical forever;
+    - the spread across layers: SageMaker's PoorWeightInitialization fires when the ratio of
+      largest to smallest layer variance exceeds ``variance_ratio`` = 10. A plain variance
+      ratio flags PyTorch's own default initialisation of networks whose layers differ in
+      width (in a ResNet, the 7x7 stem over 3 channels starts with 31x the variance of a 3x3
+      convolution over 512), because standard initialisations scale the variance by 1 / fan-in.
+      So each layer's variance is first multiplied by its fan-in (numel / shape[0], PyTorch's
+      own definition): PyTorch's default init gives 1/3 for every layer, LeCun 1, Kaiming 2,
+      Xavier between 0 and 2. The layer farthest from the median (in log space) is named.
+      Initialisations scaled by fan-out (torchvision's ResNet) can still spread past 10x at a
+      3-channel stem: raise ``variance_ratio`` for those;
+    - MindInsight's optional bounds ``max_gt`` and ``min_lt`` on the initial values.
+
+    Example: ``PoorInitialization(variance_ratio=100.0, max_gt=1.0)``.
+    """
+
+    kinds = frozenset({"param"})
+    needs = (STD, MIN, MAX)
+
+    def __init__(
+        self,
+        *,
+        variance_ratio: float = 10.0,
+        max_gt: float | None = None,
+        min_lt: float | None = None,
+        **selection: Any,
+    ):
+        super().__init__(**selection)
+        self.variance_ratio = variance_ratio
+        self.max_gt = max_gt
+        self.min_lt = min_lt
+
+    def check_phase(
+        self, tensors: Sequence[TensorStats], state: dict[str, Any]
+    ) -> list[tuple[TensorStats, Finding]]:
+        # Judged once per tensor, should the engine hand over step 0's parameters twice.
+        judged: set[str] = state.setdefault("judged", set())
+        weights = [t for t in tensors if t.name not in judged and _compared(t)]
+        judged.update(t.name for t in weights)
+        found = [(t, f) for t in weights if (f := self._alone(t)) is not None]
+        # Variance x fan-in of each non-constant weight; constant ones were reported above.
+        scaled = [
+            (t, std * std * _fan_in(t))
+            for t in weights
+            if (std := t.get(STD)) is not None and math.isfinite(std) and std > 0
+        ]
+        if len(scaled) < 2:
+            return found
+        values = [v for _, v in scaled]
+        ratio = max(values) / min(values)
+        if not ratio > self.variance_ratio:
+            return found
+        middle = statistics.median(math.log(v) for v in values)
+        t, v = max(scaled, key=lambda item: abs(math.log(item[1]) - middle))
+        typical = math.exp(middle)
+        effect = "activations and gradients grow" if v > typical else "signals fade"
+        found.append(
+            (
+                t,
+                Finding(
+                    ratio,
+                    self.variance_ratio,
+                    f"{t.name} starts with variance x fan-in {v:.3g}, {v / typical:.3g}x the "
+                    f"median {typical:.3g} of {len(values)} layers (spread {ratio:.3g}x, "
+                    f"threshold {self.variance_ratio:g}x); {effect} through this layer: "
+                    "re-initialise it like the others (its module's reset_parameters(), or "
+                    "torch.nn.init.kaiming_normal_).",
+                ),
+            )
+        )
+        return found
+
+    def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
+        """The part of the verdict that needs no other layer: constant weights and bounds."""
+        return self._alone(t) if _compared(t) else None
+
+    def _alone(self, t: TensorStats) -> Finding | None:
+        """A constant weight, or one out of the bounds set: judged without the other layers."""
+        std, lo, hi = t.get(STD), t.get(MIN), t.get(MAX)
+        if std == 0 and lo is not None:
+            what = "all zeros" if lo == 0 else f"constant at {lo:.3g}"
+            return Finding(
+                std,
+                0.0,
+                f"{t.name} is {what} at initialisation; its units compute the same thing and "
+                "get the same gradient, so they never become different: initialise it "
+                "randomly (its module's reset_parameters(), or torch.nn.init.kaiming_normal_).",
+            )
+        if self.max_gt is not None and hi is not None and hi > self.max_gt:
+            return Finding(
+                hi,
+                self.max_gt,
+                f"{t.name} starts with values up to {hi:.3g}, above {self.max_gt:.3g}; check "
+                "its initialisation scale.",
+            )
+        if self.min_lt is not None and lo is not None and lo < self.min_lt:
+            return Finding(
+                lo,
+                self.min_lt,
+                f"{t.name} starts with values down to {lo:.3g}, below {self.min_lt:.3g}; check "
+                "its initialisation scale.",
+            )
+        return None
+
+
+def _compared(t: TensorStats) -> bool:
+    """Whether ``t`` is a step-0 weight matrix of a layer whose initialisation is judged."""
+    return (
+        t.step == 0
+        and t.module_type in WEIGHTED_LAYERS
+        and len(t.shape) >= 2
+        and t.name.endswith("weight")
+    )
+
+
+def _fan_in(t: TensorStats) -> int:
+    # Bilinear's default init scales by in1_features alone (weight is out x in1 x in2).
+    if t.module_type == "Bilinear":
+        return t.shape[1]
+    return t.numel // t.shape[0]

@@ -1,0 +1,450 @@
+"""Hooks that capture a training's tensors: the first stage of tensordbg's pipeline.
+
+What is hooked, and why this way (see reference.md, "Hook pitfalls"):
+
+- Forward: a pre-hook and an always-called post-hook (with kwargs) on every selected module. The
+  root's inputs and every module's outputs are watched, through any nesting of tuples, lists,
+  dicts and dataclasses; each module call gets a :class:`Call` in a per-forward call tree, which
+  is what lets the engine tell the module that produced a bad value from those that passed it on.
+- Backward: ``Tensor.register_hook`` on module outputs and inputs, installed from the forward
+  hooks. ``register_full_backward_hook`` is not used: it breaks on in-place ops such as
+  ``ReLU(inplace=True)``. A hook registered before an in-place op sees the gradient of the value
+  before it, so a tensor modified in place gets one record per version.
+- Parameter gradients: ``register_post_accumulate_grad_hook`` (``param.grad`` is final there).
+- The end of a backward pass: a callback queued on the autograd engine from the first hook.
+- Optimizer: step pre- and post-hooks (in the session).
+
+Everything a hook learns becomes a :class:`Record` handed to the session, which computes the
+statistics and judges them. A forward that runs again inside backward (activation checkpointing
+recomputes it) is skipped, so nothing is counted twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from functools import partial
+from pathlib import Path
+from types import CodeType
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from tensordbg.stats import TensorStats
+from tensordbg.stats_torch import dtype_name, watchable
+
+if TYPE_CHECKING:
+    from tensordbg.session import Session
+
+MAX_NESTING = 6
+MAX_LEAVES = 256
+
+_TORCH_DIR = str(Path(torch.__file__).parent)
+_OWN_DIR = str(Path(__file__).parent)
+
+
+@dataclass(eq=False, slots=True)
+class Call:
+    """One call of a module within one root forward."""
+
+    path: str
+    module_type: str
+    index: int
+    parent: Call | None
+    depth: int
+    params: tuple[str, ...] = ()
+    inputs: list[tuple[str, Record]] = field(default_factory=list)
+    outputs: list[tuple[str, Record]] = field(default_factory=list)
+    children: list[Call] = field(default_factory=list)
+    site: tuple[CodeType, int] | None = None
+    # Origin bookkeeping, by rule id (see tensordbg.origin).
+    fired_in: set[int] = field(default_factory=set)
+    fired_out: set[int] = field(default_factory=set)
+    origin_below: set[int] = field(default_factory=set)
+    fired_grad_out: set[int] = field(default_factory=set)
+    grad_origin_below: set[int] = field(default_factory=set)
+
+    @property
+    def base(self) -> str:
+        """The call's prefix in tensor names: ``layers.0.fc`` or ``layers.0.fc#1`` for a second
+        call of a shared module; ``""`` for the root's first call."""
+        if self.index:
+            return f"{self.path}#{self.index}"
+        return self.path
+
+    def ancestors(self) -> Iterator[Call]:
+        call = self.parent
+        while call is not None:
+            yield call
+            call = call.parent
+
+
+@dataclass(eq=False, slots=True)
+class Record:
+    """One watched tensor (one version of it) within a phase: its statistics and, while the
+    phase is open or paused, the tensor itself."""
+
+    stats: TensorStats
+    tensor: torch.Tensor | None
+    version: int
+    nbytes: int
+    suffix: str = ""
+    producer: Call | None = None
+    passed_up: list[Call] = field(default_factory=list)
+    consumers: list[Call] = field(default_factory=list)
+    grad_of: Record | None = None
+    param: str = ""
+    hidden: bool = False
+    rule_ids: tuple[int, ...] = ()
+    slot: int = -1
+    findings: dict[int, Any] = field(default_factory=dict)
+    conditions: set[int] = field(default_factory=set)
+    grad_hooked: bool = False
+    weak: weakref.ref[torch.Tensor] | None = None
+
+
+def tensor_leaves(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """Every tensor in a nested output, with its path: ``(output, (h, c))`` gives
+    ``[("[0]", output), ("[1][0]", h), ("[1][1]", c)]``; dicts and dataclasses (e.g. Hugging Face
+    ``ModelOutput``) by key: ``".logits"``."""
+    if isinstance(obj, torch.Tensor):
+        return [(prefix, obj)]
+    out: list[tuple[str, torch.Tensor]] = []
+    _collect(obj, prefix, 0, out)
+    return out
+
+
+def _collect(obj: Any, prefix: str, depth: int, out: list[tuple[str, torch.Tensor]]) -> None:
+    if len(out) >= MAX_LEAVES:
+        return
+    if isinstance(obj, torch.Tensor):
+        out.append((prefix, obj))
+        return
+    if depth >= MAX_NESTING or isinstance(obj, (str, bytes, int, float, bool)) or obj is None:
+        return
+    if isinstance(obj, Mapping):
+        for key, value in obj.items():
+            _collect(value, f"{prefix}{_key(key)}", depth + 1, out)
+    elif isinstance(obj, (tuple, list)):
+        fields = getattr(obj, "_fields", None)  # namedtuple: name the fields
+        for i, value in enumerate(obj):
+            part = f".{fields[i]}" if fields else f"[{i}]"
+            _collect(value, f"{prefix}{part}", depth + 1, out)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _collect(getattr(obj, f.name, None), f"{prefix}.{f.name}", depth + 1, out)
+
+
+def _key(key: Any) -> str:
+    return f".{key}" if isinstance(key, str) and key.isidentifier() else f"[{key!r}]"
+
+
+def user_site(frame: Any) -> tuple[CodeType, int] | None:
+    """The first frame outside torch and tensordbg: the user's line that called the module."""
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not (filename.startswith(_TORCH_DIR) or filename.startswith(_OWN_DIR)):
+            return frame.f_code, frame.f_lineno
+        frame = frame.f_back
+    return None
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass on this thread (a checkpointed
+    forward being recomputed, for instance)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class Capture:
+    """Installs the hooks on a model and turns what they see into records for the session."""
+
+    def __init__(
+        self,
+        session: Session,
+        model: torch.nn.Module,
+        include: tuple[str, ...],
+        exclude: tuple[str, ...],
+    ):
+        self.session = session
+        self.model = model
+        self.handles: list[RemovableHandle] = []
+        self.paths: dict[int, str] = {}
+        self.types: dict[int, str] = {}
+        self.direct_params: dict[int, tuple[str, ...]] = {}
+        for path, module in model.named_modules():
+            if path and not _selected(path, include, exclude):
+                continue
+            self.paths[id(module)] = path
+            self.types[id(module)] = type(module).__name__
+            self.direct_params[id(module)] = tuple(
+                f"{path}.{n}" if path else n for n, _ in module.named_parameters(recurse=False)
+            )
+        self.stack: list[Call] = []
+        self.root: Call | None = None
+        self.calls_by_path: dict[str, list[Call]] = {}
+        self._counts: dict[int, int] = {}
+        self._seen: dict[int, Record] = {}
+        self._skipping = 0
+
+    # --- installation ----------------------------------------------------------------------
+
+    def install(self) -> None:
+        for module in self.model.modules():
+            if id(module) not in self.paths:
+                continue
+            self.handles.append(
+                module.register_forward_pre_hook(self._on_enter, with_kwargs=True)
+            )
+            self.handles.append(
+                module.register_forward_hook(self._on_exit, with_kwargs=True, always_call=True)
+            )
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the call tree of the last forward (nothing is kept across steps)."""
+        self.stack.clear()
+        self.root = None
+        self.calls_by_path = {}
+        self._counts.clear()
+        self._seen.clear()
+        self._skipping = 0
+
+    # --- forward -------------------------------------------------------------------------------
+
+    # torch.compile must not trace the hooks (they keep Python state): it runs them eagerly, at a
+    # graph break around each watched module.
+    @torch.compiler.disable
+    def _on_enter(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        session = self.session
+        if session.broken:
+            return
+        try:
+            if self._skipping or (not self.stack and in_backward()):
+                # A forward recomputed during backward (activation checkpointing): skip it all.
+                self._skipping += 1
+                return
+            key = id(module)
+            is_root = not self.stack
+            if is_root:
+                session.begin_forward()
+                self.reset()
+            index = self._counts.get(key, 0)
+            self._counts[key] = index + 1
+            parent = self.stack[-1] if self.stack else None
+            call = Call(
+                path=self.paths[key],
+                module_type=self.types[key],
+                index=index,
+                parent=parent,
+                depth=0 if parent is None else parent.depth + 1,
+                params=self.direct_params[key],
+                site=user_site(sys._getframe(1)),
+            )
+            if parent is not None:
+                parent.children.append(call)
+            else:
+                self.root = call
+            self.calls_by_path.setdefault(call.path, []).append(call)
+            self.stack.append(call)
+            leaves = tensor_leaves(args, "")
+            if kwargs:
+                leaves += tensor_leaves(kwargs, "")
+            for suffix, t in leaves:
+                if not watchable(t):
+                    continue
+                record = self._known(t)
+                if record is None:
+                    kind = "input"
+                    record = self._new_record(t, call, kind, suffix, hidden=not is_root)
+                    self._remember(t, record)
+                    session.collect(record, t)
+                record.consumers.append(call)
+                call.inputs.append((suffix, record))
+                self._hook_grad(t, record)
+            session.enter(call)
+        except Exception as e:
+            if isinstance(e, session.passthrough):
+                raise
+            session.internal_error(e)
+
+    @torch.compiler.disable
+    def _on_exit(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        session = self.session
+        if session.broken:
+            return
+        if self._skipping:
+            self._skipping -= 1
+            return
+        if not self.stack:
+            return
+        call = self.stack.pop()
+        try:
+            if output is not None:
+                for suffix, t in tensor_leaves(output, ""):
+                    if not watchable(t):
+                        continue
+                    record = self._known(t)
+                    if record is None:
+                        record = self._new_record(t, call, "output", suffix)
+                        record.producer = call
+                        self._remember(t, record)
+                        session.collect(record, t)
+                    elif record.producer is not None and record.producer is not call:
+                        record.passed_up.append(call)
+                    call.outputs.append((suffix, record))
+                    self._hook_grad(t, record)
+            session.exit(call)
+            if not self.stack:
+                session.end_forward(call)
+        except Exception as e:
+            if isinstance(e, session.passthrough):
+                raise
+            session.internal_error(e)
+
+    # --- records --------------------------------------------------------------------------------
+
+    def _known(self, t: torch.Tensor) -> Record | None:
+        """The record of this very tensor at this very version, if it was seen in this forward."""
+        record = self._seen.get(id(t))
+        if record is None or record.weak is None or record.weak() is not t:
+            return None
+        if record.version != t._version:
+            return None
+        return record
+
+    def _remember(self, t: torch.Tensor, record: Record) -> None:
+        record.weak = weakref.ref(t)
+        self._seen[id(t)] = record
+
+    def _new_record(
+        self, t: torch.Tensor, call: Call, kind: str, suffix: str, hidden: bool = False
+    ) -> Record:
+        base = call.base
+        name = f"{base}.{kind}{suffix}" if base else f"{kind}{suffix}"
+        stats = TensorStats(
+            name=name,
+            module=call.path,
+            kind=kind,
+            phase="forward",
+            step=self.session.step,
+            shape=tuple(t.shape),
+            dtype=dtype_name(t.dtype),
+            module_type=call.module_type,
+            call=call.index,
+        )
+        return Record(
+            stats=stats,
+            tensor=None,
+            version=t._version,
+            nbytes=t.numel() * t.element_size(),
+            suffix=suffix,
+            hidden=hidden,
+        )
+
+    # --- backward -------------------------------------------------------------------------------
+
+    def _hook_grad(self, t: torch.Tensor, record: Record) -> None:
+        if record.grad_hooked or not t.requires_grad or not torch.is_grad_enabled():
+            return
+        record.grad_hooked = True
+        t.register_hook(partial(self._on_grad, record))
+
+    @torch.compiler.disable
+    def _on_grad(self, forward: Record, grad: torch.Tensor) -> None:
+        session = self.session
+        if session.broken or not watchable(grad):
+            return None
+        try:
+            session.begin_backward()
+            producer = forward.producer
+            if producer is not None:
+                base, kind, module, call = producer.base, "grad_output", producer, producer
+            else:
+                call = forward.consumers[0] if forward.consumers else None
+                base = call.base if call else ""
+                kind, module = "grad_input", call
+            name = f"{base}.{kind}{forward.suffix}" if base else f"{kind}{forward.suffix}"
+            stats = TensorStats(
+                name=name,
+                module=module.path if module else "",
+                kind=kind,
+                phase="backward",
+                step=session.step,
+                shape=tuple(grad.shape),
+                dtype=dtype_name(grad.dtype),
+                module_type=module.module_type if module else "",
+                call=call.index if call else 0,
+            )
+            record = Record(
+                stats=stats,
+                tensor=None,
+                version=grad._version,
+                nbytes=grad.numel() * grad.element_size(),
+                suffix=forward.suffix,
+                grad_of=forward,
+            )
+            session.collect(record, grad)
+            session.grad(record)
+        except Exception as e:
+            if isinstance(e, session.passthrough):
+                raise
+            session.internal_error(e)
+        return None
+
+
+def _selected(path: str, include: tuple[str, ...], exclude: tuple[str, ...]) -> bool:
+    if include and not any(fnmatchcase(path, p) for p in include):
+        return False
+    return not any(fnmatchcase(path, p) for p in exclude)
+
+
+def param_hook(
+    session: Session, name: str, owner: str, owner_type: str
+) -> Callable[[torch.Tensor], None]:
+    """A post-accumulate-grad hook that records the parameter's gradient."""
+
+    @torch.compiler.disable
+    def hook(param: torch.Tensor) -> None:
+        if session.broken:
+            return
+        try:
+            grad = param.grad
+            if grad is None or not watchable(grad):
+                return
+            session.begin_backward()
+            stats = TensorStats(
+                name=f"{name}.grad",
+                module=owner,
+                kind="grad",
+                phase="backward",
+                step=session.step,
+                shape=tuple(grad.shape),
+                dtype=dtype_name(grad.dtype),
+                module_type=owner_type,
+                trainable=True,
+            )
+            record = Record(
+                stats=stats,
+                tensor=None,
+                version=grad._version,
+                nbytes=grad.numel() * grad.element_size(),
+                param=name,
+            )
+            session.collect(record, grad)
+            session.grad(record)
+        except Exception as e:
+            if isinstance(e, session.passthrough):
+                raise
+            session.internal_error(e)
+
+    return hook

@@ -1,0 +1,181 @@
+"""Pause control: the training thread waits here; other threads (the server, a test) drive it.
+
+The training thread calls :meth:`PauseController.block` where it stops and
+:meth:`PauseController.wants_pause` at step boundaries; everything else is called from other
+threads. While paused, other threads can run work on the training thread with
+:meth:`PauseController.run_on_training_thread` (slices and statistics of retained tensors are
+computed there, where the tensors and their CUDA stream live).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from tensordbg.hit import Hit
+
+T = TypeVar("T")
+
+RUNNING, PAUSED, DETACHED = "running", "paused", "detached"
+# How the training goes on after a resume: to the next new origin hit, to any next hit, or for a
+# number of steps.
+CONTINUE, NEXT, STEP = "continue", "next", "step"
+
+
+class NotPaused(RuntimeError):
+    """Work that needs the training thread was asked for while the training runs."""
+
+
+class PauseController:
+    """Whether the training runs or waits, and what it waits for.
+
+    >>> session = tensordbg.attach(model, on_hit="pause")
+    >>> # from another thread, once a hit paused the training:
+    >>> session.controller.resume()          # like pdb's c
+    >>> session.controller.resume("step", 3) # run three more training steps, then pause
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._jobs: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        self.state = RUNNING
+        self.mode = CONTINUE
+        self.steps_left = 0
+        self.pause_requested = False
+        self.paused_at: Hit | None = None
+        self.reason = ""
+        self.listeners: list[Callable[[str], None]] = []
+
+    # --- training thread -----------------------------------------------------------------
+
+    def should_pause(self, hit: Hit, repeated: bool) -> bool:
+        """Whether this hit pauses the training: in ``continue`` mode a new origin hit does (one
+        that also fired on the same tensor in the step before is a repeat); in ``next`` mode any
+        hit does."""
+        if self.state == DETACHED:
+            return False
+        if self.mode == NEXT:
+            return True
+        return hit.origin and not repeated
+
+    def wants_pause(self, completed_step: bool) -> str | None:
+        """At a step boundary (or a phase boundary with ``completed_step`` False): the reason to
+        pause there, if any: a pause was asked for, or the steps to run are done."""
+        with self._cond:
+            if self.state == DETACHED:
+                return None
+            if self.pause_requested:
+                return "paused on request"
+            if completed_step and self.mode == STEP:
+                self.steps_left -= 1
+                if self.steps_left <= 0:
+                    return "stepped"
+        return None
+
+    def block(self, reason: str, hit: Hit | None = None, timeout: float | None = None) -> None:
+        """Wait until resumed, running the work other threads hand over meanwhile.
+
+        ``timeout`` (seconds) resumes by itself; None waits for a resume or a detach.
+        """
+        with self._cond:
+            if self.state == DETACHED:
+                return
+            self.state, self.reason, self.paused_at = PAUSED, reason, hit
+            self.pause_requested = False
+        self._notify(PAUSED)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._cond:
+                while self.state == PAUSED and not self._jobs:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        self.state, self.mode = RUNNING, CONTINUE
+                        break
+                    self._cond.wait(remaining if remaining is not None else 1.0)
+                if self.state != PAUSED:
+                    self.paused_at = None
+                    break
+                fn, future = self._jobs.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:  # handed back to the thread that asked
+                    future.set_exception(e)
+        self._fail_pending_jobs()
+        self._notify(self.state)
+
+    # --- other threads -------------------------------------------------------------------
+
+    def resume(self, mode: str = CONTINUE, steps: int = 1) -> None:
+        """Let the training go on: ``continue`` to the next new origin hit, ``next`` to any next
+        hit, ``step`` for ``steps`` training steps."""
+        if mode not in (CONTINUE, NEXT, STEP):
+            raise ValueError(f"resume mode is continue, next or step, not {mode!r}")
+        with self._cond:
+            if self.state == DETACHED:
+                return
+            self.mode = mode
+            self.steps_left = max(1, int(steps)) if mode == STEP else 0
+            self.pause_requested = False
+            was_paused = self.state == PAUSED
+            self.state = RUNNING
+            self._cond.notify_all()
+        if not was_paused:
+            self._notify(RUNNING)
+
+    def request_pause(self) -> None:
+        """Pause at the next place the training can stop (a hook or a phase boundary)."""
+        with self._cond:
+            if self.state == RUNNING:
+                self.pause_requested = True
+
+    def detach(self) -> None:
+        """Stop pausing for good and let a waiting training go on."""
+        with self._cond:
+            was_paused = self.state == PAUSED
+            self.state = DETACHED
+            self.pause_requested = False
+            self._cond.notify_all()
+        if not was_paused:
+            self._notify(DETACHED)
+
+    def run_on_training_thread(self, fn: Callable[[], T], timeout: float = 60.0) -> T:
+        """Run ``fn`` on the paused training thread and return its result.
+
+        Raises :class:`NotPaused` when the training is not paused, so a request that needs
+        tensors never races with the training.
+        """
+        if threading.current_thread() is self._owner():
+            return fn()
+        future: Future[T] = Future()
+        with self._cond:
+            if self.state != PAUSED:
+                raise NotPaused("the training is running: pause it to inspect tensors")
+            self._jobs.append((fn, future))
+            self._cond.notify_all()
+        return future.result(timeout=timeout)
+
+    # --- internals -------------------------------------------------------------------------
+
+    _training_thread: threading.Thread | None = None
+
+    def _owner(self) -> threading.Thread | None:
+        return self._training_thread
+
+    def _fail_pending_jobs(self) -> None:
+        with self._cond:
+            jobs, self._jobs = list(self._jobs), deque()
+        for _, future in jobs:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(NotPaused("the training resumed before this request ran"))
+
+    def _notify(self, state: str) -> None:
+        for listener in list(self.listeners):
+            # A listener's fault must not stop the training.
+            with contextlib.suppress(Exception):
+                listener(state)

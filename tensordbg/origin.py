@@ -1,0 +1,113 @@
+"""Origin: name the module that produced a bad value, not every module that passed it on.
+
+A NaN made in one layer turns every later activation, the loss and every gradient into NaN. A
+check on each module flags them all; what a person needs is the first producer. For rules whose
+condition flows with the value (``Rule.propagates``), records are classified in execution order
+using the call tree of the forward:
+
+- Forward: a call is the origin of a condition when its output shows it while none of its tensor
+  inputs nor its own parameters did, and no call inside it was already the origin. The root's
+  inputs showing it are the origin (a NaN in the batch). A value computed by the module's own code
+  between its submodules makes that module the origin.
+- Backward: a call is the origin when the gradient of one of its inputs (or of one of its own
+  parameters) shows the condition while the gradient of its outputs did not, and no call inside
+  it already was the origin (``sqrt(x * x)`` at x = 0: a finite forward, a NaN backward).
+- The gradient of the model's output is the origin when the observed loss was finite.
+
+The conditions followed are non-finiteness (whatever rule reported it: a NaN gradient is also an
+exploding one) and the findings of rules that propagate; a rule that does not propagate (a
+vanishing gradient, a weight that does not change) is an origin wherever it fires. These
+functions only read and mark the call tree; the session makes hits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tensordbg.capture import Call, Record
+
+NONFINITE = -1
+"""The condition "holds NaN or Inf", followed whatever rule reported it (rule ids are >= 0)."""
+
+
+def enter(call: Call) -> None:
+    """At a call's start: remember which conditions its inputs already showed."""
+    for _, record in call.inputs:
+        call.fired_in.update(record.conditions)
+
+
+def exit(call: Call, params_fired: set[int]) -> dict[tuple[int, int], bool]:
+    """At a call's end: for each output record and condition it shows, whether this call is where
+    it originated, keyed by ``(id(record), condition)``."""
+    verdicts = {}
+    for _, record in call.outputs:
+        for condition in record.conditions:
+            call.fired_out.add(condition)
+            origin = (
+                condition not in call.fired_in
+                and condition not in call.origin_below
+                and condition not in params_fired
+            )
+            if origin:
+                _mark(call, condition, below=True)
+            verdicts[id(record), condition] = origin
+    return verdicts
+
+
+def grad(record: Record, loss_fired: set[int]) -> dict[int, tuple[Call | None, str, bool]]:
+    """For the gradient of a forward tensor, per condition: ``(call, kind, origin)`` naming where
+    it is reported: the innermost consumer whose backward made it (``grad_input``, origin), else
+    the producer whose output gradient it is (``grad_output``)."""
+    forward = record.grad_of
+    assert forward is not None
+    producer = forward.producer
+    consumers = sorted(forward.consumers, key=lambda c: -c.depth)
+    out: dict[int, tuple[Call | None, str, bool]] = {}
+    for condition in record.conditions:
+        if producer is not None:
+            producer.fired_grad_out.add(condition)
+            for call in forward.passed_up:
+                call.fired_grad_out.add(condition)
+        reported: tuple[Call | None, str, bool] | None = None
+        for call in consumers:
+            if condition in call.fired_grad_out or condition in call.grad_origin_below:
+                continue
+            _mark(call, condition, below=False)
+            if reported is None:
+                reported = (call, "grad_input", True)
+        if reported is None:
+            if producer is not None:
+                # The model output's gradient comes from the loss: made there if it was clean.
+                model_output = producer.parent is None or any(
+                    c.parent is None for c in forward.passed_up
+                )
+                origin = model_output and condition not in loss_fired
+                if origin:
+                    _mark(producer, condition, below=False)
+                reported = (producer, "grad_output", origin)
+            else:
+                reported = (consumers[0] if consumers else None, "grad_input", False)
+        out[condition] = reported
+    return out
+
+
+def param_grad(record: Record, owner_calls: Iterable[Call]) -> dict[int, bool]:
+    """For a parameter's gradient, per condition: whether it was made here (the gradient of the
+    owning module's outputs did not show it)."""
+    calls = list(owner_calls)
+    verdicts = {}
+    for condition in record.conditions:
+        origin = not any(condition in c.fired_grad_out for c in calls)
+        if origin:
+            for call in calls:
+                _mark(call, condition, below=False)
+        verdicts[condition] = origin
+    return verdicts
+
+
+def _mark(call: Call, condition: int, below: bool) -> None:
+    """Record that ``call`` (and so each call around it) has an origin of this condition inside."""
+    target = "origin_below" if below else "grad_origin_below"
+    getattr(call, target).add(condition)
+    for ancestor in call.ancestors():
+        getattr(ancestor, target).add(condition)

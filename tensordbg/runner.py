@@ -1,0 +1,109 @@
+"""``tensordbg run script.py``: debug a training script without changing it, like ``pdb``.
+
+Global hooks find the training: the first module with trainable parameters that is called is the
+model (tensordbg attaches to it as ``attach()`` would), the first optimizer that steps is watched,
+and a scalar on which ``.backward()`` is called is observed as the loss. The global module hook
+is removed as soon as the model is found, so the rest of the run pays only for the model's own
+hooks.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from tensordbg.rules import Rule
+from tensordbg.session import Session, _attached, attach
+
+
+class ScriptRun:
+    """Finds the model, the optimizer and the loss of a script as it runs."""
+
+    def __init__(self, rules: Sequence[Rule] | None, **attach_args: Any):
+        self.rules = rules
+        self.attach_args = attach_args
+        self.session: Session | None = None
+        self._module_hook: Any = None
+        self._optimizer_hook: Any = None
+        self._backward = torch.Tensor.backward
+
+    def install(self) -> None:
+        self._module_hook = register_module_forward_pre_hook(self._on_module)
+        self._optimizer_hook = register_optimizer_step_pre_hook(self._on_optimizer)
+        run = self
+        original = self._backward
+
+        def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if run.session is not None and tensor.numel() == 1:
+                run.session.observe("loss", tensor)
+            return original(tensor, *args, **kwargs)
+
+        torch.Tensor.backward = backward  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        torch.Tensor.backward = self._backward  # type: ignore[method-assign]
+        for handle in (self._module_hook, self._optimizer_hook):
+            if handle is not None:
+                handle.remove()
+        self._module_hook = self._optimizer_hook = None
+        if self.session is not None:
+            self.session.detach()
+
+    def _on_module(self, module: torch.nn.Module, args: tuple) -> None:
+        if self.session is not None or not any(p.requires_grad for p in module.parameters()):
+            return
+        self._module_hook.remove()
+        self._module_hook = None
+        if module in _attached:  # the script attaches tensordbg itself: let it
+            print("tensordbg run: the script attaches tensordbg itself", file=sys.stderr)
+            return
+        self.session = attach(module, rules=self.rules, **self.attach_args)
+        # This very call began before the model's own hooks existed: enter it by hand.
+        self.session.capture._on_enter(module, args, {})
+        print(
+            f"tensordbg: watching {type(module).__name__} "
+            f"({sum(p.numel() for p in module.parameters()):,} parameters), "
+            f"run {self.session.run_id}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _on_optimizer(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        session = self.session
+        if session is None or optimizer in session.optimizers:
+            return
+        model_params = {id(p) for p in session.model.parameters()}
+        if any(id(p) in model_params for g in optimizer.param_groups for p in g["params"]):
+            session.attach_optimizer(optimizer)  # its pre-hook runs for this very step too
+
+
+def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = None,
+               **attach_args: Any) -> int:  # fmt: skip
+    """Run ``script`` as ``__main__`` with ``args``, watched by tensordbg; returns its exit code.
+
+    >>> run_script("train.py", ["--epochs", "1"], on_hit="raise")
+    """
+    if not os.path.isfile(script):
+        print(f"tensordbg run: no such script: {script}", file=sys.stderr)
+        return 2
+    run = ScriptRun(rules, **attach_args)
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    run.install()
+    try:
+        runpy.run_path(script, run_name="__main__")
+        return 0
+    except SystemExit as e:
+        code = e.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    finally:
+        run.remove()
+        sys.argv, sys.path[:] = saved_argv, saved_path

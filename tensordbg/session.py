@@ -1,0 +1,1314 @@
+"""The debugging session: ``tensordbg.attach()``, statistics, judging, hits and pausing.
+
+The hooks in :mod:`tensordbg.capture` hand the session one :class:`~tensordbg.capture.Record` per
+watched tensor. The session asks the active rules which statistics they need, computes only those
+next to the tensor (:mod:`tensordbg.stats_torch`), judges them with the rules, names the origin
+(:mod:`tensordbg.origin`), records hits and pauses the training (:mod:`tensordbg.control`).
+
+Two ways to check (``sync``):
+
+- ``"eager"``: statistics are read at once, in the hook that saw the tensor, so a hit stops the
+  training at that very tensor. On the CPU this costs nothing extra; on CUDA it synchronizes per
+  tensor.
+- ``"batched"``: statistics stay on the device until the end of the phase (forward, backward,
+  optimizer step) and come to the host in one transfer: one synchronization per phase. Hits are
+  the same; the pause comes at the end of the phase.
+
+``"auto"`` (the default) is eager on the CPU and batched on CUDA.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import copy
+import math
+import os
+import secrets
+import sys
+import threading
+import time
+import traceback
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tensordbg import origin
+from tensordbg.capture import Call, Capture, Record, param_hook
+from tensordbg.control import DETACHED, PAUSED, STEP, PauseController
+from tensordbg.hit import Hit, WatchpointHit
+from tensordbg.origin import NONFINITE
+from tensordbg.rules import Rule, default_rules
+from tensordbg.rules.base import Finding
+from tensordbg.stats import L2, MAX, MEAN, MIN, NAN, NEGINF, POSINF, Stat, TensorStats
+from tensordbg.stats_torch import (
+    StatsBatch,
+    device_stats,
+    dtype_name,
+    scale_vector,
+    summarize,
+    update_stats,
+    watchable,
+)
+
+ON_HIT = ("pause", "raise", "record")
+SYNC = ("auto", "eager", "batched")
+SCREEN = (MIN, MAX)
+COUNTS = (NAN, POSINF, NEGINF)
+# Update statistics that need a copy of the parameter from before the step.
+SNAPSHOT_STATS = frozenset({"update_abs_mean", "prev_abs_mean"})
+GRAD_KINDS = frozenset({"grad", "grad_output", "grad_input"})
+HISTORY = 512
+# A training that stays NaN makes a hit per tensor per step; past this, only origin hits are kept.
+MAX_HITS = 100_000
+DEFAULT_RETAIN = 256 * 2**20
+DEFAULT_UPDATE_BUDGET = 512 * 2**20
+
+_attached: weakref.WeakKeyDictionary[torch.nn.Module, Session] = weakref.WeakKeyDictionary()
+
+
+@dataclass(eq=False)
+class ActiveRule:
+    """A rule as one session runs it: its own copy, its memory across steps, whether it is on."""
+
+    id: int
+    rule: Rule
+    enabled: bool = True
+    state: dict[str, Any] = field(default_factory=dict)
+    disabled_reason: str | None = None
+    hits: int = 0
+
+    @property
+    def phase_wide(self) -> bool:
+        """Whether the rule compares tensors of a phase with each other (judged at phase end)."""
+        return type(self.rule).check_phase is not Rule.check_phase
+
+
+@dataclass(eq=False)
+class _Param:
+    name: str
+    param: torch.nn.Parameter
+    owner: str
+    owner_type: str
+
+
+class Session:
+    """A training under watch. Made by :func:`attach`; see there for the arguments.
+
+    >>> with tensordbg.attach(model, optimizer=opt, on_hit="record") as session:
+    ...     train(model, opt)
+    >>> [h.module for h in session.hits if h.origin]
+    ['layers.2.attn']
+    """
+
+    passthrough = (WatchpointHit,)
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+        rules: Iterable[Rule] | None = None,
+        on_hit: str | Callable[[Hit], None] = "pause",
+        scaler: Any = None,
+        *,
+        include: str | Sequence[str] = (),
+        exclude: str | Sequence[str] = (),
+        sync: str = "auto",
+        interval: int = 1,
+        retain_bytes: int = DEFAULT_RETAIN,
+        update_budget: int = DEFAULT_UPDATE_BUDGET,
+        max_skipped_steps: int = 5,
+        run_id: str | None = None,
+        rank: int | None = None,
+    ):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"attach() takes a torch.nn.Module, not {type(model).__name__}")
+        if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+            raise TypeError(
+                "this model is already compiled: attach tensordbg before torch.compile, "
+                "e.g. session = tensordbg.attach(model); model = torch.compile(model)"
+            )
+        if model in _attached and not _attached[model].detached:
+            raise RuntimeError(
+                "tensordbg is already attached to this model: call session.detach() first"
+            )
+        if not callable(on_hit) and on_hit not in ON_HIT:
+            raise ValueError(f"on_hit is one of {', '.join(ON_HIT)} or a callable, not {on_hit!r}")
+        if sync not in SYNC:
+            raise ValueError(f"sync is one of {', '.join(SYNC)}, not {sync!r}")
+        if interval < 1:
+            raise ValueError("interval is a number of steps, at least 1")
+        self.model = model
+        self.on_hit = on_hit
+        self.scaler = scaler if scaler is not None and _scaler_enabled(scaler) else None
+        self.interval = int(interval)
+        self.retain_bytes = int(retain_bytes)
+        self.update_budget = int(update_budget)
+        self.max_skipped_steps = int(max_skipped_steps)
+        self.run_id = run_id or os.environ.get("TENSORDBG_RUN_ID") or secrets.token_hex(4)
+        self.rank = int(rank if rank is not None else os.environ.get("RANK", 0))
+        self.device = _model_device(model)
+        if sync == "auto":
+            sync = "batched" if self.device.type == "cuda" else "eager"
+        self.eager = sync == "eager"
+        self.controller = PauseController()
+        self.controller.listeners.append(self._on_state)
+        self.hits: list[Hit] = []
+        self.skipped_steps: list[int] = []
+        self.step = 0
+        self.phase = "forward"
+        self.broken = False
+        self.detached = False
+        self.rules: list[ActiveRule] = []
+        self._next_rule_id = 0
+        for rule in default_rules() if rules is None else rules:
+            self.add_rule(rule)
+        self._subscribers: list[Callable[[str, dict[str, Any]], None]] = []
+        self._lock = threading.RLock()
+        self._applicable: dict[tuple, tuple[tuple[int, ...], tuple[Stat, ...]]] = {}
+        self._batch = StatsBatch()
+        self._pending: list[tuple[str, Any]] = []
+        self._records: list[Record] = []
+        self._by_ref: dict[int, Record] = {}
+        self._next_ref = 0
+        self._retained = 0
+        self._pausing: list[Hit] = []
+        self._fired_last_step: set[tuple[str, str]] = set()
+        self._fired_this_step: set[tuple[str, str]] = set()
+        self._forward_open = False
+        self._backward_tasks: set[int] = set()
+        self._root_forwards = 0
+        self._loss_fired: set[int] = set()
+        self._step_loss: list[float] = []
+        self._step_grad_sq = 0.0
+        self._step_grad_seen = False
+        self._last_step_time = time.perf_counter()
+        self.history: deque[tuple[int, float | None, float | None, float | None]] = deque(
+            maxlen=HISTORY
+        )
+        self.latest: dict[str, tuple[int, TensorStats]] = {}
+        self.previous: dict[str, tuple[int, TensorStats]] = {}
+        # Parameters, their last seen range (to tell cheaply that an update changed them) and
+        # those whose change could not be told that way (checked exactly next step).
+        self.params: dict[int, _Param] = {}
+        for name, param in model.named_parameters():
+            owner = name.rpartition(".")[0]
+            owner_type = type(model.get_submodule(owner)).__name__
+            self.params[id(param)] = _Param(name, param, owner, owner_type)
+        self._params_by_name = {p.name: p for p in self.params.values()}
+        self._digests: dict[str, tuple[float, float]] = {}
+        self._suspects: set[str] = set()
+        self._snapshots: dict[str, torch.Tensor] = {}
+        self._versions: dict[str, int] = {}
+        self._snapshot_offset = 0
+        self._deferred: list[tuple[Hit, ActiveRule]] = []
+        self._param_fired: dict[str, set[int]] = {}
+        self._grad_fired: dict[str, set[int]] = {}
+        self._root_fired: set[int] = set()
+        self._first_origin: dict[int, str] = {}
+        self.max_hits = MAX_HITS
+        self._hits_capped = False
+        self._skipped_in_row = 0
+        self._optimizer_stepped = False
+        self._step_grad_seen = False
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self._handles: list[Any] = []
+        self.server: Any = None
+        self._ui_clients = 0
+        self._ui_timer: threading.Timer | None = None
+        self.ui_timeout: float | None = None
+
+        self.capture = Capture(self, model, _patterns(include), _patterns(exclude))
+        self.capture.install()
+        for p in self.params.values():
+            if p.param.requires_grad:
+                hook = param_hook(self, p.name, p.owner, p.owner_type)
+                self._handles.append(p.param.register_post_accumulate_grad_hook(hook))
+        if optimizer is not None:
+            opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+            for opt in opts:
+                self.attach_optimizer(opt)
+        if self.scaler is not None:
+            self._wrap_scaler()
+        _attached[model] = self
+        self.controller._training_thread = threading.current_thread()
+        atexit.register(_detach_at_exit, weakref.ref(self))
+
+    # --- public ------------------------------------------------------------------------------
+
+    @torch.compiler.disable
+    def observe(self, name: str, tensor: torch.Tensor) -> None:
+        """Watch any extra tensor (kind ``"observed"``), e.g. the loss: ``session.observe("loss",
+        loss)``. A scalar named like ``loss`` also feeds the loss curve in the UI."""
+        if self.broken or self.detached or not watchable(tensor):
+            return
+        try:
+            stats = TensorStats(
+                name=name,
+                module="",
+                kind="observed",
+                phase=self.phase,
+                step=self.step,
+                shape=tuple(tensor.shape),
+                dtype=dtype_name(tensor.dtype),
+            )
+            record = Record(stats, None, tensor._version, tensor.numel() * tensor.element_size())
+            self.collect(record, tensor, extra=(MEAN,))
+            if self.eager:
+                self._pause_if_needed()
+        except Exception as e:
+            if isinstance(e, self.passthrough):
+                raise
+            self.internal_error(e)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Watch an optimizer's steps (``attach(optimizer=...)`` calls this). Steps are counted
+        on the first optimizer attached."""
+        if optimizer in self.optimizers:
+            return
+        self.optimizers.append(optimizer)
+        self._handles.append(optimizer.register_step_pre_hook(self._before_step))
+        self._handles.append(optimizer.register_step_post_hook(self._after_step))
+
+    def add_rule(self, rule: Rule) -> ActiveRule:
+        """Add a rule to this session (it gets its own copy and memory)."""
+        if not isinstance(rule, Rule):
+            raise TypeError(f"rules are tensordbg.rules.Rule instances, not {type(rule).__name__}")
+        active = ActiveRule(self._next_rule_id, copy.deepcopy(rule))
+        self._next_rule_id += 1
+        self.rules.append(active)
+        self.rules_changed()
+        return active
+
+    def recheck(self) -> list[Hit]:
+        """Judge the current phase again with the rules as they are now (edited thresholds,
+        added rules), without re-running the step; like MindInsight's recheck. Rules judge with
+        a copy of their memory, so a recheck does not count as another step. Returns the hits
+        that were not found before (they join ``session.hits``).
+
+        The origin of a condition is taken from the first judgement of the phase; a rule added
+        since is an origin wherever it fires (its propagation is not traced again)."""
+        self.rules_changed()
+        already = {(h.ref, h.rule) for h in self.hits}
+        origins = {h.ref for h in self.hits if h.origin}
+        found: list[Hit] = []
+        for record in self.records:
+            stats = record.stats
+            rule_ids, wanted = self._rules_for(stats)
+            missing = tuple(s for s in wanted if s not in stats.values)
+            if missing and record.tensor is not None and stats.kind != "update":
+                vector = device_stats(record.tensor, missing)
+                if self.scaler is not None and stats.kind in GRAD_KINDS:
+                    inv = self._inv_scale()
+                    if inv is not None:
+                        vector = vector * scale_vector(missing, inv)
+                stats.values.update(zip(missing, vector.tolist(), strict=True))
+            for rule_id in rule_ids:
+                active = self._rule(rule_id)
+                if active is None or not active.enabled or active.phase_wide:
+                    continue
+                if (stats.ref, active.rule.name) in already:
+                    continue
+                try:
+                    finding = active.rule.check(stats, copy.deepcopy(active.state))
+                except Exception as e:
+                    self._disable(active, e)
+                    continue
+                if finding is None:
+                    continue
+                is_origin = not stats.nonfinite or stats.ref in origins
+                before = len(self.hits)
+                self._hit(record, rule_id, finding, is_origin)
+                found.extend(self.hits[before:])
+        self._pausing = []  # already paused: what a recheck finds is shown, not paused on
+        return found
+
+    def rules_changed(self) -> None:
+        """Forget which rules apply to which tensor (after a rule was added, edited, toggled)."""
+        self._applicable = {}
+
+    def detach(self) -> None:
+        """Remove every hook tensordbg installed, free every tensor it held, stop its server and
+        let a paused training go on. Safe to call twice."""
+        if self.detached:
+            return
+        self.detached = True
+        self.capture.remove()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self.scaler is not None and "update" in vars(self.scaler):
+            del self.scaler.update
+        self._release()
+        self._records = []
+        self._by_ref = {}
+        self._snapshots = {}
+        self._pending = []
+        self._batch = StatsBatch()
+        self.controller.detach()
+        if self._ui_timer is not None:
+            self._ui_timer.cancel()
+        if self.server is not None:
+            server, self.server = self.server, None
+            self.emit("state", {"state": "finished", "step": self.step})
+            with contextlib.suppress(Exception):
+                server.stop()
+        if _attached.get(self.model) is self:
+            del _attached[self.model]
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    def subscribe(self, callback: Callable[[str, dict[str, Any]], None]) -> Callable[[], None]:
+        """Call ``callback(event, payload)`` on every event (``status``, ``hit``, ``state``,
+        ``log``); it runs on the training thread and must not block."""
+        self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            if callback in self._subscribers:
+                self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    def emit(self, event: str, payload: dict[str, Any]) -> None:
+        for callback in list(self._subscribers):
+            # A subscriber's fault must not stop the training.
+            with contextlib.suppress(Exception):
+                callback(event, payload)
+
+    def log(self, message: str, level: str = "info") -> None:
+        self.emit("log", {"level": level, "message": message, "step": self.step})
+
+    @property
+    def records(self) -> list[Record]:
+        """The watched tensors of the current (or last) phase, in execution order."""
+        return [r for r in self._records if not r.hidden]
+
+    def record(self, ref: int) -> Record | None:
+        return self._by_ref.get(ref)
+
+    # --- hooks call these (capture.py) ---------------------------------------------------------
+
+    def begin_forward(self) -> None:
+        """A root forward starts: close what is open, count the step, honour pause requests."""
+        if self._detach_requested():
+            return
+        if self._forward_open or self._pending or len(self._batch):
+            self._end_phase()
+        if not self.optimizers and self._root_forwards:
+            self._finish_step()
+            self._maybe_pause_on_request(completed_step=True)
+        self._root_forwards += 1
+        self._start_phase("forward")
+        self._forward_open = True
+        self._loss_fired = set()
+        self._root_fired = set()
+        self._maybe_pause_on_request()
+
+    def collect(
+        self,
+        record: Record,
+        tensor: torch.Tensor,
+        extra: tuple[Stat, ...] = (),
+        defer: bool = False,
+    ) -> None:
+        """A tensor was seen: compute what the rules need of it, at once when eager, else on the
+        device until the end of the phase (``defer`` forces the latter)."""
+        stats = record.stats
+        rule_ids, wanted = self._rules_for(stats)
+        if record.hidden:
+            extra = SCREEN  # the origin of a non-finite value is traced through every input
+        if extra:
+            wanted = tuple(dict.fromkeys(wanted + extra))
+        record.rule_ids = rule_ids
+        self._register(record)
+        self._retain(record, tensor)
+        if not wanted:
+            return
+        vector = device_stats(tensor, wanted)
+        if self.scaler is not None and stats.kind in GRAD_KINDS:
+            inv = self._inv_scale()
+            if inv is not None:
+                vector = vector * scale_vector(wanted, inv)
+        if self.eager and not defer:
+            stats.values = dict(zip(wanted, vector.tolist(), strict=True))
+            self._evaluate(record, tensor)
+        else:
+            stats.values = dict.fromkeys(wanted, math.nan)
+            record.slot = self._batch.add(vector)
+            self._pending.append(("record", record))
+
+    def enter(self, call: Call) -> None:
+        self._pending.append(("enter", call))
+        if self.eager:
+            self._drain()
+            self._pause_if_needed()
+        self._maybe_pause_on_request()
+
+    def exit(self, call: Call) -> None:
+        self._pending.append(("exit", call))
+        if self.eager:
+            self._drain()
+            self._pause_if_needed()
+
+    def end_forward(self, root: Call) -> None:
+        """The root forward returned. With a backward to come, the forward phase stays open so
+        the loss observed after it joins the same transfer; otherwise it ends here."""
+        backward_expected = torch.is_grad_enabled() and any(
+            r.grad_hooked for _, r in root.outputs
+        )
+        if not backward_expected:
+            self._end_phase()
+
+    def begin_backward(self) -> None:
+        """Called by every backward hook: the first one of a pass ends the forward phase and
+        asks the autograd engine to call back at the end of the pass."""
+        if self.phase != "backward":
+            if self._forward_open or self._pending or len(self._batch):
+                self._end_phase()
+            self._start_phase("backward")
+        task = torch._C._current_graph_task_id()
+        if task not in self._backward_tasks:
+            self._backward_tasks.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self._end_backward(task)
+            )
+
+    def grad(self, record: Record) -> None:
+        self._pending.append(("grad", record))
+        if self.eager:
+            self._drain()
+            self._pause_if_needed()
+        self._maybe_pause_on_request()
+
+    def internal_error(self, error: BaseException) -> None:
+        """tensordbg's own fault: say so once, stop watching, never stop the training."""
+        if self.broken:
+            return
+        self.broken = True
+        detail = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        warnings.warn(
+            "tensordbg hit an internal error and stopped watching this training (the training "
+            f"goes on). Please report it with this traceback:\n{detail}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        self.log(f"internal error, watching stopped: {error}", "error")
+
+    # --- phases --------------------------------------------------------------------------------
+
+    def _start_phase(self, phase: str) -> None:
+        self._release()
+        self._records = []
+        self._by_ref = {}
+        self.phase = phase
+
+    def _register(self, record: Record) -> None:
+        stats = record.stats
+        stats.ref = self._next_ref
+        self._next_ref += 1
+        if stats.kind not in ("param", "update"):
+            stats.phase = self.phase
+        self._records.append(record)
+        self._by_ref[stats.ref] = record
+
+    def _end_phase(self) -> None:
+        """Bring the phase's statistics over (batched), judge, run phase-wide rules, pause if a
+        hit asks for it, and let go of the phase's tensors."""
+        self._forward_open = False
+        self._fetch()
+        self._drain()
+        self._judge_phase_wide()
+        self._pause_if_needed()
+        self._maybe_pause_on_request()
+        self._release()
+
+    def _end_backward(self, task: int) -> None:
+        self._backward_tasks.discard(task)
+        if self.broken or self.detached or self._backward_tasks:
+            return
+        try:
+            self._end_phase()
+        except Exception as e:
+            if isinstance(e, self.passthrough):
+                raise
+            self.internal_error(e)
+
+    def _fetch(self) -> None:
+        """The one transfer of the phase: statistics from the device to the host."""
+        if not len(self._batch):
+            return
+        values = self._batch.flush()
+        for kind, item in self._pending:
+            if kind == "record" and item.slot >= 0:
+                item.stats.values = dict(zip(item.stats.values, values[item.slot], strict=True))
+                item.slot = -1
+
+    def _drain(self) -> None:
+        """Process what the hooks saw, in execution order: judge each record, then name origins
+        at each call's start and end and at each gradient."""
+        pending, self._pending = self._pending, []
+        for kind, item in pending:
+            if kind == "record":
+                self._evaluate(item, item.tensor)
+            elif kind == "enter":
+                origin.enter(item)
+            elif kind == "exit":
+                self._exit(item)
+            elif kind == "grad":
+                self._grad(item)
+
+    # --- judging -------------------------------------------------------------------------------
+
+    def _rules_for(self, stats: TensorStats) -> tuple[tuple[int, ...], tuple[Stat, ...]]:
+        """The rules that apply to a tensor and the statistics they need (cached per tensor
+        identity); between interval steps, only the NaN/Inf screen."""
+        key = (stats.kind, stats.name, stats.module_type, stats.dtype, len(stats.shape),
+               stats.trainable)  # fmt: skip
+        cached = self._applicable.get(key)
+        if cached is None:
+            ids: list[int] = []
+            wanted: dict[Stat, None] = {}
+            for active in self.rules:
+                if not active.enabled:
+                    continue
+                try:
+                    if not active.rule.applies(stats):
+                        continue
+                    needs = active.rule.stats_for(stats)
+                except Exception as e:
+                    self._disable(active, e)
+                    continue
+                ids.append(active.id)
+                wanted.update(dict.fromkeys(needs))
+            if ids:
+                wanted = dict.fromkeys(SCREEN) | wanted
+            cached = (tuple(ids), tuple(wanted))
+            self._applicable[key] = cached
+        ids_, wanted_ = cached
+        if self.interval > 1 and self.step % self.interval:
+            wanted_ = tuple(s for s in wanted_ if s in SCREEN)
+        return ids_, wanted_
+
+    def _evaluate(self, record: Record, tensor: torch.Tensor | None) -> None:
+        """Judge one record with the per-tensor rules that apply to it. Records whose origin
+        needs the call tree (outputs, gradients) are reported by _exit and _grad; the others
+        here."""
+        stats = record.stats
+        if stats.nonfinite and tensor is not None and NAN not in stats.values:
+            # A NaN hides an Inf from the range: count both (only for unhealthy tensors).
+            counts = device_stats(tensor, COUNTS).tolist()
+            stats.values.update(zip(COUNTS, counts, strict=True))
+        last = self.latest.get(stats.name)
+        if last is not None and last[0] != stats.step:
+            self.previous[stats.name] = last
+        self.latest[stats.name] = (stats.step, stats)
+        for rule_id in record.rule_ids:
+            active = self._rule(rule_id)
+            if active is None or not active.enabled or active.phase_wide:
+                continue
+            try:
+                finding = active.rule.check(stats, active.state)
+            except Exception as e:
+                self._disable(active, e)
+                continue
+            if finding is not None:
+                record.findings[rule_id] = finding
+        if record.findings and tensor is not None and record.tensor is None:
+            record.tensor = tensor  # a hit's own tensor is always kept for inspection
+        if stats.nonfinite:
+            record.conditions.add(NONFINITE)
+        for rule_id in record.findings:
+            if self.rule_propagates(rule_id):
+                record.conditions.add(rule_id)
+        kind = stats.kind
+        if kind == "grad":
+            self._count_grad_norm(stats)
+        elif kind == "observed":
+            self._observed(record)
+        elif kind == "param":
+            upstream = self._grad_fired.get(record.param, set())
+            for rule_id, finding in record.findings.items():
+                condition = self._condition(record, rule_id)
+                self._hit(record, rule_id, finding, condition not in upstream)
+            self._param_fired[record.param] = set(record.conditions)
+        elif (kind == "input" and not record.hidden) or kind == "update":
+            for rule_id, finding in record.findings.items():
+                self._hit(record, rule_id, finding, True)
+
+    def _condition(self, record: Record, rule_id: int) -> int | None:
+        """What a finding's origin is traced by: non-finiteness, the rule itself when it
+        propagates, or nothing (then it is an origin wherever it fires)."""
+        if NONFINITE in record.conditions:
+            return NONFINITE
+        return rule_id if rule_id in record.conditions else None
+
+    def rule_propagates(self, rule_id: int) -> bool:
+        active = self._rule(rule_id)
+        return bool(active and active.rule.propagates)
+
+    def _judge_phase_wide(self) -> None:
+        """Rules that compare the tensors of a phase with each other judge at its end."""
+        for active in [a for a in self.rules if a.enabled and a.phase_wide]:
+            records = [r for r in self._records if active.id in r.rule_ids and not r.hidden]
+            if not records:
+                continue
+            try:
+                found = active.rule.check_phase([r.stats for r in records], active.state)
+            except Exception as e:
+                self._disable(active, e)
+                continue
+            by_stats = {id(r.stats): r for r in records}
+            for stats, finding in found:
+                record = by_stats.get(id(stats))
+                if record is not None:
+                    record.findings[active.id] = finding
+                    self._hit(record, active.id, finding, True)
+
+    def _exit(self, call: Call) -> None:
+        params_fired: set[int] = set()
+        for name in call.params:
+            params_fired |= self._param_fired.get(name, set())
+        if params_fired:  # a bad parameter inside explains the calls around it too
+            for ancestor in call.ancestors():
+                ancestor.fired_in |= params_fired
+        verdicts = origin.exit(call, params_fired)
+        for suffix, record in call.outputs:
+            for rule_id, finding in record.findings.items():
+                condition = self._condition(record, rule_id)
+                is_origin = condition is None or verdicts[id(record), condition]
+                if record.producer is call:
+                    self._hit(record, rule_id, finding, is_origin)
+                elif condition is not None and is_origin:
+                    # Passed up from a submodule, but made by this module's own code.
+                    name = f"{call.base}.output{suffix}" if call.base else f"output{suffix}"
+                    message = finding.message.replace(record.stats.name, name)
+                    finding = Finding(finding.value, finding.threshold, message)
+                    self._hit(record, rule_id, finding, True, call, "output", name)
+        if call.parent is None:
+            self._root_fired = set(call.fired_out)
+
+    def _grad(self, record: Record) -> None:
+        if not record.findings:
+            return
+        if record.grad_of is None:  # a parameter's gradient
+            owner = self.params_by_name.get(record.param)
+            calls = self.capture.calls_by_path.get(owner.owner, []) if owner else []
+            made_here = origin.param_grad(record, calls)
+            for rule_id, finding in record.findings.items():
+                condition = self._condition(record, rule_id)
+                self._hit(record, rule_id, finding, condition is None or made_here[condition])
+            return
+        where = origin.grad(record, self._loss_fired)
+        for rule_id, finding in record.findings.items():
+            condition = self._condition(record, rule_id)
+            if condition is None:
+                self._hit(record, rule_id, finding, True)
+                continue
+            call, kind, is_origin = where[condition]
+            name = record.stats.name
+            if call is not None and kind == "grad_input":
+                suffix = next((s for s, r in call.inputs if r is record.grad_of), record.suffix)
+                name = f"{call.base}.grad_input{suffix}" if call.base else f"grad_input{suffix}"
+            self._hit(record, rule_id, finding, is_origin, call, kind, name)
+
+    def _observed(self, record: Record) -> None:
+        stats = record.stats
+        if "loss" in stats.name.lower() and stats.numel == 1:
+            value = stats.values.get(MEAN)
+            if value is not None and math.isfinite(value):
+                self._step_loss.append(value)
+        self._loss_fired |= record.conditions
+        for rule_id, finding in record.findings.items():
+            condition = self._condition(record, rule_id)
+            self._hit(record, rule_id, finding, condition not in self._root_fired)
+
+    def _hit(
+        self,
+        record: Record,
+        rule_id: int,
+        finding: Finding,
+        is_origin: bool,
+        module: Call | None = None,
+        kind: str | None = None,
+        name: str | None = None,
+    ) -> None:
+        active = self._rule(rule_id)
+        if active is None:
+            return
+        stats = record.stats
+        condition = self._condition(record, rule_id)
+        if is_origin and stats.summary is None and record.tensor is not None:
+            stats.summary = summarize(record.tensor)  # for the UI; downstream hits skip it
+        hit = Hit(
+            rule=active.rule.name,
+            tensor=name or stats.name,
+            module=module.path if module is not None else stats.module,
+            kind=kind or stats.kind,
+            step=stats.step,
+            phase=stats.phase,
+            origin=is_origin,
+            value=float(finding.value),
+            threshold=None if finding.threshold is None else float(finding.threshold),
+            message=_with_origin(
+                finding.message,
+                is_origin,
+                condition,
+                kind or stats.kind,
+                module.path if module is not None else stats.module,
+                self._first_origin.get(condition, ""),
+            ),
+            ref=stats.ref,
+            call=module.index if module is not None else stats.call,
+            summary=stats.summary.as_dict() if stats.summary is not None else {},
+        )
+        if is_origin and condition is not None:
+            self._first_origin.setdefault(condition, hit.tensor)
+        if self.scaler is not None and stats.kind in GRAD_KINDS and stats.nonfinite:
+            self._deferred.append((hit, active))  # the scaler may skip this step: see update()
+            return
+        self._add_hit(hit, active)
+
+    def _add_hit(self, hit: Hit, active: ActiveRule | None) -> None:
+        if len(self.hits) >= self.max_hits and not hit.origin:
+            if not self._hits_capped:
+                self._hits_capped = True
+                self.log(f"{self.max_hits} hits recorded: hits not at their origin are no "
+                         "longer kept (raise max_hits to keep more)", "warning")
+            return
+        hit.id = len(self.hits)
+        self.hits.append(hit)
+        if active is not None:
+            active.hits += 1
+        key = (hit.rule, hit.tensor)
+        repeated = key in self._fired_last_step
+        self._fired_this_step.add(key)
+        self.emit("hit", hit.as_dict())
+        if self.controller.should_pause(hit, repeated):
+            self._pausing.append(hit)
+
+    def _pause_if_needed(self) -> None:
+        if not self._pausing:
+            return
+        pausing, self._pausing = self._pausing, []
+        first = next((h for h in pausing if h.origin), pausing[0])
+        if callable(self.on_hit):
+            for hit in pausing:
+                self.on_hit(hit)
+        elif self.on_hit == "raise":
+            raise WatchpointHit(first)
+        elif self.on_hit == "pause":
+            self._block(f"{first.rule} hit: {first.message}", first)
+
+    def _maybe_pause_on_request(self, completed_step: bool = False) -> None:
+        control = self.controller
+        if not (control.pause_requested or (completed_step and control.mode == STEP)):
+            return
+        reason = control.wants_pause(completed_step)
+        if reason:
+            self._block(reason, None)
+
+    def _block(self, reason: str, hit: Hit | None) -> None:
+        if self._detach_requested():
+            return
+        _print_pause(self, reason, hit)
+        self.controller.block(reason, hit)
+        self._detach_requested()
+
+    def _detach_requested(self) -> bool:
+        """The UI asked to detach (from its thread): finish it here, on the training thread."""
+        if self.controller.state == DETACHED and not self.detached:
+            self.detach()
+        return self.detached
+
+    def _disable(self, active: ActiveRule, error: BaseException) -> None:
+        active.enabled = False
+        active.disabled_reason = f"{type(error).__name__}: {error}"
+        self.rules_changed()
+        message = (
+            f"tensordbg: rule {active.rule.name} raised {active.disabled_reason} and was "
+            "disabled; the training goes on"
+        )
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        self.log(message, "warning")
+
+    def _rule(self, rule_id: int) -> ActiveRule | None:
+        for active in self.rules:
+            if active.id == rule_id:
+                return active
+        return None
+
+    # --- retention -----------------------------------------------------------------------------
+
+    def _retain(self, record: Record, tensor: torch.Tensor) -> None:
+        if self._retained + record.nbytes <= self.retain_bytes:
+            record.tensor = tensor
+            self._retained += record.nbytes
+
+    def _release(self) -> None:
+        for record in self._records:
+            record.tensor = None
+        self._retained = 0
+
+    # --- parameters and the optimizer ----------------------------------------------------------
+
+    @property
+    def params_by_name(self) -> dict[str, _Param]:
+        return self._params_by_name
+
+    def _owned_params(self, optimizer: torch.optim.Optimizer) -> list[_Param]:
+        """The model's parameters this optimizer steps; the first optimizer also takes those
+        no optimizer holds (a parameter left out of the optimizer is a bug worth seeing)."""
+        mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if optimizer is self.optimizers[0]:
+            held = {id(p) for opt in self.optimizers for g in opt.param_groups for p in g["params"]}
+            return [p for key, p in self.params.items() if key in mine or key not in held]
+        return [p for key, p in self.params.items() if key in mine]
+
+    def check_parameters(self) -> None:
+        """Check every parameter now (``attach`` does it once: a NaN or a poor initialization is
+        found before the first step)."""
+        if self.detached or self.broken:
+            return
+        self._start_phase("optimizer")
+        self._check_parameters(list(self.params.values()), None)
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Gradients are final: judge what is pending (a gradient hit pauses before the update
+        lands), note parameter versions and copy those whose update must be measured exactly."""
+        if self.broken or self._detach_requested():
+            return
+        try:
+            if self._pending or len(self._batch) or self._forward_open:
+                self._end_phase()
+            self._optimizer_stepped = True
+            self._grad_fired = {
+                r.param: set(r.conditions) for r in self._records if r.param and r.conditions
+            }
+            self._start_phase("optimizer")
+            self._versions = {}
+            self._snapshots = {}
+            wanted = self._update_stats_wanted()
+            if wanted is None:
+                return
+            owned = self._owned_params(optimizer)
+            stepped = [p for p in owned if p.param.requires_grad and p.param.grad is not None]
+            for p in stepped:
+                self._versions[p.name] = p.param._version
+            every = any(s.name in SNAPSHOT_STATS for s in wanted) and self.step % self.interval == 0
+            budget = self.update_budget
+            start = self._snapshot_offset % len(stepped) if stepped else 0
+            taken = 0
+            for p in stepped[start:] + stepped[:start]:
+                if not (every or p.name in self._suspects):
+                    continue
+                size = p.param.numel() * p.param.element_size()
+                if size <= budget:
+                    self._snapshots[p.name] = p.param.detach().clone()
+                    budget -= size
+                    taken += 1
+            self._snapshot_offset = start + taken  # a model larger than the budget rotates
+        except Exception as e:
+            if isinstance(e, self.passthrough):
+                raise
+            self.internal_error(e)
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.broken or self.detached:
+            return
+        try:
+            self._check_parameters(self._owned_params(optimizer), self._update_stats_wanted())
+            if optimizer is self.optimizers[0]:
+                self._finish_step()
+                self._maybe_pause_on_request(completed_step=True)
+        except Exception as e:
+            if isinstance(e, self.passthrough):
+                raise
+            self.internal_error(e)
+
+    def _update_stats_wanted(self) -> tuple[Stat, ...] | None:
+        """The statistics rules on ``update`` records need, or None when no rule looks at
+        updates."""
+        probe = TensorStats("*.update", "", "update", "optimizer", self.step, (1,), "float32",
+                            trainable=True)  # fmt: skip
+        wanted: dict[Stat, None] = {}
+        for active in self.rules:
+            if not (active.enabled and "update" in active.rule.kinds):
+                continue
+            try:
+                wanted.update(dict.fromkeys(active.rule.stats_for(probe)))
+            except Exception as e:
+                self._disable(active, e)
+        return tuple(wanted) or None
+
+    def _check_parameters(self, owned: list[_Param], updates: tuple[Stat, ...] | None) -> None:
+        """Parameters after an optimizer step (and at attach): their values and, for those the
+        step updated, the update against their values before it. One transfer."""
+        params: dict[str, Record] = {}
+        for p in owned:
+            if not watchable(p.param):
+                continue
+            record = _param_record(p, "param", p.name, self.step)
+            self.collect(record, p.param.detach(), extra=SCREEN, defer=True)
+            params[p.name] = record
+        pending_digest = []
+        if updates is not None:
+            for p in owned:
+                if p.name in self._versions and watchable(p.param):
+                    record = self._update_record(p, updates)
+                    if record.slot < 0:
+                        pending_digest.append(record)
+        self._fetch()
+        self._resolve_by_range(pending_digest, params, updates or ())
+        for name, record in params.items():
+            lo, hi = record.stats.values.get(MIN), record.stats.values.get(MAX)
+            if lo is not None and hi is not None:
+                self._digests[name] = (lo, hi)
+        self._drain()
+        self._judge_phase_wide()
+        self._pause_if_needed()
+        self._release()
+        self._snapshots = {}
+
+    def _update_record(self, p: _Param, wanted: tuple[Stat, ...]) -> Record:
+        record = _param_record(p, "update", f"{p.name}.update", self.step)
+        record.rule_ids, _ = self._rules_for(record.stats)
+        self._register(record)
+        current = p.param.detach()
+        previous: torch.Tensor | None
+        if p.param._version == self._versions[p.name]:
+            previous = current  # the optimizer did not touch it: the update is exactly zero
+        else:
+            previous = self._snapshots.get(p.name)
+        if previous is not None:
+            record.stats.values = dict.fromkeys(wanted, math.nan)
+            record.slot = self._batch.add(update_stats(current, previous, wanted))
+            self._suspects.discard(p.name)
+        self._pending.append(("record", record))
+        return record
+
+    def _resolve_by_range(
+        self, records: list[Record], params: dict[str, Record], wanted: tuple[Stat, ...]
+    ) -> None:
+        """Updates measured without a copy of the parameter: when its minimum or maximum moved
+        by more than the tolerance, some element did too, so it changed (the common case, free).
+        Otherwise it may not have changed: it is copied and compared exactly next step."""
+        unchanged = next((s for s in wanted if s.name == "update_unchanged"), None)
+        for record in records:
+            name = record.param
+            before, now = self._digests.get(name), params.get(name)
+            moved = False
+            if unchanged is not None and before is not None and now is not None:
+                rtol, atol = unchanged.params
+                after = (now.stats.values.get(MIN), now.stats.values.get(MAX))
+                moved = any(
+                    a is not None and abs(a - b) > atol + rtol * abs(b)
+                    for a, b in zip(after, before, strict=True)
+                )
+            if moved:
+                record.stats.values = {unchanged: 0.0}
+            else:
+                self._suspects.add(name)
+
+    def _finish_step(self) -> None:
+        """A training step completed: history, status, this step's hits become last step's."""
+        now = time.perf_counter()
+        dt = now - self._last_step_time
+        self._last_step_time = now
+        loss = sum(self._step_loss) / len(self._step_loss) if self._step_loss else None
+        grad_norm = math.sqrt(self._step_grad_sq) if self._step_grad_seen else None
+        self.history.append((self.step, loss, grad_norm, 1.0 / dt if dt > 0 else None))
+        self.step += 1
+        self._step_loss = []
+        self._step_grad_sq = 0.0
+        self._step_grad_seen = False
+        self._fired_last_step, self._fired_this_step = self._fired_this_step, set()
+        self._first_origin = {}
+        self.emit("status", self.status())
+
+    def _count_grad_norm(self, stats: TensorStats) -> None:
+        norm = stats.values.get(L2)
+        if norm is not None:
+            self._step_grad_sq += norm * norm
+            self._step_grad_seen = True
+
+    def status(self) -> dict[str, Any]:
+        """The latest step at a glance (pushed to the UI after every step)."""
+        last = self.history[-1] if self.history else (self.step, None, None, None)
+        return {
+            "state": self.controller.state,
+            "step": self.step,
+            "phase": self.phase,
+            "loss": last[1],
+            "grad_norm": last[2],
+            "steps_per_sec": last[3],
+            "hits_total": len(self.hits),
+        }
+
+    # --- mixed precision -------------------------------------------------------------------------
+
+    def _inv_scale(self) -> torch.Tensor | None:
+        scale = getattr(self.scaler, "_scale", None)
+        if scale is None:
+            return None
+        return 1.0 / scale
+
+    def _wrap_scaler(self) -> None:
+        scaler = self.scaler
+        original = type(scaler).update.__get__(scaler)
+
+        def update(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            if not self.broken and not self.detached:
+                try:
+                    self._after_scaler_update()
+                except Exception as e:
+                    if isinstance(e, self.passthrough):
+                        raise
+                    self.internal_error(e)
+            return result
+
+        scaler.update = update
+
+    def _after_scaler_update(self) -> None:
+        skipped = not self._optimizer_stepped
+        self._optimizer_stepped = False
+        deferred, self._deferred = self._deferred, []
+        if not skipped:
+            self._skipped_in_row = 0
+            for hit, active in deferred:
+                self._add_hit(hit, active)
+            self._pause_if_needed()
+            return
+        self.skipped_steps.append(self.step)
+        self._skipped_in_row += 1
+        self.log(f"step {self.step}: the GradScaler skipped the step (non-finite gradients)")
+        if self._skipped_in_row >= self.max_skipped_steps:
+            for hit, active in deferred:
+                hit.message += (
+                    f" The GradScaler skipped {self._skipped_in_row} steps in a row: the loss "
+                    "scale cannot absorb this."
+                )
+                self._add_hit(hit, active)
+        self._finish_step()
+        self._pause_if_needed()
+        self._maybe_pause_on_request(completed_step=True)
+
+    # --- UI liveness -----------------------------------------------------------------------------
+
+    def _on_state(self, state: str) -> None:
+        self.emit("state", {"state": state, "step": self.step, "reason": self.controller.reason})
+
+    def on_clients(self, count: int) -> None:
+        """The server saw the number of connected UIs change. When the last one vanishes while
+        the training is paused, the training resumes after ``ui_timeout`` seconds with blocking
+        watchpoints disarmed (None keeps waiting)."""
+        previous, self._ui_clients = self._ui_clients, count
+        if count > 0 and self._ui_timer is not None:
+            self._ui_timer.cancel()
+            self._ui_timer = None
+        if count == 0 and previous > 0 and self.ui_timeout is not None:
+            self._ui_timer = threading.Timer(self.ui_timeout, self._ui_gone)
+            self._ui_timer.daemon = True
+            self._ui_timer.start()
+
+    def _ui_gone(self) -> None:
+        if self._ui_clients or self.controller.state != PAUSED:
+            return
+        self.on_hit = "record"
+        self.log("the UI went away: blocking watchpoints disarmed, training resumed", "warning")
+        print(
+            "tensordbg: the UI went away; training resumes, hits are only recorded now",
+            file=sys.stderr,
+        )
+        self.controller.resume()
+
+
+def _param_record(p: _Param, kind: str, name: str, step: int) -> Record:
+    param = p.param
+    stats = TensorStats(
+        name=name,
+        module=p.owner,
+        kind=kind,
+        phase="optimizer",
+        step=step,
+        shape=tuple(param.shape),
+        dtype=dtype_name(param.dtype),
+        module_type=p.owner_type,
+        trainable=param.requires_grad,
+    )
+    return Record(stats, None, param._version, param.numel() * param.element_size(), param=p.name)
+
+
+def _with_origin(
+    message: str, is_origin: bool, condition: int | None, kind: str, module: str, first: str
+) -> str:
+    """The finding's sentence, followed by where the value came from."""
+    if condition is None:
+        return message
+    if not is_origin:
+        source = f" (first produced at {first})" if first else ""
+        return f"{message} It was passed on from upstream{source}, not produced here."
+    return f"{message} {_ORIGIN_NOTE.get((kind, bool(module)), _ORIGIN_NOTE[kind, True])}"
+
+
+_ORIGIN_NOTE = {
+    ("input", False): "It came in with the batch: look at the data and its preprocessing.",
+    ("input", True): "It came in with this module's inputs.",
+    ("output", True): "It was produced here: this module's inputs and parameters were clean.",
+    ("output", False): "It was produced by the model's own forward code between its submodules.",
+    ("grad_input", True): "It was produced by this module's backward: the gradient of its "
+    "output was clean.",
+    ("grad_input", False): "It was produced by the model's backward: the gradient of its "
+    "output was clean.",
+    ("grad", True): "It was produced by this module's backward: the gradient of its output "
+    "was clean.",
+    ("grad_output", True): "It was produced in backward between modules.",
+    ("grad_output", False): "It comes from the loss's backward: the loss itself was clean.",
+    ("param", True): "The gradient was clean: the optimizer step or the code around it made it "
+    "(learning rate, eps, a manual edit), or the parameter was loaded this way.",
+    ("update", True): "It was produced by the optimizer step.",
+    ("observed", True): "The model's outputs were clean: the code that computes it made it.",
+}
+
+
+def _print_pause(session: Session, reason: str, hit: Hit | None) -> None:
+    where = f"step {session.step}, {session.phase}"
+    lines = [f"tensordbg: training paused ({where}): {reason}"]
+    if session.server is not None:
+        lines.append(
+            f"  inspect it: tensordbg tui      (run {session.run_id}, rank {session.rank}); "
+            "continue with c there"
+        )
+    else:
+        lines.append("  continue from another thread: session.controller.resume()")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def _patterns(value: str | Sequence[str]) -> tuple[str, ...]:
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for tensor in model.parameters():
+        return tensor.device
+    for tensor in model.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _scaler_enabled(scaler: Any) -> bool:
+    is_enabled = getattr(scaler, "is_enabled", None)
+    return bool(is_enabled()) if callable(is_enabled) else True
+
+
+def _detach_at_exit(ref: weakref.ref[Session]) -> None:
+    session = ref()
+    if session is not None:
+        session.detach()
+
+
+def attach(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    rules: Iterable[Rule] | None = None,
+    on_hit: str | Callable[[Hit], None] = "pause",
+    scaler: Any = None,
+    *,
+    include: str | Sequence[str] = (),
+    exclude: str | Sequence[str] = (),
+    sync: str = "auto",
+    interval: int = 1,
+    retain_bytes: int = DEFAULT_RETAIN,
+    update_budget: int = DEFAULT_UPDATE_BUDGET,
+    max_skipped_steps: int = 5,
+    server: bool = True,
+    remote: bool = False,
+    ui_timeout: float | None = 30.0,
+    run_id: str | None = None,
+    rank: int | None = None,
+) -> Session:
+    """Watch a model's training with watchpoint rules.
+
+    >>> session = tensordbg.attach(model, optimizer=opt)           # pause on a hit, UI-ready
+    >>> session = tensordbg.attach(model, on_hit="raise")           # WatchpointHit instead
+    >>> session = tensordbg.attach(model, rules=[tensordbg.rules.NaN()], on_hit="record")
+
+    Args:
+        model: the root module; every submodule is watched unless ``include``/``exclude``
+            (glob patterns on module paths, e.g. ``"layers.*.attn"``) narrow it.
+        optimizer: an optimizer (or several) whose steps are watched; without one, a step is a
+            root forward call.
+        rules: watchpoint rules; None means ``tensordbg.rules.DEFAULT``.
+        on_hit: ``"pause"`` blocks the training until resumed from the UI (``tensordbg tui``) or
+            ``session.controller``; ``"raise"`` raises :class:`WatchpointHit`; ``"record"`` only
+            appends to ``session.hits``; a callable is called with each hit.
+        scaler: a ``torch.amp.GradScaler``: gradient statistics are unscaled, and a step it skips
+            for non-finite gradients is recorded in ``session.skipped_steps``, not as a hit,
+            unless ``max_skipped_steps`` are skipped in a row.
+        sync: ``"auto"`` (eager on CPU, batched on CUDA), ``"eager"`` or ``"batched"``.
+        interval: statistics beyond the NaN/Inf screen (norms, means, updates) every N steps.
+        retain_bytes: memory for keeping the current phase's tensors for inspection; a hit's
+            own tensor is kept regardless (in eager mode).
+        update_budget: memory for copies of parameters taken to measure updates exactly.
+        server: serve the session to the terminal UI over a local, authenticated socket.
+        remote: listen on TCP with CURVE encryption instead of a local socket.
+        ui_timeout: seconds a paused training waits after the UI went away before it resumes
+            with blocking watchpoints disarmed; None waits for ever.
+    """
+    session = Session(
+        model,
+        optimizer,
+        rules,
+        on_hit,
+        scaler,
+        include=include,
+        exclude=exclude,
+        sync=sync,
+        interval=interval,
+        retain_bytes=retain_bytes,
+        update_budget=update_budget,
+        max_skipped_steps=max_skipped_steps,
+        run_id=run_id,
+        rank=rank,
+    )
+    session.ui_timeout = ui_timeout
+    if server:
+        _start_server(session, remote)
+    session.check_parameters()
+    return session
+
+
+def _start_server(session: Session, remote: bool) -> None:
+    try:
+        from tensordbg.live import LiveSource
+        from tensordbg.server import Server
+
+        script = sys.argv[0] if sys.argv and sys.argv[0] else "<python>"
+        server = Server(
+            LiveSource(session),
+            run_id=session.run_id,
+            rank=session.rank,
+            script=script,
+            remote=remote,
+            on_clients=session.on_clients,
+        )
+        server.start()
+        session.server = server
+    except Exception as e:  # the debugger must never stop a training over its UI
+        warnings.warn(
+            f"tensordbg: the UI server did not start ({e}); hits are still recorded",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+__all__ = ["Hit", "Session", "WatchpointHit", "attach"]

@@ -1,0 +1,54 @@
+"""Small models and training loops the engine tests plant faults in."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from tensordbg.demo import VOCAB, TinyGPT, batches
+
+
+class SqrtOfSquare(nn.Module):
+    """sqrt(x * x): finite forward, NaN backward where x == 0."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x * x)
+
+
+class LogHead(nn.Module):
+    """A module whose own code (between its submodules) makes NaN from negative values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.log(self.inner(x))  # NaN wherever inner(x) < 0
+        return self.out(h)
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+
+
+def train_gpt(session_factory=None, steps: int = 30, bad_step: int = -1, seed: int = 0):
+    """Train the demo's TinyGPT; returns (losses, session). ``session_factory(model, opt)``
+    attaches tensordbg (None: a bare run)."""
+    torch.manual_seed(seed)
+    model = TinyGPT(dim=32, heads=2, layers=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    session = session_factory(model, optimizer) if session_factory else None
+    losses = []
+    for tokens in batches(steps, bad_step, seed=seed):
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1), ignore_index=0)
+        if session is not None:
+            session.observe("loss", loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach().clone())
+    return losses, session

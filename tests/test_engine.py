@@ -1,0 +1,574 @@
+"""The debugger engine: what attach watches, where it says a problem started, and that it changes
+nothing else about the training."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import warnings
+import weakref
+
+import pytest
+import torch
+from models import LogHead, SqrtOfSquare, mlp, train_gpt
+from torch import nn
+
+import tensordbg
+from tensordbg.rules import NaN, Rule, VanishingGradient, WeightNotChanging
+
+
+def origins(session):
+    return [h for h in session.hits if h.origin]
+
+
+# --- healthy training ------------------------------------------------------------------------
+
+
+def test_a_healthy_transformer_trains_for_dozens_of_steps_without_a_single_hit(watch):
+    _, session = train_gpt(lambda m, o: watch(m, optimizer=o, on_hit="record"), steps=40)
+    assert session.step == 40
+    assert session.hits == []
+
+
+def test_attaching_changes_no_number_of_the_training(watch):
+    bare, _ = train_gpt(None, steps=12)
+    watched, _ = train_gpt(lambda m, o: watch(m, optimizer=o, on_hit="record"), steps=12)
+    assert all(torch.equal(a, b) for a, b in zip(bare, watched, strict=True))
+
+
+def test_attaching_changes_no_number_with_batched_checks_either(watch):
+    bare, _ = train_gpt(None, steps=6)
+    watched, _ = train_gpt(
+        lambda m, o: watch(m, optimizer=o, on_hit="record", sync="batched"), steps=6
+    )
+    assert all(torch.equal(a, b) for a, b in zip(bare, watched, strict=True))
+
+
+# --- where a problem started -------------------------------------------------------------------
+
+
+def test_a_nan_made_by_attention_is_named_at_the_attention_module_and_step(watch):
+    _, session = train_gpt(lambda m, o: watch(m, optimizer=o, on_hit="record"), steps=8,
+                           bad_step=5)  # fmt: skip
+    first = origins(session)[0]
+    assert (first.rule, first.module, first.kind, first.step, first.phase) == (
+        "NaN", "blocks.0.attn", "output", 5, "forward"
+    )
+    assert "blocks.0.attn.output" in first.message
+    assert [h for h in session.hits if h.step < 5] == []
+    # Everything downstream of it in that forward is reported as passed on, not as an origin.
+    forward = [h for h in session.hits if h.step == 5 and h.phase == "forward"]
+    assert len(forward) > 5
+    assert [h.module for h in forward if h.origin] == ["blocks.0.attn"]
+    assert {h.module for h in forward if not h.origin} >= {"blocks.0.mlp.0", "blocks.1.attn.qkv", "head"}
+
+
+def test_the_same_fault_is_found_with_batched_checks(watch):
+    _, eager = train_gpt(lambda m, o: watch(m, optimizer=o, on_hit="record"), steps=7,
+                         bad_step=5)  # fmt: skip
+    _, batched = train_gpt(
+        lambda m, o: watch(m, optimizer=o, on_hit="record", sync="batched"), steps=7, bad_step=5
+    )
+    key = lambda h: (h.rule, h.tensor, h.module, h.kind, h.step, h.phase, h.origin)  # noqa: E731
+    assert [key(h) for h in batched.hits] == [key(h) for h in eager.hits]
+
+
+def test_a_nan_in_the_batch_is_an_input_hit_at_the_root(watch):
+    model = mlp()
+    session = watch(model, on_hit="record")
+    x = torch.randn(3, 4)
+    x[1, 2] = float("nan")
+    model(x)
+    first = session.hits[0]
+    assert (first.kind, first.module, first.tensor, first.origin) == ("input", "", "input[0]", True)
+    assert all(not h.origin for h in session.hits[1:])
+
+
+def test_a_nan_made_by_a_modules_own_code_between_its_submodules_names_that_module(watch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), LogHead())
+    session = watch(model, on_hit="record")
+    model(torch.randn(6, 4))
+    [origin] = origins(session)
+    assert (origin.module, origin.kind) == ("1", "output")
+    assert not [h for h in session.hits if h.module == "1.out" and h.origin]
+
+
+def test_a_non_finite_parameter_is_found_at_attach_as_a_param_of_its_module(watch):
+    model = mlp()
+    with torch.no_grad():
+        model[2].weight[3, 1] = float("inf")
+    session = watch(model, on_hit="record")
+    [hit] = [h for h in session.hits if h.rule == "Overflow"]
+    assert (hit.kind, hit.module, hit.tensor, hit.step) == ("param", "2", "2.weight", 0)
+    # In the next forward the module it feeds is not blamed: the parameter is the origin.
+    model(torch.randn(2, 4))
+    assert [h for h in session.hits if h.phase == "forward" and h.origin] == []
+
+
+def test_a_nan_made_by_backward_only_is_named_at_the_module_whose_backward_made_it(watch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), SqrtOfSquare(), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.zero_()  # sqrt's input is 0: d sqrt(u)/du is infinite, times 0 is NaN
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=optimizer, on_hit="record", rules=[NaN()])
+    loss = model(torch.randn(3, 4)).sum()
+    session.observe("loss", loss)
+    loss.backward()
+    assert [h for h in session.hits if h.phase == "forward"] == []
+    [origin] = origins(session)
+    assert (origin.module, origin.kind, origin.phase, origin.step) == ("1", "grad_input", "backward", 0)
+    assert {h.tensor for h in session.hits if not h.origin} >= {"0.weight.grad", "0.bias.grad"}
+
+
+def test_a_nan_loss_from_clean_outputs_is_an_origin_at_the_observed_loss(watch):
+    model = mlp()
+    session = watch(model, on_hit="record")
+    out = model(torch.randn(3, 4))
+    session.observe("loss", torch.log(out - 100).mean())
+    [hit] = session.hits
+    assert (hit.kind, hit.tensor, hit.origin) == ("observed", "loss", True)
+
+
+# --- pausing, raising, recording -------------------------------------------------------------
+
+
+def test_raise_mode_raises_with_the_origin_hit_and_the_training_can_go_on(watch):
+    model = mlp()
+    session = watch(model, on_hit="raise")
+    x = torch.randn(3, 4)
+    x[0, 0] = float("nan")
+    with pytest.raises(tensordbg.WatchpointHit) as caught:
+        model(x)
+    assert (caught.value.hit.kind, caught.value.hit.origin) == ("input", True)
+    model(torch.randn(3, 4)).sum().backward()  # the session's bookkeeping survived the raise
+    assert session.capture.stack == []
+
+
+def test_pause_blocks_the_training_until_resumed_and_says_how_to_inspect(watch, capfd):
+    model = mlp()
+    session = watch(model, on_hit="pause")
+    seen = {}
+
+    def resume_when_paused():
+        deadline = time.monotonic() + 20
+        while session.controller.state != "paused" and time.monotonic() < deadline:
+            time.sleep(0.005)
+        seen["state"] = session.controller.state
+        seen["hit"] = session.controller.paused_at
+        seen["tensor"] = session.record(seen["hit"].ref).tensor
+        session.controller.resume()
+
+    helper = threading.Thread(target=resume_when_paused)
+    helper.start()
+    x = torch.randn(3, 4)
+    x[2, 1] = float("nan")
+    model(x)
+    helper.join()
+    assert seen["state"] == "paused"
+    assert seen["hit"].tensor == "input[0]"
+    assert torch.isnan(seen["tensor"]).sum() == 1  # the offending tensor is there to inspect
+    assert session.controller.state == "running"
+    err = capfd.readouterr().err
+    assert "training paused" in err and "input[0]" in err and "resume" in err
+
+
+def test_a_gradient_hit_pauses_before_the_bad_update_lands(watch):
+    model = nn.Sequential(nn.Linear(4, 4), SqrtOfSquare(), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.zero_()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=optimizer, on_hit="pause", rules=[NaN()])
+    before = model[0].weight.detach().clone()
+    seen = {}
+
+    def inspect_then_resume():
+        while session.controller.state != "paused":
+            time.sleep(0.005)
+        seen["phase"] = session.controller.paused_at.phase
+        seen["weight unchanged"] = torch.equal(model[0].weight, before)
+        session.controller.resume()
+
+    helper = threading.Thread(target=inspect_then_resume)
+    helper.start()
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    helper.join()
+    assert seen == {"phase": "backward", "weight unchanged": True}
+
+
+def test_a_callable_on_hit_is_called_with_each_hit(watch):
+    seen = []
+    model = mlp()
+    watch(model, on_hit=seen.append)
+    x = torch.randn(3, 4)
+    x[0, 0] = float("nan")
+    model(x)
+    assert seen and seen[0].kind == "input"
+
+
+def test_a_rule_that_raises_is_disabled_with_a_warning_and_the_training_goes_on(watch):
+    class Broken(Rule):
+        """Always raises."""
+
+        def check(self, t, state):
+            raise ZeroDivisionError("bad rule")
+
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(RuntimeWarning, match="Broken raised ZeroDivisionError"):
+        session = watch(model, optimizer=optimizer, on_hit="record", rules=[Broken(), NaN()])
+    for _ in range(3):
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+    assert session.step == 3
+    broken = session.rules[0]
+    assert not broken.enabled and "bad rule" in broken.disabled_reason
+    x = torch.randn(3, 4)
+    x[0, 0] = float("nan")
+    model(x)
+    assert session.hits  # the other rules still work
+
+
+def test_an_internal_error_stops_watching_but_never_the_training(watch, monkeypatch):
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=optimizer, on_hit="record")
+
+    def explode(*args, **kwargs):
+        raise RuntimeError("tensordbg bug")
+
+    monkeypatch.setattr("tensordbg.session.device_stats", explode)
+    with pytest.warns(RuntimeWarning, match="internal error"):
+        loss = model(torch.randn(3, 4)).sum()
+    loss.backward()
+    optimizer.step()
+    assert session.broken
+    model(torch.randn(3, 4))  # no further warning, no exception
+
+
+# --- what is watched ------------------------------------------------------------------------------
+
+
+def test_forward_backward_and_optimizer_tensors_are_all_watched(watch):
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    kinds = set()
+
+    class Spy(Rule):
+        """Records every kind it sees."""
+
+        def check(self, t, state):
+            kinds.add((t.kind, t.phase))
+
+    watch(model, optimizer=optimizer, on_hit="record", rules=[Spy()])
+    x = torch.randn(3, 4, requires_grad=True)
+    model(x).sum().backward()
+    optimizer.step()
+    assert kinds >= {
+        ("input", "forward"),
+        ("output", "forward"),
+        ("grad_output", "backward"),
+        ("grad_input", "backward"),
+        ("grad", "backward"),
+        ("param", "optimizer"),
+    }
+
+
+def test_nested_outputs_lstm_tuples_and_dicts_are_all_watched(watch):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = nn.LSTM(4, 8, batch_first=True)
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x):
+            out, (h, c) = self.lstm(x)
+            return {"logits": self.head(out), "state": (h, c)}
+
+    model = Net()
+    session = watch(model, on_hit="record")
+    x = torch.randn(2, 5, 4)
+    x[0, 3, 1] = float("nan")
+    model(x)
+    names = {h.tensor for h in session.hits}
+    assert {"lstm.output[0]", "lstm.output[1][0]", "lstm.output[1][1]", "head.output"} <= names
+    assert {"output.logits", "output.state[0]"} & names or "head.output" in names
+
+
+def test_integer_and_bool_tensors_are_skipped(watch):
+    model = nn.Embedding(10, 4)
+    seen = []
+
+    class Spy(Rule):
+        """Records names."""
+
+        def check(self, t, state):
+            seen.append(t.name)
+
+    watch(model, on_hit="record", rules=[Spy()])
+    model(torch.tensor([[1, 2, 3]]))
+    assert "input[0]" not in seen and "output" in seen
+
+
+def test_in_place_relu_keeps_its_input_and_output_apart(watch):
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=optimizer, on_hit="record")
+    for _ in range(3):  # in-place ops break full backward hooks; these hooks must not break
+        model(torch.randn(8, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    grads = {r.stats.name for r in session.records}
+    assert session.step == 3 and not session.broken
+    assert grads  # the optimizer phase has records
+
+
+def test_a_shared_module_is_told_apart_by_call_index(watch):
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.block(torch.log(self.block(x)))  # the second call gets NaN input
+
+    torch.manual_seed(0)
+    model = Twice()
+    session = watch(model, on_hit="record")
+    model(torch.randn(3, 4))
+    by_tensor = {h.tensor: h for h in session.hits}
+    assert "block#1.output" in by_tensor and by_tensor["block#1.output"].call == 1
+    assert "block.output" not in by_tensor  # the first call was clean
+    assert origins(session)[0].module == ""  # the log between the two calls is the root's code
+
+
+def test_evaluation_under_no_grad_checks_forward_only(watch):
+    model = mlp()
+    session = watch(model, on_hit="record")
+    with torch.no_grad():
+        x = torch.randn(3, 4)
+        x[0, 0] = float("nan")
+        model(x)
+    assert session.hits and {h.phase for h in session.hits} == {"forward"}
+
+
+def test_activation_checkpointing_does_not_count_a_recomputed_forward_twice(watch):
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 8)
+            self.b = nn.Linear(8, 8)
+            self.c = nn.Linear(8, 1)
+
+        def forward(self, x):
+            h = checkpoint(lambda t: self.b(torch.relu(self.a(t))), x, use_reentrant=False)
+            return self.c(h)
+
+    model = Net()
+    seen = []
+
+    class Spy(Rule):
+        """Records each forward tensor it sees."""
+
+        def check(self, t, state):
+            if t.phase == "forward":
+                seen.append(t.name)
+
+    session = watch(model, on_hit="record", rules=[Spy()])
+    model(torch.randn(3, 4, requires_grad=True)).sum().backward()
+    assert seen.count("a.output") == 1 and seen.count("b.output") == 1
+    assert not session.broken
+
+
+def test_without_an_optimizer_a_step_is_a_root_forward(watch):
+    model = mlp()
+    session = watch(model, on_hit="record")
+    for _ in range(3):
+        model(torch.randn(2, 4)).sum().backward()
+    x = torch.randn(2, 4)
+    x[0, 0] = float("nan")
+    model(x)
+    assert session.hits[0].step == 3
+
+
+def test_include_and_exclude_select_modules_by_path(watch):
+    model = mlp()
+    seen = set()
+
+    class Spy(Rule):
+        """Records modules."""
+
+        kinds = frozenset({"output"})
+
+        def check(self, t, state):
+            seen.add(t.module)
+
+    watch(model, on_hit="record", rules=[Spy()], include=["", "2", "4"], exclude=["4"])
+    model(torch.randn(2, 4))
+    assert seen == {"", "2"}
+
+
+def test_interval_computes_expensive_statistics_every_n_steps_only(watch):
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    norms = []
+
+    class Spy(Rule):
+        """Records whether the norm was computed."""
+
+        kinds = frozenset({"grad"})
+        needs = VanishingGradient.needs
+
+        def check(self, t, state):
+            if t.name == "0.weight.grad":
+                norms.append(t.get(self.needs[0]) is not None)
+
+    watch(model, optimizer=optimizer, on_hit="record", rules=[Spy()], interval=3)
+    for _ in range(6):
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+    assert norms == [True, False, False, True, False, False]
+
+
+# --- weights that do not change ------------------------------------------------------------------
+
+
+def _train(model, optimizer, steps=5):
+    for _ in range(steps):
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_a_parameter_left_out_of_the_optimizer_is_flagged_after_three_steps(watch):
+    model = mlp()
+    forgotten = model[2]
+    params = [p for name, p in model.named_parameters() if not name.startswith("2.")]
+    optimizer = torch.optim.Adam(params, lr=1e-2)
+    session = watch(model, optimizer=optimizer, on_hit="record", rules=[WeightNotChanging()])
+    _train(model, optimizer)
+    flagged = {h.tensor: h for h in session.hits}
+    assert set(flagged) == {"2.weight.update", "2.bias.update"}
+    assert flagged["2.weight.update"].step == 2  # third step (0-based)
+    assert forgotten.weight.grad is not None
+
+
+def test_frozen_parameters_and_parameters_without_gradient_are_never_flagged(watch):
+    model = mlp()
+    model[0].weight.requires_grad_(False)  # frozen
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    session = watch(model, optimizer=optimizer, on_hit="record", rules=[WeightNotChanging()])
+    for _ in range(5):  # the last layer's bias never gets a gradient: its output is not used
+        out = model[:4](torch.randn(8, 4))
+        out.pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert session.hits == []
+
+
+def test_a_learning_rate_of_zero_is_found_exactly_though_the_optimizer_wrote_the_weights(watch):
+    model = mlp()
+    optimizer = torch.optim.SGD(
+        [{"params": model[0].parameters(), "lr": 0.0}, {"params": model[2:].parameters()}],
+        lr=0.1,
+    )
+    session = watch(model, optimizer=optimizer, on_hit="record", rules=[WeightNotChanging()])
+    _train(model, optimizer, steps=6)
+    assert {h.tensor for h in session.hits} == {"0.weight.update", "0.bias.update"}
+
+
+# --- gradients -------------------------------------------------------------------------------------
+
+
+def test_exploding_gradients_are_flagged_long_before_anything_overflows(watch):
+    import examples_path  # noqa: F401  (puts examples/ on sys.path)
+    import train_diverging
+
+    session = train_diverging.main(record=True)
+    exploding = [h for h in session.hits if h.rule == "ExplodingGradient"]
+    first_nonfinite = min(h.step for h in session.hits if h.rule in ("NaN", "Overflow"))
+    assert exploding[0].step == 41  # the learning rate jumped at step 40
+    assert exploding[0].step < first_nonfinite
+    assert exploding[0].value < 1e3
+
+
+def test_a_dead_branch_has_vanishing_gradients(watch):
+    model = mlp()
+    with torch.no_grad():
+        model[2].weight.zero_()
+        model[2].bias.fill_(-1.0)  # the second ReLU is dead: nothing reaches the first layer
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=optimizer, on_hit="record", rules=[VanishingGradient()])
+    _train(model, optimizer, steps=1)
+    assert {h.tensor for h in session.hits} >= {"0.weight.grad", "0.bias.grad"}
+    assert all(h.kind == "grad" for h in session.hits)
+
+
+# --- memory and detach ----------------------------------------------------------------------------
+
+
+def test_detach_removes_every_hook_and_frees_every_reference(watch):
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=optimizer, on_hit="record")
+    x = torch.randn(3, 4)
+    out = model(x)
+    out.sum().backward()
+    optimizer.step()
+    tracked = weakref.ref(out)
+    session.detach()
+    del out
+    gc.collect()
+    assert tracked() is None
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+    assert session.records == []
+    tensordbg.attach(model, server=False).detach()  # attachable again
+
+
+def test_the_context_manager_detaches(watch):
+    model = mlp()
+    with tensordbg.attach(model, server=False, on_hit="record") as session:
+        model(torch.randn(2, 4))
+    assert session.detached
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_nothing_is_kept_across_steps_and_the_retention_budget_is_kept(watch):
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=optimizer, on_hit="record", retain_bytes=200)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    assert all(r.tensor is None for r in session.records)  # released at the end of the phase
+    kept = []
+    session.subscribe(lambda event, payload: kept.append(session.records[-1].tensor)
+                      if event == "hit" else None)  # fmt: skip
+    x = torch.randn(3, 4)
+    x[0, 0] = float("nan")
+    model(x)
+    assert kept[0] is not None  # a hit's own tensor is kept whatever the budget
+
+
+def test_attaching_twice_or_after_compile_says_what_to_do(watch):
+    model = mlp()
+    watch(model)
+    with pytest.raises(RuntimeError, match="already attached"):
+        tensordbg.attach(model, server=False)
+    compiled = torch.compile(mlp())
+    with pytest.raises(TypeError, match="attach tensordbg before torch.compile"):
+        tensordbg.attach(compiled, server=False)
+
+
+def test_warnings_are_not_raised_for_a_healthy_run(watch):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train_gpt(lambda m, o: watch(m, optimizer=o, on_hit="record"), steps=3)

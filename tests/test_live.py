@@ -1,0 +1,144 @@
+"""The live source: what the UI can ask of a paused training, answered by the training itself."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+import torch
+from paused import Planted, PausedTraining
+
+from tensordbg.live import LiveSource
+from tensordbg.source import SourceError, dispatch
+
+
+@pytest.fixture
+def paused():
+    with PausedTraining() as training:
+        training.wait_paused()
+        yield training, LiveSource(training.session)
+
+
+def test_the_session_info_says_where_it_is_paused(paused):
+    training, source = paused
+    info = source.info()
+    assert (info["state"], info["step"], info["phase"]) == ("paused", 3, "forward")
+    assert info["paused_at"]["origin"] and info["paused_at"]["module"] == ""
+    assert info["pause_reason"].startswith("NaN hit") or "hit" in info["pause_reason"]
+    assert info["history"]["step"] == [0, 1, 2] and None not in info["history"]["loss"]
+
+
+def test_hits_and_the_module_tree_mark_where_the_problem_is(paused):
+    _, source = paused
+    hits = source.hits()
+    assert hits[0]["tensor"] == "out.output" and not hits[0]["origin"]
+    assert any(h["origin"] and h["module"] == "" for h in hits)
+    modules = {m["path"]: m for m in source.modules()}
+    assert modules["out"]["hits"] >= 1 and modules["inp"]["hits"] == 0
+    assert modules["mid"]["stats"]["output"]["shape"] == [16, 32]
+    assert modules["mid"]["type"] == "Linear" and modules["mid"]["params"] == 32 * 32 + 32
+
+
+def test_statistics_and_slices_of_the_hit_tensor_come_from_the_training(paused):
+    training, source = paused
+    hit = source.info()["paused_at"]
+    tensor = training.session.record(hit["ref"]).tensor.detach()
+    stats = source.stats(hit["ref"])
+    assert stats["summary"]["nan"] == int(torch.isnan(tensor).sum())
+    assert stats["summary"]["nan"] + stats["summary"]["posinf"] + stats["summary"]["neginf"] > 0
+    one_row = source.stats(hit["ref"], "[2, :]")
+    assert one_row["shape"] == [4] and one_row["index"] == "[2, :]"
+    reply = source.slice(hit["ref"], "[1:5]", window=[[0, 2], [1, 3]])
+    assert (reply["rows"], reply["cols"], reply["shape"]) == (4, 4, [4, 4])
+    assert reply["window"] == [[0, 2], [1, 3]]
+    np.testing.assert_array_equal(reply["data"].to_numpy(), tensor[1:3, 1:3].numpy())
+
+
+def test_bad_slice_text_gets_a_clear_refusal(paused):
+    _, source = paused
+    ref = source.info()["paused_at"]["ref"]
+    for text, words in [("[0, 1, 2]", "does not fit"), ("[__import__('os')]", "not allowed"),
+                        ("[1:", "cannot read")]:  # fmt: skip
+        with pytest.raises(SourceError, match=words):
+            source.stats(ref, text)
+    with pytest.raises(SourceError, match="no tensor|not in the current phase"):
+        source.slice(10**6)
+
+
+def test_a_histogram_is_computed_in_the_training_over_finite_values(paused):
+    training, source = paused
+    ref = source.tensors()[0]["ref"]  # the batch: finite
+    tensor = training.session.record(ref).tensor.detach()
+    h = source.histogram(ref, bins=10)
+    assert sum(h["counts"]) == tensor.numel() and len(h["edges"]) == 11
+    hit = source.info()["paused_at"]["ref"]
+    h = source.histogram(hit, bins=8)
+    tensor = training.session.record(hit).tensor.detach()
+    assert sum(h["counts"]) == int(torch.isfinite(tensor).sum())
+    assert h["nan"] == int(torch.isnan(tensor).sum())
+
+
+def test_provenance_names_the_producer_its_inputs_and_the_users_line(paused):
+    _, source = paused
+    out = next(t for t in source.tensors() if t["name"] == "out.output")
+    prov = source.provenance(out["ref"])
+    assert prov["producer"] == {"module": "out", "type": "Linear", "call": 0}
+    [inp] = prov["inputs"]
+    assert inp["name"] == "out.input[0]" and inp["nonfinite"] is True
+    line = inspect.getsource(Planted.forward).splitlines()
+    expected = next(i for i, text in enumerate(line) if "return self.out(h)" in text)
+    start = inspect.getsourcelines(Planted.forward)[1]
+    assert prov["source"]["line"] == start + expected
+    assert prov["source"]["function"] == "forward"
+    assert any("self.out(h)" in text for _, text in prov["source"]["context"])
+    assert prov["stack"][-1][0].endswith("paused.py")
+
+
+def test_rules_can_be_listed_edited_added_and_rechecked_without_rerunning(paused):
+    training, source = paused
+    listing = source.rules()
+    assert [r["name"] for r in listing["rules"]][:2] == ["NaN", "Overflow"]
+    assert "TensorRange" in {a["name"] for a in listing["available"]}
+    vanishing = next(r for r in listing["rules"] if r["name"] == "VanishingGradient")
+    edited = source.set_rule(vanishing["id"], params={"threshold": 1.0})
+    assert edited["params"]["threshold"] == 1.0
+    with pytest.raises(SourceError, match="no threshold"):
+        source.set_rule(vanishing["id"], params={"nonsense": 1})
+    added = source.add_rule("TensorRange", match="inp.output", params={"max_gt": 0.0})
+    assert added["match"] == ["inp.output"]
+    before = len(training.session.hits)
+    found = source.recheck()
+    assert [h["tensor"] for h in found] == ["inp.output"]
+    assert len(training.session.hits) == before + 1
+    assert source.set_rule(added["id"], enabled=False)["enabled"] is False
+
+
+def test_stepping_runs_n_steps_then_pauses_again(paused):
+    training, source = paused
+    source.control("step", 2)
+    training.wait(lambda: training.session.step == 5 and
+                  training.session.controller.state == "paused")  # fmt: skip
+    assert training.session.controller.reason == "stepped"
+
+
+def test_tensors_are_refused_while_the_training_runs_and_detach_lets_it_finish():
+    with PausedTraining(steps=40, bad_step=-1, on_hit="record") as training:
+        source = LiveSource(training.session)
+        training.wait(lambda: len(training.session.history) > 1)
+        with pytest.raises(SourceError, match="pause"):
+            source.stats(0)
+        assert source.control("detach")["state"] == "detached"
+        training.finished.wait(30)
+        assert training.session.detached and training.error is None
+
+
+def test_bfloat16_tensors_travel_as_raw_words_with_their_dtype():
+    with PausedTraining(dtype=torch.bfloat16) as training:
+        training.wait_paused()
+        source = LiveSource(training.session)
+        t = next(t for t in source.tensors() if t["name"] == "out.output")
+        reply = dispatch(source, "slice", {"ref": t["ref"]})
+        assert reply["dtype"] == "bfloat16" and reply["data"].data.dtype == np.uint16
+        expected = training.session.record(t["ref"]).tensor.detach().float().numpy()
+        np.testing.assert_array_equal(reply["data"].to_numpy(), expected)

@@ -1,0 +1,605 @@
+"""The built-in watchpoint rules, each shown finding a planted fault and staying quiet on a healthy
+tensor. Rules judge statistics, so every test builds them from numpy arrays the way the engine
+does: ask the rule which statistics it needs, compute those, then call ``check``."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+import tensordbg.rules.base as rules_base
+from tensordbg.rules import (
+    BUILTIN,
+    DEFAULT,
+    AllZero,
+    DeadActivation,
+    ExplodingGradient,
+    Finding,
+    LossNotDecreasing,
+    NaN,
+    Overflow,
+    PoorInitialization,
+    Rule,
+    SaturatedActivation,
+    TensorRange,
+    VanishingGradient,
+    WeightNotChanging,
+    WeightUpdateRatio,
+    available_rules,
+    default_rules,
+)
+from tensordbg.rules.base import SELECTION_ARGS, builtin_rules
+
+from tensordbg.stats import (
+    ABS_MEAN,
+    FLOAT_MAX,
+    MAX,
+    MIN,
+    STD,
+    TensorStats,
+    dead_unit_frac,
+    in_range_frac,
+    stats_from_numpy,
+)
+
+rng = np.random.default_rng(0)
+
+
+def tensor(rule: Rule, array: Any, **where: Any) -> TensorStats:
+    """The TensorStats the engine hands ``rule`` for ``array``: only the statistics it asks for."""
+    probe = stats_from_numpy(np.asarray(array), (), **where)
+    assert rule.applies(probe), f"{rule} does not apply to {where}"
+    return stats_from_numpy(np.asarray(array), rule.stats_for(probe), **where)
+
+
+def judge(rule: Rule, array: Any, state: dict | None = None, **where: Any) -> Finding | None:
+    return rule.check(tensor(rule, array, **where), {} if state is None else state)
+
+
+def grad(norm: float) -> np.ndarray:
+    """A gradient whose L2 norm is ``norm``."""
+    return np.full(4, norm / 2)
+
+
+GRAD = {"name": "layers.1.fc.weight.grad", "module": "layers.1.fc", "kind": "grad"}
+
+
+# --- NaN and Inf ---------------------------------------------------------------------------------
+
+
+def test_nan_is_found_with_its_count():
+    x = rng.standard_normal((8, 16)).astype(np.float32)
+    x[1, 2] = x[3, 4] = x[5, 6] = np.nan
+    found = judge(NaN(), x, name="net.2.output", module="net.2", kind="output")
+    assert found is not None
+    assert (found.value, found.threshold) == (3.0, None)
+    assert "net.2.output holds 3 NaN among 128 values" in found.message
+    assert NaN.propagates
+
+
+def test_nan_counts_one_when_only_the_range_is_known():
+    t = TensorStats("x", "", "output", "forward", 0, (4,), "float32", {MIN: math.nan, MAX: 1.0})
+    assert NaN().check(t, {}).value == 1.0
+
+
+def test_nan_is_quiet_on_finite_values_and_infinities():
+    assert judge(NaN(), rng.standard_normal(100), name="x", kind="output") is None
+    assert judge(NaN(), np.array([1.0, np.inf]), name="x", kind="output") is None
+
+
+def test_overflow_finds_infinities_with_their_count():
+    x = np.array([1.0, np.inf, -np.inf, np.inf], dtype=np.float32)
+    found = judge(Overflow(), x, name="net.0.output", kind="output")
+    assert found.value == 3.0
+    assert "net.0.output holds 3 infinite values (+Inf×2, -Inf×1)" in found.message
+    assert Overflow.propagates
+
+
+def test_overflow_warns_a_float16_tensor_before_it_overflows():
+    x = np.array([1.0, -40000.0], dtype=np.float16)
+    found = judge(Overflow(), x, name="attn.scores", kind="output")
+    assert found.value == 40000.0
+    assert found.threshold == 0.5 * FLOAT_MAX["float16"]
+    assert "attn.scores reaches 4e+04" in found.message
+    assert (
+        judge(Overflow(), np.array([1.0, 30000.0], dtype=np.float16), name="a", kind="output")
+        is None
+    )
+
+
+def test_overflow_judges_bfloat16_against_its_own_range():
+    t = TensorStats("h", "", "output", "forward", 0, (2,), "bfloat16", {MIN: -1.0, MAX: 2e38})
+    assert Overflow().check(t, {}).threshold == pytest.approx(0.5 * 3.39e38, rel=1e-3)
+
+
+def test_overflow_leaves_large_float32_values_alone():
+    x = np.array([1e30, -1e30], dtype=np.float32)
+    assert judge(Overflow(), x, name="logits", kind="output") is None
+
+
+# --- all zeros and bounds -------------------------------------------------------------------------
+
+
+def test_all_zero_gradient_is_found():
+    found = judge(AllZero(), np.zeros((4, 4)), **GRAD)
+    assert (found.value, found.threshold) == (1.0, 1.0)
+    assert found.message.startswith("layers.1.fc.weight.grad is 100.0% zeros")
+    assert "no gradient reaches it" in found.message
+
+
+def test_all_zero_is_quiet_on_a_sparse_tensor_and_ignores_inputs():
+    x = np.array([0.0, 0.0, 0.0, 1.0])
+    assert judge(AllZero(), x, **GRAD) is None
+    assert not AllZero().applies(stats_from_numpy(x, (), name="x", kind="input"))
+
+
+def test_tensor_range_lists_every_bound_that_fired():
+    rule = TensorRange(max_gt=10.0, mean_gt=1.0, min_lt=-100.0)
+    found = judge(rule, np.array([0.0, 5.0, 50.0]), name="enc.output", kind="output")
+    assert (found.value, found.threshold) == (50.0, 10.0)
+    assert (
+        "enc.output is outside the bounds set for it: max 50 > 10, mean 18.3 > 1;" in found.message
+    )
+
+
+def test_tensor_range_asks_only_for_the_statistics_its_bounds_need():
+    t = stats_from_numpy(np.ones(3), (), name="x", kind="output")
+    assert TensorRange(max_gt=1.0).stats_for(t) == (MAX,)
+    rule = TensorRange(abs_mean_lt=1e-9, abs_mean_gt=1e3, range_lo=0.0, range_percentage_gt=50.0)
+    assert rule.stats_for(t) == (ABS_MEAN, in_range_frac(0.0, math.inf))
+
+
+def test_tensor_range_percentage_within_a_range():
+    # MindInsight's dead-ReLU preset: over 99.9 % of the outputs within [-1, 0].
+    rule = TensorRange(range_lo=-1.0, range_hi=0.0, range_percentage_gt=99.9)
+    found = judge(rule, np.zeros(1000), name="relu.output", kind="output")
+    assert (found.value, found.threshold) == (100.0, 99.9)
+    assert "100% of values within [-1, 0] > 99.9%" in found.message
+    assert judge(rule, rng.standard_normal(1000), name="relu.output", kind="output") is None
+
+
+def test_tensor_range_without_a_bound_is_refused():
+    with pytest.raises(ValueError, match="needs at least one bound"):
+        TensorRange()
+    with pytest.raises(ValueError, match="need range_percentage_lt or range_percentage_gt"):
+        TensorRange(range_lo=0.0, range_hi=1.0)
+    rule = TensorRange(max_gt=1.0)
+    with pytest.raises(ValueError, match="needs at least one bound"):
+        rule.set_params(max_gt=None)
+    assert rule.max_gt == 1.0
+
+
+# --- gradients ------------------------------------------------------------------------------------
+
+
+def test_exploding_gradient_fires_long_before_overflow():
+    rule, state = ExplodingGradient(), {}
+    for step in range(60):
+        norm = 1.5**step
+        found = judge(rule, grad(norm), state, step=step, **GRAD)
+        if found is not None:
+            break
+    assert found is not None
+    assert norm < 1e4
+    assert found.value > 20.0 and found.threshold == 20.0
+    assert "layers.1.fc.weight.grad has norm" in found.message
+    assert "gradients are exploding" in found.message
+
+
+def test_exploding_gradient_is_quiet_on_a_healthy_noisy_sequence():
+    rule, state = ExplodingGradient(), {}
+    norms = 3.0 * np.exp(-np.arange(300) / 150) * rng.lognormal(0.0, 0.5, 300)
+    assert norms.max() / norms.min() > 20  # noisy and drifting, not flat
+    assert all(judge(rule, grad(n), state, step=i, **GRAD) is None for i, n in enumerate(norms))
+
+
+def test_exploding_gradient_keeps_one_history_per_tensor():
+    rule, state = ExplodingGradient(), {}
+    small = {**GRAD, "name": "a.weight.grad"}
+    large = {**GRAD, "name": "b.weight.grad"}
+    for step in range(30):
+        assert judge(rule, grad(1.0), state, step=step, **small) is None
+        assert judge(rule, grad(100.0), state, step=step, **large) is None
+
+
+def test_exploding_gradient_above_max_norm_or_non_finite():
+    found = judge(ExplodingGradient(), grad(1e7), **GRAD)  # no warmup needed
+    assert (found.value, found.threshold) == (pytest.approx(1e7), 1e6)
+    found = judge(ExplodingGradient(), np.array([1.0, np.nan, np.inf]), **GRAD)
+    assert found.value == 2.0
+    assert "holds 2 NaN/Inf values" in found.message
+
+
+def test_exploding_gradient_ignores_growth_from_an_all_zero_history():
+    rule, state = ExplodingGradient(), {}
+    for step in range(12):
+        judge(rule, grad(0.0), state, step=step, **GRAD)
+    assert judge(rule, grad(1e-3), state, step=12, **GRAD) is None
+
+
+def test_vanishing_gradient_of_a_trainable_parameter():
+    found = judge(VanishingGradient(), np.full(10, 1e-9), trainable=True, **GRAD)
+    assert (found.value, found.threshold) == (pytest.approx(1e-9), 1e-7)
+    assert "layers.1.fc.weight.grad has mean |grad| 1e-09, below 1e-07" in found.message
+    zero = judge(VanishingGradient(), np.zeros(10), trainable=True, **GRAD)
+    assert zero.value == 0.0 and "receives no gradient at all" in zero.message
+
+
+def test_vanishing_gradient_is_quiet_on_healthy_or_frozen_parameters():
+    assert judge(VanishingGradient(), np.full(10, 1e-3), trainable=True, **GRAD) is None
+    assert judge(VanishingGradient(), np.zeros(10), trainable=False, **GRAD) is None
+
+
+# --- weights --------------------------------------------------------------------------------------
+
+UPDATE = {"name": "fc.weight", "module": "fc", "kind": "update", "phase": "optimizer"}
+
+
+def updates(rule: Rule, moves: list[bool | None], trainable: bool = True) -> list[Finding | None]:
+    """Run ``rule`` over optimizer steps that move the weight (True), leave it (False), or are
+    not measured (None)."""
+    state, found, w = {}, [], np.ones(8)
+    for step, moved in enumerate(moves):
+        new = w + 0.1 if moved else w.copy()
+        t = tensor(rule, new, prev=w, step=step, trainable=trainable, **UPDATE)
+        if moved is None:
+            t.values.clear()
+        found.append(rule.check(t, state))
+        w = new
+    return found
+
+
+def test_weight_not_changing_fires_once_per_streak_and_rearms():
+    found = updates(WeightNotChanging(), [False] * 5 + [True] + [False] * 3)
+    fired = [i for i, f in enumerate(found) if f is not None]
+    assert fired == [2, 8]
+    assert (found[2].value, found[2].threshold) == (3.0, 3.0)
+    assert "fc.weight has not changed for 3 optimizer steps" in found[2].message
+
+
+def test_weight_not_changing_skips_unmeasured_steps_and_frozen_parameters():
+    found = updates(WeightNotChanging(), [False, False, None, False])
+    assert [f is not None for f in found] == [False, False, False, True]
+    assert updates(WeightNotChanging(), [False] * 5, trainable=False) == [None] * 5
+
+
+def test_weight_update_ratio_too_large_and_too_small():
+    w = rng.standard_normal(100) * 0.01
+    large = judge(WeightUpdateRatio(), w + 1.0, prev=w, trainable=True, **UPDATE)
+    assert large.threshold == 10.0 and large.value > 10.0
+    assert "fc.weight moved by" in large.message and "lower the learning rate" in large.message
+    small = judge(WeightUpdateRatio(), w + 1e-12, prev=w, trainable=True, **UPDATE)
+    assert small.threshold == 1e-8 and small.value < 1e-8
+    assert "barely learns" in small.message
+    healthy = w + 1e-3 * np.abs(w).mean() * rng.standard_normal(100)
+    assert judge(WeightUpdateRatio(), healthy, prev=w, trainable=True, **UPDATE) is None
+
+
+def init_stats(model: Any, step: int = 0) -> list[TensorStats]:
+    """Step-0 parameter statistics of a torch model, as PoorInitialization receives them."""
+    rule, out = PoorInitialization(), []
+    for path, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            out.append(
+                stats_from_numpy(
+                    p.detach().numpy(),
+                    rule.needs,
+                    name=f"{path}.{pname}",
+                    module=path,
+                    kind="param",
+                    step=step,
+                    module_type=type(module).__name__,
+                    trainable=True,
+                )
+            )
+    return out
+
+
+def mlp() -> Any:
+    nn = pytest.importorskip("torch.nn")
+    return nn.Sequential(
+        nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 10)
+    )
+
+
+def cnn() -> Any:
+    nn = pytest.importorskip("torch.nn")
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(64 * 8 * 8, 10),
+    )
+
+
+def test_poor_initialization_is_quiet_on_pytorch_default_inits():
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    for model in (mlp(), cnn()):
+        tensors = init_stats(model)
+        assert PoorInitialization().check_phase(tensors, {}) == []
+    # Plain variances of the default CNN spread 150x: only the fan-in scaling keeps it quiet.
+    variances = [t.get(STD) ** 2 for t in init_stats(cnn()) if len(t.shape) > 1]
+    assert max(variances) / min(variances) > 10
+
+
+def test_poor_initialization_finds_an_all_zero_layer():
+    torch = pytest.importorskip("torch")
+    model = mlp()
+    with torch.no_grad():
+        model[2].weight.zero_()
+    found = PoorInitialization().check_phase(init_stats(model), {})
+    assert [(t.name, f.value) for t, f in found] == [("2.weight", 0.0)]
+    assert "2.weight is all zeros at initialisation" in found[0][1].message
+
+
+def test_poor_initialization_names_a_layer_scaled_x100():
+    torch = pytest.importorskip("torch")
+    model = cnn()
+    with torch.no_grad():
+        model[2].weight.mul_(100)
+    found = PoorInitialization().check_phase(init_stats(model), {})
+    assert len(found) == 1
+    t, finding = found[0]
+    assert t.name == "2.weight"
+    assert finding.threshold == 10.0 and finding.value == pytest.approx(1e4, rel=0.2)
+    assert "activations and gradients grow" in finding.message
+    assert PoorInitialization().check_phase(init_stats(model, step=1), {}) == []
+
+
+# --- activations ----------------------------------------------------------------------------------
+
+
+def test_dead_relu_layer_is_found():
+    x = np.maximum(rng.standard_normal((64, 32)), 0)
+    x[:, :24] = 0.0  # 24 of 32 units never fire
+    found = judge(
+        DeadActivation(),
+        x,
+        name="mlp.act.output",
+        module="mlp.act",
+        kind="output",
+        module_type="ReLU",
+    )
+    assert (found.value, found.threshold) == (0.75, 0.5)
+    assert "mlp.act.output (ReLU) has 75% dead units" in found.message
+
+
+def test_dead_units_of_a_conv_map_are_its_channels():
+    x = np.maximum(rng.standard_normal((8, 16, 4, 4)), 0)
+    x[:, :12] = 0.0
+    rule = DeadActivation()
+    where = {"name": "conv.relu.output", "kind": "output", "module_type": "ReLU"}
+    assert rule.stats_for(stats_from_numpy(x, (), **where)) == (
+        dead_unit_frac(0, math.inf, 1, 0.01),
+    )
+    assert judge(rule, x, **where).value == 0.75
+
+
+def test_dead_activation_is_quiet_on_a_healthy_relu_and_judges_only_activations():
+    x = np.maximum(rng.standard_normal((64, 32)), 0)
+    assert judge(DeadActivation(), x, name="act.output", kind="output", module_type="ReLU") is None
+    linear = stats_from_numpy(x, (), name="fc.output", kind="output", module_type="Linear")
+    assert not DeadActivation().applies(linear)
+    custom = stats_from_numpy(x, (), name="blk.act.output", kind="output", module_type="MyAct")
+    assert DeadActivation(match="*.act.output").applies(custom)
+
+
+def test_saturated_tanh_layer_is_found():
+    pre = rng.standard_normal((64, 10))
+    pre[:, :8] = rng.choice([-1, 1], (64, 8)) * rng.uniform(10, 30, (64, 8))
+    found = judge(
+        SaturatedActivation(),
+        np.tanh(pre),
+        name="rnn.tanh.output",
+        kind="output",
+        module_type="Tanh",
+    )
+    assert (found.value, found.threshold) == (0.8, 0.5)
+    assert "rnn.tanh.output (Tanh) has 80% saturated units" in found.message
+
+
+def test_saturation_bounds_are_sagemakers_carried_through_the_function():
+    where = {"name": "gate.output", "kind": "output"}
+    assert (
+        judge(SaturatedActivation(), np.tanh(np.full((8, 4), 9.4)), module_type="Tanh", **where)
+        is None
+    )
+    assert (
+        judge(
+            SaturatedActivation(), np.tanh(np.full((8, 4), 9.6)), module_type="Tanh", **where
+        ).value
+        == 1.0
+    )
+    sigmoid = 1 / (1 + np.exp(-np.array([[-22.5], [-23.5]]) * np.ones((2, 4))))
+    assert judge(SaturatedActivation(), sigmoid[:1], module_type="Sigmoid", **where) is None
+    assert judge(SaturatedActivation(), sigmoid[1:], module_type="Sigmoid", **where).value == 1.0
+
+
+def test_saturated_activation_is_quiet_on_a_healthy_tanh_and_refuses_unknown_types():
+    x = np.tanh(rng.standard_normal((64, 10)))
+    assert (
+        judge(SaturatedActivation(), x, name="t.output", kind="output", module_type="Tanh") is None
+    )
+    with pytest.raises(ValueError, match="knows the saturation bounds of Tanh, Sigmoid only"):
+        SaturatedActivation(module_types=("Hardtanh",))
+
+
+# --- loss -----------------------------------------------------------------------------------------
+
+
+def losses(values_per_step: list[list[float]], name: str = "loss") -> list[tuple[int, Finding]]:
+    """Observe a loss (several observations per step allowed); return the (step, finding)s."""
+    rule, state, found = LossNotDecreasing(), {}, []
+    for step, values in enumerate(values_per_step):
+        for v in values:
+            f = judge(rule, np.float64(v), state, name=name, kind="observed", step=step)
+            if f is not None:
+                found.append((step, f))
+    return found
+
+
+def test_a_noisy_but_decreasing_loss_is_quiet():
+    steps = np.arange(100)
+    loss = (3.0 * np.exp(-steps / 100) + 0.1) * rng.normal(1.0, 0.05, 100)
+    assert np.count_nonzero(np.diff(loss) > 0) > 20  # step to step, it often goes up
+    assert losses([[v] for v in loss]) == []
+
+
+def test_a_rising_loss_is_found():
+    loss = [2.0] * 10 + [2.3] * 11
+    (step, found), *_ = losses([[v] for v in loss])
+    assert step == 20  # judged once step 19 is complete
+    assert found.value == pytest.approx(15.0) and found.threshold == 5.0
+    assert found.message.startswith(
+        "loss went up 15% over the last 10 steps (mean 2.3 over steps 10-19"
+    )
+
+
+def test_a_flat_loss_is_found():
+    (step, found), *_ = losses([[2.0]] * 21)
+    assert (step, found.value, found.threshold) == (20, 0.0, 0.1)
+    assert "loss did not decrease (it changed +0%)" in found.message
+    (_, slow), *_ = losses([[2.0]] * 10 + [[1.999]] * 11)
+    assert "loss decreased by only 0.05%" in slow.message
+
+
+def test_loss_is_averaged_within_a_step_and_non_finite_values_skipped():
+    # Two micro-batches per step: windows count steps, not observations.
+    rising = [[1.0, 3.0]] * 10 + [[1.5, 3.5], [math.nan, 2.5, 2.5]] * 5 + [[2.5]]
+    (step, found), *_ = losses(rising)
+    assert step == 20
+    assert found.value == pytest.approx(25.0)
+
+
+def test_loss_rule_watches_losses_by_default():
+    rule = LossNotDecreasing()
+    assert rule.applies(stats_from_numpy(np.float64(1), (), name="val_loss", kind="observed"))
+    assert not rule.applies(stats_from_numpy(np.float64(1), (), name="accuracy", kind="observed"))
+
+
+# --- the rule interface ---------------------------------------------------------------------------
+
+
+def test_default_rules():
+    assert [type(r) for r in DEFAULT] == [
+        NaN,
+        Overflow,
+        ExplodingGradient,
+        VanishingGradient,
+        WeightNotChanging,
+    ]
+    assert all(a is not b for a, b in zip(default_rules(), DEFAULT, strict=True))
+
+
+def make(cls: type[Rule]) -> Rule:
+    return cls(max_gt=1.0) if cls is TensorRange else cls()
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+def test_every_rule_lists_its_thresholds_and_documents_its_defaults(name):
+    cls = builtin_rules()[name]
+    signature = inspect.signature(cls.__init__).parameters
+    thresholds = [
+        n for n, p in signature.items() if p.kind == p.KEYWORD_ONLY and n not in SELECTION_ARGS
+    ]
+    assert list(make(cls).params()) == thresholds
+    doc = inspect.getdoc(cls)
+    assert "Defaults" in doc and "Example" in doc
+    assert make(cls).describe() == doc.splitlines()[0]
+
+
+def test_thresholds_keep_their_type_and_unknown_names_are_refused():
+    rule = ExplodingGradient()
+    assert rule.params() == {"max_norm": 1e6, "growth": 20.0, "window": 50, "warmup": 10}
+    rule.set_params(window="30", max_norm=5)
+    assert rule.window == 30 and isinstance(rule.max_norm, float)
+    with pytest.raises(ValueError, match="ExplodingGradient has no threshold 'limit'"):
+        rule.set_params(limit=3)
+    with pytest.raises(ValueError, match=r"ExplodingGradient\.growth takes a float"):
+        rule.set_params(growth="fast")
+    act = DeadActivation()
+    act.set_params(module_types=["ReLU"])
+    assert act.module_types == ("ReLU",)
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+def test_missing_statistics_give_no_verdict(name):
+    rule = make(builtin_rules()[name])
+    kind = sorted(rule.kinds)[0]
+    module_type = {"DeadActivation": "ReLU", "SaturatedActivation": "Tanh"}.get(name, "Linear")
+    t = TensorStats(
+        "net.loss.weight",
+        "net",
+        kind,
+        "forward",
+        0,
+        (4, 4),
+        "float32",
+        {},
+        module_type,
+        trainable=True,
+    )
+    assert rule.applies(t)
+    state: dict = {}
+    assert rule.check_phase([t, t], state) == []
+
+
+def test_rules_never_import_torch():
+    code = "import sys, tensordbg.rules; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class LargeActivation(Rule):
+    """An activation whose magnitude passes ``limit``."""
+
+    kinds = frozenset({"output"})
+    needs = (MIN, MAX)
+
+    def __init__(self, *, limit: float = 1e4, **selection: Any):
+        super().__init__(**selection)
+        self.limit = limit
+
+    def check(self, t: TensorStats, state: dict) -> Finding | None:
+        return (
+            Finding(t.abs_max, self.limit, f"{t.name} is large") if t.abs_max > self.limit else None
+        )
+
+
+class FakeEntryPoint:
+    def __init__(self, name: str, target: Any):
+        self.name, self.target = name, target
+
+    def load(self) -> Any:
+        if isinstance(self.target, Exception):
+            raise self.target
+        return self.target
+
+
+def test_third_party_rules_come_through_entry_points(monkeypatch):
+    plugins = [
+        FakeEntryPoint("LargeActivation", LargeActivation),
+        FakeEntryPoint("Broken", ImportError("no module named 'missing'")),
+        FakeEntryPoint("NotARule", object),
+        FakeEntryPoint("NaN", LargeActivation),
+    ]
+    monkeypatch.setattr(
+        rules_base, "entry_points", lambda group: plugins if group == "tensordbg.rules" else []
+    )
+    with pytest.warns(UserWarning) as warned:
+        found = available_rules()
+    assert found["LargeActivation"] is LargeActivation
+    assert found["NaN"] is NaN  # a plugin never replaces a built-in
+    assert "Broken" not in found and "NotARule" not in found
+    assert list(found)[: len(BUILTIN)] == list(BUILTIN)
+    messages = [str(w.message) for w in warned]
+    assert any("'Broken' failed to load: no module named 'missing'" in m for m in messages)
+    assert any("'NotARule' is not a tensordbg.rules.Rule subclass" in m for m in messages)
+    assert judge(found["LargeActivation"](), np.array([2e4]), name="x", kind="output").value == 2e4

@@ -1,0 +1,497 @@
+"""A training serving its Source to a UI over a real ipc socket (and tcp with CURVE): every
+request, the events, reconnecting, liveness, and the files a session leaves for the UI to find."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+import zmq
+from fake_source import FakeSource
+
+import tensordbg.client
+from tensordbg.client import (
+    Client,
+    ConnectionLost,
+    LocalClient,
+    RemoteError,
+    SessionNotFound,
+    SyncClient,
+)
+from tensordbg.connection import (
+    ConnectionFileError,
+    ConnectionInfo,
+    find_sessions,
+    read_connection_file,
+    runtime_dir,
+    write_connection_file,
+)
+from tensordbg.protocol import WireArray
+from tensordbg.server import Server
+from tensordbg.source import METHODS
+
+DEADLINE = 15.0  # seconds any awaited condition may take on a loaded machine
+
+
+def wait_until(condition: Callable[[], object], timeout: float = DEADLINE) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def runtime(tmp_path, monkeypatch):
+    monkeypatch.setenv("TENSORDBG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setattr(tensordbg.client, "PING_INTERVAL", 0.1)  # liveness tests stay short
+    return tmp_path
+
+
+@pytest.fixture
+def source() -> FakeSource:
+    return FakeSource()
+
+
+@pytest.fixture
+def start_server(runtime) -> Iterator[Callable[..., Server]]:
+    servers: list[Server] = []
+
+    def start(source, run_id: str = "run1", rank: int = 0, **options) -> Server:
+        server = Server(source, run_id=run_id, rank=rank, script="train.py", **options)
+        servers.append(server)
+        server.start()
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def server(start_server, source) -> Server:
+    return start_server(source)
+
+
+@pytest.fixture
+def connect(runtime) -> Iterator[Callable[..., SyncClient]]:
+    clients: list[SyncClient] = []
+
+    def open_client(conn=None, **options) -> SyncClient:
+        client = SyncClient(conn, timeout=options.pop("timeout", DEADLINE), **options)
+        clients.append(client)
+        return client
+
+    yield open_client
+    for client in clients:
+        client.close()
+
+
+# --- the session's files -------------------------------------------------------------------------
+
+
+def test_a_session_leaves_a_private_connection_file_next_to_its_socket(server, runtime):
+    info = server.info
+    assert info.path == runtime / "run1-0.json"
+    assert stat.S_IMODE(os.stat(runtime).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(info.path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(runtime / "run1-0.sock").st_mode) == 0o600
+
+    written = read_connection_file(info.path)
+    assert written == info
+    assert (written.run_id, written.rank, written.pid) == ("run1", 0, os.getpid())
+    assert (written.transport, written.endpoint) == ("ipc", f"ipc://{runtime}/run1-0.sock")
+    assert len(bytes.fromhex(written.key)) == 32
+    assert written.script == "train.py" and written.host and written.started <= time.time()
+    assert written.key not in repr(written)  # a logged ConnectionInfo does not give it away
+
+
+def test_stop_removes_the_files_and_can_be_called_twice(server, runtime):
+    server.stop()
+    server.stop()
+    assert list(runtime.iterdir()) == []
+    assert find_sessions() == []
+
+
+def test_find_sessions_lists_live_ones_newest_first_and_removes_stale_ones(
+    start_server, source, runtime
+):
+    start_server(source, run_id="older")
+    newer = start_server(source, run_id="newer")
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    stale = dataclasses.replace(
+        newer.info,
+        run_id="gone",
+        pid=int(dead.stdout),
+        started=0.0,
+        endpoint=f"ipc://{runtime}/gone-0.sock",
+    )
+    stale_file = write_connection_file(stale, runtime)
+
+    assert [s.name for s in find_sessions()] == ["newer-0", "older-0"]
+    assert not stale_file.exists()
+
+
+def test_a_second_session_of_the_same_name_is_refused_and_leaves_the_first_alone(
+    server, source, connect
+):
+    other_process = dataclasses.replace(server.info, pid=os.getppid())
+    os.unlink(server.info.path)
+    write_connection_file(other_process, server.info.path.parent)
+    with pytest.raises(ConnectionFileError, match="already running"):
+        Server(source, run_id="run1", rank=0).start()
+    assert connect(server.info).call("info")["state"] == "paused"
+
+
+def test_a_runtime_directory_others_can_enter_is_refused(tmp_path):
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    os.chmod(loose, 0o755)
+    with pytest.raises(ConnectionFileError, match="chmod 700"):
+        runtime_dir(loose)
+
+
+def test_a_runtime_directory_of_another_user_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(tmp_path).st_uid + 1)
+    with pytest.raises(ConnectionFileError, match="not to you"):
+        runtime_dir(tmp_path)
+
+
+def test_a_bad_run_id_is_refused(source):
+    with pytest.raises(ValueError, match="run id"):
+        Server(source, run_id="../escape", rank=0)
+
+
+# --- choosing a session --------------------------------------------------------------------------
+
+
+def test_connect_without_a_file_picks_the_only_session(server, connect):
+    assert connect().info.name == "run1-0"
+
+
+def test_connect_without_a_file_explains_when_there_is_no_session(runtime):
+    with pytest.raises(SessionNotFound, match="no tensordbg session is running"):
+        SyncClient()
+
+
+def test_connect_without_a_file_lists_the_sessions_when_there_are_several(start_server, source):
+    start_server(source, run_id="a")
+    start_server(source, run_id="b")
+    with pytest.raises(SessionNotFound, match="2 tensordbg sessions") as caught:
+        SyncClient()
+    assert "a-0" in str(caught.value) and "b-0" in str(caught.value)
+
+
+# --- requests ------------------------------------------------------------------------------------
+
+
+def test_hello_brings_the_whole_state(server, connect):
+    welcome = connect(server.info.path).welcome
+    assert welcome["info"]["state"] == "paused"
+    assert [h["id"] for h in welcome["hits"]] == [0, 1]
+    assert welcome["hits"][0]["module"] == "net.2"
+
+
+def test_every_request_is_served(server, source, connect):
+    client = connect(server.info.path)
+    asked = {
+        "info": {},
+        "modules": {},
+        "hits": {"since": 1},
+        "tensors": {},
+        "stats": {"ref": 3, "text": "[1]"},
+        "slice": {"ref": 5, "text": "[2:4]", "window": [[0, 2], [10, 20]]},
+        "histogram": {"ref": 1, "bins": 8},
+        "provenance": {"ref": 3},
+        "rules": {},
+        "set_rule": {"id": 1, "params": {"threshold": 1e-6}},
+        "add_rule": {"name": "TensorRange", "match": "net.*"},
+        "recheck": {},
+        "control": {"action": "step", "n": 2},
+    }
+    assert set(asked) == set(METHODS)
+    got = {method: client.call(method, **params) for method, params in asked.items()}
+
+    assert got["info"]["run_id"] == "fake0001"
+    assert [m["path"] for m in got["modules"]][:3] == ["", "net", "net.0"]
+    assert [h["id"] for h in got["hits"]] == [1]
+    assert len(got["tensors"]) == 6
+    assert got["stats"]["index"] == "[1]" and got["stats"]["summary"]["nan"] == 1
+    window = got["slice"]["data"]
+    assert isinstance(window, WireArray) and window.shape == (2, 10)
+    np.testing.assert_array_equal(window.to_numpy(), source.arrays[5][3][2:4, 10:20])
+    assert len(got["histogram"]["counts"]) == 8
+    assert got["provenance"]["inputs"][0]["name"] == "net.1.output"
+    assert [r["name"] for r in got["rules"]["rules"]] == ["NaN", "VanishingGradient"]
+    assert got["set_rule"]["params"] == {"threshold": 1e-6}
+    assert got["add_rule"]["match"] == ["net.*"]
+    assert got["recheck"][0]["rule"] == "NaN"
+    assert got["control"] == {"state": "running", "step": 3}
+    assert source.controls == [("step", 2)]
+
+
+def test_a_whole_large_tensor_arrives_intact(runtime, start_server, connect):
+    source = FakeSource(big=2000)
+    server = start_server(source, run_id="big")
+    window = connect(server.info.path).call("slice", ref=5)["data"]
+    np.testing.assert_array_equal(window.to_numpy(), source.arrays[5][3])
+
+
+def test_a_refused_request_raises_the_sources_message(server, connect):
+    client = connect(server.info.path)
+    with pytest.raises(RemoteError, match="no tensor 99 in this phase"):
+        client.call("stats", ref=99)
+    with pytest.raises(RemoteError, match="parameter 'ref' of 'stats' cannot be '3'"):
+        client.call("stats", ref="3")
+    assert client.call("info")["state"] == "paused"
+
+
+class BrokenSource(FakeSource):
+    def provenance(self, ref):
+        raise KeyError(ref)
+
+
+def test_a_bug_in_the_source_is_reported_once_and_serving_goes_on(start_server, connect, caplog):
+    server = start_server(BrokenSource())
+    client = connect(server.info.path)
+    with caplog.at_level(logging.ERROR, logger="tensordbg.server"):
+        for _ in range(3):
+            with pytest.raises(RemoteError, match="internal error in provenance: 3"):
+                client.call("provenance", ref=3)
+    assert len([r for r in caplog.records if "provenance" in r.getMessage()]) == 1
+    assert client.call("tensors")[0]["name"] == "input[0]"
+
+
+class SlowSource(FakeSource):
+    def __init__(self):
+        super().__init__()
+        self.release = threading.Event()
+
+    def modules(self):
+        self.release.wait(DEADLINE)
+        return super().modules()
+
+
+def test_a_slow_request_does_not_stop_the_server_answering(start_server, runtime):
+    source = SlowSource()
+    server = start_server(source)
+
+    async def scenario() -> None:
+        async with await Client.connect(server.info.path) as client:
+            slow = asyncio.ensure_future(client.call("modules"))
+            started = time.monotonic()
+            assert await client.call("ping") == {}
+            assert time.monotonic() - started < DEADLINE / 2
+            assert not slow.done()
+            source.release.set()
+            assert len(await slow) == 6
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        source.release.set()
+
+
+# --- events --------------------------------------------------------------------------------------
+
+
+def test_events_from_the_training_thread_reach_the_client(server, source, connect):
+    client = connect(server.info.path)
+    hit = source.hits()[0]
+    training = threading.Thread(target=source.emit, args=("hit", hit))
+    training.start()
+    training.join()
+
+    event, payload = next(client.events(timeout=DEADLINE))
+    assert (event, payload["id"], payload["module"]) == ("hit", 0, "net.2")
+
+    client.call("control", action="continue")
+    assert next(client.events(timeout=DEADLINE)) == ("state", {"state": "running", "step": 3})
+
+
+def test_status_events_are_throttled_and_the_latest_wins(server, source, connect):
+    client = connect(server.info.path)
+    started = time.monotonic()
+    for step in range(500):
+        source.emit("status", {"step": step})
+    emitting = time.monotonic() - started
+
+    received = []
+    for _status, payload in client.events(timeout=DEADLINE):
+        received.append(payload["step"])
+        if payload["step"] == 499:
+            break
+    assert received[-1] == 499
+    assert len(received) <= 10 * (emitting + 0.1) + 3
+
+
+def test_emitting_never_waits_for_a_client_that_does_not_read(server, source, connect):
+    connect(server.info.path)  # connected, never reads its events
+    started = time.monotonic()
+    for i in range(20_000):
+        source.emit("log", {"message": f"line {i}", "level": "info"})
+    assert time.monotonic() - started < 5.0
+
+
+def test_the_async_client_streams_events(server, source):
+    async def scenario() -> list:
+        async with await Client.connect(server.info.path) as client:
+            threading.Thread(target=source.emit, args=("log", {"message": "hi"})).start()
+            async for event in client.events():
+                return event
+        return []
+
+    assert asyncio.run(scenario()) == ("log", {"message": "hi"})
+
+
+# --- reconnecting and liveness -------------------------------------------------------------------
+
+
+def test_a_reconnecting_client_gets_the_current_state(server, connect):
+    first = connect(server.info.path)
+    first.call("control", action="continue")
+    first.close()
+
+    second = connect(server.info.path)
+    assert second.welcome["info"]["state"] == "running"
+    assert len(second.welcome["hits"]) == 2
+
+
+def test_on_clients_reports_clients_coming_and_vanishing(start_server, source, connect):
+    counts: list[int] = []
+    server = start_server(source, client_timeout=1.0, on_clients=counts.append)
+    client = connect(server.info.path)
+    wait_until(lambda: counts == [1])
+
+    # The client's pings keep it alive well past the timeout...
+    watch_until = time.monotonic() + 2.0
+    while time.monotonic() < watch_until:
+        assert counts == [1]
+        time.sleep(0.05)
+    assert server.clients == 1
+
+    # ...and a client that stops (closed, crashed, unplugged) is gone after it.
+    client.close()
+    wait_until(lambda: counts == [1, 0])
+    assert server.clients == 0
+
+
+def test_the_client_notices_a_training_that_went_away(start_server, source, runtime):
+    server = start_server(source)
+
+    async def scenario() -> None:
+        client = await Client.connect(server.info.path, server_timeout=0.5)
+        try:
+            server.stop()
+            with pytest.raises(ConnectionLost, match="has not answered"):
+                async for _ in client.events():
+                    pass
+            with pytest.raises(ConnectionLost):
+                await client.call("info")
+        finally:
+            await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_connecting_with_a_stale_key_says_the_replies_fail_the_checks(server):
+    stale = dataclasses.replace(server.info, key="ab" * 32)
+    with pytest.raises(TimeoutError, match=r"signature does not match.*connection file current"):
+        SyncClient(stale, timeout=1.0)
+    assert server.clients == 0
+
+
+def test_a_failing_on_clients_callback_does_not_stop_the_server(start_server, source, connect):
+    def on_clients(count: int) -> None:
+        raise RuntimeError("the session's bug")
+
+    server = start_server(source, on_clients=on_clients)
+    assert connect(server.info.path).call("info")["state"] == "paused"
+
+
+def test_connecting_to_a_dead_session_times_out_clearly(server, runtime):
+    info = server.info
+    server.stop()
+    with pytest.raises(TimeoutError, match="is the training still running"):
+        SyncClient(info, timeout=0.5)
+
+
+# --- in-process client ---------------------------------------------------------------------------
+
+
+def test_the_local_client_serves_a_source_with_the_same_interface(source):
+    async def scenario() -> None:
+        async with LocalClient(source) as client:
+            assert client.welcome["info"]["state"] == "paused"
+            window = await client.call("slice", ref=3, text="[1]")
+            assert window["shape"] == [4] and window["data"].shape == (1, 4)
+            with pytest.raises(RemoteError, match="no tensor 42"):
+                await client.call("stats", ref=42)
+            with pytest.raises(RemoteError, match="unknown request"):
+                await client.call("subscribe")
+            threading.Thread(target=source.emit, args=("hit", {"id": 2})).start()
+            await client.call("control", action="pause")
+            events = []
+            async for event in client.events():
+                events.append(event)
+                if len(events) == 2:
+                    break
+            assert sorted(events) == [("hit", {"id": 2}), ("state", {"state": "paused", "step": 3})]
+
+    asyncio.run(scenario())
+
+
+# --- tcp -----------------------------------------------------------------------------------------
+
+
+def test_remote_sessions_use_curve_and_admit_only_the_files_client_key(
+    start_server, source, connect
+):
+    server = start_server(source, remote=True, host="127.0.0.1")
+    info = server.info
+    assert info.transport == "tcp" and info.endpoint.startswith("tcp://127.0.0.1:")
+    assert info.server_public_key and info.client_public_key and info.client_secret_key
+    assert stat.S_IMODE(os.stat(info.path).st_mode) == 0o600
+
+    assert connect(info.path).call("info")["state"] == "paused"
+
+    public, secret = zmq.curve_keypair()
+    impostor = dataclasses.replace(
+        info, client_public_key=public.decode(), client_secret_key=secret.decode()
+    )
+    with pytest.raises(TimeoutError):
+        SyncClient(impostor, timeout=1.0)
+    assert source.controls == []
+
+
+def test_a_tcp_connection_file_without_curve_keys_is_refused(tmp_path):
+    info = ConnectionInfo(
+        run_id="r",
+        rank=0,
+        pid=1,
+        host="h",
+        script="",
+        started=0.0,
+        endpoint="tcp://127.0.0.1:1",
+        transport="tcp",
+        key="00" * 32,
+    )
+    path = tmp_path / "r-0.json"
+    path.write_text(info.to_json())
+    with pytest.raises(ConnectionFileError, match="CURVE"):
+        read_connection_file(path)
