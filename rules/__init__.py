@@ -10,7 +10,7 @@ group (see :mod:`tensordbg.rules.base`).
 """
 
 from tensordbg.rules.activations import DeadActivation, SaturatedActivation
-from tensordbg.rules.base import Finding, Rule, available_rules
+from tensordbg.rules.base import Finding, Refine, Rule, available_rules
 from tensordbg.rules.gradients import ExplodingGradient, VanishingGradient
 from tensordbg.rules.loss import LossNotDecreasing
 from tensordbg.rules.numeric import AllZero, NaN, Overflow, TensorRange
@@ -50,6 +50,7 @@ __all__ = [
     "NaN",
     "Overflow",
     "PoorInitialization",
+    "Refine",
     "Rule",
     "SaturatedActivation",
     "TensorRange",

@@ -50,6 +50,16 @@ SELECTION_ARGS = ("match", "exclude", "kinds")
 
 
 @dataclass(frozen=True, slots=True)
+class Refine:
+    """What :meth:`Rule.check` returns when cheap statistics cannot decide: the engine computes
+    ``stats`` for the same tensor (while it still has it) and calls ``check`` again, once. It
+    lets a rule screen every tensor with a bound and pay for the exact statistic only near its
+    threshold. Without the tensor at hand (batched mode, not kept), there is no verdict."""
+
+    stats: tuple[Stat, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Finding:
     """A rule's verdict on one tensor: the measured value, the threshold it crossed and one
     sentence for a person (what, where, how much, what it usually means)."""
@@ -118,11 +128,19 @@ class Rule:
         """Statistics needed to judge ``t``; by default the class's ``needs``."""
         return self.needs
 
+    def silent_when_finite(self, t: TensorStats) -> bool:
+        """Whether this rule never fires on ``t`` while all its elements are finite. A session in
+        deferred mode then leaves such tensors unscreened until the phase shows a NaN or Inf.
+        The safe default is False; say True only for conditions about NaN and Inf."""
+        return False
+
     # --- judging ---------------------------------------------------------------------------------
 
-    def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
+    def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | Refine | None:
         """Judge one tensor. ``state`` is this rule's memory across steps within one session (a
-        plain dict the rule may use freely, e.g. a running median per tensor name)."""
+        plain dict the rule may use freely, e.g. a running median per tensor name). Return
+        :class:`Refine` to ask for more statistics of this tensor before deciding (and leave
+        ``state`` alone when doing so: ``check`` is called again)."""
         raise NotImplementedError
 
     def check_phase(
@@ -133,7 +151,7 @@ class Rule:
         found = []
         for t in tensors:
             finding = self.check(t, state)
-            if finding is not None:
+            if isinstance(finding, Finding):
                 found.append((t, finding))
         return found
 
@@ -171,6 +189,33 @@ class Rule:
         if self.exclude:
             args.append(f"exclude={self.exclude!r}")
         return f"{self.name}({', '.join(args)})"
+
+
+def judge_array(
+    rule: Rule, array: Any, state: dict[str, Any] | None = None, **where: Any
+) -> Finding | None:
+    """Judge a numpy array with ``rule`` the way the engine judges a tensor: only the statistics
+    the rule asks for, and more when it asks to refine. ``where`` names the tensor (``name``,
+    ``kind``, ``module``, ``step``, ...; see :func:`tensordbg.stats.stats_from_numpy`).
+
+    >>> judge_array(NaN(), np.array([1.0, np.nan]), name="fc.output", kind="output").value
+    1.0
+    """
+    import numpy as np
+
+    from tensordbg.stats import compute_numpy, stats_from_numpy
+
+    x = np.asarray(array)
+    prev = where.pop("prev", None)
+    probe = stats_from_numpy(x, (), prev=prev, **where)
+    t = stats_from_numpy(x, rule.stats_for(probe), prev=prev, **where)
+    state = {} if state is None else state
+    verdict = rule.check(t, state)
+    if isinstance(verdict, Refine):
+        missing = [s for s in verdict.stats if s not in t.values]
+        t.values.update(compute_numpy(x, missing, prev))
+        verdict = rule.check(t, state)
+    return verdict if isinstance(verdict, Finding) else None
 
 
 def _matches(t: TensorStats, pattern: str) -> bool:

@@ -10,6 +10,7 @@ from tensordbg.rules.base import Finding, Rule
 
 from tensordbg.stats import (
     ABS_MEAN,
+    FINITE,
     FLOAT_MAX,
     KINDS,
     MAX,
@@ -34,14 +35,24 @@ class NaN(Rule):
     Defaults: MindInsight's "tensor overflow" and SageMaker's ExplodingTensor check NaN with no
     threshold; so does this rule. The engine names as origin only the module that produced it.
 
-    Example: ``NaN(kinds={"grad", "update"})`` watches gradients and optimizer updates only.
+    Example: ``NaN(kinds={"grad", "param"})`` watches gradients and parameters only.
     """
 
     kinds = VALUE_KINDS
-    needs = (MIN, MAX)
+    needs = (FINITE,)
     propagates = True
 
+    def silent_when_finite(self, t: TensorStats) -> bool:
+        return True
+
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
+        if t.has_nan is None and t.nonfinite:
+            return Finding(
+                1.0,
+                None,
+                f"{t.name} holds NaN or Inf among {t.numel} values (the tensor was not kept, so "
+                "they were not counted); look at it with sync='eager' or a larger retain_bytes.",
+            )
         if not t.has_nan:
             return None
         count = t.summary.nan if t.summary is not None else int(t.values.get(NAN, 1))
@@ -64,12 +75,19 @@ class Overflow(Rule):
     """
 
     kinds = VALUE_KINDS
-    needs = (MIN, MAX)
+    needs = (FINITE,)
     propagates = True
 
     def __init__(self, *, near: float = 0.5, **selection: Any):
         super().__init__(**selection)
         self.near = near
+
+    def stats_for(self, t: TensorStats) -> tuple[Stat, ...]:
+        # The range only where values can come close to the dtype's largest.
+        return (FINITE, MIN, MAX) if t.dtype in NARROW_FLOATS else (FINITE,)
+
+    def silent_when_finite(self, t: TensorStats) -> bool:
+        return t.dtype not in NARROW_FLOATS
 
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
         if t.has_inf:

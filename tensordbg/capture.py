@@ -62,6 +62,8 @@ class Call:
     outputs: list[tuple[str, Record]] = field(default_factory=list)
     children: list[Call] = field(default_factory=list)
     site: tuple[CodeType, int] | None = None
+    # Inputs made by code between modules, screened only if the call's output turns out bad.
+    unscreened: list[tuple[Record, torch.Tensor]] = field(default_factory=list)
     # Origin bookkeeping, by rule id (see tensordbg.origin).
     fired_in: set[int] = field(default_factory=set)
     fired_out: set[int] = field(default_factory=set)
@@ -101,6 +103,11 @@ class Record:
     param: str = ""
     hidden: bool = False
     rule_ids: tuple[int, ...] = ()
+    checks: tuple[Any, ...] = ()  # the session's per-tensor rules for this tensor
+    wanted: tuple[Any, ...] = ()  # the statistics to compute
+    lazy: bool = False  # kept to be screened only if the phase turns out bad (deferred mode)
+    judged: bool = False
+    sentinel: bool = False  # the model's output gradient: always screened at once
     slot: int = -1
     findings: dict[int, Any] = field(default_factory=dict)
     conditions: set[int] = field(default_factory=set)
@@ -144,12 +151,20 @@ def _key(key: Any) -> str:
     return f".{key}" if isinstance(key, str) and key.isidentifier() else f"[{key!r}]"
 
 
+_INTERNAL_CODE: dict[CodeType, bool] = {}
+
+
 def user_site(frame: Any) -> tuple[CodeType, int] | None:
     """The first frame outside torch and tensordbg: the user's line that called the module."""
     while frame is not None:
-        filename = frame.f_code.co_filename
-        if not (filename.startswith(_TORCH_DIR) or filename.startswith(_OWN_DIR)):
-            return frame.f_code, frame.f_lineno
+        code = frame.f_code
+        internal = _INTERNAL_CODE.get(code)
+        if internal is None:  # decided once per code object: this runs on every module call
+            filename = code.co_filename
+            internal = filename.startswith(_TORCH_DIR) or filename.startswith(_OWN_DIR)
+            _INTERNAL_CODE[code] = internal
+        if not internal:
+            return code, frame.f_lineno
         frame = frame.f_back
     return None
 
@@ -264,10 +279,12 @@ class Capture:
                     continue
                 record = self._known(t)
                 if record is None:
-                    kind = "input"
-                    record = self._new_record(t, call, kind, suffix, hidden=not is_root)
+                    record = self._new_record(t, call, "input", suffix, hidden=not is_root)
                     self._remember(t, record)
-                    session.collect(record, t)
+                    if is_root:
+                        session.collect(record, t)
+                    else:
+                        session.collect_input(call, record, t)
                 record.consumers.append(call)
                 call.inputs.append((suffix, record))
                 self._hook_grad(t, record)
@@ -392,6 +409,8 @@ class Capture:
                 nbytes=grad.numel() * grad.element_size(),
                 suffix=forward.suffix,
                 grad_of=forward,
+                sentinel=(producer is not None and producer.parent is None)
+                or any(c.parent is None for c in forward.passed_up),
             )
             session.collect(record, grad)
             session.grad(record)
@@ -411,7 +430,7 @@ def _selected(path: str, include: tuple[str, ...], exclude: tuple[str, ...]) -> 
 def param_hook(
     session: Session, name: str, owner: str, owner_type: str
 ) -> Callable[[torch.Tensor], None]:
-    """A post-accumulate-grad hook that records the parameter's gradient."""
+    """A post-accumulate-grad hook that hands the parameter's gradient to the session."""
 
     @torch.compiler.disable
     def hook(param: torch.Tensor) -> None:
@@ -419,32 +438,27 @@ def param_hook(
             return
         try:
             grad = param.grad
-            if grad is None or not watchable(grad):
-                return
-            session.begin_backward()
-            stats = TensorStats(
-                name=f"{name}.grad",
-                module=owner,
-                kind="grad",
-                phase="backward",
-                step=session.step,
-                shape=tuple(grad.shape),
-                dtype=dtype_name(grad.dtype),
-                module_type=owner_type,
-                trainable=True,
-            )
-            record = Record(
-                stats=stats,
-                tensor=None,
-                version=grad._version,
-                nbytes=grad.numel() * grad.element_size(),
-                param=name,
-            )
-            session.collect(record, grad)
-            session.grad(record)
+            if grad is not None and watchable(grad):
+                session.param_grad(name, owner, owner_type, grad)
         except Exception as e:
             if isinstance(e, session.passthrough):
                 raise
             session.internal_error(e)
 
     return hook
+
+
+def param_grad_record(name: str, owner: str, owner_type: str, grad: torch.Tensor, step: int) -> Record:
+    """The record of a parameter's gradient."""
+    stats = TensorStats(
+        name=f"{name}.grad",
+        module=owner,
+        kind="grad",
+        phase="backward",
+        step=step,
+        shape=tuple(grad.shape),
+        dtype=dtype_name(grad.dtype),
+        module_type=owner_type,
+        trainable=True,
+    )
+    return Record(stats, None, grad._version, grad.numel() * grad.element_size(), param=name)

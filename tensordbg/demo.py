@@ -132,20 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     on_hit = "record" if args.no_ui else "pause"
     session = train(args.steps, args.bad_step, on_hit=on_hit, server=not args.no_ui)
-    print(summary(session), flush=True)
+    print(session.summary(), flush=True)
     return 0
-
-
-def summary(session: tensordbg.Session) -> str:
-    """The hits in a few lines: the origin first, then how far the damage spread."""
-    if not session.hits:
-        return "tensordbg: no hits."
-    origins = [h for h in session.hits if h.origin]
-    lines = [f"tensordbg: {len(session.hits)} hits, {len(origins)} at their origin."]
-    for hit in origins[:5]:
-        lines.append(f"  step {hit.step} {hit.phase}: [{hit.rule}] {hit.tensor}")
-        lines.append(f"    {hit.message}")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ class LiveSource:
             "step": s.step,
             "phase": s.phase,
             "on_hit": s.on_hit if isinstance(s.on_hit, str) else "callback",
-            "sync": "eager" if s.eager else "batched",
+            "sync": s.mode,
             "paused_at": control.paused_at.as_dict() if control.paused_at else None,
             "pause_reason": control.reason if control.state == "paused" else "",
             "hits_total": len(s.hits),

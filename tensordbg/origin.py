@@ -10,9 +10,11 @@ using the call tree of the forward:
   inputs showing it are the origin (a NaN in the batch). A value computed by the module's own code
   between its submodules makes that module the origin.
 - Backward: a call is the origin when the gradient of one of its inputs (or of one of its own
-  parameters) shows the condition while the gradient of its outputs did not, and no call inside
-  it already was the origin (``sqrt(x * x)`` at x = 0: a finite forward, a NaN backward).
-- The gradient of the model's output is the origin when the observed loss was finite.
+  parameters) shows the condition while the gradient of its outputs did not, its own forward
+  values did not either (a NaN saved in forward comes back in backward as 0 * NaN), and no call
+  inside it already was the origin (``sqrt(x * x)`` at x = 0: a finite forward, a NaN backward).
+- The gradient of the model's output is the origin when neither the observed loss nor the
+  output itself showed it.
 
 The conditions followed are non-finiteness (whatever rule reported it: a NaN gradient is also an
 exploding one) and the findings of rules that propagate; a rule that does not propagate (a
@@ -72,6 +74,8 @@ def grad(record: Record, loss_fired: set[int]) -> dict[int, tuple[Call | None, s
         for call in consumers:
             if condition in call.fired_grad_out or condition in call.grad_origin_below:
                 continue
+            if condition in call.fired_in or condition in call.fired_out:
+                continue  # its forward values showed it already: backward only carried it
             _mark(call, condition, below=False)
             if reported is None:
                 reported = (call, "grad_input", True)
@@ -81,7 +85,11 @@ def grad(record: Record, loss_fired: set[int]) -> dict[int, tuple[Call | None, s
                 model_output = producer.parent is None or any(
                     c.parent is None for c in forward.passed_up
                 )
-                origin = model_output and condition not in loss_fired
+                origin = (
+                    model_output
+                    and condition not in loss_fired
+                    and condition not in forward.conditions
+                )
                 if origin:
                     _mark(producer, condition, below=False)
                 reported = (producer, "grad_output", origin)
@@ -97,7 +105,7 @@ def param_grad(record: Record, owner_calls: Iterable[Call]) -> dict[int, bool]:
     calls = list(owner_calls)
     verdicts = {}
     for condition in record.conditions:
-        origin = not any(condition in c.fired_grad_out for c in calls)
+        origin = not any(condition in c.fired_grad_out or condition in c.fired_in for c in calls)
         if origin:
             for call in calls:
                 _mark(call, condition, below=False)

@@ -105,5 +105,7 @@ def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = 
         code = e.code
         return code if isinstance(code, int) else (0 if code is None else 1)
     finally:
+        if run.session is not None and run.session.hits:
+            print(run.session.summary(), file=sys.stderr, flush=True)
         run.remove()
         sys.argv, sys.path[:] = saved_argv, saved_path

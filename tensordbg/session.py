@@ -39,16 +39,19 @@ from typing import Any
 import torch
 
 from tensordbg import origin
-from tensordbg.capture import Call, Capture, Record, param_hook
+from tensordbg.capture import Call, Capture, Record, param_grad_record, param_hook
 from tensordbg.control import DETACHED, PAUSED, STEP, PauseController
 from tensordbg.hit import Hit, WatchpointHit
 from tensordbg.origin import NONFINITE
 from tensordbg.rules import Rule, default_rules
-from tensordbg.rules.base import Finding
+from tensordbg.rules.base import Finding, Refine
 from tensordbg.stats import L2, MAX, MEAN, MIN, NAN, NEGINF, POSINF, Stat, TensorStats
 from tensordbg.stats_torch import (
+    SCALE_LINEAR,
+    SCREEN,
     StatsBatch,
     device_stats,
+    host_stats,
     dtype_name,
     scale_vector,
     summarize,
@@ -57,9 +60,12 @@ from tensordbg.stats_torch import (
 )
 
 ON_HIT = ("pause", "raise", "record")
-SYNC = ("auto", "eager", "batched")
-SCREEN = (MIN, MAX)
+SYNC = ("auto", "eager", "batched", "deferred")
+# Kinds a deferred session may keep unscreened until the phase shows a problem.
+LAZY_KINDS = frozenset({"output", "input", "grad_output", "grad_input"})
 COUNTS = (NAN, POSINF, NEGINF)
+# A parameter's range before and after a step tells cheaply that the step changed it.
+RANGE = (MIN, MAX)
 # Update statistics that need a copy of the parameter from before the step.
 SNAPSHOT_STATS = frozenset({"update_abs_mean", "prev_abs_mean"})
 GRAD_KINDS = frozenset({"grad", "grad_output", "grad_input"})
@@ -82,11 +88,11 @@ class ActiveRule:
     state: dict[str, Any] = field(default_factory=dict)
     disabled_reason: str | None = None
     hits: int = 0
+    phase_wide: bool = False
+    """Whether the rule compares the tensors of a phase with each other (judged at phase end)."""
 
-    @property
-    def phase_wide(self) -> bool:
-        """Whether the rule compares tensors of a phase with each other (judged at phase end)."""
-        return type(self.rule).check_phase is not Rule.check_phase
+    def __post_init__(self) -> None:
+        self.phase_wide = type(self.rule).check_phase is not Rule.check_phase
 
 
 @dataclass(eq=False)
@@ -154,8 +160,9 @@ class Session:
         self.rank = int(rank if rank is not None else os.environ.get("RANK", 0))
         self.device = _model_device(model)
         if sync == "auto":
-            sync = "batched" if self.device.type == "cuda" else "eager"
-        self.eager = sync == "eager"
+            sync = "batched" if self.device.type == "cuda" else "deferred"
+        self.mode = sync
+        self._triggered = False
         self.controller = PauseController()
         self.controller.listeners.append(self._on_state)
         self.hits: list[Hit] = []
@@ -165,12 +172,14 @@ class Session:
         self.broken = False
         self.detached = False
         self.rules: list[ActiveRule] = []
+        self._rules_by_id: dict[int, ActiveRule] = {}
         self._next_rule_id = 0
         for rule in default_rules() if rules is None else rules:
             self.add_rule(rule)
         self._subscribers: list[Callable[[str, dict[str, Any]], None]] = []
         self._lock = threading.RLock()
-        self._applicable: dict[tuple, tuple[tuple[int, ...], tuple[Stat, ...]]] = {}
+        self._applicable: dict[tuple, Any] = {}
+        self._quiet_params: dict[str, bool] = {}
         self._batch = StatsBatch()
         self._pending: list[tuple[str, Any]] = []
         self._records: list[Record] = []
@@ -259,8 +268,39 @@ class Session:
             )
             record = Record(stats, None, tensor._version, tensor.numel() * tensor.element_size())
             self.collect(record, tensor, extra=(MEAN,))
-            if self.eager:
-                self._pause_if_needed()
+            self._after_hook()
+        except Exception as e:
+            if isinstance(e, self.passthrough):
+                raise
+            self.internal_error(e)
+
+    def summary(self, origins: int = 5) -> str:
+        """The hits in a few lines: those at their origin first, then how far the damage spread.
+
+        >>> print(session.summary())
+        tensordbg: 4756 hits, 1 at their origin.
+          step 25 forward: [NaN] blocks.0.attn.output
+            blocks.0.attn.output holds 1984 NaN among 31744 values; ...
+        """
+        if not self.hits:
+            return "tensordbg: no hits."
+        first = [h for h in self.hits if h.origin]
+        lines = [f"tensordbg: {len(self.hits)} hits, {len(first)} at their origin."]
+        for hit in first[:origins]:
+            lines.append(f"  step {hit.step} {hit.phase}: [{hit.rule}] {hit.tensor}")
+            lines.append(f"    {hit.message}")
+        if self.skipped_steps:
+            lines.append(f"  steps the GradScaler skipped: {self.skipped_steps[:20]}")
+        return "\n".join(lines)
+
+    def flush(self) -> None:
+        """Judge what is pending now. Batched checks judge at the end of a phase, and a forward
+        that will be followed by backward ends when backward starts; call this when you need
+        ``session.hits`` complete before that (after an evaluation forward, say)."""
+        if self.broken or self.detached:
+            return
+        try:
+            self._end_phase()
         except Exception as e:
             if isinstance(e, self.passthrough):
                 raise
@@ -282,6 +322,7 @@ class Session:
         active = ActiveRule(self._next_rule_id, copy.deepcopy(rule))
         self._next_rule_id += 1
         self.rules.append(active)
+        self._rules_by_id[active.id] = active
         self.rules_changed()
         return active
 
@@ -331,6 +372,7 @@ class Session:
     def rules_changed(self) -> None:
         """Forget which rules apply to which tensor (after a rule was added, edited, toggled)."""
         self._applicable = {}
+        self._quiet_params = {}
 
     def detach(self) -> None:
         """Remove every hook tensordbg installed, free every tensor it held, stop its server and
@@ -388,6 +430,10 @@ class Session:
         self.emit("log", {"level": level, "message": message, "step": self.step})
 
     @property
+    def eager(self) -> bool:
+        return self.mode == "eager"
+
+    @property
     def records(self) -> list[Record]:
         """The watched tensors of the current (or last) phase, in execution order."""
         return [r for r in self._records if not r.hidden]
@@ -413,60 +459,130 @@ class Session:
         self._root_fired = set()
         self._maybe_pause_on_request()
 
-    def collect(
-        self,
-        record: Record,
-        tensor: torch.Tensor,
-        extra: tuple[Stat, ...] = (),
-        defer: bool = False,
-    ) -> None:
-        """A tensor was seen: compute what the rules need of it, at once when eager, else on the
-        device until the end of the phase (``defer`` forces the latter)."""
+    def collect(self, record: Record, tensor: torch.Tensor, extra: tuple[Stat, ...] = ()) -> None:
+        """A tensor was seen: compute what the rules need of it (eager: at once; batched: on the
+        device until the end of the phase; deferred: at once for the model's outputs, loss,
+        gradients and parameters, and for the rest only if those show a problem)."""
         stats = record.stats
-        rule_ids, wanted = self._rules_for(stats)
+        rule_ids, wanted, record.checks, silent = self._applicability(stats)
         if record.hidden:
             extra = SCREEN  # the origin of a non-finite value is traced through every input
         if extra:
             wanted = tuple(dict.fromkeys(wanted + extra))
         record.rule_ids = rule_ids
+        record.wanted = wanted
         self._register(record)
-        self._retain(record, tensor)
+        kept = self._retain(record, tensor)
         if not wanted:
             return
-        vector = device_stats(tensor, wanted)
-        if self.scaler is not None and stats.kind in GRAD_KINDS:
-            inv = self._inv_scale()
+        mode = self.mode
+        if mode == "batched":
+            vector = device_stats(tensor, wanted)
+            inv = self._inv_scale() if self._scaled(stats) else None
             if inv is not None:
                 vector = vector * scale_vector(wanted, inv)
-        if self.eager and not defer:
-            stats.values = dict(zip(wanted, vector.tolist(), strict=True))
-            self._evaluate(record, tensor)
-        else:
             stats.values = dict.fromkeys(wanted, math.nan)
             record.slot = self._batch.add(vector)
             self._pending.append(("record", record))
+        elif mode == "deferred" and kept and silent and stats.kind in LAZY_KINDS and not (
+            record.sentinel or self._triggered
+        ):
+            record.lazy = True  # its rules only speak of NaN and Inf: wait for a reason to look
+            self._pending.append(("record", record))
+        else:
+            self._screen(record, tensor)
+            self._judge(record, tensor)
+            if mode == "eager":
+                self._report(record)
+            else:  # deferred: its hits are made in execution order, once the phase is settled
+                self._pending.append(("record", record))
+                if record.findings or record.conditions:
+                    self._triggered = True
+
+    def _screen(self, record: Record, tensor: torch.Tensor) -> None:
+        """Compute a record's statistics now, on the host."""
+        values = host_stats(tensor, record.wanted)
+        if self._scaled(record.stats):
+            values = _unscale(record.wanted, values, self._inv_scale())
+        record.stats.values = dict(zip(record.wanted, values, strict=True))
+        record.lazy = False
+
+    def _scaled(self, stats: TensorStats) -> bool:
+        return self.scaler is not None and stats.kind in GRAD_KINDS
+
+    def collect_input(self, call: Call, record: Record, tensor: torch.Tensor) -> None:
+        """An input made by code between modules. Eager mode screens it only if the call's output
+        turns out bad (that is when it matters: to tell who made the value); the other modes
+        treat it as any other tensor of the phase."""
+        if self.mode != "eager":
+            self.collect(record, tensor)
+            return
+        self._register(record)
+        self._retain(record, tensor)
+        call.unscreened.append((record, tensor))
 
     def enter(self, call: Call) -> None:
         self._pending.append(("enter", call))
-        if self.eager:
-            self._drain()
-            self._pause_if_needed()
-        self._maybe_pause_on_request()
+        self._after_hook()
 
     def exit(self, call: Call) -> None:
+        if call.unscreened:
+            if any(r.conditions for _, r in call.outputs):
+                for record, tensor in call.unscreened:
+                    self.collect(record, tensor)
+                    call.fired_in |= record.conditions
+            call.unscreened = []
         self._pending.append(("exit", call))
-        if self.eager:
-            self._drain()
-            self._pause_if_needed()
+        self._after_hook()
 
     def end_forward(self, root: Call) -> None:
-        """The root forward returned. With a backward to come, the forward phase stays open so
-        the loss observed after it joins the same transfer; otherwise it ends here."""
+        """The root forward returned. Deferred mode screens the model's outputs now. With a
+        backward to come, the forward phase stays open so the loss observed after it joins it;
+        otherwise it ends here."""
+        for _, record in root.outputs:
+            if record.lazy and record.tensor is not None:
+                self._screen(record, record.tensor)
+                if record.stats.nonfinite:
+                    self._triggered = True
+        self._after_hook()
         backward_expected = torch.is_grad_enabled() and any(
             r.grad_hooked for _, r in root.outputs
         )
         if not backward_expected:
             self._end_phase()
+
+    def _after_hook(self) -> None:
+        """What a hook does last: judge now (eager, or deferred once the phase showed a problem)
+        and pause if a hit or a request asks for it."""
+        if self.mode == "eager" or (self.mode == "deferred" and self._triggered):
+            self._settle()
+        self._maybe_pause_on_request()
+
+    def _screen_sentinels(self) -> None:
+        """Deferred mode, at the end of a backward pass: judge the parameters' gradients noted
+        by the hooks, in one warm loop, in their place in execution order; what they show
+        decides whether the rest of the pass is screened."""
+        if not any(kind == "param_grad" for kind, _ in self._pending):
+            return
+        pending, self._pending = self._pending, []
+        for kind, item in pending:
+            if kind != "param_grad":
+                self._pending.append((kind, item))
+                continue
+            name, owner, owner_type, grad = item
+            record = param_grad_record(name, owner, owner_type, grad, self.step)
+            self.collect(record, grad)  # screened and judged now: a gradient is never lazy
+            self._pending.append(("grad", record))
+
+    def _settle(self) -> None:
+        """Screen what a deferred phase kept, judge everything pending in execution order, and
+        pause if a hit asks for it."""
+        self._screen_sentinels()
+        for kind, item in self._pending:
+            if kind == "record" and item.lazy and item.tensor is not None:
+                self._screen(item, item.tensor)
+        self._drain()
+        self._pause_if_needed()
 
     def begin_backward(self) -> None:
         """Called by every backward hook: the first one of a pass ends the forward phase and
@@ -484,10 +600,18 @@ class Session:
 
     def grad(self, record: Record) -> None:
         self._pending.append(("grad", record))
-        if self.eager:
-            self._drain()
-            self._pause_if_needed()
-        self._maybe_pause_on_request()
+        self._after_hook()
+
+    def param_grad(self, name: str, owner: str, owner_type: str, grad: torch.Tensor) -> None:
+        """A parameter's gradient is final for this backward pass. Deferred mode only notes it
+        here (a hook runs cold) and judges all of them together when the pass ends."""
+        self.begin_backward()
+        if self.mode == "deferred" and not self._triggered:
+            self._pending.append(("param_grad", (name, owner, owner_type, grad)))
+            return
+        record = param_grad_record(name, owner, owner_type, grad, self.step)
+        self.collect(record, grad)
+        self.grad(record)
 
     def internal_error(self, error: BaseException) -> None:
         """tensordbg's own fault: say so once, stop watching, never stop the training."""
@@ -509,10 +633,13 @@ class Session:
         self._release()
         self._records = []
         self._by_ref = {}
+        self._triggered = False
         self.phase = phase
 
     def _register(self, record: Record) -> None:
         stats = record.stats
+        if stats.ref >= 0:
+            return
         stats.ref = self._next_ref
         self._next_ref += 1
         if stats.kind not in ("param", "update"):
@@ -525,7 +652,10 @@ class Session:
         hit asks for it, and let go of the phase's tensors."""
         self._forward_open = False
         self._fetch()
-        self._drain()
+        self._screen_sentinels()
+        if self._triggered:
+            self._settle()
+        self._drain()  # in a deferred phase that stayed clean, kept tensors go unscreened
         self._judge_phase_wide()
         self._pause_if_needed()
         self._maybe_pause_on_request()
@@ -558,7 +688,11 @@ class Session:
         pending, self._pending = self._pending, []
         for kind, item in pending:
             if kind == "record":
-                self._evaluate(item, item.tensor)
+                if item.lazy:
+                    continue
+                if not item.judged:
+                    self._judge(item, item.tensor)
+                self._report(item)
             elif kind == "enter":
                 origin.enter(item)
             elif kind == "exit":
@@ -571,6 +705,14 @@ class Session:
     def _rules_for(self, stats: TensorStats) -> tuple[tuple[int, ...], tuple[Stat, ...]]:
         """The rules that apply to a tensor and the statistics they need (cached per tensor
         identity); between interval steps, only the NaN/Inf screen."""
+        return self._applicability(stats)[:2]
+
+    def _applicability(
+        self, stats: TensorStats
+    ) -> tuple[tuple[int, ...], tuple[Stat, ...], tuple[ActiveRule, ...], bool]:
+        """Rule ids, statistics, the per-tensor rules to run, and whether all of them are silent
+        on a finite tensor (so a deferred session may leave it unscreened), for one tensor
+        identity."""
         key = (stats.kind, stats.name, stats.module_type, stats.dtype, len(stats.shape),
                stats.trainable)  # fmt: skip
         cached = self._applicable.get(key)
@@ -591,48 +733,72 @@ class Session:
                 wanted.update(dict.fromkeys(needs))
             if ids:
                 wanted = dict.fromkeys(SCREEN) | wanted
-            cached = (tuple(ids), tuple(wanted))
+            chosen = [a for a in self.rules if a.id in ids]
+            checks = tuple(a for a in chosen if not a.phase_wide)
+            silent = all(_silent_when_finite(a, stats) for a in chosen)
+            cached = (tuple(ids), tuple(wanted), checks, silent)
             self._applicable[key] = cached
-        ids_, wanted_ = cached
         if self.interval > 1 and self.step % self.interval:
-            wanted_ = tuple(s for s in wanted_ if s in SCREEN)
-        return ids_, wanted_
+            return cached[0], tuple(s for s in cached[1] if s in SCREEN), cached[2], cached[3]
+        return cached
 
-    def _evaluate(self, record: Record, tensor: torch.Tensor | None) -> None:
-        """Judge one record with the per-tensor rules that apply to it. Records whose origin
-        needs the call tree (outputs, gradients) are reported by _exit and _grad; the others
-        here."""
+    def _judge(self, record: Record, tensor: torch.Tensor | None) -> None:
+        """Run the per-tensor rules that apply to a record on its statistics."""
+        record.judged = True
         stats = record.stats
-        if stats.nonfinite and tensor is not None and NAN not in stats.values:
-            # A NaN hides an Inf from the range: count both (only for unhealthy tensors).
-            counts = device_stats(tensor, COUNTS).tolist()
-            stats.values.update(zip(COUNTS, counts, strict=True))
+        nonfinite = stats.nonfinite
+        if nonfinite and tensor is not None and NAN not in stats.values:
+            # Which of NaN and Inf, and how many: counted only for unhealthy tensors.
+            stats.values.update(zip(COUNTS, host_stats(tensor, COUNTS), strict=True))
+            nonfinite = stats.nonfinite
         last = self.latest.get(stats.name)
         if last is not None and last[0] != stats.step:
             self.previous[stats.name] = last
         self.latest[stats.name] = (stats.step, stats)
-        for rule_id in record.rule_ids:
-            active = self._rule(rule_id)
-            if active is None or not active.enabled or active.phase_wide:
+        for active in record.checks:
+            if not active.enabled:
                 continue
             try:
                 finding = active.rule.check(stats, active.state)
+                if isinstance(finding, Refine):
+                    finding = self._refine(record, tensor, finding, active)
             except Exception as e:
                 self._disable(active, e)
                 continue
             if finding is not None:
-                record.findings[rule_id] = finding
+                record.findings[active.id] = finding
         if record.findings and tensor is not None and record.tensor is None:
             record.tensor = tensor  # a hit's own tensor is always kept for inspection
-        if stats.nonfinite:
+        if nonfinite:
             record.conditions.add(NONFINITE)
         for rule_id in record.findings:
             if self.rule_propagates(rule_id):
                 record.conditions.add(rule_id)
-        kind = stats.kind
-        if kind == "grad":
+        if stats.kind == "grad":
             self._count_grad_norm(stats)
-        elif kind == "observed":
+
+    def _refine(
+        self, record: Record, tensor: torch.Tensor | None, ask: Refine, active: ActiveRule
+    ) -> Finding | None:
+        """A rule asked for more statistics of this tensor: compute them and ask it again."""
+        stats = record.stats
+        missing = tuple(s for s in ask.stats if s not in stats.values)
+        if missing:
+            if tensor is None:
+                return None  # the tensor is gone: no verdict
+            values = host_stats(tensor, missing)
+            if self._scaled(stats):
+                values = _unscale(missing, values, self._inv_scale())
+            stats.values.update(zip(missing, values, strict=True))
+        again = active.rule.check(stats, active.state)
+        return again if isinstance(again, Finding) else None
+
+    def _report(self, record: Record) -> None:
+        """Make the hits of a judged record whose origin does not need the call tree; outputs
+        and gradients are reported at their call's end (_exit) and at their gradient (_grad)."""
+        stats = record.stats
+        kind = stats.kind
+        if kind == "observed":
             self._observed(record)
         elif kind == "param":
             upstream = self._grad_fired.get(record.param, set())
@@ -841,17 +1007,16 @@ class Session:
         self.log(message, "warning")
 
     def _rule(self, rule_id: int) -> ActiveRule | None:
-        for active in self.rules:
-            if active.id == rule_id:
-                return active
-        return None
+        return self._rules_by_id.get(rule_id)
 
     # --- retention -----------------------------------------------------------------------------
 
-    def _retain(self, record: Record, tensor: torch.Tensor) -> None:
+    def _retain(self, record: Record, tensor: torch.Tensor) -> bool:
         if self._retained + record.nbytes <= self.retain_bytes:
             record.tensor = tensor
             self._retained += record.nbytes
+            return True
+        return False
 
     def _release(self) -> None:
         for record in self._records:
@@ -951,25 +1116,39 @@ class Session:
 
     def _check_parameters(self, owned: list[_Param], updates: tuple[Stat, ...] | None) -> None:
         """Parameters after an optimizer step (and at attach): their values and, for those the
-        step updated, the update against their values before it. One transfer."""
-        params: dict[str, Record] = {}
+        step updated, the update against their values before it (batched: one transfer)."""
+        ranges: dict[str, tuple[float, float]] = {}
         for p in owned:
             if not watchable(p.param):
                 continue
+            silent = self._quiet_params.get(p.name)
+            if silent is None:
+                probe = _param_record(p, "param", p.name, self.step).stats
+                silent = self._quiet_params[p.name] = self._applicability(probe)[3]
+            if silent and self.mode != "batched":
+                # The common case, without a record: its rules speak only of NaN and Inf, and
+                # its range (needed anyway to tell that the step changed it) says it is finite.
+                values = dict(zip(RANGE, host_stats(p.param, RANGE), strict=True))
+                lo, hi = values[MIN], values[MAX]
+                if math.isfinite(lo) and math.isfinite(hi):
+                    ranges[p.name] = (lo, hi)
+                    continue
             record = _param_record(p, "param", p.name, self.step)
-            self.collect(record, p.param.detach(), extra=SCREEN, defer=True)
-            params[p.name] = record
+            self.collect(record, p.param.detach(), extra=RANGE if updates else ())
+            ranges[p.name] = (record.stats.values.get(MIN), record.stats.values.get(MAX))
         pending_digest = []
         if updates is not None:
             for p in owned:
                 if p.name in self._versions and watchable(p.param):
                     record = self._update_record(p, updates)
-                    if record.slot < 0:
+                    if record.slot < 0 and not record.stats.values:
                         pending_digest.append(record)
         self._fetch()
-        self._resolve_by_range(pending_digest, params, updates or ())
-        for name, record in params.items():
-            lo, hi = record.stats.values.get(MIN), record.stats.values.get(MAX)
+        if self.mode == "batched":  # the ranges arrived with the transfer
+            ranges = {r.param: (r.stats.values.get(MIN), r.stats.values.get(MAX))
+                      for r in self._records if r.stats.kind == "param"}  # fmt: skip
+        self._resolve_by_range(pending_digest, ranges, updates or ())
+        for name, (lo, hi) in ranges.items():
             if lo is not None and hi is not None:
                 self._digests[name] = (lo, hi)
         self._drain()
@@ -980,7 +1159,7 @@ class Session:
 
     def _update_record(self, p: _Param, wanted: tuple[Stat, ...]) -> Record:
         record = _param_record(p, "update", f"{p.name}.update", self.step)
-        record.rule_ids, _ = self._rules_for(record.stats)
+        record.rule_ids, _, record.checks, _ = self._applicability(record.stats)
         self._register(record)
         current = p.param.detach()
         previous: torch.Tensor | None
@@ -989,14 +1168,21 @@ class Session:
         else:
             previous = self._snapshots.get(p.name)
         if previous is not None:
-            record.stats.values = dict.fromkeys(wanted, math.nan)
-            record.slot = self._batch.add(update_stats(current, previous, wanted))
+            vector = update_stats(current, previous, wanted)
+            if self.mode != "batched":
+                record.stats.values = dict(zip(wanted, vector.tolist(), strict=True))
+            else:
+                record.stats.values = dict.fromkeys(wanted, math.nan)
+                record.slot = self._batch.add(vector)
             self._suspects.discard(p.name)
         self._pending.append(("record", record))
         return record
 
     def _resolve_by_range(
-        self, records: list[Record], params: dict[str, Record], wanted: tuple[Stat, ...]
+        self,
+        records: list[Record],
+        ranges: dict[str, tuple[float | None, float | None]],
+        wanted: tuple[Stat, ...],
     ) -> None:
         """Updates measured without a copy of the parameter: when its minimum or maximum moved
         by more than the tolerance, some element did too, so it changed (the common case, free).
@@ -1004,11 +1190,10 @@ class Session:
         unchanged = next((s for s in wanted if s.name == "update_unchanged"), None)
         for record in records:
             name = record.param
-            before, now = self._digests.get(name), params.get(name)
+            before, after = self._digests.get(name), ranges.get(name)
             moved = False
-            if unchanged is not None and before is not None and now is not None:
+            if unchanged is not None and before is not None and after is not None:
                 rtol, atol = unchanged.params
-                after = (now.stats.values.get(MIN), now.stats.values.get(MAX))
                 moved = any(
                     a is not None and abs(a - b) > atol + rtol * abs(b)
                     for a, b in zip(after, before, strict=True)
@@ -1130,6 +1315,24 @@ class Session:
             file=sys.stderr,
         )
         self.controller.resume()
+
+
+def _silent_when_finite(active: ActiveRule, stats: TensorStats) -> bool:
+    if active.phase_wide:
+        return False
+    try:
+        return bool(active.rule.silent_when_finite(stats))
+    except Exception:
+        return False
+
+
+def _unscale(
+    stats: tuple[Stat, ...], values: list[float], inv_scale: torch.Tensor | None
+) -> list[float]:
+    if inv_scale is None:
+        return values
+    inv = float(inv_scale.item())
+    return [v * inv if s.name in SCALE_LINEAR else v for s, v in zip(stats, values, strict=True)]
 
 
 def _param_record(p: _Param, kind: str, name: str, step: int) -> Record:

@@ -47,7 +47,8 @@ class Source(Protocol):
             {"run_id": str, "rank": int, "pid": int, "script": str, "model": str,
              "device": str, "torch": str, "live": bool,        # False for a dump
              "state": "running" | "paused" | "detached" | "finished",
-             "step": int, "phase": str, "on_hit": str, "sync": "eager" | "batched",
+             "step": int, "phase": str, "on_hit": str,
+             "sync": "eager" | "batched" | "deferred",
              "paused_at": hit dict | None, "pause_reason": str,  # why it is paused
              "hits_total": int, "retain_bytes": int,
              "history": {"step": [int], "loss": [float|None], "grad_norm": [float|None],

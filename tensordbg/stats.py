@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -35,12 +36,12 @@ FLOAT_MAX: dict[str, float] = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class Stat:
+class Stat(NamedTuple):
     """One statistic of a tensor, named and, for some, parameterised.
 
     Stats are hashable and compare by value, so rules can ask for the same statistic and the
-    engine computes it once: ``in_range_frac(-1, 0) == in_range_frac(-1, 0)``.
+    engine computes it once: ``in_range_frac(-1, 0) == in_range_frac(-1, 0)``. (A named tuple:
+    it is a dictionary key on every watched tensor, and tuples hash fast.)
     """
 
     name: str
@@ -52,8 +53,10 @@ class Stat:
         return f"{self.name}({', '.join(f'{p:g}' for p in self.params)})"
 
 
-# Screening statistics: one pass over the tensor. Both propagate NaN, like numpy's min and max,
-# so together they answer "any NaN?", "any Inf?" and "how large?" at once.
+# The screen every watched tensor gets: 1.0 when every element is finite. On the training device
+# it costs one sum (NaN and Inf both poison a sum), and only a non-finite sum leads to counting.
+FINITE = Stat("finite")
+# The range: one pass. Both propagate NaN, like numpy's min and max.
 MIN = Stat("min")
 MAX = Stat("max")
 # Counts of non-finite elements.
@@ -172,11 +175,13 @@ class TensorStats:
 
     @property
     def has_nan(self) -> bool | None:
-        """True or False when known, None when neither the counts nor the range were computed."""
+        """True or False when known; None when only "something is not finite" is known."""
         if self.summary is not None:
             return self.summary.nan > 0
         if NAN in self.values:
             return self.values[NAN] > 0
+        if self.values.get(FINITE) == 1.0:
+            return False
         lo, hi = self.values.get(MIN), self.values.get(MAX)
         if lo is None or hi is None:
             return None
@@ -189,6 +194,8 @@ class TensorStats:
             return self.summary.posinf + self.summary.neginf > 0
         if POSINF in self.values and NEGINF in self.values:
             return self.values[POSINF] + self.values[NEGINF] > 0
+        if self.values.get(FINITE) == 1.0:
+            return False
         lo, hi = self.values.get(MIN), self.values.get(MAX)
         if lo is None or hi is None:
             return None
@@ -198,12 +205,14 @@ class TensorStats:
 
     @property
     def nonfinite(self) -> bool | None:
+        """Whether any element is NaN or Inf; None when nothing tells."""
         nan, inf = self.has_nan, self.has_inf
         if nan or inf:
             return True
-        if nan is None or inf is None:
-            return None
-        return False
+        if nan is False and inf is False:
+            return False
+        finite = self.values.get(FINITE)
+        return None if finite is None else finite != 1.0
 
     @property
     def abs_max(self) -> float | None:
@@ -243,6 +252,8 @@ def compute_numpy(
 def _numpy_stat(x: np.ndarray, stat: Stat, prev: np.ndarray | None) -> float:
     name, p = stat.name, stat.params
     wide = x.astype(np.float64, copy=False)
+    if name == "finite":
+        return float(np.isfinite(x).all())
     if name == "min":
         return float(np.min(x))
     if name == "max":

@@ -18,6 +18,9 @@ import tensordbg
 from tensordbg.rules import NaN, Rule, VanishingGradient, WeightNotChanging
 
 
+MODES = ("eager", "batched", "deferred")
+
+
 def origins(session):
     return [h for h in session.hits if h.origin]
 
@@ -37,20 +40,20 @@ def test_attaching_changes_no_number_of_the_training(watch):
     assert all(torch.equal(a, b) for a, b in zip(bare, watched, strict=True))
 
 
-def test_attaching_changes_no_number_with_batched_checks_either(watch):
+@pytest.mark.parametrize("sync", MODES)
+def test_attaching_changes_no_number_in_any_mode(watch, sync):
     bare, _ = train_gpt(None, steps=6)
-    watched, _ = train_gpt(
-        lambda m, o: watch(m, optimizer=o, on_hit="record", sync="batched"), steps=6
-    )
+    watched, _ = train_gpt(lambda m, o: watch(m, optimizer=o, on_hit="record", sync=sync), steps=6)
     assert all(torch.equal(a, b) for a, b in zip(bare, watched, strict=True))
 
 
 # --- where a problem started -------------------------------------------------------------------
 
 
-def test_a_nan_made_by_attention_is_named_at_the_attention_module_and_step(watch):
-    _, session = train_gpt(lambda m, o: watch(m, optimizer=o, on_hit="record"), steps=8,
-                           bad_step=5)  # fmt: skip
+@pytest.mark.parametrize("sync", MODES)
+def test_a_nan_made_by_attention_is_named_at_the_attention_module_and_step(watch, sync):
+    _, session = train_gpt(lambda m, o: watch(m, optimizer=o, on_hit="record", sync=sync),
+                           steps=8, bad_step=5)  # fmt: skip
     first = origins(session)[0]
     assert (first.rule, first.module, first.kind, first.step, first.phase) == (
         "NaN", "blocks.0.attn", "output", 5, "forward"
@@ -64,32 +67,39 @@ def test_a_nan_made_by_attention_is_named_at_the_attention_module_and_step(watch
     assert {h.module for h in forward if not h.origin} >= {"blocks.0.mlp.0", "blocks.1.attn.qkv", "head"}
 
 
-def test_the_same_fault_is_found_with_batched_checks(watch):
-    _, eager = train_gpt(lambda m, o: watch(m, optimizer=o, on_hit="record"), steps=7,
-                         bad_step=5)  # fmt: skip
-    _, batched = train_gpt(
-        lambda m, o: watch(m, optimizer=o, on_hit="record", sync="batched"), steps=7, bad_step=5
-    )
+@pytest.mark.parametrize("sync", ["batched", "deferred"])
+def test_every_mode_finds_the_same_hits_as_eager_checks(watch, sync):
+    """Batched checks read statistics once per phase; deferred checks screen a phase's tensors
+    only when its outputs, loss or gradients show a problem. Once there is one, all three
+    report the same hits in the same order."""
+    _, eager = train_gpt(lambda m, o: watch(m, optimizer=o, on_hit="record", sync="eager"),
+                         steps=7, bad_step=5)  # fmt: skip
+    _, other = train_gpt(lambda m, o: watch(m, optimizer=o, on_hit="record", sync=sync),
+                         steps=7, bad_step=5)  # fmt: skip
     key = lambda h: (h.rule, h.tensor, h.module, h.kind, h.step, h.phase, h.origin)  # noqa: E731
-    assert [key(h) for h in batched.hits] == [key(h) for h in eager.hits]
+    assert [key(h) for h in other.hits] == [key(h) for h in eager.hits]
 
 
-def test_a_nan_in_the_batch_is_an_input_hit_at_the_root(watch):
+@pytest.mark.parametrize("sync", MODES)
+def test_a_nan_in_the_batch_is_an_input_hit_at_the_root(watch, sync):
     model = mlp()
-    session = watch(model, on_hit="record")
+    session = watch(model, on_hit="record", sync=sync)
     x = torch.randn(3, 4)
     x[1, 2] = float("nan")
     model(x)
+    session.flush()
     first = session.hits[0]
     assert (first.kind, first.module, first.tensor, first.origin) == ("input", "", "input[0]", True)
     assert all(not h.origin for h in session.hits[1:])
 
 
-def test_a_nan_made_by_a_modules_own_code_between_its_submodules_names_that_module(watch):
+@pytest.mark.parametrize("sync", MODES)
+def test_a_nan_made_by_a_modules_own_code_between_its_submodules_names_that_module(watch, sync):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), LogHead())
-    session = watch(model, on_hit="record")
+    session = watch(model, on_hit="record", sync=sync)
     model(torch.randn(6, 4))
+    session.flush()
     [origin] = origins(session)
     assert (origin.module, origin.kind) == ("1", "output")
     assert not [h for h in session.hits if h.module == "1.out" and h.origin]
@@ -107,14 +117,15 @@ def test_a_non_finite_parameter_is_found_at_attach_as_a_param_of_its_module(watc
     assert [h for h in session.hits if h.phase == "forward" and h.origin] == []
 
 
-def test_a_nan_made_by_backward_only_is_named_at_the_module_whose_backward_made_it(watch):
+@pytest.mark.parametrize("sync", MODES)
+def test_a_nan_made_by_backward_only_is_named_at_the_module_whose_backward_made_it(watch, sync):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), SqrtOfSquare(), nn.Linear(4, 2))
     with torch.no_grad():
         model[0].weight.zero_()
         model[0].bias.zero_()  # sqrt's input is 0: d sqrt(u)/du is infinite, times 0 is NaN
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    session = watch(model, optimizer=optimizer, on_hit="record", rules=[NaN()])
+    session = watch(model, optimizer=optimizer, on_hit="record", rules=[NaN()], sync=sync)
     loss = model(torch.randn(3, 4)).sum()
     session.observe("loss", loss)
     loss.backward()
@@ -124,11 +135,13 @@ def test_a_nan_made_by_backward_only_is_named_at_the_module_whose_backward_made_
     assert {h.tensor for h in session.hits if not h.origin} >= {"0.weight.grad", "0.bias.grad"}
 
 
-def test_a_nan_loss_from_clean_outputs_is_an_origin_at_the_observed_loss(watch):
+@pytest.mark.parametrize("sync", MODES)
+def test_a_nan_loss_from_clean_outputs_is_an_origin_at_the_observed_loss(watch, sync):
     model = mlp()
-    session = watch(model, on_hit="record")
+    session = watch(model, on_hit="record", sync=sync)
     out = model(torch.randn(3, 4))
     session.observe("loss", torch.log(out - 100).mean())
+    session.flush()
     [hit] = session.hits
     assert (hit.kind, hit.tensor, hit.origin) == ("observed", "loss", True)
 
@@ -242,7 +255,7 @@ def test_an_internal_error_stops_watching_but_never_the_training(watch, monkeypa
     def explode(*args, **kwargs):
         raise RuntimeError("tensordbg bug")
 
-    monkeypatch.setattr("tensordbg.session.device_stats", explode)
+    monkeypatch.setattr("tensordbg.session.host_stats", explode)
     with pytest.warns(RuntimeWarning, match="internal error"):
         loss = model(torch.randn(3, 4)).sum()
     loss.backward()
@@ -328,7 +341,8 @@ def test_in_place_relu_keeps_its_input_and_output_apart(watch):
     assert grads  # the optimizer phase has records
 
 
-def test_a_shared_module_is_told_apart_by_call_index(watch):
+@pytest.mark.parametrize("sync", MODES)
+def test_a_shared_module_is_told_apart_by_call_index(watch, sync):
     class Twice(nn.Module):
         def __init__(self):
             super().__init__()
@@ -339,8 +353,9 @@ def test_a_shared_module_is_told_apart_by_call_index(watch):
 
     torch.manual_seed(0)
     model = Twice()
-    session = watch(model, on_hit="record")
+    session = watch(model, on_hit="record", sync=sync)
     model(torch.randn(3, 4))
+    session.flush()
     by_tensor = {h.tensor: h for h in session.hits}
     assert "block#1.output" in by_tensor and by_tensor["block#1.output"].call == 1
     assert "block.output" not in by_tensor  # the first call was clean
@@ -572,3 +587,51 @@ def test_warnings_are_not_raised_for_a_healthy_run(watch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         train_gpt(lambda m, o: watch(m, optimizer=o, on_hit="record"), steps=3)
+
+
+# --- deferred checks ------------------------------------------------------------------------------
+
+
+def test_deferred_checks_leave_a_clean_phase_unscreened_and_screen_a_bad_one_in_full(watch):
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=optimizer, on_hit="record", sync="deferred")
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    assert "0.output" not in session.latest  # clean outputs and gradients: nothing else read
+    assert "0.weight.grad" in session.latest  # gradients are always read
+    x = torch.randn(3, 4)
+    x[0, 0] = float("nan")
+    model(x)
+    assert "0.output" in session.latest  # the bad forward was screened module by module
+    assert origins(session)[0].kind == "input"
+
+
+def test_a_nan_masked_before_it_reaches_outputs_loss_or_gradients_is_seen_by_eager_checks_only(
+    watch,
+):
+    class Log(nn.Module):
+        def forward(self, x):
+            return torch.log(x)  # NaN where x < 0 ...
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(4, 4)
+            self.log = Log()
+
+        def forward(self, x):
+            h = self.log(self.inner(x))
+            return torch.where(torch.isnan(h), torch.zeros_like(h), h)  # ... masked at once
+
+    seen = {}
+    for sync in ("eager", "deferred"):
+        torch.manual_seed(0)
+        model = Masked()
+        session = watch(model, on_hit="record", sync=sync, rules=[NaN()])
+        model(torch.randn(8, 4)).sum().backward()
+        session.flush()
+        seen[sync] = {(h.tensor, h.origin) for h in session.hits}
+        session.detach()
+    assert seen["eager"] == {("log.output", True)}
+    assert seen["deferred"] == set()  # the documented price of deferred checks

@@ -33,7 +33,7 @@ from tensordbg.rules import (
     available_rules,
     default_rules,
 )
-from tensordbg.rules.base import SELECTION_ARGS, builtin_rules
+from tensordbg.rules.base import SELECTION_ARGS, builtin_rules, judge_array
 
 from tensordbg.stats import (
     ABS_MEAN,
@@ -58,7 +58,7 @@ def tensor(rule: Rule, array: Any, **where: Any) -> TensorStats:
 
 
 def judge(rule: Rule, array: Any, state: dict | None = None, **where: Any) -> Finding | None:
-    return rule.check(tensor(rule, array, **where), {} if state is None else state)
+    return judge_array(rule, array, state, **where)
 
 
 def grad(norm: float) -> np.ndarray:

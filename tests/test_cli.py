@@ -1,0 +1,88 @@
+"""The command line: `tensordbg run` on an unchanged script, `tensordbg demo --no-ui`, and the
+help of every command."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(int(sys.argv[1])):
+        x = torch.randn(16, 4)
+        if step == 3:
+            x[0, 0] = float("nan")  # a bad batch
+        loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True).nan_to_num())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    print("trained", sys.argv[1], "steps")
+    """
+)
+
+
+def tensordbg(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tensordbg.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "train.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def test_run_debugs_a_script_without_changing_it(script: Path):
+    done = tensordbg("run", "--on-hit", "record", str(script), "6", cwd=script.parent)
+    assert done.returncode == 0, done.stderr
+    assert "trained 6 steps" in done.stdout  # the script got its own arguments
+    assert "watching Sequential" in done.stderr
+    assert "[NaN] input[0]" in done.stderr and "step 3 forward" in done.stderr
+
+
+def test_run_with_raise_stops_the_script_at_the_first_origin_hit(script: Path):
+    done = tensordbg("run", "--on-hit", "raise", "--rules", "NaN", str(script), "6",
+                     cwd=script.parent)  # fmt: skip
+    assert done.returncode != 0
+    assert "WatchpointHit" in done.stderr and "input[0]" in done.stderr
+    assert "trained" not in done.stdout
+
+
+def test_run_refuses_an_unknown_rule_with_the_list_of_rules(script: Path):
+    done = tensordbg("run", "--rules", "NaN,Nonsense", str(script), "1", cwd=script.parent)
+    assert done.returncode != 0
+    assert "no rule named 'Nonsense'" in done.stderr and "VanishingGradient" in done.stderr
+
+
+def test_every_command_has_help_with_an_example(tmp_path: Path):
+    for command in ("demo", "run", "tui"):
+        done = tensordbg(command, "--help", cwd=tmp_path)
+        assert done.returncode == 0
+        assert "examples:" in done.stdout and f"tensordbg {command}" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_demo_without_ui_finds_the_broken_attention(tmp_path: Path):
+    done = tensordbg("demo", "--no-ui", cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "1 at their origin" in done.stdout
+    assert "step 25 forward: [NaN] blocks.0.attn.output" in done.stdout
