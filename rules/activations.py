@@ -6,7 +6,6 @@ import math
 from typing import Any
 
 from tensordbg.rules.base import Finding, Rule, _matches
-
 from tensordbg.stats import Stat, TensorStats, dead_unit_frac
 
 

@@ -7,7 +7,6 @@ import statistics
 from typing import Any
 
 from tensordbg.rules.base import Finding, Refine, Rule
-
 from tensordbg.stats import ABS_MEAN, FINITE, L2, MAX, MIN, TensorStats
 
 

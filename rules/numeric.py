@@ -7,7 +7,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from tensordbg.rules.base import Finding, Rule
-
 from tensordbg.stats import (
     ABS_MEAN,
     FINITE,

@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from tensordbg.rules.base import Finding, Rule
-
 from tensordbg.stats import (
     MAX,
     MIN,

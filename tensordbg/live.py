@@ -25,8 +25,15 @@ from tensordbg.control import NotPaused
 from tensordbg.protocol import DTYPES, MAX_REPLY_BYTES, WireArray
 from tensordbg.rules.base import Rule, available_rules
 from tensordbg.session import Session
-from tensordbg.slicing import SliceError, apply_index, clamp_window, format_index, grid_shape
-from tensordbg.slicing import parse_index, window_of
+from tensordbg.slicing import (
+    SliceError,
+    apply_index,
+    clamp_window,
+    format_index,
+    grid_shape,
+    parse_index,
+    window_of,
+)
 from tensordbg.source import EventCallback, SourceError
 from tensordbg.stats import Summary, TensorStats
 from tensordbg.stats_torch import dtype_name, summarize

@@ -243,11 +243,13 @@ class Server:
                 self._ready.set()
             poller = zmq.Poller()
             poller.register(router, zmq.POLLIN)
-            poller.register(self._wake_read, zmq.POLLIN)
+            # A plain socket comes back from poll() as its file descriptor, not as the object.
+            wake = self._wake_read.fileno()
+            poller.register(wake, zmq.POLLIN)
             while not self._stopping.is_set():
                 try:
                     ready = dict(poller.poll(self._poll_timeout_ms()))
-                    if self._wake_read in ready:
+                    if wake in ready:
                         self._drain_wakeups()
                     if router in ready:
                         self._receive(router)

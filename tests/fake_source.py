@@ -13,8 +13,14 @@ from typing import Any
 import numpy as np
 
 from tensordbg.protocol import WireArray
-from tensordbg.slicing import SliceError, apply_index, clamp_window, format_index, parse_index
-from tensordbg.slicing import window_of
+from tensordbg.slicing import (
+    SliceError,
+    apply_index,
+    clamp_window,
+    format_index,
+    parse_index,
+    window_of,
+)
 from tensordbg.source import EventCallback, SourceError
 from tensordbg.stats import summarize_numpy
 

@@ -17,7 +17,6 @@ from torch import nn
 import tensordbg
 from tensordbg.rules import NaN, Rule, VanishingGradient, WeightNotChanging
 
-
 MODES = ("eager", "batched", "deferred")
 
 

@@ -7,7 +7,7 @@ import inspect
 import numpy as np
 import pytest
 import torch
-from paused import Planted, PausedTraining
+from paused import PausedTraining, Planted
 
 from tensordbg.live import LiveSource
 from tensordbg.source import SourceError, dispatch

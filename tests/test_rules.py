@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 import tensordbg.rules.base as rules_base
 from tensordbg.rules import (
     BUILTIN,
@@ -34,7 +35,6 @@ from tensordbg.rules import (
     default_rules,
 )
 from tensordbg.rules.base import SELECTION_ARGS, builtin_rules, judge_array
-
 from tensordbg.stats import (
     ABS_MEAN,
     FLOAT_MAX,

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -495,3 +496,28 @@ def test_a_tcp_connection_file_without_curve_keys_is_refused(tmp_path):
     path.write_text(info.to_json())
     with pytest.raises(ConnectionFileError, match="CURVE"):
         read_connection_file(path)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads per-thread CPU time")
+def test_an_idle_server_with_a_client_uses_no_cpu(tmp_path):
+    """The server shares the training's CPU: waiting for requests must cost nothing."""
+    from tensordbg.client import SyncClient
+
+    def cpu_seconds(thread_id: int) -> float:
+        fields = Path(f"/proc/self/task/{thread_id}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    server = Server(FakeSource(), run_id="idle1", rank=0, runtime_dir=tmp_path)
+    server.start()
+    try:
+        with SyncClient(server.info.path) as client:
+            client.call("info")
+            source = server.source
+            source.emit("log", {"message": "wake the socket thread once"})
+            thread = server._socket_thread
+            before = cpu_seconds(thread.native_id)
+            time.sleep(1.5)
+            used = cpu_seconds(thread.native_id) - before
+        assert used < 0.3, f"the idle socket thread used {used:.2f} s of CPU in 1.5 s"
+    finally:
+        server.stop()

@@ -1,0 +1,544 @@
+"""The terminal UI driven like a person would, against the numpy-only FakeSource: a training paused
+on a NaN produced at net.2, a 1000x1000 tensor at ref 5, and (with ``modules=2000``) a big model.
+
+Each test runs the real app headless (``App.run_test``) with an in-process ``LocalClient``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fake_source import FakeSource
+from rich.console import Group
+from textual.pilot import Pilot
+from textual.widgets import Input, Static, TabbedContent, Tree
+
+from tensordbg.client import ConnectionLost, LocalClient
+from tensordbg.connection import ConnectionInfo, write_connection_file
+from tensordbg.server import Server
+from tensordbg.tui.app import TensorDbgApp
+from tensordbg.tui.components.connection_banner import ConnectionBanner
+from tensordbg.tui.components.histogram_view import HistogramView
+from tensordbg.tui.components.hit_table import HitTable
+from tensordbg.tui.components.run_status import RunStatus
+from tensordbg.tui.components.slice_input import SliceInput
+from tensordbg.tui.components.tensor_grid import BLOCK_COLS, BLOCK_ROWS, TensorGrid
+from tensordbg.tui.launch import session_app, wait_for_run
+from tensordbg.tui.messages import OpenTensor
+from tensordbg.tui.screens.rule_add import RuleAddScreen
+from tensordbg.tui.screens.rule_edit import RuleEditScreen
+
+SIZE = (120, 40)
+TESTS = Path(__file__).parent
+
+
+async def until(pilot: Pilot, condition: Callable[[], Any], timeout: float = 10.0) -> None:
+    """Let the app work until ``condition()`` holds (requests run in workers and threads)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting for the UI")
+        await asyncio.sleep(0.005)
+    if pilot.app.is_running:
+        # A short pause, not pause(): that waits for the CPU to idle, up to a second a time.
+        await pilot.pause(0.01)
+
+
+async def mounted(pilot: Pilot) -> None:
+    """Wait until the tabs that open hidden (mounted after the first frame) are there."""
+    await until(pilot, lambda: not pilot.app.screen.query("Lazy"))
+
+
+def text_of(widget: Static) -> str:
+    content = widget.content
+    if isinstance(content, Group):
+        return "\n".join(str(r) for r in content.renderables)
+    return str(content)
+
+
+def footer_keys(app: TensorDbgApp) -> list[str]:
+    """The app's keys the footer shows now."""
+    return [
+        b.binding.key
+        for b in app.screen.active_bindings.values()
+        if b.node is app and b.binding.show
+    ]
+
+
+def active_tab(app: TensorDbgApp) -> str:
+    return app.query_one(TabbedContent).active
+
+
+async def type_slice(pilot: Pilot, text: str) -> None:
+    box = pilot.app.query_one(SliceInput)
+    box.focus()
+    box.value = ""
+    await pilot.press(*text)
+
+
+def test_from_the_origin_hit_to_its_values_and_back_to_training() -> None:
+    """Opened on a training paused at a NaN: Enter on the origin hit opens net.2's output; a
+    slice narrows it, a bad slice is refused without harm, the Provenance tab names the producer
+    and the user's line; c resumes the training and q detaches."""
+    source = FakeSource()
+    h2 = source.arrays[3][3]
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            hits = app.query_one(HitTable)
+            await until(pilot, lambda: app.state == "paused" and hits.row_count == 2)
+            await mounted(pilot)
+            assert active_tab(app) == "hits"
+            assert hits.current is not None and hits.current["origin"]
+            assert sorted(footer_keys(app)) == sorted(["c", "n", "s", "q", "slash"])
+
+            await pilot.press("enter")
+            inspector = app.main.tensor_inspector
+            grid = app.query_one(TensorGrid)
+            await until(pilot, lambda: grid.rows == 8 and grid.cell_text(1, 2) is not None)
+            assert active_tab(app) == "tensor"
+            assert inspector.ref == 3
+
+            await type_slice(pilot, "[1]")
+            await pilot.press("enter")
+            await until(pilot, lambda: inspector.text == "[1]" and grid.cell_text(0, 3))
+            summary = text_of(app.query_one("#tensor-summary", Static))
+            assert summary.startswith("tensor[4] float32 n=4") and "NaN×1!" in summary
+            assert (grid.rows, grid.cols) == (1, 4)
+            assert grid.cell_text(0, 2) == "NaN"
+            assert grid.cell_text(0, 0) == f"{h2[1, 0]:.4g}"
+            header, row = grid.render_line(0).text, grid.render_line(1).text
+            assert header.split() == ["0", "1", "2", "3"]
+            assert "NaN" in row and f"{h2[1, 3]:.4g}" in row
+            histogram = app.query_one(HistogramView)
+            await until(pilot, lambda: "NaN 1" in text_of(histogram))
+            compare = app.query_one("#stats-compare", Static)
+            assert "step 2" in str(compare.content.columns[2].header)
+
+            # A slice that does not parse is refused as it is typed...
+            await type_slice(pilot, "[1:x]")
+            error = app.query_one("#slice-error", Static)
+            assert "'x' is not allowed in a slice" in text_of(error)
+            # ...and one the tensor cannot take is refused by the source, with its reason.
+            await type_slice(pilot, "[1, 99]")
+            assert text_of(error) == ""
+            await pilot.press("enter")
+            await until(pilot, lambda: "does not fit a tensor of shape 8x4" in text_of(error))
+            assert inspector.text == "[1]" and grid.cell_text(0, 2) == "NaN"  # still shown
+            await type_slice(pilot, "[:, 0]")
+            await pilot.press("enter")
+            await until(pilot, lambda: inspector.text == "[:, 0]" and grid.cell_text(0, 5))
+            assert text_of(error) == "" and grid.cell_text(0, 5) == "NaN"
+
+            app.main.show_tab("provenance")
+            tree = app.query_one(Tree)
+            await until(pilot, lambda: "net.2.output" in str(tree.root.label))
+            leaves = [str(node.label) for node in tree.root.children]
+            assert any("produced by net.2" in label and "Linear" in label for label in leaves)
+            inputs = tree.root.children[1]
+            assert "net.1.output" in str(inputs.children[0].label)
+            assert "✓ finite" in str(inputs.children[0].label)
+            listing = text_of(app.query_one("#provenance-source", Static))
+            assert "fake.py:12 in forward" in listing
+            assert "→ 12         return self.net[2](h)" in listing
+
+            app.query_one(TensorGrid).focus()  # keys for the debugger, not for a text box
+            await pilot.press("c")
+            await until(pilot, lambda: app.state == "running")
+            assert source.controls == [("continue", 1)]
+            assert sorted(footer_keys(app)) == sorted(["p", "q", "slash"])
+            assert "RUNNING" in text_of(app.query_one("#run-state", Static))
+
+            await pilot.press("q")
+            await until(pilot, lambda: not app.is_running)
+        assert source.controls[-1] == ("detach", 1)
+        assert app.return_code == 0
+
+    asyncio.run(flow())
+
+
+def test_step_takes_a_count_and_the_palette_offers_what_the_state_allows() -> None:
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "paused")
+            titles = [c.title for c in app.get_system_commands(app.screen)]
+            assert {"Continue", "Next hit", "Step"} <= set(titles) and "Pause" not in titles
+            await pilot.press("1", "2", "s")
+            await until(pilot, lambda: app.state == "running")
+            assert source.controls == [("step", 12)]
+            titles = [c.title for c in app.get_system_commands(app.screen)]
+            assert "Pause" in titles and "Continue" not in titles
+            await pilot.press("c")  # not valid while running: nothing is sent
+            await pilot.press("p")
+            await until(pilot, lambda: app.state == "paused")
+            assert source.controls == [("step", 12), ("pause", 1)]
+
+    asyncio.run(flow())
+
+
+def test_pushed_events_update_the_run_tab_and_the_hits() -> None:
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            hits = app.query_one(HitTable)
+            await until(pilot, lambda: hits.row_count == 2)
+            source.emit("status", {"step": 4, "loss": 1.5, "grad_norm": 0.7, "steps_per_sec": 9.0})
+            numbers = app.query_one("#run-numbers", Static)
+            await until(pilot, lambda: "1.5" in str(list(numbers.content.columns[1].cells)))
+            hit = dict(source.hits()[0], id=7, step=4, message="a later NaN")
+            source.emit("hit", hit)
+            await until(pilot, lambda: hits.row_count == 3)
+            assert hits.next_id == 8
+            run = app.query_one(RunStatus)
+            assert run._info["hits_total"] == 3
+
+    asyncio.run(flow())
+
+
+def test_rules_toggle_edit_add_and_recheck() -> None:
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            panel = app.main.rule_panel
+            await until(pilot, lambda: panel.current is not None)
+            app.main.show_tab("rules")
+            await pilot.pause()
+            assert panel.current["name"] == "NaN"
+
+            await pilot.press("space")
+            await until(pilot, lambda: not panel.current["enabled"])
+            assert source._rules[0]["enabled"] is False
+
+            await pilot.press("down", "e")
+            await until(pilot, lambda: isinstance(app.screen, RuleEditScreen))
+            box = app.screen.query_one(Input)
+            assert box.name == "threshold" and box.value == "1e-07"
+            box.value = "not a number"
+            await pilot.press("enter")
+            assert "threshold: 'not a number' is not a number" in text_of(
+                app.screen.query_one(".dialog-error", Static)
+            )
+            box.value = "1e-5"
+            await pilot.press("enter")
+            await until(pilot, lambda: source._rules[1]["params"]["threshold"] == 1e-5)
+            await until(pilot, lambda: panel.current["params"]["threshold"] == 1e-5)
+
+            await pilot.press("a")
+            await until(pilot, lambda: isinstance(app.screen, RuleAddScreen))
+            app.screen.query_one("#rule-match", Input).value = "net.*"
+            app.screen.query_one(".param-input", Input).value = "100"
+            app.screen.query_one("#save").press()
+            await until(pilot, lambda: len(source._rules) == 3)
+            added = source._rules[2]
+            assert (added["name"], added["match"], added["params"]) == (
+                "TensorRange",
+                ["net.*"],
+                {"max_gt": 100},
+            )
+
+            await pilot.press("r")
+            result = app.query_one("#rule-result", Static)
+            await until(pilot, lambda: "Recheck found 1 hit" in text_of(result))
+            assert "[NaN] net.2.output" in text_of(result)
+
+    asyncio.run(flow())
+
+
+def test_search_among_2000_modules_and_open_a_tensor() -> None:
+    source = FakeSource(modules=2000)
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            table = app.main.module_browser.table
+            await until(pilot, lambda: table.row_count == 2006)
+            await pilot.press("slash")
+            assert active_tab(app) == "modules"
+            assert isinstance(app.focused, Input)
+            started = time.perf_counter()
+            await pilot.press(*"extra.19")
+            per_key = (time.perf_counter() - started) / len("extra.19")
+            assert table.row_count == 1 + 10 + 100  # extra.19, extra.190-199, extra.1900-1999
+            assert table.current is not None and table.current["path"] == "extra.19"
+            assert per_key < 0.5, f"{per_key:.3f} s a key while searching 2,000 modules"
+            await pilot.press("enter", "down")
+            assert app.focused is table and table.current["path"] == "extra.190"
+
+            await pilot.press("slash", *"\b" * 0)
+            app.query_one("#module-search", Input).value = "net.2"
+            await until(pilot, lambda: table.row_count == 1)
+            assert "net.2" in table.render_line(1).text and "● 1" in table.render_line(1).text
+            tensors = app.main.module_browser.tensor_table
+            await until(pilot, lambda: tensors.row_count == 1)
+            table.focus()
+            await pilot.press("enter")
+            assert app.focused is tensors
+            await pilot.press("enter")
+            inspector = app.main.tensor_inspector
+            await until(pilot, lambda: inspector.ref == 3 and active_tab(app) == "tensor")
+
+    asyncio.run(flow())
+
+
+class CountingSource(FakeSource):
+    """Counts the values the grid asks for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent = 0
+        self.windows: list[list[list[int]] | None] = []
+
+    def slice(self, ref: int, text: str = "", window: list[list[int]] | None = None):
+        reply = super().slice(ref, text, window)
+        self.windows.append(window)
+        self.sent += reply["data"].data.size
+        return reply
+
+
+def test_the_grid_fetches_only_the_windows_on_screen() -> None:
+    source = CountingSource()
+    big = source.arrays[5][3]
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "paused")
+            app.main.post_message(OpenTensor(5, "big.output"))
+            await until(pilot, lambda: app.query(TensorGrid))
+            grid = app.query_one(TensorGrid)
+            await until(pilot, lambda: grid.rows == 1000 and grid.cell_text(0, 0) is not None)
+            assert grid.cell_text(0, 0) == f"{big[0, 0]:.4g}"
+            assert app.focused is grid
+            await pilot.press(*["pagedown"] * 6, *["right"] * 20)
+            await until(pilot, lambda: not grid.fetching)
+            top = round(grid.scroll_y)
+            first_col = round(grid.scroll_x) // 11
+            assert top > 150 and first_col >= 19
+            assert grid.cell_text(top, first_col) == f"{big[top, first_col]:.4g}"
+            line = grid.render_line(1).text
+            assert line.split()[0] == str(top) and f"{big[top, first_col]:.4g}" in line
+        # A few blocks of 64 x 16 values, not the million values of the tensor.
+        assert all(
+            w is not None and w[0][1] - w[0][0] <= BLOCK_ROWS and w[1][1] - w[1][0] <= BLOCK_COLS
+            for w in source.windows
+        )
+        assert 0 < source.sent <= 12 * BLOCK_ROWS * BLOCK_COLS
+
+    asyncio.run(flow())
+
+
+class CuttableClient:
+    """A LocalClient whose connection can be cut, as when the training dies."""
+
+    def __init__(self, source: FakeSource) -> None:
+        self._inner = LocalClient(source)
+        self.welcome = self._inner.welcome
+        self.cut = asyncio.Event()
+
+    LOST = "the training at ipc:///tmp/x has not answered for 10 s"
+
+    async def call(self, method: str, **params: Any) -> Any:
+        if self.cut.is_set():
+            raise ConnectionLost(self.LOST)
+        return await self._inner.call(method, **params)
+
+    async def events(self):
+        await self.cut.wait()
+        raise ConnectionLost(self.LOST)
+        yield  # an async generator
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
+def test_a_lost_connection_shows_a_banner_keeps_the_state_and_reconnects() -> None:
+    source = FakeSource()
+    clients: list[CuttableClient] = []
+    training_back = asyncio.Event()
+
+    async def connect(path: str | None) -> CuttableClient:
+        if clients and not training_back.is_set():
+            raise ConnectionRefusedError("no training at ipc:///tmp/x")
+        clients.append(CuttableClient(source))
+        return clients[-1]
+
+    async def flow() -> None:
+        app = TensorDbgApp(connect, reconnect_delay=0.02)
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "paused")
+            banner = app.query_one(ConnectionBanner)
+            assert not banner.has_class("-visible")
+            clients[0].cut.set()
+            await until(pilot, lambda: app.state == "disconnected")
+            assert banner.has_class("-visible")
+            assert "has not answered for 10 s" in text_of(banner)
+            assert "The last state stays on screen" in text_of(banner)
+            await until(pilot, lambda: "Last attempt: no training at" in text_of(banner))
+            assert "last seen paused at step 3" in text_of(app.query_one("#run-state", Static))
+            assert app.query_one(HitTable).row_count == 2  # still there
+            assert sorted(footer_keys(app)) == ["q", "slash"]
+            await pilot.press("c")  # nothing to continue
+            assert source.controls == []
+            # The training comes back: everything is read again from the hello reply.
+            training_back.set()
+            await until(pilot, lambda: app.state == "paused" and len(clients) == 2)
+            assert not banner.has_class("-visible")
+            assert "PAUSED" in text_of(app.query_one("#run-state", Static))
+
+    asyncio.run(flow())
+
+
+def test_the_session_picker_hands_the_chosen_file_to_the_connection() -> None:
+    source = FakeSource()
+    picked: list[str | None] = []
+    sessions = [
+        {
+            "path": f"/tmp/run{i}-0.json",
+            "script": f"train{i}.py",
+            "run_id": f"run{i}",
+            "rank": 0,
+            "pid": 100 + i,
+            "host": "h",
+            "started": 0.0,
+        }
+        for i in range(3)
+    ]
+
+    async def connect(path: str | None) -> LocalClient:
+        picked.append(path)
+        return LocalClient(source)
+
+    async def flow() -> None:
+        app = TensorDbgApp(connect, sessions=sessions)
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause()
+            assert type(app.screen).__name__ == "SessionPicker"
+            await pilot.press("down", "enter")
+            await until(pilot, lambda: app.state == "paused")
+        assert picked == ["/tmp/run1-0.json"]
+
+    asyncio.run(flow())
+
+
+def test_waiting_for_a_run_that_is_starting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime = tmp_path / "rt"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("TENSORDBG_RUNTIME_DIR", str(runtime))
+    info = ConnectionInfo(
+        run_id="demo1",
+        rank=0,
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        script="demo.py",
+        started=time.time(),
+        endpoint="ipc:///nowhere",
+        transport="ipc",
+        key="ab" * 32,
+    )
+
+    async def flow() -> str:
+        async def start_later() -> None:
+            await asyncio.sleep(0.2)
+            write_connection_file(info, runtime)
+
+        writer = asyncio.ensure_future(start_later())
+        path = await wait_for_run("demo1", wait=5.0, poll=0.02)
+        await writer
+        with pytest.raises(TimeoutError, match="no session of run other"):
+            await wait_for_run("other", wait=0.05, poll=0.02)
+        return path
+
+    assert asyncio.run(flow()) == str(runtime / "demo1-0.json")
+
+
+def test_a_training_that_starts_after_the_ui_over_zeromq(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As ``tensordbg demo`` does: the UI waits for the run, then debugs it over the socket."""
+    monkeypatch.setenv("TENSORDBG_RUNTIME_DIR", str(tmp_path))
+    source = FakeSource()
+    server = Server(source, run_id="tui1", rank=0, script="train.py")
+    app = session_app(run_id="tui1", wait=10.0)
+    assert app is not None
+
+    async def flow() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause(0.2)
+            assert app.state == "connecting"
+            await asyncio.to_thread(server.start)
+            hits = app.main.hit_table
+            await until(pilot, lambda: app.state == "paused" and hits.row_count == 2)
+            # Actions rather than key presses: a press waits for the CPU to idle, and the
+            # training's server shares this process.
+            app.main.post_message(OpenTensor(hits.current["ref"], hits.current["tensor"]))
+            await until(pilot, lambda: app.query(TensorGrid))
+            grid = app.query_one(TensorGrid)
+            await until(pilot, lambda: grid.rows == 8 and grid.cell_text(5, 0) == "NaN")
+            app.action_control("continue")
+            await until(pilot, lambda: source.controls == [("continue", 1)])
+            await until(pilot, lambda: app.state == "running")
+            app.action_detach()
+            await until(pilot, lambda: not app.is_running)
+        assert source.controls[-1] == ("detach", 1)
+
+    try:
+        asyncio.run(flow())
+    finally:
+        server.stop()
+
+
+def test_the_ui_never_imports_torch() -> None:
+    code = f"""
+import asyncio, sys
+sys.path.insert(0, {str(TESTS)!r})
+import tensordbg.tui
+from fake_source import FakeSource
+from tensordbg.client import LocalClient
+from tensordbg.tui.app import TensorDbgApp
+from tensordbg.tui.messages import OpenTensor
+
+async def main():
+    app = TensorDbgApp(LocalClient(FakeSource()))
+    async with app.run_test() as pilot:
+        await pilot.pause(0.3)
+        app.main.post_message(OpenTensor(3))
+        await pilot.pause(0.3)
+asyncio.run(main())
+print("torch" in sys.modules)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert result.stdout.strip() == "False", result.stderr
+
+
+def test_histogram_drawing_scales_bars_and_counts_non_finite() -> None:
+    from tensordbg.tui.components.histogram_view import draw
+
+    text = draw(
+        {"counts": [0, 1, 8], "min": -1.0, "max": 1.0, "nan": 2, "posinf": 0, "neginf": 1}, height=2
+    ).plain.splitlines()
+    assert text[0] == "peak 8 per bin"
+    assert text[1] == "  █" and text[2] == " ▂█"  # 1/8 of two rows: two eighths
+    assert text[3].startswith("-1") and text[3].endswith("1")
+    assert "NaN 2" in text[4] and "-Inf 1" in text[4]
+    assert len(text) == 5

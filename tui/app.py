@@ -1,0 +1,227 @@
+"""The tensordbg terminal UI: the app, its keys, and its connection to the training.
+
+>>> from tensordbg.client import LocalClient
+>>> TensorDbgApp(LocalClient(source)).run()
+
+The app owns the connection (:meth:`TensorDbgApp._keep_connected`) and the debugger's keys; the
+:class:`~tensordbg.tui.screens.main.MainScreen` lays out the tabs and routes data to the widgets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from textual import work
+from textual.app import App, SystemCommand
+from textual.binding import Binding
+from textual.reactive import reactive
+from textual.screen import Screen
+
+from tensordbg.tui.remote import ClientFactory, DebugClient, Remote, RequestFailed
+from tensordbg.tui.screens.main import MainScreen
+from tensordbg.tui.screens.session_picker import SessionPicker, session_field
+
+# Which control actions make sense in which state of the training.
+CONTROLS = {"paused": ("continue", "next", "step"), "running": ("pause",)}
+COMMANDS = (
+    ("continue", "Continue", "Run to the next new origin hit (c)"),
+    ("next", "Next hit", "Run to the next hit of any kind (n)"),
+    ("step", "Step", "Run one training step, then pause (s; 5s runs five)"),
+    ("pause", "Pause", "Pause the training as soon as possible (p)"),
+)
+
+
+class TensorDbgApp(App[int]):
+    """The debugger UI on one training session.
+
+    ``client`` is a connected client, or an async factory ``connect(path)`` that opens one (and
+    opens it again after the connection drops). With several ``sessions`` to choose from, a
+    picker comes first and its choice is handed to the factory.
+    """
+
+    CSS_PATH = "app.tcss"
+    TITLE = "tensordbg"
+    BINDINGS: list[Binding | tuple[str, str] | tuple[str, str, str]] = [  # noqa: RUF012
+        Binding("c", "control('continue')", "Continue"),
+        Binding("n", "control('next')", "Next hit"),
+        Binding("s", "control('step')", "Step"),
+        Binding("p", "control('pause')", "Pause"),
+        Binding("q", "detach", "Detach & quit"),
+        Binding("slash", "search", "Search"),
+        *(Binding(str(d), f"count({d})", show=False) for d in range(10)),
+    ]
+
+    state: reactive[str] = reactive("connecting", bindings=True, init=False)
+    """``connecting``, ``running``, ``paused``, ``detached``, ``finished`` or ``disconnected``."""
+
+    def __init__(
+        self,
+        client: DebugClient | ClientFactory,
+        *,
+        sessions: Sequence[Any] = (),
+        reconnect_delay: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self._client: DebugClient | None = None
+        self._connect: ClientFactory | None = None
+        if isinstance(client, DebugClient):
+            self._client = client
+        else:
+            self._connect = client
+        self._sessions = list(sessions)
+        self._reconnect_delay = reconnect_delay
+        self._lost = asyncio.Event()
+        self._lost_reason = ""
+        self._count = 0
+        self.remote = Remote(self._connection_lost)
+        self.main = MainScreen()
+
+    def get_default_screen(self) -> Screen:
+        return self.main
+
+    def on_ready(self) -> None:
+        # Ready: the main screen is composed and on screen, so the widgets can be fed.
+        if len(self._sessions) > 1:
+            self.push_screen(SessionPicker(self._sessions), self._keep_connected)
+        else:
+            path = session_field(self._sessions[0], "path") if self._sessions else None
+            self._keep_connected(path)
+
+    async def call(self, method: str, **params: Any) -> Any:
+        """One request to the training; raises :class:`RequestFailed` with a sentence to show
+        (and logged in the Log tab)."""
+        try:
+            return await self.remote.call(method, **params)
+        except RequestFailed as e:
+            self.main.log_entry(f"{method} failed: {e.message}", "error")
+            raise
+
+    # --- connection ------------------------------------------------------------------------
+
+    @work(group="connection", exclusive=True)
+    async def _keep_connected(self, path: str | None) -> None:
+        """Connect, serve events until the connection drops, then reconnect in the background;
+        every (re)connection re-reads the whole state from the hello reply."""
+        client, self._client = self._client, None
+        while True:
+            if client is None:
+                if self._connect is None:
+                    return
+                self.main.show_connecting()
+                try:
+                    client = await self._connect(path)
+                except Exception as e:
+                    self.main.show_connect_failed(str(e) or type(e).__name__)
+                    await asyncio.sleep(self._reconnect_delay)
+                    continue
+            self._lost.clear()
+            self.remote.client = client
+            self.main.load_welcome(client.welcome)
+            reason = await self._serve_events(client)
+            self.remote.client = None
+            with contextlib.suppress(Exception):
+                await client.close()
+            client = None
+            self.main.show_connection_lost(
+                reason, self.state, reconnecting=self._connect is not None
+            )
+            self.state = "disconnected"
+            if self._connect is None:
+                return
+            await asyncio.sleep(self._reconnect_delay)
+
+    async def _serve_events(self, client: DebugClient) -> str:
+        """Hand pushed events to the screen until the connection drops; returns why it did."""
+
+        async def pump() -> str:
+            try:
+                async for event, payload in client.events():
+                    self.main.server_event(event, payload)
+            except Exception as e:
+                return str(e) or type(e).__name__
+            return "the training closed the connection"
+
+        events = asyncio.ensure_future(pump())
+        lost = asyncio.ensure_future(self._lost.wait())
+        try:
+            await asyncio.wait((events, lost), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            events.cancel()
+            lost.cancel()
+        return self._lost_reason if lost.done() and not lost.cancelled() else events.result()
+
+    def _connection_lost(self, reason: str) -> None:
+        self._lost_reason = reason
+        self._lost.set()
+
+    def watch_state(self, state: str) -> None:
+        self.main.show_state(state)
+
+    # --- keys ------------------------------------------------------------------------------
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in ("control", "count"):
+            if self.screen is not self.main:  # a modal is open: its keys are its own
+                return False
+            if action == "count":
+                return self.state == "paused"
+            return parameters[0] in CONTROLS.get(self.state, ())
+        return True
+
+    def action_control(self, action: str) -> None:
+        n, self._count = max(self._count, 1), 0
+        self.main.show_count(0)
+        self._control(action, n)
+
+    @work(group="control", exclusive=True)
+    async def _control(self, action: str, n: int) -> None:
+        try:
+            reply = await self.call("control", action=action, n=n)
+        except RequestFailed:
+            return  # the Log tab says why
+        self.main.log_entry(f"control {action} (n={n}): {reply['state']} at step {reply['step']}")
+        self.state = reply["state"]
+
+    def action_count(self, digit: int) -> None:
+        self._count = min(self._count * 10 + digit, 1_000_000)
+        self.main.show_count(self._count)
+
+    def action_search(self) -> None:
+        self.main.focus_search()
+
+    def action_detach(self) -> None:
+        self._detach_and_exit()
+
+    @work(group="control", exclusive=True)
+    async def _detach_and_exit(self) -> None:
+        """Quit, letting the training run on: the debugger detaches first."""
+        if self.remote.client is not None and self.state in ("running", "paused"):
+            with contextlib.suppress(RequestFailed):  # quit anyway: a lost client detaches too
+                await self.call("control", action="detach")
+        client, self.remote.client = self.remote.client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.close()
+        self.exit(0)
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        for action, title, help in COMMANDS:
+            if action in CONTROLS.get(self.state, ()):
+                yield SystemCommand(title, help, lambda a=action: self.action_control(a))
+        yield SystemCommand(
+            "Detach and quit", "Let the training run on, and quit (q)", self.action_detach
+        )
+        yield SystemCommand("Search modules", "Filter the model tree (/)", self.action_search)
+        for pane, title in self.main.TABS:
+            yield SystemCommand(
+                f"Show {title}", f"Switch to the {title} tab", lambda p=pane: self.main.show_tab(p)
+            )
+        yield SystemCommand(
+            "Recheck",
+            "Judge the current step again with the rules as they are now",
+            self.main.recheck,
+        )

@@ -1,0 +1,1 @@
+"""The debugger's widgets, one per module."""

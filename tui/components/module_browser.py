@@ -1,0 +1,81 @@
+"""The Modules tab: a search box, the model tree, and the tensors of the module under the cursor."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from textual import on
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.timer import Timer
+from textual.widgets import Input, Label
+
+from tensordbg.tui.components.module_table import ModuleTable
+from tensordbg.tui.components.tensor_table import TensorTable
+
+SETTLE = 0.06  # seconds the cursor rests on a module before its tensors are listed
+
+
+class ModuleBrowser(Vertical):
+    """``/`` focuses the search; Enter in the search or on a module moves to its tensors."""
+
+    def __init__(self) -> None:
+        super().__init__(id="module-browser")
+        self._by_module: dict[str, list[dict[str, Any]]] = {}
+        self._pending: Timer | None = None
+        self.search = Input(placeholder="/ search modules by path or type", id="module-search")
+        self.table = ModuleTable()
+        self.tensors_title = Label("", id="module-tensors-title")
+        self.tensor_table = TensorTable()
+
+    def compose(self) -> ComposeResult:
+        yield self.search
+        yield self.table
+        yield self.tensors_title
+        yield self.tensor_table
+
+    def set_modules(self, modules: list[dict[str, Any]]) -> None:
+        self.table.set_modules(modules)
+
+    def set_tensors(self, tensors: list[dict[str, Any]]) -> None:
+        self._by_module = defaultdict(list)
+        for t in tensors:
+            self._by_module[t["module"]].append(t)
+        self._show_tensors(self.table.current)
+
+    def focus_search(self) -> None:
+        self.search.focus()
+
+    @on(Input.Changed, "#module-search")
+    def _search(self, event: Input.Changed) -> None:
+        self.table.set_filter(event.value)
+
+    @on(Input.Submitted, "#module-search")
+    def _search_done(self) -> None:
+        self.table.focus()
+
+    @on(ModuleTable.Highlighted)
+    def _highlighted(self, event: ModuleTable.Highlighted) -> None:
+        # The cursor moves at once; the tensors follow when it rests (holding a key stays fast).
+        if self._pending is not None:
+            self._pending.stop()
+        self._pending = self.set_timer(SETTLE, lambda: self._show_tensors(event.module))
+
+    @on(ModuleTable.Selected)
+    def _selected(self) -> None:
+        if self.tensor_table.row_count:
+            self.tensor_table.focus()
+
+    def _show_tensors(self, module: dict[str, Any] | None) -> None:
+        tensors = self._by_module.get(module["path"], []) if module else []
+        title = self.tensors_title
+        if module is None:
+            title.update("No module matches the search.")
+        else:
+            name = module["path"] or "(model)"
+            title.update(
+                f"Tensors of {name} in this phase: {len(tensors)}"
+                + ("  (Enter opens one)" if tensors else "")
+            )
+        self.tensor_table.show(tensors)

@@ -1,0 +1,261 @@
+"""The model tree: every module with its type, parameters, hits and latest output statistics.
+
+A Line-API widget: it draws only the rows on screen, so moving the cursor or filtering stays
+quick with thousands of modules (the built-in DataTable takes 0.6 s to refill 2,000 rows).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from rich.segment import Segment
+from rich.style import Style
+from textual.binding import Binding, BindingType
+from textual.events import Click
+from textual.geometry import Region, Size
+from textual.message import Message
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
+
+from tensordbg.stats import Summary
+
+GAP = 2
+
+
+def brief(summary: dict[str, Any] | None) -> str:
+    """A module's latest statistics in one short line (module stats carry no shape or dtype):
+    ``n=256 x∈[-2.1, 2.6] μ=0.01 σ=1 NaN×2!``."""
+    if not summary:
+        return ""
+    line = Summary.from_dict(summary).line((), "-")
+    return line.split(" ", 2)[2]  # drop "tensor[] -": the rest is the statistics
+
+
+def count(n: int) -> str:
+    """``708``, ``12.3K``, ``7.1M``, ``1.2B``."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+class ModuleTable(ScrollView, can_focus=True):
+    """Modules in ``named_modules()`` order, indented by depth; filtered by :meth:`set_filter`."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("up", "move(-1)", "Up", show=False),
+        Binding("down", "move(1)", "Down", show=False),
+        Binding("pageup", "page(-1)", "Page up", show=False),
+        Binding("pagedown", "page(1)", "Page down", show=False),
+        Binding("home", "move(-1_000_000_000)", "First", show=False),
+        Binding("end", "move(1_000_000_000)", "Last", show=False),
+        Binding("enter", "select", "Tensors"),
+    ]
+    COMPONENT_CLASSES: ClassVar[set[str]] = {
+        "module-table--header",
+        "module-table--cursor",
+        "module-table--hit",
+        "module-table--dim",
+    }
+
+    class Highlighted(Message):
+        """The cursor is on ``module`` (None when nothing matches the filter)."""
+
+        def __init__(self, module: dict[str, Any] | None) -> None:
+            super().__init__()
+            self.module = module
+
+    class Selected(Message):
+        """Enter on ``module``."""
+
+        def __init__(self, module: dict[str, Any]) -> None:
+            super().__init__()
+            self.module = module
+
+    def __init__(self) -> None:
+        super().__init__(id="module-table")
+        self._drawable = False  # set on mount; is_mounted is still False in on_mount
+        self._modules: list[dict[str, Any]] = []
+        self._keys: list[str] = []  # lower-case "path type", what the filter searches
+        self._cells: list[tuple[str, ...]] = []  # type, params, hits, statistics
+        self._tree_names: list[str] = []  # indented by depth
+        self._paths: list[str] = []  # full paths, shown while filtering
+        self._rows: list[int] = []  # indices into _modules, after the filter
+        self._query = ""
+        self._widths: list[int] = []
+        self._kinds: list[str] = []
+        self.cursor = 0
+        self._palette: dict[object, Any] = {}
+
+    # --- data --------------------------------------------------------------------------------
+
+    def set_modules(self, modules: list[dict[str, Any]]) -> None:
+        current = self.current
+        self._modules = modules
+        self._keys = [f"{m['path']} {m['type']}".lower() for m in modules]
+        kinds = {k for m in modules for k in (m.get("stats") or {})}
+        self._kinds = [k for k in ("output", "grad_output") if k in kinds] or ["output"]
+        self._cells = [self._cells_of(m) for m in modules]
+        self._tree_names = [
+            "  " * max(m["depth"] - 1, 0) + (m["path"].rsplit(".", 1)[-1] or "(model)")
+            for m in modules
+        ]
+        self._paths = [m["path"] or "(model)" for m in modules]
+        self._apply_filter(keep=current["path"] if current else None)
+
+    def set_filter(self, query: str) -> None:
+        """Show only the modules whose path or type contains ``query``; the cursor jumps to the
+        first of them."""
+        self._query = query.strip().lower()
+        self._apply_filter(keep=None)
+
+    @property
+    def current(self) -> dict[str, Any] | None:
+        if 0 <= self.cursor < len(self._rows):
+            return self._modules[self._rows[self.cursor]]
+        return None
+
+    @property
+    def row_count(self) -> int:
+        return len(self._rows)
+
+    def _cells_of(self, m: dict[str, Any]) -> tuple[str, ...]:
+        hits = f"● {m['hits']}" if m.get("hits") else ""
+        stats = m.get("stats") or {}
+        return (
+            m["type"],
+            count(m.get("params", 0)),
+            hits,
+            *(brief(stats.get(k)) for k in self._kinds),
+        )
+
+    def _row(self, i: int) -> tuple[str, ...]:
+        name = self._paths[i] if self._query else self._tree_names[i]
+        return (name, *self._cells[i])
+
+    def _apply_filter(self, keep: str | None) -> None:
+        q = self._query
+        self._rows = (
+            [i for i, key in enumerate(self._keys) if q in key]
+            if q
+            else list(range(len(self._modules)))
+        )
+        names = self._paths if q else self._tree_names
+        sample = self._rows[:5000]  # widths from the first rows: enough, and bounded
+        self._widths = [min(max([6] + [len(names[i]) for i in sample]), 60)] + [
+            max([len(h)] + [len(self._cells[i][c]) for i in sample])
+            for c, h in enumerate(self._headers()[1:])
+        ]
+        self.cursor = 0
+        if keep is not None:
+            for n, i in enumerate(self._rows):
+                if self._modules[i]["path"] == keep:
+                    self.cursor = n
+                    break
+        self._show_rows()
+
+    def on_mount(self) -> None:
+        self._drawable = True
+        self._show_rows()
+
+    def _show_rows(self) -> None:
+        if not self._drawable:  # modules can arrive before the tab is mounted
+            return
+        width = sum(self._widths) + GAP * len(self._widths)
+        self.virtual_size = Size(width, len(self._rows) + 1)
+        self.scroll_to(y=max(0, self.cursor - 1), animate=False, immediate=True)
+        self.refresh()
+        self.post_message(self.Highlighted(self.current))
+
+    def _headers(self) -> tuple[str, ...]:
+        return ("module", "type", "params", "hits", *self._kinds)
+
+    # --- keys --------------------------------------------------------------------------------
+
+    def action_move(self, delta: int) -> None:
+        self._go(self.cursor + delta)
+
+    def action_page(self, direction: int) -> None:
+        self._go(self.cursor + direction * max(self.size.height - 2, 1))
+
+    def action_select(self) -> None:
+        if self.current is not None:
+            self.post_message(self.Selected(self.current))
+
+    def _go(self, row: int) -> None:
+        if not self._rows:
+            return
+        row = max(0, min(row, len(self._rows) - 1))
+        if row == self.cursor:
+            return
+        before, self.cursor = self.cursor, row
+        top, visible = round(self.scroll_y), max(self.size.height - 1, 1)
+        if row < top:
+            self.scroll_to(y=row, animate=False, immediate=True)
+        elif row >= top + visible:
+            self.scroll_to(y=row - visible + 1, animate=False, immediate=True)
+        self.refresh_line(before + 1)
+        self.refresh_line(row + 1)
+        self.post_message(self.Highlighted(self.current))
+
+    def on_click(self, event: Click) -> None:
+        offset = event.get_content_offset(self)
+        if offset is None or offset.y == 0:
+            return
+        row = round(self.scroll_y) + offset.y - 1
+        if row == self.cursor and event.chain > 1:
+            self.action_select()
+        self._go(row)
+
+    # --- drawing -----------------------------------------------------------------------------
+
+    def render_lines(self, crop: Region) -> list[Strip]:
+        # The styles, once a frame rather than once a line (looking them up is the costly part).
+        base = self.rich_style
+        cursor = base + self.get_component_rich_style("module-table--cursor")
+        self._palette = {
+            False: self._row_styles(base),
+            True: self._row_styles(cursor),
+            "header": base + self.get_component_rich_style("module-table--header"),
+        }
+        return super().render_lines(crop)
+
+    def _row_styles(self, base: Style) -> tuple[Style, Style, Style]:
+        dim = base + self.get_component_rich_style("module-table--dim", partial=True)
+        hit = base + self.get_component_rich_style("module-table--hit", partial=True)
+        return base, dim, hit
+
+    def render_line(self, y: int) -> Strip:
+        width = self.size.width
+        if y == 0:
+            style = self._palette["header"]
+            strip = self._strip(self._headers(), [style] * len(self._widths), style)
+        else:
+            n = round(self.scroll_y) + y - 1
+            if n >= len(self._rows):
+                return Strip.blank(width, self.rich_style)
+            i = self._rows[n]
+            strip = self._strip(self._row(i), *self._styles(i, n == self.cursor))
+        x = round(self.scroll_x)
+        return strip.crop(x, x + width).extend_cell_length(width, strip_style(strip))
+
+    def _styles(self, i: int, cursor: bool) -> tuple[list[Style], Style]:
+        base, dim, hit = self._palette[cursor]
+        first = hit if self._modules[i].get("hits") else base
+        # A summary ends "NaN×2!" or "Inf×1!" when the module's output was not finite.
+        stats = [hit if "!" in cell else base for cell in self._cells[i][3:]]
+        return [first, dim, dim, hit, *stats], base
+
+    def _strip(self, cells: tuple[str, ...], styles: list[Style], base: Style) -> Strip:
+        segments = []
+        for text, w, style in zip(cells, self._widths, styles, strict=False):
+            cell = text[: w - 1] + "…" if len(text) > w else text.ljust(w)
+            segments.append(Segment(cell, style))
+            segments.append(Segment(" " * GAP, base))
+        return Strip(segments)
+
+
+def strip_style(strip: Strip) -> Style | None:
+    """The style to pad a row with: its last segment's, so a cursor bar spans the width."""
+    segments = list(strip)
+    return segments[-1].style if segments else None

@@ -1,0 +1,114 @@
+"""The Provenance tab: which module produced a tensor, from which inputs (finite or not), who
+consumed it, and the line of the user's code that made the call, with the stack."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Group
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.widgets import Static, Tree
+
+from tensordbg.tui.messages import OpenTensor
+from tensordbg.tui.remote import RequestFailed
+
+
+def finiteness(flag: bool | None) -> Text:
+    if flag is None:
+        return Text("? not checked", style="dim")
+    return Text("✗ non-finite", style="bold red") if flag else Text("✓ finite", style="green")
+
+
+def source_listing(source: dict[str, Any]) -> Group:
+    """The user's line in its context, line numbers in the margin, the line itself marked."""
+    header = Text(f"{source['file']}:{source['line']} in {source['function']}", style="bold")
+    lines = [header]
+    width = max((len(str(n)) for n, _ in source.get("context", [])), default=1)
+    for number, code in source.get("context", []):
+        here = number == source["line"]
+        line = Text("→ " if here else "  ", style="bold yellow")
+        line.append(f"{number:>{width}} ", style="dim")
+        line.append(code, style="bold reverse" if here else "")
+        lines.append(line)
+    return Group(*lines)
+
+
+class ProvenanceView(VerticalScroll):
+    """Fed by :meth:`load` with a tensor's ref; Enter on an input opens that input."""
+
+    def __init__(self) -> None:
+        super().__init__(id="provenance-view")
+
+    def compose(self) -> ComposeResult:
+        tree: Tree[dict[str, Any] | None] = Tree("No tensor open", id="provenance-tree")
+        tree.show_root = True
+        yield tree
+        source = Static("", id="provenance-source")
+        source.border_title = "source"
+        yield source
+        yield Static("", id="provenance-stack")
+
+    @work(group="provenance", exclusive=True)
+    async def load(self, ref: int) -> None:
+        try:
+            prov = await self.app.call("provenance", ref=ref)  # type: ignore[attr-defined]
+        except RequestFailed as e:
+            self.show_message(f"No provenance for tensor {ref}: {e.message}")
+            return
+        self.show(prov)
+
+    def show_message(self, text: str) -> None:
+        tree = self.query_one(Tree)
+        tree.clear()
+        tree.root.set_label(text)
+        self.query_one("#provenance-source", Static).update("")
+        self.query_one("#provenance-stack", Static).update("")
+
+    def show(self, prov: dict[str, Any]) -> None:
+        tree: Tree[dict[str, Any] | None] = self.query_one(Tree)
+        tree.clear()
+        tree.root.set_label(Text.assemble((prov["name"], "bold"), f"  ({prov['kind']})"))
+        producer = prov.get("producer")
+        if producer:
+            label = Text("produced by ", style="dim")
+            label.append(producer["module"] or "(model)", style="bold")
+            label.append(f"  {producer['type']}, call {producer['call']}")
+            tree.root.add_leaf(label)
+        else:
+            tree.root.add_leaf(Text("produced outside any module", style="dim"))
+        inputs = tree.root.add(f"inputs ({len(prov.get('inputs', []))})", expand=True)
+        for item in prov.get("inputs", []):
+            label = finiteness(item.get("nonfinite"))
+            label.append(f"  {item['name']}  ", style="bold")
+            label.append(item.get("line") or f"tensor{item['shape']} {item['dtype']}")
+            inputs.add_leaf(label, data=item)
+        consumers = tree.root.add(f"consumers ({len(prov.get('consumers', []))})", expand=True)
+        for item in prov.get("consumers", []):
+            consumers.add_leaf(
+                f"{item['module'] or '(model)'}  {item['type']}, call {item['call']}"
+            )
+        tree.root.expand()
+        source = prov.get("source")
+        self.query_one("#provenance-source", Static).update(
+            source_listing(source)
+            if source
+            else Text("The call's source line is not known.", style="dim")
+        )
+        stack = Text("Stack (innermost last)\n", style="bold")
+        for file, line, function in prov.get("stack", []):
+            here = source is not None and file == source["file"] and line == source["line"]
+            stack.append(
+                f"{'→' if here else ' '} {file}:{line} in {function}\n",
+                style="yellow" if here else "",
+            )
+        self.query_one("#provenance-stack", Static).update(stack)
+
+    @on(Tree.NodeSelected)
+    def _open_input(self, event: Tree.NodeSelected) -> None:
+        event.stop()
+        item = event.node.data
+        if item and item.get("ref") is not None:
+            self.post_message(OpenTensor(item["ref"], item["name"]))

@@ -1,0 +1,154 @@
+"""The Rules tab: the session's rules, toggled with space, thresholds edited with e, new rules
+added with a, and the current step judged again with r."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Vertical
+from textual.widgets import DataTable, Static
+
+from tensordbg.tui.messages import HitsFound
+from tensordbg.tui.remote import RequestFailed
+from tensordbg.tui.screens.rule_add import RuleAddScreen
+from tensordbg.tui.screens.rule_edit import RuleEditScreen
+
+
+def thresholds(params: dict[str, Any]) -> str:
+    return "  ".join(f"{k}={v!r}" for k, v in params.items()) or "–"
+
+
+class RulePanel(Vertical):
+    """A table of rules and a line for what the last action found."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("space", "toggle", "Toggle"),
+        Binding("e", "edit", "Edit"),
+        Binding("a", "add", "Add"),
+        Binding("r", "recheck", "Recheck"),
+    ]
+
+    def __init__(self) -> None:
+        super().__init__(id="rule-panel")
+        self._drawable = False  # set on mount; is_mounted is still False in on_mount
+        self._rules: list[dict[str, Any]] = []
+        self._available: list[dict[str, Any]] = []
+        self.table: DataTable[Any] = DataTable(id="rule-table", cursor_type="row")
+        self.result = Static("", id="rule-result")
+
+    def compose(self) -> ComposeResult:
+        yield self.table
+        yield self.result
+
+    def on_mount(self) -> None:
+        self._drawable = True
+        self.table.add_columns(
+            "on", "rule", "thresholds", "match", "kinds", "hits", "disabled because"
+        )
+        self._draw()
+
+    @property
+    def current(self) -> dict[str, Any] | None:
+        if not self._rules or self.table.cursor_row >= len(self._rules):
+            return None
+        return self._rules[self.table.cursor_row]
+
+    @work(group="rules", exclusive=True)
+    async def reload(self) -> None:
+        try:
+            reply = await self.app.call("rules")  # type: ignore[attr-defined]
+        except RequestFailed as e:
+            self._say(f"Could not read the rules: {e.message}", error=True)
+            return
+        self._rules, self._available = reply["rules"], reply["available"]
+        self._draw()
+
+    def _draw(self) -> None:
+        if not self._drawable:  # data can arrive before the widget is mounted
+            return
+        table = self.table
+        row = table.cursor_row
+        table.clear()
+        for rule in self._rules:
+            on = Text("✓", style="bold green") if rule["enabled"] else Text("✗", style="bold red")
+            table.add_row(
+                on,
+                Text(rule["name"], style="bold" if rule["enabled"] else "dim"),
+                thresholds(rule.get("params") or {}),
+                ", ".join(rule.get("match") or [])
+                + "".join(f" !{x}" for x in rule.get("exclude") or []),
+                ", ".join(rule.get("kinds") or []),
+                str(rule.get("hits", 0)),
+                Text(rule.get("disabled_reason") or "", style="yellow"),
+                key=str(rule["id"]),
+            )
+        table.move_cursor(row=min(row, max(len(self._rules) - 1, 0)))
+
+    def _say(self, text: str, error: bool = False) -> None:
+        self.result.update(Text(text, style="bold red" if error else ""))
+
+    # --- actions -----------------------------------------------------------------------------
+
+    def action_toggle(self) -> None:
+        rule = self.current
+        if rule is not None:
+            self._change(
+                "set_rule",
+                f"{rule['name']} {'off' if rule['enabled'] else 'on'}",
+                id=rule["id"],
+                enabled=not rule["enabled"],
+            )
+
+    @on(DataTable.RowSelected)
+    def action_edit(self) -> None:
+        rule = self.current
+        if rule is None:
+            return
+
+        def edited(params: dict[str, Any] | None) -> None:
+            if params is not None:
+                self._change("set_rule", f"{rule['name']} thresholds", id=rule["id"], params=params)
+
+        self.app.push_screen(RuleEditScreen(rule), edited)
+
+    def action_add(self) -> None:
+        if not self._available:
+            self._say("No rules are available to add.", error=True)
+            return
+
+        def chosen(spec: dict[str, Any] | None) -> None:
+            if spec is not None:
+                self._change("add_rule", f"{spec['name']} added on {spec['match']}", **spec)
+
+        self.app.push_screen(RuleAddScreen(self._available), chosen)
+
+    @work(group="rule-change")
+    async def _change(self, method: str, what: str, **params: Any) -> None:
+        try:
+            await self.app.call(method, **params)  # type: ignore[attr-defined]
+        except RequestFailed as e:
+            self._say(f"{what}: refused: {e.message}", error=True)
+            return
+        self._say(f"{what}.")
+        self.reload()
+
+    @work(group="rule-change")
+    async def action_recheck(self) -> None:
+        self._say("Judging the current step again…")
+        try:
+            hits = await self.app.call("recheck")  # type: ignore[attr-defined]
+        except RequestFailed as e:
+            self._say(f"Recheck refused: {e.message}", error=True)
+            return
+        if not hits:
+            self._say("Recheck: the current step passes every enabled rule.")
+        else:
+            lines = [f"Recheck found {len(hits)} hit{'s' if len(hits) > 1 else ''}:"]
+            lines += [f"  [{h['rule']}] {h['tensor']}: {h['message']}" for h in hits]
+            self._say("\n".join(lines))
+            self.post_message(HitsFound(hits))
+        self.reload()

@@ -1,0 +1,172 @@
+"""The Run tab: is the training running or paused (and why), its step, loss, gradient norm and
+speed, with loss and gradient-norm sparklines from ``info()["history"]`` and ``status`` events."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.widgets import Label, Sparkline, Static
+
+HISTORY = 500  # steps kept for the sparklines
+SERIES = ("step", "loss", "grad_norm", "steps_per_sec")
+STATE_STYLES = {
+    "paused": "bold black on yellow",
+    "running": "bold black on green",
+    "disconnected": "bold white on red",
+    "finished": "bold white on blue",
+    "detached": "bold white on blue",
+}
+
+
+class RunStatus(VerticalScroll):
+    """Live status of the training; keeps the last known values when the connection drops."""
+
+    def __init__(self) -> None:
+        super().__init__(id="run-status")
+        self._drawable = False  # set on mount; is_mounted is still False in on_mount
+        self._info: dict[str, Any] = {}
+        self._history: dict[str, list[Any]] = {k: [] for k in SERIES}
+        self._state = "connecting"
+        self._last_connected_state = ""
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="run-state")
+        yield Static(id="run-numbers")
+        yield Label("Loss", classes="spark-label")
+        yield Sparkline([], id="loss-spark", summary_function=_mean)
+        yield Label("Gradient norm", classes="spark-label")
+        yield Sparkline([], id="grad-spark", summary_function=_mean)
+        yield Static(id="run-session")
+
+    def on_mount(self) -> None:
+        self._drawable = True
+        self._draw()
+
+    def show_info(self, info: dict[str, Any]) -> None:
+        self._info = dict(info)
+        history = info.get("history") or {}
+        self._history = {k: list(history.get(k, []))[-HISTORY:] for k in SERIES}
+        self._state = info.get("state", self._state)
+        self._draw()
+
+    def add_status(self, status: dict[str, Any]) -> None:
+        """A ``status`` event: one more step's numbers."""
+        for key in ("phase", "hits_total"):
+            if key in status:
+                self._info[key] = status[key]
+        if "step" in status:
+            self._info["step"] = status["step"]
+            if not self._history["step"] or self._history["step"][-1] != status["step"]:
+                for key in SERIES:
+                    self._history[key].append(status.get(key))
+                    del self._history[key][:-HISTORY]
+            else:  # a second status for the same step completes it
+                for key in SERIES[1:]:
+                    if status.get(key) is not None:
+                        self._history[key][-1] = status[key]
+        self._draw()
+
+    def add_hit(self, hit: dict[str, Any]) -> None:
+        self._info["hits_total"] = self._info.get("hits_total", 0) + 1
+        self._draw()
+
+    def show_state(self, state: str) -> None:
+        if state != "disconnected":
+            self._last_connected_state = state
+        elif self._state != "disconnected":
+            self._last_connected_state = self._state
+        self._state = state
+        self._draw()
+
+    # --- drawing -----------------------------------------------------------------------------
+
+    def _draw(self) -> None:
+        if not self._drawable:  # data can arrive before the widget is mounted
+            return
+        self.query_one("#run-state", Static).update(self._state_line())
+        self.query_one("#run-numbers", Static).update(self._numbers())
+        self.query_one("#loss-spark", Sparkline).data = _finite(self._history["loss"])
+        self.query_one("#grad-spark", Sparkline).data = _finite(self._history["grad_norm"])
+        self.query_one("#run-session", Static).update(self._session())
+
+    def _state_line(self) -> Text:
+        state = self._state
+        line = Text()
+        line.append(f" {state.upper()} ", style=STATE_STYLES.get(state, "reverse"))
+        info = self._info
+        if state == "disconnected":
+            last = self._last_connected_state or "unknown"
+            line.append(f"  last seen {last} at step {info.get('step', '?')}")
+            return line
+        line.append(f"  at step {info.get('step', '?')}")
+        if info.get("phase"):
+            line.append(f", {info['phase']}")
+        hit = info.get("paused_at") if state == "paused" else None
+        if hit:
+            line.append("  on a hit: ", style="bold")
+            line.append(f"[{hit['rule']}] {hit['tensor']}", style="bold red")
+            line.append(f"\n{hit.get('message', '')}")
+        elif state == "paused" and info.get("pause_reason"):
+            line.append(f"  ({info['pause_reason']})")
+        return line
+
+    def _numbers(self) -> Table:
+        table = Table.grid(padding=(0, 3))
+        for _ in range(5):
+            table.add_column()
+        labels = ("step", "loss", "gradient norm", "steps/s", "hits")
+        values = [
+            str(self._info.get("step", "–")),
+            self._latest("loss"),
+            self._latest("grad_norm"),
+            self._latest("steps_per_sec"),
+            str(self._info.get("hits_total", 0)),
+        ]
+        table.add_row(*(Text(label, style="dim") for label in labels))
+        table.add_row(*(Text(v, style="bold") for v in values))
+        return table
+
+    def _latest(self, key: str) -> str:
+        """The latest known value, with its step when that is not the current one."""
+        steps, values = self._history["step"], self._history[key]
+        for step, value in zip(reversed(steps), reversed(values), strict=False):
+            if value is not None:
+                text = f"{value:.4g}"
+                return text if step == self._info.get("step") else f"{text} (step {step})"
+        return "–"
+
+    def _session(self) -> Text:
+        info = self._info
+        fields = (
+            ("script", "script"),
+            ("run", "run_id"),
+            ("rank", "rank"),
+            ("pid", "pid"),
+            ("model", "model"),
+            ("device", "device"),
+            ("torch", "torch"),
+            ("on hit", "on_hit"),
+            ("sync", "sync"),
+        )
+        text = Text()
+        for label, key in fields:
+            if key in info:
+                text.append(f"{label} ", style="dim")
+                text.append(f"{info[key]}   ")
+        if "retain_bytes" in info:
+            text.append("retaining ", style="dim")
+            text.append(f"{info['retain_bytes'] / 2**20:.0f} MiB")
+        return text
+
+
+def _finite(values: list[Any]) -> list[float]:
+    return [float(v) for v in values if v is not None and math.isfinite(v)]
+
+
+def _mean(values: Any) -> float:
+    return sum(values) / len(values)

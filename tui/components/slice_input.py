@@ -1,0 +1,41 @@
+"""The slice box of the Tensor tab, checked with ``parse_index`` as the person types."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from textual.binding import Binding, BindingType
+from textual.validation import ValidationResult, Validator
+from textual.widgets import Input
+
+from tensordbg.slicing import SliceError, parse_index
+
+
+class SliceSyntax(Validator):
+    """Valid when ``parse_index`` reads the text; the failure says where it went wrong."""
+
+    def validate(self, value: str) -> ValidationResult:
+        try:
+            parse_index(value)
+        except SliceError as e:
+            return self.failure(str(e))
+        return self.success()
+
+
+class SliceInput(Input):
+    """``[0, :, 3:8:2]``; empty means the whole tensor. Escape hands the keys back to the grid."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "leave", "Back to the values", show=False),
+    ]
+
+    def __init__(self) -> None:
+        super().__init__(
+            placeholder="slice, e.g. [0, :, 3:8:2] — empty for the whole tensor; Enter to apply",
+            validators=[SliceSyntax()],
+            validate_on=["changed", "submitted"],
+            id="slice-input",
+        )
+
+    def action_leave(self) -> None:
+        self.screen.focus_next()

@@ -1,0 +1,75 @@
+"""This step's statistics of a slice beside the previous step's, with the change."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+from textual.widgets import Static
+
+ROWS = (
+    ("mean", "mean"),
+    ("std", "std"),
+    ("min", "min"),
+    ("max", "max"),
+    ("abs_mean", "mean |x|"),
+    ("l2", "L2 norm"),
+    ("nan", "NaN"),
+    ("posinf", "+Inf"),
+    ("neginf", "-Inf"),
+    ("zeros", "zeros"),
+)
+COUNTS = {"nan", "posinf", "neginf", "zeros", "numel"}
+ALARMS = {"nan", "posinf", "neginf"}
+
+
+def fmt(value: Any) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return f"{value:.4g}" if math.isfinite(value) else str(value)
+
+
+def delta(now: Any, before: Any, key: str) -> Text:
+    if now is None or before is None:
+        return Text("–", style="dim")
+    d = now - before
+    if key in COUNTS:
+        return Text(f"{d:+,}" if d else "0", style="bold red" if d > 0 and key in ALARMS else "")
+    if not (math.isfinite(now) and math.isfinite(before)):
+        return Text("–", style="dim")
+    relative = abs(d) / max(abs(before), 1e-30)
+    return Text(f"{d:+.3g}", style="yellow" if relative > 0.5 else "")
+
+
+class StatsCompare(Static):
+    """Fed with a ``stats()`` reply; its ``previous`` is the same tensor at the last step."""
+
+    def __init__(self) -> None:
+        super().__init__("", id="stats-compare")
+        self.border_title = "compared with the previous step"
+
+    def show(self, stats: dict[str, Any]) -> None:
+        now = stats["summary"]
+        previous = stats.get("previous")
+        before = previous["summary"] if previous else {}
+        table = Table(box=None, padding=(0, 1), show_edge=False, expand=True)
+        table.add_column("", style="dim", no_wrap=True)
+        table.add_column("this step", justify="right", no_wrap=True)
+        table.add_column(f"step {previous['step']}" if previous else "previous", justify="right")
+        table.add_column("Δ", justify="right", no_wrap=True)
+        for key, label in ROWS:
+            value = now.get(key)
+            style = "bold red" if key in ALARMS and value else ""
+            table.add_row(
+                label,
+                Text(fmt(value), style=style),
+                fmt(before.get(key)),
+                delta(value, before.get(key), key),
+            )
+        if not previous:
+            table.caption = "no statistics of this tensor from the previous step"
+        self.update(table)

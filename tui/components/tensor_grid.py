@@ -1,0 +1,316 @@
+"""The values of a tensor slice as a virtual grid that asks only for what is on screen.
+
+The slice is viewed as 2-D (dims before the last flattened into rows, as ``slice()`` sends it).
+The grid is cut into blocks of ``BLOCK_ROWS`` x ``BLOCK_COLS``; drawing a line asks for the blocks
+it needs with ``slice(ref, text, window=...)``, shows placeholders until they arrive, and keeps
+the last ``MAX_BLOCKS`` blocks. So scrolling a 10^8-element tensor moves a few kilobytes.
+Requests run in async workers; decoding and formatting a block in a thread worker.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import ClassVar
+
+import numpy as np
+from rich.segment import Segment
+from rich.style import Style
+from textual import on, work
+from textual.binding import Binding, BindingType
+from textual.geometry import Size
+from textual.message import Message
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
+
+from tensordbg.protocol import WireArray
+from tensordbg.slicing import grid_shape
+from tensordbg.tui.remote import RequestFailed
+
+BLOCK_ROWS = 64
+BLOCK_COLS = 16
+MAX_BLOCKS = 256
+CELL = 11  # characters per value, the gap included
+PLACEHOLDER = "·".rjust(CELL - 1) + " "  # a value on its way
+UNAVAILABLE = "?".rjust(CELL - 1) + " "  # a value the training would not send
+
+# What a cell holds, for its colour.
+NORMAL, NAN, INF = 0, 1, 2
+
+BlockRow = tuple[str, bytes | None]  # the row's text, and each cell's kind when any is special
+
+
+def format_block(values: np.ndarray) -> list[BlockRow]:
+    """Text of a 2-D block of values, CELL characters a value, with the kinds of its cells."""
+    rows: list[BlockRow] = []
+    is_float = values.dtype.kind == "f"
+    nan = np.isnan(values) if is_float else None
+    inf = np.isinf(values) if is_float else None
+    width = CELL - 1
+    for r, row in enumerate(values.tolist()):
+        if is_float:
+            text = "".join(_float_cell(v, width) for v in row)
+            special = nan[r].any() or inf[r].any()
+            kinds = (
+                np.where(nan[r], NAN, np.where(inf[r], INF, NORMAL)).astype(np.uint8).tobytes()
+                if special
+                else None
+            )
+        else:
+            text = "".join(f"{v!s:>{width}.{width}} " for v in row)
+            kinds = None
+        rows.append((text, kinds))
+    return rows
+
+
+def _float_cell(v: float, width: int) -> str:
+    if math.isnan(v):
+        return "NaN".rjust(width) + " "
+    if math.isinf(v):
+        return ("+Inf" if v > 0 else "-Inf").rjust(width) + " "
+    return f"{v:>{width}.4g} "
+
+
+class TensorGrid(ScrollView, can_focus=True):
+    """Rows and columns of a slice, with sticky indices on the top and left."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("left", "columns(-1)", "Left", show=False),
+        Binding("right", "columns(1)", "Right", show=False),
+        Binding("up", "rows(-1)", "Up", show=False),
+        Binding("down", "rows(1)", "Down", show=False),
+        Binding("pageup", "pages(-1)", "Page up", show=False),
+        Binding("pagedown", "pages(1)", "Page down", show=False),
+        Binding("home", "rows(-1_000_000_000)", "First row", show=False),
+        Binding("end", "rows(1_000_000_000)", "Last row", show=False),
+    ]
+    COMPONENT_CLASSES: ClassVar[set[str]] = {
+        "tensor-grid--index",
+        "tensor-grid--nan",
+        "tensor-grid--inf",
+        "tensor-grid--placeholder",
+    }
+
+    class BlockReady(Message):
+        """A block was decoded (in a thread) and can be drawn."""
+
+        def __init__(self, generation: int, key: tuple[int, int], rows: list[BlockRow]) -> None:
+            super().__init__()
+            self.generation = generation
+            self.key = key
+            self.rows = rows
+
+    def __init__(self) -> None:
+        super().__init__(id="tensor-grid")
+        self.border_title = "values"
+        self._generation = 0
+        self._ref: int | None = None
+        self._text = ""
+        self._shape: tuple[int, ...] = ()
+        self._rows = self._cols = 0
+        self._label_width = 0
+        self._blocks: OrderedDict[tuple[int, int], list[BlockRow]] = OrderedDict()
+        self._pending: set[tuple[int, int]] = set()
+        self._wanted: set[tuple[int, int]] = set()
+        self._failed: set[tuple[int, int]] = set()
+        self.requested_elements = 0  # values asked for so far: what scrolling costs
+        self.message = "Open a tensor from the Hits or Modules tab."
+
+    # --- what to show ------------------------------------------------------------------------
+
+    def show(self, ref: int, text: str, shape: tuple[int, ...]) -> None:
+        """Show the slice ``text`` (of the given shape) of tensor ``ref``, from its top left."""
+        self._generation += 1
+        self._ref, self._text, self._shape = ref, text, tuple(shape)
+        self._rows, self._cols = grid_shape(self._shape)
+        if math.prod(self._shape) == 0:
+            self._rows = self._cols = 0
+        self._blocks.clear()
+        self._pending.clear()
+        self._wanted.clear()
+        self._failed.clear()
+        self._label_width = max(len(self._row_label(self._rows - 1)), 1) + 1 if self._rows else 1
+        # One spare cell so the last column can scroll fully into view.
+        width = self._label_width + (self._cols + 1) * CELL
+        self.virtual_size = Size(width, self._rows + 1)
+        self.scroll_to(0, 0, animate=False, immediate=True)
+        self.message = "" if self._rows else "(empty slice)"
+        self.refresh()
+        if self._rows:  # ask for the first screen now rather than when it is first drawn
+            c0, c1 = self._visible_columns()
+            for br in range(min(self.size.height, self._rows) // BLOCK_ROWS + 1):
+                for bc in range(c0 // BLOCK_COLS, (c1 - 1) // BLOCK_COLS + 1):
+                    self._want((br, bc))
+
+    def clear(self, message: str) -> None:
+        self._generation += 1
+        self._ref, self._shape, self._rows, self._cols = None, (), 0, 0
+        self._blocks.clear()
+        self.message = message
+        self.virtual_size = Size(0, 0)
+        self.refresh()
+
+    @property
+    def rows(self) -> int:
+        return self._rows
+
+    @property
+    def cols(self) -> int:
+        return self._cols
+
+    def _row_label(self, row: int) -> str:
+        """The index of a grid row in the slice: ``12``, or ``2,5`` when rows are flattened."""
+        lead = self._shape[:-1]
+        if len(lead) <= 1:
+            return str(row) if lead else ""
+        return ",".join(map(str, np.unravel_index(row, lead)))
+
+    # --- keys --------------------------------------------------------------------------------
+
+    def action_columns(self, n: int) -> None:
+        self.scroll_to(x=max(0, self.scroll_x + n * CELL), animate=False, immediate=True)
+
+    def action_rows(self, n: int) -> None:
+        y = min(max(0, self.scroll_y + n), self.max_scroll_y)
+        self.scroll_to(y=y, animate=False, immediate=True)
+
+    def action_pages(self, n: int) -> None:
+        page = max(self.size.height - 2, 1)
+        self.scroll_to(y=max(0, self.scroll_y + n * page), animate=False, immediate=True)
+
+    # --- drawing -----------------------------------------------------------------------------
+
+    def _visible_columns(self) -> tuple[int, int]:
+        c0 = round(self.scroll_x) // CELL
+        n = max(1, -(-(self.size.width - self._label_width) // CELL))
+        return c0, min(self._cols, c0 + n)
+
+    def render_line(self, y: int) -> Strip:
+        width = self.size.width
+        base = self.rich_style
+        if not self._rows:
+            text = self.message if y == 0 else ""
+            return Strip([Segment(text, base)]).extend_cell_length(width, base).crop(0, width)
+        index = base + self.get_component_rich_style("tensor-grid--index", partial=True)
+        c0, c1 = self._visible_columns()
+        if y == 0:
+            segments = [Segment(" " * self._label_width, index)]
+            segments += [Segment(f"{c:>{CELL - 1}} ", index) for c in range(c0, c1)]
+        else:
+            row = round(self.scroll_y) + y - 1
+            if row >= self._rows:
+                return Strip.blank(width, base)
+            label = self._row_label(row).rjust(self._label_width - 1) + " "
+            segments = [Segment(label, index), *self._cells(row, c0, c1, base)]
+        return Strip(segments).extend_cell_length(width, base).crop(0, width)
+
+    def _cells(self, row: int, c0: int, c1: int, base: Style) -> list[Segment]:
+        segments: list[Segment] = []
+        br = row // BLOCK_ROWS
+        for bc in range(c0 // BLOCK_COLS, (c1 - 1) // BLOCK_COLS + 1):
+            lo, hi = max(c0, bc * BLOCK_COLS), min(c1, (bc + 1) * BLOCK_COLS)
+            block = self._blocks.get((br, bc))
+            if block is None and (br, bc) in self._failed:  # refused: the Log tab says why
+                style = base + self.get_component_rich_style("tensor-grid--inf", partial=True)
+                segments.append(Segment(UNAVAILABLE * (hi - lo), style))
+                continue
+            if block is None:
+                self._want((br, bc))
+                style = base + self.get_component_rich_style(
+                    "tensor-grid--placeholder", partial=True
+                )
+                segments.append(Segment(PLACEHOLDER * (hi - lo), style))
+                continue
+            text, kinds = block[row - br * BLOCK_ROWS]
+            start, stop = lo - bc * BLOCK_COLS, hi - bc * BLOCK_COLS
+            if kinds is None:
+                segments.append(Segment(text[start * CELL : stop * CELL], base))
+                continue
+            for c in range(start, stop):
+                segments.append(
+                    Segment(text[c * CELL : (c + 1) * CELL], self._kind_style(kinds[c], base))
+                )
+        return segments
+
+    def _kind_style(self, kind: int, base: Style) -> Style:
+        if kind == NAN:
+            return base + self.get_component_rich_style("tensor-grid--nan", partial=True)
+        if kind == INF:
+            return base + self.get_component_rich_style("tensor-grid--inf", partial=True)
+        return base
+
+    # --- fetching ----------------------------------------------------------------------------
+
+    def _want(self, key: tuple[int, int]) -> None:
+        if key in self._pending or key in self._failed:
+            return
+        if not self._wanted:
+            self.call_later(self._fetch_wanted)
+        self._wanted.add(key)
+
+    def _fetch_wanted(self) -> None:
+        for key in sorted(self._wanted):
+            self._pending.add(key)
+            self._fetch_block(self._generation, key)
+        self._wanted.clear()
+
+    def _on_screen(self, key: tuple[int, int]) -> bool:
+        top = round(self.scroll_y)
+        first, last = top // BLOCK_ROWS, (top + self.size.height) // BLOCK_ROWS
+        c0, c1 = self._visible_columns()
+        return first <= key[0] <= last and c0 // BLOCK_COLS <= key[1] <= (c1 - 1) // BLOCK_COLS
+
+    @work(group="grid-io")
+    async def _fetch_block(self, generation: int, key: tuple[int, int]) -> None:
+        if generation != self._generation:
+            return
+        if not self._on_screen(key):  # scrolled past before its turn came
+            self._pending.discard(key)
+            return
+        br, bc = key
+        window = [
+            [br * BLOCK_ROWS, min((br + 1) * BLOCK_ROWS, self._rows)],
+            [bc * BLOCK_COLS, min((bc + 1) * BLOCK_COLS, self._cols)],
+        ]
+        self.requested_elements += (window[0][1] - window[0][0]) * (window[1][1] - window[1][0])
+        try:
+            reply = await self.app.call("slice", ref=self._ref, text=self._text, window=window)  # type: ignore[attr-defined]
+        except RequestFailed:  # logged by the app; the block shows "?" rather than retrying
+            if generation == self._generation:
+                self._pending.discard(key)
+                self._failed.add(key)
+                self.refresh()
+            return
+        if generation == self._generation:
+            self._decode_block(generation, key, reply["data"])
+
+    @work(thread=True, group="grid-decode")
+    def _decode_block(self, generation: int, key: tuple[int, int], data: WireArray) -> None:
+        values = data.to_numpy()
+        values = values.reshape(values.shape[0] if values.ndim else 1, -1)
+        self.post_message(self.BlockReady(generation, key, format_block(values)))
+
+    @on(BlockReady)
+    def _block_ready(self, message: BlockReady) -> None:
+        message.stop()
+        if message.generation != self._generation:
+            return
+        self._pending.discard(message.key)
+        self._blocks[message.key] = message.rows
+        while len(self._blocks) > MAX_BLOCKS:
+            self._blocks.popitem(last=False)
+        self.refresh()
+
+    @property
+    def fetching(self) -> bool:
+        """Whether blocks on screen are still on their way."""
+        return bool(self._pending or self._wanted)
+
+    def cell_text(self, row: int, col: int) -> str | None:
+        """The text shown for one value, None while its block is on its way (for tests)."""
+        block = self._blocks.get((row // BLOCK_ROWS, col // BLOCK_COLS))
+        if block is None:
+            return None
+        text, _ = block[row % BLOCK_ROWS]
+        c = col % BLOCK_COLS
+        return text[c * CELL : (c + 1) * CELL].strip()

@@ -1,0 +1,112 @@
+"""The Tensor tab: a slice box, the slice's one-line summary, its values, a comparison with the
+previous step and a histogram."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Input, Static
+
+from tensordbg.tui.components.histogram_view import HistogramView
+from tensordbg.tui.components.slice_input import SliceInput
+from tensordbg.tui.components.stats_compare import StatsCompare
+from tensordbg.tui.components.tensor_grid import TensorGrid
+from tensordbg.tui.remote import RequestFailed
+
+
+class TensorInspector(Vertical):
+    """One tensor at a time; a bad slice leaves the last good view in place, with the reason."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("left_square_bracket", "edit_slice", "Slice"),
+    ]
+
+    def __init__(self) -> None:
+        super().__init__(id="tensor-inspector")
+        self.ref: int | None = None
+        self.tensor_name = ""
+        self.text = ""
+
+    def compose(self) -> ComposeResult:
+        yield Static(
+            "No tensor open: press Enter on a hit or on a module's tensor.", id="tensor-title"
+        )
+        yield SliceInput()
+        yield Static("", id="slice-error")
+        yield Static("", id="tensor-summary")
+        with Horizontal(id="tensor-body"):
+            yield TensorGrid()
+            with Vertical(id="tensor-side"):
+                yield StatsCompare()
+                yield HistogramView()
+
+    def open(self, ref: int, name: str = "", text: str = "") -> None:
+        self.ref, self.tensor_name = ref, name or f"tensor {ref}"
+        self.query_one(SliceInput).value = text
+        self._show_error("")
+        self.load(text)
+        self.query_one(TensorGrid).focus()
+
+    def action_edit_slice(self) -> None:
+        box = self.query_one(SliceInput)
+        box.focus()
+        if not box.value:
+            box.insert_text_at_cursor("[")
+
+    @on(Input.Changed, "#slice-input")
+    def _typed(self, event: Input.Changed) -> None:
+        result = event.validation_result
+        self._show_error(
+            "" if result is None or result.is_valid else result.failure_descriptions[0]
+        )
+
+    @on(Input.Submitted, "#slice-input")
+    def _submitted(self, event: Input.Submitted) -> None:
+        result = event.validation_result
+        if result is not None and not result.is_valid:
+            self._show_error(result.failure_descriptions[0])
+        elif self.ref is None:
+            self._show_error("Open a tensor first: Enter on a hit or on a module's tensor.")
+        else:
+            self.load(event.value)
+
+    def _show_error(self, message: str) -> None:
+        self.query_one("#slice-error", Static).update(Text(message, style="bold red"))
+
+    @work(group="inspect", exclusive=True)
+    async def load(self, text: str) -> None:
+        """Summary and comparison, then the grid (which fetches its own blocks), then the
+        histogram; a refused slice keeps the previous view and shows why."""
+        ref = self.ref
+        if ref is None:
+            return
+        try:
+            stats = await self.app.call("stats", ref=ref, text=text)  # type: ignore[attr-defined]
+        except RequestFailed as e:
+            self._show_error(e.message)
+            return
+        self.text = stats.get("index", text)
+        line = stats["line"]
+        title = Text(self.tensor_name, style="bold")
+        title.append(f"  ref {ref}", style="dim")
+        if self.text:
+            title.append(f"  slice {self.text}")
+        self.query_one("#tensor-title", Static).update(title)
+        alarm = any(stats["summary"].get(k) for k in ("nan", "posinf", "neginf"))
+        self.query_one("#tensor-summary", Static).update(
+            Text(line, style="bold red" if alarm else "bold")
+        )
+        self.query_one(StatsCompare).show(stats)
+        self.query_one(TensorGrid).show(ref, text, tuple(stats["shape"]))
+        histogram = self.query_one(HistogramView)
+        try:
+            hist = await self.app.call("histogram", ref=ref, text=text, bins=histogram.bins)  # type: ignore[attr-defined]
+        except RequestFailed as e:
+            histogram.show_message(f"No histogram: {e.message}")
+            return
+        histogram.show(hist)

@@ -1,0 +1,56 @@
+"""The watched tensors of one module in the current phase; Enter opens one in the Tensor tab."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual import on
+from textual.widgets import DataTable
+
+from tensordbg.stats import Summary
+from tensordbg.tui.messages import OpenTensor
+
+
+def summary_line(tensor: dict[str, Any]) -> str:
+    """The one-line summary of a tensor from ``tensors()``, or its shape and dtype."""
+    if tensor.get("summary"):
+        return Summary.from_dict(tensor["summary"]).line(tensor["shape"], tensor["dtype"])
+    return f"tensor[{','.join(map(str, tensor['shape']))}] {tensor['dtype']}"
+
+
+class TensorTable(DataTable):
+    """Rows keyed by the tensor's ref."""
+
+    def __init__(self) -> None:
+        super().__init__(id="tensor-table", cursor_type="row")
+        self._drawable = False  # set on mount; is_mounted is still False in on_mount
+        self._tensors: dict[int, dict[str, Any]] = {}
+
+    def on_mount(self) -> None:
+        self._drawable = True
+        self.add_columns("kind", "call", "name", "summary")
+        self._draw()
+
+    def show(self, tensors: list[dict[str, Any]]) -> None:
+        self._tensors = {t["ref"]: t for t in tensors}
+        self._draw()
+
+    def _draw(self) -> None:
+        if not self._drawable:  # data can arrive before the widget is mounted
+            return
+        self.clear()
+        for t in self._tensors.values():
+            line = summary_line(t)
+            style = "bold red" if "!" in line else ""
+            if not t.get("retained", True):
+                style, line = "dim", f"{line}  (not retained)"
+            self.add_row(
+                t["kind"], str(t["call"]), t["name"], Text(line, style=style), key=str(t["ref"])
+            )
+
+    @on(DataTable.RowSelected)
+    def _open(self, event: DataTable.RowSelected) -> None:
+        event.stop()
+        tensor = self._tensors[int(event.row_key.value or 0)]
+        self.post_message(OpenTensor(tensor["ref"], tensor["name"]))

@@ -1,0 +1,70 @@
+"""``run_tui``: find the session to debug, connect, and run the app."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tensordbg.tui.app import TensorDbgApp
+
+
+def run_tui(conn: str | None = None, *, run_id: str | None = None, wait: float = 0.0) -> int:
+    """Open the debugger UI on a training session and return the exit status.
+
+    ``conn`` is a connection file's path; without it, the only live session is used, a picker
+    lists them when there are several, and with ``run_id`` the UI waits up to ``wait`` seconds
+    for that run's connection file to appear (``tensordbg demo`` starts the training and the UI
+    together).
+
+    >>> run_tui()                                   # the only session of this user
+    >>> run_tui(run_id="demo7f3a", wait=30)         # a training that is starting now
+    """
+    app = session_app(conn, run_id=run_id, wait=wait)
+    if app is None:
+        print(
+            "No tensordbg session is running for this user: start the training with "
+            "tensordbg.attach(...), or give the path of its connection file."
+        )
+        return 1
+    result = app.run()
+    return app.return_code or int(result or 0)
+
+
+def session_app(
+    conn: str | None = None, *, run_id: str | None = None, wait: float = 0.0
+) -> TensorDbgApp | None:
+    """The app on the session ``run_tui`` would open (None when there is none to open), not yet
+    running: the connection is made, and remade after a drop, by the app itself."""
+    from tensordbg.client import Client
+    from tensordbg.connection import find_sessions
+    from tensordbg.tui.app import TensorDbgApp
+
+    sessions: list[Any] = []
+    if conn is None and run_id is None:
+        sessions = find_sessions()
+        if not sessions:
+            return None
+
+    async def connect(picked: str | None) -> Client:
+        path = picked or conn
+        if path is None and run_id is not None:
+            path = await wait_for_run(run_id, wait)
+        return await Client.connect(path, timeout=5.0)
+
+    return TensorDbgApp(connect, sessions=sessions)
+
+
+async def wait_for_run(run_id: str, wait: float, poll: float = 0.1) -> str:
+    """The connection file of ``run_id`` (rank 0 first), polling up to ``wait`` seconds."""
+    from tensordbg.connection import find_sessions
+
+    deadline = time.monotonic() + wait
+    while True:
+        mine = [s for s in find_sessions() if s.run_id == run_id]
+        if mine:
+            return str(min(mine, key=lambda s: s.rank).path)
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"no session of run {run_id} appeared within {wait:g} s")
+        await asyncio.sleep(poll)

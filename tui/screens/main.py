@@ -1,0 +1,255 @@
+"""The main screen: a tab per question a person asks of a paused training.
+
+It receives what the app learns (the hello reply, pushed events, state changes) and routes it to
+the widgets; widgets ask for their own data through ``app.call`` and report back with messages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.lazy import Lazy
+from textual.screen import Screen
+from textual.widget import Widget
+from textual.widgets import DataTable, Footer, Header, TabbedContent, TabPane, Tabs, Tree
+
+from tensordbg.tui.components.connection_banner import ConnectionBanner
+from tensordbg.tui.components.event_log import EventLog
+from tensordbg.tui.components.hit_detail import HitDetail
+from tensordbg.tui.components.hit_table import HitTable
+from tensordbg.tui.components.module_browser import ModuleBrowser
+from tensordbg.tui.components.module_table import ModuleTable
+from tensordbg.tui.components.provenance_view import ProvenanceView
+from tensordbg.tui.components.rule_panel import RulePanel
+from tensordbg.tui.components.run_status import RunStatus
+from tensordbg.tui.components.tensor_grid import TensorGrid
+from tensordbg.tui.components.tensor_inspector import TensorInspector
+from tensordbg.tui.messages import HitsFound, OpenTensor
+from tensordbg.tui.remote import RequestFailed
+
+
+class MainScreen(Screen):
+    """Run, Hits, Modules, Tensor, Provenance, Rules and Log tabs under one connection banner."""
+
+    TABS = (
+        ("run", "Run"),
+        ("hits", "Hits"),
+        ("modules", "Modules"),
+        ("tensor", "Tensor"),
+        ("provenance", "Provenance"),
+        ("rules", "Rules"),
+        ("log", "Log"),
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        # The screen keeps its widgets: data may arrive before a lazily mounted tab is mounted.
+        self.banner = ConnectionBanner()
+        self.run_status = RunStatus()
+        self.hit_table = HitTable()
+        self.hit_detail = HitDetail()
+        self.module_browser = ModuleBrowser()
+        self.tensor_inspector = TensorInspector()
+        self.provenance_view = ProvenanceView()
+        self.rule_panel = RulePanel()
+        self.event_log = EventLog()
+        self._welcomed = False
+        self._state = "connecting"
+        self._count = 0
+        self._lost_text = ""  # the banner's sentence while the connection is down
+
+    def compose(self) -> ComposeResult:
+        yield Header(icon="◆")
+        yield self.banner
+        # Tabs that open hidden are mounted after the first screen is up (a faster start).
+        with TabbedContent(initial="run"):
+            with TabPane("Run", id="run"):
+                yield self.run_status
+            with TabPane("Hits", id="hits"):
+                yield self.hit_table
+                yield self.hit_detail
+            with TabPane("Modules", id="modules"):
+                yield Lazy(self.module_browser)
+            with TabPane("Tensor", id="tensor"):
+                yield Lazy(self.tensor_inspector)
+            with TabPane("Provenance", id="provenance"):
+                yield Lazy(self.provenance_view)
+            with TabPane("Rules", id="rules"):
+                yield Lazy(self.rule_panel)
+            with TabPane("Log", id="log"):
+                yield Lazy(self.event_log)
+        yield Footer()
+
+    # --- what the app hands over -------------------------------------------------------------
+
+    def load_welcome(self, welcome: dict[str, Any]) -> None:
+        """A (re)connection: everything shown is re-read from the hello reply."""
+        info, hits = welcome["info"], welcome.get("hits", [])
+        self.banner.clear()
+        self._lost_text = ""
+        self.app.title = f"tensordbg · {info.get('script', '?')} · run {info.get('run_id', '?')}"
+        self.run_status.show_info(info)
+        table = self.hit_table
+        table.set_hits(hits)
+        self.log_entry(
+            f"connected to {info.get('script')} (run {info.get('run_id')}, rank "
+            f"{info.get('rank')}, pid {info.get('pid')}): {info.get('state')} at step "
+            f"{info.get('step')}, {len(hits)} hits"
+        )
+        self._state = info.get("state", "running")
+        self.app.state = self._state  # type: ignore[attr-defined]
+        paused_at = info.get("paused_at")
+        if not self._welcomed and paused_at:
+            # Opened on a paused training: start where it paused, on the hit, ready for Enter.
+            self.show_tab("hits")
+            table.select_hit(paused_at["id"])
+            table.focus()
+        self._welcomed = True
+        self.reload()
+
+    def server_event(self, event: str, payload: dict[str, Any]) -> None:
+        self.event_log.write_event(event, payload)
+        if event == "status":
+            self.run_status.add_status(payload)
+            if payload.get("state"):
+                self.app.state = payload["state"]  # type: ignore[attr-defined]
+        elif event == "hit":
+            self.hit_table.merge([payload])
+            self.run_status.add_hit(payload)
+        elif event == "state":
+            self.app.state = payload["state"]  # type: ignore[attr-defined]
+
+    def show_state(self, state: str) -> None:
+        """The training's state changed (the app's ``state`` reactive)."""
+        before, self._state = self._state, state
+        self.run_status.show_state(state)
+        self._show_sub_title()
+        if state == "paused" and before not in ("paused", "connecting", "disconnected"):
+            self._refresh_paused()
+
+    def show_connecting(self) -> None:
+        if not self._lost_text:
+            self.banner.show("Connecting to the training…", "connecting")
+
+    def show_connect_failed(self, error: str) -> None:
+        """An attempt to (re)connect failed; another follows."""
+        if self._lost_text:
+            text = f"{self._lost_text} Last attempt: {error}"
+            self.banner.show(text, "lost")
+        else:
+            text = f"Cannot connect yet: {error}. Retrying…"
+            self.banner.show(text, "connecting")
+        self.log_entry(f"cannot connect: {error}", "error")
+
+    def show_connection_lost(self, reason: str, last_state: str, reconnecting: bool) -> None:
+        if last_state in ("finished", "detached"):
+            what = f"The training has {last_state} and closed the connection"
+        else:
+            what = f"Connection lost ({reason}): the training finished or crashed"
+        then = " Reconnecting in the background…" if reconnecting else ""
+        self._lost_text = f"{what}. The last state stays on screen.{then}"
+        self.banner.show(self._lost_text, "lost")
+        self.log_entry(self._lost_text, "error")
+
+    def show_count(self, count: int) -> None:
+        """The count typed before a key (``5s`` steps five times)."""
+        self._count = count
+        self._show_sub_title()
+
+    def _show_sub_title(self) -> None:
+        count = f"  ·  count {self._count}" if self._count else ""
+        self.sub_title = f"{self._state.upper()}{count}"
+
+    def log_entry(self, text: str, level: str = "info") -> None:
+        self.event_log.write_entry(text, level)
+
+    # --- tabs --------------------------------------------------------------------------------
+
+    def show_tab(self, pane: str) -> None:
+        self.query_one(TabbedContent).active = pane
+
+    def focus_search(self) -> None:
+        self.show_tab("modules")
+        self.module_browser.focus_search()
+
+    def recheck(self) -> None:
+        self.show_tab("rules")
+        self.rule_panel.action_recheck()
+
+    # --- data --------------------------------------------------------------------------------
+
+    @work(group="reload", exclusive=True)
+    async def reload(self) -> None:
+        await self._load_model()
+
+    async def _load_model(self) -> None:
+        """The model tree, the current phase's tensors and the rules."""
+        try:
+            modules = await self.app.call("modules")  # type: ignore[attr-defined]
+            self.module_browser.set_modules(modules)
+            tensors = await self.app.call("tensors")  # type: ignore[attr-defined]
+            self.module_browser.set_tensors(tensors)
+            self.rule_panel.reload()
+        except RequestFailed as e:
+            self.log_entry(f"could not load the model: {e.message}", "error")
+
+    @work(group="reload", exclusive=True)
+    async def _refresh_paused(self) -> None:
+        """Paused again: where and why, the hits since, and the new phase's tensors."""
+        try:
+            info = await self.app.call("info")  # type: ignore[attr-defined]
+            self.run_status.show_info(info)
+            table = self.hit_table
+            hits = await self.app.call("hits", since=table.next_id)  # type: ignore[attr-defined]
+            table.merge(hits)
+            if info.get("paused_at"):
+                table.select_hit(info["paused_at"]["id"])
+        except RequestFailed as e:
+            self.log_entry(f"could not read the paused state: {e.message}", "error")
+            return
+        await self._load_model()
+
+    # --- messages from the widgets -----------------------------------------------------------
+
+    @on(OpenTensor)
+    def _open_tensor(self, message: OpenTensor) -> None:
+        if not (self.tensor_inspector.is_mounted and self.provenance_view.is_mounted):
+            self.call_after_refresh(self._open_tensor, message)  # its tab is still mounting
+            return
+        self.show_tab("tensor")
+        self.tensor_inspector.open(message.ref, message.name, message.text)
+        self.provenance_view.load(message.ref)
+
+    @on(HitTable.Highlighted)
+    def _hit_highlighted(self, message: HitTable.Highlighted) -> None:
+        self.hit_detail.show(message.hit)
+
+    @on(TabbedContent.TabActivated)
+    def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        # Keys go to the tab's main widget, unless the person is moving along the tab bar.
+        if isinstance(self.focused, Tabs) or event.pane.id is None:
+            return
+        target = self._focus_target(event.pane.id)
+        if target is not None and (
+            self.focused is None or event.pane not in self.focused.ancestors
+        ):
+            target.focus()
+
+    def _focus_target(self, pane: str) -> Widget | None:
+        targets: dict[str, type[Widget]] = {
+            "hits": HitTable,
+            "modules": ModuleTable,
+            "tensor": TensorGrid,
+            "provenance": Tree,
+            "rules": DataTable,
+            "log": EventLog,
+        }
+        if pane not in targets:
+            return None
+        return next(iter(self.query_one(f"#{pane}").query(targets[pane])), None)
+
+    @on(HitsFound)
+    def _hits_found(self, message: HitsFound) -> None:
+        self.hit_table.merge(message.hits)

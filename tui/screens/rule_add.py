@@ -1,0 +1,78 @@
+"""A dialog to add one of the available rules on the tensors matching a pattern."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, Select, Static
+
+from tensordbg.tui.components.param_inputs import ParamInputs
+
+
+class RuleAddScreen(ModalScreen[dict[str, Any] | None]):
+    """Dismissed with ``{"name", "match", "params"}`` (params: the thresholds changed from the
+    rule's defaults), or None when cancelled."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, available: list[dict[str, Any]]) -> None:
+        super().__init__()
+        self.available = {rule["name"]: rule for rule in available}
+
+    def compose(self) -> ComposeResult:
+        first = next(iter(self.available.values()), None)
+        with Vertical(classes="dialog"):
+            yield Label("Add a rule", classes="dialog-title")
+            yield Select(
+                [(name, name) for name in self.available],
+                value=first["name"] if first else Select.NULL,
+                allow_blank=first is None,
+                id="rule-choice",
+            )
+            yield Static(
+                first.get("doc", "") if first else "No rules to add.", classes="dialog-doc"
+            )
+            yield Label("on tensors matching (a glob on the tensor name)")
+            yield Input("*", id="rule-match")
+            yield ParamInputs(first["params"] if first else {})
+            yield Static("", classes="dialog-error")
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("Add", variant="primary", id="save")
+                yield Button("Cancel", id="cancel")
+
+    @on(Select.Changed, "#rule-choice")
+    async def _chosen(self, event: Select.Changed) -> None:
+        rule = self.available.get(str(event.value))
+        if rule is None:
+            return
+        self.query_one(".dialog-doc", Static).update(rule.get("doc", ""))
+        await self.query_one(ParamInputs).remove()
+        await self.query_one(".dialog", Vertical).mount(
+            ParamInputs(rule["params"]), before=self.query_one(".dialog-error")
+        )
+
+    @on(Input.Submitted)
+    @on(Button.Pressed, "#save")
+    def action_save(self) -> None:
+        name = self.query_one("#rule-choice", Select).value
+        if name not in self.available:
+            return
+        try:
+            params = self.query_one(ParamInputs).values()
+        except ValueError as e:
+            self.query_one(".dialog-error", Static).update(Text(str(e), style="bold red"))
+            return
+        defaults = self.available[str(name)]["params"]
+        changed = {k: v for k, v in params.items() if v != defaults.get(k)}
+        match = self.query_one("#rule-match", Input).value.strip() or "*"
+        self.dismiss({"name": name, "match": match, "params": changed})
+
+    @on(Button.Pressed, "#cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(None)
