@@ -123,7 +123,8 @@ def machine() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    text = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads()
+    text = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({threads} threads)"
     if torch.cuda.is_available():
         text += f", {torch.cuda.get_device_name()}"
     return text
@@ -151,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         runners.append(Runner("anomaly", copy.deepcopy(base), device, dtype))
     attached = runners[1]
     attached.session = tensordbg.attach(
-        attached.model, optimizer=attached.optimizer, on_hit="record", server=False,
+        attached.model,
+        optimizer=attached.optimizer,
+        on_hit="record",
+        server=False,
         retain_bytes=int(os.environ.get("RETAIN", 256 * 2**20)),
     )
     g = torch.Generator().manual_seed(0)

@@ -212,9 +212,7 @@ class Capture:
         for module in self.model.modules():
             if id(module) not in self.paths:
                 continue
-            self.handles.append(
-                module.register_forward_pre_hook(self._on_enter, with_kwargs=True)
-            )
+            self.handles.append(module.register_forward_pre_hook(self._on_enter, with_kwargs=True))
             self.handles.append(
                 module.register_forward_hook(self._on_exit, with_kwargs=True, always_call=True)
             )
@@ -448,7 +446,9 @@ def param_hook(
     return hook
 
 
-def param_grad_record(name: str, owner: str, owner_type: str, grad: torch.Tensor, step: int) -> Record:
+def param_grad_record(
+    name: str, owner: str, owner_type: str, grad: torch.Tensor, step: int
+) -> Record:
     """The record of a parameter's gradient."""
     stats = TensorStats(
         name=f"{name}.grad",

@@ -19,7 +19,7 @@ from tensordbg import __version__
 EXAMPLES = {
     "demo": """
         examples:
-          tensordbg demo                 a tiny GPT trains, a batch breaks its attention, the UI opens
+          tensordbg demo                 a tiny GPT trains until a batch breaks it; the UI opens
           tensordbg demo --no-ui         the same training, hits printed as text
         """,
     "run": """
@@ -66,17 +66,29 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=_demo)
 
     run = _command(commands, "run", "debug a training script without changing it")
-    run.add_argument("--rules", default="default",
-                     help="comma-separated rule names; 'default' is the default set")
+    run.add_argument(
+        "--rules",
+        default="default",
+        help="comma-separated rule names; 'default' is the default set",
+    )
     run.add_argument("--on-hit", choices=("pause", "raise", "record"), default="pause")
     run.add_argument("--sync", choices=("auto", "eager", "batched"), default="auto")
-    run.add_argument("--include", action="append", default=[], metavar="PATTERN",
-                     help="watch only modules whose path matches (repeatable)")
+    run.add_argument(
+        "--include",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="watch only modules whose path matches (repeatable)",
+    )
     run.add_argument("--exclude", action="append", default=[], metavar="PATTERN")
-    run.add_argument("--interval", type=int, default=1,
-                     help="statistics beyond the NaN/Inf screen every N steps")
-    run.add_argument("--remote", action="store_true",
-                     help="listen on TCP with CURVE encryption instead of a local socket")
+    run.add_argument(
+        "--interval", type=int, default=1, help="statistics beyond the NaN/Inf screen every N steps"
+    )
+    run.add_argument(
+        "--remote",
+        action="store_true",
+        help="listen on TCP with CURVE encryption instead of a local socket",
+    )
     run.add_argument("script", help="the training script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     run.set_defaults(handler=_run)

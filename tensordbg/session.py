@@ -484,8 +484,12 @@ class Session:
             stats.values = dict.fromkeys(wanted, math.nan)
             record.slot = self._batch.add(vector)
             self._pending.append(("record", record))
-        elif mode == "deferred" and kept and silent and stats.kind in LAZY_KINDS and not (
-            record.sentinel or self._triggered
+        elif (
+            mode == "deferred"
+            and kept
+            and silent
+            and stats.kind in LAZY_KINDS
+            and not (record.sentinel or self._triggered)
         ):
             record.lazy = True  # its rules only speak of NaN and Inf: wait for a reason to look
             self._pending.append(("record", record))
@@ -545,9 +549,7 @@ class Session:
                 if record.stats.nonfinite:
                     self._triggered = True
         self._after_hook()
-        backward_expected = torch.is_grad_enabled() and any(
-            r.grad_hooked for _, r in root.outputs
-        )
+        backward_expected = torch.is_grad_enabled() and any(r.grad_hooked for _, r in root.outputs)
         if not backward_expected:
             self._end_phase()
 
@@ -947,8 +949,11 @@ class Session:
         if len(self.hits) >= self.max_hits and not hit.origin:
             if not self._hits_capped:
                 self._hits_capped = True
-                self.log(f"{self.max_hits} hits recorded: hits not at their origin are no "
-                         "longer kept (raise max_hits to keep more)", "warning")
+                self.log(
+                    f"{self.max_hits} hits recorded: hits not at their origin are no "
+                    "longer kept (raise max_hits to keep more)",
+                    "warning",
+                )
             return
         hit.id = len(self.hits)
         self.hits.append(hit)

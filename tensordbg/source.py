@@ -44,25 +44,25 @@ class Source(Protocol):
     def info(self) -> dict[str, Any]:
         """The session at a glance::
 
-            {"run_id": str, "rank": int, "pid": int, "script": str, "model": str,
-             "device": str, "torch": str, "live": bool,        # False for a dump
-             "state": "running" | "paused" | "detached" | "finished",
-             "step": int, "phase": str, "on_hit": str,
-             "sync": "eager" | "batched" | "deferred",
-             "paused_at": hit dict | None, "pause_reason": str,  # why it is paused
-             "hits_total": int, "retain_bytes": int,
-             "history": {"step": [int], "loss": [float|None], "grad_norm": [float|None],
-                         "steps_per_sec": [float|None]}}   # last few hundred steps
+        {"run_id": str, "rank": int, "pid": int, "script": str, "model": str,
+         "device": str, "torch": str, "live": bool,        # False for a dump
+         "state": "running" | "paused" | "detached" | "finished",
+         "step": int, "phase": str, "on_hit": str,
+         "sync": "eager" | "batched" | "deferred",
+         "paused_at": hit dict | None, "pause_reason": str,  # why it is paused
+         "hits_total": int, "retain_bytes": int,
+         "history": {"step": [int], "loss": [float|None], "grad_norm": [float|None],
+                     "steps_per_sec": [float|None]}}   # last few hundred steps
         """
         ...
 
     def modules(self) -> list[dict[str, Any]]:
         """The model tree in ``named_modules()`` order, each with its latest statistics::
 
-            [{"path": "layers.0.attn", "type": "MultiheadAttention", "depth": 2,
-              "params": int, "hits": int,            # hits on this module so far
-              "calls": int,                          # calls in the latest root forward
-              "stats": {"output": summary, "grad_output": summary, ...}}]   # latest known
+        [{"path": "layers.0.attn", "type": "MultiheadAttention", "depth": 2,
+          "params": int, "hits": int,            # hits on this module so far
+          "calls": int,                          # calls in the latest root forward
+          "stats": {"output": summary, "grad_output": summary, ...}}]   # latest known
         """
         ...
 
@@ -73,17 +73,17 @@ class Source(Protocol):
     def tensors(self) -> list[dict[str, Any]]:
         """The watched tensors of the current phase, in execution order::
 
-            [{"ref": int, "name": str, "module": str, "kind": str, "call": int,
-              "shape": [int], "dtype": str, "retained": bool, "summary": summary | None}]
+        [{"ref": int, "name": str, "module": str, "kind": str, "call": int,
+          "shape": [int], "dtype": str, "retained": bool, "summary": summary | None}]
         """
         ...
 
     def stats(self, ref: int, text: str = "") -> dict[str, Any]:
         """Statistics of a retained tensor, or of the slice ``text`` of it::
 
-            {"ref": int, "name": str, "index": str,      # the slice as parsed, "" for all
-             "shape": [int], "dtype": str, "summary": summary, "line": str,
-             "previous": {"step": int, "summary": summary} | None}   # same tensor, last step
+        {"ref": int, "name": str, "index": str,      # the slice as parsed, "" for all
+         "shape": [int], "dtype": str, "summary": summary, "line": str,
+         "previous": {"step": int, "summary": summary} | None}   # same tensor, last step
         """
         ...
 
@@ -113,32 +113,32 @@ class Source(Protocol):
     ) -> dict[str, Any]:
         """Histogram of the finite values of a tensor (or its slice), computed where it lives::
 
-            {"ref": int, "index": str, "edges": [float] (bins+1), "counts": [int] (bins),
-             "nan": int, "posinf": int, "neginf": int, "min": float, "max": float}
+        {"ref": int, "index": str, "edges": [float] (bins+1), "counts": [int] (bins),
+         "nan": int, "posinf": int, "neginf": int, "min": float, "max": float}
         """
         ...
 
     def provenance(self, ref: int) -> dict[str, Any]:
         """Where a tensor came from::
 
-            {"ref": int, "name": str, "kind": str,
-             "producer": {"module": str, "type": str, "call": int} | None,
-             "inputs": [{"ref": int | None, "name": str, "module": str, "shape": [int],
-                         "dtype": str, "line": str, "nonfinite": bool | None}],
-             "consumers": [{"module": str, "type": str, "call": int}],
-             "source": {"file": str, "line": int, "function": str,
-                        "context": [[int, str]]} | None,   # the user's line of the call
-             "stack": [[file, line, function]]}             # innermost last
+        {"ref": int, "name": str, "kind": str,
+         "producer": {"module": str, "type": str, "call": int} | None,
+         "inputs": [{"ref": int | None, "name": str, "module": str, "shape": [int],
+                     "dtype": str, "line": str, "nonfinite": bool | None}],
+         "consumers": [{"module": str, "type": str, "call": int}],
+         "source": {"file": str, "line": int, "function": str,
+                    "context": [[int, str]]} | None,   # the user's line of the call
+         "stack": [[file, line, function]]}             # innermost last
         """
         ...
 
     def rules(self) -> dict[str, Any]:
         """The session's rules and those that can be added::
 
-            {"rules": [{"id": int, "name": str, "enabled": bool, "doc": str,
-                        "params": {str: value}, "match": [str], "exclude": [str],
-                        "kinds": [str], "disabled_reason": str | None, "hits": int}],
-             "available": [{"name": str, "doc": str, "params": {str: value}}]}
+        {"rules": [{"id": int, "name": str, "enabled": bool, "doc": str,
+                    "params": {str: value}, "match": [str], "exclude": [str],
+                    "kinds": [str], "disabled_reason": str | None, "hits": int}],
+         "available": [{"name": str, "doc": str, "params": {str: value}}]}
         """
         ...
 

@@ -228,7 +228,9 @@ def summary_vector(t: torch.Tensor) -> torch.Tensor:
         cache: dict[str, Any] = {}
         m = x.numel()
         lo_hi = torch.stack(torch.aminmax(x)).to(_F64)
-        stats = [_kernel(Stat(name), x, m, cache).to(_F64) for name in ("mean", "std", "abs_mean", "l2")]
+        stats = [
+            _kernel(Stat(name), x, m, cache).to(_F64) for name in ("mean", "std", "abs_mean", "l2")
+        ]
         moments = torch.cat((lo_hi, torch.stack(stats)))
     return torch.cat((counts, moments))
 

@@ -64,8 +64,13 @@ class FakeSource:
         ]
         self._rules = [
             {"id": 0, "name": "NaN", "enabled": True, "params": {}, "doc": "Any NaN."},
-            {"id": 1, "name": "VanishingGradient", "enabled": True,
-             "params": {"threshold": 1e-7}, "doc": "Mean |grad| below a threshold."},
+            {
+                "id": 1,
+                "name": "VanishingGradient",
+                "enabled": True,
+                "params": {"threshold": 1e-7},
+                "doc": "Mean |grad| below a threshold.",
+            },
         ]
         for r in self._rules:
             r.update(match=["*"], exclude=[], kinds=["grad"], disabled_reason=None, hits=0)
@@ -79,22 +84,43 @@ class FakeSource:
         name, module, kind, array = self.arrays[ref]
         where = "produced here: its inputs were finite" if origin else "passed on from net.2"
         return {
-            "id": id, "rule": rule, "tensor": name, "module": module, "kind": kind, "step": 3,
-            "phase": "forward", "origin": origin, "value": value, "threshold": 0.0,
+            "id": id,
+            "rule": rule,
+            "tensor": name,
+            "module": module,
+            "kind": kind,
+            "step": 3,
+            "phase": "forward",
+            "origin": origin,
+            "value": value,
+            "threshold": 0.0,
             "message": f"{name} holds 2 NaN of {array.size} values at step 3 ({where}).",
-            "ref": ref, "call": 0, "summary": summarize_numpy(array).as_dict(),
+            "ref": ref,
+            "call": 0,
+            "summary": summarize_numpy(array).as_dict(),
         }
 
     # --- Source ------------------------------------------------------------------------------
 
     def info(self) -> dict[str, Any]:
         return {
-            "run_id": "fake0001", "rank": 0, "pid": 1, "script": "fake.py", "model": "Net",
-            "device": "cpu", "torch": "none", "live": True, "state": self.state,
-            "step": self.step, "phase": "forward", "on_hit": "pause", "sync": "eager",
+            "run_id": "fake0001",
+            "rank": 0,
+            "pid": 1,
+            "script": "fake.py",
+            "model": "Net",
+            "device": "cpu",
+            "torch": "none",
+            "live": True,
+            "state": self.state,
+            "step": self.step,
+            "phase": "forward",
+            "on_hit": "pause",
+            "sync": "eager",
             "paused_at": self._hits[0] if self.state == "paused" else None,
             "pause_reason": "hit" if self.state == "paused" else "",
-            "hits_total": len(self._hits), "retain_bytes": 1 << 28,
+            "hits_total": len(self._hits),
+            "retain_bytes": 1 << 28,
             "history": {
                 "step": [0, 1, 2, 3],
                 "loss": [2.3, 2.1, 1.9, None],
@@ -107,7 +133,7 @@ class FakeSource:
         out = []
         for m in self.module_list:
             stats = {}
-            for name, module, kind, array in self.arrays.values():
+            for _, module, kind, array in self.arrays.values():
                 if module == m["path"] and kind == "output":
                     stats["output"] = summarize_numpy(array).as_dict()
             hits = sum(h["module"] == m["path"] for h in self._hits)
@@ -119,9 +145,17 @@ class FakeSource:
 
     def tensors(self) -> list[dict[str, Any]]:
         return [
-            {"ref": ref, "name": name, "module": module, "kind": kind, "call": 0,
-             "shape": list(a.shape), "dtype": "float32", "retained": True,
-             "summary": summarize_numpy(a).as_dict()}
+            {
+                "ref": ref,
+                "name": name,
+                "module": module,
+                "kind": kind,
+                "call": 0,
+                "shape": list(a.shape),
+                "dtype": "float32",
+                "retained": True,
+                "summary": summarize_numpy(a).as_dict(),
+            }
             for ref, (name, module, kind, a) in self.arrays.items()
         ]
 
@@ -138,8 +172,12 @@ class FakeSource:
         index, view = self._view(ref, text)
         summary = summarize_numpy(view)
         return {
-            "ref": ref, "name": self.arrays[ref][0], "index": index, "shape": list(view.shape),
-            "dtype": "float32", "summary": summary.as_dict(),
+            "ref": ref,
+            "name": self.arrays[ref][0],
+            "index": index,
+            "shape": list(view.shape),
+            "dtype": "float32",
+            "summary": summary.as_dict(),
             "line": summary.line(view.shape, "float32"),
             "previous": {"step": 2, "summary": summarize_numpy(view * 0.5).as_dict()},
         }
@@ -153,51 +191,84 @@ class FakeSource:
         block = np.ascontiguousarray(window_of(view, rows, cols))
         grid = block.shape
         return {
-            "ref": ref, "index": index, "shape": list(view.shape),
+            "ref": ref,
+            "index": index,
+            "shape": list(view.shape),
             "rows": int(np.prod(view.shape[:-1])) if view.ndim > 1 else 1,
             "cols": int(view.shape[-1]) if view.ndim else 1,
-            "window": [list(rows), list(cols)], "dtype": "float32",
+            "window": [list(rows), list(cols)],
+            "dtype": "float32",
             "data": WireArray("float32", tuple(grid), block),
         }
 
     def histogram(self, ref: int, text: str = "", bins: int = 64, lo=None, hi=None):
         index, view = self._view(ref, text)
         finite = view[np.isfinite(view)]
-        rng = (lo if lo is not None else float(finite.min()), hi if hi is not None else float(finite.max()))
+        rng = (
+            lo if lo is not None else float(finite.min()),
+            hi if hi is not None else float(finite.max()),
+        )
         counts, edges = np.histogram(finite, bins=bins, range=rng)
         return {
-            "ref": ref, "index": index, "edges": edges.tolist(), "counts": counts.tolist(),
-            "nan": int(np.isnan(view).sum()), "posinf": int(np.isposinf(view).sum()),
-            "neginf": int(np.isneginf(view).sum()), "min": rng[0], "max": rng[1],
+            "ref": ref,
+            "index": index,
+            "edges": edges.tolist(),
+            "counts": counts.tolist(),
+            "nan": int(np.isnan(view).sum()),
+            "posinf": int(np.isposinf(view).sum()),
+            "neginf": int(np.isneginf(view).sum()),
+            "min": rng[0],
+            "max": rng[1],
         }
 
     def provenance(self, ref: int) -> dict[str, Any]:
         if ref not in self.arrays:
             raise SourceError(f"no tensor {ref} in this phase")
-        name, module, kind, array = self.arrays[ref]
+        name, module, kind, _ = self.arrays[ref]
         inputs = []
         if ref in (1, 2, 3):
             prev = self.arrays[ref - 1]
-            inputs.append({"ref": ref - 1, "name": prev[0], "module": prev[1],
-                           "shape": list(prev[3].shape), "dtype": "float32",
-                           "line": summarize_numpy(prev[3]).line(prev[3].shape, "float32"),
-                           "nonfinite": False})
+            inputs.append(
+                {
+                    "ref": ref - 1,
+                    "name": prev[0],
+                    "module": prev[1],
+                    "shape": list(prev[3].shape),
+                    "dtype": "float32",
+                    "line": summarize_numpy(prev[3]).line(prev[3].shape, "float32"),
+                    "nonfinite": False,
+                }
+            )
         return {
-            "ref": ref, "name": name, "kind": kind,
+            "ref": ref,
+            "name": name,
+            "kind": kind,
             "producer": {"module": module, "type": "Linear", "call": 0},
             "inputs": inputs,
             "consumers": [{"module": "", "type": "Net", "call": 0}],
-            "source": {"file": "fake.py", "line": 12, "function": "forward",
-                       "context": [[10, "    def forward(self, x):"], [11, "        h = self.net[1](self.net[0](x))"],
-                                   [12, "        return self.net[2](h)"]]},
+            "source": {
+                "file": "fake.py",
+                "line": 12,
+                "function": "forward",
+                "context": [
+                    [10, "    def forward(self, x):"],
+                    [11, "        h = self.net[1](self.net[0](x))"],
+                    [12, "        return self.net[2](h)"],
+                ],
+            },
             "stack": [["train.py", 40, "<module>"], ["fake.py", 12, "forward"]],
         }
 
     def rules(self) -> dict[str, Any]:
         return {
             "rules": self._rules,
-            "available": [{"name": "TensorRange", "doc": "Bounds on matching tensors.",
-                           "params": {"max_gt": None}}],
+            "available": [
+                {
+                    "name": "TensorRange",
+                    "doc": "Bounds on matching tensors.",
+                    "params": {"max_gt": None},
+                }
+            ],
         }
 
     def set_rule(self, id: int, enabled: bool | None = None, params: dict | None = None):
@@ -213,9 +284,18 @@ class FakeSource:
         return rule
 
     def add_rule(self, name: str, match: str = "*", params: dict | None = None):
-        rule = {"id": len(self._rules), "name": name, "enabled": True, "params": params or {},
-                "doc": "", "match": [match], "exclude": [], "kinds": ["output"],
-                "disabled_reason": None, "hits": 0}
+        rule = {
+            "id": len(self._rules),
+            "name": name,
+            "enabled": True,
+            "params": params or {},
+            "doc": "",
+            "match": [match],
+            "exclude": [],
+            "kinds": ["output"],
+            "disabled_reason": None,
+            "hits": 0,
+        }
         self._rules.append(rule)
         return rule
 

@@ -31,7 +31,9 @@ class LogHead(nn.Module):
 
 def mlp(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+    return nn.Sequential(
+        nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2)
+    )
 
 
 def train_gpt(session_factory=None, steps: int = 30, bad_step: int = -1, seed: int = 0):

@@ -55,7 +55,11 @@ def test_a_nan_made_by_attention_is_named_at_the_attention_module_and_step(watch
                            steps=8, bad_step=5)  # fmt: skip
     first = origins(session)[0]
     assert (first.rule, first.module, first.kind, first.step, first.phase) == (
-        "NaN", "blocks.0.attn", "output", 5, "forward"
+        "NaN",
+        "blocks.0.attn",
+        "output",
+        5,
+        "forward",
     )
     assert "blocks.0.attn.output" in first.message
     assert [h for h in session.hits if h.step < 5] == []
@@ -63,7 +67,11 @@ def test_a_nan_made_by_attention_is_named_at_the_attention_module_and_step(watch
     forward = [h for h in session.hits if h.step == 5 and h.phase == "forward"]
     assert len(forward) > 5
     assert [h.module for h in forward if h.origin] == ["blocks.0.attn"]
-    assert {h.module for h in forward if not h.origin} >= {"blocks.0.mlp.0", "blocks.1.attn.qkv", "head"}
+    assert {h.module for h in forward if not h.origin} >= {
+        "blocks.0.mlp.0",
+        "blocks.1.attn.qkv",
+        "head",
+    }
 
 
 @pytest.mark.parametrize("sync", ["batched", "deferred"])
@@ -130,7 +138,12 @@ def test_a_nan_made_by_backward_only_is_named_at_the_module_whose_backward_made_
     loss.backward()
     assert [h for h in session.hits if h.phase == "forward"] == []
     [origin] = origins(session)
-    assert (origin.module, origin.kind, origin.phase, origin.step) == ("1", "grad_input", "backward", 0)
+    assert (origin.module, origin.kind, origin.phase, origin.step) == (
+        "1",
+        "grad_input",
+        "backward",
+        0,
+    )
     assert {h.tensor for h in session.hits if not h.origin} >= {"0.weight.grad", "0.bias.grad"}
 
 
@@ -498,7 +511,7 @@ def test_a_learning_rate_of_zero_is_found_exactly_though_the_optimizer_wrote_the
     assert {h.tensor for h in session.hits} == {"0.weight.update", "0.bias.update"}
 
 
-# --- gradients -------------------------------------------------------------------------------------
+# --- gradients ---------------------------------------------------------------------------------
 
 
 def test_exploding_gradients_are_flagged_long_before_anything_overflows(watch):
@@ -578,7 +591,7 @@ def test_attaching_twice_or_after_compile_says_what_to_do(watch):
     with pytest.raises(RuntimeError, match="already attached"):
         tensordbg.attach(model, server=False)
     compiled = torch.compile(mlp())
-    with pytest.raises(TypeError, match="attach tensordbg before torch.compile"):
+    with pytest.raises(TypeError, match=r"attach tensordbg before torch\.compile"):
         tensordbg.attach(compiled, server=False)
 
 

@@ -21,7 +21,7 @@ def paused():
 
 
 def test_the_session_info_says_where_it_is_paused(paused):
-    training, source = paused
+    _, source = paused
     info = source.info()
     assert (info["state"], info["step"], info["phase"]) == ("paused", 3, "forward")
     assert info["paused_at"]["origin"] and info["paused_at"]["module"] == ""
@@ -62,7 +62,7 @@ def test_bad_slice_text_gets_a_clear_refusal(paused):
                         ("[1:", "cannot read")]:  # fmt: skip
         with pytest.raises(SourceError, match=words):
             source.stats(ref, text)
-    with pytest.raises(SourceError, match="no tensor|not in the current phase"):
+    with pytest.raises(SourceError, match=r"not in the current phase"):
         source.slice(10**6)
 
 
