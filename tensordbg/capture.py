@@ -45,7 +45,9 @@ MAX_NESTING = 6
 MAX_LEAVES = 256
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
-_OWN_DIR = str(Path(__file__).parent)
+# tensordbg's files on the path from a hook to the user's code (not the demo: that is user code).
+_OWN_FILES = frozenset(str(Path(__file__).parent / name) for name in ("capture.py", "session.py",
+                                                                      "runner.py"))  # fmt: skip
 
 
 @dataclass(eq=False, slots=True)
@@ -161,7 +163,7 @@ def user_site(frame: Any) -> tuple[CodeType, int] | None:
         internal = _INTERNAL_CODE.get(code)
         if internal is None:  # decided once per code object: this runs on every module call
             filename = code.co_filename
-            internal = filename.startswith(_TORCH_DIR) or filename.startswith(_OWN_DIR)
+            internal = filename.startswith(_TORCH_DIR) or filename in _OWN_FILES
             _INTERNAL_CODE[code] = internal
         if not internal:
             return code, frame.f_lineno

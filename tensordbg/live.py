@@ -269,17 +269,29 @@ class LiveSource:
 
         return self._on_training_thread(work)
 
-    def provenance(self, ref: int) -> dict[str, Any]:
+    def provenance(self, ref: int, module: str | None = None, call: int = 0) -> dict[str, Any]:
         record = self._record(ref, need_tensor=False)
         forward = record.grad_of or record
         producer = forward.producer
-        call = producer or (forward.consumers[0] if forward.consumers else None)
+        returned_by = None
+        if module is not None and producer is not None:
+            chosen = next(
+                (c for c in forward.passed_up if c.path == module and c.index == call), None
+            )
+            if chosen is not None:  # made by this module's own code, returned by a submodule
+                returned_by, producer = producer, chosen
+        site = producer or (forward.consumers[0] if forward.consumers else None)
         owner = self.session.params_by_name.get(record.param)
+        name = record.stats.name
+        if returned_by is not None and producer is not None:
+            suffix = forward.suffix
+            name = f"{producer.base}.output{suffix}" if producer.base else f"output{suffix}"
         out: dict[str, Any] = {
             "ref": ref,
-            "name": record.stats.name,
+            "name": name,
             "kind": record.stats.kind,
             "producer": _call_dict(producer) if producer else None,
+            "returned_by": _call_dict(returned_by) if returned_by else None,
             "inputs": [],
             "consumers": [_call_dict(c) for c in forward.consumers],
             "source": None,
@@ -291,10 +303,10 @@ class LiveSource:
             calls = self.session.capture.calls_by_path.get(owner.owner, [])
             out["producer"] = {"module": owner.owner, "type": owner.owner_type, "call": 0}
             out["consumers"] = [_call_dict(c) for c in calls]
-            call = calls[0] if calls else None
-        if call is not None:
-            out["source"] = _source(call)
-            out["stack"] = _stack(call)
+            site = calls[0] if calls else None
+        if site is not None:
+            out["source"] = _source(site)
+            out["stack"] = _stack(site)
         return out
 
     def recheck(self) -> list[dict[str, Any]]:

@@ -118,11 +118,14 @@ class Source(Protocol):
         """
         ...
 
-    def provenance(self, ref: int) -> dict[str, Any]:
-        """Where a tensor came from::
+    def provenance(self, ref: int, module: str | None = None, call: int = 0) -> dict[str, Any]:
+        """Where a tensor came from, as the output (or input gradient) of the call ``call`` of
+        ``module`` when given (a hit names it: a value a module's own code made is returned
+        through its submodules), else of its innermost producer::
 
         {"ref": int, "name": str, "kind": str,
          "producer": {"module": str, "type": str, "call": int} | None,
+         "returned_by": {"module": str, "type": str, "call": int} | None,  # a submodule
          "inputs": [{"ref": int | None, "name": str, "module": str, "shape": [int],
                      "dtype": str, "line": str, "nonfinite": bool | None}],
          "consumers": [{"module": str, "type": str, "call": int}],

@@ -221,7 +221,7 @@ class FakeSource:
             "max": rng[1],
         }
 
-    def provenance(self, ref: int) -> dict[str, Any]:
+    def provenance(self, ref: int, module: str | None = None, call: int = 0) -> dict[str, Any]:
         if ref not in self.arrays:
             raise SourceError(f"no tensor {ref} in this phase")
         name, module, kind, _ = self.arrays[ref]

@@ -27,6 +27,7 @@ from tensordbg.connection import ConnectionInfo, write_connection_file
 from tensordbg.server import Server
 from tensordbg.tui.app import TensorDbgApp
 from tensordbg.tui.components.connection_banner import ConnectionBanner
+from tensordbg.tui.components.hit_table import HitTable
 from tensordbg.tui.components.histogram_view import HistogramView
 from tensordbg.tui.components.hit_table import HitTable
 from tensordbg.tui.components.run_status import RunStatus
@@ -542,3 +543,19 @@ def test_histogram_drawing_scales_bars_and_counts_non_finite() -> None:
     assert text[3].startswith("-1") and text[3].endswith("1")
     assert "NaN 2" in text[4] and "-Inf 1" in text[4]
     assert len(text) == 5
+
+
+def test_function_keys_switch_tabs_and_give_them_the_keys() -> None:
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(FakeSource()))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "paused")
+            for key, pane in (("f2", "hits"), ("f6", "rules"), ("f7", "log"), ("f1", "run")):
+                await pilot.press(key)
+                await pilot.pause()
+                assert active_tab(app) == pane
+            await pilot.press("f2")
+            await pilot.pause()
+            assert isinstance(app.focused, HitTable)
+
+    asyncio.run(flow())

@@ -43,6 +43,7 @@ class TensorDbgApp(App[int]):
     """
 
     CSS_PATH = "app.tcss"
+    TABS = ("run", "hits", "modules", "tensor", "provenance", "rules", "log")
     TITLE = "tensordbg"
     BINDINGS: list[Binding | tuple[str, str] | tuple[str, str, str]] = [  # noqa: RUF012
         Binding("c", "control('continue')", "Continue"),
@@ -52,6 +53,8 @@ class TensorDbgApp(App[int]):
         Binding("q", "detach", "Detach & quit"),
         Binding("slash", "search", "Search"),
         *(Binding(str(d), f"count({d})", show=False) for d in range(10)),
+        # One key per tab, named in the tab titles.
+        *(Binding(f"f{i}", f"tab('{pane}')", pane, show=False) for i, pane in enumerate(TABS, 1)),
     ]
 
     state: reactive[str] = reactive("connecting", bindings=True, init=False)
@@ -163,9 +166,11 @@ class TensorDbgApp(App[int]):
     # --- keys ------------------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action in ("control", "count"):
+        if action in ("control", "count", "tab"):
             if self.screen is not self.main:  # a modal is open: its keys are its own
                 return False
+            if action == "tab":
+                return True
             if action == "count":
                 return self.state == "paused"
             return parameters[0] in CONTROLS.get(self.state, ())
@@ -184,6 +189,9 @@ class TensorDbgApp(App[int]):
             return  # the Log tab says why
         self.main.log_entry(f"control {action} (n={n}): {reply['state']} at step {reply['step']}")
         self.state = reply["state"]
+
+    def action_tab(self, pane: str) -> None:
+        self.main.show_tab(pane)
 
     def action_count(self, digit: int) -> None:
         self._count = min(self._count * 10 + digit, 1_000_000)

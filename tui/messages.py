@@ -15,11 +15,17 @@ from textual.message import Message
 class OpenTensor(Message):
     """Show a tensor in the Tensor tab, and where it came from in the Provenance tab."""
 
-    def __init__(self, ref: int, name: str = "", text: str = "") -> None:
+    def __init__(
+        self, ref: int, name: str = "", text: str = "", module: str | None = None, call: int = 0
+    ) -> None:
         super().__init__()
         self.ref = ref
         self.name = name
         self.text = text
+        # A hit names the module call where its value was made, which may be a call around the
+        # submodule that returned the tensor; provenance is shown from there.
+        self.module = module
+        self.call = call
 
 
 class HitsFound(Message):

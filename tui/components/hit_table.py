@@ -104,4 +104,6 @@ class HitTable(DataTable):
     def _open(self, event: DataTable.RowSelected) -> None:
         event.stop()
         hit = self._hits[int(event.row_key.value or 0)]
-        self.post_message(OpenTensor(hit["ref"], hit["tensor"]))
+        self.post_message(
+            OpenTensor(hit["ref"], hit["tensor"], module=hit.get("module"), call=hit.get("call", 0))
+        )

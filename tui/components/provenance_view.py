@@ -52,9 +52,12 @@ class ProvenanceView(VerticalScroll):
         yield Static("", id="provenance-stack")
 
     @work(group="provenance", exclusive=True)
-    async def load(self, ref: int) -> None:
+    async def load(self, ref: int, module: str | None = None, call: int = 0) -> None:
+        params: dict[str, Any] = {"ref": ref}
+        if module is not None:
+            params.update(module=module, call=call)
         try:
-            prov = await self.app.call("provenance", ref=ref)  # type: ignore[attr-defined]
+            prov = await self.app.call("provenance", **params)  # type: ignore[attr-defined]
         except RequestFailed as e:
             self.show_message(f"No provenance for tensor {ref}: {e.message}")
             return
@@ -76,6 +79,10 @@ class ProvenanceView(VerticalScroll):
             label = Text("produced by ", style="dim")
             label.append(producer["module"] or "(model)", style="bold")
             label.append(f"  {producer['type']}, call {producer['call']}")
+            returned_by = prov.get("returned_by")
+            if returned_by:
+                label.append("  by its own code, returned through ", style="dim")
+                label.append(returned_by["module"], style="bold")
             tree.root.add_leaf(label)
         else:
             tree.root.add_leaf(Text("produced outside any module", style="dim"))

@@ -65,20 +65,20 @@ class MainScreen(Screen):
         yield self.banner
         # Tabs that open hidden are mounted after the first screen is up (a faster start).
         with TabbedContent(initial="run"):
-            with TabPane("Run", id="run"):
+            with TabPane("Run F1", id="run"):
                 yield self.run_status
-            with TabPane("Hits", id="hits"):
+            with TabPane("Hits F2", id="hits"):
                 yield self.hit_table
                 yield self.hit_detail
-            with TabPane("Modules", id="modules"):
+            with TabPane("Modules F3", id="modules"):
                 yield Lazy(self.module_browser)
-            with TabPane("Tensor", id="tensor"):
+            with TabPane("Tensor F4", id="tensor"):
                 yield Lazy(self.tensor_inspector)
-            with TabPane("Provenance", id="provenance"):
+            with TabPane("Provenance F5", id="provenance"):
                 yield Lazy(self.provenance_view)
-            with TabPane("Rules", id="rules"):
+            with TabPane("Rules F6", id="rules"):
                 yield Lazy(self.rule_panel)
-            with TabPane("Log", id="log"):
+            with TabPane("Log F7", id="log"):
                 yield Lazy(self.event_log)
         yield Footer()
 
@@ -167,11 +167,22 @@ class MainScreen(Screen):
 
     # --- tabs --------------------------------------------------------------------------------
 
-    def show_tab(self, pane: str) -> None:
+    def show_tab(self, pane: str, focus: bool = True) -> None:
+        """Switch to a tab and (unless ``focus`` is False) give its main widget the keys: a key
+        press asked for the tab, so the next keys are for what is in it."""
         self.query_one(TabbedContent).active = pane
+        if not focus:
+            return
+
+        def focus() -> None:
+            target = self._focus_target(pane)
+            if target is not None:
+                target.focus()
+
+        self.call_after_refresh(focus)
 
     def focus_search(self) -> None:
-        self.show_tab("modules")
+        self.show_tab("modules", focus=False)
         self.module_browser.focus_search()
 
     def recheck(self) -> None:
@@ -220,7 +231,7 @@ class MainScreen(Screen):
             return
         self.show_tab("tensor")
         self.tensor_inspector.open(message.ref, message.name, message.text)
-        self.provenance_view.load(message.ref)
+        self.provenance_view.load(message.ref, message.module, message.call)
 
     @on(HitTable.Highlighted)
     def _hit_highlighted(self, message: HitTable.Highlighted) -> None:

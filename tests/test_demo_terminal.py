@@ -1,0 +1,69 @@
+"""`tensordbg demo` in a real terminal (tmux): the hit screen, a tensor, a slice, quit."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux"),
+]
+
+
+class Terminal:
+    """A tmux session running one command, read and typed into like a person would."""
+
+    def __init__(self, command: str, width: int = 160, height: int = 45):
+        self.name = f"tdbg-{uuid.uuid4().hex[:8]}"
+        env = {**os.environ, "TERM": "xterm-256color"}
+        subprocess.run(
+            ["tmux", "new-session", "-d", "-s", self.name, "-x", str(width), "-y", str(height),
+             f"{command}; sleep 120"],  # keep the pane after the command ends, to read it
+            check=True, env=env,
+        )  # fmt: skip
+
+    def screen(self) -> str:
+        return subprocess.run(
+            ["tmux", "capture-pane", "-p", "-t", self.name], capture_output=True, text=True
+        ).stdout
+
+    def wait_for(self, *texts: str, timeout: float = 120.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            screen = self.screen()
+            if all(t in screen for t in texts):
+                return screen
+            time.sleep(0.25)
+        raise AssertionError(f"never saw {texts!r} on the screen:\n{self.screen()}")
+
+    def press(self, *keys: str) -> None:
+        subprocess.run(["tmux", "send-keys", "-t", self.name, *keys], check=True)
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True)
+
+
+def test_the_demo_pauses_at_the_broken_attention_and_lets_a_person_inspect_it():
+    terminal = Terminal(f"{sys.executable} -m tensordbg.cli demo")
+    try:
+        terminal.wait_for("PAUSED", "[NaN] blocks.0.attn.output", "It was produced here")
+        terminal.press("F2")
+        terminal.wait_for("● origin", "↳ passed on")
+        terminal.press("Enter")  # the origin hit is selected: open its tensor
+        terminal.wait_for("tensor[16,31,64] float32", "NaN×1984")
+        terminal.press("[")
+        terminal.press("[3]", "Enter")  # the sequence that was all padding
+        terminal.wait_for("tensor[31,64] float32 n=1984 NaN×1984!")
+        terminal.press("F5")
+        terminal.wait_for("produced by blocks.0.attn", "self.attn(self.ln1(x), keep)")
+        terminal.press("q")  # detach and quit: the training runs to its end
+        terminal.wait_for("1 at their origin", "step 25 forward: [NaN] blocks.0.attn.output")
+    finally:
+        terminal.close()
