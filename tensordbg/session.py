@@ -936,7 +936,11 @@ class Session:
             ),
             ref=stats.ref,
             call=module.index if module is not None else stats.call,
-            summary=stats.summary.as_dict() if stats.summary is not None else {},
+            summary={
+                **(stats.summary.as_dict() if stats.summary is not None else {}),
+                "shape": list(stats.shape),
+                "dtype": stats.dtype,
+            },
         )
         if is_origin and condition is not None:
             self._first_origin.setdefault(condition, hit.tensor)
@@ -1231,16 +1235,19 @@ class Session:
             self._step_grad_seen = True
 
     def status(self) -> dict[str, Any]:
-        """The latest step at a glance (pushed to the UI after every step)."""
-        last = self.history[-1] if self.history else (self.step, None, None, None)
+        """Where the training is, and the numbers of the last completed step (pushed to the UI
+        after every step; see ``Source.subscribe``)."""
+        last = None
+        if self.history:
+            step, loss, grad_norm, steps_per_sec = self.history[-1]
+            last = {"step": step, "loss": loss, "grad_norm": grad_norm,
+                    "steps_per_sec": steps_per_sec}  # fmt: skip
         return {
             "state": self.controller.state,
             "step": self.step,
             "phase": self.phase,
-            "loss": last[1],
-            "grad_norm": last[2],
-            "steps_per_sec": last[3],
             "hits_total": len(self.hits),
+            "last": last,
         }
 
     # --- mixed precision -------------------------------------------------------------------------

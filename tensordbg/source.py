@@ -27,8 +27,19 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 EventCallback = Callable[[str, dict[str, Any]], None]
-"""``callback(event, payload)`` with event one of ``status``, ``hit``, ``state``, ``log``. It may
-be called from the training thread: it must only hand the payload over, never block."""
+"""``callback(event, payload)``; it may be called from the training thread: it must only hand the
+payload over, never block. The events and their payloads::
+
+    "status": {"state": str, "step": int,            # the step running now
+               "phase": str, "hits_total": int,
+               "last": {"step": int, "loss": float | None, "grad_norm": float | None,
+                        "steps_per_sec": float | None} | None}   # the step just completed:
+                                                                  # a row of info()["history"]
+    "hit":    a hit dict (below)
+    "state":  {"state": "running" | "paused" | "detached" | "finished", "step": int,
+               "reason": str}                     # why it paused, when it did
+    "log":    {"level": "info" | "warning" | "error", "message": str, "step": int}
+"""
 
 
 class SourceError(Exception):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -116,21 +116,7 @@ class Summary:
     def line(self, shape: Iterable[int], dtype: str) -> str:
         """One line in the spirit of lovely-tensors:
         ``tensor[8,128] float32 n=1024 x∈[-2.1, 2.6] μ=0.01 σ=1 NaN×3!``"""
-        dims = ",".join(str(d) for d in shape)
-        parts = [f"tensor[{dims}]", dtype, f"n={self.numel}"]
-        if self.numel and self.nonfinite < self.numel:
-            parts.append(f"x∈[{_g(self.min)}, {_g(self.max)}]")
-            parts.append(f"μ={_g(self.mean)}")
-            parts.append(f"σ={_g(self.std)}")
-        if self.zeros == self.numel and self.numel:
-            parts.append("all zeros")
-        if self.nan:
-            parts.append(f"NaN×{self.nan}!")
-        if self.posinf:
-            parts.append(f"+Inf×{self.posinf}!")
-        if self.neginf:
-            parts.append(f"-Inf×{self.neginf}!")
-        return " ".join(parts)
+        return describe(self.as_dict(), shape, dtype)
 
     def as_dict(self) -> dict[str, float | int]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -142,6 +128,43 @@ class Summary:
 
 def _g(x: float) -> str:
     return f"{x:.3g}" if math.isfinite(x) else str(x)
+
+
+def describe(values: Mapping[str, Any], shape: Iterable[int] | None = None, dtype: str = "") -> str:
+    """One line for whatever is known of a tensor: a full :class:`Summary` as a dict, or the
+    partial statistics a live session computed (``{"finite": 1.0, "l2": 3.2}``)::
+
+        tensor[8,128] float32 n=1024 x∈[-2.1, 2.6] μ=0.01 σ=1 NaN×3!
+        tensor[64] float32 n=64 ‖x‖=3.2 finite
+    """
+    parts = []
+    if shape is not None:
+        parts.append(f"tensor[{','.join(str(d) for d in shape)}]")
+    if dtype:
+        parts.append(dtype)
+    get = values.get
+    numel = get("numel")
+    if numel is not None:
+        parts.append(f"n={int(numel)}")
+    counts = {k: int(get(k) or 0) for k in ("nan", "posinf", "neginf")}
+    all_bad = numel is not None and sum(counts.values()) >= numel > 0
+    if not all_bad:
+        if get("min") is not None and get("max") is not None:
+            parts.append(f"x∈[{_g(get('min'))}, {_g(get('max'))}]")
+        shown = (("mean", "μ"), ("std", "σ"))
+        if get("mean") is None and get("std") is None:  # norms only when the moments are unknown
+            shown = (("abs_mean", "mean|x|"), ("l2", "‖x‖"))
+        for key, label in shown:
+            if get(key) is not None:
+                parts.append(f"{label}={_g(get(key))}")
+    if numel and get("zeros") == numel:
+        parts.append("all zeros")
+    for key, label in (("nan", "NaN"), ("posinf", "+Inf"), ("neginf", "-Inf")):
+        if counts[key]:
+            parts.append(f"{label}×{counts[key]}!")
+    if not any(counts.values()) and get("finite") is not None:
+        parts.append("finite" if get("finite") == 1.0 else "NaN/Inf!")
+    return " ".join(parts)
 
 
 @dataclass(slots=True, eq=False)

@@ -7,7 +7,7 @@ from typing import Any
 from rich.text import Text
 from textual.widgets import Static
 
-from tensordbg.tui.components.module_table import brief
+from tensordbg.stats import describe
 
 
 class HitDetail(Static):
@@ -29,8 +29,9 @@ class HitDetail(Static):
         text.append(hit["message"] + "\n")
         threshold = "" if hit.get("threshold") is None else f"  threshold {hit['threshold']:.4g}"
         text.append(f"value {hit['value']:.4g}{threshold}", style="dim")
-        if hit.get("summary"):
+        summary = hit.get("summary") or {}
+        if summary:
             text.append("   ")
-            text.append(brief(hit["summary"]))
+            text.append(describe(summary, summary.get("shape"), summary.get("dtype", "")))
         text.append("\nEnter opens the tensor.", style="dim italic")
         self.update(text)

@@ -17,18 +17,17 @@ from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from tensordbg.stats import Summary
+from tensordbg.stats import describe
 
 GAP = 2
 
 
 def brief(summary: dict[str, Any] | None) -> str:
-    """A module's latest statistics in one short line (module stats carry no shape or dtype):
-    ``n=256 x∈[-2.1, 2.6] μ=0.01 σ=1 NaN×2!``."""
+    """What is known of a tensor's latest statistics, in one short line:
+    ``n=256 x∈[-2.1, 2.6] μ=0.01 σ=1 NaN×2!`` (shape and dtype are left to the caller)."""
     if not summary:
         return ""
-    line = Summary.from_dict(summary).line((), "-")
-    return line.split(" ", 2)[2]  # drop "tensor[] -": the rest is the statistics
+    return describe(summary)
 
 
 def count(n: int) -> str:

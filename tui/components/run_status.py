@@ -61,14 +61,16 @@ class RunStatus(VerticalScroll):
                 self._info[key] = status[key]
         if "step" in status:
             self._info["step"] = status["step"]
-            if not self._history["step"] or self._history["step"][-1] != status["step"]:
+        last = status.get("last")
+        if last:  # the step just completed: one more row of the history
+            if not self._history["step"] or self._history["step"][-1] != last["step"]:
                 for key in SERIES:
-                    self._history[key].append(status.get(key))
+                    self._history[key].append(last.get(key))
                     del self._history[key][:-HISTORY]
             else:  # a second status for the same step completes it
                 for key in SERIES[1:]:
-                    if status.get(key) is not None:
-                        self._history[key][-1] = status[key]
+                    if last.get(key) is not None:
+                        self._history[key][-1] = last[key]
         self._draw()
 
     def add_hit(self, hit: dict[str, Any]) -> None:

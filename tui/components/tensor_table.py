@@ -8,15 +8,13 @@ from rich.text import Text
 from textual import on
 from textual.widgets import DataTable
 
-from tensordbg.stats import Summary
+from tensordbg.stats import describe
 from tensordbg.tui.messages import OpenTensor
 
 
 def summary_line(tensor: dict[str, Any]) -> str:
     """The one-line summary of a tensor from ``tensors()``, or its shape and dtype."""
-    if tensor.get("summary"):
-        return Summary.from_dict(tensor["summary"]).line(tensor["shape"], tensor["dtype"])
-    return f"tensor[{','.join(map(str, tensor['shape']))}] {tensor['dtype']}"
+    return describe(tensor.get("summary") or {}, tensor["shape"], tensor["dtype"])
 
 
 class TensorTable(DataTable):
