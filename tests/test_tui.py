@@ -27,7 +27,6 @@ from tensordbg.connection import ConnectionInfo, write_connection_file
 from tensordbg.server import Server
 from tensordbg.tui.app import TensorDbgApp
 from tensordbg.tui.components.connection_banner import ConnectionBanner
-from tensordbg.tui.components.hit_table import HitTable
 from tensordbg.tui.components.histogram_view import HistogramView
 from tensordbg.tui.components.hit_table import HitTable
 from tensordbg.tui.components.run_status import RunStatus
