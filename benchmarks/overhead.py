@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import os
 import platform
 import statistics
@@ -137,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="measured rounds")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-anomaly", action="store_true", help="leave anomaly mode out")
+    parser.add_argument(
+        "--also",
+        nargs="*",
+        default=["eager"],
+        choices=("eager", "batched", "deferred"),
+        help="modes to measure besides the default one (default: eager)",
+    )
     args = parser.parse_args(argv)
     device = args.device
     name = args.model or ("gpt2-small" if device == "cuda" else "encoder-256")
@@ -146,18 +152,17 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(0)
     base = GPT(vocab, seq, dim, layers, heads).to(device)
-    runners = [Runner("bare", base, device, dtype),
-               Runner("attached", copy.deepcopy(base), device, dtype)]  # fmt: skip
+    runners = [Runner("bare", base, device, dtype)]
+    sessions = {}
+    for mode in ["auto", *args.also]:
+        runner = Runner("attached" if mode == "auto" else mode, copy.deepcopy(base), device, dtype)
+        runner.session = tensordbg.attach(
+            runner.model, optimizer=runner.optimizer, on_hit="record", server=False, sync=mode
+        )
+        sessions[runner.name] = runner.session
+        runners.append(runner)
     if not args.no_anomaly:
         runners.append(Runner("anomaly", copy.deepcopy(base), device, dtype))
-    attached = runners[1]
-    attached.session = tensordbg.attach(
-        attached.model,
-        optimizer=attached.optimizer,
-        on_hit="record",
-        server=False,
-        retain_bytes=int(os.environ.get("RETAIN", 256 * 2**20)),
-    )
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, vocab, (batch, seq + 1), generator=g).to(device) for _ in range(4)]
 
@@ -183,11 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         med = statistics.median(runner.times)
         print(f"{runner.name:10s} {med * 1e3:10.1f} {statistics.median(ratios):7.3f}x"
               f" {q1:7.3f}-{q3:.3f}")  # fmt: skip
-    session = attached.session
-    ok = all(math.isfinite(t) for t in attached.times)
-    print(f"attached: {session.step} steps checked, {len(session.hits)} hits, sync "
-          f"{session.mode}{'' if ok else ' (non-finite timing!)'}")  # fmt: skip
-    session.detach()
+    for name, session in sessions.items():
+        print(f"{name}: sync {session.mode}, {session.step} steps, {len(session.hits)} hits")
+        session.detach()
     return 0
 
 

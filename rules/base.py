@@ -52,7 +52,8 @@ SELECTION_ARGS = ("match", "exclude", "kinds")
 @dataclass(frozen=True, slots=True)
 class Refine:
     """What :meth:`Rule.check` returns when cheap statistics cannot decide: the engine computes
-    ``stats`` for the same tensor (while it still has it) and calls ``check`` again, once. It
+    ``stats`` for the same tensor (while it still has it) and calls ``check`` again (up to three
+    times in a row). It
     lets a rule screen every tensor with a bound and pay for the exact statistic only near its
     threshold. Without the tensor at hand (batched mode, not kept), there is no verdict."""
 
@@ -211,8 +212,12 @@ def judge_array(
     t = stats_from_numpy(x, rule.stats_for(probe), prev=prev, **where)
     state = {} if state is None else state
     verdict = rule.check(t, state)
-    if isinstance(verdict, Refine):
+    for _ in range(3):  # as the engine: a few refinements, then no verdict
+        if not isinstance(verdict, Refine):
+            break
         missing = [s for s in verdict.stats if s not in t.values]
+        if not missing:
+            break
         t.values.update(compute_numpy(x, missing, prev))
         verdict = rule.check(t, state)
     return verdict if isinstance(verdict, Finding) else None

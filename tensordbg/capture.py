@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from tensordbg.session import Session
 
 MAX_NESTING = 6
+_PURE_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
 MAX_LEAVES = 256
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
@@ -66,12 +67,13 @@ class Call:
     site: tuple[CodeType, int] | None = None
     # Inputs made by code between modules, screened only if the call's output turns out bad.
     unscreened: list[tuple[Record, torch.Tensor]] = field(default_factory=list)
-    # Origin bookkeeping, by rule id (see tensordbg.origin).
-    fired_in: set[int] = field(default_factory=set)
-    fired_out: set[int] = field(default_factory=set)
-    origin_below: set[int] = field(default_factory=set)
-    fired_grad_out: set[int] = field(default_factory=set)
-    grad_origin_below: set[int] = field(default_factory=set)
+    # Origin bookkeeping, by condition (see tensordbg.origin). Immutable sets, replaced when
+    # they grow: most calls never see a condition, and this costs them no allocation.
+    fired_in: frozenset[int] = frozenset()
+    fired_out: frozenset[int] = frozenset()
+    origin_below: frozenset[int] = frozenset()
+    fired_grad_out: frozenset[int] = frozenset()
+    grad_origin_below: frozenset[int] = frozenset()
 
     @property
     def base(self) -> str:
@@ -105,7 +107,7 @@ class Record:
     param: str = ""
     hidden: bool = False
     rule_ids: tuple[int, ...] = ()
-    checks: tuple[Any, ...] = ()  # the session's per-tensor rules for this tensor
+    checks: tuple[Any, ...] = ()  # its per-tensor rules: (speak of finite values, the rest)
     wanted: tuple[Any, ...] = ()  # the statistics to compute
     lazy: bool = False  # kept to be screened only if the phase turns out bad (deferred mode)
     judged: bool = False
@@ -123,6 +125,8 @@ def tensor_leaves(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     ``ModelOutput``) by key: ``".logits"``."""
     if isinstance(obj, torch.Tensor):
         return [(prefix, obj)]
+    if type(obj) is tuple and len(obj) == 1 and isinstance(obj[0], torch.Tensor):
+        return [(f"{prefix}[0]", obj[0])]  # a module's positional arguments, most of the time
     out: list[tuple[str, torch.Tensor]] = []
     _collect(obj, prefix, 0, out)
     return out
@@ -196,6 +200,8 @@ class Capture:
         for path, module in model.named_modules():
             if path and not _selected(path, include, exclude):
                 continue
+            if path and type(module) in _PURE_CONTAINERS:
+                continue  # its forward only chains its children: nothing can start there
             self.paths[id(module)] = path
             self.types[id(module)] = type(module).__name__
             self.direct_params[id(module)] = tuple(
@@ -374,7 +380,18 @@ class Capture:
         if record.grad_hooked or not t.requires_grad or not torch.is_grad_enabled():
             return
         record.grad_hooked = True
-        t.register_hook(partial(self._on_grad, record))
+        node = t.grad_fn
+        if node is None:  # a leaf: only a tensor hook sees its gradient
+            t.register_hook(partial(self._on_grad, record))
+        else:
+            # A pre-hook on the node that made this value: the gradient of this very version,
+            # as Tensor.register_hook gives it, for a fifth of its cost (it runs every forward).
+            node.register_prehook(partial(self._on_node_grad, record, t.output_nr))
+
+    def _on_node_grad(self, forward: Record, index: int, grads: tuple) -> None:
+        grad = grads[index] if index < len(grads) else None
+        if grad is not None:
+            self._on_grad(forward, grad)
 
     @torch.compiler.disable
     def _on_grad(self, forward: Record, grad: torch.Tensor) -> None:
@@ -382,43 +399,53 @@ class Capture:
         if session.broken or not watchable(grad):
             return None
         try:
-            session.begin_backward()
-            producer = forward.producer
-            if producer is not None:
-                base, kind, module, call = producer.base, "grad_output", producer, producer
-            else:
-                call = forward.consumers[0] if forward.consumers else None
-                base = call.base if call else ""
-                kind, module = "grad_input", call
-            name = f"{base}.{kind}{forward.suffix}" if base else f"{kind}{forward.suffix}"
-            stats = TensorStats(
-                name=name,
-                module=module.path if module else "",
-                kind=kind,
-                phase="backward",
-                step=session.step,
-                shape=tuple(grad.shape),
-                dtype=dtype_name(grad.dtype),
-                module_type=module.module_type if module else "",
-                call=call.index if call else 0,
-            )
-            record = Record(
-                stats=stats,
-                tensor=None,
-                version=grad._version,
-                nbytes=grad.numel() * grad.element_size(),
-                suffix=forward.suffix,
-                grad_of=forward,
-                sentinel=(producer is not None and producer.parent is None)
-                or any(c.parent is None for c in forward.passed_up),
-            )
-            session.collect(record, grad)
-            session.grad(record)
+            session.activation_grad(forward, grad)
         except Exception as e:
             if isinstance(e, session.passthrough):
                 raise
             session.internal_error(e)
         return None
+
+
+def grad_record(forward: Record, grad: torch.Tensor, step: int) -> Record:
+    """The record of the gradient of a forward tensor: the gradient of its producer's output
+    (``grad_output``), or of the input of the call that took it (``grad_input``)."""
+    producer = forward.producer
+    if producer is not None:
+        base, kind, module, call = producer.base, "grad_output", producer, producer
+    else:
+        call = forward.consumers[0] if forward.consumers else None
+        base = call.base if call else ""
+        kind, module = "grad_input", call
+    name = f"{base}.{kind}{forward.suffix}" if base else f"{kind}{forward.suffix}"
+    stats = TensorStats(
+        name=name,
+        module=module.path if module else "",
+        kind=kind,
+        phase="backward",
+        step=step,
+        shape=tuple(grad.shape),
+        dtype=dtype_name(grad.dtype),
+        module_type=module.module_type if module else "",
+        call=call.index if call else 0,
+    )
+    return Record(
+        stats=stats,
+        tensor=None,
+        version=grad._version,
+        nbytes=grad.numel() * grad.element_size(),
+        suffix=forward.suffix,
+        grad_of=forward,
+        sentinel=is_model_output(forward),
+    )
+
+
+def is_model_output(record: Record) -> bool:
+    """Whether a forward record is (one of) the model's outputs."""
+    producer = record.producer
+    return (producer is not None and producer.parent is None) or any(
+        c.parent is None for c in record.passed_up
+    )
 
 
 def _selected(path: str, include: tuple[str, ...], exclude: tuple[str, ...]) -> bool:

@@ -35,7 +35,8 @@ NONFINITE = -1
 def enter(call: Call) -> None:
     """At a call's start: remember which conditions its inputs already showed."""
     for _, record in call.inputs:
-        call.fired_in.update(record.conditions)
+        if record.conditions:
+            call.fired_in |= record.conditions
 
 
 def exit(call: Call, params_fired: set[int]) -> dict[tuple[int, int], bool]:
@@ -44,7 +45,7 @@ def exit(call: Call, params_fired: set[int]) -> dict[tuple[int, int], bool]:
     verdicts = {}
     for _, record in call.outputs:
         for condition in record.conditions:
-            call.fired_out.add(condition)
+            call.fired_out |= {condition}
             origin = (
                 condition not in call.fired_in
                 and condition not in call.origin_below
@@ -67,9 +68,9 @@ def grad(record: Record, loss_fired: set[int]) -> dict[int, tuple[Call | None, s
     out: dict[int, tuple[Call | None, str, bool]] = {}
     for condition in record.conditions:
         if producer is not None:
-            producer.fired_grad_out.add(condition)
+            producer.fired_grad_out |= {condition}
             for call in forward.passed_up:
-                call.fired_grad_out.add(condition)
+                call.fired_grad_out |= {condition}
         reported: tuple[Call | None, str, bool] | None = None
         for call in consumers:
             if condition in call.fired_grad_out or condition in call.grad_origin_below:
@@ -116,6 +117,5 @@ def param_grad(record: Record, owner_calls: Iterable[Call]) -> dict[int, bool]:
 def _mark(call: Call, condition: int, below: bool) -> None:
     """Record that ``call`` (and so each call around it) has an origin of this condition inside."""
     target = "origin_below" if below else "grad_origin_below"
-    getattr(call, target).add(condition)
-    for ancestor in call.ancestors():
-        getattr(ancestor, target).add(condition)
+    for c in (call, *call.ancestors()):
+        setattr(c, target, getattr(c, target) | {condition})

@@ -39,7 +39,15 @@ from typing import Any
 import torch
 
 from tensordbg import origin
-from tensordbg.capture import Call, Capture, Record, param_grad_record, param_hook
+from tensordbg.capture import (
+    Call,
+    Capture,
+    Record,
+    grad_record,
+    is_model_output,
+    param_grad_record,
+    param_hook,
+)
 from tensordbg.control import DETACHED, PAUSED, STEP, PauseController
 from tensordbg.hit import Hit, WatchpointHit
 from tensordbg.origin import NONFINITE
@@ -64,6 +72,7 @@ SYNC = ("auto", "eager", "batched", "deferred")
 # Kinds a deferred session may keep unscreened until the phase shows a problem.
 LAZY_KINDS = frozenset({"output", "input", "grad_output", "grad_input"})
 COUNTS = (NAN, POSINF, NEGINF)
+REFINEMENTS = 3  # how many times in a row a rule may ask for more statistics of one tensor
 # A parameter's range before and after a step tells cheaply that the step changed it.
 RANGE = (MIN, MAX)
 # Update statistics that need a copy of the parameter from before the step.
@@ -180,6 +189,7 @@ class Session:
         self._lock = threading.RLock()
         self._applicable: dict[tuple, Any] = {}
         self._quiet_params: dict[str, bool] = {}
+        self._quiet_grads: dict[str, bool] = {}
         self._batch = StatsBatch()
         self._pending: list[tuple[str, Any]] = []
         self._records: list[Record] = []
@@ -373,6 +383,7 @@ class Session:
         """Forget which rules apply to which tensor (after a rule was added, edited, toggled)."""
         self._applicable = {}
         self._quiet_params = {}
+        self._quiet_grads = {}
 
     def detach(self) -> None:
         """Remove every hook tensordbg installed, free every tensor it held, stop its server and
@@ -560,26 +571,31 @@ class Session:
             self._settle()
         self._maybe_pause_on_request()
 
-    def _screen_sentinels(self) -> None:
-        """Deferred mode, at the end of a backward pass: judge the parameters' gradients noted
-        by the hooks, in one warm loop, in their place in execution order; what they show
-        decides whether the rest of the pass is screened."""
-        if not any(kind == "param_grad" for kind, _ in self._pending):
+    def _screen_sentinels(self, notes: tuple[str, ...] = ("param_grad",)) -> None:
+        """Deferred mode: turn the gradients the hooks only noted into records, in their place
+        in execution order, in one warm loop. Parameter gradients always (at the end of a
+        pass: what they show decides about the rest); activation gradients too once the pass
+        showed a problem."""
+        if not any(kind in notes for kind, _ in self._pending):
             return
         pending, self._pending = self._pending, []
         for kind, item in pending:
-            if kind != "param_grad":
+            if kind not in notes:
                 self._pending.append((kind, item))
                 continue
-            name, owner, owner_type, grad = item
-            record = param_grad_record(name, owner, owner_type, grad, self.step)
-            self.collect(record, grad)  # screened and judged now: a gradient is never lazy
+            if kind == "param_grad":
+                name, owner, owner_type, grad = item
+                record = param_grad_record(name, owner, owner_type, grad, self.step)
+            else:
+                forward, grad = item
+                record = grad_record(forward, grad, self.step)
+            self.collect(record, grad)
             self._pending.append(("grad", record))
 
     def _settle(self) -> None:
         """Screen what a deferred phase kept, judge everything pending in execution order, and
         pause if a hit asks for it."""
-        self._screen_sentinels()
+        self._screen_sentinels(("param_grad", "act_grad"))
         for kind, item in self._pending:
             if kind == "record" and item.lazy and item.tensor is not None:
                 self._screen(item, item.tensor)
@@ -603,6 +619,38 @@ class Session:
     def grad(self, record: Record) -> None:
         self._pending.append(("grad", record))
         self._after_hook()
+
+    def activation_grad(self, forward: Record, grad: torch.Tensor) -> None:
+        """The gradient of a watched forward tensor. A clean deferred backward only notes it
+        (it becomes a record only if the pass turns out bad); otherwise it is collected."""
+        self.begin_backward()
+        if (
+            self.mode == "deferred"
+            and not self._triggered
+            and not is_model_output(forward)
+            and self._grads_quiet(grad)
+            and self._retain_bytes(grad.numel() * grad.element_size())
+        ):
+            self._pending.append(("act_grad", (forward, grad)))
+            return
+        record = grad_record(forward, grad, self.step)
+        self.collect(record, grad)
+        self.grad(record)
+
+    def _grads_quiet(self, grad: torch.Tensor) -> bool:
+        """Whether every rule that could look at an activation gradient of this dtype is silent
+        while it is finite (then a clean deferred pass need not read it)."""
+        dtype = dtype_name(grad.dtype)
+        quiet = self._quiet_grads.get(dtype)
+        if quiet is None:
+            quiet = True
+            for kind in ("grad_output", "grad_input"):
+                probe = TensorStats("probe", "probe", kind, "backward", 0, (1,), dtype)
+                for active in self.rules:
+                    if active.enabled and kind in active.rule.kinds:
+                        quiet = quiet and _silent_when_finite(active, probe)
+            self._quiet_grads[dtype] = quiet
+        return quiet
 
     def param_grad(self, name: str, owner: str, owner_type: str, grad: torch.Tensor) -> None:
         """A parameter's gradient is final for this backward pass. Deferred mode only notes it
@@ -657,7 +705,14 @@ class Session:
         self._screen_sentinels()
         if self._triggered:
             self._settle()
-        self._drain()  # in a deferred phase that stayed clean, kept tensors go unscreened
+        elif self.mode == "deferred":
+            # A clean deferred phase: nothing it kept is read, and no call can be an origin of
+            # anything; what the screened records say (the loss for the curve) is all there is.
+            pending, self._pending = self._pending, []
+            for kind, item in pending:
+                if kind == "record" and not item.lazy:
+                    self._report(item)
+        self._drain()
         self._judge_phase_wide()
         self._pause_if_needed()
         self._maybe_pause_on_request()
@@ -736,8 +791,12 @@ class Session:
             if ids:
                 wanted = dict.fromkeys(SCREEN) | wanted
             chosen = [a for a in self.rules if a.id in ids]
-            checks = tuple(a for a in chosen if not a.phase_wide)
-            silent = all(_silent_when_finite(a, stats) for a in chosen)
+            # Per-tensor rules, those that can speak about a finite tensor first: on a finite
+            # tensor the others are not asked at all (see _judge).
+            loud = [a for a in chosen if not a.phase_wide and not _silent_when_finite(a, stats)]
+            quiet = [a for a in chosen if not a.phase_wide and a not in loud]
+            checks = (tuple(loud), tuple(quiet))
+            silent = not loud and all(not a.phase_wide for a in chosen)
             cached = (tuple(ids), tuple(wanted), checks, silent)
             self._applicable[key] = cached
         if self.interval > 1 and self.step % self.interval:
@@ -757,7 +816,8 @@ class Session:
         if last is not None and last[0] != stats.step:
             self.previous[stats.name] = last
         self.latest[stats.name] = (stats.step, stats)
-        for active in record.checks:
+        loud, quiet = record.checks or ((), ())
+        for active in loud + quiet if nonfinite is not False else loud:
             if not active.enabled:
                 continue
             try:
@@ -784,16 +844,21 @@ class Session:
     ) -> Finding | None:
         """A rule asked for more statistics of this tensor: compute them and ask it again."""
         stats = record.stats
-        missing = tuple(s for s in ask.stats if s not in stats.values)
-        if missing:
+        for _ in range(REFINEMENTS):
+            missing = tuple(s for s in ask.stats if s not in stats.values)
+            if not missing:
+                break
             if tensor is None:
                 return None  # the tensor is gone: no verdict
             values = host_stats(tensor, missing)
             if self._scaled(stats):
                 values = _unscale(missing, values, self._inv_scale())
             stats.values.update(zip(missing, values, strict=True))
-        again = active.rule.check(stats, active.state)
-        return again if isinstance(again, Finding) else None
+            again = active.rule.check(stats, active.state)
+            if not isinstance(again, Refine):
+                return again
+            ask = again
+        return None
 
     def _report(self, record: Record) -> None:
         """Make the hits of a judged record whose origin does not need the call tree; outputs
@@ -847,7 +912,7 @@ class Session:
             params_fired |= self._param_fired.get(name, set())
         if params_fired:  # a bad parameter inside explains the calls around it too
             for ancestor in call.ancestors():
-                ancestor.fired_in |= params_fired
+                ancestor.fired_in = ancestor.fired_in | params_fired
         verdicts = origin.exit(call, params_fired)
         for suffix, record in call.outputs:
             for rule_id, finding in record.findings.items():
@@ -1021,9 +1086,15 @@ class Session:
     # --- retention -----------------------------------------------------------------------------
 
     def _retain(self, record: Record, tensor: torch.Tensor) -> bool:
-        if self._retained + record.nbytes <= self.retain_bytes:
+        if self._retain_bytes(record.nbytes):
             record.tensor = tensor
-            self._retained += record.nbytes
+            return True
+        return False
+
+    def _retain_bytes(self, nbytes: int) -> bool:
+        """Count ``nbytes`` more against the phase's memory budget, if they fit."""
+        if self._retained + nbytes <= self.retain_bytes:
+            self._retained += nbytes
             return True
         return False
 

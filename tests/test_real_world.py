@@ -6,7 +6,7 @@ import pytest
 import torch
 from models import mlp
 
-from tensordbg.rules import NaN
+from tensordbg.rules import NaN, Rule, default_rules
 
 
 def _amp_steps(model, optimizer, scaler, session, overflow_steps, steps):
@@ -79,7 +79,15 @@ def test_a_hugging_face_model_built_from_a_config_trains_clean_and_is_debuggable
                                      n_head=2, bos_token_id=0, eos_token_id=0)  # fmt: skip
     model = transformers.GPT2LMHeadModel(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    session = watch(model, optimizer=optimizer, on_hit="record")
+    names: set[str] = set()
+
+    class Names(Rule):
+        """Notes every tensor it sees."""
+
+        def check(self, t, state):
+            names.add(t.name)
+
+    session = watch(model, optimizer=optimizer, on_hit="record", rules=[*default_rules(), Names()])
     for _ in range(12):
         ids = torch.randint(1, 100, (4, 16))
         out = model(input_ids=ids, labels=ids)
@@ -88,7 +96,6 @@ def test_a_hugging_face_model_built_from_a_config_trains_clean_and_is_debuggable
         optimizer.step()
         optimizer.zero_grad()
     assert session.hits == []
-    names = {r.stats.name for r in session.records} | set(session.latest)
     # ModelOutput is watched field by field; the logits are the head's own output.
     assert {"output.loss", "lm_head.output"} <= names
     with torch.no_grad():
