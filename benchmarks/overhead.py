@@ -139,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--also",
         nargs="*",
-        default=["eager"],
+        default=["deferred"],
         choices=("eager", "batched", "deferred"),
-        help="modes to measure besides the default one (default: eager)",
+        help="modes to measure besides the default one (default: deferred)",
     )
     args = parser.parse_args(argv)
     device = args.device

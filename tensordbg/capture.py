@@ -247,7 +247,7 @@ class Capture:
     @torch.compiler.disable
     def _on_enter(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         session = self.session
-        if session.broken:
+        if not session.active:
             return
         try:
             if self._skipping or (not self.stack and in_backward()):
@@ -303,7 +303,7 @@ class Capture:
     @torch.compiler.disable
     def _on_exit(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         session = self.session
-        if session.broken:
+        if not session.active:
             return
         if self._skipping:
             self._skipping -= 1
@@ -396,7 +396,7 @@ class Capture:
     @torch.compiler.disable
     def _on_grad(self, forward: Record, grad: torch.Tensor) -> None:
         session = self.session
-        if session.broken or not watchable(grad):
+        if not session.active or not watchable(grad):
             return None
         try:
             session.activation_grad(forward, grad)
@@ -461,7 +461,7 @@ def param_hook(
 
     @torch.compiler.disable
     def hook(param: torch.Tensor) -> None:
-        if session.broken:
+        if not session.active:
             return
         try:
             grad = param.grad

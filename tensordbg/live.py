@@ -54,6 +54,8 @@ class LiveSource:
     def __init__(self, session: Session):
         self.session = session
         self.started = time.time()
+        # Summaries of tensors a person looked at, by name: (step, summary). Small, host-side.
+        self._inspected: dict[str, tuple[int, dict[str, Any]]] = {}
 
     # --- at any time ---------------------------------------------------------------------------
 
@@ -180,18 +182,29 @@ class LiveSource:
             index, view = self._view(record, text)
             summary = summarize(view) if view.numel() else Summary(numel=0)
             dtype = dtype_name(view.dtype)
-            previous = self.session.previous.get(record.stats.name)
+            step = record.stats.step
+            previous = None
+            if not index:
+                # The full summary of the last step this tensor was inspected at, else what the
+                # rules computed of it then: stepping from pause to pause compares in full.
+                name = record.stats.name
+                seen = self._inspected.get(name)
+                if seen is not None and seen[0] < step:
+                    previous = {"step": seen[0], "summary": seen[1]}
+                elif name in self.session.previous:
+                    before_step, before = self.session.previous[name]
+                    previous = {"step": before_step, "summary": _brief(before)}
+                self._inspected[name] = (step, summary.as_dict())
             return {
                 "ref": ref,
                 "name": record.stats.name,
+                "step": step,
                 "index": index,
                 "shape": list(view.shape),
                 "dtype": dtype,
                 "summary": summary.as_dict(),
                 "line": summary.line(view.shape, dtype),
-                "previous": None
-                if previous is None or index
-                else {"step": previous[0], "summary": _brief(previous[1])},
+                "previous": previous,
             }
 
         return self._on_training_thread(work)

@@ -5,14 +5,19 @@ watched tensor. The session asks the active rules which statistics they need, co
 next to the tensor (:mod:`tensordbg.stats_torch`), judges them with the rules, names the origin
 (:mod:`tensordbg.origin`), records hits and pauses the training (:mod:`tensordbg.control`).
 
-Two ways to check (``sync``):
+Three ways to check (``sync``):
 
 - ``"eager"``: statistics are read at once, in the hook that saw the tensor, so a hit stops the
-  training at that very tensor. On the CPU this costs nothing extra; on CUDA it synchronizes per
-  tensor.
+  training at that very tensor. On the CPU reading costs nothing extra; on CUDA it synchronizes
+  per tensor.
 - ``"batched"``: statistics stay on the device until the end of the phase (forward, backward,
   optimizer step) and come to the host in one transfer: one synchronization per phase. Hits are
   the same; the pause comes at the end of the phase.
+- ``"deferred"``: the model's outputs, the observed loss, every gradient and every parameter are
+  screened each step; the other tensors of a phase are kept (within ``retain_bytes``) and
+  screened only when those show a problem, in execution order, so the same origin is named.
+  The cheapest: for whole runs. A NaN masked before it reaches an output, the loss or a
+  gradient goes unseen.
 
 ``"auto"`` (the default) is eager on the CPU and batched on CUDA.
 """
@@ -169,7 +174,7 @@ class Session:
         self.rank = int(rank if rank is not None else os.environ.get("RANK", 0))
         self.device = _model_device(model)
         if sync == "auto":
-            sync = "batched" if self.device.type == "cuda" else "deferred"
+            sync = "batched" if self.device.type == "cuda" else "eager"
         self.mode = sync
         self._triggered = False
         self.controller = PauseController()
@@ -439,6 +444,12 @@ class Session:
 
     def log(self, message: str, level: str = "info") -> None:
         self.emit("log", {"level": level, "message": message, "step": self.step})
+
+    @property
+    def active(self) -> bool:
+        """Whether the hooks still do anything: not after detach (a hook installed on this
+        step's autograd graph can still fire), nor after an internal error."""
+        return not (self.broken or self.detached)
 
     @property
     def eager(self) -> bool:
@@ -1540,7 +1551,8 @@ def attach(
         scaler: a ``torch.amp.GradScaler``: gradient statistics are unscaled, and a step it skips
             for non-finite gradients is recorded in ``session.skipped_steps``, not as a hit,
             unless ``max_skipped_steps`` are skipped in a row.
-        sync: ``"auto"`` (eager on CPU, batched on CUDA), ``"eager"`` or ``"batched"``.
+        sync: ``"auto"`` (eager on CPU, batched on CUDA), ``"eager"``, ``"batched"`` or
+            ``"deferred"`` (the cheapest; see the module docstring).
         interval: statistics beyond the NaN/Inf screen (norms, means, updates) every N steps.
         retain_bytes: memory for keeping the current phase's tensors for inspection; a hit's
             own tensor is kept regardless (in eager mode).

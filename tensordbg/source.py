@@ -92,7 +92,8 @@ class Source(Protocol):
     def stats(self, ref: int, text: str = "") -> dict[str, Any]:
         """Statistics of a retained tensor, or of the slice ``text`` of it::
 
-        {"ref": int, "name": str, "index": str,      # the slice as parsed, "" for all
+        {"ref": int, "name": str, "step": int,
+         "index": str,                               # the slice as parsed, "" for all
          "shape": [int], "dtype": str, "summary": summary, "line": str,
          "previous": {"step": int, "summary": summary} | None}   # same tensor, last step
         """

@@ -43,14 +43,17 @@ def train_gpt(session_factory=None, steps: int = 30, bad_step: int = -1, seed: i
     model = TinyGPT(dim=32, heads=2, layers=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     session = session_factory(model, optimizer) if session_factory else None
-    losses = []
-    for tokens in batches(steps, bad_step, seed=seed):
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1), ignore_index=0)
-        if session is not None:
-            session.observe("loss", loss)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach().clone())
+    losses = [gpt_step(model, optimizer, t, session) for t in batches(steps, bad_step, seed=seed)]
     return losses, session
+
+
+def gpt_step(model, optimizer, tokens, session=None) -> torch.Tensor:
+    """One training step of the demo's model on a batch of tokens; returns the loss."""
+    logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1), ignore_index=0)
+    if session is not None:
+        session.observe("loss", loss)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach().clone()

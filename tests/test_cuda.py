@@ -10,9 +10,9 @@ import warnings
 
 import pytest
 import torch
-from torch.nn import functional as F
+from models import gpt_step
 
-from tensordbg.demo import VOCAB, TinyGPT, batches
+from tensordbg.demo import TinyGPT, batches
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -21,14 +21,7 @@ PHASES_PER_STEP = 3  # forward (with the observed loss), backward, optimizer ste
 
 def _steps(model, optimizer, session, steps, bad_step=-1):
     for tokens in batches(steps, bad_step):
-        tokens = tokens.cuda()
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1), ignore_index=0)
-        if session is not None:
-            session.observe("loss", loss)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        gpt_step(model, optimizer, tokens.cuda(), session)
 
 
 def _synchronizations(fn) -> int:

@@ -34,7 +34,7 @@ class Terminal:
             ["tmux", "capture-pane", "-p", "-t", self.name], capture_output=True, text=True
         ).stdout
 
-    def wait_for(self, *texts: str, timeout: float = 120.0) -> str:
+    def wait_for(self, *texts: str, timeout: float = 60.0) -> str:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             screen = self.screen()
@@ -50,6 +50,7 @@ class Terminal:
         subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True)
 
 
+@pytest.mark.timeout(300)
 def test_the_demo_pauses_at_the_broken_attention_and_lets_a_person_inspect_it():
     terminal = Terminal(f"{sys.executable} -m tensordbg.cli demo")
     try:

@@ -647,3 +647,23 @@ def test_a_nan_masked_before_it_reaches_outputs_loss_or_gradients_is_seen_by_eag
         session.detach()
     assert seen["eager"] == {("log.output", True)}
     assert seen["deferred"] == set()  # the documented price of deferred checks
+
+
+def test_a_detach_from_another_thread_mid_step_stops_everything_there(watch):
+    model = mlp()
+    session = watch(model, on_hit="pause")
+
+    def detach_when_paused():
+        while session.controller.state != "paused":
+            time.sleep(0.005)
+        session.controller.detach()  # what the UI's q does
+
+    helper = threading.Thread(target=detach_when_paused)
+    helper.start()
+    x = torch.randn(3, 4)
+    x[0, 0] = float("nan")
+    model(x).sum().backward()  # hooks placed on this step's graph must stay silent
+    helper.join()
+    assert session.detached
+    assert [h.tensor for h in session.hits] == ["input[0]"]
+    assert all(not m._forward_hooks for m in model.modules())

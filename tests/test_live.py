@@ -142,3 +142,20 @@ def test_bfloat16_tensors_travel_as_raw_words_with_their_dtype():
         assert reply["dtype"] == "bfloat16" and reply["data"].data.dtype == np.uint16
         expected = training.session.record(t["ref"]).tensor.detach().float().numpy()
         np.testing.assert_array_equal(reply["data"].to_numpy(), expected)
+
+
+def test_pausing_step_after_step_compares_a_tensor_with_its_previous_step():
+    from tensordbg.rules import NaN, TensorRange
+
+    every_step = TensorRange(match="out.output", abs_mean_gt=0.0)  # fires each step
+    with PausedTraining(bad_step=-1, rules=[NaN(), every_step]) as training:
+        training.wait_paused()
+        source = LiveSource(training.session)
+        first = source.stats(source.info()["paused_at"]["ref"])
+        source.control("next")  # to the next hit: the same tensor, one step later
+        training.wait(lambda: training.session.step == 1 and
+                      training.session.controller.state == "paused")  # fmt: skip
+        second = source.stats(source.info()["paused_at"]["ref"])
+        assert second["name"] == first["name"] == "out.output"
+        assert second["previous"]["step"] == first["step"] == 0 and second["step"] == 1
+        assert second["previous"]["summary"] == first["summary"]

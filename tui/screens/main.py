@@ -173,13 +173,15 @@ class MainScreen(Screen):
         self.query_one(TabbedContent).active = pane
         if not focus:
             return
+        before = self.focused
 
-        def focus() -> None:
+        def focus_target() -> None:
             target = self._focus_target(pane)
-            if target is not None:
+            # Keys pressed since (say "[" for the slice) may have moved the focus: leave it.
+            if target is not None and self.focused is before:
                 target.focus()
 
-        self.call_after_refresh(focus)
+        self.call_after_refresh(focus_target)
 
     def focus_search(self) -> None:
         self.show_tab("modules", focus=False)

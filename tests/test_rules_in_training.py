@@ -1,0 +1,190 @@
+"""Every built-in rule, attached to a real training, finds the fault planted for it: in the right
+module, at the right step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from tensordbg.rules import (
+    AllZero,
+    DeadActivation,
+    ExplodingGradient,
+    LossNotDecreasing,
+    NaN,
+    Overflow,
+    PoorInitialization,
+    SaturatedActivation,
+    TensorRange,
+    VanishingGradient,
+    WeightNotChanging,
+    WeightUpdateRatio,
+)
+
+
+def net(*layers: nn.Module) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*layers)
+
+
+def steps(model, optimizer, session, n, x=None, loss_scale=1.0):
+    for _ in range(n):
+        inputs = torch.randn(16, 8) if x is None else x
+        loss = model(inputs).pow(2).mean() * loss_scale
+        session.observe("loss", loss)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def hits_of(session, rule: str):
+    return [h for h in session.hits if h.rule == rule]
+
+
+@pytest.mark.parametrize("sync", ["eager", "deferred"])
+def test_nan_and_overflow_in_a_layers_output(watch, sync):
+    model = net(nn.Linear(8, 8), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = watch(model, optimizer=optimizer, on_hit="record", sync=sync)
+    steps(model, optimizer, session, 2)
+    with torch.no_grad():
+        model[1].bias[0] = math.inf  # set between steps: the next forward meets it first
+    steps(model, optimizer, session, 1)
+    first = hits_of(session, "Overflow")[0]
+    assert (first.kind, first.module, first.step, first.origin) == ("output", "1", 2, True)
+    assert any(h.rule == "NaN" and h.phase == "backward" for h in session.hits)  # Inf - Inf
+
+
+def test_overflow_warns_a_float16_tensor_before_it_overflows(watch):
+    model = net(nn.Linear(8, 8)).half()
+    with torch.no_grad():
+        model[0].weight.fill_(0.5)
+        model[0].bias.zero_()
+    session = watch(model, on_hit="record", rules=[Overflow()])
+    with torch.no_grad():
+        model(torch.full((2, 8), 10000.0, dtype=torch.float16))  # 40,000: finite, near 65,504
+    session.flush()
+    [hit] = hits_of(session, "Overflow")
+    assert hit.kind == "output" and hit.value >= 0.5 * 65504 and math.isfinite(hit.value)
+
+
+def test_exploding_gradient_on_a_rising_learning_rate(watch):
+    model = net(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = watch(model, optimizer=optimizer, on_hit="record", rules=[ExplodingGradient()])
+    steps(model, optimizer, session, 15)
+    steps(model, optimizer, session, 1, loss_scale=1e4)  # a gradient 10,000x its usual size
+    [first, *_] = hits_of(session, "ExplodingGradient")
+    assert first.step == 15 and first.kind == "grad" and first.value > 20
+
+
+def test_vanishing_gradient_behind_a_saturated_layer(watch):
+    model = net(nn.Linear(8, 8), nn.Sigmoid(), nn.Linear(8, 1))
+    with torch.no_grad():
+        model[0].bias.fill_(40.0)  # sigmoid(40) == 1.0 in float32: a zero derivative
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = watch(model, optimizer=optimizer, on_hit="record", rules=[VanishingGradient()])
+    steps(model, optimizer, session, 1)
+    assert {h.tensor for h in hits_of(session, "VanishingGradient")} == {
+        "0.weight.grad",
+        "0.bias.grad",
+    }
+
+
+def test_weight_not_changing_and_weight_update_ratio(watch):
+    model = net(nn.Linear(8, 8), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(
+        [
+            {"params": model[0].parameters(), "lr": 10.0},
+            {"params": model[1].parameters(), "lr": 0.0},
+        ]
+    )
+    rules = [WeightNotChanging(), WeightUpdateRatio(large_threshold=1.0)]
+    session = watch(model, optimizer=optimizer, on_hit="record", rules=rules)
+    steps(model, optimizer, session, 4)
+    assert {h.tensor for h in hits_of(session, "WeightNotChanging")} == {
+        "1.weight.update",
+        "1.bias.update",
+    }
+    ratio = hits_of(session, "WeightUpdateRatio")
+    assert {h.module for h in ratio if h.value > 1.0} == {"0"}  # a learning rate of 10
+    assert {h.module for h in ratio if h.value < 1e-8} == {"1"}  # a learning rate of 0
+
+
+def test_dead_and_saturated_activations(watch):
+    model = net(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh())
+    with torch.no_grad():
+        model[0].bias.fill_(-100.0)  # every ReLU unit dead
+        model[2].bias.fill_(100.0)  # every tanh unit saturated
+    rules = [DeadActivation(), SaturatedActivation()]
+    session = watch(model, on_hit="record", rules=rules)
+    model(torch.randn(32, 8))
+    session.flush()
+    assert [(h.rule, h.module) for h in session.hits] == [
+        ("DeadActivation", "1"),
+        ("SaturatedActivation", "3"),
+    ]
+
+
+def test_all_zero_and_poor_initialization_at_attach(watch):
+    model = net(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    with torch.no_grad():
+        model[2].weight.zero_()
+    session = watch(model, on_hit="record", rules=[AllZero(kinds={"param"}), PoorInitialization()])
+    found = {(h.rule, h.tensor, h.step) for h in session.hits}
+    assert ("AllZero", "2.weight", 0) in found
+    assert ("PoorInitialization", "2.weight", 0) in found
+
+
+def test_loss_not_decreasing_on_an_observed_loss(watch):
+    model = net(nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # nothing learns
+    session = watch(model, optimizer=optimizer, on_hit="record", rules=[LossNotDecreasing()])
+    x = torch.randn(16, 8)
+    steps(model, optimizer, session, 25, x=x)
+    [hit, *_] = hits_of(session, "LossNotDecreasing")
+    assert hit.kind == "observed" and hit.tensor == "loss"
+
+
+def test_tensor_range_on_a_pattern(watch):
+    model = net(nn.Linear(8, 8), nn.Linear(8, 1))
+    session = watch(model, on_hit="record", rules=[TensorRange(match="0.output", max_gt=1e3)])
+    with torch.no_grad():
+        model(torch.full((2, 8), 1e4))
+    session.flush()
+    assert [(h.rule, h.tensor) for h in session.hits] == [("TensorRange", "0.output")]
+
+
+def test_a_rule_from_the_entry_point_group_runs_in_a_session(watch, monkeypatch):
+    import tensordbg.rules.base as base
+    from tensordbg.rules import Finding, Rule
+    from tensordbg.stats import MAX
+
+    class Over100(Rule):
+        """Anything above 100."""
+
+        kinds = frozenset({"output"})
+        needs = (MAX,)
+
+        def check(self, t, state):
+            peak = t.get(MAX)
+            return Finding(peak, 100.0, f"{t.name} peaks at {peak}") if peak > 100 else None
+
+    class EntryPoint:
+        name = "Over100"
+
+        def load(self):
+            return Over100
+
+    monkeypatch.setattr(base, "entry_points", lambda group: [EntryPoint()])
+    model = net(nn.Linear(8, 2))
+    with torch.no_grad():
+        model[0].weight.fill_(0.1)
+    session = watch(model, on_hit="record", rules=[base.available_rules()["Over100"](), NaN()])
+    with torch.no_grad():
+        model(torch.full((1, 8), 1e3))
+    session.flush()
+    assert [h.rule for h in session.hits] == ["Over100"]
