@@ -1,28 +1,31 @@
-"""How fast tensor data crosses from a training to the UI.
+"""How fast tensor data crosses from a training to the UI, and how quickly the UI answers.
 
-Run: ``python benchmarks/transport.py``. It measures, with the training side in its own process
-(as in real use) and the UI side here:
+Run: ``python benchmarks/transport.py``. A real training runs in its own process (spawned): a tiny
+model whose forward returns a 1 GiB float32 tensor and a 256 MiB one with a planted NaN, attached
+with ``tensordbg.attach(on_hit="pause", server=True)``, so it pauses with both retained. The UI
+side here finds the session as the UI does and measures through :class:`tensordbg.client.Client`:
 
-(a) the round trip of a 1 MiB slice request (a 512 x 512 window) of a 1 GiB float32 tensor;
+(a) the round trip of a 1 MiB slice request (a 512 x 512 window) of the 1 GiB tensor;
     target: median < 50 ms;
-(b) a whole 256 MiB tensor over ipc through tensordbg (signed, framed, zero-copy), next to raw
-    pyzmq zero-copy of the same bytes over ipc in the same run; target: >= 1 GB/s.
+(b) the whole 256 MiB tensor (on ipc: through shared memory, signed), next to raw pyzmq
+    zero-copy of the same number of bytes over ipc in the same run, the two alternating so that
+    both see the same load; target: >= 1 GB/s;
 
-The measuring functions take a connected client and know nothing of what serves it; only
-:func:`serve_numpy_session` builds the (numpy) session, so a live torch session can replace it.
+then, with the training gone, the UI's own figures from ``benchmarks/ui.py``:
+
+(c) cold start to the first screen; target < 1 s;
+(d) key-press latency on a model of 2,000 modules.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,64 +33,39 @@ import numpy as np
 import zmq
 
 from tensordbg.client import Client
-from tensordbg.protocol import WireArray, configure_socket
-from tensordbg.slicing import apply_index, clamp_window, format_index, parse_index, window_of
-from tensordbg.source import EventCallback, SourceError
+from tensordbg.protocol import SHM_MIN, configure_socket
 
 BIG_SHAPE = (16384, 16384)  # float32: 1 GiB
-WHOLE_ROWS = 4096  # the first 4096 rows: 256 MiB
+WHOLE_SHAPE = (4096, 16384)  # float32: 256 MiB
+WHOLE_BYTES = WHOLE_SHAPE[0] * WHOLE_SHAPE[1] * 4
 SLICE_WINDOW = 512  # 512 x 512 float32: 1 MiB
 SLICE_REPEATS = 20
 WHOLE_REPEATS = 5
+START_TIMEOUT = 300.0  # seconds for the training to start, fill its tensors and pause
 
 
-# --- what is served (replace this part to measure a live session) -------------------------------
+# --- the two processes the UI side talks to -----------------------------------------------------
 
 
-class NumpySource:
-    """The parts of the Source interface the benchmark uses, over numpy arrays."""
+def train(runtime: str) -> None:
+    """Child process: a training that pauses on a NaN with a 1 GiB and a 256 MiB tensor kept."""
+    os.environ["TENSORDBG_RUNTIME_DIR"] = runtime
+    import torch
 
-    def __init__(self, arrays: dict[int, np.ndarray]):
-        self.arrays = arrays
+    import tensordbg
 
-    def info(self) -> dict[str, Any]:
-        return {"run_id": "bench", "rank": 0, "state": "paused", "live": False}
+    class Planted(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            big = torch.full(BIG_SHAPE, 0.5)
+            whole = torch.full(WHOLE_SHAPE, 0.25)
+            whole[7, 7] = float("nan")
+            return big, whole
 
-    def hits(self, since: int = 0) -> list[dict[str, Any]]:
-        return []
-
-    def slice(
-        self, ref: int, text: str = "", window: list[list[int]] | None = None
-    ) -> dict[str, Any]:
-        if ref not in self.arrays:
-            raise SourceError(f"no tensor {ref}")
-        index = parse_index(text)
-        view = apply_index(self.arrays[ref], index)
-        rows, cols = clamp_window(view.shape, window, max_elements=2**31)
-        block = np.ascontiguousarray(window_of(view, rows, cols))  # a view when rows are whole
-        return {
-            "ref": ref,
-            "index": format_index(index),
-            "shape": list(view.shape),
-            "window": [list(rows), list(cols)],
-            "dtype": "float32",
-            "data": WireArray("float32", block.shape, block),
-        }
-
-    def subscribe(self, callback: EventCallback) -> Callable[[], None]:
-        return lambda: None
-
-
-def serve_numpy_session(runtime: str, ready: Any, done: Any) -> None:
-    """Child process: serve a 1 GiB float32 tensor until told to stop."""
-    from tensordbg.server import Server
-
-    big = np.empty(BIG_SHAPE, dtype=np.float32)
-    big[:] = np.linspace(-1, 1, BIG_SHAPE[1], dtype=np.float32)  # touches every page
-    server = Server(NumpySource({0: big}), run_id="bench", rank=0, runtime_dir=runtime)
-    ready.send(str(server.start().path))
-    done.recv()
-    server.stop()
+    model = Planted()
+    tensordbg.attach(
+        model, on_hit="pause", server=True, retain_bytes=3 * 2**30, run_id="bench", rank=0
+    )
+    model(torch.zeros(()))  # pauses here until the UI side detaches
 
 
 def serve_raw_zmq(endpoint: str, nbytes: int, ready: Any) -> None:
@@ -105,25 +83,45 @@ def serve_raw_zmq(endpoint: str, nbytes: int, ready: Any) -> None:
             router.send_multipart([identity, payload], copy=False)
 
 
+def wait_for_pause(runtime: str, training: Any) -> Path:
+    """The connection file of the training once it is paused with its tensors kept."""
+    from tensordbg.client import SyncClient
+    from tensordbg.connection import find_sessions
+
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if not training.is_alive():
+            raise RuntimeError(f"the training process exited with code {training.exitcode}")
+        sessions = find_sessions(runtime)
+        if sessions and sessions[0].path is not None:
+            with SyncClient(sessions[0], timeout=30) as client:
+                if client.call("info")["state"] == "paused":
+                    return sessions[0].path
+        time.sleep(0.2)
+    raise TimeoutError(f"the training did not pause within {START_TIMEOUT:g} s")
+
+
 # --- measuring ----------------------------------------------------------------------------------
 
 
-async def time_slice_round_trip(client: Client, window: list[list[int]]) -> float:
-    """Seconds from asking for a window of tensor 0 to holding its values."""
+async def time_slice_round_trip(client: Client, ref: int, window: list[list[int]]) -> float:
+    """Seconds from asking for a window of a tensor to holding its values."""
     started = time.perf_counter()
-    reply = await client.call("slice", ref=0, window=window)
+    reply = await client.call("slice", ref=ref, window=window)
     values = reply["data"].to_numpy()
     elapsed = time.perf_counter() - started
     assert values.nbytes == SLICE_WINDOW * SLICE_WINDOW * 4
     return elapsed
 
 
-async def time_whole_tensor(client: Client) -> float:
-    """Seconds to receive the first WHOLE_ROWS rows of tensor 0 (256 MiB), verified."""
+async def time_whole_tensor(client: Client, ref: int) -> float:
+    """Seconds to receive a whole 256 MiB tensor, verified; freeing it (munmap) is not timed,
+    as freeing the raw reply is not."""
     started = time.perf_counter()
-    reply = await client.call("slice", ref=0, text=f"[:{WHOLE_ROWS}]")
+    reply = await client.call("slice", ref=ref)
     elapsed = time.perf_counter() - started
-    assert reply["data"].nbytes == WHOLE_ROWS * BIG_SHAPE[1] * 4
+    assert reply["data"].nbytes == WHOLE_BYTES
+    assert np.isnan(reply["data"].data[7, 7])
     return elapsed
 
 
@@ -138,37 +136,32 @@ def time_raw_zmq(dealer: zmq.Socket, nbytes: int) -> float:
     return elapsed
 
 
-async def measure(connection: str, raw_endpoint: str) -> dict[str, list[float]]:
-    """Both measurements; the tensordbg and raw transfers alternate, so that both see the same
-    load on a shared machine."""
+async def measure(connection: Path, raw_endpoint: str) -> dict[str, Any]:
+    """(a) and (b) against the paused training; tensordbg and raw transfers alternate."""
     rng = np.random.default_rng(0)
-    rows, cols = BIG_SHAPE
-    times: dict[str, list[float]] = {"slice": [], "whole": [], "raw": []}
-    async with await Client.connect(connection) as client:
+    times: dict[str, Any] = {"slice": [], "whole": [], "raw": []}
+    async with await Client.connect(connection, timeout=30) as client:
+        tensors = await client.call("tensors")
+        refs = {tuple(t["shape"]): t["ref"] for t in tensors if t["retained"]}
+        missing = {BIG_SHAPE, WHOLE_SHAPE} - set(refs)
+        if missing:
+            raise RuntimeError(f"the training did not keep tensors of shape {missing}: {tensors}")
+        times["shm"] = client.info.shm_dir
+        rows, cols = BIG_SHAPE
         for _ in range(SLICE_REPEATS):
             r0 = int(rng.integers(0, rows - SLICE_WINDOW))
             c0 = int(rng.integers(0, cols - SLICE_WINDOW))
             window = [[r0, r0 + SLICE_WINDOW], [c0, c0 + SLICE_WINDOW]]
-            times["slice"].append(await time_slice_round_trip(client, window))
+            times["slice"].append(await time_slice_round_trip(client, refs[BIG_SHAPE], window))
         with zmq.Context() as context, context.socket(zmq.DEALER) as dealer:
             configure_socket(dealer)
             dealer.connect(raw_endpoint)
             for _ in range(WHOLE_REPEATS):
-                times["whole"].append(await time_whole_tensor(client))
-                times["raw"].append(time_raw_zmq(dealer, WHOLE_ROWS * BIG_SHAPE[1] * 4))
+                times["whole"].append(await time_whole_tensor(client, refs[WHOLE_SHAPE]))
+                times["raw"].append(time_raw_zmq(dealer, WHOLE_BYTES))
             dealer.send(b"stop")
+        await client.call("control", action="detach")
     return times
-
-
-def measure_hmac(nbytes: int, repeats: int = 3) -> float:
-    """Median seconds of HMAC-SHA256 over ``nbytes`` (paid once to sign, once to verify)."""
-    data = np.ones(nbytes, dtype=np.uint8)
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        hmac.new(b"k" * 32, memoryview(data), "sha256").digest()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def machine() -> str:
@@ -184,52 +177,75 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores, Python {python}, libzmq {zmq.zmq_version()}"
 
 
-def main() -> None:
+def verdict(met: bool) -> str:
+    return "met" if met else "MISSED"
+
+
+def transfer(runtime: str) -> dict[str, Any]:
+    """(a) and (b): start the training and the raw server, measure, and always end both."""
     spawn = multiprocessing.get_context("spawn")
-    whole_bytes = WHOLE_ROWS * BIG_SHAPE[1] * 4
+    ready, ready_child = spawn.Pipe()
+    raw_endpoint = f"ipc://{runtime}/raw.sock"
+    training = spawn.Process(target=train, args=(runtime,), name="tensordbg-bench-training")
+    raw = spawn.Process(target=serve_raw_zmq, args=(raw_endpoint, WHOLE_BYTES, ready_child))
+    try:
+        training.start()
+        raw.start()
+        if not ready.poll(START_TIMEOUT):
+            raise TimeoutError("the raw pyzmq server did not start")
+        ready.recv()
+        connection = wait_for_pause(runtime, training)
+        return asyncio.run(measure(connection, raw_endpoint))
+    finally:
+        for child in (training, raw):
+            child.join(10)  # detached, the training finishes its forward and exits
+            if child.is_alive():
+                child.kill()
+                child.join(10)
+
+
+def main() -> None:
     print(f"machine: {machine()}")
     with tempfile.TemporaryDirectory(prefix="tdbg-bench-") as runtime:
         os.chmod(runtime, 0o700)
-        ready, ready_child = spawn.Pipe()
-        done, done_child = spawn.Pipe()
-        raw_endpoint = f"ipc://{runtime}/raw.sock"
-        training = spawn.Process(
-            target=serve_numpy_session, args=(runtime, ready_child, done_child)
-        )
-        raw = spawn.Process(target=serve_raw_zmq, args=(raw_endpoint, whole_bytes, ready_child))
-        training.start()
-        raw.start()
-        try:
-            first, second = ready.recv(), ready.recv()
-            connection = first if first.endswith(".json") else second
-            times = asyncio.run(measure(connection, raw_endpoint))
-        finally:
-            done.send("stop")
-            for child in (training, raw):
-                child.join(30)
-                if child.is_alive():
-                    child.kill()
+        times = transfer(runtime)
 
     slice_times, whole_times, raw_times = times["slice"], times["whole"], times["raw"]
     slice_ms = statistics.median(slice_times) * 1000
     whole = statistics.median(whole_times)
     raw_s = statistics.median(raw_times)
-    mac = measure_hmac(whole_bytes)
     print(
-        f"(a) 1 MiB slice of a 1 GiB float32 tensor, round trip: median {slice_ms:.1f} ms "
-        f"(min {min(slice_times) * 1000:.1f}, max {max(slice_times) * 1000:.1f}, "
-        f"n={len(slice_times)}); target < 50 ms: {'met' if slice_ms < 50 else 'MISSED'}"
+        f"(a) 1 MiB slice of a 1 GiB float32 tensor of a paused training, round trip: median "
+        f"{slice_ms:.1f} ms (min {min(slice_times) * 1000:.1f}, max {max(slice_times) * 1000:.1f},"
+        f" n={len(slice_times)}); target < 50 ms: {verdict(slice_ms < 50)}"
     )
-    print(f"(b) whole 256 MiB tensor over ipc, median of {len(whole_times)}, alternating:")
-    print(f"    tensordbg           {whole:6.3f} s  {whole_bytes / whole / 1e9:5.2f} GB/s")
-    print(f"    raw pyzmq zero-copy {raw_s:6.3f} s  {whole_bytes / raw_s / 1e9:5.2f} GB/s")
+    via = f"shared memory in {times['shm']}" if times["shm"] else "the socket"
+    print(f"(b) whole 256 MiB tensor, median of {len(whole_times)}, alternating with raw pyzmq:")
+    print(f"    tensordbg ({via}, arrays >= {SHM_MIN // 2**20} MiB):")
+    print(f"                        {whole:6.3f} s  {WHOLE_BYTES / whole / 1e9:5.2f} GB/s")
+    print(f"    raw pyzmq zero-copy {raw_s:6.3f} s  {WHOLE_BYTES / raw_s / 1e9:5.2f} GB/s")
     print(
-        f"    ratio tensordbg/raw throughput {raw_s / whole:.2f}; target >= 1 GB/s: "
-        f"{'met' if whole_bytes / whole >= 1e9 else 'MISSED'}"
+        f"    tensordbg/raw throughput {raw_s / whole:.2f}; target >= 1 GB/s: "
+        f"{verdict(WHOLE_BYTES / whole >= 1e9)}"
     )
     print(
-        f"    of which HMAC-SHA256 of 256 MiB: {mac:.3f} s, paid twice (sign + verify) "
-        f"= {2 * mac / whole:.0%} of the tensordbg time"
+        "    all tensordbg runs: " + ", ".join(f"{t:.3f}" for t in whole_times) + " s; raw: "
+        + ", ".join(f"{t:.3f}" for t in raw_times) + " s"
+    )  # fmt: skip
+
+    import ui  # benchmarks/ui.py: textual and the tests' FakeSource, only now
+
+    starts = ui.cold_start()
+    cold = statistics.median(starts)
+    print(
+        f"(c) UI cold start to the first screen: median {cold:.2f} s (min {min(starts):.2f}, max "
+        f"{max(starts):.2f}, n={len(starts)}); target < 1 s: {verdict(cold < 1)}"
+    )
+    moves, typing = asyncio.run(ui.key_latency())
+    print(
+        f"(d) key press on 2,000 modules: cursor down {statistics.median(moves) * 1e3:.1f} ms, "
+        f"search keystroke {statistics.median(typing) * 1e3:.1f} ms (medians of {len(moves)}; "
+        f"p90 {np.percentile(moves, 90) * 1e3:.1f} / {np.percentile(typing, 90) * 1e3:.1f} ms)"
     )
 
 

@@ -122,7 +122,7 @@ class VanishingGradient(Rule):
                 return Refine((MIN, MAX))
             if (
                 l2 is not None
-                and 0 < peak
+                and peak > 0
                 and math.isfinite(l2)
                 and l2 * l2 / (n * peak) >= self.threshold
             ):

@@ -38,6 +38,7 @@ from tensordbg.connection import (
     default_runtime_dir,
     find_sessions,
     read_connection_file,
+    runtime_dir,
 )
 from tensordbg.protocol import (
     ERROR,
@@ -45,7 +46,9 @@ from tensordbg.protocol import (
     REPLY,
     MessageCodec,
     ProtocolError,
+    SharedMemory,
     configure_socket,
+    peek_id,
     roundtrip,
     welcome,
 )
@@ -70,6 +73,14 @@ class RemoteError(Exception):
     """The training refused a request; the message says why, for the person to read.
 
     >>> raise RemoteError("no tensor 12 in this phase")
+    """
+
+
+class ReplyRefused(RemoteError):
+    """A reply came but failed this side's checks (a signature that does not match: bytes
+    changed on the way, e.g. a shared-memory file written to); the message says which check.
+
+    >>> raise ReplyRefused("the reply to 'slice' was refused: message signature does not match")
     """
 
 
@@ -139,9 +150,15 @@ class Client:
         self.call_timeout = call_timeout
         self.server_timeout = server_timeout
         self.welcome: dict[str, Any] = {}
-        self._codec = MessageCodec(info.key_bytes, side="client")
+        shared = None
+        if info.transport == "ipc" and info.shm_dir:
+            # The training's large replies wait there; it must be as private as the session's
+            # own directory (ConnectionFileError says what is wrong).
+            shared = SharedMemory(runtime_dir(info.shm_dir, create=False))
+        self._codec = MessageCodec(info.key_bytes, side="client", shared=shared)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._methods: dict[int, str] = {}  # request id -> method, to say which reply failed
         self._events = _EventBuffer()
         self._lost: ConnectionLost | None = None
         self._last_refusal = ""  # why the latest unreadable message was refused
@@ -195,8 +212,8 @@ class Client:
     async def call(self, method: str, /, **params: Any) -> Any:
         """Run one request in the training and return its result (WireArrays restored).
 
-        Raises :class:`RemoteError` when the training refuses it, :class:`ConnectionLost` or
-        TimeoutError otherwise.
+        Raises :class:`RemoteError` when the training refuses it (:class:`ReplyRefused` when
+        its reply fails this side's checks), :class:`ConnectionLost` or TimeoutError otherwise.
 
         >>> (await client.call("stats", ref=3, text="[1]"))["line"]
         'tensor[4] f32 n=4 x∈[-0.9, 1.2] μ=0.1 σ=0.8 NaN!'
@@ -241,6 +258,7 @@ class Client:
         request_id = next(self._ids)
         reply = self._loop.create_future()
         self._pending[request_id] = reply
+        self._methods[request_id] = method
         try:
             await self._socket.send_multipart(
                 self._codec.encode(method, params, id=request_id), copy=False
@@ -250,6 +268,7 @@ class Client:
             raise TimeoutError(f"no reply to {method!r} within {timeout:g} s") from None
         finally:
             self._pending.pop(request_id, None)
+            self._methods.pop(request_id, None)
 
     async def _read(self) -> None:
         while True:
@@ -259,19 +278,36 @@ class Client:
                 self._set_lost(ConnectionLost(f"the connection failed: {e}"))
                 return
             try:
-                if sum(len(f) for f in frames) > _VERIFY_IN_THREAD:
+                if self._codec.incoming_bytes(frames) > _VERIFY_IN_THREAD:
                     message = await asyncio.to_thread(self._codec.decode, frames)
                 else:
                     message = self._codec.decode(frames)
             except ProtocolError as e:
-                self._last_refusal = str(e)
-                log.warning("tensordbg: dropped a message from the training: %s", e)
+                self._refused(e, frames)
                 continue
             self._last_heard = self._loop.time()
             if message.type in (REPLY, PONG, ERROR):
                 self._resolve(message.type, message.id, message.body)
             else:
                 self._events.put(message.type, message.body)
+            # The caller holds the arrays now: a large one is freed when the caller drops it,
+            # not whenever the next message arrives here.
+            del message, frames
+
+    def _refused(self, error: ProtocolError, frames: list[zmq.Frame]) -> None:
+        """Drop a message that failed the checks; a call waiting for it fails at once, saying
+        why, rather than at its timeout. Only the training can write to this socket (ipc in a
+        private directory, or CURVE), so the id the message claims is worth believing for that;
+        the message itself is not."""
+        self._last_refusal = str(error)
+        log.warning("tensordbg: dropped a message from the training: %s", error)
+        request_id = error.id
+        if request_id is None and len(frames) >= 2:
+            request_id = peek_id(frames[1])
+        reply = self._pending.get(request_id) if request_id is not None else None
+        if reply is not None and not reply.done():
+            method = self._methods.get(request_id, "a request")
+            reply.set_exception(ReplyRefused(f"the reply to {method!r} was refused: {error}"))
 
     def _resolve(self, kind: str, request_id: int | None, body: Any) -> None:
         reply = self._pending.get(request_id) if request_id is not None else None

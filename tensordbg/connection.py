@@ -1,10 +1,10 @@
 """Where sessions are found: the per-user runtime directory and one connection file per session.
 
 A training serving a UI writes ``<run_id>-<rank>.json`` (mode 0600) into a directory only its user
-can enter (mode 0700): the endpoint, the session's signing key and, for tcp, the CURVE keys. Holding
-the file is what lets a UI in; nothing else does. The directory is ``$TENSORDBG_RUNTIME_DIR`` when
-set, else ``$XDG_RUNTIME_DIR/tensordbg`` when that belongs to the user, else
-``/tmp/tensordbg-<uid>``.
+can enter (mode 0700): the endpoint, the session's signing key, for tcp the CURVE keys, for ipc the
+directory its large replies wait in. Holding the file is what lets a UI in; nothing else does. The
+directory is ``$TENSORDBG_RUNTIME_DIR`` when set, else ``$XDG_RUNTIME_DIR/tensordbg`` when that
+belongs to the user, else ``/tmp/tensordbg-<uid>``.
 
 >>> [s.name for s in find_sessions()]
 ['run7f3a-0']
@@ -60,6 +60,8 @@ class ConnectionInfo:
     server_public_key: str | None = None
     client_public_key: str | None = None
     client_secret_key: str | None = field(default=None, repr=False)
+    # ipc only: the private directory where large replies wait for the client (shared memory).
+    shm_dir: str | None = None
     path: Path | None = field(default=None, compare=False)
 
     @property
@@ -206,6 +208,10 @@ def read_connection_file(path: str | os.PathLike[str]) -> ConnectionInfo:
     curve = ("server_public_key", "client_public_key", "client_secret_key")
     if data["transport"] == "tcp" and not all(isinstance(data.get(k), str) for k in curve):
         raise ConnectionFileError(f"{path} is a tcp session without its CURVE keys")
+    if not isinstance(data.get("shm_dir"), (str, type(None))):
+        raise ConnectionFileError(f"{path} is not a tensordbg connection file: bad 'shm_dir'")
+    if data["transport"] == "tcp":
+        data["shm_dir"] = None  # a remote session never shares memory
     known = {f for f in ConnectionInfo.__dataclass_fields__ if f != "path"}
     fields: dict[str, Any] = {k: v for k, v in data.items() if k in known}
     return ConnectionInfo(**fields, path=path)
@@ -250,6 +256,23 @@ def remove_session_files(info: ConnectionInfo) -> None:
                 path.unlink()
         except OSError:
             pass
+
+
+def shared_memory_dir(directory: str | os.PathLike[str] | None = None) -> Path:
+    """Where a session's large replies wait for their client, created 0700 and checked like
+    :func:`runtime_dir`: ``directory`` when given, else ``/dev/shm/tensordbg-<uid>`` (memory,
+    never disk). ConnectionFileError when it cannot be used; /dev/shm missing or read-only is
+    one such case (a server then uses its runtime directory).
+
+    >>> shared_memory_dir()
+    PosixPath('/dev/shm/tensordbg-1000')
+    """
+    if directory is not None:
+        return runtime_dir(directory)
+    shm = Path("/dev/shm")
+    if not (shm.is_dir() and os.access(shm, os.W_OK | os.X_OK)):
+        raise ConnectionFileError(f"{shm} is missing or not writable")
+    return runtime_dir(shm / f"tensordbg-{os.getuid()}")
 
 
 def default_runtime_dir() -> Path:

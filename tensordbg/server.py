@@ -31,16 +31,19 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import zmq
 
 from tensordbg.connection import (
+    ConnectionFileError,
     ConnectionInfo,
     check_run_id,
     claim_session_name,
     remove_session_files,
     runtime_dir,
+    shared_memory_dir,
     write_connection_file,
 )
 from tensordbg.protocol import (
@@ -53,6 +56,7 @@ from tensordbg.protocol import (
     Message,
     MessageCodec,
     ProtocolError,
+    SharedMemory,
     configure_socket,
     welcome,
 )
@@ -69,11 +73,18 @@ GENERIC_REFUSAL = "request refused"
 _REFUSALS_LOGGED_PER_MINUTE = 10
 _ZAP_DOMAIN = "tensordbg"
 _IPC_PATH_MAX = 100  # sun_path holds 104-108 bytes depending on the system
+_SWEEP_INTERVAL = 5.0  # seconds between looks for shared-memory files no client took
 
 
 class Server:
     """Serves ``source`` to UIs on an ipc socket in the user's runtime directory (or, with
     ``remote=True``, on tcp with CURVE encryption and a single allowed client key).
+
+    On ipc, a reply's arrays of SHM_MIN bytes and more wait for the client in files of
+    ``shm_dir`` (default ``/dev/shm/tensordbg-<uid>``, else the runtime directory) instead of
+    crossing the socket; see :class:`~tensordbg.protocol.SharedMemory`. Every array of a reply
+    is copied before the reply is signed (or written to shared memory), so a training that
+    resumes while the reply still waits for the socket cannot change what is sent.
 
     ``on_clients(count)`` is called from the socket thread whenever the number of live clients
     changes; a client silent for ``client_timeout`` seconds is gone (UIs ping every second, so
@@ -95,6 +106,7 @@ class Server:
         host: str = "127.0.0.1",
         port: int = 0,
         runtime_dir: str | os.PathLike[str] | None = None,
+        shm_dir: str | os.PathLike[str] | None = None,
         client_timeout: float = 5.0,
         on_clients: Callable[[int], None] | None = None,
     ):
@@ -113,6 +125,9 @@ class Server:
         self.on_clients = on_clients
         self.info: ConnectionInfo | None = None
         self._runtime_dir_arg = runtime_dir
+        self._shm_dir_arg = shm_dir
+        self.shared: SharedMemory | None = None  # ipc only; set by start()
+        self._swept_at = 0.0
         self._key = secrets.token_bytes(32)
         self._codec = MessageCodec(self._key, side="server")
         self._state_lock = threading.Lock()
@@ -159,6 +174,9 @@ class Server:
         try:
             self._directory = runtime_dir(self._runtime_dir_arg)
             claim_session_name(self._directory, self.run_id, self.rank)
+            if not self.remote:
+                self.shared = SharedMemory(self._shared_directory())
+                self.shared.remove_orphans()
         except BaseException:
             self.stop()
             raise
@@ -209,6 +227,8 @@ class Server:
             # A Source method may be stuck (a lock the caller of stop() holds): never wait long
             # for it; the thread is a daemon and touches no socket.
             self._worker_thread.join(min(timeout, 1.0))
+        if self.shared is not None:
+            self.shared.close()  # the files no client took
         if self.info is not None:
             remove_session_files(self.info)
         if self._socket_thread is None:
@@ -226,6 +246,17 @@ class Server:
     def clients(self) -> int:
         """How many clients are alive now."""
         return len(self._clients)
+
+    def _shared_directory(self) -> Path:
+        """Where large replies wait: the directory asked for, else /dev/shm/tensordbg-<uid>,
+        else (no usable /dev/shm) the session's runtime directory."""
+        if self._shm_dir_arg is not None:
+            return shared_memory_dir(self._shm_dir_arg)
+        try:
+            return shared_memory_dir()
+        except ConnectionFileError as e:
+            log.warning("tensordbg: %s; large replies wait in %s instead", e, self._directory)
+            return self._directory
 
     # --- the socket thread -------------------------------------------------------------------
 
@@ -256,6 +287,7 @@ class Server:
                     self._send_outbox(router)
                     self._send_events(router)
                     self._expire_clients()
+                    self._sweep_shared()
                 except Exception as e:
                     # A bug here must neither end the thread silently nor spin: log it once,
                     # pause a moment, and keep serving.
@@ -305,6 +337,7 @@ class Server:
                 endpoint=endpoint,
                 transport=transport,
                 key=self._key.hex(),
+                shm_dir=str(self.shared.directory) if self.shared is not None else None,
                 **curve,
             )
             path = write_connection_file(info, self._directory)
@@ -473,6 +506,12 @@ class Server:
         if gone:
             self._clients_changed()
 
+    def _sweep_shared(self) -> None:
+        now = time.monotonic()
+        if self.shared is not None and now - self._swept_at >= _SWEEP_INTERVAL:
+            self._swept_at = now
+            self.shared.sweep()
+
     def _clients_changed(self) -> None:
         if self.on_clients is None:
             return
@@ -531,7 +570,9 @@ class Server:
             body = (
                 welcome(self.source) if method == "hello" else dispatch(self.source, method, params)
             )
-            return self._codec.encode(REPLY, body, id=request_id)
+            # A snapshot: the arrays may be a paused training's tensors, and the next request
+            # (run as soon as this returns) may resume it while these frames wait for the socket.
+            return self._codec.encode(REPLY, body, id=request_id, shared=self.shared, snapshot=True)
         except SourceError as e:
             text = str(e)
         except Exception as e:

@@ -58,9 +58,11 @@ def test_the_demo_pauses_at_the_broken_attention_and_lets_a_person_inspect_it():
         terminal.press("F2")
         terminal.wait_for("● origin", "↳ passed on")
         terminal.press("Enter")  # the origin hit is selected: open its tensor
-        terminal.wait_for("tensor[16,31,64] float32", "NaN×1984")
-        terminal.press("[")
-        terminal.press("[3]", "Enter")  # the sequence that was all padding
+        # The tensor's title (the hit's detail on the Hits tab shows the same statistics)
+        terminal.wait_for("blocks.0.attn.output  ref ", "tensor[16,31,64] float32", "NaN×1984")
+        terminal.press("[")  # edit the slice: it opens with "[" typed
+        terminal.wait_for("▊  [ ")
+        terminal.press("3]", "Enter")  # the sequence that was all padding
         terminal.wait_for("tensor[31,64] float32 n=1984 NaN×1984!")
         terminal.press("F5")
         terminal.wait_for("produced by blocks.0.attn", "self.attn(self.ln1(x), keep)")

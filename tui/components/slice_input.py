@@ -35,6 +35,9 @@ class SliceInput(Input):
             validators=[SliceSyntax()],
             validate_on=["changed", "submitted"],
             id="slice-input",
+            # "[" opens the box with "[" typed: selecting it on focus would let the next key
+            # replace it.
+            select_on_focus=False,
         )
 
     def action_leave(self) -> None:

@@ -59,6 +59,7 @@ class MainScreen(Screen):
         self._state = "connecting"
         self._count = 0
         self._lost_text = ""  # the banner's sentence while the connection is down
+        self._focus_switch: bool | None = None  # set by show_tab for the switch it makes
 
     def compose(self) -> ComposeResult:
         yield Header(icon="◆")
@@ -170,18 +171,13 @@ class MainScreen(Screen):
     def show_tab(self, pane: str, focus: bool = True) -> None:
         """Switch to a tab and (unless ``focus`` is False) give its main widget the keys: a key
         press asked for the tab, so the next keys are for what is in it."""
-        self.query_one(TabbedContent).active = pane
-        if not focus:
+        tabs = self.query_one(TabbedContent)
+        self._focus_switch = focus
+        if tabs.active == pane:
+            if focus:
+                self._focus_tab(tabs.get_pane(pane))
             return
-        before = self.focused
-
-        def focus_target() -> None:
-            target = self._focus_target(pane)
-            # Keys pressed since (say "[" for the slice) may have moved the focus: leave it.
-            if target is not None and self.focused is before:
-                target.focus()
-
-        self.call_after_refresh(focus_target)
+        tabs.active = pane
 
     def focus_search(self) -> None:
         self.show_tab("modules", focus=False)
@@ -241,14 +237,31 @@ class MainScreen(Screen):
 
     @on(TabbedContent.TabActivated)
     def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
-        # Keys go to the tab's main widget, unless the person is moving along the tab bar.
-        if isinstance(self.focused, Tabs) or event.pane.id is None:
+        # Keys go to the tab's main widget, unless the person is moving along the tab bar (a
+        # switch asked for by a key, show_tab, moves them anyway).
+        asked, self._focus_switch = self._focus_switch, None
+        if asked is False or event.pane.id is None:
             return
-        target = self._focus_target(event.pane.id)
-        if target is not None and (
-            self.focused is None or event.pane not in self.focused.ancestors
-        ):
-            target.focus()
+        if asked is None and isinstance(self.focused, Tabs):
+            return
+        self._focus_tab(event.pane)
+
+    def _focus_tab(self, pane: Widget, tries: int = 10) -> None:
+        """Focus a tab's main widget once it is mounted, unless the keys are already in the tab
+        (focus moves later than it is asked for: "[" may have sent them to the slice box)."""
+
+        def focus() -> None:
+            nonlocal tries
+            if self.focused is not None and pane in self.focused.ancestors:
+                return
+            target = self._focus_target(pane.id or "")
+            if target is not None:
+                target.focus()
+            elif tries:  # the tab's content is still mounting (tabs mount lazily)
+                tries -= 1
+                self.call_after_refresh(focus)
+
+        self.call_after_refresh(focus)
 
     def _focus_target(self, pane: str) -> Widget | None:
         targets: dict[str, type[Widget]] = {
