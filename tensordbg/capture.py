@@ -118,6 +118,13 @@ class Record:
     grad_hooked: bool = False
     weak: weakref.ref[torch.Tensor] | None = None
 
+    def held(self) -> torch.Tensor | None:
+        """The tensor, if it can still be shown: kept by the session, or (eager mode, which keeps
+        only hits) still alive in the training, e.g. saved by autograd for the backward pass."""
+        if self.tensor is not None:
+            return self.tensor
+        return self.weak() if self.weak is not None else None
+
 
 def tensor_leaves(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     """Every tensor in a nested output, with its path: ``(output, (h, c))`` gives

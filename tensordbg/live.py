@@ -334,15 +334,22 @@ class LiveSource:
                 f"tensor {ref} is not in the current phase: tensors are kept only for the phase "
                 "the training is paused in"
             )
-        if need_tensor and record.tensor is None:
+        if need_tensor and record.held() is None:
+            if self.session.mode == "eager":
+                why = (
+                    "eager checks keep only the tensors of hits; this one passed and the "
+                    "training has freed it"
+                )
+            else:
+                budget = self.session.retain_bytes // 2**20
+                why = f"the phase's tensors passed retain_bytes={budget} MiB"
             raise SourceError(
-                f"{record.stats.name} was not kept (the phase's tensors passed retain_bytes="
-                f"{self.session.retain_bytes // 2**20} MiB); its statistics are in the list"
+                f"{record.stats.name} was not kept ({why}); its statistics are in the list"
             )
         return record
 
     def _view(self, record: Record, text: str) -> tuple[str, torch.Tensor]:
-        tensor = record.tensor
+        tensor = record.held()
         if tensor is None:
             raise SourceError(f"{record.stats.name} is no longer kept")
         try:
@@ -392,7 +399,7 @@ def _listing(record: Record) -> dict[str, Any]:
         "call": stats.call,
         "shape": list(stats.shape),
         "dtype": stats.dtype,
-        "retained": record.tensor is not None,
+        "retained": record.held() is not None,
         "summary": _brief(stats),
     }
 

@@ -357,8 +357,9 @@ class Session:
             stats = record.stats
             rule_ids, wanted = self._rules_for(stats)
             missing = tuple(s for s in wanted if s not in stats.values)
-            if missing and record.tensor is not None and stats.kind != "update":
-                vector = device_stats(record.tensor, missing)
+            tensor = record.held()
+            if missing and tensor is not None and stats.kind != "update":
+                vector = device_stats(tensor, missing)
                 if self.scaler is not None and stats.kind in GRAD_KINDS:
                     inv = self._inv_scale()
                     if inv is not None:
@@ -548,6 +549,10 @@ class Session:
         call.unscreened.append((record, tensor))
 
     def enter(self, call: Call) -> None:
+        if self.mode == "eager" and not self._pending:
+            origin.enter(call)  # eager: nothing waits, so the queue is skipped (hooks run hot)
+            self._after_eager_hook()
+            return
         self._pending.append(("enter", call))
         self._after_hook()
 
@@ -558,6 +563,10 @@ class Session:
                     self.collect(record, tensor)
                     call.fired_in |= record.conditions
             call.unscreened = []
+        if self.mode == "eager" and not self._pending:
+            self._exit(call)
+            self._after_eager_hook()
+            return
         self._pending.append(("exit", call))
         self._after_hook()
 
@@ -574,6 +583,13 @@ class Session:
         backward_expected = torch.is_grad_enabled() and any(r.grad_hooked for _, r in root.outputs)
         if not backward_expected:
             self._end_phase()
+
+    def _after_eager_hook(self) -> None:
+        """_after_hook when an eager hook processed its item itself."""
+        if self._pausing:
+            self._pause_if_needed()
+        if self.controller.pause_requested:
+            self._maybe_pause_on_request()
 
     def _after_hook(self) -> None:
         """What a hook does last: judge now (eager, or deferred once the phase showed a problem)
@@ -628,6 +644,10 @@ class Session:
             )
 
     def grad(self, record: Record) -> None:
+        if self.mode == "eager" and not self._pending:
+            self._grad(record)
+            self._after_eager_hook()
+            return
         self._pending.append(("grad", record))
         self._after_hook()
 
@@ -883,7 +903,10 @@ class Session:
             for rule_id, finding in record.findings.items():
                 condition = self._condition(record, rule_id)
                 self._hit(record, rule_id, finding, condition not in upstream)
-            self._param_fired[record.param] = set(record.conditions)
+            if record.conditions:
+                self._param_fired[record.param] = set(record.conditions)
+            else:
+                self._param_fired.pop(record.param, None)
         elif (kind == "input" and not record.hidden) or kind == "update":
             for rule_id, finding in record.findings.items():
                 self._hit(record, rule_id, finding, True)
@@ -919,8 +942,9 @@ class Session:
 
     def _exit(self, call: Call) -> None:
         params_fired: set[int] = set()
-        for name in call.params:
-            params_fired |= self._param_fired.get(name, set())
+        if self._param_fired:
+            for name in call.params:
+                params_fired |= self._param_fired.get(name, params_fired)
         if params_fired:  # a bad parameter inside explains the calls around it too
             for ancestor in call.ancestors():
                 ancestor.fired_in = ancestor.fired_in | params_fired
@@ -990,8 +1014,9 @@ class Session:
             return
         stats = record.stats
         condition = self._condition(record, rule_id)
-        if is_origin and stats.summary is None and record.tensor is not None:
-            stats.summary = summarize(record.tensor)  # for the UI; downstream hits skip it
+        tensor = record.held()
+        if is_origin and stats.summary is None and tensor is not None:
+            stats.summary = summarize(tensor)  # for the UI; downstream hits skip it
         hit = Hit(
             rule=active.rule.name,
             tensor=name or stats.name,
@@ -1097,6 +1122,14 @@ class Session:
     # --- retention -----------------------------------------------------------------------------
 
     def _retain(self, record: Record, tensor: torch.Tensor) -> bool:
+        """Keep a tensor of the phase for inspection. Eager mode judges it at once, so only a hit's
+        tensor needs keeping: the others are held weakly, so that what the training keeps anyway
+        (most activations, saved for the backward pass) can still be shown, and what it frees is
+        freed at once (holding freed gradients makes every step fault in fresh memory)."""
+        if self.mode == "eager":
+            if record.weak is None:
+                record.weak = weakref.ref(tensor)
+            return True
         if self._retain_bytes(record.nbytes):
             record.tensor = tensor
             return True
@@ -1554,8 +1587,9 @@ def attach(
         sync: ``"auto"`` (eager on CPU, batched on CUDA), ``"eager"``, ``"batched"`` or
             ``"deferred"`` (the cheapest; see the module docstring).
         interval: statistics beyond the NaN/Inf screen (norms, means, updates) every N steps.
-        retain_bytes: memory for keeping the current phase's tensors for inspection; a hit's
-            own tensor is kept regardless (in eager mode).
+        retain_bytes: memory for keeping the current phase's tensors for inspection (batched
+            and deferred modes; eager mode keeps only hits' tensors and holds the others
+            weakly); a hit's own tensor is kept regardless when it is judged in its hook.
         update_budget: memory for copies of parameters taken to measure updates exactly.
         server: serve the session to the terminal UI over a local, authenticated socket.
         remote: listen on TCP with CURVE encryption instead of a local socket.

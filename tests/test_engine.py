@@ -569,20 +569,46 @@ def test_the_context_manager_detaches(watch):
     assert all(not m._forward_hooks for m in model.modules())
 
 
+def test_eager_checks_keep_only_hits_yet_show_what_the_training_still_holds(watch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), Log())
+    seen: dict[str, tuple[bool, bool]] = {}
+
+    def on_hit(hit):
+        if not seen:  # at the origin, inside the hook: where an eager pause would be
+            seen.update({r.stats.name: (r.tensor is not None, r.held() is not None)
+                         for r in session.records})  # fmt: skip
+
+    session = watch(model, on_hit=on_hit, sync="eager")
+    model(torch.randn(16, 4)).nan_to_num().sum().backward()
+    assert seen["2.output"] == (True, True)  # the hit's own tensor is kept
+    assert seen["1.output"] == (False, True)  # passed: not kept, but autograd saved it
+    assert [name for name, (strong, _) in seen.items() if strong] == ["2.output"]
+    grads = [r for r in session.records if r.stats.kind in ("grad_output", "grad_input", "grad")]
+    assert grads and all(r.tensor is None for r in grads if not r.findings)
+
+
+class Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)
+
+
 def test_nothing_is_kept_across_steps_and_the_retention_budget_is_kept(watch):
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    session = watch(model, optimizer=optimizer, on_hit="record", retain_bytes=200)
+    session = watch(model, optimizer=optimizer, on_hit="record", retain_bytes=200, sync="batched")
     model(torch.randn(3, 4)).sum().backward()
     optimizer.step()
     assert all(r.tensor is None for r in session.records)  # released at the end of the phase
+    assert session._retained == 0
     kept = []
-    session.subscribe(lambda event, payload: kept.append(session.records[-1].tensor)
+    session.subscribe(lambda event, payload: kept.append(session.record(payload["ref"]).tensor)
                       if event == "hit" else None)  # fmt: skip
     x = torch.randn(3, 4)
     x[0, 0] = float("nan")
-    model(x)
-    assert kept[0] is not None  # a hit's own tensor is kept whatever the budget
+    model(x).sum().backward()
+    assert kept[0] is not None  # the batch (48 bytes), first of the phase: within the budget
+    assert kept[1] is None  # the next hit, 0.output (192 bytes), is past it
 
 
 def test_attaching_twice_or_after_compile_says_what_to_do(watch):

@@ -69,12 +69,12 @@ def test_bad_slice_text_gets_a_clear_refusal(paused):
 def test_a_histogram_is_computed_in_the_training_over_finite_values(paused):
     training, source = paused
     ref = source.tensors()[0]["ref"]  # the batch: finite
-    tensor = training.session.record(ref).tensor.detach()
+    tensor = training.session.record(ref).held().detach()
     h = source.histogram(ref, bins=10)
     assert sum(h["counts"]) == tensor.numel() and len(h["edges"]) == 11
     hit = source.info()["paused_at"]["ref"]
     h = source.histogram(hit, bins=8)
-    tensor = training.session.record(hit).tensor.detach()
+    tensor = training.session.record(hit).held().detach()
     assert sum(h["counts"]) == int(torch.isfinite(tensor).sum())
     assert h["nan"] == int(torch.isnan(tensor).sum())
 
