@@ -337,8 +337,8 @@ class LiveSource:
         if need_tensor and record.held() is None:
             if self.session.mode == "eager":
                 why = (
-                    "eager checks keep only the tensors of hits; this one passed and the "
-                    "training has freed it"
+                    "eager checks keep only hits and the last few tensors; this one passed "
+                    "and the training has freed it"
                 )
             else:
                 budget = self.session.retain_bytes // 2**20
@@ -401,6 +401,9 @@ def _listing(record: Record) -> dict[str, Any]:
         "dtype": stats.dtype,
         "retained": record.held() is not None,
         "summary": _brief(stats),
+        # Modules that returned this very tensor as their own output (a block returning its
+        # last layer's output): their tensor lists show it too.
+        "passed_up": list(dict.fromkeys(c.path for c in record.passed_up)),
     }
 
 

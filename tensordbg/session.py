@@ -88,6 +88,9 @@ HISTORY = 512
 MAX_HITS = 100_000
 DEFAULT_RETAIN = 256 * 2**20
 DEFAULT_UPDATE_BUDGET = 512 * 2**20
+# Eager mode holds the last few tensors it saw (within retain_bytes), so that a hit's neighbours
+# can be shown, e.g. the gradient that came into the module whose backward broke.
+EAGER_WINDOW = 8
 
 _attached: weakref.WeakKeyDictionary[torch.nn.Module, Session] = weakref.WeakKeyDictionary()
 
@@ -201,6 +204,7 @@ class Session:
         self._by_ref: dict[int, Record] = {}
         self._next_ref = 0
         self._retained = 0
+        self._window: deque[Record] = deque()
         self._pausing: list[Hit] = []
         self._fired_last_step: set[tuple[str, str]] = set()
         self._fired_this_step: set[tuple[str, str]] = set()
@@ -1122,13 +1126,22 @@ class Session:
     # --- retention -----------------------------------------------------------------------------
 
     def _retain(self, record: Record, tensor: torch.Tensor) -> bool:
-        """Keep a tensor of the phase for inspection. Eager mode judges it at once, so only a hit's
-        tensor needs keeping: the others are held weakly, so that what the training keeps anyway
-        (most activations, saved for the backward pass) can still be shown, and what it frees is
-        freed at once (holding freed gradients makes every step fault in fresh memory)."""
+        """Keep a tensor of the phase for inspection. Eager mode judges it at once, so it keeps
+        a hit's tensor and the last EAGER_WINDOW tensors it saw; the others are held weakly:
+        what the training keeps anyway (most activations, saved for the backward pass) can
+        still be shown, and what it frees is freed soon (holding every freed gradient until the
+        phase ends makes each step fault in fresh memory)."""
         if self.mode == "eager":
             if record.weak is None:
                 record.weak = weakref.ref(tensor)
+            if record.tensor is None and record.nbytes <= self.retain_bytes:
+                record.tensor = tensor
+                window = self._window
+                window.append(record)
+                if len(window) > EAGER_WINDOW:
+                    old = window.popleft()
+                    if not old.findings:
+                        old.tensor = None
             return True
         if self._retain_bytes(record.nbytes):
             record.tensor = tensor
@@ -1146,6 +1159,7 @@ class Session:
         for record in self._records:
             record.tensor = None
         self._retained = 0
+        self._window.clear()
 
     # --- parameters and the optimizer ----------------------------------------------------------
 
@@ -1588,8 +1602,9 @@ def attach(
             ``"deferred"`` (the cheapest; see the module docstring).
         interval: statistics beyond the NaN/Inf screen (norms, means, updates) every N steps.
         retain_bytes: memory for keeping the current phase's tensors for inspection (batched
-            and deferred modes; eager mode keeps only hits' tensors and holds the others
-            weakly); a hit's own tensor is kept regardless when it is judged in its hook.
+            and deferred modes; eager mode keeps hits' tensors and the last few it saw, and
+            holds the others weakly); a hit's own tensor is kept regardless when it is judged
+            in its hook.
         update_budget: memory for copies of parameters taken to measure updates exactly.
         server: serve the session to the terminal UI over a local, authenticated socket.
         remote: listen on TCP with CURVE encryption instead of a local socket.

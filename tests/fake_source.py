@@ -155,6 +155,7 @@ class FakeSource:
                 "dtype": "float32",
                 "retained": True,
                 "summary": summarize_numpy(a).as_dict(),
+                "passed_up": ["net"] if name == "net.2.output" else [],  # Sequential returned it
             }
             for ref, (name, module, kind, a) in self.arrays.items()
         ]

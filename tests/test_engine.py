@@ -16,6 +16,7 @@ from torch import nn
 
 import tensordbg
 from tensordbg.rules import NaN, Rule, VanishingGradient, WeightNotChanging
+from tensordbg.session import EAGER_WINDOW
 
 MODES = ("eager", "batched", "deferred")
 
@@ -569,9 +570,9 @@ def test_the_context_manager_detaches(watch):
     assert all(not m._forward_hooks for m in model.modules())
 
 
-def test_eager_checks_keep_only_hits_yet_show_what_the_training_still_holds(watch):
+def test_eager_checks_keep_hits_and_recent_tensors_yet_show_what_the_training_holds(watch):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), Log())
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), *(nn.Linear(8, 8) for _ in range(10)), Log())
     seen: dict[str, tuple[bool, bool]] = {}
 
     def on_hit(hit):
@@ -581,11 +582,12 @@ def test_eager_checks_keep_only_hits_yet_show_what_the_training_still_holds(watc
 
     session = watch(model, on_hit=on_hit, sync="eager")
     model(torch.randn(16, 4)).nan_to_num().sum().backward()
-    assert seen["2.output"] == (True, True)  # the hit's own tensor is kept
-    assert seen["1.output"] == (False, True)  # passed: not kept, but autograd saved it
-    assert [name for name, (strong, _) in seen.items() if strong] == ["2.output"]
-    grads = [r for r in session.records if r.stats.kind in ("grad_output", "grad_input", "grad")]
-    assert grads and all(r.tensor is None for r in grads if not r.findings)
+    names = list(seen)
+    assert names[-1] == "12.output" and seen["12.output"] == (True, True)  # the hit
+    strong = [name for name in names if seen[name][0]]
+    assert strong == names[-EAGER_WINDOW:]  # the hit and the tensors just before it
+    assert seen["1.output"] == (False, True)  # older, passed: not kept, but autograd saved it
+    assert not any(r.tensor is not None for r in session.records)  # all let go at phase end
 
 
 class Log(nn.Module):

@@ -159,3 +159,11 @@ def test_pausing_step_after_step_compares_a_tensor_with_its_previous_step():
         assert second["name"] == first["name"] == "out.output"
         assert second["previous"]["step"] == first["step"] == 0 and second["step"] == 1
         assert second["previous"]["summary"] == first["summary"]
+
+
+def test_a_tensor_a_module_returned_as_its_own_output_is_listed_under_it_too(paused):
+    _, source = paused
+    out = next(t for t in source.tensors() if t["name"] == "out.output")
+    assert out["module"] == "out" and out["passed_up"] == [""]  # the model returned it
+    inp = next(t for t in source.tensors() if t["name"] == "inp.output")
+    assert inp["passed_up"] == []

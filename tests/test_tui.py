@@ -298,6 +298,25 @@ def test_search_among_2000_modules_and_open_a_tensor() -> None:
     asyncio.run(flow())
 
 
+def test_a_module_lists_the_tensor_it_returned_from_a_child() -> None:
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            table = app.main.module_browser.table
+            await until(pilot, lambda: table.row_count == 6)
+            app.main.show_tab("modules")
+            app.query_one("#module-search", Input).value = "Sequential"
+            await until(pilot, lambda: table.row_count == 1)
+            assert table.current is not None and table.current["path"] == "net"
+            tensors = app.main.module_browser.tensor_table
+            await until(pilot, lambda: tensors.row_count == 1)
+            assert "net.2.output" in tensors.render_line(1).text
+
+    asyncio.run(flow())
+
+
 class CountingSource(FakeSource):
     """Counts the values the grid asks for."""
 

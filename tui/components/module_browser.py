@@ -42,6 +42,8 @@ class ModuleBrowser(Vertical):
         self._by_module = defaultdict(list)
         for t in tensors:
             self._by_module[t["module"]].append(t)
+            for path in t.get("passed_up", ()):  # also the output of the modules it went up to
+                self._by_module[path].append(t)
         self._show_tensors(self.table.current)
 
     def focus_search(self) -> None:

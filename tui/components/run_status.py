@@ -160,7 +160,10 @@ class RunStatus(VerticalScroll):
             if key in info:
                 text.append(f"{label} ", style="dim")
                 text.append(f"{info[key]}   ")
-        if "retain_bytes" in info:
+        if info.get("sync") == "eager":
+            text.append("keeps ", style="dim")
+            text.append("hits and the last tensors seen")  # others while the training holds them
+        elif "retain_bytes" in info:
             text.append("retaining ", style="dim")
             text.append(f"{info['retain_bytes'] / 2**20:.0f} MiB")
         return text
