@@ -83,6 +83,11 @@ class Call:
             return f"{self.path}#{self.index}"
         return self.path
 
+    def tensor_name(self, kind: str, suffix: str = "") -> str:
+        """The name of one of its tensors: ``layers.0.fc.output[1]``; ``output`` at the root."""
+        base = self.base
+        return f"{base}.{kind}{suffix}" if base else f"{kind}{suffix}"
+
     def ancestors(self) -> Iterator[Call]:
         call = self.parent
         while call is not None:
@@ -199,7 +204,6 @@ class Capture:
         exclude: tuple[str, ...],
     ):
         self.session = session
-        self.model = model
         self.handles: list[RemovableHandle] = []
         self.paths: dict[int, str] = {}
         self.types: dict[int, str] = {}
@@ -223,8 +227,8 @@ class Capture:
 
     # --- installation ----------------------------------------------------------------------
 
-    def install(self) -> None:
-        for module in self.model.modules():
+    def install(self, model: torch.nn.Module) -> None:
+        for module in model.modules():
             if id(module) not in self.paths:
                 continue
             self.handles.append(module.register_forward_pre_hook(self._on_enter, with_kwargs=True))
@@ -359,8 +363,7 @@ class Capture:
     def _new_record(
         self, t: torch.Tensor, call: Call, kind: str, suffix: str, hidden: bool = False
     ) -> Record:
-        base = call.base
-        name = f"{base}.{kind}{suffix}" if base else f"{kind}{suffix}"
+        name = call.tensor_name(kind, suffix)
         stats = TensorStats(
             name=name,
             module=call.path,
@@ -417,23 +420,19 @@ class Capture:
 def grad_record(forward: Record, grad: torch.Tensor, step: int) -> Record:
     """The record of the gradient of a forward tensor: the gradient of its producer's output
     (``grad_output``), or of the input of the call that took it (``grad_input``)."""
-    producer = forward.producer
-    if producer is not None:
-        base, kind, module, call = producer.base, "grad_output", producer, producer
-    else:
-        call = forward.consumers[0] if forward.consumers else None
-        base = call.base if call else ""
-        kind, module = "grad_input", call
-    name = f"{base}.{kind}{forward.suffix}" if base else f"{kind}{forward.suffix}"
+    call = forward.producer
+    kind = "grad_output" if call is not None else "grad_input"
+    if call is None and forward.consumers:
+        call = forward.consumers[0]
     stats = TensorStats(
-        name=name,
-        module=module.path if module else "",
+        name=call.tensor_name(kind, forward.suffix) if call else f"{kind}{forward.suffix}",
+        module=call.path if call else "",
         kind=kind,
         phase="backward",
         step=step,
         shape=tuple(grad.shape),
         dtype=dtype_name(grad.dtype),
-        module_type=module.module_type if module else "",
+        module_type=call.module_type if call else "",
         call=call.index if call else 0,
     )
     return Record(

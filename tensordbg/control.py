@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -40,7 +39,9 @@ class PauseController:
     >>> session.controller.resume("step", 3) # run three more training steps, then pause
     """
 
-    def __init__(self) -> None:
+    def __init__(self, training_thread: threading.Thread | None = None) -> None:
+        self.training_thread = training_thread or threading.current_thread()
+        """The thread that pauses (the one that attached)."""
         self._cond = threading.Condition()
         self._jobs: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self.state = RUNNING
@@ -77,26 +78,19 @@ class PauseController:
                     return "stepped"
         return None
 
-    def block(self, reason: str, hit: Hit | None = None, timeout: float | None = None) -> None:
-        """Wait until resumed, running the work other threads hand over meanwhile.
-
-        ``timeout`` (seconds) resumes by itself; None waits for a resume or a detach.
-        """
+    def block(self, reason: str, hit: Hit | None = None) -> None:
+        """Wait until resumed (or detached), running the work other threads hand over meanwhile.
+        (A UI that goes away resumes it through the session's own timer.)"""
         with self._cond:
             if self.state == DETACHED:
                 return
             self.state, self.reason, self.paused_at = PAUSED, reason, hit
             self.pause_requested = False
         self._notify(PAUSED)
-        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._cond:
                 while self.state == PAUSED and not self._jobs:
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        self.state, self.mode = RUNNING, CONTINUE
-                        break
-                    self._cond.wait(remaining if remaining is not None else 1.0)
+                    self._cond.wait()
                 if self.state != PAUSED:
                     self.paused_at = None
                     break
@@ -150,7 +144,7 @@ class PauseController:
         Raises :class:`NotPaused` when the training is not paused, so a request that needs
         tensors never races with the training.
         """
-        if threading.current_thread() is self._owner():
+        if threading.current_thread() is self.training_thread:
             return fn()
         future: Future[T] = Future()
         with self._cond:
@@ -161,11 +155,6 @@ class PauseController:
         return future.result(timeout=timeout)
 
     # --- internals -------------------------------------------------------------------------
-
-    _training_thread: threading.Thread | None = None
-
-    def _owner(self) -> threading.Thread | None:
-        return self._training_thread
 
     def _fail_pending_jobs(self) -> None:
         with self._cond:

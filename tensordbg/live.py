@@ -101,7 +101,8 @@ class LiveSource:
             hits[hit.module] = hits.get(hit.module, 0) + 1
         calls = s.capture.calls_by_path
         out = []
-        for path, module in s.model.named_modules():
+        model = s.model
+        for path, module in model.named_modules() if model is not None else ():
             out.append(
                 {
                     "path": path,
@@ -298,7 +299,7 @@ class LiveSource:
         name = record.stats.name
         if returned_by is not None and producer is not None:
             suffix = forward.suffix
-            name = f"{producer.base}.output{suffix}" if producer.base else f"output{suffix}"
+            name = producer.tensor_name("output", suffix)
         out: dict[str, Any] = {
             "ref": ref,
             "name": name,

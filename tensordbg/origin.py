@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tensordbg.capture import Call, Record
+from tensordbg.capture import Call, Record, is_model_output
 
 NONFINITE = -1
 """The condition "holds NaN or Inf", followed whatever rule reported it (rule ids are >= 0)."""
@@ -41,7 +41,11 @@ def enter(call: Call) -> None:
 
 def exit(call: Call, params_fired: set[int]) -> dict[tuple[int, int], bool]:
     """At a call's end: for each output record and condition it shows, whether this call is where
-    it originated, keyed by ``(id(record), condition)``."""
+    it originated, keyed by ``(id(record), condition)``. ``params_fired``: the conditions its own
+    parameters showed (they explain the calls around it too)."""
+    if params_fired:
+        for ancestor in call.ancestors():
+            ancestor.fired_in = ancestor.fired_in | params_fired
     verdicts = {}
     for _, record in call.outputs:
         for condition in record.conditions:
@@ -83,11 +87,8 @@ def grad(record: Record, loss_fired: set[int]) -> dict[int, tuple[Call | None, s
         if reported is None:
             if producer is not None:
                 # The model output's gradient comes from the loss: made there if it was clean.
-                model_output = producer.parent is None or any(
-                    c.parent is None for c in forward.passed_up
-                )
                 origin = (
-                    model_output
+                    is_model_output(forward)
                     and condition not in loss_fired
                     and condition not in forward.conditions
                 )

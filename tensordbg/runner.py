@@ -79,8 +79,7 @@ class ScriptRun:
         session = self.session
         if session is None or optimizer in session.optimizers:
             return
-        model_params = {id(p) for p in session.model.parameters()}
-        if any(id(p) in model_params for g in optimizer.param_groups for p in g["params"]):
+        if any(id(p) in session.params for g in optimizer.param_groups for p in g["params"]):
             session.attach_optimizer(optimizer)  # its pre-hook runs for this very step too
 
 

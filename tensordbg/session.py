@@ -166,7 +166,7 @@ class Session:
             raise ValueError(f"sync is one of {', '.join(SYNC)}, not {sync!r}")
         if interval < 1:
             raise ValueError("interval is a number of steps, at least 1")
-        self.model = model
+        self._model = weakref.ref(model)  # a session never keeps a model alive
         self.on_hit = on_hit
         self.scaler = scaler if scaler is not None and _scaler_enabled(scaler) else None
         self.interval = int(interval)
@@ -195,7 +195,7 @@ class Session:
             self.add_rule(rule)
         self._subscribers: list[Callable[[str, dict[str, Any]], None]] = []
         self._lock = threading.RLock()
-        self._applicable: dict[tuple, Any] = {}
+        self._applicable: dict[Any, Any] = {}
         self._quiet_params: dict[str, bool] = {}
         self._quiet_grads: dict[str, bool] = {}
         self._batch = StatsBatch()
@@ -235,6 +235,8 @@ class Session:
         self._versions: dict[str, int] = {}
         self._snapshot_offset = 0
         self._deferred: list[tuple[Hit, ActiveRule]] = []
+        self._stepping: dict[torch.optim.Optimizer, list[_Param]] = {}  # between pre and post hook
+        self._inv: dict[Any, Any] = {}  # 1/loss scale, read once per phase (see _inv_scale)
         self._param_fired: dict[str, set[int]] = {}
         self._grad_fired: dict[str, set[int]] = {}
         self._root_fired: set[int] = set()
@@ -243,7 +245,6 @@ class Session:
         self._hits_capped = False
         self._skipped_in_row = 0
         self._optimizer_stepped = False
-        self._step_grad_seen = False
         self.optimizers: list[torch.optim.Optimizer] = []
         self._handles: list[Any] = []
         self.server: Any = None
@@ -252,7 +253,7 @@ class Session:
         self.ui_timeout: float | None = None
 
         self.capture = Capture(self, model, _patterns(include), _patterns(exclude))
-        self.capture.install()
+        self.capture.install(model)
         for p in self.params.values():
             if p.param.requires_grad:
                 hook = param_hook(self, p.name, p.owner, p.owner_type)
@@ -264,7 +265,6 @@ class Session:
         if self.scaler is not None:
             self._wrap_scaler()
         _attached[model] = self
-        self.controller._training_thread = threading.current_thread()
         atexit.register(_detach_at_exit, weakref.ref(self))
 
     # --- public ------------------------------------------------------------------------------
@@ -363,12 +363,8 @@ class Session:
             missing = tuple(s for s in wanted if s not in stats.values)
             tensor = record.held()
             if missing and tensor is not None and stats.kind != "update":
-                vector = device_stats(tensor, missing)
-                if self.scaler is not None and stats.kind in GRAD_KINDS:
-                    inv = self._inv_scale()
-                    if inv is not None:
-                        vector = vector * scale_vector(missing, inv)
-                stats.values.update(zip(missing, vector.tolist(), strict=True))
+                stats.values.update(zip(missing, self._host_values(stats, tensor, missing),
+                                        strict=True))  # fmt: skip
             for rule_id in rule_ids:
                 active = self._rule(rule_id)
                 if active is None or not active.enabled or active.phase_wide:
@@ -411,8 +407,16 @@ class Session:
         self._records = []
         self._by_ref = {}
         self._snapshots = {}
+        self._stepping = {}
         self._pending = []
         self._batch = StatsBatch()
+        # Let go of the parameters, optimizers and scaler: hits and statistics stay readable.
+        self.params = {}
+        self._params_by_name = {}
+        self.optimizers = []
+        self.scaler = None
+        self._inv = {}
+        self.capture.reset()
         self.controller.detach()
         if self._ui_timer is not None:
             self._ui_timer.cancel()
@@ -421,8 +425,9 @@ class Session:
             self.emit("state", {"state": "finished", "step": self.step})
             with contextlib.suppress(Exception):
                 server.stop()
-        if _attached.get(self.model) is self:
-            del _attached[self.model]
+        model = self.model
+        if model is not None and _attached.get(model) is self:
+            del _attached[model]
 
     def __enter__(self) -> Session:
         return self
@@ -451,14 +456,15 @@ class Session:
         self.emit("log", {"level": level, "message": message, "step": self.step})
 
     @property
+    def model(self) -> torch.nn.Module | None:
+        """The watched model; None once it is gone (the session holds it weakly)."""
+        return self._model()
+
+    @property
     def active(self) -> bool:
         """Whether the hooks still do anything: not after detach (a hook installed on this
         step's autograd graph can still fire), nor after an internal error."""
         return not (self.broken or self.detached)
-
-    @property
-    def eager(self) -> bool:
-        return self.mode == "eager"
 
     @property
     def records(self) -> list[Record]:
@@ -505,9 +511,9 @@ class Session:
         mode = self.mode
         if mode == "batched":
             vector = device_stats(tensor, wanted)
-            inv = self._inv_scale() if self._scaled(stats) else None
-            if inv is not None:
-                vector = vector * scale_vector(wanted, inv)
+            factors = self._scale_vector(wanted) if self._scaled(stats) else None
+            if factors is not None:
+                vector = vector * factors
             stats.values = dict.fromkeys(wanted, math.nan)
             record.slot = self._batch.add(vector)
             self._pending.append(("record", record))
@@ -532,11 +538,21 @@ class Session:
 
     def _screen(self, record: Record, tensor: torch.Tensor) -> None:
         """Compute a record's statistics now, on the host."""
-        values = host_stats(tensor, record.wanted)
-        if self._scaled(record.stats):
-            values = _unscale(record.wanted, values, self._inv_scale())
+        values = self._host_values(record.stats, tensor, record.wanted)
         record.stats.values = dict(zip(record.wanted, values, strict=True))
         record.lazy = False
+
+    def _host_values(
+        self, stats: TensorStats, tensor: torch.Tensor, wanted: Sequence[Stat]
+    ) -> list[float]:
+        """``wanted`` of ``tensor`` read at once; a scaled gradient's unscaled."""
+        values = host_stats(tensor, wanted)
+        inv = self._inv_scale_host() if self._scaled(stats) else None
+        if inv is None:
+            return values
+        return [
+            v * inv if s.name in SCALE_LINEAR else v for s, v in zip(wanted, values, strict=True)
+        ]
 
     def _scaled(self, stats: TensorStats) -> bool:
         return self.scaler is not None and stats.kind in GRAD_KINDS
@@ -552,27 +568,30 @@ class Session:
         self._retain(record, tensor)
         call.unscreened.append((record, tensor))
 
-    def enter(self, call: Call) -> None:
+    def _process(self, kind: str, item: Any, now: Callable[[Any], None]) -> None:
+        """What a hook saw, in execution order: at once in eager mode when nothing waits (the
+        queue is skipped: hooks run hot), else queued for the end of the phase."""
         if self.mode == "eager" and not self._pending:
-            origin.enter(call)  # eager: nothing waits, so the queue is skipped (hooks run hot)
-            self._after_eager_hook()
+            now(item)
+            if self._pausing:
+                self._pause_if_needed()
+            if self.controller.pause_requested:
+                self._maybe_pause_on_request()
             return
-        self._pending.append(("enter", call))
+        self._pending.append((kind, item))
         self._after_hook()
+
+    def enter(self, call: Call) -> None:
+        self._process("enter", call, origin.enter)
 
     def exit(self, call: Call) -> None:
         if call.unscreened:
             if any(r.conditions for _, r in call.outputs):
                 for record, tensor in call.unscreened:
                     self.collect(record, tensor)
-                    call.fired_in |= record.conditions
+                origin.enter(call)  # what the inputs showed, now that they are screened
             call.unscreened = []
-        if self.mode == "eager" and not self._pending:
-            self._exit(call)
-            self._after_eager_hook()
-            return
-        self._pending.append(("exit", call))
-        self._after_hook()
+        self._process("exit", call, self._exit)
 
     def end_forward(self, root: Call) -> None:
         """The root forward returned. Deferred mode screens the model's outputs now. With a
@@ -587,13 +606,6 @@ class Session:
         backward_expected = torch.is_grad_enabled() and any(r.grad_hooked for _, r in root.outputs)
         if not backward_expected:
             self._end_phase()
-
-    def _after_eager_hook(self) -> None:
-        """_after_hook when an eager hook processed its item itself."""
-        if self._pausing:
-            self._pause_if_needed()
-        if self.controller.pause_requested:
-            self._maybe_pause_on_request()
 
     def _after_hook(self) -> None:
         """What a hook does last: judge now (eager, or deferred once the phase showed a problem)
@@ -648,12 +660,7 @@ class Session:
             )
 
     def grad(self, record: Record) -> None:
-        if self.mode == "eager" and not self._pending:
-            self._grad(record)
-            self._after_eager_hook()
-            return
-        self._pending.append(("grad", record))
-        self._after_hook()
+        self._process("grad", record, self._grad)
 
     def activation_grad(self, forward: Record, grad: torch.Tensor) -> None:
         """The gradient of a watched forward tensor. A clean deferred backward only notes it
@@ -716,6 +723,7 @@ class Session:
 
     def _start_phase(self, phase: str) -> None:
         self._release()
+        self._inv = {}
         self._records = []
         self._by_ref = {}
         self._triggered = False
@@ -885,10 +893,8 @@ class Session:
                 break
             if tensor is None:
                 return None  # the tensor is gone: no verdict
-            values = host_stats(tensor, missing)
-            if self._scaled(stats):
-                values = _unscale(missing, values, self._inv_scale())
-            stats.values.update(zip(missing, values, strict=True))
+            stats.values.update(zip(missing, self._host_values(stats, tensor, missing),
+                                    strict=True))  # fmt: skip
             again = active.rule.check(stats, active.state)
             if not isinstance(again, Refine):
                 return again
@@ -948,10 +954,7 @@ class Session:
         params_fired: set[int] = set()
         if self._param_fired:
             for name in call.params:
-                params_fired |= self._param_fired.get(name, params_fired)
-        if params_fired:  # a bad parameter inside explains the calls around it too
-            for ancestor in call.ancestors():
-                ancestor.fired_in = ancestor.fired_in | params_fired
+                params_fired |= self._param_fired.get(name, set())
         verdicts = origin.exit(call, params_fired)
         for suffix, record in call.outputs:
             for rule_id, finding in record.findings.items():
@@ -961,7 +964,7 @@ class Session:
                     self._hit(record, rule_id, finding, is_origin)
                 elif condition is not None and is_origin:
                     # Passed up from a submodule, but made by this module's own code.
-                    name = f"{call.base}.output{suffix}" if call.base else f"output{suffix}"
+                    name = call.tensor_name("output", suffix)
                     message = finding.message.replace(record.stats.name, name)
                     finding = Finding(finding.value, finding.threshold, message)
                     self._hit(record, rule_id, finding, True, call, "output", name)
@@ -989,7 +992,7 @@ class Session:
             name = record.stats.name
             if call is not None and kind == "grad_input":
                 suffix = next((s for s, r in call.inputs if r is record.grad_of), record.suffix)
-                name = f"{call.base}.grad_input{suffix}" if call.base else f"grad_input{suffix}"
+                name = call.tensor_name("grad_input", suffix)
             self._hit(record, rule_id, finding, is_origin, call, kind, name)
 
     def _observed(self, record: Record) -> None:
@@ -1127,21 +1130,26 @@ class Session:
 
     def _retain(self, record: Record, tensor: torch.Tensor) -> bool:
         """Keep a tensor of the phase for inspection. Eager mode judges it at once, so it keeps
-        a hit's tensor and the last EAGER_WINDOW tensors it saw; the others are held weakly:
-        what the training keeps anyway (most activations, saved for the backward pass) can
-        still be shown, and what it frees is freed soon (holding every freed gradient until the
-        phase ends makes each step fault in fresh memory)."""
+        a hit's tensor and the last EAGER_WINDOW tensors it saw (within ``retain_bytes``); the
+        others are held weakly: what the training keeps anyway (most activations, saved for the
+        backward pass) can still be shown, and what it frees is freed soon (holding every freed
+        gradient until the phase ends makes each step fault in fresh memory)."""
         if self.mode == "eager":
             if record.weak is None:
                 record.weak = weakref.ref(tensor)
             if record.tensor is None and record.nbytes <= self.retain_bytes:
-                record.tensor = tensor
                 window = self._window
-                window.append(record)
-                if len(window) > EAGER_WINDOW:
-                    old = window.popleft()
+                while window and (
+                    len(window) >= EAGER_WINDOW
+                    or self._retained + record.nbytes > self.retain_bytes
+                ):
+                    old = window.popleft()  # the oldest makes room (a hit's stays kept)
+                    self._retained -= old.nbytes
                     if not old.findings:
                         old.tensor = None
+                self._retained += record.nbytes
+                record.tensor = tensor
+                window.append(record)
             return True
         if self._retain_bytes(record.nbytes):
             record.tensor = tensor
@@ -1193,16 +1201,16 @@ class Session:
             if self._pending or len(self._batch) or self._forward_open:
                 self._end_phase()
             self._optimizer_stepped = True
-            self._grad_fired = {
-                r.param: set(r.conditions) for r in self._records if r.param and r.conditions
-            }
+            if self.phase != "optimizer":  # the first optimizer of the step: gradients are final
+                self._grad_fired = {r.param: set(r.conditions) for r in self._records
+                                    if r.stats.kind == "grad" and r.conditions}  # fmt: skip
             self._start_phase("optimizer")
             self._versions = {}
             self._snapshots = {}
+            owned = self._stepping[optimizer] = self._owned_params(optimizer)
             wanted = self._update_stats_wanted()
             if wanted is None:
                 return
-            owned = self._owned_params(optimizer)
             stepped = [p for p in owned if p.param.requires_grad and p.param.grad is not None]
             for p in stepped:
                 self._versions[p.name] = p.param._version
@@ -1228,7 +1236,8 @@ class Session:
         if self.broken or self.detached:
             return
         try:
-            self._check_parameters(self._owned_params(optimizer), self._update_stats_wanted())
+            owned = self._stepping.pop(optimizer, None) or self._owned_params(optimizer)
+            self._check_parameters(owned, self._update_stats_wanted())
             if optimizer is self.optimizers[0]:
                 self._finish_step()
                 self._maybe_pause_on_request(completed_step=True)
@@ -1239,7 +1248,9 @@ class Session:
 
     def _update_stats_wanted(self) -> tuple[Stat, ...] | None:
         """The statistics rules on ``update`` records need, or None when no rule looks at
-        updates."""
+        updates (cached until the rules change)."""
+        if "update" in self._applicable:
+            return self._applicable["update"]
         probe = TensorStats("*.update", "", "update", "optimizer", self.step, (1,), "float32",
                             trainable=True)  # fmt: skip
         wanted: dict[Stat, None] = {}
@@ -1250,7 +1261,8 @@ class Session:
                 wanted.update(dict.fromkeys(active.rule.stats_for(probe)))
             except Exception as e:
                 self._disable(active, e)
-        return tuple(wanted) or None
+        self._applicable["update"] = tuple(wanted) or None
+        return self._applicable["update"]
 
     def _check_parameters(self, owned: list[_Param], updates: tuple[Stat, ...] | None) -> None:
         """Parameters after an optimizer step (and at attach): their values and, for those the
@@ -1270,6 +1282,7 @@ class Session:
                 lo, hi = values[MIN], values[MAX]
                 if math.isfinite(lo) and math.isfinite(hi):
                     ranges[p.name] = (lo, hi)
+                    self._param_fired.pop(p.name, None)  # finite again, if it was not
                     continue
             record = _param_record(p, "param", p.name, self.step)
             self.collect(record, p.param.detach(), extra=RANGE if updates else ())
@@ -1382,10 +1395,26 @@ class Session:
     # --- mixed precision -------------------------------------------------------------------------
 
     def _inv_scale(self) -> torch.Tensor | None:
-        scale = getattr(self.scaler, "_scale", None)
-        if scale is None:
-            return None
-        return 1.0 / scale
+        """1 / the GradScaler's scale, on its device. Computed once per phase: the scale changes
+        only in ``scaler.update()``, after the step."""
+        if "device" not in self._inv:
+            scale = getattr(self.scaler, "_scale", None)
+            self._inv["device"] = None if scale is None else 1.0 / scale
+        return self._inv["device"]
+
+    def _inv_scale_host(self) -> float | None:
+        """The same as a Python float: one read per phase (on CUDA, one synchronization)."""
+        if "host" not in self._inv:
+            inv = self._inv_scale()
+            self._inv["host"] = None if inv is None else float(inv.item())
+        return self._inv["host"]
+
+    def _scale_vector(self, stats: tuple[Stat, ...]) -> torch.Tensor | None:
+        """What multiplies a statistics vector of a scaled gradient (cached per phase)."""
+        if stats not in self._inv:
+            inv = self._inv_scale()
+            self._inv[stats] = None if inv is None else scale_vector(stats, inv)
+        return self._inv[stats]
 
     def _wrap_scaler(self) -> None:
         scaler = self.scaler
@@ -1405,6 +1434,7 @@ class Session:
         scaler.update = update
 
     def _after_scaler_update(self) -> None:
+        self._inv = {}
         skipped = not self._optimizer_stepped
         self._optimizer_stepped = False
         deferred, self._deferred = self._deferred, []
@@ -1465,15 +1495,6 @@ def _silent_when_finite(active: ActiveRule, stats: TensorStats) -> bool:
         return bool(active.rule.silent_when_finite(stats))
     except Exception:
         return False
-
-
-def _unscale(
-    stats: tuple[Stat, ...], values: list[float], inv_scale: torch.Tensor | None
-) -> list[float]:
-    if inv_scale is None:
-        return values
-    inv = float(inv_scale.item())
-    return [v * inv if s.name in SCALE_LINEAR else v for s, v in zip(stats, values, strict=True)]
 
 
 def _param_record(p: _Param, kind: str, name: str, step: int) -> Record:

@@ -1,0 +1,89 @@
+"""What a session remembers between hooks, steps and optimizers, and what it lets go of."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+from models import mlp
+from torch import nn
+
+from tensordbg.rules import NaN
+
+
+class LogScale(nn.Module):
+    """``log(x) * weight``: its own code makes NaN from negative inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x) * self.weight
+
+
+def test_the_second_optimizer_judges_its_parameters_against_the_gradients(watch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    first = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    second = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    session = watch(model, optimizer=[first, second], on_hit="record", rules=[NaN()])
+    model[1].weight.register_hook(lambda g: g * float("nan"))  # a NaN gradient, planted
+    model(torch.randn(3, 4)).sum().backward()
+    first.step()
+    second.step()  # steps model[1] with that gradient: its weight turns NaN
+    [grad] = [h for h in session.hits if h.kind == "grad"]
+    [param] = [h for h in session.hits if h.kind == "param"]
+    assert (grad.tensor, grad.origin) == ("1.weight.grad", True)
+    assert (param.tensor, param.origin) == ("1.weight", False)  # the gradient made it
+
+
+def test_a_repaired_parameter_no_longer_explains_a_nan_its_module_makes(watch):
+    model = LogScale()
+    with torch.no_grad():
+        model.weight.fill_(float("nan"))
+    session = watch(model, on_hit="record", rules=[NaN()], sync="eager")
+    assert [(h.kind, h.origin) for h in session.hits] == [("param", True)]
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    session.check_parameters()  # finite again
+    model(-torch.ones(2, 4))  # log of negatives: this module's own code makes the NaN
+    [hit] = [h for h in session.hits if h.kind == "output"]
+    assert hit.origin
+
+
+def test_detach_lets_go_of_the_model_its_optimizer_and_what_a_hit_held(watch):
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=optimizer, on_hit="record")
+    x = torch.randn(3, 4)
+    x[0, 0] = float("nan")
+    model(x).sum().backward()
+    optimizer.step()
+    assert session.hits
+    refs = [weakref.ref(model), weakref.ref(optimizer), weakref.ref(model[0].weight)]
+    session.detach()
+    del model, optimizer, x
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
+    assert session.hits and session.summary()  # what was found stays readable
+
+
+def test_eager_checks_keep_recent_tensors_within_the_budget(watch):
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(12)))
+    nbytes = 16 * 8 * 4  # one activation
+    seen: list[tuple[str, bool]] = []
+
+    def on_hit(hit):
+        if not seen:
+            seen.extend((r.stats.name, r.tensor is not None) for r in session.records)
+
+    session = watch(model, on_hit=on_hit, rules=[NaN()], sync="eager", retain_bytes=3 * nbytes)
+    with torch.no_grad():
+        model[11].bias.fill_(float("nan"))  # after attach: found in the forward, at 11.output
+    model(torch.randn(16, 8))
+    assert seen[-1] == ("11.output", True)  # a hit's own tensor: kept whatever the budget
+    kept = [name for name, strong in seen[:-1] if strong]
+    assert len(kept) <= 3 and kept == [name for name, _ in seen[-1 - len(kept) : -1]]
