@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, ClassVar
 
 from tensordbg.rules.base import Finding, Rule, _matches
 from tensordbg.stats import Stat, TensorStats, dead_unit_frac
@@ -15,7 +16,62 @@ def _unit_dim(t: TensorStats) -> int:
     return 1 if len(t.shape) in (4, 5) else -1
 
 
-class DeadActivation(Rule):
+class _UnitActivity(Rule):
+    """What DeadActivation and SaturatedActivation share: a unit (a channel of a conv map, a
+    feature otherwise) is inactive when it is live in under ``inactivity_threshold`` of its
+    values, and the layer is reported when more than ``layer_threshold`` of its units are."""
+
+    kinds = frozenset({"output"})
+    # For the message: what an inactive unit is called, what being live means, what to do.
+    inactive: ClassVar[str]
+    live: ClassVar[str]
+    advice: ClassVar[str]
+
+    def __init__(
+        self,
+        module_types: Iterable[str],
+        inactivity_threshold: float,
+        layer_threshold: float,
+        /,
+        **selection: Any,
+    ):
+        super().__init__(**selection)
+        self.module_types = tuple(module_types)
+        self.inactivity_threshold = inactivity_threshold
+        self.layer_threshold = layer_threshold
+
+    def _live_range(self, t: TensorStats) -> tuple[float, float] | None:
+        """The open range (lo, hi) of live values of ``t``; None when it is not known."""
+        raise NotImplementedError
+
+    def _stat(self, t: TensorStats) -> Stat | None:
+        live = self._live_range(t)
+        if live is None:
+            return None
+        return dead_unit_frac(*live, _unit_dim(t), self.inactivity_threshold)
+
+    def stats_for(self, t: TensorStats) -> tuple[Stat, ...]:
+        stat = self._stat(t)
+        return () if stat is None else (stat,)
+
+    def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
+        stat = self._stat(t)
+        frac = t.get(stat) if stat is not None else None
+        if frac is None or not frac > self.layer_threshold:
+            return None
+        return Finding(
+            frac,
+            self.layer_threshold,
+            f"{t.name} ({t.module_type or 'activation'}) has {frac:.0%} {self.inactive} units, "
+            f"{self.live} in under {self.inactivity_threshold:.0%} of their values (threshold "
+            f"{self.layer_threshold:.0%}); {self.advice}",
+        )
+
+
+_RELU_LIKE = ("ReLU", "ReLU6", "GELU", "SiLU", "ELU", "CELU", "SELU", "Mish")
+
+
+class DeadActivation(_UnitActivity):
     """Activation layers most of whose units never fire (dead ReLUs and their relatives).
 
     Defaults: SageMaker's DeadRelu. A unit (a channel of a conv map, a feature otherwise) is dead
@@ -26,29 +82,22 @@ class DeadActivation(Rule):
     Example: ``DeadActivation(match="*.act.output")`` judges custom activations by name.
     """
 
-    kinds = frozenset({"output"})
+    inactive = "dead"
+    live = "positive"
+    advice = (
+        "dead units pass no gradient and stop learning: lower the learning rate, check the "
+        "initialisation and biases, or use a leaky activation."
+    )
 
     def __init__(
         self,
         *,
-        module_types: tuple[str, ...] = (
-            "ReLU",
-            "ReLU6",
-            "GELU",
-            "SiLU",
-            "ELU",
-            "CELU",
-            "SELU",
-            "Mish",
-        ),
+        module_types: tuple[str, ...] = _RELU_LIKE,
         inactivity_threshold: float = 0.01,
         layer_threshold: float = 0.5,
         **selection: Any,
     ):
-        super().__init__(**selection)
-        self.module_types = tuple(module_types)
-        self.inactivity_threshold = inactivity_threshold
-        self.layer_threshold = layer_threshold
+        super().__init__(module_types, inactivity_threshold, layer_threshold, **selection)
 
     def applies(self, t: TensorStats) -> bool:
         if not super().applies(t):
@@ -56,24 +105,8 @@ class DeadActivation(Rule):
         named = any(p != "*" and _matches(t, p) for p in self.match)
         return named or t.module_type in self.module_types
 
-    def _stat(self, t: TensorStats) -> Stat:
-        return dead_unit_frac(0, math.inf, _unit_dim(t), self.inactivity_threshold)
-
-    def stats_for(self, t: TensorStats) -> tuple[Stat, ...]:
-        return (self._stat(t),)
-
-    def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
-        dead = t.get(self._stat(t))
-        if dead is None or not dead > self.layer_threshold:
-            return None
-        return Finding(
-            dead,
-            self.layer_threshold,
-            f"{t.name} ({t.module_type or 'activation'}) has {dead:.0%} dead units, positive "
-            f"in under {self.inactivity_threshold:.0%} of their values (threshold "
-            f"{self.layer_threshold:.0%}); dead units pass no gradient and stop learning: lower "
-            "the learning rate, check the initialisation and biases, or use a leaky activation.",
-        )
+    def _live_range(self, t: TensorStats) -> tuple[float, float]:
+        return (0.0, math.inf)
 
 
 # SageMaker's saturation bounds are on the pre-activation; the live range of the output is their
@@ -84,7 +117,7 @@ _LIVE_OUTPUT = {
 }
 
 
-class SaturatedActivation(Rule):
+class SaturatedActivation(_UnitActivity):
     """Tanh and Sigmoid layers most of whose units are stuck at the flat ends of the curve.
 
     Defaults: SageMaker's SaturatedActivation, whose bounds are on the input (tanh beyond
@@ -96,7 +129,12 @@ class SaturatedActivation(Rule):
     Example: ``SaturatedActivation(module_types=("Sigmoid",))`` watches sigmoid gates only.
     """
 
-    kinds = frozenset({"output"})
+    inactive = "saturated"
+    live = "off the flat ends of the curve"
+    advice = (
+        "saturated units pass almost no gradient: normalise the layer's input, lower the "
+        "learning rate, or check the initialisation."
+    )
 
     def __init__(
         self,
@@ -106,45 +144,27 @@ class SaturatedActivation(Rule):
         layer_threshold: float = 0.5,
         **selection: Any,
     ):
-        super().__init__(**selection)
-        unknown = set(module_types) - set(_LIVE_OUTPUT)
+        super().__init__(module_types, inactivity_threshold, layer_threshold, **selection)
+
+    @property
+    def module_types(self) -> tuple[str, ...]:
+        return self._module_types
+
+    @module_types.setter
+    def module_types(self, types: Iterable[str]) -> None:
+        # A setter, so that set_params is refused an unknown type as the constructor is.
+        types = tuple(types)
+        unknown = set(types) - set(_LIVE_OUTPUT)
         if unknown:
             raise ValueError(
                 f"SaturatedActivation knows the saturation bounds of {', '.join(_LIVE_OUTPUT)} "
                 f"only, not of {', '.join(sorted(unknown))}; use TensorRange with "
                 "range_lo/range_hi and range_percentage_lt for other activations"
             )
-        self.module_types = tuple(module_types)
-        self.inactivity_threshold = inactivity_threshold
-        self.layer_threshold = layer_threshold
+        self._module_types = types
 
     def applies(self, t: TensorStats) -> bool:
-        return (
-            super().applies(t)
-            and t.module_type in self.module_types
-            and t.module_type in _LIVE_OUTPUT
-        )
+        return super().applies(t) and t.module_type in self.module_types
 
-    def _stat(self, t: TensorStats) -> Stat | None:
-        if t.module_type not in _LIVE_OUTPUT:
-            return None
-        lo, hi = _LIVE_OUTPUT[t.module_type]
-        return dead_unit_frac(lo, hi, _unit_dim(t), self.inactivity_threshold)
-
-    def stats_for(self, t: TensorStats) -> tuple[Stat, ...]:
-        stat = self._stat(t)
-        return () if stat is None else (stat,)
-
-    def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
-        stat = self._stat(t)
-        saturated = t.get(stat) if stat is not None else None
-        if saturated is None or not saturated > self.layer_threshold:
-            return None
-        return Finding(
-            saturated,
-            self.layer_threshold,
-            f"{t.name} ({t.module_type}) has {saturated:.0%} saturated units, off the flat ends "
-            f"of the curve in under {self.inactivity_threshold:.0%} of their values (threshold "
-            f"{self.layer_threshold:.0%}); saturated units pass almost no gradient: normalise "
-            "the layer's input, lower the learning rate, or check the initialisation.",
-        )
+    def _live_range(self, t: TensorStats) -> tuple[float, float] | None:
+        return _LIVE_OUTPUT.get(t.module_type)

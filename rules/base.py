@@ -208,8 +208,8 @@ def judge_array(
 
     x = np.asarray(array)
     prev = where.pop("prev", None)
-    probe = stats_from_numpy(x, (), prev=prev, **where)
-    t = stats_from_numpy(x, rule.stats_for(probe), prev=prev, **where)
+    t = stats_from_numpy(x, (), prev=prev, **where)
+    t.values.update(compute_numpy(x, rule.stats_for(t), prev))
     state = {} if state is None else state
     verdict = rule.check(t, state)
     for _ in range(3):  # as the engine: a few refinements, then no verdict
@@ -221,6 +221,19 @@ def judge_array(
         t.values.update(compute_numpy(x, missing, prev))
         verdict = rule.check(t, state)
     return verdict if isinstance(verdict, Finding) else None
+
+
+def nonfinite_count(t: TensorStats, counts: Sequence[Stat], what: str) -> tuple[float, str]:
+    """How many elements of ``t`` the ``counts`` (of NAN, POSINF, NEGINF) add up to, as a
+    finding's value and as words for its message: ``(3.0, "3 NaN")``. When they were not counted
+    (only the range or the finite screen told), ``(1.0, "NaN (not counted)")``: at least one."""
+    if t.summary is not None:
+        count = sum(getattr(t.summary, stat.name) for stat in counts)
+    elif all(stat in t.values for stat in counts):
+        count = sum(int(t.values[stat]) for stat in counts)
+    else:
+        return 1.0, f"{what} (not counted)"
+    return float(count), f"{count} {what}"
 
 
 def _matches(t: TensorStats, pattern: str) -> bool:

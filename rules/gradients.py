@@ -6,8 +6,8 @@ import math
 import statistics
 from typing import Any
 
-from tensordbg.rules.base import Finding, Refine, Rule
-from tensordbg.stats import ABS_MEAN, FINITE, L2, MAX, MIN, TensorStats
+from tensordbg.rules.base import Finding, Refine, Rule, nonfinite_count
+from tensordbg.stats import ABS_MEAN, FINITE, L2, MAX, MIN, NAN, NEGINF, POSINF, TensorStats
 
 
 class ExplodingGradient(Rule):
@@ -42,11 +42,11 @@ class ExplodingGradient(Rule):
 
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
         if t.nonfinite:
-            count = t.summary.nonfinite if t.summary is not None else 1
+            count, nonfinite = nonfinite_count(t, (NAN, POSINF, NEGINF), "NaN/Inf values")
             return Finding(
-                float(count),
+                count,
                 None,
-                f"{t.name} holds {count} NaN/Inf values among {t.numel}; the gradient "
+                f"{t.name} holds {nonfinite} among {t.numel}; the gradient "
                 "overflowed: lower the learning rate, clip gradients, or with float16 use a "
                 "GradScaler.",
             )

@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from tensordbg.rules.base import Finding, Rule
+from tensordbg.rules.base import Finding, Rule, nonfinite_count
 from tensordbg.stats import (
     ABS_MEAN,
     FINITE,
@@ -16,6 +16,8 @@ from tensordbg.stats import (
     MEAN,
     MIN,
     NAN,
+    NEGINF,
+    POSINF,
     ZERO_FRAC,
     Stat,
     TensorStats,
@@ -54,11 +56,11 @@ class NaN(Rule):
             )
         if not t.has_nan:
             return None
-        count = t.summary.nan if t.summary is not None else int(t.values.get(NAN, 1))
+        count, nan = nonfinite_count(t, (NAN,), "NaN")
         return Finding(
-            float(count),
+            count,
             None,
-            f"{t.name} holds {count} NaN among {t.numel} values; a NaN usually comes from 0/0, "
+            f"{t.name} holds {nan} among {t.numel} values; a NaN usually comes from 0/0, "
             "log or sqrt of a negative or zero value, or an overflow just before.",
         )
 
@@ -91,12 +93,12 @@ class Overflow(Rule):
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
         if t.has_inf:
             s = t.summary
-            count = s.posinf + s.neginf if s is not None else 1
+            count, infinite = nonfinite_count(t, (POSINF, NEGINF), "infinite values")
             signs = f" (+Inf×{s.posinf}, -Inf×{s.neginf})" if s is not None else ""
             return Finding(
-                float(count),
+                count,
                 None,
-                f"{t.name} holds {count} infinite values{signs} among {t.numel}; a value "
+                f"{t.name} holds {infinite}{signs} among {t.numel}; a value "
                 f"overflowed {t.dtype}: usually too high a learning rate, exp of a large input "
                 "or a division by a value near zero.",
             )

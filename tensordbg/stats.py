@@ -19,9 +19,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-# Kinds of watched tensors and the phase each is captured in.
+# Kinds of watched tensors.
 KINDS = ("input", "output", "grad_output", "grad_input", "param", "grad", "update", "observed")
-PHASES = ("forward", "backward", "optimizer")
 
 # Largest finite value of each floating dtype, by torch's dtype name.
 FLOAT_MAX: dict[str, float] = {
@@ -83,8 +82,9 @@ def in_range_frac(lo: float, hi: float) -> Stat:
 
 def dead_unit_frac(lo: float, hi: float, unit_dim: int, min_live: float) -> Stat:
     """Fraction of units (indices along ``unit_dim``) that are live in under ``min_live`` of
-    their elements, where an element is live when lo < x < hi. A ReLU unit is dead when it is
-    positive for under 1 % of the batch: ``dead_unit_frac(0, inf, -1, 0.01)``."""
+    their elements, where an element is live when lo < x < hi (lo < x when hi is inf, so that
+    +Inf is live). A ReLU unit is dead when it is positive for under 1 % of the batch:
+    ``dead_unit_frac(0, inf, -1, 0.01)``."""
     return Stat("dead_unit_frac", (float(lo), float(hi), float(unit_dim), float(min_live)))
 
 
@@ -120,10 +120,6 @@ class Summary:
 
     def as_dict(self) -> dict[str, float | int]:
         return {name: getattr(self, name) for name in self.__slots__}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, float | int]) -> Summary:
-        return cls(**{k: data[k] for k in cls.__slots__ if k in data})
 
 
 def _g(x: float) -> str:
@@ -259,6 +255,10 @@ class TensorStats:
 # numpy reference implementation (offline rules, tests, replay)
 
 
+# Statistics numpy computes in float64, whatever the array's dtype.
+_WIDE = frozenset({"mean", "std", "abs_mean", "l2"}) | UPDATE_STATS
+
+
 def compute_numpy(
     array: np.ndarray, stats: Iterable[Stat], prev: np.ndarray | None = None
 ) -> dict[Stat, float]:
@@ -266,15 +266,19 @@ def compute_numpy(
     x = np.asarray(array)
     if not np.issubdtype(x.dtype, np.floating):
         x = x.astype(np.float64)
-    out: dict[Stat, float] = {}
-    for stat in stats:
-        out[stat] = float(_numpy_stat(x, stat, prev))
-    return out
+    stats = tuple(stats)
+    wide = x.astype(np.float64, copy=False) if any(s.name in _WIDE for s in stats) else x
+    before = None
+    if any(s.name in UPDATE_STATS for s in stats):
+        if prev is None:
+            missing = next(s for s in stats if s.name in UPDATE_STATS)
+            raise ValueError(f"statistic {missing} needs the previous value of the tensor")
+        before = np.asarray(prev, dtype=np.float64)
+    return {stat: float(_numpy_stat(x, wide, stat, before)) for stat in stats}
 
 
-def _numpy_stat(x: np.ndarray, stat: Stat, prev: np.ndarray | None) -> float:
+def _numpy_stat(x: np.ndarray, wide: np.ndarray, stat: Stat, before: np.ndarray | None) -> float:
     name, p = stat.name, stat.params
-    wide = x.astype(np.float64, copy=False)
     if name == "finite":
         return float(np.isfinite(x).all())
     if name == "min":
@@ -301,20 +305,17 @@ def _numpy_stat(x: np.ndarray, stat: Stat, prev: np.ndarray | None) -> float:
         return float(np.count_nonzero((x >= p[0]) & (x <= p[1]))) / x.size
     if name == "dead_unit_frac":
         lo, hi, dim, min_live = p
-        live = ((x > lo) & (x < hi)).astype(np.float64)
+        live = (x > lo if hi == math.inf else (x > lo) & (x < hi)).astype(np.float64)
         unit_dim = int(dim) % x.ndim
         other = tuple(d for d in range(x.ndim) if d != unit_dim)
         live_frac = live.mean(axis=other) if other else live
         return float(np.mean(live_frac < min_live))
-    if name in UPDATE_STATS:
-        if prev is None:
-            raise ValueError(f"statistic {stat} needs the previous value of the tensor")
-        before = np.asarray(prev, dtype=np.float64)
+    if before is not None and name in UPDATE_STATS:
+        if name == "prev_abs_mean":
+            return float(np.mean(np.abs(before)))
         delta = np.abs(wide - before)
         if name == "update_abs_mean":
             return float(np.mean(delta))
-        if name == "prev_abs_mean":
-            return float(np.mean(np.abs(before)))
         rtol, atol = p
         return float(np.all(delta <= atol + rtol * np.abs(before)))
     raise KeyError(f"unknown statistic {stat}")

@@ -14,7 +14,18 @@ from typing import Any
 
 import torch
 
-from tensordbg.stats import FINITE, UPDATE_STATS, Stat, Summary
+from tensordbg.stats import (
+    ABS_MEAN,
+    FINITE,
+    L2,
+    MAX,
+    MEAN,
+    MIN,
+    STD,
+    UPDATE_STATS,
+    Stat,
+    Summary,
+)
 
 _F64 = torch.float64
 
@@ -22,11 +33,11 @@ _F64 = torch.float64
 # too large. Counts and fractions do not scale.
 SCALE_LINEAR = frozenset({"min", "max", "mean", "std", "abs_mean", "l2"})
 
-# What every watched tensor gets: whether it is finite (one sum, or free with a witness above).
+# What every watched tensor gets: whether it is finite (one sum, or free with a witness below).
 SCREEN = (FINITE,)
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-# torch dtypes that have no NaN: never watched.
+# Dtypes that torch reduces as they are; others (fp8) are widened to float32 first.
 _FLOATING = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -47,8 +58,8 @@ def watchable(t: object) -> bool:
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
-    """The tensor in a dtype that reductions support and that holds their results: fp8 and the
-    half types are widened to float32 where a kernel would otherwise overflow or be missing."""
+    """The tensor in a dtype that torch's reductions support: fp8 is widened to float32. (The
+    half types stay as they are; the kernels that would overflow them accumulate in float32.)"""
     if t.dtype in _FLOATING:
         return t
     return t.float()
@@ -58,8 +69,17 @@ def device_stats(t: torch.Tensor, stats: Sequence[Stat]) -> torch.Tensor:
     """The values of ``stats`` for ``t`` as one float64 vector on ``t``'s device (no sync)."""
     x = _wide(t.detach())
     n = x.numel()
-    cache: dict[str, torch.Tensor] = {}
-    out = [_kernel(stat, x, n, cache).to(_F64) for stat in stats]
+    witnesses = _witnesses(stats)
+    cache: dict[str, Any] = {}
+    values: dict[Stat, torch.Tensor] = {}
+    for stat in (*stats, *witnesses):
+        if stat not in values and stat != FINITE:
+            values[stat] = _kernel(stat, x, n, cache)
+    if len(witnesses) == 1:
+        values[FINITE] = torch.isfinite(values[witnesses[0]])
+    elif witnesses:
+        values[FINITE] = torch.isfinite(torch.stack([values[w] for w in witnesses])).all()
+    out = [values[stat].to(_F64) for stat in stats]
     return torch.stack(out) if out else x.new_empty(0, dtype=_F64)
 
 
@@ -67,51 +87,51 @@ def host_stats(t: torch.Tensor, stats: Sequence[Stat]) -> list[float]:
     """The values of ``stats`` for ``t`` as Python floats, read at once: the eager path. On the CPU
     reading a value costs nothing; on CUDA each read synchronizes (batched mode avoids that)."""
     x = _wide(t.detach())
-    if len(stats) == 1 and stats[0] is FINITE:  # most tensors, most steps: one sum
+    if len(stats) == 1 and stats[0] == FINITE:  # most tensors, most steps: one sum
         return [1.0 if math.isfinite(_sum(x).item()) else 0.0]
     n = x.numel()
+    witnesses = _witnesses(stats)
     cache: dict[str, Any] = {}
-    values: dict[str, float] = {}
-    for stat in stats:
-        if stat.name == "mean" or (stat.name == "finite" and not _has_witness(stats)):
+    values: dict[Stat, float] = {}
+    for stat in (*stats, *witnesses):
+        if stat in values or stat == FINITE:
+            continue
+        if stat.name == "mean":
             # From the one sum, in Python: arithmetic on 0-d tensors costs microseconds each.
-            if "total" not in cache:
-                cache["total"] = float(_cached_sum(x, cache).item())
-        elif stat.name != "finite":
-            values[stat] = float(_kernel(stat, x, n, cache).item())
-    out = []
-    for stat in stats:
-        if stat.name == "finite":
-            witnesses = [v for s, v in values.items() if s.name in NAN_WITNESSES]
-            if "total" in cache:
-                witnesses.append(cache["total"])
-            out.append(float(all(math.isfinite(v) for v in witnesses)))
-        elif stat.name == "mean":
-            out.append(cache["total"] / n)
+            values[stat] = _cached_sum(x, cache).item() / n
         else:
-            out.append(values[stat])
-    return out
+            values[stat] = float(_kernel(stat, x, n, cache).item())
+    if witnesses:
+        values[FINITE] = float(all(math.isfinite(values[w]) for w in witnesses))
+    return [values[stat] for stat in stats]
 
 
-# Statistics that a single NaN or Inf makes non-finite: any of them is a witness for "finite",
-# so that statistic costs no pass of its own when one of these is computed anyway. (A witness can
-# also overflow on finite values; the engine then counts, which settles it.)
-NAN_WITNESSES = frozenset({"min", "max", "l2", "abs_mean", "std", "mean"})
+# Statistics that a single NaN or Inf makes non-finite: any of them is a witness for "finite", so
+# that statistic costs no pass of its own when one of these is computed anyway. Min and max witness
+# together (one pass gives both; +Inf shows in the max only). A witness can also overflow on finite
+# values (the L2 norm of 1e20s): "finite" is then 0, and the engine counts NaN and Inf, which
+# settles it.
+NAN_WITNESSES = (MIN, MAX, MEAN, STD, ABS_MEAN, L2)
+# The witness when none is computed anyway: the sum, which NaN and Inf both poison.
+_SUM = Stat("sum")
 
 
-def _has_witness(stats: Sequence[Stat]) -> bool:
-    return any(s.name in NAN_WITNESSES and s.name != "mean" for s in stats)
+def _witnesses(stats: Sequence[Stat]) -> tuple[Stat, ...]:
+    """The statistics "finite" is read from, the one rule of device_stats and host_stats: those
+    of ``stats`` that witness it, else the sum; none when ``stats`` does not ask for "finite"."""
+    if FINITE not in stats:
+        return ()
+    names = {s.name for s in stats}
+    if "min" in names or "max" in names:
+        names |= {"min", "max"}
+    return tuple(w for w in NAN_WITNESSES if w.name in names) or (_SUM,)
 
 
 def _kernel(stat: Stat, x: torch.Tensor, n: int, cache: dict[str, Any]) -> torch.Tensor:
     """One statistic as a 0-d tensor on the device (of whatever dtype the reduction gives)."""
     name = stat.name
-    if name == "finite":
-        # A finite sum proves every element finite. A non-finite one may be an overflow of the sum:
-        # the engine then counts NaN and Inf, which settles it.
-        if "minmax" in cache:
-            return torch.isfinite(torch.stack(cache["minmax"])).all()
-        return torch.isfinite(_cached_sum(x, cache))
+    if name == "sum":
+        return _cached_sum(x, cache)
     if name == "mean":
         return _cached_sum(x, cache) / n
     if name in ("min", "max"):
@@ -142,7 +162,10 @@ def _kernel(stat: Stat, x: torch.Tensor, n: int, cache: dict[str, Any]) -> torch
         return torch.count_nonzero((x >= lo) & (x <= hi)) / n
     if name == "dead_unit_frac":
         lo, hi, dim, min_live = stat.params
-        live = ((x > lo) & (x < hi)).to(torch.float32)
+        live = x > lo if hi == math.inf else (x > lo) & (x < hi)
+        # torch copies a bool mask before any reduction by dim (to int64 for sum and count_nonzero):
+        # float32 is the cheapest copy.
+        live = live.to(torch.float32)
         unit_dim = int(dim) % x.dim()
         others = [d for d in range(x.dim()) if d != unit_dim]
         live_frac = live.mean(dim=others) if others else live
@@ -173,25 +196,25 @@ def update_stats(
     cur = _wide(current.detach())
     prev = _wide(previous)
     n = cur.numel()
-    out: list[torch.Tensor] = []
-    cache: dict[str, torch.Tensor] = {}
-    delta: torch.Tensor | None = None
+    values: dict[Stat, torch.Tensor] = {}
+    others = [s for s in stats if s.name not in UPDATE_STATS]
+    if others:
+        values.update(zip(others, device_stats(cur, others).unbind(), strict=True))
+    # |p - p_prev|: one subtraction for all the statistics that need it, never changed in place.
+    delta = None
+    if any(s.name in ("update_abs_mean", "update_unchanged") for s in stats):
+        delta = (cur - prev).abs_()
     for stat in stats:
-        if stat.name not in UPDATE_STATS:
-            out.append(_kernel(stat, cur, n, cache).to(_F64))
-            continue
-        if stat.name == "prev_abs_mean":
-            out.append(torch.linalg.vector_norm(prev, 1, dtype=_accum(prev)).to(_F64) / n)
-            continue
-        if delta is None:
-            delta = (cur - prev).abs_()
-        if stat.name == "update_abs_mean":
-            out.append(delta.sum(dtype=_accum(delta)).to(_F64) / n)
-        else:  # update_unchanged: every element within atol + rtol * |prev|
+        if stat.name == "prev_abs_mean":  # vector_norm(prev, 1) is ~2-8x slower on CPU
+            values[stat] = prev.abs().sum(dtype=_accum(prev)).to(_F64) / n
+        elif stat.name == "update_abs_mean":
+            values[stat] = delta.sum(dtype=_accum(delta)).to(_F64) / n
+        elif stat.name == "update_unchanged":  # every element within atol + rtol * |prev|
             rtol, atol = stat.params
-            excess = delta.sub_(prev.abs().mul_(rtol)).amax()
-            delta = None  # consumed in place
-            out.append((excess <= atol).to(_F64))
+            bound = prev.abs().mul_(rtol)
+            excess = torch.sub(delta, bound, out=bound).amax()  # in bound's buffer: no third one
+            values[stat] = (excess <= atol).to(_F64)
+    out = [values[stat] for stat in stats]
     return torch.stack(out) if out else cur.new_empty(0, dtype=_F64)
 
 
@@ -213,13 +236,14 @@ def summary_vector(t: torch.Tensor) -> torch.Tensor:
     Moments are over finite elements, so a tensor with a few NaN still shows its range."""
     x = _wide(t.detach()).reshape(-1)
     n = x.numel()
-    nonfinite = n - torch.count_nonzero(torch.isfinite(x))
+    finite = torch.isfinite(x)
+    nonfinite = n - torch.count_nonzero(finite)
     # The common case pays no mask: one host read tells whether there is anything to mask.
     if int(nonfinite):
         nan = torch.count_nonzero(torch.isnan(x))
         posinf = torch.count_nonzero(x == math.inf)
         neginf = nonfinite - nan - posinf
-        x = x[torch.isfinite(x)]
+        x = x[finite]
     else:
         nan = posinf = neginf = torch.zeros((), dtype=torch.int64, device=x.device)
     zeros = x.numel() - torch.count_nonzero(x)

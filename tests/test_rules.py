@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import tensordbg.rules.base as rules_base
+import tensordbg.stats as stats_module
 from tensordbg.rules import (
     BUILTIN,
     DEFAULT,
@@ -37,9 +38,14 @@ from tensordbg.rules import (
 from tensordbg.rules.base import SELECTION_ARGS, builtin_rules, judge_array
 from tensordbg.stats import (
     ABS_MEAN,
+    FINITE,
     FLOAT_MAX,
+    L2,
     MAX,
     MIN,
+    NAN,
+    NEGINF,
+    POSINF,
     STD,
     TensorStats,
     dead_unit_frac,
@@ -85,6 +91,22 @@ def test_nan_is_found_with_its_count():
 def test_nan_counts_one_when_only_the_range_is_known():
     t = TensorStats("x", "", "output", "forward", 0, (4,), "float32", {MIN: math.nan, MAX: 1.0})
     assert NaN().check(t, {}).value == 1.0
+
+
+def test_uncounted_nan_and_inf_are_said_to_be_uncounted_and_known_counts_are_used():
+    def stats(values: dict) -> TensorStats:
+        return TensorStats("x", "", "grad", "backward", 0, (4,), "float32", values)
+
+    only_range = stats({MIN: -math.inf, MAX: math.nan})
+    assert "holds NaN (not counted) among 4 values" in NaN().check(only_range, {}).message
+    assert "holds infinite values (not counted) among 4" in Overflow().check(only_range, {}).message
+    found = ExplodingGradient().check(stats({FINITE: 0.0, L2: math.inf}), {})
+    assert (found.value, found.threshold) == (1.0, None)
+    assert "holds NaN/Inf values (not counted) among 4" in found.message
+    counted = stats({FINITE: 0.0, NAN: 1.0, POSINF: 2.0, NEGINF: 0.0})
+    assert Overflow().check(counted, {}).value == 2.0
+    assert "holds 2 infinite values among 4" in Overflow().check(counted, {}).message
+    assert "holds 3 NaN/Inf values among 4" in ExplodingGradient().check(counted, {}).message
 
 
 def test_nan_is_quiet_on_finite_values_and_infinities():
@@ -430,6 +452,11 @@ def test_saturated_activation_is_quiet_on_a_healthy_tanh_and_refuses_unknown_typ
     )
     with pytest.raises(ValueError, match="knows the saturation bounds of Tanh, Sigmoid only"):
         SaturatedActivation(module_types=("Hardtanh",))
+    rule = SaturatedActivation()
+    with pytest.raises(ValueError, match="knows the saturation bounds of Tanh, Sigmoid only"):
+        rule.set_params(module_types=["Tanh", "Hardtanh"])
+    rule.set_params(module_types=["Sigmoid"])
+    assert rule.module_types == ("Sigmoid",)
 
 
 # --- loss -----------------------------------------------------------------------------------------
@@ -550,6 +577,17 @@ def test_missing_statistics_give_no_verdict(name):
     assert rule.applies(t)
     state: dict = {}
     assert rule.check_phase([t, t], state) == []
+
+
+def test_judging_an_array_computes_its_summary_once(monkeypatch):
+    summaries = []
+    summarize = stats_module.summarize_numpy
+    monkeypatch.setattr(
+        stats_module, "summarize_numpy", lambda x: summaries.append(x) or summarize(x)
+    )
+    found = judge(NaN(), np.array([1.0, np.nan]), name="fc.output", kind="output")
+    assert found.value == 1.0
+    assert len(summaries) == 1
 
 
 def test_rules_never_import_torch():
