@@ -362,11 +362,6 @@ class LocalClient:
         self._closed = False
         self.welcome: dict[str, Any] = roundtrip(welcome(source))
 
-    @classmethod
-    async def connect(cls, source: Source) -> LocalClient:
-        """Like :meth:`Client.connect`, for code that treats both alike."""
-        return await asyncio.to_thread(cls, source)
-
     async def call(self, method: str, /, **params: Any) -> Any:
         """Run one request; raises :class:`RemoteError` as the Client does."""
         if self._closed:

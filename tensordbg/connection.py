@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tensordbg.protocol import PROTOCOL_VERSION
+from tensordbg.protocol import PROTOCOL_VERSION, process_exists
 
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _FILE_LIMIT = 64 * 1024  # a connection file is a few hundred bytes
@@ -320,12 +320,4 @@ def _check_private_dir(path: Path) -> None:
 def _is_live(info: ConnectionInfo) -> bool:
     """Whether the session's process still runs; a session on another host cannot be checked
     from here and counts as live."""
-    if info.host != socket.gethostname():
-        return True
-    try:
-        os.kill(info.pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return info.host != socket.gethostname() or process_exists(info.pid)

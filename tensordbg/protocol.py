@@ -47,7 +47,7 @@ EVENTS = ("status", "hit", "state", "log")
 
 # Limits. A client's request is small; anything larger is hostile or broken and is refused.
 MAX_REQUEST_HEADER = 64 * 1024
-MAX_REQUEST_FRAMES = 4
+MAX_REQUEST_FRAMES = 2  # signature and header: no request carries arrays
 # Replies come from an authenticated training process and can be large (a whole tensor).
 MAX_REPLY_HEADER = 64 * 2**20
 MAX_REPLY_BYTES = 2 * 2**30
@@ -61,27 +61,26 @@ class DType:
 
     name: str  # torch's name, e.g. "bfloat16"
     storage: str  # numpy dtype of the words on the wire, e.g. "<u2"
-    is_float: bool
 
 
 # numpy has no bfloat16 or fp8: they travel as raw words tagged with their dtype name.
 DTYPES: dict[str, DType] = {
     d.name: d
     for d in (
-        DType("float64", "<f8", True),
-        DType("float32", "<f4", True),
-        DType("float16", "<f2", True),
-        DType("bfloat16", "<u2", True),
-        DType("float8_e4m3fn", "|u1", True),
-        DType("float8_e4m3fnuz", "|u1", True),
-        DType("float8_e5m2", "|u1", True),
-        DType("float8_e5m2fnuz", "|u1", True),
-        DType("int64", "<i8", False),
-        DType("int32", "<i4", False),
-        DType("int16", "<i2", False),
-        DType("int8", "|i1", False),
-        DType("uint8", "|u1", False),
-        DType("bool", "|b1", False),
+        DType("float64", "<f8"),
+        DType("float32", "<f4"),
+        DType("float16", "<f2"),
+        DType("bfloat16", "<u2"),
+        DType("float8_e4m3fn", "|u1"),
+        DType("float8_e4m3fnuz", "|u1"),
+        DType("float8_e5m2", "|u1"),
+        DType("float8_e5m2fnuz", "|u1"),
+        DType("int64", "<i8"),
+        DType("int32", "<i4"),
+        DType("int16", "<i2"),
+        DType("int8", "|i1"),
+        DType("uint8", "|u1"),
+        DType("bool", "|b1"),
     )
 }
 
@@ -437,7 +436,11 @@ class MessageCodec:
         except ValueError as e:
             fields, unreadable = None, str(e)
         arrays, shared = self._take_shared(fields, wire)
-        authenticated = hmac.compare_digest(bytes(signature), self.sign(header, arrays))
+        # A signature of the wrong length cannot match: the frames are not hashed (a stranger
+        # could otherwise make this side hash megabytes per message); it is refused below.
+        authenticated = signature.nbytes == _SIGNATURE_LENGTH and hmac.compare_digest(
+            bytes(signature), self.sign(header, arrays)
+        )
         if unreadable is not None:
             raise ProtocolError(
                 f"message header is not valid msgpack: {unreadable}",
@@ -463,7 +466,7 @@ class MessageCodec:
                 "message signature does not match: the sender does not hold this session's key"
             )
         ts = fields.get("ts")
-        if not isinstance(ts, (int, float)) or isinstance(ts, bool):
+        if not (_is_int(ts) or isinstance(ts, float)):
             raise ProtocolError("message timestamp 'ts' is missing or not a number")
         replay = self.replay.refusal(bytes(signature), float(ts))
         if replay:
@@ -518,7 +521,7 @@ class MessageCodec:
     ) -> Message:
         """The Message of an authenticated header; refusals here may be told to the sender."""
         id = fields.get("id")
-        if id is not None and (not isinstance(id, int) or isinstance(id, bool)):
+        if id is not None and not _is_int(id):
             raise ProtocolError(
                 f"message id must be an integer or nil, not {id!r}", authenticated=True
             )
@@ -656,7 +659,7 @@ class SharedMemory:
             for entry in os.scandir(self.directory):
                 if _shared_name_problem(entry.name) is None:
                     pid = int(entry.name.split("-", 1)[0])
-                    if pid != os.getpid() and not _process_exists(pid):
+                    if pid != os.getpid() and not process_exists(pid):
                         with contextlib.suppress(OSError):
                             os.unlink(entry.path)
 
@@ -703,7 +706,13 @@ def _shared_name_problem(name: Any) -> str | None:
     return None
 
 
-def _process_exists(pid: int) -> bool:
+def process_exists(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this host (another user's counts: it cannot be checked
+    further, and its files are not ours to remove).
+
+    >>> process_exists(os.getpid())
+    True
+    """
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -888,15 +897,13 @@ def _wire_array(
         raise refuse(f"array descriptor {name!r} must have exactly {ARRAY_KEY}, dtype and shape")
     elif index in shared:
         raise refuse(f"array {name!r} names array {index}, which is in shared memory")
-    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(frames):
+    if not _is_int(index) or not 0 <= index < len(frames):
         raise refuse(f"array {name!r} names frame {index!r}; the message has {len(frames)}")
     if index in used:
         raise refuse(f"array {name!r} names frame {index}, which another array already uses")
     if dtype not in DTYPES:
         raise refuse(f"array {name!r} has unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(
-        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
-    ):
+    if not isinstance(shape, list) or not all(_is_int(n) and n >= 0 for n in shape):
         raise refuse(f"array {name!r} has a malformed shape {shape!r}")
     storage = np.dtype(DTYPES[dtype].storage)
     frame = memoryview(frames[index])
@@ -932,7 +939,7 @@ def peek_id(header: Buffer) -> int | None:
     try:
         fields = msgpack.unpackb(header, raw=False, strict_map_key=False, ext_hook=_refuse_ext)
         id = fields.get("id")
-        return id if isinstance(id, int) and not isinstance(id, bool) else None
+        return id if _is_int(id) else None
     except Exception:
         return None
 

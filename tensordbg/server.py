@@ -445,10 +445,14 @@ class Server:
             log.warning("tensordbg: refused a message from a UI client: %s", error)
         # Only a sender holding the key learns what was wrong; others learn nothing useful.
         text = str(error) if error.authenticated or error.public else GENERIC_REFUSAL
-        self._send(router, identity, self._codec.encode(ERROR, {"message": text}, id=error.id))
+        self._send(router, identity, self._error(text, error.id))
 
     def _reply_error(self, router: zmq.Socket, identity: bytes, request: Message, text: str):
-        self._send(router, identity, self._codec.encode(ERROR, {"message": text}, id=request.id))
+        self._send(router, identity, self._error(text, request.id))
+
+    def _error(self, text: str, request_id: int | None) -> list[Any]:
+        """Frames of an ERROR reply; with the request's id, so that the call fails at once."""
+        return self._codec.encode(ERROR, {"message": text}, id=request_id)
 
     def _send(self, router: zmq.Socket, identity: bytes, frames: list[Any]) -> None:
         # A client gone or not reading loses the message; it asks again after reconnecting.
@@ -521,12 +525,15 @@ class Server:
             log.exception("tensordbg: the on_clients callback failed")
 
     def _drain_wakeups(self) -> None:
-        self._wake_pending = False
         try:
             while self._wake_read.recv(4096):
                 pass
         except OSError:  # BlockingIOError: drained
             pass
+        # Only now: a _wake() before this line is a no-op, but what it announced is in the queues
+        # the loop reads next; cleared before the drain, the drain could swallow its byte and
+        # leave the flag set with nothing in the pipe, making every later _wake() a no-op.
+        self._wake_pending = False
 
     # --- other threads -----------------------------------------------------------------------
 
@@ -561,7 +568,7 @@ class Server:
                 frames = self._answer(request_id, method, params)
             except Exception as e:  # even encoding the error failed: answer something
                 self._log_failure(method, e)
-                frames = self._codec.encode(ERROR, {"message": f"internal error in {method}"})
+                frames = self._error(f"internal error in {method}", request_id)
             self._outbox.append((identity, frames))
             self._wake()
 
@@ -578,7 +585,7 @@ class Server:
         except Exception as e:
             self._log_failure(method, e)
             text = f"internal error in {method}: {e}"
-        return self._codec.encode(ERROR, {"message": text}, id=request_id)
+        return self._error(text, request_id)
 
     def _log_failure(self, where: str, error: BaseException) -> None:
         """Log an unexpected failure with its traceback, once per kind, on stderr."""

@@ -1,19 +1,72 @@
-"""Shared test configuration and fixtures."""
+"""Shared test configuration, fixtures and helpers.
+
+Test modules import the helpers (``from conftest import DEADLINE, wait_until``): pytest puts this
+directory on ``sys.path``, as it does for ``fake_source``.
+"""
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+DEADLINE = 15.0
+"""Seconds any awaited condition may take on a loaded machine."""
+
+
+def wait_until(condition: Callable[[], object], timeout: float = DEADLINE) -> None:
+    """Poll ``condition`` until it is true; AssertionError once ``timeout`` seconds have passed.
+
+    >>> wait_until(lambda: server.clients == 1)
+    """
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(0.01)
+
 
 @pytest.fixture(autouse=True)
-def _private_runtime_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
-    """Every test gets its own directory for connection files: tests never see each other's
-    sessions, nor the sessions of the person running them."""
+def private_runtime_dir(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> Path:
+    """Every test gets its own directory for connection files (this one, mode 0700): tests never
+    see each other's sessions, nor the sessions of the person running them."""
     runtime = tmp_path_factory.mktemp("runtime")
     os.chmod(runtime, 0o700)
     monkeypatch.setenv("TENSORDBG_RUNTIME_DIR", str(runtime))
+    return runtime
+
+
+@pytest.fixture
+def server_factory() -> Iterator[Callable[..., Callable[..., Any]]]:
+    """``server_factory(**defaults)`` gives ``start(source, **options)``, which starts a
+    :class:`~tensordbg.server.Server` of ``source`` with the defaults, ``options`` winning, and
+    returns it; every server started is stopped after the test.
+
+    >>> start = server_factory(run_id="run1", rank=0)
+    >>> server = start(FakeSource(), client_timeout=1.0)
+    """
+    from tensordbg.server import Server
+
+    servers: list[Server] = []
+
+    def factory(**defaults: Any) -> Callable[..., Server]:
+        def start(source: Any, **options: Any) -> Server:
+            server = Server(source, **{**defaults, **options})
+            servers.append(server)
+            server.start()
+            return server
+
+        return start
+
+    yield factory
+    for server in servers:
+        server.stop()
 
 
 @pytest.fixture

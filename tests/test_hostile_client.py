@@ -10,13 +10,12 @@ from collections.abc import Callable, Iterator
 import msgpack
 import pytest
 import zmq
+from conftest import DEADLINE, wait_until
 from fake_source import FakeSource
 
 from tensordbg.client import SyncClient
 from tensordbg.protocol import PROTOCOL_VERSION, MessageCodec, pack
 from tensordbg.server import GENERIC_REFUSAL, MAX_REQUEST_BYTES, Server
-
-DEADLINE = 15.0
 
 
 @pytest.fixture
@@ -25,12 +24,8 @@ def source() -> FakeSource:
 
 
 @pytest.fixture
-def server(tmp_path, monkeypatch, source) -> Iterator[Server]:
-    monkeypatch.setenv("TENSORDBG_RUNTIME_DIR", str(tmp_path))
-    server = Server(source, run_id="target", rank=0)
-    server.start()
-    yield server
-    server.stop()
+def server(server_factory, source) -> Server:
+    return server_factory(run_id="target", rank=0)(source)
 
 
 class RawClient:
@@ -132,7 +127,7 @@ def test_another_protocol_version_is_told_so_even_without_the_key(stranger):
 
 def test_a_replayed_message_is_refused(raw_client, source):
     captured = raw_client().request("control", {"action": "step", "n": 1}, id=1)
-    wait_for_controls(source, 1)
+    wait_until(lambda: source.controls)  # the legitimate request was served
 
     replayer = raw_client(b"\x02" * 32)  # holds no key, only the captured frames
     replayer.send(captured)
@@ -242,10 +237,3 @@ def test_a_flood_is_answered_and_serving_goes_on(raw_client, stranger):
         if refused == 200:
             break
     assert refused == 200
-
-
-def wait_for_controls(source: FakeSource, count: int) -> None:
-    deadline = time.monotonic() + DEADLINE
-    while len(source.controls) < count:
-        assert time.monotonic() < deadline, "the legitimate request was never served"
-        time.sleep(0.01)

@@ -190,6 +190,19 @@ def test_a_message_without_signature_is_refused(server_codec, client_codec):
     assert "signature is missing or malformed" in str(refusal(server_codec, [b"", frames[1]]))
 
 
+def test_a_malformed_signature_is_refused_without_hashing_the_message(
+    server_codec, client_codec, monkeypatch
+):
+    frames = client_codec.encode("info", {}, id=1)
+
+    def sign(*_):
+        pytest.fail("a message whose signature cannot match was hashed")
+
+    monkeypatch.setattr(server_codec, "sign", sign)
+    error = refusal(server_codec, [frames[0][:32], frames[1]])
+    assert "signature is missing or malformed" in str(error)
+
+
 def test_a_replayed_message_is_refused(server_codec, client_codec):
     frames = client_codec.encode("control", {"action": "continue"}, id=1)
     server_codec.decode(frames)
@@ -237,7 +250,7 @@ def test_a_reply_may_be_larger_than_a_request(server_codec, client_codec):
 
 def test_too_many_frames_are_refused(server_codec, client_codec):
     frames = client_codec.encode("info", {}, id=1) + [b"x"] * MAX_REQUEST_FRAMES
-    assert "at most 4 frames" in str(refusal(server_codec, frames))
+    assert f"at most {MAX_REQUEST_FRAMES} frames" in str(refusal(server_codec, frames))
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import select
 import stat
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
+from conftest import DEADLINE, wait_until
 from fake_source import FakeSource
 
 import tensordbg.client
@@ -41,22 +43,11 @@ from tensordbg.protocol import WireArray
 from tensordbg.server import Server
 from tensordbg.source import METHODS
 
-DEADLINE = 15.0  # seconds any awaited condition may take on a loaded machine
-
-
-def wait_until(condition: Callable[[], object], timeout: float = DEADLINE) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        time.sleep(0.01)
-
 
 @pytest.fixture
-def runtime(tmp_path, monkeypatch):
-    monkeypatch.setenv("TENSORDBG_RUNTIME_DIR", str(tmp_path))
+def runtime(private_runtime_dir, monkeypatch) -> Path:
     monkeypatch.setattr(tensordbg.client, "PING_INTERVAL", 0.1)  # liveness tests stay short
-    return tmp_path
+    return private_runtime_dir
 
 
 @pytest.fixture
@@ -65,18 +56,8 @@ def source() -> FakeSource:
 
 
 @pytest.fixture
-def start_server(runtime) -> Iterator[Callable[..., Server]]:
-    servers: list[Server] = []
-
-    def start(source, run_id: str = "run1", rank: int = 0, **options) -> Server:
-        server = Server(source, run_id=run_id, rank=rank, script="train.py", **options)
-        servers.append(server)
-        server.start()
-        return server
-
-    yield start
-    for server in servers:
-        server.stop()
+def start_server(server_factory, runtime) -> Callable[..., Server]:
+    return server_factory(run_id="run1", rank=0, script="train.py")
 
 
 @pytest.fixture
@@ -278,6 +259,28 @@ def test_a_bug_in_the_source_is_reported_once_and_serving_goes_on(start_server, 
     assert client.call("tensors")[0]["name"] == "input[0]"
 
 
+class UnprintableError(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("this error cannot be printed")
+
+
+class BadlyBrokenSource(FakeSource):
+    """A bug whose exception breaks even the server's report of it."""
+
+    def provenance(self, ref):
+        raise UnprintableError()
+
+
+def test_a_bug_that_breaks_even_its_report_fails_the_call_at_once(start_server, connect):
+    server = start_server(BadlyBrokenSource())
+    client = connect(server.info.path, call_timeout=DEADLINE)
+    started = time.monotonic()
+    with pytest.raises(RemoteError, match="internal error in provenance"):
+        client.call("provenance", ref=3)
+    assert time.monotonic() - started < DEADLINE / 2
+    assert client.call("tensors")[0]["name"] == "input[0]"
+
+
 class SlowSource(FakeSource):
     def __init__(self):
         super().__init__()
@@ -358,6 +361,35 @@ def test_the_async_client_streams_events(server, source):
         return []
 
     assert asyncio.run(scenario()) == ("log", {"message": "hi"})
+
+
+class WakeDuringDrain:
+    """The read end of the server's wake pipe, as the socket thread sees it when another thread
+    wakes it just as it starts draining the pipe."""
+
+    def __init__(self, server: Server):
+        self.server, self.pipe, self.woken = server, server._wake_read, False
+
+    def recv(self, size: int) -> bytes:
+        if not self.woken:
+            self.woken = True
+            self.server._wake()
+        return self.pipe.recv(size)
+
+
+def test_a_wake_up_that_comes_while_the_pipe_is_drained_is_not_lost(source):
+    server = Server(source, run_id="wake", rank=0)
+    pipe = server._wake_read
+    try:
+        server._wake()  # an event is queued: the socket thread wakes and drains the pipe
+        server._wake_read = WakeDuringDrain(server)  # meanwhile another event is queued
+        server._drain_wakeups()
+        server._wake_read = pipe
+        server._wake()  # the socket thread handled both; the next event must wake it again
+        assert select.select([pipe], [], [], 0)[0], "the wake-up was lost: replies would wait"
+    finally:
+        server._wake_read = pipe
+        server.stop()
 
 
 # --- reconnecting and liveness -------------------------------------------------------------------

@@ -11,13 +11,14 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import zmq
+from conftest import DEADLINE, wait_until
 
 from tensordbg.client import Client, ReplyRefused, SyncClient
 from tensordbg.connection import ConnectionFileError, shared_memory_dir
@@ -33,17 +34,8 @@ from tensordbg.protocol import (
 from tensordbg.server import Server
 from tensordbg.source import EventCallback, SourceError
 
-DEADLINE = 15.0
 KEY = bytes(range(32))
 MiB = 2**20
-
-
-def wait_until(condition: Callable[[], object], timeout: float = DEADLINE) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        time.sleep(0.01)
 
 
 class ArraySource:
@@ -87,19 +79,8 @@ def shm(tmp_path) -> Path:
 
 
 @pytest.fixture
-def start_server(shm) -> Iterator[Callable[..., Server]]:
-    servers: list[Server] = []
-
-    def start(source: ArraySource, **options: Any) -> Server:
-        options.setdefault("shm_dir", shm)
-        server = Server(source, run_id="shm", rank=len(servers), **options)
-        servers.append(server)
-        server.start()
-        return server
-
-    yield start
-    for server in servers:
-        server.stop()
+def start_server(server_factory, shm) -> Callable[..., Server]:
+    return server_factory(run_id="shm", rank=0, shm_dir=shm)
 
 
 def private(path: Path, mode: int) -> bool:
