@@ -17,6 +17,14 @@ from collections.abc import Sequence
 from tensordbg import __version__
 
 EXAMPLES = {
+    "tensordbg": """
+        examples:
+          tensordbg demo                 a tiny GPT trains until a batch breaks it; the UI opens
+          tensordbg run train.py --epochs 3
+          tensordbg tui                  open the UI on a running training
+
+        Run `tensordbg COMMAND --help` for a command's options and more examples.
+        """,
     "demo": """
         examples:
           tensordbg demo                 a tiny GPT trains until a batch breaks it; the UI opens
@@ -54,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tensordbg",
         description="An interactive numerical debugger for PyTorch training.",
-        epilog="Run `tensordbg COMMAND --help` for a command's options and examples.",
+        epilog=textwrap.dedent(EXAMPLES["tensordbg"]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"tensordbg {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -71,8 +80,21 @@ def build_parser() -> argparse.ArgumentParser:
         default="default",
         help="comma-separated rule names; 'default' is the default set",
     )
-    run.add_argument("--on-hit", choices=("pause", "raise", "record"), default="pause")
-    run.add_argument("--sync", choices=("auto", "eager", "batched"), default="auto")
+    run.add_argument(
+        "--on-hit",
+        choices=("pause", "raise", "record"),
+        default="pause",
+        help="what a hit does: pause the training for the UI (default), raise WatchpointHit, "
+        "or only record it",
+    )
+    run.add_argument(
+        "--sync",
+        choices=("auto", "eager", "batched", "deferred"),
+        default="auto",
+        help="when statistics reach the host: eager (at each tensor), batched (once a phase), "
+        "deferred (the cheapest: the rest only when outputs, loss or gradients show a problem), "
+        "auto (default: eager on the CPU, batched on CUDA)",
+    )
     run.add_argument(
         "--include",
         action="append",
@@ -80,7 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATTERN",
         help="watch only modules whose path matches (repeatable)",
     )
-    run.add_argument("--exclude", action="append", default=[], metavar="PATTERN")
+    run.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="do not watch modules whose path matches (repeatable)",
+    )
     run.add_argument(
         "--interval", type=int, default=1, help="statistics beyond the NaN/Inf screen every N steps"
     )
@@ -176,19 +204,29 @@ def _demo(args: argparse.Namespace) -> int:
         stdin=subprocess.DEVNULL,
         env=env,
     )
+    stopped = False  # by us, below: not a failure of the training
     try:
-        code = run_tui(run_id=run_id, wait=120.0)
+        # Without alive, a training that dies before or after the UI connects is waited for
+        # (and reconnected to) for ever.
+        code = run_tui(run_id=run_id, wait=120.0, alive=lambda: training.poll() is None)
     finally:
         try:
             training.wait(timeout=60)
         except subprocess.TimeoutExpired:
+            stopped = True
             training.terminate()
             training.wait(timeout=10)
         log.close()
     with open(log.name) as f:
         tail = f.read().strip().splitlines()[-8:]
     print("\n".join(tail))
-    print(f"(the training's output: {log.name})")
+    if training.returncode and not stopped:
+        print(
+            f"The demo training failed (exit status {training.returncode}): its whole output "
+            f"is in {log.name}"
+        )
+    else:
+        print(f"(the training's output: {log.name})")
     return code
 
 

@@ -3,6 +3,7 @@ help of every command."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -10,6 +11,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+from tensordbg.cli import build_parser
 
 SCRIPT = textwrap.dedent(
     """
@@ -74,10 +77,20 @@ def test_run_refuses_an_unknown_rule_with_the_list_of_rules(script: Path):
 
 
 def test_every_command_has_help_with_an_example(tmp_path: Path):
+    done = tensordbg("--help", cwd=tmp_path)
+    assert done.returncode == 0
+    assert "examples:" in done.stdout and "tensordbg demo" in done.stdout
     for command in ("demo", "run", "tui"):
         done = tensordbg(command, "--help", cwd=tmp_path)
         assert done.returncode == 0
         assert "examples:" in done.stdout and f"tensordbg {command}" in done.stdout
+
+
+def test_every_option_says_what_it_does():
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, command in commands.choices.items():
+        for option in command._actions:
+            assert option.help, f"tensordbg {name} {option.option_strings or option.dest}"
 
 
 @pytest.mark.slow

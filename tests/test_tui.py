@@ -34,6 +34,7 @@ from tensordbg.tui.components.slice_input import SliceInput
 from tensordbg.tui.components.tensor_grid import BLOCK_COLS, BLOCK_ROWS, TensorGrid
 from tensordbg.tui.launch import session_app, wait_for_run
 from tensordbg.tui.messages import OpenTensor
+from tensordbg.tui.remote import TrainingExited
 from tensordbg.tui.screens.rule_add import RuleAddScreen
 from tensordbg.tui.screens.rule_edit import RuleEditScreen
 
@@ -65,12 +66,13 @@ def text_of(widget: Static) -> str:
     return str(content)
 
 
-def footer_keys(app: TensorDbgApp) -> list[str]:
-    """The app's keys the footer shows now."""
+def footer_keys(app: TensorDbgApp, node: Any = None) -> list[str]:
+    """The keys of ``node`` (the app's by default) the footer shows now."""
+    node = app if node is None else node
     return [
         b.binding.key
         for b in app.screen.active_bindings.values()
-        if b.node is app and b.binding.show
+        if b.node is node and b.binding.show and b.enabled
     ]
 
 
@@ -146,7 +148,7 @@ def test_from_the_origin_hit_to_its_values_and_back_to_training() -> None:
             leaves = [str(node.label) for node in tree.root.children]
             assert any("produced by net.2" in label and "Linear" in label for label in leaves)
             inputs = tree.root.children[1]
-            assert "net.1.output" in str(inputs.children[0].label)
+            assert "net.1.output  ← net.1" in str(inputs.children[0].label)
             assert "✓ finite" in str(inputs.children[0].label)
             listing = text_of(app.query_one("#provenance-source", Static))
             assert "fake.py:12 in forward" in listing
@@ -162,6 +164,26 @@ def test_from_the_origin_hit_to_its_values_and_back_to_training() -> None:
             await pilot.press("q")
             await until(pilot, lambda: not app.is_running)
         assert source.controls[-1] == ("detach", 1)
+        assert app.return_code == 0
+
+    asyncio.run(flow())
+
+
+def test_ctrl_q_detaches_like_q_and_the_palette_quits_one_way() -> None:
+    """Textual's own quit (ctrl+q, the palette's Quit) detaches too: a paused training must not
+    wait for a UI that is gone."""
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "paused")
+            await mounted(pilot)
+            titles = [c.title for c in app.get_system_commands(app.screen)]
+            assert "Detach and quit" in titles and "Quit" not in titles
+            await pilot.press("ctrl+q")
+            await until(pilot, lambda: not app.is_running)
+        assert source.controls == [("detach", 1)]
         assert app.return_code == 0
 
     asyncio.run(flow())
@@ -207,6 +229,41 @@ def test_pushed_events_update_the_run_tab_and_the_hits() -> None:
             assert hits.next_id == 8
             run = app.query_one(RunStatus)
             assert run._info["hits_total"] == 3
+
+    asyncio.run(flow())
+
+
+def test_a_flood_of_pushed_hits_is_appended_in_order_not_redrawn_each_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A thousand hits pushed one by one are appended; one that belongs earlier (an origin hit of
+    a step already shown) takes its place with a single redraw, not one per hit."""
+    source = FakeSource()
+    redraws = 0
+    clear = HitTable.clear
+
+    def counted_clear(table: HitTable, *args: Any, **kwargs: Any) -> Any:
+        nonlocal redraws
+        redraws += 1
+        return clear(table, *args, **kwargs)
+
+    monkeypatch.setattr(HitTable, "clear", counted_clear)
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            hits = app.main.hit_table
+            await until(pilot, lambda: app.state == "paused" and hits.row_count == 2)
+            before = redraws
+            origin, passed_on = source.hits()
+            for i in range(1000):
+                source.emit("hit", dict(passed_on, id=2 + i, step=4 + i // 10))
+            source.emit("hit", dict(origin, id=1002, step=4))
+            await until(pilot, lambda: hits.row_count == 1003)
+            assert redraws - before <= 2
+            keys = [row.key.value for row in hits.ordered_rows]
+            assert keys[:4] == ["0", "1", "1002", "2"]  # step 3, then step 4's origin first
+            assert keys[4:] == [str(i) for i in range(3, 1002)]
 
     asyncio.run(flow())
 
@@ -262,6 +319,49 @@ def test_rules_toggle_edit_add_and_recheck() -> None:
     asyncio.run(flow())
 
 
+def test_the_rules_keys_follow_the_state_of_the_training() -> None:
+    """Rules change while the training runs or is paused, but a recheck judges the paused step:
+    r and the palette's Recheck are offered only while paused, and nothing once disconnected."""
+    source = FakeSource()
+    clients: list[CuttableClient] = []
+
+    async def connect(path: str | None) -> CuttableClient:
+        if clients:
+            raise ConnectionRefusedError("no training at ipc:///tmp/x")
+        clients.append(CuttableClient(source))
+        return clients[-1]
+
+    def palette(app: TensorDbgApp) -> list[str]:
+        return [c.title for c in app.get_system_commands(app.screen)]
+
+    async def flow() -> None:
+        app = TensorDbgApp(connect, reconnect_delay=0.02)
+        async with app.run_test(size=SIZE) as pilot:
+            panel = app.main.rule_panel
+            await until(pilot, lambda: app.state == "paused" and panel.current is not None)
+            app.main.show_tab("rules")
+            await until(pilot, lambda: footer_keys(app, panel))
+            assert sorted(footer_keys(app, panel)) == ["a", "e", "r", "space"]
+            assert "Recheck" in palette(app)
+
+            await pilot.press("c")
+            await until(pilot, lambda: app.state == "running")
+            assert sorted(footer_keys(app, panel)) == ["a", "e", "space"]
+            assert "Recheck" not in palette(app)
+            await pilot.press("r")  # not while running: nothing is asked
+            assert text_of(app.query_one("#rule-result", Static)) == ""
+            await pilot.press("space")  # a rule can be switched off while the training runs
+            await until(pilot, lambda: not panel.current["enabled"])
+
+            clients[0].cut.set()
+            await until(pilot, lambda: app.state == "disconnected")
+            assert footer_keys(app, panel) == []
+            await pilot.press("enter")  # Enter edits a rule: not while disconnected
+            assert app.screen is app.main
+
+    asyncio.run(flow())
+
+
 def test_search_among_2000_modules_and_open_a_tensor() -> None:
     source = FakeSource(modules=2000)
 
@@ -307,6 +407,7 @@ def test_a_module_lists_the_tensor_it_returned_from_a_child() -> None:
             table = app.main.module_browser.table
             await until(pilot, lambda: table.row_count == 6)
             app.main.show_tab("modules")
+            await until(pilot, lambda: app.query("#module-search"))  # the tab mounts lazily
             app.query_one("#module-search", Input).value = "Sequential"
             await until(pilot, lambda: table.row_count == 1)
             assert table.current is not None and table.current["path"] == "net"
@@ -488,6 +589,38 @@ def test_waiting_for_a_run_that_is_starting(
         return path
 
     assert asyncio.run(flow()) == str(runtime / "demo1-0.json")
+
+
+def test_a_training_that_exits_is_no_longer_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tensordbg demo` tells the UI whether its training still runs: once it has exited (an error
+    in the training, say), the UI stops waiting and reconnecting, and says so."""
+    runtime = tmp_path / "rt"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("TENSORDBG_RUNTIME_DIR", str(runtime))
+
+    async def wait() -> None:
+        with pytest.raises(TrainingExited, match="the training of run gone1 has exited"):
+            await wait_for_run("gone1", wait=30.0, poll=0.02, alive=lambda: False)
+
+    started = time.monotonic()
+    asyncio.run(wait())
+    assert time.monotonic() - started < 5  # not the 30 s of the wait
+
+    app = session_app(run_id="gone1", wait=30.0, alive=lambda: False)
+    assert app is not None
+
+    async def flow() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            banner = app.query_one(ConnectionBanner)
+            await until(pilot, lambda: "has exited" in text_of(banner))
+            assert text_of(banner) == "The training of run gone1 has exited. Press q to quit."
+            await pilot.pause(0.3)
+            assert not app.workers  # no more attempts to connect
+            assert text_of(banner).endswith("Press q to quit.")
+
+    asyncio.run(flow())
 
 
 def test_a_training_that_starts_after_the_ui_over_zeromq(

@@ -20,8 +20,14 @@ from textual.binding import Binding
 from textual.reactive import reactive
 from textual.screen import Screen
 
-from tensordbg.tui.remote import ClientFactory, DebugClient, Remote, RequestFailed
-from tensordbg.tui.screens.main import MainScreen
+from tensordbg.tui.remote import (
+    ClientFactory,
+    DebugClient,
+    Remote,
+    RequestFailed,
+    TrainingExited,
+)
+from tensordbg.tui.screens.main import TABS, MainScreen
 from tensordbg.tui.screens.session_picker import SessionPicker, session_field
 
 # Which control actions make sense in which state of the training.
@@ -43,7 +49,6 @@ class TensorDbgApp(App[int]):
     """
 
     CSS_PATH = "app.tcss"
-    TABS = ("run", "hits", "modules", "tensor", "provenance", "rules", "log")
     TITLE = "tensordbg"
     BINDINGS: list[Binding | tuple[str, str] | tuple[str, str, str]] = [  # noqa: RUF012
         Binding("c", "control('continue')", "Continue"),
@@ -54,7 +59,7 @@ class TensorDbgApp(App[int]):
         Binding("slash", "search", "Search"),
         *(Binding(str(d), f"count({d})", show=False) for d in range(10)),
         # One key per tab, named in the tab titles.
-        *(Binding(f"f{i}", f"tab('{pane}')", pane, show=False) for i, pane in enumerate(TABS, 1)),
+        *(Binding(tab.key, f"tab('{tab.pane}')", tab.title, show=False) for tab in TABS),
     ]
 
     state: reactive[str] = reactive("connecting", bindings=True, init=False)
@@ -116,6 +121,9 @@ class TensorDbgApp(App[int]):
                 self.main.show_connecting()
                 try:
                     client = await self._connect(path)
+                except TrainingExited as e:
+                    self.main.show_training_exited(str(e))
+                    return
                 except Exception as e:
                     self.main.show_connect_failed(str(e) or type(e).__name__)
                     await asyncio.sleep(self._reconnect_delay)
@@ -203,6 +211,11 @@ class TensorDbgApp(App[int]):
     def action_detach(self) -> None:
         self._detach_and_exit()
 
+    async def action_quit(self) -> None:
+        # Every way out (ctrl+q, the palette) detaches as q does: a paused training would
+        # otherwise wait for a UI that is gone.
+        self.action_detach()
+
     @work(group="control", exclusive=True)
     async def _detach_and_exit(self) -> None:
         """Quit, letting the training run on: the debugger detaches first."""
@@ -216,7 +229,10 @@ class TensorDbgApp(App[int]):
         self.exit(0)
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        yield from super().get_system_commands(screen)
+        # Textual's own "Quit" is "Detach and quit" here, offered once under the clearer title.
+        for command in super().get_system_commands(screen):
+            if command.callback != self.action_quit:
+                yield command
         for action, title, help in COMMANDS:
             if action in CONTROLS.get(self.state, ()):
                 yield SystemCommand(title, help, lambda a=action: self.action_control(a))
@@ -224,12 +240,15 @@ class TensorDbgApp(App[int]):
             "Detach and quit", "Let the training run on, and quit (q)", self.action_detach
         )
         yield SystemCommand("Search modules", "Filter the model tree (/)", self.action_search)
-        for pane, title in self.main.TABS:
+        for tab in TABS:
             yield SystemCommand(
-                f"Show {title}", f"Switch to the {title} tab", lambda p=pane: self.main.show_tab(p)
+                f"Show {tab.title}",
+                f"Switch to the {tab.title} tab ({tab.key.upper()})",
+                lambda p=tab.pane: self.main.show_tab(p),
             )
-        yield SystemCommand(
-            "Recheck",
-            "Judge the current step again with the rules as they are now",
-            self.main.recheck,
-        )
+        if self.state == "paused":  # a recheck judges the step the training is paused in
+            yield SystemCommand(
+                "Recheck",
+                "Judge the current step again with the rules as they are now",
+                self.main.recheck,
+            )

@@ -4,24 +4,35 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from tensordbg.tui.remote import TrainingExited
 
 if TYPE_CHECKING:
     from tensordbg.tui.app import TensorDbgApp
 
 
-def run_tui(conn: str | None = None, *, run_id: str | None = None, wait: float = 0.0) -> int:
+def run_tui(
+    conn: str | None = None,
+    *,
+    run_id: str | None = None,
+    wait: float = 0.0,
+    alive: Callable[[], bool] | None = None,
+) -> int:
     """Open the debugger UI on a training session and return the exit status.
 
     ``conn`` is a connection file's path; without it, the only live session is used, a picker
     lists them when there are several, and with ``run_id`` the UI waits up to ``wait`` seconds
     for that run's connection file to appear (``tensordbg demo`` starts the training and the UI
-    together).
+    together). ``alive()``, when given, says whether the training's process still runs: once it
+    says no, the UI stops waiting and reconnecting.
 
     >>> run_tui()                                   # the only session of this user
     >>> run_tui(run_id="demo7f3a", wait=30)         # a training that is starting now
+    >>> run_tui(run_id="demo7f3a", wait=30, alive=lambda: training.poll() is None)
     """
-    app = session_app(conn, run_id=run_id, wait=wait)
+    app = session_app(conn, run_id=run_id, wait=wait, alive=alive)
     if app is None:
         print(
             "No tensordbg session is running for this user: start the training with "
@@ -33,7 +44,11 @@ def run_tui(conn: str | None = None, *, run_id: str | None = None, wait: float =
 
 
 def session_app(
-    conn: str | None = None, *, run_id: str | None = None, wait: float = 0.0
+    conn: str | None = None,
+    *,
+    run_id: str | None = None,
+    wait: float = 0.0,
+    alive: Callable[[], bool] | None = None,
 ) -> TensorDbgApp | None:
     """The app on the session ``run_tui`` would open (None when there is none to open), not yet
     running: the connection is made, and remade after a drop, by the app itself."""
@@ -50,14 +65,17 @@ def session_app(
     async def connect(picked: str | None) -> Client:
         path = picked or conn
         if path is None and run_id is not None:
-            path = await wait_for_run(run_id, wait)
+            path = await wait_for_run(run_id, wait, alive=alive)
         return await Client.connect(path, timeout=5.0)
 
     return TensorDbgApp(connect, sessions=sessions)
 
 
-async def wait_for_run(run_id: str, wait: float, poll: float = 0.1) -> str:
-    """The connection file of ``run_id`` (rank 0 first), polling up to ``wait`` seconds."""
+async def wait_for_run(
+    run_id: str, wait: float, poll: float = 0.1, alive: Callable[[], bool] | None = None
+) -> str:
+    """The connection file of ``run_id`` (rank 0 first), polling up to ``wait`` seconds; raises
+    :class:`TrainingExited` as soon as ``alive()`` says the training's process is gone."""
     from tensordbg.connection import find_sessions
 
     deadline = time.monotonic() + wait
@@ -65,6 +83,8 @@ async def wait_for_run(run_id: str, wait: float, poll: float = 0.1) -> str:
         mine = [s for s in find_sessions() if s.run_id == run_id]
         if mine:
             return str(min(mine, key=lambda s: s.rank).path)
+        if alive is not None and not alive():
+            raise TrainingExited(f"the training of run {run_id} has exited")
         if time.monotonic() >= deadline:
             raise TimeoutError(f"no session of run {run_id} appeared within {wait:g} s")
         await asyncio.sleep(poll)

@@ -28,7 +28,12 @@ class DebugClient(Protocol):
 
 ClientFactory = Callable[[str | None], Awaitable[DebugClient]]
 """``await connect(path)`` opens a session: the connection file picked in the session picker, or
-None to let the factory find it (the only live session, or the run it waits for)."""
+None to let the factory find it (the only live session, or the run it waits for). It raises
+:class:`TrainingExited` when the training is known to be gone, and the app stops trying."""
+
+
+class TrainingExited(Exception):
+    """The training's process has exited: connecting again cannot succeed."""
 
 
 class RequestFailed(Exception):

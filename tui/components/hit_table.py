@@ -13,6 +13,11 @@ from textual.widgets import DataTable
 from tensordbg.tui.messages import OpenTensor
 
 
+def execution_order(hit: dict[str, Any]) -> tuple[int, bool, int]:
+    """Execution order, and within a step the origin first: that is where to look."""
+    return (hit["step"], not hit["origin"], hit["id"])
+
+
 class HitTable(DataTable):
     """One row per hit, keyed by the hit's id."""
 
@@ -28,6 +33,8 @@ class HitTable(DataTable):
         self._drawable = False  # set on mount; is_mounted is still False in on_mount
         self._hits: dict[int, dict[str, Any]] = {}
         self._select: int | None = None  # a hit to put the cursor on once drawn
+        self._stale = True  # the rows are not (yet) the hits: a full draw is due
+        self._last: tuple[int, bool, int] | None = None  # the order of the last row
 
     def on_mount(self) -> None:
         self._drawable = True
@@ -47,43 +54,67 @@ class HitTable(DataTable):
 
     def set_hits(self, hits: list[dict[str, Any]]) -> None:
         self._hits = {h["id"]: h for h in hits}
-        self._draw()
+        self._draw_soon()
 
     def merge(self, hits: list[dict[str, Any]]) -> None:
+        """Add hits. The training pushes them one by one, maybe thousands: new hits that sort
+        after the last row are appended, anything else draws every row again, once a refresh."""
         if not hits:
             return
+        batch = {h["id"]: h for h in hits}
+        new = sorted(batch.values(), key=execution_order)
+        appendable = (
+            not self._stale
+            and batch.keys().isdisjoint(self._hits)
+            and (self._last is None or execution_order(new[0]) > self._last)
+        )
+        self._hits.update(batch)
+        if appendable:
+            for hit in new:
+                self._add(hit)
+            return
         current = self.current
-        for hit in hits:
-            self._hits[hit["id"]] = hit
         if current is not None and self._select is None:
             self._select = current["id"]  # the cursor stays on its hit
-        self._draw()
+        self._draw_soon()
 
     def select_hit(self, hit_id: int) -> None:
         self._select = hit_id
-        self._draw()
+        if not self._stale:  # else the coming draw moves the cursor
+            self._move_to_select()
+
+    def _draw_soon(self) -> None:
+        """Draw every row again after the next refresh, once however often asked until then
+        (before mount the table is stale already, and on_mount draws)."""
+        if not self._stale:
+            self._stale = True
+            self.call_after_refresh(self._draw)
 
     def _draw(self) -> None:
-        if not self._drawable:  # data can arrive before the widget is mounted
+        if not (self._drawable and self._stale):  # not mounted yet, or drawn since asked
             return
+        self._stale = False
         self.clear()
-        # Execution order, and within a step the origin first: that is where to look.
-        order = sorted(self._hits.values(), key=lambda h: (h["step"], not h["origin"], h["id"]))
-        for hit in order:
-            where = (
-                Text("● origin", style="bold red")
-                if hit["origin"]
-                else Text("↳ passed on", style="dim")
-            )
-            self.add_row(
-                str(hit["step"]),
-                hit["phase"],
-                Text(hit["rule"], style="bold"),
-                hit["tensor"],
-                where,
-                hit["message"],
-                key=str(hit["id"]),
-            )
+        self._last = None
+        for hit in sorted(self._hits.values(), key=execution_order):
+            self._add(hit)
+        self._move_to_select()
+
+    def _add(self, hit: dict[str, Any]) -> None:
+        origin = hit["origin"]
+        where = Text("● origin", style="bold red") if origin else Text("↳ passed on", style="dim")
+        self.add_row(
+            str(hit["step"]),
+            hit["phase"],
+            Text(hit["rule"], style="bold"),
+            hit["tensor"],
+            where,
+            hit["message"],
+            key=str(hit["id"]),
+        )
+        self._last = execution_order(hit)
+
+    def _move_to_select(self) -> None:
         if self._select in self._hits:
             self.move_cursor(row=self.get_row_index(str(self._select)))
         self._select = None

@@ -36,7 +36,7 @@ class ParamInputs(Vertical):
 
     def compose(self) -> ComposeResult:
         if not self._params:
-            yield Label("This rule has no thresholds.", classes="dim")
+            yield Label("This rule has no thresholds.", classes="param-none")
         for name, value in self._params.items():
             with Horizontal(classes="param-row"):
                 yield Label(name, classes="param-name")

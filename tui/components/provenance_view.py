@@ -90,6 +90,7 @@ class ProvenanceView(VerticalScroll):
         for item in prov.get("inputs", []):
             label = finiteness(item.get("nonfinite"))
             label.append(f"  {item['name']}  ", style="bold")
+            label.append(f"← {item['module'] or '(model)'}  ", style="dim")
             label.append(item.get("line") or f"tensor{item['shape']} {item['dtype']}")
             inputs.add_leaf(label, data=item)
         consumers = tree.root.add(f"consumers ({len(prov.get('consumers', []))})", expand=True)

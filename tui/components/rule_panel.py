@@ -17,6 +17,10 @@ from tensordbg.tui.remote import RequestFailed
 from tensordbg.tui.screens.rule_add import RuleAddScreen
 from tensordbg.tui.screens.rule_edit import RuleEditScreen
 
+# Which rules actions the training can take in which state: a recheck judges the paused step on
+# the training thread; rules change from the server's thread while the training runs too.
+ACTIONS = {"paused": ("toggle", "edit", "add", "recheck"), "running": ("toggle", "edit", "add")}
+
 
 def thresholds(params: dict[str, Any]) -> str:
     return "  ".join(f"{k}={v!r}" for k, v in params.items()) or "–"
@@ -93,6 +97,11 @@ class RulePanel(Vertical):
 
     # --- actions -----------------------------------------------------------------------------
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in ACTIONS["paused"]:  # the footer shows only what the state allows
+            return action in ACTIONS.get(self.app.state, ())  # type: ignore[attr-defined]
+        return True
+
     def action_toggle(self) -> None:
         rule = self.current
         if rule is not None:
@@ -104,6 +113,10 @@ class RulePanel(Vertical):
             )
 
     @on(DataTable.RowSelected)
+    def _selected(self) -> None:
+        if self.check_action("edit", ()):  # Enter on a row is e
+            self.action_edit()
+
     def action_edit(self) -> None:
         rule = self.current
         if rule is None:

@@ -113,7 +113,6 @@ class TensorGrid(ScrollView, can_focus=True):
         self._pending: set[tuple[int, int]] = set()
         self._wanted: set[tuple[int, int]] = set()
         self._failed: set[tuple[int, int]] = set()
-        self.requested_elements = 0  # values asked for so far: what scrolling costs
         self.message = "Open a tensor from the Hits or Modules tab."
 
     # --- what to show ------------------------------------------------------------------------
@@ -141,14 +140,6 @@ class TensorGrid(ScrollView, can_focus=True):
             for br in range(min(self.size.height, self._rows) // BLOCK_ROWS + 1):
                 for bc in range(c0 // BLOCK_COLS, (c1 - 1) // BLOCK_COLS + 1):
                     self._want((br, bc))
-
-    def clear(self, message: str) -> None:
-        self._generation += 1
-        self._ref, self._shape, self._rows, self._cols = None, (), 0, 0
-        self._blocks.clear()
-        self.message = message
-        self.virtual_size = Size(0, 0)
-        self.refresh()
 
     @property
     def rows(self) -> int:
@@ -272,7 +263,6 @@ class TensorGrid(ScrollView, can_focus=True):
             [br * BLOCK_ROWS, min((br + 1) * BLOCK_ROWS, self._rows)],
             [bc * BLOCK_COLS, min((bc + 1) * BLOCK_COLS, self._cols)],
         ]
-        self.requested_elements += (window[0][1] - window[0][0]) * (window[1][1] - window[1][0])
         try:
             reply = await self.app.call("slice", ref=self._ref, text=self._text, window=window)  # type: ignore[attr-defined]
         except RequestFailed:  # logged by the app; the block shows "?" rather than retrying

@@ -6,7 +6,7 @@ the widgets; widgets ask for their own data through ``app.call`` and report back
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from textual import on, work
 from textual.app import ComposeResult
@@ -30,18 +30,28 @@ from tensordbg.tui.messages import HitsFound, OpenTensor
 from tensordbg.tui.remote import RequestFailed
 
 
+class Tab(NamedTuple):
+    pane: str  # the TabPane's id
+    title: str
+    key: str  # switches to the tab, named in its title
+    keys_to: type[Widget] | None  # the widget that gets the keys when the tab opens
+
+
+TABS = (
+    Tab("run", "Run", "f1", None),
+    Tab("hits", "Hits", "f2", HitTable),
+    Tab("modules", "Modules", "f3", ModuleTable),
+    Tab("tensor", "Tensor", "f4", TensorGrid),
+    Tab("provenance", "Provenance", "f5", Tree),
+    Tab("rules", "Rules", "f6", DataTable),
+    Tab("log", "Log", "f7", EventLog),
+)
+"""The tabs in order: the app's keys, the tab titles, the palette's entries and the widget that
+gets the keys on each tab all come from here."""
+
+
 class MainScreen(Screen):
     """Run, Hits, Modules, Tensor, Provenance, Rules and Log tabs under one connection banner."""
-
-    TABS = (
-        ("run", "Run"),
-        ("hits", "Hits"),
-        ("modules", "Modules"),
-        ("tensor", "Tensor"),
-        ("provenance", "Provenance"),
-        ("rules", "Rules"),
-        ("log", "Log"),
-    )
 
     def __init__(self) -> None:
         super().__init__()
@@ -65,22 +75,19 @@ class MainScreen(Screen):
         yield Header(icon="◆")
         yield self.banner
         # Tabs that open hidden are mounted after the first screen is up (a faster start).
-        with TabbedContent(initial="run"):
-            with TabPane("Run F1", id="run"):
-                yield self.run_status
-            with TabPane("Hits F2", id="hits"):
-                yield self.hit_table
-                yield self.hit_detail
-            with TabPane("Modules F3", id="modules"):
-                yield Lazy(self.module_browser)
-            with TabPane("Tensor F4", id="tensor"):
-                yield Lazy(self.tensor_inspector)
-            with TabPane("Provenance F5", id="provenance"):
-                yield Lazy(self.provenance_view)
-            with TabPane("Rules F6", id="rules"):
-                yield Lazy(self.rule_panel)
-            with TabPane("Log F7", id="log"):
-                yield Lazy(self.event_log)
+        content: dict[str, list[Widget]] = {
+            "run": [self.run_status],
+            "hits": [self.hit_table, self.hit_detail],
+            "modules": [Lazy(self.module_browser)],
+            "tensor": [Lazy(self.tensor_inspector)],
+            "provenance": [Lazy(self.provenance_view)],
+            "rules": [Lazy(self.rule_panel)],
+            "log": [Lazy(self.event_log)],
+        }
+        with TabbedContent(initial=TABS[0].pane):
+            for tab in TABS:
+                with TabPane(f"{tab.title} {tab.key.upper()}", id=tab.pane):
+                    yield from content[tab.pane]
         yield Footer()
 
     # --- what the app hands over -------------------------------------------------------------
@@ -151,6 +158,13 @@ class MainScreen(Screen):
             what = f"Connection lost ({reason}): the training finished or crashed"
         then = " Reconnecting in the background…" if reconnecting else ""
         self._lost_text = f"{what}. The last state stays on screen.{then}"
+        self.banner.show(self._lost_text, "lost")
+        self.log_entry(self._lost_text, "error")
+
+    def show_training_exited(self, reason: str) -> None:
+        """The training's process is gone (``reason`` says so): the app stops reconnecting."""
+        kept = " The last state stays on screen." if self._lost_text else ""
+        self._lost_text = f"{reason[:1].upper()}{reason[1:]}.{kept} Press q to quit."
         self.banner.show(self._lost_text, "lost")
         self.log_entry(self._lost_text, "error")
 
@@ -264,17 +278,10 @@ class MainScreen(Screen):
         self.call_after_refresh(focus)
 
     def _focus_target(self, pane: str) -> Widget | None:
-        targets: dict[str, type[Widget]] = {
-            "hits": HitTable,
-            "modules": ModuleTable,
-            "tensor": TensorGrid,
-            "provenance": Tree,
-            "rules": DataTable,
-            "log": EventLog,
-        }
-        if pane not in targets:
+        target = next((tab.keys_to for tab in TABS if tab.pane == pane), None)
+        if target is None:
             return None
-        return next(iter(self.query_one(f"#{pane}").query(targets[pane])), None)
+        return next(iter(self.query_one(f"#{pane}").query(target)), None)
 
     @on(HitsFound)
     def _hits_found(self, message: HitsFound) -> None:
