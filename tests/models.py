@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -36,15 +38,31 @@ def mlp(seed: int = 0) -> nn.Sequential:
     )
 
 
-def train_gpt(session_factory=None, steps: int = 30, bad_step: int = -1, seed: int = 0):
-    """Train the demo's TinyGPT; returns (losses, session). ``session_factory(model, opt)``
-    attaches tensordbg (None: a bare run)."""
+class GptRun(NamedTuple):
+    """What a training of the demo's model leaves behind."""
+
+    losses: list[torch.Tensor]
+    session: Any
+    rng_state: torch.Tensor  # the global generator's state once the training is done
+    weights: dict[str, torch.Tensor]  # the final state_dict
+
+
+def run_gpt(session_factory=None, steps: int = 30, bad_step: int = -1, seed: int = 0) -> GptRun:
+    """Train the demo's TinyGPT. ``session_factory(model, opt)`` attaches tensordbg (None: a
+    bare run)."""
     torch.manual_seed(seed)
     model = TinyGPT(dim=32, heads=2, layers=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     session = session_factory(model, optimizer) if session_factory else None
     losses = [gpt_step(model, optimizer, t, session) for t in batches(steps, bad_step, seed=seed)]
-    return losses, session
+    weights = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    return GptRun(losses, session, torch.random.get_rng_state(), weights)
+
+
+def train_gpt(session_factory=None, steps: int = 30, bad_step: int = -1, seed: int = 0):
+    """:func:`run_gpt`, returning (losses, session)."""
+    run = run_gpt(session_factory, steps, bad_step, seed)
+    return run.losses, run.session
 
 
 def gpt_step(model, optimizer, tokens, session=None) -> torch.Tensor:

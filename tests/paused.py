@@ -36,14 +36,17 @@ class Planted(nn.Module):
 class PausedTraining:
     """Runs ``steps`` training steps in a thread with ``on_hit="pause"``; step ``bad_step``
     divides by zero in the model's forward. Use as a context manager; ``wait_paused()`` blocks
-    until the training is paused."""
+    until the training is paused. ``before_step(step)``, if given, is called on the training
+    thread before each step: a test holds the training mid-run with it."""
 
     def __init__(self, steps: int = 6, bad_step: int = 3, dtype: torch.dtype = torch.float32,
-                 server: bool = False, **attach_args):  # fmt: skip
+                 server: bool = False, before_step: Callable[[int], None] | None = None,
+                 **attach_args):  # fmt: skip
         self.model = Planted(dtype)
         self.dtype = dtype
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
         self.steps, self.bad_step = steps, bad_step
+        self.before_step = before_step
         self.session: tensordbg.Session | None = None
         self.attach_args = {"on_hit": "pause", "server": server, **attach_args}
         self.error: BaseException | None = None
@@ -58,6 +61,8 @@ class PausedTraining:
             self.attached.set()
             g = torch.Generator().manual_seed(1)
             for step in range(self.steps):
+                if self.before_step is not None:
+                    self.before_step(step)
                 self.model.poison = step == self.bad_step
                 x = torch.randn(16, 8, generator=g).to(self.dtype)
                 loss = self.model(x).float().pow(2).mean()

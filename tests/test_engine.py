@@ -11,11 +11,11 @@ import weakref
 
 import pytest
 import torch
-from models import LogHead, SqrtOfSquare, mlp, train_gpt
+from models import GptRun, LogHead, SqrtOfSquare, mlp, run_gpt, train_gpt
 from torch import nn
 
 import tensordbg
-from tensordbg.rules import NaN, Rule, VanishingGradient, WeightNotChanging
+from tensordbg.rules import NaN, Rule, VanishingGradient, WeightNotChanging, default_rules
 from tensordbg.session import EAGER_WINDOW
 
 MODES = ("eager", "batched", "deferred")
@@ -34,17 +34,26 @@ def test_a_healthy_transformer_trains_for_dozens_of_steps_without_a_single_hit(w
     assert session.hits == []
 
 
+def assert_same_training(bare: GptRun, watched: GptRun) -> None:
+    """Bitwise: every loss, the final weights, and the global generator (a hook that drew a
+    random number would move it, even where nothing else in the training draws one)."""
+    assert all(torch.equal(a, b) for a, b in zip(bare.losses, watched.losses, strict=True))
+    assert torch.equal(bare.rng_state, watched.rng_state)
+    assert bare.weights.keys() == watched.weights.keys()
+    assert all(torch.equal(bare.weights[k], watched.weights[k]) for k in bare.weights)
+
+
 def test_attaching_changes_no_number_of_the_training(watch):
-    bare, _ = train_gpt(None, steps=12)
-    watched, _ = train_gpt(lambda m, o: watch(m, optimizer=o, on_hit="record"), steps=12)
-    assert all(torch.equal(a, b) for a, b in zip(bare, watched, strict=True))
+    bare = run_gpt(None, steps=12)
+    watched = run_gpt(lambda m, o: watch(m, optimizer=o, on_hit="record"), steps=12)
+    assert_same_training(bare, watched)
 
 
 @pytest.mark.parametrize("sync", MODES)
 def test_attaching_changes_no_number_in_any_mode(watch, sync):
-    bare, _ = train_gpt(None, steps=6)
-    watched, _ = train_gpt(lambda m, o: watch(m, optimizer=o, on_hit="record", sync=sync), steps=6)
-    assert all(torch.equal(a, b) for a, b in zip(bare, watched, strict=True))
+    bare = run_gpt(None, steps=6)
+    watched = run_gpt(lambda m, o: watch(m, optimizer=o, on_hit="record", sync=sync), steps=6)
+    assert_same_training(bare, watched)
 
 
 # --- where a problem started -------------------------------------------------------------------
@@ -274,7 +283,10 @@ def test_an_internal_error_stops_watching_but_never_the_training(watch, monkeypa
     loss.backward()
     optimizer.step()
     assert session.broken
-    model(torch.randn(3, 4))  # no further warning, no exception
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no further warning, no exception
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
 
 
 # --- what is watched ------------------------------------------------------------------------------
@@ -314,7 +326,7 @@ def test_nested_outputs_lstm_tuples_and_dicts_are_all_watched(watch):
 
         def forward(self, x):
             out, (h, c) = self.lstm(x)
-            return {"logits": self.head(out), "state": (h, c)}
+            return {"logits": self.head(out) * 2, "state": (h, c)}  # logits: the root's own
 
     model = Net()
     session = watch(model, on_hit="record")
@@ -323,7 +335,9 @@ def test_nested_outputs_lstm_tuples_and_dicts_are_all_watched(watch):
     model(x)
     names = {h.tensor for h in session.hits}
     assert {"lstm.output[0]", "lstm.output[1][0]", "lstm.output[1][1]", "head.output"} <= names
-    assert {"output.logits", "output.state[0]"} & names or "head.output" in names
+    assert "output.logits" in names  # a tensor made at the root, reached inside a dict
+    [logits] = [h for h in session.hits if h.tensor == "output.logits"]
+    assert (logits.module, logits.kind, logits.origin) == ("", "output", False)
 
 
 def test_integer_and_bool_tensors_are_skipped(watch):
@@ -341,17 +355,40 @@ def test_integer_and_bool_tensors_are_skipped(watch):
     assert "input[0]" not in seen and "output" in seen
 
 
-def test_in_place_relu_keeps_its_input_and_output_apart(watch):
+@pytest.mark.parametrize("sync", MODES)
+def test_in_place_relu_keeps_its_input_and_output_apart(watch, sync):
+    from tensordbg.stats import MIN
+
+    torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    session = watch(model, optimizer=optimizer, on_hit="record")
+    linear_min: list[float] = []  # read before the ReLU overwrites the Linear's output
+    model[0].register_forward_hook(lambda m, i, out: linear_min.append(out.min().item()))
+    mins: dict[str, list[float]] = {}
+
+    class Spy(Rule):
+        """Records the minimum of every output and output gradient."""
+
+        kinds = frozenset({"output", "grad_output"})
+        needs = (MIN,)
+
+        def check(self, t, state):
+            mins.setdefault(t.name, []).append(t.get(MIN))
+
+    rules = [*default_rules(), Spy()]
+    session = watch(model, optimizer=optimizer, on_hit="record", rules=rules, sync=sync)
     for _ in range(3):  # in-place ops break full backward hooks; these hooks must not break
         model(torch.randn(8, 4)).sum().backward()
         optimizer.step()
         optimizer.zero_grad()
     grads = {r.stats.name for r in session.records}
+    session.flush()
     assert session.step == 3 and not session.broken
     assert grads  # the optimizer phase has records
+    # The Linear's statistics are of its output as it returned it, not as the ReLU left it.
+    assert mins["0.output"] == linear_min and all(m < 0 for m in linear_min)
+    assert len(mins["1.output"]) == 3 and all(m >= 0 for m in mins["1.output"])
+    assert len(mins["1.grad_output"]) == 3  # the ReLU's backward is watched too
 
 
 @pytest.mark.parametrize("sync", MODES)

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 import time
 
 import numpy as np
 import pytest
 import torch
+import zmq
 from paused import PausedTraining
+from test_hostile_client import RawClient
 
 from tensordbg.client import RemoteError, SyncClient
 from tensordbg.connection import find_sessions
 from tensordbg.live import LiveSource
-from tensordbg.server import Server
+from tensordbg.server import GENERIC_REFUSAL, Server
 
 
 def test_a_ui_attaches_to_a_paused_training_inspects_and_continues():
@@ -60,21 +63,65 @@ def test_when_the_ui_vanishes_while_paused_the_training_resumes_disarmed():
             server.stop()
 
 
+def test_a_paused_training_configured_to_wait_for_ever_outlives_its_ui_and_greets_the_next():
+    with PausedTraining(server=True, ui_timeout=None) as training:
+        session = training.session
+        session.server.client_timeout = 0.5  # notice the vanished UI in half a second, not five
+        training.wait_paused()
+        with SyncClient(session.server.info.path) as client:
+            assert client.welcome["info"]["state"] == "paused"
+        training.wait(lambda: session.server.clients == 0)  # the server counted the UI gone
+        time.sleep(1.0)
+        assert session.controller.state == "paused" and not training.finished.is_set()
+        assert session.on_hit == "pause"  # its watchpoints still block
+        with SyncClient(session.server.info.path) as client:  # the UI comes back
+            info = client.welcome["info"]
+            assert info["state"] == "paused"
+            assert info["paused_at"]["ref"] == session.controller.paused_at.ref
+            assert info["paused_at"]["origin"] and info["paused_at"]["step"] == 3
+            assert any(h["origin"] and h["step"] == 3 for h in client.welcome["hits"])
+            client.call("control", action="continue")
+        training.finished.wait(30)
+        assert training.error is None and session.step == 6
+
+
 def test_a_client_with_the_wrong_key_can_neither_pause_nor_read_a_real_training():
     import dataclasses
 
-    with PausedTraining(server=True, steps=30, bad_step=-1, on_hit="record") as training:
-        training.wait(lambda: bool(find_sessions()))
+    at_step_15, go_on = threading.Event(), threading.Event()
+
+    def hold_at_step_15(step: int) -> None:
+        if step == 15:  # mid-run: a pause, were it accepted, would stop the next phase
+            at_step_15.set()
+            go_on.wait(30)
+
+    with PausedTraining(server=True, steps=30, bad_step=-1, on_hit="record",
+                        before_step=hold_at_step_15) as training:  # fmt: skip
+        session = training.session
+        states: list[str] = []
+        session.controller.listeners.append(states.append)
+        assert at_step_15.wait(30)
         [conn] = find_sessions()
         forged = dataclasses.replace(conn, key="00" * 32)
-        refused = r"signature does not match"
-        with pytest.raises(TimeoutError, match=refused), SyncClient(forged, timeout=2.0) as ui:
-            ui.call("control", action="pause")
-        with pytest.raises(TimeoutError, match=refused), SyncClient(forged, timeout=2.0) as ui:
-            ui.call("slice", ref=0)
-        training.finished.wait(60)
-        assert training.session.controller.reason == ""  # it never paused
-        assert training.session.step == 30 and training.error is None
+        with pytest.raises(TimeoutError, match=r"signature does not match"):
+            SyncClient(forged, timeout=2.0)  # the UI's own client is refused at its hello
+        ref = session.records[-1].stats.ref  # a tensor the training did record
+        context = zmq.Context()
+        stranger = RawClient(context, session.server.info.endpoint, b"\x01" * 32)
+        try:
+            stranger.request("control", {"action": "pause"}, id=1)
+            assert stranger.refusal_text() == GENERIC_REFUSAL
+            stranger.request("slice", {"ref": ref}, id=2)
+            assert stranger.refusal_text() == GENERIC_REFUSAL
+            assert stranger.reply(timeout=0.5) is None  # nothing else: no data, no event
+        finally:
+            stranger.socket.close(linger=0)
+            context.term()
+        assert session.server.clients == 0 and not session.controller.pause_requested
+        go_on.set()
+        assert training.finished.wait(60)
+        assert states == [] and session.controller.reason == ""  # it never paused
+        assert session.step == 30 and training.error is None
 
 
 def test_a_session_listens_only_on_a_private_local_socket_by_default():

@@ -106,11 +106,13 @@ def test_a_hugging_face_model_built_from_a_config_trains_clean_and_is_debuggable
     assert (origin.module, origin.kind, origin.step) == ("transformer.h.1.mlp.c_fc", "output", 12)
 
 
-def test_attaching_before_torch_compile_works(watch):
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_attaching_before_torch_compile_works(watch, backend):
+    torch._dynamo.reset()  # each backend compiles afresh
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     session = watch(model, optimizer=optimizer, on_hit="record")
-    compiled = torch.compile(model, backend="eager")
+    compiled = torch.compile(model, backend=backend)
     for step in range(4):
         x = torch.randn(8, 4)
         if step == 2:
@@ -121,3 +123,9 @@ def test_attaching_before_torch_compile_works(watch):
     assert not session.broken and session.step == 4
     first = session.hits[0]
     assert (first.kind, first.module, first.step, first.origin) == ("input", "", 2, True)
+    # The NaN row meets each Linear's weight gradient; the gradients flowing back stay finite
+    # (the loss's gradient is 1, and a ReLU passes none where its input is NaN), and so do the
+    # bias gradients.
+    backward = {h.tensor for h in session.hits if h.rule == "NaN" and h.phase == "backward"
+                and h.step == 2}  # fmt: skip
+    assert backward == {"0.weight.grad", "2.weight.grad", "4.weight.grad"}

@@ -56,6 +56,23 @@ def test_nan_and_overflow_in_a_layers_output(watch, sync):
     first = hits_of(session, "Overflow")[0]
     assert (first.kind, first.module, first.step, first.origin) == ("output", "1", 2, True)
     assert any(h.rule == "NaN" and h.phase == "backward" for h in session.hits)  # Inf - Inf
+    # The Inf is the one origin; the NaN it turns into is passed on from it. The gradient of the
+    # loss is +Inf in output column 0, so 1.weight.grad[0] sums +Inf times activations of both
+    # signs: Inf - Inf, in the first gradient the backward computes.
+    assert [(h.rule, h.tensor) for h in session.hits if h.origin] == [("Overflow", "1.output")]
+    nan = hits_of(session, "NaN")[0]
+    assert (nan.tensor, nan.module, nan.kind, nan.phase, nan.step) == (
+        "1.weight.grad",
+        "1",
+        "grad",
+        "backward",
+        2,
+    )
+    # 0.bias.grad sums, over the batch, Infs of one sign per unit: Inf, never NaN.
+    assert {h.tensor for h in hits_of(session, "NaN") if h.phase == "backward"} == {
+        "1.weight.grad",
+        "0.weight.grad",
+    }
 
 
 def test_overflow_warns_a_float16_tensor_before_it_overflows(watch):
@@ -69,6 +86,8 @@ def test_overflow_warns_a_float16_tensor_before_it_overflows(watch):
     session.flush()
     [hit] = hits_of(session, "Overflow")
     assert hit.kind == "output" and hit.value >= 0.5 * 65504 and math.isfinite(hit.value)
+    assert (hit.module, hit.step, hit.origin) == ("0", 0, True)
+    assert hit.value == 8 * 0.5 * 10000.0  # the output's largest value, exact in float16
 
 
 def test_exploding_gradient_on_a_rising_learning_rate(watch):
@@ -79,6 +98,14 @@ def test_exploding_gradient_on_a_rising_learning_rate(watch):
     steps(model, optimizer, session, 1, loss_scale=1e4)  # a gradient 10,000x its usual size
     [first, *_] = hits_of(session, "ExplodingGradient")
     assert first.step == 15 and first.kind == "grad" and first.value > 20
+    # The backward reaches the last layer first; every gradient grew 10,000x, none before.
+    assert (first.module, first.origin) == ("2", True) and first.value > 1e3
+    assert {(h.tensor, h.step) for h in hits_of(session, "ExplodingGradient")} == {
+        ("2.weight.grad", 15),
+        ("2.bias.grad", 15),
+        ("0.weight.grad", 15),
+        ("0.bias.grad", 15),
+    }
 
 
 def test_vanishing_gradient_behind_a_saturated_layer(watch):
@@ -147,6 +174,11 @@ def test_loss_not_decreasing_on_an_observed_loss(watch):
     steps(model, optimizer, session, 25, x=x)
     [hit, *_] = hits_of(session, "LossNotDecreasing")
     assert hit.kind == "observed" and hit.tensor == "loss"
+    # Windows of 10 steps: steps 10-19 are judged against 0-9 when step 20's loss comes; the
+    # next verdict would come at step 30, past the end.
+    assert hits_of(session, "LossNotDecreasing") == [hit]
+    assert (hit.module, hit.step, hit.origin) == ("", 20, True)
+    assert "over steps 10-19 against" in hit.message and "over steps 0-9" in hit.message
 
 
 def test_tensor_range_on_a_pattern(watch):
