@@ -53,8 +53,10 @@ class HitTable(DataTable):
         return max(self._hits, default=-1) + 1
 
     def set_hits(self, hits: list[dict[str, Any]]) -> None:
+        """All the hits, at once (a welcome, a reload): drawn now, in this frame."""
         self._hits = {h["id"]: h for h in hits}
-        self._draw_soon()
+        self._stale = True
+        self._draw()
 
     def merge(self, hits: list[dict[str, Any]]) -> None:
         """Add hits. The training pushes them one by one, maybe thousands: new hits that sort
