@@ -115,7 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--remote",
         action="store_true",
-        help="listen on TCP with CURVE encryption instead of a local socket",
+        help="listen on TCP with CURVE encryption instead of a local socket, on 127.0.0.1 (for "
+        "an SSH tunnel) unless --listen says where; a UI needs the connection file (its keys)",
+    )
+    run.add_argument(
+        "--listen",
+        metavar="HOST[:PORT]",
+        type=_listen,
+        help="with --remote: where to listen, e.g. 0.0.0.0:5555 (implies --remote)",
     )
     run.add_argument("script", help="the training script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
@@ -159,6 +166,16 @@ def _rules(spec: str) -> list | None:
     return rules
 
 
+def _listen(text: str) -> str:
+    from tensordbg.server import listen_address
+
+    try:
+        listen_address(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _run(args: argparse.Namespace) -> int:
     from tensordbg.runner import run_script
 
@@ -171,7 +188,7 @@ def _run(args: argparse.Namespace) -> int:
         include=args.include,
         exclude=args.exclude,
         interval=args.interval,
-        remote=args.remote,
+        remote=args.listen or args.remote,
     )
 
 

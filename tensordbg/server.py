@@ -76,6 +76,21 @@ _IPC_PATH_MAX = 100  # sun_path holds 104-108 bytes depending on the system
 _SWEEP_INTERVAL = 5.0  # seconds between looks for shared-memory files no client took
 
 
+def listen_address(text: str) -> tuple[str, int]:
+    """``"HOST[:PORT]"`` (``[::1]:5555`` for IPv6) as ``(host, port)``; port 0 picks a free one.
+
+    >>> listen_address("0.0.0.0:5555")
+    ('0.0.0.0', 5555)
+    """
+    host, sep, port = text.rpartition(":") if not text.endswith("]") else (text, "", "")
+    if not sep:
+        host, port = text, "0"
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"a listening address is HOST or HOST:PORT, not {text!r}")
+    return host, int(port)
+
+
 class Server:
     """Serves ``source`` to UIs on an ipc socket in the user's runtime directory (or, with
     ``remote=True``, on tcp with CURVE encryption and a single allowed client key).

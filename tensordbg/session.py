@@ -1596,7 +1596,7 @@ def attach(
     update_budget: int = DEFAULT_UPDATE_BUDGET,
     max_skipped_steps: int = 5,
     server: bool = True,
-    remote: bool = False,
+    remote: bool | str = False,
     ui_timeout: float | None = 30.0,
     run_id: str | None = None,
     rank: int | None = None,
@@ -1628,7 +1628,9 @@ def attach(
             in its hook.
         update_budget: memory for copies of parameters taken to measure updates exactly.
         server: serve the session to the terminal UI over a local, authenticated socket.
-        remote: listen on TCP with CURVE encryption instead of a local socket.
+        remote: listen on TCP with CURVE encryption instead of a local socket: ``True`` on
+            127.0.0.1 (reach it through an SSH tunnel), or ``"HOST[:PORT]"`` to listen there,
+            e.g. ``"0.0.0.0:5555"`` (every client still needs the key in the connection file).
         ui_timeout: seconds a paused training waits after the UI went away before it resumes
             with blocking watchpoints disarmed; None waits for ever.
     """
@@ -1655,18 +1657,21 @@ def attach(
     return session
 
 
-def _start_server(session: Session, remote: bool) -> None:
+def _start_server(session: Session, remote: bool | str) -> None:
     try:
         from tensordbg.live import LiveSource
-        from tensordbg.server import Server
+        from tensordbg.server import Server, listen_address
 
         script = sys.argv[0] if sys.argv and sys.argv[0] else "<python>"
+        host, port = listen_address(remote) if isinstance(remote, str) else ("127.0.0.1", 0)
         server = Server(
             LiveSource(session),
             run_id=session.run_id,
             rank=session.rank,
             script=script,
-            remote=remote,
+            remote=bool(remote),
+            host=host,
+            port=port,
             on_clients=session.on_clients,
         )
         server.start()

@@ -99,3 +99,9 @@ def test_the_demo_without_ui_finds_the_broken_attention(tmp_path: Path):
     assert done.returncode == 0, done.stderr
     assert "1 at their origin" in done.stdout
     assert "step 25 forward: [NaN] blocks.0.attn.output" in done.stdout
+
+
+def test_a_listening_address_is_checked_before_the_script_runs(tmp_path: Path):
+    done = tensordbg("run", "--listen", "0.0.0.0:http", "train.py", cwd=tmp_path)
+    assert done.returncode == 2
+    assert "a listening address is HOST or HOST:PORT, not '0.0.0.0:http'" in done.stderr

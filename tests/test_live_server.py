@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import threading
 import time
@@ -14,6 +15,7 @@ import zmq
 from paused import PausedTraining
 from test_hostile_client import RawClient
 
+import tensordbg
 from tensordbg.client import RemoteError, SyncClient
 from tensordbg.connection import find_sessions
 from tensordbg.live import LiveSource
@@ -137,3 +139,15 @@ def test_a_session_listens_only_on_a_private_local_socket_by_default():
     finally:
         session.detach()
     assert find_sessions() == []  # detach removes the connection file
+
+
+def test_attach_listens_where_remote_says():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    session = tensordbg.attach(torch.nn.Linear(2, 2), remote=f"127.0.0.1:{port}")
+    try:
+        assert session.server.info.endpoint == f"tcp://127.0.0.1:{port}"
+        assert session.server.info.transport == "tcp"
+    finally:
+        session.detach()

@@ -40,7 +40,7 @@ from tensordbg.connection import (
     write_connection_file,
 )
 from tensordbg.protocol import WireArray
-from tensordbg.server import Server
+from tensordbg.server import Server, listen_address
 from tensordbg.source import METHODS
 
 
@@ -553,3 +553,18 @@ def test_an_idle_server_with_a_client_uses_no_cpu(tmp_path):
         assert used < 0.3, f"the idle socket thread used {used:.2f} s of CPU in 1.5 s"
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(
+    ("text", "address"),
+    [("0.0.0.0:5555", ("0.0.0.0", 5555)), ("node7", ("node7", 0)), ("[::1]:80", ("::1", 80)),
+     ("[::1]", ("::1", 0))],
+)  # fmt: skip
+def test_a_listening_address_is_host_and_port(text, address):
+    assert listen_address(text) == address
+
+
+@pytest.mark.parametrize("text", ["", ":80", "host:port", "host:70000"])
+def test_a_bad_listening_address_is_refused(text):
+    with pytest.raises(ValueError, match="HOST or HOST:PORT"):
+        listen_address(text)
