@@ -684,6 +684,32 @@ print("torch" in sys.modules)
     assert result.stdout.strip() == "False", result.stderr
 
 
+def test_the_histogram_keeps_one_bin_a_column_when_the_terminal_is_resized() -> None:
+    source = FakeSource()
+
+    def bar_width(histogram: HistogramView) -> int:
+        return len(text_of(histogram).splitlines()[1])  # the top row of bars, under "peak"
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "paused")
+            app.main.post_message(OpenTensor(3, "net.2.output"))
+            await until(pilot, lambda: app.query(HistogramView))
+            histogram = app.query_one(HistogramView)
+            await until(pilot, lambda: histogram.shown_bins and histogram.fits)
+            narrow = histogram.shown_bins
+            assert narrow == histogram.content_size.width == bar_width(histogram)
+
+            await pilot.resize_terminal(SIZE[0] + 40, SIZE[1])
+            await until(pilot, lambda: histogram.shown_bins != narrow and histogram.fits)
+            wide = histogram.shown_bins
+            assert wide > narrow and wide == bar_width(histogram)
+            assert "NaN 2" in text_of(histogram)
+
+    asyncio.run(flow())
+
+
 def test_histogram_drawing_scales_bars_and_counts_non_finite() -> None:
     from tensordbg.tui.components.histogram_view import draw
 

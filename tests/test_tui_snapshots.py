@@ -37,7 +37,7 @@ async def tensor_open(pilot: Pilot) -> None:
     grid = pilot.app.query_one(TensorGrid)
     histogram = pilot.app.query_one(HistogramView)
     await until(pilot, lambda: grid.rows == 8 and not grid.fetching and grid.cell_text(7, 3))
-    await until(pilot, lambda: "NaN 2" in str(histogram.content))
+    await until(pilot, lambda: "NaN 2" in str(histogram.content) and histogram.fits)
 
 
 def test_run_tab(snap_compare) -> None:

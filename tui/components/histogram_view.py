@@ -35,30 +35,52 @@ def draw(hist: dict[str, Any], height: int = HEIGHT) -> Text:
 
 
 class HistogramView(Static):
-    """Fed with a ``histogram()`` reply; the drawing happens in a thread worker."""
+    """Fed with a ``histogram()`` reply; the drawing happens in a thread worker. When the
+    histogram on show has not one bin a column (it was asked for before the box had its width,
+    or the terminal was resized), it posts :class:`Rebin` for its owner to ask again."""
 
     class Drawn(Message):
-        def __init__(self, text: Text) -> None:
+        def __init__(self, text: Text, bins: int) -> None:
             super().__init__()
             self.text = text
+            self.bins = bins
+
+    class Rebin(Message):
+        """The histogram on show does not fit the width: ask for one of ``bins`` bins."""
 
     def __init__(self) -> None:
         super().__init__("", id="histogram")
         self.border_title = "histogram of the finite values"
+        self.shown_bins = 0  # bins of the histogram on show; 0 when none is
 
     @property
     def bins(self) -> int:
         """How many bins fit the width (one column each)."""
         return max(8, min(64, self.content_size.width or 32))
 
+    @property
+    def fits(self) -> bool:
+        """Whether the histogram on show, if any, has one bin a column of the box as laid out
+        (not yet known before the first layout)."""
+        return self.shown_bins == 0 or (
+            self.content_size.width > 0 and self.shown_bins == self.bins
+        )
+
     @work(thread=True, exclusive=True, group="histogram")
     def show(self, hist: dict[str, Any]) -> None:
-        self.post_message(self.Drawn(draw(hist)))
+        self.post_message(self.Drawn(draw(hist), len(hist["counts"])))
 
     def show_message(self, text: str) -> None:
+        self.shown_bins = 0
         self.update(Text(text, style="dim"))
+
+    def on_resize(self) -> None:
+        if self.content_size.width and not self.fits:
+            self.post_message(self.Rebin())
 
     @on(Drawn)
     def _drawn(self, message: Drawn) -> None:
         message.stop()
+        self.shown_bins = message.bins
         self.update(message.text)
+        self.on_resize()  # the width may have changed while it was on its way

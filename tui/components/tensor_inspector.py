@@ -103,10 +103,27 @@ class TensorInspector(Vertical):
         )
         self.query_one(StatsCompare).show(stats)
         self.query_one(TensorGrid).show(ref, text, tuple(stats["shape"]))
+        await self._histogram(ref, text)
+
+    @on(HistogramView.Rebin)
+    def _rebin(self, event: HistogramView.Rebin) -> None:
+        event.stop()
+        if self.ref is not None:
+            self._refetch_histogram(self.ref, self.text)
+
+    @work(group="histogram-fetch", exclusive=True)
+    async def _refetch_histogram(self, ref: int, text: str) -> None:
+        await self._histogram(ref, text)
+
+    async def _histogram(self, ref: int, text: str) -> None:
+        """Ask for the histogram of ``ref[text]`` with one bin a column of the box, and show it
+        unless another tensor or slice was opened meanwhile."""
         histogram = self.query_one(HistogramView)
         try:
             hist = await self.app.call("histogram", ref=ref, text=text, bins=histogram.bins)  # type: ignore[attr-defined]
         except RequestFailed as e:
-            histogram.show_message(f"No histogram: {e.message}")
+            if self.ref == ref:
+                histogram.show_message(f"No histogram: {e.message}")
             return
-        histogram.show(hist)
+        if self.ref == ref:
+            histogram.show(hist)
