@@ -75,6 +75,7 @@ class FakeSource:
         for r in self._rules:
             r.update(match=["*"], exclude=[], kinds=["grad"], disabled_reason=None, hits=0)
         self.state = "paused"
+        self.paused_at: dict[str, Any] | None = self._hits[0]  # None when paused by p or s
         self.step = 3
         self.controls: list[tuple[str, int]] = []
         self._subscribers: list[EventCallback] = []
@@ -117,8 +118,8 @@ class FakeSource:
             "phase": "forward",
             "on_hit": "pause",
             "sync": "eager",
-            "paused_at": self._hits[0] if self.state == "paused" else None,
-            "pause_reason": "hit" if self.state == "paused" else "",
+            "paused_at": self.paused_at if self.state == "paused" else None,
+            "pause_reason": self._pause_reason(),
             "hits_total": len(self._hits),
             "retain_bytes": 1 << 28,
             "history": {
@@ -128,6 +129,11 @@ class FakeSource:
                 "steps_per_sec": [10.0, 11.0, 10.5, None],
             },
         }
+
+    def _pause_reason(self) -> str:
+        if self.state != "paused":
+            return ""
+        return "hit" if self.paused_at else "pause"
 
     def modules(self) -> list[dict[str, Any]]:
         out = []
@@ -308,6 +314,7 @@ class FakeSource:
             raise SourceError(f"unknown action {action!r}")
         self.controls.append((action, n))
         self.state = {"pause": "paused", "detach": "detached"}.get(action, "running")
+        self.paused_at = None
         self.emit("state", {"state": self.state, "step": self.step})
         return {"state": self.state, "step": self.step}
 
@@ -323,6 +330,17 @@ class FakeSource:
         return unsubscribe
 
     # --- test helpers ---------------------------------------------------------------------
+
+    def pause_on_hit(self) -> dict[str, Any]:
+        """The running training stops on a new NaN hit in net.2, one step later."""
+        self.step += 1
+        hit = self._hit(len(self._hits) + 1, "NaN", 3, True, 2.0)
+        hit.update(step=self.step, message=f"net.2.output holds 2 NaN at step {self.step}.")
+        self._hits.append(hit)
+        self.state, self.paused_at = "paused", hit
+        self.emit("hit", hit)
+        self.emit("state", {"state": "paused", "step": self.step})
+        return hit
 
     def emit(self, event: str, payload: dict[str, Any]) -> None:
         with self._lock:

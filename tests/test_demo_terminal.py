@@ -54,10 +54,10 @@ class Terminal:
 def test_the_demo_pauses_at_the_broken_attention_and_lets_a_person_inspect_it():
     terminal = Terminal(f"{sys.executable} -m tensordbg.cli demo")
     try:
-        terminal.wait_for("PAUSED", "[NaN] blocks.0.attn.output", "It was produced here")
-        terminal.press("F2")
-        terminal.wait_for("● origin", "↳ passed on")
-        terminal.press("Enter")  # the origin hit is selected: open its tensor
+        # Stopped on the hit, the Hits tab comes forward with the origin under the cursor.
+        terminal.wait_for("PAUSED", "● origin", "↳ passed on", timeout=120)
+        terminal.wait_for("[NaN] blocks.0.attn.output  output of blocks.0.attn", "Enter opens")
+        terminal.press("Enter")  # open its tensor
         # The tensor's title (the hit's detail on the Hits tab shows the same statistics)
         terminal.wait_for("blocks.0.attn.output  ref ", "tensor[16,31,64] float32", "NaN×1984")
         terminal.press("[")  # edit the slice: it opens with "[" typed

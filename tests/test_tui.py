@@ -684,6 +684,41 @@ print("torch" in sys.modules)
     assert result.stdout.strip() == "False", result.stderr
 
 
+def test_a_training_that_stops_on_a_hit_brings_that_hit_forward_and_a_pause_by_p_does_not() -> None:
+    """Watching the Run tab, the person sees the training stop on a new hit: the Hits tab comes
+    forward with that hit under the cursor and Enter opens its tensor. A pause asked for with p
+    (no hit) leaves the person on the tab they were on."""
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            hits = app.query_one(HitTable)
+            await until(pilot, lambda: app.state == "paused" and hits.row_count == 2)
+            await mounted(pilot)
+            await pilot.press("c")
+            await until(pilot, lambda: app.state == "running")
+            app.main.show_tab("run")
+            await until(pilot, lambda: active_tab(app) == "run")
+
+            await pilot.press("p")
+            await until(pilot, lambda: app.state == "paused")
+            await pilot.pause(0.2)  # the paused state is re-read: it must not move the person
+            assert active_tab(app) == "run"
+
+            await pilot.press("c")
+            await until(pilot, lambda: app.state == "running")
+            hit = source.pause_on_hit()
+            await until(pilot, lambda: hits.row_count == 3 and active_tab(app) == "hits")
+            await until(pilot, lambda: hits.current is not None and hits.current["id"] == hit["id"])
+            assert app.focused is hits
+            await pilot.press("enter")
+            await until(pilot, lambda: app.main.tensor_inspector.ref == hit["ref"])
+            assert active_tab(app) == "tensor"
+
+    asyncio.run(flow())
+
+
 def test_the_histogram_keeps_one_bin_a_column_when_the_terminal_is_resized() -> None:
     source = FakeSource()
 

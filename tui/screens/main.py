@@ -220,14 +220,17 @@ class MainScreen(Screen):
 
     @work(group="reload", exclusive=True)
     async def _refresh_paused(self) -> None:
-        """Paused again: where and why, the hits since, and the new phase's tensors."""
+        """Paused again: where and why, the hits since, and the new phase's tensors. Paused on
+        a hit, the Hits tab comes forward with that hit under the cursor, as a debugger shows
+        where it stopped (Enter opens its tensor); paused by p or after s, the tab stays."""
         try:
             info = await self.app.call("info")  # type: ignore[attr-defined]
             self.run_status.show_info(info)
             table = self.hit_table
             hits = await self.app.call("hits", since=table.next_id)  # type: ignore[attr-defined]
             table.merge(hits)
-            if info.get("paused_at"):
+            if info.get("paused_at") and self.app.state == "paused":  # type: ignore[attr-defined]
+                self.show_tab("hits")
                 table.select_hit(info["paused_at"]["id"])
         except RequestFailed as e:
             self.log_entry(f"could not read the paused state: {e.message}", "error")
