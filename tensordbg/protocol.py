@@ -34,7 +34,7 @@ from tensordbg.source import METHODS, Source, dispatch
 
 log = logging.getLogger("tensordbg.protocol")
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # Requests a UI sends: the methods of tensordbg.source.Source (see there for payloads), plus the
 # protocol's own greeting and liveness messages.
@@ -164,11 +164,12 @@ def _fp8_table(dtype: str) -> np.ndarray:
 #           top level of a body dict leaves the header as {"__array__": i, "dtype", "shape"} and
 #           travels as raw frame i.
 # signature hex HMAC-SHA256, with the session's key, over the header bytes and then each array
-#           in order (Jupyter signs only the header; a tensor is data a person acts on, so it is
-#           signed too). An array above TREE_HASH_MIN enters the HMAC as its length followed by
-#           the SHA-256 digests of its TREE_CHUNK-byte chunks, computed on all cores: a keyed
-#           hash over collision-resistant digests authenticates the bytes just the same, and one
-#           core alone would hash a 256 MiB tensor slower than the socket moves it. A signature
+#           in order, each part after its length in ASCII digits and a colon (Jupyter signs only
+#           the header; a tensor is data a person acts on, so it is signed too). An array above
+#           TREE_HASH_MIN enters the HMAC as "tree<length>:" followed by the SHA-256 digests of
+#           its TREE_CHUNK-byte chunks, computed on all cores: a keyed hash over
+#           collision-resistant digests authenticates the bytes just the same, and one core
+#           alone would hash a 256 MiB tensor slower than the socket moves it. A signature
 #           seen before within REPLAY_WINDOW, or a timestamp further than REPLAY_WINDOW from this
 #           side's clock, is a replay and is refused.
 # shared    in a reply to a client on the same host (ipc), an array of SHM_MIN bytes or more is
@@ -316,7 +317,11 @@ class MessageCodec:
         """Hex HMAC-SHA256 over the header and each array, fed in order without copying; a large
         array by the digests of its chunks, hashed in parallel (see TREE_HASH_MIN), or already
         known (:class:`ChunkDigests`)."""
-        mac = hmac.new(self._key, header, "sha256")
+        header = memoryview(header).cast("B")
+        # Each part enters after its length, so moving bytes from one frame to the next makes
+        # another signature (the parts' own checks would refuse it too; this refuses it first).
+        mac = hmac.new(self._key, b"%d:" % header.nbytes, "sha256")
+        mac.update(header)
         for array in arrays:
             if isinstance(array, ChunkDigests):
                 mac.update(b"tree%d:" % array.nbytes)
@@ -324,6 +329,7 @@ class MessageCodec:
                 continue
             view = memoryview(array).cast("B")
             if view.nbytes < TREE_HASH_MIN:
+                mac.update(b"%d:" % view.nbytes)
                 mac.update(view)
             else:
                 mac.update(b"tree%d:" % view.nbytes)

@@ -171,6 +171,22 @@ def test_flipping_one_byte_of_an_array_frame_breaks_the_signature(server_codec, 
     assert client_codec.decode(frames).body["data"].shape == (100_000,)
 
 
+def test_moving_bytes_from_one_array_frame_to_the_next_breaks_the_signature(
+    server_codec, client_codec
+):
+    """The same bytes cut at another place are another message: each part is signed after its
+    length, so the signature refuses it before any later check has to."""
+    a, b = np.arange(1000, dtype=np.float32), np.arange(1000, 3000, dtype=np.float32)
+    body = {"a": WireArray("float32", a.shape, a), "b": WireArray("float32", b.shape, b)}
+    signature, header, first, second = (bytes(f) for f in server_codec.encode("reply", body))
+    moved = [signature, header, first + second[:400], second[400:]]
+
+    error = refusal(client_codec, moved)
+
+    assert "signature does not match" in str(error) and not error.authenticated
+    assert client_codec.decode([signature, header, first, second]).body["b"].data[1999] == 2999
+
+
 def test_flipping_one_byte_of_the_header_breaks_the_signature(server_codec, client_codec):
     frames = client_codec.encode("control", {"action": "step", "n": 1}, id=1)
     header = frames[1].replace(b"step", b"stop")
