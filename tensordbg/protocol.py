@@ -163,15 +163,15 @@ def _fp8_table(dtype: str) -> np.ndarray:
 #           payload (request parameters, a reply's result, an event's payload). A WireArray at the
 #           top level of a body dict leaves the header as {"__array__": i, "dtype", "shape"} and
 #           travels as raw frame i.
-# signature hex HMAC-SHA256, with the session's key, over the header bytes and then each array
-#           in order, each part after its length in ASCII digits and a colon (Jupyter signs only
-#           the header; a tensor is data a person acts on, so it is signed too). An array above
-#           TREE_HASH_MIN enters the HMAC as "tree<length>:" followed by the SHA-256 digests of
-#           its TREE_CHUNK-byte chunks, computed on all cores: a keyed hash over
-#           collision-resistant digests authenticates the bytes just the same, and one core
-#           alone would hash a 256 MiB tensor slower than the socket moves it. A signature
-#           seen before within REPLAY_WINDOW, or a timestamp further than REPLAY_WINDOW from this
-#           side's clock, is a replay and is refused.
+# signature hex HMAC-SHA256, with the session's key, over the sender's side ("server" or
+#           "client"), the header bytes and then each array in order, each part after its
+#           length in ASCII digits and a colon (Jupyter signs only the header; a tensor is data
+#           a person acts on, so it is signed too). An array above TREE_HASH_MIN enters the HMAC
+#           as "tree<length>:" followed by the SHA-256 digests of its TREE_CHUNK-byte chunks,
+#           computed on all cores: a keyed hash over collision-resistant digests authenticates
+#           the bytes just the same, and one core alone would hash a 256 MiB tensor slower than
+#           the socket moves it. A signature seen before within REPLAY_WINDOW, or a timestamp
+#           further than REPLAY_WINDOW from this side's clock, is a replay and is refused.
 # shared    in a reply to a client on the same host (ipc), an array of SHM_MIN bytes or more is
 #           not a frame: the server writes it to a new file of its private shared-memory
 #           directory (see :class:`SharedMemory`) and its descriptor names the file:
@@ -299,6 +299,7 @@ class MessageCodec:
         if shared is not None and side != "client":
             raise ValueError("only a client takes arrays out of shared memory")
         self._key = key
+        self.side = side
         self.shared = shared
         self.session = session or secrets.token_hex(8)
         self.replay = replay or ReplayGuard()
@@ -313,14 +314,27 @@ class MessageCodec:
         else:
             raise ValueError(f"side is 'server' or 'client', not {side!r}")
 
-    def sign(self, header: Buffer, arrays: Sequence[Buffer | ChunkDigests]) -> bytes:
-        """Hex HMAC-SHA256 over the header and each array, fed in order without copying; a large
-        array by the digests of its chunks, hashed in parallel (see TREE_HASH_MIN), or already
-        known (:class:`ChunkDigests`)."""
+    @property
+    def peer(self) -> Literal["server", "client"]:
+        """The side this codec receives from."""
+        return "client" if self.side == "server" else "server"
+
+    def sign(
+        self,
+        header: Buffer,
+        arrays: Sequence[Buffer | ChunkDigests],
+        sender: Literal["server", "client"] | None = None,
+    ) -> bytes:
+        """Hex HMAC-SHA256 over the sending side, the header and each array, fed in order
+        without copying; a large array by the digests of its chunks, hashed in parallel (see
+        TREE_HASH_MIN), or already known (:class:`ChunkDigests`). ``sender`` is this side
+        unless checking the other side's message."""
         header = memoryview(header).cast("B")
+        # The sender's side first: a message cannot be sent back to the side that signed it.
         # Each part enters after its length, so moving bytes from one frame to the next makes
         # another signature (the parts' own checks would refuse it too; this refuses it first).
-        mac = hmac.new(self._key, b"%d:" % header.nbytes, "sha256")
+        start = b"%s %d:" % ((sender or self.side).encode("ascii"), header.nbytes)
+        mac = hmac.new(self._key, start, "sha256")
         mac.update(header)
         for array in arrays:
             if isinstance(array, ChunkDigests):
@@ -445,7 +459,7 @@ class MessageCodec:
         # A signature of the wrong length cannot match: the frames are not hashed (a stranger
         # could otherwise make this side hash megabytes per message); it is refused below.
         authenticated = signature.nbytes == _SIGNATURE_LENGTH and hmac.compare_digest(
-            bytes(signature), self.sign(header, arrays)
+            bytes(signature), self.sign(header, arrays, sender=self.peer)
         )
         if unreadable is not None:
             raise ProtocolError(

@@ -46,11 +46,11 @@ def signed(codec: MessageCodec, header: dict, arrays: list[bytes] = ()) -> list[
     """Frames a key holder could send with any header at all, for the malformed cases."""
     fields = {"v": PROTOCOL_VERSION, "ts": time.time(), "nonce": "n1", "session": "s1"}
     raw = pack({**fields, **header})
-    return [codec.sign(raw, list(arrays)), raw, *arrays]
+    return [codec.sign(raw, list(arrays), sender=codec.peer), raw, *arrays]
 
 
 def signed_raw(codec: MessageCodec, raw: bytes) -> list[bytes]:
-    return [codec.sign(raw, []), raw]
+    return [codec.sign(raw, [], sender=codec.peer), raw]
 
 
 def refusal(codec: MessageCodec, frames: list) -> ProtocolError:
@@ -185,6 +185,20 @@ def test_moving_bytes_from_one_array_frame_to_the_next_breaks_the_signature(
 
     assert "signature does not match" in str(error) and not error.authenticated
     assert client_codec.decode([signature, header, first, second]).body["b"].data[1999] == 2999
+
+
+def test_a_message_sent_back_to_the_side_that_signed_it_is_refused(server_codec, client_codec):
+    """The sender's side is signed: a request echoed back to a client, or a reply echoed back to
+    the server, is not a message of the other side."""
+    request = client_codec.encode("control", {"action": "pause"}, id=1)
+    reply = server_codec.encode("reply", {"state": "paused"}, id=1)
+    other_client = MessageCodec(KEY, side="client")
+    other_server = MessageCodec(KEY, side="server")
+
+    assert "signature does not match" in str(refusal(other_client, request))
+    assert "signature does not match" in str(refusal(other_server, reply))
+    assert server_codec.decode(request).body == {"action": "pause"}
+    assert client_codec.decode(reply).body == {"state": "paused"}
 
 
 def test_flipping_one_byte_of_the_header_breaks_the_signature(server_codec, client_codec):

@@ -264,7 +264,7 @@ def signed_descriptor(codec: MessageCodec, name: str, nbytes: int = SHM_MIN) -> 
             "body": {"data": descriptor},
         }
     )
-    return [codec.sign(header, []), header]
+    return [codec.sign(header, [], sender=codec.peer), header]
 
 
 @pytest.mark.parametrize(
