@@ -719,6 +719,23 @@ def test_a_training_that_stops_on_a_hit_brings_that_hit_forward_and_a_pause_by_p
     asyncio.run(flow())
 
 
+def test_quitting_on_the_first_screen_before_the_hidden_tabs_are_mounted_exits_cleanly() -> None:
+    """q at once: the tabs still waiting to be mounted are left alone, no traceback."""
+    app = TensorDbgApp(LocalClient(FakeSource()))
+    display = app._display
+
+    def first_frame(screen: Any, renderable: Any) -> None:
+        display(screen, renderable)
+        if renderable is not None and app.state == "paused" and app.main.hit_table.row_count:
+            assert app.main.query("Lazy"), "the hidden tabs are mounted already: nothing tested"
+            app.exit()
+
+    app._display = first_frame  # type: ignore[method-assign]
+    asyncio.run(app.run_async(headless=True, size=SIZE))
+
+    assert app.return_code == 0, app._exception
+
+
 def test_the_histogram_keeps_one_bin_a_column_when_the_terminal_is_resized() -> None:
     source = FakeSource()
 

@@ -50,6 +50,29 @@ TABS = (
 gets the keys on each tab all come from here."""
 
 
+class Later(Lazy):
+    """Textual's Lazy (the widget is mounted after the first screen is up), except that when
+    the app is quitting by then (q pressed at once) nothing is mounted: Lazy raises MountError
+    into the app, which then exits with a traceback."""
+
+    def __init__(self, widget: Widget) -> None:
+        super().__init__(widget)
+        self._widget = widget
+
+    async def mount_composed_widgets(self, widgets: list[Widget]) -> None:
+        parent = self.parent
+        if not isinstance(parent, Widget):
+            return
+
+        async def mount() -> None:
+            if not (parent.is_attached and self.is_attached):
+                return
+            await parent.mount(self._widget, after=self)
+            await self.remove()
+
+        self.call_after_refresh(mount)
+
+
 class MainScreen(Screen):
     """Run, Hits, Modules, Tensor, Provenance, Rules and Log tabs under one connection banner."""
 
@@ -78,11 +101,11 @@ class MainScreen(Screen):
         content: dict[str, list[Widget]] = {
             "run": [self.run_status],
             "hits": [self.hit_table, self.hit_detail],
-            "modules": [Lazy(self.module_browser)],
-            "tensor": [Lazy(self.tensor_inspector)],
-            "provenance": [Lazy(self.provenance_view)],
-            "rules": [Lazy(self.rule_panel)],
-            "log": [Lazy(self.event_log)],
+            "modules": [Later(self.module_browser)],
+            "tensor": [Later(self.tensor_inspector)],
+            "provenance": [Later(self.provenance_view)],
+            "rules": [Later(self.rule_panel)],
+            "log": [Later(self.event_log)],
         }
         with TabbedContent(initial=TABS[0].pane):
             for tab in TABS:
