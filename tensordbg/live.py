@@ -316,7 +316,10 @@ class LiveSource:
         elif owner is not None:
             calls = self.session.capture.calls_by_path.get(owner.owner, [])
             out["producer"] = {"module": owner.owner, "type": owner.owner_type, "call": 0}
-            out["consumers"] = [_call_dict(c) for c in calls]
+            # A parameter is consumed by its module's calls; its gradient and its update by
+            # the optimizer, which is no module call.
+            used = record.stats.kind == "param"
+            out["consumers"] = [_call_dict(c) for c in calls] if used else []
             site = calls[0] if calls else None
         if site is not None:
             out["source"] = _source(site)
@@ -453,11 +456,13 @@ def _source(call: Call) -> dict[str, Any] | None:
 def _stack(call: Call) -> list[list[Any]]:
     """The user's lines from the training loop down to the call: one per enclosing module call."""
     chain = [call, *call.ancestors()]
-    frames = []
+    frames: list[list[Any]] = []
     for c in reversed(chain):
         if c.site is not None:
             code, line = c.site
-            frames.append([code.co_filename, line, code.co_name])
+            frame = [code.co_filename, line, code.co_name]
+            if not frames or frames[-1] != frame:  # a container's child: the same user line
+                frames.append(frame)
     return frames
 
 

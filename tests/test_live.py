@@ -9,6 +9,7 @@ import pytest
 import torch
 from paused import PausedTraining, Planted
 
+import tensordbg
 from tensordbg.live import LiveSource
 from tensordbg.source import SourceError, dispatch
 
@@ -169,3 +170,23 @@ def test_a_tensor_a_module_returned_as_its_own_output_is_listed_under_it_too(pau
     assert out["module"] == "out" and out["passed_up"] == [""]  # the model returned it
     inp = next(t for t in source.tensors() if t["name"] == "inp.output")
     assert inp["passed_up"] == []
+
+
+def test_a_parameter_gradients_provenance_is_its_modules_backward_at_one_user_line():
+    """The gradient of a Linear inside a Sequential: made by that Linear's backward, consumed by
+    the optimizer (no module call), called from one line of the user's code (shown once, though
+    the Sequential and the Linear were both called from it)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tensordbg.attach(model, optimizer=optimizer, on_hit="record") as session:
+        loss = model(torch.randn(3, 4)).pow(2).mean()  # the user's line
+        line = inspect.currentframe().f_lineno - 1
+        loss.backward()
+        source = LiveSource(session)
+        grad = next(t for t in source.tensors() if t["name"] == "2.weight.grad")
+        prov = source.provenance(grad["ref"])
+    assert prov["producer"] == {"module": "2", "type": "Linear", "call": 0}
+    assert prov["consumers"] == []
+    assert prov["stack"] == [[__file__, line, inspect.currentframe().f_code.co_name]]
+    assert prov["source"]["line"] == line
