@@ -51,7 +51,7 @@ class RulePanel(Vertical):
     def on_mount(self) -> None:
         self._drawable = True
         self.table.add_columns(
-            "on", "rule", "thresholds", "match", "kinds", "hits", "disabled because"
+            "on", "rule", "hits", "thresholds", "match", "kinds", "disabled because"
         )
         self._draw()
 
@@ -82,11 +82,11 @@ class RulePanel(Vertical):
             table.add_row(
                 on,
                 Text(rule["name"], style="bold" if rule["enabled"] else "dim"),
+                str(rule.get("hits", 0)),  # before the long columns: seen on a narrow terminal
                 thresholds(rule.get("params") or {}),
                 ", ".join(rule.get("match") or [])
                 + "".join(f" !{x}" for x in rule.get("exclude") or []),
                 ", ".join(rule.get("kinds") or []),
-                str(rule.get("hits", 0)),
                 Text(rule.get("disabled_reason") or "", style="yellow"),
                 key=str(rule["id"]),
             )
