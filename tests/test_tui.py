@@ -29,6 +29,7 @@ from tensordbg.tui.app import TensorDbgApp
 from tensordbg.tui.components.connection_banner import ConnectionBanner
 from tensordbg.tui.components.histogram_view import HistogramView
 from tensordbg.tui.components.hit_table import HitTable
+from tensordbg.tui.components.module_table import ModuleTable
 from tensordbg.tui.components.run_status import RunStatus
 from tensordbg.tui.components.slice_input import SliceInput
 from tensordbg.tui.components.tensor_grid import BLOCK_COLS, BLOCK_ROWS, TensorGrid
@@ -715,6 +716,45 @@ def test_a_training_that_stops_on_a_hit_brings_that_hit_forward_and_a_pause_by_p
             await pilot.press("enter")
             await until(pilot, lambda: app.main.tensor_inspector.ref == hit["ref"])
             assert active_tab(app) == "tensor"
+
+    asyncio.run(flow())
+
+
+def test_each_tab_key_opens_its_tab_with_the_keys_in_it_whatever_tab_was_open() -> None:
+    """F1-F7 round the tabs and back (each tab left once with the keys in its main widget:
+    hiding a focused widget made Textual focus its neighbour, which switched back to the old
+    tab), and / from two tabs, Escape back to the modules."""
+    from tensordbg.tui.screens.main import TABS
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(FakeSource()))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "paused")
+            await mounted(pilot)
+
+            def keys_in(pane: str, kind: Any) -> bool:
+                focused = app.focused
+                if kind is None:
+                    return True
+                return isinstance(focused, kind) and any(a.id == pane for a in focused.ancestors)
+
+            async def opened(pane: str, kind: Any) -> None:
+                try:
+                    await until(pilot, lambda: active_tab(app) == pane and keys_in(pane, kind))
+                    await pilot.pause(0.05)  # a switch back would come in the next frames
+                except AssertionError:
+                    raise AssertionError((pane, active_tab(app), app.focused)) from None
+                assert active_tab(app) == pane and keys_in(pane, kind), (pane, app.focused)
+
+            for tab in (*TABS, TABS[0]):
+                await pilot.press(tab.key)
+                await opened(tab.pane, tab.keys_to)
+            for key in ("f4", "f7"):
+                await pilot.press(key, "slash")
+                await opened("modules", Input)
+                assert app.focused.id == "module-search"
+                await pilot.press("escape")
+                await opened("modules", ModuleTable)
 
     asyncio.run(flow())
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import Any, ClassVar
 
 from textual import on
 from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
 from textual.containers import Vertical
 from textual.timer import Timer
 from textual.widgets import Input, Label
@@ -18,7 +19,12 @@ SETTLE = 0.06  # seconds the cursor rests on a module before its tensors are lis
 
 
 class ModuleBrowser(Vertical):
-    """``/`` focuses the search; Enter in the search or on a module moves to its tensors."""
+    """``/`` focuses the search; Enter or Escape in the search returns to the modules (the
+    filter stays); Enter on a module moves to its tensors."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "leave_search", "Back to the modules", show=False),
+    ]
 
     def __init__(self) -> None:
         super().__init__(id="module-browser")
@@ -55,6 +61,9 @@ class ModuleBrowser(Vertical):
 
     @on(Input.Submitted, "#module-search")
     def _search_done(self) -> None:
+        self.table.focus()
+
+    def action_leave_search(self) -> None:
         self.table.focus()
 
     @on(ModuleTable.Highlighted)

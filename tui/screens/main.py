@@ -214,6 +214,9 @@ class MainScreen(Screen):
             if focus:
                 self._focus_tab(tabs.get_pane(pane))
             return
+        # Keys leave the old tab first: a focused widget that is hidden hands the focus to a
+        # sibling in its own tab, and a tab whose widget takes the focus is switched back to.
+        self.set_focus(None)
         tabs.active = pane
 
     def focus_search(self) -> None:
