@@ -482,9 +482,22 @@ class CuttableClient:
         return await self._inner.call(method, **params)
 
     async def events(self):
-        await self.cut.wait()
-        raise ConnectionLost(self.LOST)
-        yield  # an async generator
+        """The source's events, as a real client passes them on, until the cut."""
+        inner = self._inner.events().__aiter__()
+        cut = asyncio.ensure_future(self.cut.wait())
+        try:
+            while True:
+                event = asyncio.ensure_future(inner.__anext__())
+                await asyncio.wait({event, cut}, return_when=asyncio.FIRST_COMPLETED)
+                if cut.done():
+                    event.cancel()
+                    raise ConnectionLost(self.LOST)
+                try:
+                    yield event.result()
+                except StopAsyncIteration:
+                    return
+        finally:
+            cut.cancel()
 
     async def close(self) -> None:
         await self._inner.close()
@@ -774,6 +787,35 @@ def test_quitting_on_the_first_screen_before_the_hidden_tabs_are_mounted_exits_c
     asyncio.run(app.run_async(headless=True, size=SIZE))
 
     assert app.return_code == 0, app._exception
+
+
+def test_a_control_reply_older_than_the_state_events_does_not_undo_them() -> None:
+    """c: the training resumes and runs into the next hit before the reply to c leaves the
+    server, so the reply says "running" after the events said "paused". The events win."""
+
+    class Quick(FakeSource):
+        def control(self, action: str, n: int = 1) -> dict[str, Any]:
+            reply = super().control(action, n)
+            if action == "continue":
+                self.pause_on_hit()  # the events of the next pause go out first
+            return reply  # {"state": "running"}: older than the events
+
+    source = Quick()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            hits = app.query_one(HitTable)
+            await until(pilot, lambda: app.state == "paused" and hits.row_count == 2)
+            await pilot.press("c")
+            await until(pilot, lambda: ("continue", 1) in source.controls and hits.row_count == 3)
+            await until(
+                pilot, lambda: all(w.is_finished for w in app.workers if w.group == "control")
+            )
+            assert app.state == "paused"
+            assert "c" in footer_keys(app)
+
+    asyncio.run(flow())
 
 
 def test_the_histogram_keeps_one_bin_a_column_when_the_terminal_is_resized() -> None:

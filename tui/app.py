@@ -195,8 +195,9 @@ class TensorDbgApp(App[int]):
             reply = await self.call("control", action=action, n=n)
         except RequestFailed:
             return  # the Log tab says why
+        # The state itself comes from the state events, which arrive in order: this reply may
+        # be older than them (the training resumed and hit again before the reply was sent).
         self.main.log_entry(f"control {action} (n={n}): {reply['state']} at step {reply['step']}")
-        self.state = reply["state"]
 
     def action_tab(self, pane: str) -> None:
         self.main.show_tab(pane)
