@@ -158,7 +158,10 @@ class RulePanel(Vertical):
             self._say(f"Recheck refused: {e.message}", error=True)
             return
         if not hits:
-            self._say("Recheck: the current step passes every enabled rule.")
+            self._say(
+                "Recheck: no new hit in the paused phase with the rules as they are now (what "
+                "was found before stays in the Hits tab)."
+            )
         else:
             lines = [f"Recheck found {len(hits)} hit{'s' if len(hits) > 1 else ''}:"]
             lines += [f"  [{h['rule']}] {h['tensor']}: {h['message']}" for h in hits]
