@@ -565,9 +565,38 @@ def test_the_session_picker_hands_the_chosen_file_to_the_connection() -> None:
         async with app.run_test(size=SIZE) as pilot:
             await pilot.pause()
             assert type(app.screen).__name__ == "SessionPicker"
+            # Before a session is chosen, no key offers to detach from one or to search it.
+            assert footer_keys(app) == []
+            assert footer_keys(app, app.screen) == ["escape"]
+            titles = [c.title for c in app.get_system_commands(app.screen)]
+            assert "Quit" in titles and "Search modules" not in titles
+            assert "Detach and quit" not in titles
+            await pilot.press("slash")  # nothing to search yet
+            assert type(app.screen).__name__ == "SessionPicker"
             await pilot.press("down", "enter")
             await until(pilot, lambda: app.state == "paused")
+            assert sorted(footer_keys(app)) == sorted(["c", "n", "s", "q", "slash"])
         assert picked == ["/tmp/run1-0.json"]
+
+
+def test_q_on_the_session_list_quits_without_choosing() -> None:
+    picked: list[str | None] = []
+
+    async def connect(path: str | None) -> LocalClient:
+        picked.append(path)
+        return LocalClient(FakeSource())
+
+    sessions = [{"path": f"/tmp/run{i}-0.json", "run_id": f"run{i}", "rank": 0} for i in range(2)]
+
+    async def flow() -> None:
+        app = TensorDbgApp(connect, sessions=sessions)
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause()
+            await pilot.press("q")
+            await until(pilot, lambda: not app.is_running)
+        assert picked == [] and app.return_code == 0
+
+    asyncio.run(flow())
 
     asyncio.run(flow())
 

@@ -174,8 +174,8 @@ class TensorDbgApp(App[int]):
     # --- keys ------------------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action in ("control", "count", "tab"):
-            if self.screen is not self.main:  # a modal is open: its keys are its own
+        if action in ("control", "count", "tab", "search", "detach"):
+            if self.screen is not self.main:  # a dialog or the session list: its keys only
                 return False
             if action == "tab":
                 return True
@@ -234,6 +234,9 @@ class TensorDbgApp(App[int]):
         for command in super().get_system_commands(screen):
             if command.callback != self.action_quit:
                 yield command
+        if screen is not self.main:  # the session list (dialogs have no palette): no session
+            yield SystemCommand("Quit", "Leave tensordbg", self.action_quit)
+            return
         for action, title, help in COMMANDS:
             if action in CONTROLS.get(self.state, ()):
                 yield SystemCommand(title, help, lambda a=action: self.action_control(a))

@@ -23,7 +23,10 @@ def session_field(session: Any, name: str) -> Any:
 class SessionPicker(Screen[str | None]):
     """Dismissed with the chosen session's connection-file path."""
 
-    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "app.quit", "Quit")]
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "app.quit", "Quit"),
+        Binding("q", "app.quit", "Quit", show=False),
+    ]
 
     def __init__(self, sessions: list[Any]) -> None:
         super().__init__()
