@@ -177,7 +177,7 @@ class TensorDbgApp(App[int]):
         if action in ("control", "count", "tab", "search", "detach"):
             if self.screen is not self.main:  # a dialog or the session list: its keys only
                 return False
-            if action == "tab":
+            if action in ("tab", "search", "detach"):
                 return True
             if action == "count":
                 return self.state == "paused"
