@@ -49,6 +49,7 @@ class PauseController:
         self.steps_left = 0
         self.pause_requested = False
         self.paused_at: Hit | None = None
+        self._resumed_from: tuple[str, int, str] | None = None  # (rule, step, phase) left by c
         self.reason = ""
         self.listeners: list[Callable[[str], None]] = []
 
@@ -56,12 +57,16 @@ class PauseController:
 
     def should_pause(self, hit: Hit, repeated: bool) -> bool:
         """Whether this hit pauses the training: in ``continue`` mode a new origin hit does (one
-        that also fired on the same tensor in the step before is a repeat); in ``next`` mode any
-        hit does."""
+        that also fired on the same tensor in the step before is a repeat, and one of the rule
+        the training was paused on, in the same phase of the same step, is part of what was
+        seen: a gradient explosion hits many parameters at once); in ``next`` mode any hit
+        does."""
         if self.state == DETACHED:
             return False
         if self.mode == NEXT:
             return True
+        if self._resumed_from == (hit.rule, hit.step, hit.phase):
+            return False
         return hit.origin and not repeated
 
     def wants_pause(self, completed_step: bool) -> str | None:
@@ -106,14 +111,17 @@ class PauseController:
     # --- other threads -------------------------------------------------------------------
 
     def resume(self, mode: str = CONTINUE, steps: int = 1) -> None:
-        """Let the training go on: ``continue`` to the next new origin hit, ``next`` to any next
-        hit, ``step`` for ``steps`` training steps."""
+        """Let the training go on: ``continue`` to the next new origin hit (see
+        :meth:`should_pause`), ``next`` to any next hit, ``step`` for ``steps`` training
+        steps."""
         if mode not in (CONTINUE, NEXT, STEP):
             raise ValueError(f"resume mode is continue, next or step, not {mode!r}")
         with self._cond:
             if self.state == DETACHED:
                 return
             self.mode = mode
+            hit = self.paused_at if self.state == PAUSED else None
+            self._resumed_from = (hit.rule, hit.step, hit.phase) if hit else None
             self.steps_left = max(1, int(steps)) if mode == STEP else 0
             self.pause_requested = False
             was_paused = self.state == PAUSED

@@ -190,3 +190,29 @@ def test_a_parameter_gradients_provenance_is_its_modules_backward_at_one_user_li
     assert prov["consumers"] == []
     assert prov["stack"] == [[__file__, line, inspect.currentframe().f_code.co_name]]
     assert prov["source"]["line"] == line
+
+
+def test_continue_leaves_the_rule_it_paused_on_for_that_phase_and_next_stops_at_each_hit():
+    """A rule that fires on several tensors of one phase (as ExplodingGradient does on every
+    parameter when gradients blow up) pauses once there under c, which goes on to the next new
+    problem; n stops at each hit. Every hit is recorded either way."""
+    from tensordbg.rules import NaN, TensorRange
+
+    gradients = TensorRange(match="*.weight.grad", abs_mean_gt=0.0)  # every weight, every step
+    with PausedTraining(bad_step=2, rules=[gradients, NaN()]) as training:
+        training.wait_paused()
+        session, control = training.session, training.session.controller
+        first = control.paused_at
+        assert (first.tensor, first.step, first.phase) == ("out.weight.grad", 0, "backward")
+
+        control.resume("next")  # n: the next hit, in the same phase
+        training.wait(lambda: control.state == "paused" and control.paused_at is not first)
+        second = control.paused_at
+        assert (second.tensor, second.step) == ("mid.weight.grad", 0)
+
+        control.resume("continue")  # c: not inp.weight.grad of this phase: the NaN of step 2
+        training.wait(lambda: control.state == "paused" and control.paused_at is not second)
+        third = control.paused_at
+        assert (third.rule, third.step, third.module) == ("NaN", 2, "")
+        step0 = [(h.tensor, h.origin) for h in session.hits if h.step == 0]
+        assert step0 == [(f"{m}.weight.grad", True) for m in ("out", "mid", "inp")]

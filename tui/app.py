@@ -33,7 +33,7 @@ from tensordbg.tui.screens.session_picker import SessionPicker, session_field
 # Which control actions make sense in which state of the training.
 CONTROLS = {"paused": ("continue", "next", "step"), "running": ("pause",)}
 COMMANDS = (
-    ("continue", "Continue", "Run to the next new origin hit (c)"),
+    ("continue", "Continue", "Run to the next new problem: a new origin hit (c)"),
     ("next", "Next hit", "Run to the next hit of any kind (n)"),
     ("step", "Step", "Run one training step, then pause (s; 5s runs five)"),
     ("pause", "Pause", "Pause the training as soon as possible (p)"),
