@@ -14,12 +14,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from fake_source import FakeSource
 from rich.console import Group
 from textual.pilot import Pilot
+from textual.widget import Widget
 from textual.widgets import Input, Static, TabbedContent, Tree
 
 from tensordbg.client import ConnectionLost, LocalClient
@@ -40,6 +41,7 @@ from tensordbg.tui.screens.rule_add import RuleAddScreen
 from tensordbg.tui.screens.rule_edit import RuleEditScreen
 
 SIZE = (120, 40)
+W = TypeVar("W", bound=Widget)
 TESTS = Path(__file__).parent
 
 
@@ -53,6 +55,23 @@ async def until(pilot: Pilot, condition: Callable[[], Any], timeout: float = 10.
     if pilot.app.is_running:
         # A short pause, not pause(): that waits for the CPU to idle, up to a second a time.
         await pilot.pause(0.01)
+
+
+async def paused_on_the_two_hits(pilot: Pilot) -> HitTable:
+    """Wait for the FakeSource's paused training with its two hits listed; the hits table."""
+    app = pilot.app
+    hits = app.query_one(HitTable)
+    await until(pilot, lambda: app.state == "paused" and hits.row_count == 2)
+    return hits
+
+
+async def open_tensor(pilot: Pilot, ref: int, name: str, part: type[W]) -> W:
+    """Once paused, open tensor ``ref`` as Enter on it would; its ``part`` once it is there."""
+    app = pilot.app
+    await until(pilot, lambda: app.state == "paused")
+    app.main.post_message(OpenTensor(ref, name))
+    await until(pilot, lambda: app.query(part))
+    return app.query_one(part)
 
 
 async def mounted(pilot: Pilot) -> None:
@@ -98,8 +117,7 @@ def test_from_the_origin_hit_to_its_values_and_back_to_training() -> None:
     async def flow() -> None:
         app = TensorDbgApp(LocalClient(source))
         async with app.run_test(size=SIZE) as pilot:
-            hits = app.query_one(HitTable)
-            await until(pilot, lambda: app.state == "paused" and hits.row_count == 2)
+            hits = await paused_on_the_two_hits(pilot)
             await mounted(pilot)
             assert active_tab(app) == "hits"
             assert hits.current is not None and hits.current["origin"]
@@ -413,8 +431,9 @@ def test_a_module_lists_the_tensor_it_returned_from_a_child() -> None:
             await until(pilot, lambda: table.row_count == 1)
             assert table.current is not None and table.current["path"] == "net"
             tensors = app.main.module_browser.tensor_table
-            # DataTable sizes its columns on idle, after the row is counted.
-            await until(pilot, lambda: "net.2.output" in tensors.render_line(1).text)
+            await until(pilot, lambda: tensors.row_count == 1)
+            await pilot.pause()  # DataTable sizes its columns when idle, after adding the row
+            assert "net.2.output" in tensors.render_line(1).text
 
     asyncio.run(flow())
 
@@ -441,10 +460,7 @@ def test_the_grid_fetches_only_the_windows_on_screen() -> None:
     async def flow() -> None:
         app = TensorDbgApp(LocalClient(source))
         async with app.run_test(size=SIZE) as pilot:
-            await until(pilot, lambda: app.state == "paused")
-            app.main.post_message(OpenTensor(5, "big.output"))
-            await until(pilot, lambda: app.query(TensorGrid))
-            grid = app.query_one(TensorGrid)
+            grid = await open_tensor(pilot, 5, "big.output", TensorGrid)
             await until(pilot, lambda: grid.rows == 1000 and grid.cell_text(0, 0) is not None)
             assert grid.cell_text(0, 0) == f"{big[0, 0]:.4g}"
             assert app.focused is grid
@@ -736,8 +752,7 @@ def test_a_training_that_stops_on_a_hit_brings_that_hit_forward_and_a_pause_by_p
     async def flow() -> None:
         app = TensorDbgApp(LocalClient(source))
         async with app.run_test(size=SIZE) as pilot:
-            hits = app.query_one(HitTable)
-            await until(pilot, lambda: app.state == "paused" and hits.row_count == 2)
+            hits = await paused_on_the_two_hits(pilot)
             await mounted(pilot)
             await pilot.press("c")
             await until(pilot, lambda: app.state == "running")
@@ -834,8 +849,7 @@ def test_a_control_reply_older_than_the_state_events_does_not_undo_them() -> Non
     async def flow() -> None:
         app = TensorDbgApp(LocalClient(source))
         async with app.run_test(size=SIZE) as pilot:
-            hits = app.query_one(HitTable)
-            await until(pilot, lambda: app.state == "paused" and hits.row_count == 2)
+            hits = await paused_on_the_two_hits(pilot)
             await pilot.press("c")
             await until(pilot, lambda: ("continue", 1) in source.controls and hits.row_count == 3)
             await until(
@@ -856,10 +870,7 @@ def test_the_histogram_keeps_one_bin_a_column_when_the_terminal_is_resized() -> 
     async def flow() -> None:
         app = TensorDbgApp(LocalClient(source))
         async with app.run_test(size=SIZE) as pilot:
-            await until(pilot, lambda: app.state == "paused")
-            app.main.post_message(OpenTensor(3, "net.2.output"))
-            await until(pilot, lambda: app.query(HistogramView))
-            histogram = app.query_one(HistogramView)
+            histogram = await open_tensor(pilot, 3, "net.2.output", HistogramView)
             await until(pilot, lambda: histogram.shown_bins and histogram.fits)
             narrow = histogram.shown_bins
             assert narrow == histogram.content_size.width == bar_width(histogram)
@@ -869,6 +880,33 @@ def test_the_histogram_keeps_one_bin_a_column_when_the_terminal_is_resized() -> 
             wide = histogram.shown_bins
             assert wide > narrow and wide == bar_width(histogram)
             assert "NaN 2" in text_of(histogram)
+
+    asyncio.run(flow())
+
+
+def test_a_table_row_drawn_before_its_columns_were_sized_is_drawn_again_once_they_are() -> None:
+    """Textual sizes a DataTable's columns when idle; a line drawn before (the screen may draw
+    it) kept the old width: the tensor list showed "net.2.ou" now and then."""
+    from textual.app import App, ComposeResult
+
+    from tensordbg.tui.components.table import Table
+
+    class OneTable(App):
+        def compose(self) -> ComposeResult:
+            yield Table()
+
+    async def flow() -> None:
+        app = OneTable()
+        async with app.run_test(size=SIZE) as pilot:
+            table = app.query_one(Table)
+            table.add_columns("name", "size")
+            table.add_row("net.0", "1")
+            await pilot.pause()
+            table.clear()
+            table.add_row("net.2.output.of.a.long.name", "2")
+            assert "net.2.output.of.a.long.name" not in table.render_line(1).text  # not yet
+            await pilot.pause()
+            assert "net.2.output.of.a.long.name" in table.render_line(1).text
 
     asyncio.run(flow())
 

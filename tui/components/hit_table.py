@@ -10,6 +10,7 @@ from textual import on
 from textual.message import Message
 from textual.widgets import DataTable
 
+from tensordbg.tui.components.table import Table
 from tensordbg.tui.messages import OpenTensor
 
 
@@ -18,7 +19,7 @@ def execution_order(hit: dict[str, Any]) -> tuple[int, bool, int]:
     return (hit["step"], not hit["origin"], hit["id"])
 
 
-class HitTable(DataTable):
+class HitTable(Table):
     """One row per hit, keyed by the hit's id."""
 
     class Highlighted(Message):

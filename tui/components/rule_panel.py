@@ -12,6 +12,7 @@ from textual.binding import Binding, BindingType
 from textual.containers import Vertical
 from textual.widgets import DataTable, Static
 
+from tensordbg.tui.components.table import Table
 from tensordbg.tui.messages import HitsFound
 from tensordbg.tui.remote import RequestFailed
 from tensordbg.tui.screens.rule_add import RuleAddScreen
@@ -41,7 +42,7 @@ class RulePanel(Vertical):
         self._drawable = False  # set on mount; is_mounted is still False in on_mount
         self._rules: list[dict[str, Any]] = []
         self._available: list[dict[str, Any]] = []
-        self.table: DataTable[Any] = DataTable(id="rule-table", cursor_type="row")
+        self.table: DataTable[Any] = Table(id="rule-table", cursor_type="row")
         self.result = Static("", id="rule-result")
 
     def compose(self) -> ComposeResult:

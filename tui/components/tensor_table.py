@@ -9,6 +9,7 @@ from textual import on
 from textual.widgets import DataTable
 
 from tensordbg.stats import describe
+from tensordbg.tui.components.table import Table
 from tensordbg.tui.messages import OpenTensor
 
 
@@ -17,7 +18,7 @@ def summary_line(tensor: dict[str, Any]) -> str:
     return describe(tensor.get("summary") or {}, tensor["shape"], tensor["dtype"])
 
 
-class TensorTable(DataTable):
+class TensorTable(Table):
     """Rows keyed by the tensor's ref."""
 
     def __init__(self) -> None:

@@ -12,6 +12,8 @@ from textual.containers import Vertical
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Label
 
+from tensordbg.tui.components.table import Table
+
 
 def session_field(session: Any, name: str) -> Any:
     """A field of a session (``ConnectionInfo``, or a plain dict in tests)."""
@@ -38,7 +40,7 @@ class SessionPicker(Screen[str | None]):
                 f"{len(self.sessions)} tensordbg sessions are running: pick one (Enter)",
                 classes="dialog-title",
             )
-            yield DataTable(id="session-table", cursor_type="row")
+            yield Table(id="session-table", cursor_type="row")
         yield Footer()
 
     def on_mount(self) -> None:
