@@ -7,6 +7,7 @@ Each test runs the real app headless (``App.run_test``) with an in-process ``Loc
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import socket
 import subprocess
@@ -938,3 +939,11 @@ def test_function_keys_switch_tabs_and_give_them_the_keys() -> None:
             assert isinstance(app.focused, HitTable)
 
     asyncio.run(flow())
+
+
+def test_the_comparison_writes_non_finite_statistics_as_the_grid_does() -> None:
+    from tensordbg.tui.components.stats_compare import fmt
+
+    assert [fmt(v) for v in (math.nan, math.inf, -math.inf, 0.5, 3, None)] == [
+        "NaN", "+Inf", "-Inf", "0.5", "3", "–"
+    ]  # fmt: skip

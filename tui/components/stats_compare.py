@@ -30,7 +30,11 @@ def fmt(value: Any) -> str:
         return "–"
     if isinstance(value, int):
         return f"{value:,}"
-    return f"{value:.4g}" if math.isfinite(value) else str(value)
+    if math.isnan(value):
+        return "NaN"  # as the grid writes it
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return f"{value:.4g}"
 
 
 def delta(now: Any, before: Any, key: str) -> Text:
