@@ -454,7 +454,8 @@ def _source(call: Call) -> dict[str, Any] | None:
 
 
 def _stack(call: Call) -> list[list[Any]]:
-    """The user's lines from the training loop down to the call: one per enclosing module call."""
+    """The user's lines from the training loop down to the call: one per enclosing module call
+    made from a line of its own (a container's children share the container's line)."""
     chain = [call, *call.ancestors()]
     frames: list[list[Any]] = []
     for c in reversed(chain):

@@ -37,6 +37,7 @@ from tensordbg.connection import (
     find_sessions,
     read_connection_file,
     runtime_dir,
+    shared_memory_dir,
     write_connection_file,
 )
 from tensordbg.protocol import WireArray
@@ -140,12 +141,13 @@ def test_a_second_session_of_the_same_name_is_refused_and_leaves_the_first_alone
     assert connect(server.info).call("info")["state"] == "paused"
 
 
-def test_a_runtime_directory_others_can_enter_is_refused(tmp_path):
+@pytest.mark.parametrize("directory", [runtime_dir, shared_memory_dir])
+def test_a_runtime_or_shared_memory_directory_others_can_enter_is_refused(tmp_path, directory):
     loose = tmp_path / "loose"
     loose.mkdir(mode=0o755)
     os.chmod(loose, 0o755)
-    with pytest.raises(ConnectionFileError, match="chmod 700"):
-        runtime_dir(loose)
+    with pytest.raises(ConnectionFileError, match="run `chmod 700"):
+        directory(loose)
 
 
 def test_a_runtime_directory_of_another_user_is_refused(tmp_path, monkeypatch):

@@ -46,7 +46,7 @@ class HistogramView(Static):
             self.bins = bins
 
     class Rebin(Message):
-        """The histogram on show does not fit the width: ask for one of ``bins`` bins."""
+        """The histogram on show does not fit the width: ask again for ``bins`` bins."""
 
     def __init__(self) -> None:
         super().__init__("", id="histogram")
@@ -75,6 +75,9 @@ class HistogramView(Static):
         self.update(Text(text, style="dim"))
 
     def on_resize(self) -> None:
+        self._ask_to_fit()
+
+    def _ask_to_fit(self) -> None:
         if self.content_size.width and not self.fits:
             self.post_message(self.Rebin())
 
@@ -83,4 +86,4 @@ class HistogramView(Static):
         message.stop()
         self.shown_bins = message.bins
         self.update(message.text)
-        self.on_resize()  # the width may have changed while it was on its way
+        self._ask_to_fit()  # the width may have changed while it was on its way

@@ -61,7 +61,7 @@ class ModuleBrowser(Vertical):
 
     @on(Input.Submitted, "#module-search")
     def _search_done(self) -> None:
-        self.table.focus()
+        self.action_leave_search()
 
     def action_leave_search(self) -> None:
         self.table.focus()
