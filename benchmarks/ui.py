@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from fake_source import FakeSource  # noqa: E402
 
-from tensordbg.client import LocalClient  # noqa: E402
+from tensordbg.transport.client import LocalClient  # noqa: E402
 from tensordbg.tui.app import TensorDbgApp  # noqa: E402
 from tensordbg.tui.components.tensor_grid import TensorGrid  # noqa: E402
 
@@ -48,7 +48,7 @@ COLD_START = """
 import sys
 sys.path.insert(0, {tests!r})
 from fake_source import FakeSource
-from tensordbg.client import LocalClient
+from tensordbg.transport.client import LocalClient
 from tensordbg.tui.app import TensorDbgApp
 
 app = TensorDbgApp(LocalClient(FakeSource()))

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 from tensordbg.rules.base import Finding, Rule, _matches
-from tensordbg.stats import Stat, TensorStats, dead_unit_frac
+from tensordbg.statistics import Stat, TensorStats, dead_unit_frac
 
 
 def _unit_dim(t: TensorStats) -> int:

@@ -3,13 +3,13 @@
 A rule is a small object that judges statistics, never tensors. It says which tensors it applies to
 (``kinds``, ``match``, ``exclude``), which statistics it needs (``needs`` or :meth:`Rule.stats_for`)
 and decides (:meth:`Rule.check`). The engine computes only the statistics the active rules need,
-on the training device, and calls ``check`` with a :class:`~tensordbg.stats.TensorStats`; offline,
+on the training device, and calls ``check`` with a :class:`~TensorStats`; offline,
 the same rule runs on statistics computed by numpy.
 
 Writing a rule takes a subclass::
 
     from tensordbg.rules import Finding, Rule
-    from tensordbg.stats import MAX, MIN
+    from tensordbg.statistics import MAX, MIN
 
     class LargeActivation(Rule):
         '''An activation whose magnitude passes ``limit``.'''
@@ -42,7 +42,7 @@ from fnmatch import fnmatchcase
 from importlib.metadata import entry_points
 from typing import Any, ClassVar
 
-from tensordbg.stats import KINDS, Stat, TensorStats
+from tensordbg.statistics import KINDS, Stat, TensorStats
 
 ENTRY_POINT_GROUP = "tensordbg.rules"
 # Constructor arguments every rule has; the rest are its thresholds, listed by Rule.params().
@@ -75,7 +75,7 @@ class Rule:
 
     Class attributes a subclass sets:
 
-    - ``kinds``: tensor kinds the rule looks at (``tensordbg.stats.KINDS``).
+    - ``kinds``: tensor kinds the rule looks at (``tensordbg.statistics.KINDS``).
     - ``needs``: statistics it needs for every tensor; override :meth:`stats_for` when they depend
       on the tensor (its shape, its module type).
     - ``propagates``: True when the condition flows downstream with the value (NaN, Inf). The engine
@@ -197,14 +197,14 @@ def judge_array(
 ) -> Finding | None:
     """Judge a numpy array with ``rule`` the way the engine judges a tensor: only the statistics
     the rule asks for, and more when it asks to refine. ``where`` names the tensor (``name``,
-    ``kind``, ``module``, ``step``, ...; see :func:`tensordbg.stats.stats_from_numpy`).
+    ``kind``, ``module``, ``step``, ...; see :func:`tensordbg.statistics.stats_from_numpy`).
 
     >>> judge_array(NaN(), np.array([1.0, np.nan]), name="fc.output", kind="output").value
     1.0
     """
     import numpy as np
 
-    from tensordbg.stats import compute_numpy, stats_from_numpy
+    from tensordbg.statistics import compute_numpy, stats_from_numpy
 
     x = np.asarray(array)
     prev = where.pop("prev", None)

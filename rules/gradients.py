@@ -7,7 +7,7 @@ import statistics
 from typing import Any
 
 from tensordbg.rules.base import Finding, Refine, Rule, nonfinite_count
-from tensordbg.stats import ABS_MEAN, FINITE, L2, MAX, MIN, NAN, NEGINF, POSINF, TensorStats
+from tensordbg.statistics import ABS_MEAN, FINITE, L2, MAX, MIN, NAN, NEGINF, POSINF, TensorStats
 
 
 class ExplodingGradient(Rule):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tensordbg.rules.base import Finding, Rule
-from tensordbg.stats import MEAN, TensorStats
+from tensordbg.statistics import MEAN, TensorStats
 
 
 @dataclass

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tensordbg.rules.base import Finding, Rule, nonfinite_count
-from tensordbg.stats import (
+from tensordbg.statistics import (
     ABS_MEAN,
     FINITE,
     FLOAT_MAX,

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tensordbg.rules.base import Finding, Rule
-from tensordbg.stats import (
+from tensordbg.statistics import (
     MAX,
     MIN,
     PREV_ABS_MEAN,

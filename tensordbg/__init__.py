@@ -23,14 +23,19 @@ __all__ = ["Hit", "Session", "WatchpointHit", "__version__", "attach", "rules"]
 
 if TYPE_CHECKING:
     from tensordbg import rules
-    from tensordbg.session import Session, attach
+    from tensordbg.api import attach
+    from tensordbg.engine.session import Session
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("attach", "Session"):
-        from tensordbg import session
+    if name == "attach":
+        from tensordbg.api import attach
 
-        return getattr(session, name)
+        return attach
+    if name == "Session":
+        from tensordbg.engine.session import Session
+
+        return Session
     if name == "rules":
         import tensordbg.rules
 

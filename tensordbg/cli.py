@@ -167,7 +167,7 @@ def _rules(spec: str) -> list | None:
 
 
 def _listen(text: str) -> str:
-    from tensordbg.server import listen_address
+    from tensordbg.transport.server import listen_address
 
     try:
         listen_address(text)
@@ -177,7 +177,7 @@ def _listen(text: str) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from tensordbg.runner import run_script
+    from tensordbg.integrations.runner import run_script
 
     return run_script(
         args.script,

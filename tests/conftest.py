@@ -45,13 +45,13 @@ def private_runtime_dir(
 @pytest.fixture
 def server_factory() -> Iterator[Callable[..., Callable[..., Any]]]:
     """``server_factory(**defaults)`` gives ``start(source, **options)``, which starts a
-    :class:`~tensordbg.server.Server` of ``source`` with the defaults, ``options`` winning, and
+    :class:`~Server` of ``source`` with the defaults, ``options`` winning, and
     returns it; every server started is stopped after the test.
 
     >>> start = server_factory(run_id="run1", rank=0)
     >>> server = start(FakeSource(), client_timeout=1.0)
     """
-    from tensordbg.server import Server
+    from tensordbg.transport.server import Server
 
     servers: list[Server] = []
 

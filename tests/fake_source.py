@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from tensordbg.protocol import WireArray
-from tensordbg.slicing import (
+from tensordbg.sources.contract import EventCallback, SourceError
+from tensordbg.sources.slicing import (
     SliceError,
     apply_index,
     clamp_window,
@@ -21,8 +21,8 @@ from tensordbg.slicing import (
     parse_index,
     window_of,
 )
-from tensordbg.source import EventCallback, SourceError
-from tensordbg.stats import summarize_numpy
+from tensordbg.statistics import summarize_numpy
+from tensordbg.transport.protocol import WireArray
 
 MAX_WINDOW = 4_000_000
 

@@ -15,8 +15,8 @@ from models import GptRun, LogHead, SqrtOfSquare, mlp, run_gpt, train_gpt
 from torch import nn
 
 import tensordbg
+from tensordbg.engine.session import EAGER_WINDOW
 from tensordbg.rules import NaN, Rule, VanishingGradient, WeightNotChanging, default_rules
-from tensordbg.session import EAGER_WINDOW
 
 MODES = ("eager", "batched", "deferred")
 
@@ -277,7 +277,7 @@ def test_an_internal_error_stops_watching_but_never_the_training(watch, monkeypa
     def explode(*args, **kwargs):
         raise RuntimeError("tensordbg bug")
 
-    monkeypatch.setattr("tensordbg.session.host_stats", explode)
+    monkeypatch.setattr("tensordbg.engine.session.host_stats", explode)
     with pytest.warns(RuntimeWarning, match="internal error"):
         loss = model(torch.randn(3, 4)).sum()
     loss.backward()
@@ -357,7 +357,7 @@ def test_integer_and_bool_tensors_are_skipped(watch):
 
 @pytest.mark.parametrize("sync", MODES)
 def test_in_place_relu_keeps_its_input_and_output_apart(watch, sync):
-    from tensordbg.stats import MIN
+    from tensordbg.statistics import MIN
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 1))

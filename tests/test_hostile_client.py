@@ -13,9 +13,9 @@ import zmq
 from conftest import DEADLINE, wait_until
 from fake_source import FakeSource
 
-from tensordbg.client import SyncClient
-from tensordbg.protocol import PROTOCOL_VERSION, MessageCodec, pack
-from tensordbg.server import GENERIC_REFUSAL, MAX_REQUEST_BYTES, Server
+from tensordbg.transport.client import SyncClient
+from tensordbg.transport.protocol import PROTOCOL_VERSION, MessageCodec, pack
+from tensordbg.transport.server import GENERIC_REFUSAL, MAX_REQUEST_BYTES, Server
 
 
 @pytest.fixture

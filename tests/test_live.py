@@ -10,8 +10,8 @@ import torch
 from paused import PausedTraining, Planted
 
 import tensordbg
-from tensordbg.live import LiveSource
-from tensordbg.source import SourceError, dispatch
+from tensordbg.sources.contract import SourceError, dispatch
+from tensordbg.sources.live import LiveSource
 
 
 @pytest.fixture

@@ -16,10 +16,10 @@ from paused import PausedTraining
 from test_hostile_client import RawClient
 
 import tensordbg
-from tensordbg.client import RemoteError, SyncClient
-from tensordbg.connection import find_sessions
-from tensordbg.live import LiveSource
-from tensordbg.server import GENERIC_REFUSAL, Server
+from tensordbg.sources.live import LiveSource
+from tensordbg.transport.client import RemoteError, SyncClient
+from tensordbg.transport.connection import find_sessions
+from tensordbg.transport.server import GENERIC_REFUSAL, Server
 
 
 def test_a_ui_attaches_to_a_paused_training_inspects_and_continues():

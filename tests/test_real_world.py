@@ -47,7 +47,7 @@ def test_overflow_steps_skipped_several_times_in_a_row_become_hits(watch):
 
 
 def test_gradient_statistics_are_unscaled(watch):
-    from tensordbg.stats import L2
+    from tensordbg.statistics import L2
 
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import tensordbg.rules.base as rules_base
-import tensordbg.stats as stats_module
+import tensordbg.statistics.registry as stats_module
 from tensordbg.rules import (
     BUILTIN,
     DEFAULT,
@@ -36,7 +36,7 @@ from tensordbg.rules import (
     default_rules,
 )
 from tensordbg.rules.base import SELECTION_ARGS, builtin_rules, judge_array
-from tensordbg.stats import (
+from tensordbg.statistics import (
     ABS_MEAN,
     FINITE,
     FLOAT_MAX,

@@ -193,7 +193,7 @@ def test_tensor_range_on_a_pattern(watch):
 def test_a_rule_from_the_entry_point_group_runs_in_a_session(watch, monkeypatch):
     import tensordbg.rules.base as base
     from tensordbg.rules import Finding, Rule
-    from tensordbg.stats import MAX
+    from tensordbg.statistics import MAX
 
     class Over100(Rule):
         """Anything above 100."""

@@ -22,8 +22,9 @@ import zmq
 from conftest import DEADLINE, wait_until
 from fake_source import FakeSource
 
-import tensordbg.client
-from tensordbg.client import (
+import tensordbg.transport.client
+from tensordbg.sources.contract import METHODS
+from tensordbg.transport.client import (
     Client,
     ConnectionLost,
     LocalClient,
@@ -31,7 +32,7 @@ from tensordbg.client import (
     SessionNotFound,
     SyncClient,
 )
-from tensordbg.connection import (
+from tensordbg.transport.connection import (
     ConnectionFileError,
     ConnectionInfo,
     find_sessions,
@@ -40,14 +41,13 @@ from tensordbg.connection import (
     shared_memory_dir,
     write_connection_file,
 )
-from tensordbg.protocol import WireArray
-from tensordbg.server import Server, listen_address
-from tensordbg.source import METHODS
+from tensordbg.transport.protocol import WireArray
+from tensordbg.transport.server import Server, listen_address
 
 
 @pytest.fixture
 def runtime(private_runtime_dir, monkeypatch) -> Path:
-    monkeypatch.setattr(tensordbg.client, "PING_INTERVAL", 0.1)  # liveness tests stay short
+    monkeypatch.setattr(tensordbg.transport.client, "PING_INTERVAL", 0.1)  # liveness tests stay short
     return private_runtime_dir
 
 
@@ -253,7 +253,7 @@ class BrokenSource(FakeSource):
 def test_a_bug_in_the_source_is_reported_once_and_serving_goes_on(start_server, connect, caplog):
     server = start_server(BrokenSource())
     client = connect(server.info.path)
-    with caplog.at_level(logging.ERROR, logger="tensordbg.server"):
+    with caplog.at_level(logging.ERROR, logger="tensordbg.transport.server"):
         for _ in range(3):
             with pytest.raises(RemoteError, match="internal error in provenance: 3"):
                 client.call("provenance", ref=3)
@@ -535,7 +535,7 @@ def test_a_tcp_connection_file_without_curve_keys_is_refused(tmp_path):
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads per-thread CPU time")
 def test_an_idle_server_with_a_client_uses_no_cpu(tmp_path):
     """The server shares the training's CPU: waiting for requests must cost nothing."""
-    from tensordbg.client import SyncClient
+    from tensordbg.transport.client import SyncClient
 
     def cpu_seconds(thread_id: int) -> float:
         fields = Path(f"/proc/self/task/{thread_id}/stat").read_text().rsplit(")", 1)[1].split()

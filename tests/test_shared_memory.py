@@ -20,9 +20,10 @@ import pytest
 import zmq
 from conftest import DEADLINE, wait_until
 
-from tensordbg.client import Client, ReplyRefused, SyncClient
-from tensordbg.connection import shared_memory_dir
-from tensordbg.protocol import (
+from tensordbg.sources.contract import EventCallback, SourceError
+from tensordbg.transport.client import Client, ReplyRefused, SyncClient
+from tensordbg.transport.connection import shared_memory_dir
+from tensordbg.transport.protocol import (
     PROTOCOL_VERSION,
     SHM_MIN,
     MessageCodec,
@@ -31,8 +32,7 @@ from tensordbg.protocol import (
     WireArray,
     pack,
 )
-from tensordbg.server import Server
-from tensordbg.source import EventCallback, SourceError
+from tensordbg.transport.server import Server
 
 KEY = bytes(range(32))
 MiB = 2**20

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tensordbg.stats import (
+from tensordbg.statistics import (
     ABS_MEAN,
     FINITE,
     L2,
@@ -25,7 +25,12 @@ from tensordbg.stats import (
     dead_unit_frac,
     update_unchanged,
 )
-from tensordbg.stats_torch import device_stats, host_stats, summary_vector, update_stats
+from tensordbg.statistics.torch_kernels import (
+    device_stats,
+    host_stats,
+    summary_vector,
+    update_stats,
+)
 
 
 class _Ops(TorchDispatchMode):

@@ -24,9 +24,9 @@ from textual.pilot import Pilot
 from textual.widget import Widget
 from textual.widgets import Input, Static, TabbedContent, Tree
 
-from tensordbg.client import ConnectionLost, LocalClient
-from tensordbg.connection import ConnectionInfo, write_connection_file
-from tensordbg.server import Server
+from tensordbg.transport.client import ConnectionLost, LocalClient
+from tensordbg.transport.connection import ConnectionInfo, write_connection_file
+from tensordbg.transport.server import Server
 from tensordbg.tui.app import TensorDbgApp
 from tensordbg.tui.components.connection_banner import ConnectionBanner
 from tensordbg.tui.components.histogram_view import HistogramView
@@ -725,7 +725,7 @@ import asyncio, sys
 sys.path.insert(0, {str(TESTS)!r})
 import tensordbg.tui
 from fake_source import FakeSource
-from tensordbg.client import LocalClient
+from tensordbg.transport.client import LocalClient
 from tensordbg.tui.app import TensorDbgApp
 from tensordbg.tui.messages import OpenTensor
 

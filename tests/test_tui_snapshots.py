@@ -9,7 +9,7 @@ from test_tui import SIZE, until
 from textual.pilot import Pilot
 from textual.widgets import Input, Tree
 
-from tensordbg.client import LocalClient
+from tensordbg.transport.client import LocalClient
 from tensordbg.tui.app import TensorDbgApp
 from tensordbg.tui.components.histogram_view import HistogramView
 from tensordbg.tui.components.tensor_grid import TensorGrid

@@ -1,6 +1,6 @@
 """The tensordbg terminal UI: the app, its keys, and its connection to the training.
 
->>> from tensordbg.client import LocalClient
+>>> from tensordbg.transport.client import LocalClient
 >>> TensorDbgApp(LocalClient(source)).run()
 
 The app owns the connection (:meth:`TensorDbgApp._keep_connected`) and the debugger's keys; the

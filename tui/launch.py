@@ -52,8 +52,8 @@ def session_app(
 ) -> TensorDbgApp | None:
     """The app on the session ``run_tui`` would open (None when there is none to open), not yet
     running: the connection is made, and remade after a drop, by the app itself."""
-    from tensordbg.client import Client
-    from tensordbg.connection import find_sessions
+    from tensordbg.transport.client import Client
+    from tensordbg.transport.connection import find_sessions
     from tensordbg.tui.app import TensorDbgApp
 
     sessions: list[Any] = []
@@ -76,7 +76,7 @@ async def wait_for_run(
 ) -> str:
     """The connection file of ``run_id`` (rank 0 first), polling up to ``wait`` seconds; raises
     :class:`TrainingExited` as soon as ``alive()`` says the training's process is gone."""
-    from tensordbg.connection import find_sessions
+    from tensordbg.transport.connection import find_sessions
 
     deadline = time.monotonic() + wait
     while True:

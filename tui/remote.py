@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, runtime_checkable
 
-from tensordbg.client import ConnectionLost, RemoteError
+from tensordbg.transport.client import ConnectionLost, RemoteError
 
 
 @runtime_checkable
 class DebugClient(Protocol):
-    """What the UI needs of a client (``tensordbg.client.Client`` and ``LocalClient``)."""
+    """What the UI needs of a client (``tensordbg.transport.client.Client`` and ``LocalClient``)."""
 
     welcome: dict[str, Any]
 

@@ -7,7 +7,7 @@ from typing import Any
 from rich.text import Text
 from textual.widgets import Static
 
-from tensordbg.stats import describe
+from tensordbg.statistics import describe
 
 
 class HitDetail(Static):

@@ -17,7 +17,7 @@ from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from tensordbg.stats import describe
+from tensordbg.statistics import describe
 
 GAP = 2
 

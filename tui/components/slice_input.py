@@ -8,7 +8,7 @@ from textual.binding import Binding, BindingType
 from textual.validation import ValidationResult, Validator
 from textual.widgets import Input
 
-from tensordbg.slicing import SliceError, parse_index
+from tensordbg.sources.slicing import SliceError, parse_index
 
 
 class SliceSyntax(Validator):

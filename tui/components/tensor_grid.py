@@ -23,8 +23,8 @@ from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from tensordbg.protocol import WireArray
-from tensordbg.slicing import grid_shape
+from tensordbg.sources.slicing import grid_shape
+from tensordbg.transport.protocol import WireArray
 from tensordbg.tui.remote import RequestFailed
 
 BLOCK_ROWS = 64

@@ -8,7 +8,7 @@ from rich.text import Text
 from textual import on
 from textual.widgets import DataTable
 
-from tensordbg.stats import describe
+from tensordbg.statistics import describe
 from tensordbg.tui.components.table import Table
 from tensordbg.tui.messages import OpenTensor
 

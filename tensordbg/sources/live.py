@@ -1,4 +1,4 @@
-"""A live training as a :class:`~tensordbg.source.Source`: what the server serves to the UI.
+"""A live training as a :class:`~Source`: what the server serves to the UI.
 
 Cheap requests (hits, rules, the module tree with the latest statistics) are answered from
 host-side state at any time. Requests that touch tensors (statistics of a slice, values, a
@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from tensordbg.capture import Call, Record
-from tensordbg.control import NotPaused
-from tensordbg.protocol import DTYPES, MAX_REPLY_BYTES, WireArray
+from tensordbg.engine.capture import Call, Record
+from tensordbg.engine.control import NotPaused
+from tensordbg.engine.session import Session
 from tensordbg.rules.base import Rule, available_rules
-from tensordbg.session import Session
-from tensordbg.slicing import (
+from tensordbg.sources.contract import EventCallback, SourceError
+from tensordbg.sources.slicing import (
     SliceError,
     apply_index,
     clamp_window,
@@ -34,9 +34,9 @@ from tensordbg.slicing import (
     parse_index,
     window_of,
 )
-from tensordbg.source import EventCallback, SourceError
-from tensordbg.stats import Summary, TensorStats
-from tensordbg.stats_torch import dtype_name, summarize
+from tensordbg.statistics import Summary, TensorStats
+from tensordbg.statistics.torch_kernels import dtype_name, summarize
+from tensordbg.transport.protocol import DTYPES, MAX_REPLY_BYTES, WireArray
 
 CONTEXT_LINES = 3
 MAX_BINS = 1024
@@ -46,7 +46,7 @@ _WIRE_VIEW = {"bfloat16": torch.int16, "float8_e4m3fn": torch.uint8, "float8_e4m
 
 
 class LiveSource:
-    """Serves a :class:`~tensordbg.session.Session` to the UI.
+    """Serves a :class:`~tensordbg.engine.session.Session` to the UI.
 
     >>> server = Server(LiveSource(session), run_id=session.run_id, rank=session.rank)
     """

@@ -1,8 +1,8 @@
 """The UI side of the transport: talk to a training (or a dump) and receive its events.
 
-:class:`Client` reaches a training's :class:`~tensordbg.server.Server` over ZeroMQ; it runs on an
+:class:`Client` reaches a training's :class:`~Server` over ZeroMQ; it runs on an
 asyncio loop (the UI drives it from an async worker). :class:`LocalClient` serves the same async
-interface from a :class:`~tensordbg.source.Source` in this process (UI tests, offline replay), and
+interface from a :class:`~Source` in this process (UI tests, offline replay), and
 :class:`SyncClient` wraps a Client for blocking code (tests, the command line). This module never
 imports torch.
 
@@ -33,14 +33,15 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
-from tensordbg.connection import (
+from tensordbg.sources.contract import Source, SourceError, dispatch
+from tensordbg.transport.connection import (
     ConnectionInfo,
     default_runtime_dir,
     find_sessions,
     read_connection_file,
     runtime_dir,
 )
-from tensordbg.protocol import (
+from tensordbg.transport.protocol import (
     ERROR,
     PONG,
     REPLY,
@@ -52,9 +53,8 @@ from tensordbg.protocol import (
     roundtrip,
     welcome,
 )
-from tensordbg.source import Source, SourceError, dispatch
 
-log = logging.getLogger("tensordbg.client")
+log = logging.getLogger("tensordbg.transport.client")
 
 PING_INTERVAL = 1.0
 """Seconds between the client's pings; the server counts a client alive while they arrive."""
@@ -186,7 +186,7 @@ class Client:
     ) -> Client:
         """Connect and greet the training; ``welcome`` then holds its state (``info``, ``hits``).
 
-        Raises :class:`SessionNotFound`, :class:`~tensordbg.connection.ConnectionFileError`, or
+        Raises :class:`SessionNotFound`, :class:`~ConnectionFileError`, or
         TimeoutError when the training does not answer within ``timeout`` seconds."""
         info = resolve_session(conn)
         client = cls(info, call_timeout=call_timeout, server_timeout=server_timeout)

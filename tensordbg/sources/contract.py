@@ -1,9 +1,9 @@
 """What a UI can ask of a training: the :class:`Source` interface and its request dispatcher.
 
-A live training serves a Source (``tensordbg.live.LiveSource``) through the ZeroMQ server; a dump
+A live training serves a Source (``tensordbg.sources.live.LiveSource``) through the ZeroMQ server; a dump
 will serve the same interface offline. The UI never knows which one it talks to. Every method
 returns plain data that msgpack can carry (dicts, lists, str, int, float, bool, None), except that
-tensor data comes as :class:`~tensordbg.protocol.WireArray` values at the top level of a reply
+tensor data comes as :class:`~WireArray` values at the top level of a reply
 dict; the transport sends those as raw frames. This module never imports torch.
 
 Payloads (field names are part of the protocol):
@@ -11,7 +11,7 @@ Payloads (field names are part of the protocol):
 ``TensorRef``: records are numbered per session (``ref``, an int); a ref names a tensor of the
 current phase and is valid while that phase is retained (while paused, in practice).
 
-``summary`` dicts are :meth:`tensordbg.stats.Summary.as_dict`: ``numel, nan, posinf, neginf,
+``summary`` dicts are :meth:`tensordbg.statistics.Summary.as_dict`: ``numel, nan, posinf, neginf,
 zeros, min, max, mean, std, abs_mean, l2`` (moments over finite elements).
 
 ``hit`` dicts are :meth:`tensordbg.hit.Hit.as_dict`: ``id, rule, tensor, module, kind, step,

@@ -19,8 +19,9 @@ import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from tensordbg.api import attach
+from tensordbg.engine.session import Session, _attached
 from tensordbg.rules import Rule
-from tensordbg.session import Session, _attached, attach
 
 
 class ScriptRun:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tensordbg.capture import Call, Record, is_model_output
+from tensordbg.engine.capture import Call, Record, is_model_output
 
 NONFINITE = -1
 """The condition "holds NaN or Inf", followed whatever rule reported it (rule ids are >= 0)."""

@@ -30,13 +30,13 @@ from typing import Any, Literal
 import msgpack
 import numpy as np
 
-from tensordbg.source import METHODS, Source, dispatch
+from tensordbg.sources.contract import METHODS, Source, dispatch
 
-log = logging.getLogger("tensordbg.protocol")
+log = logging.getLogger("tensordbg.transport.protocol")
 
 PROTOCOL_VERSION = 2
 
-# Requests a UI sends: the methods of tensordbg.source.Source (see there for payloads), plus the
+# Requests a UI sends: the methods of tensordbg.sources.contract.Source (see there for payloads), plus the
 # protocol's own greeting and liveness messages.
 REQUESTS = ("hello", "ping", *METHODS)
 # What the training process sends: replies to requests, and events it pushes unasked.
@@ -574,7 +574,7 @@ class ChunkDigests:
 
 class SharedMemory:
     """A private directory (mode 0700, checked by the caller: see
-    :func:`tensordbg.connection.shared_memory_dir`) where a server leaves a reply's large arrays
+    :func:`tensordbg.transport.connection.shared_memory_dir`) where a server leaves a reply's large arrays
     for a client on the same host, one file per array, and where the client takes them.
 
     Server side: :meth:`put` writes a file (mode 0600, created exclusively, a random name) and

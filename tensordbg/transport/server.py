@@ -36,7 +36,8 @@ from typing import Any
 
 import zmq
 
-from tensordbg.connection import (
+from tensordbg.sources.contract import Source, SourceError, dispatch
+from tensordbg.transport.connection import (
     ConnectionFileError,
     ConnectionInfo,
     check_run_id,
@@ -46,7 +47,7 @@ from tensordbg.connection import (
     shared_memory_dir,
     write_connection_file,
 )
-from tensordbg.protocol import (
+from tensordbg.transport.protocol import (
     ERROR,
     EVENTS,
     MAX_REQUEST_FRAMES,
@@ -60,9 +61,8 @@ from tensordbg.protocol import (
     configure_socket,
     welcome,
 )
-from tensordbg.source import Source, SourceError, dispatch
 
-log = logging.getLogger("tensordbg.server")
+log = logging.getLogger("tensordbg.transport.server")
 
 MAX_REQUEST_BYTES = 2**20
 """ZMQ_MAXMSGSIZE of the ROUTER: a peer sending a larger frame is disconnected by libzmq."""
@@ -97,7 +97,7 @@ class Server:
 
     On ipc, a reply's arrays of SHM_MIN bytes and more wait for the client in files of
     ``shm_dir`` (default ``/dev/shm/tensordbg-<uid>``, else the runtime directory) instead of
-    crossing the socket; see :class:`~tensordbg.protocol.SharedMemory`. Every array of a reply
+    crossing the socket; see :class:`~SharedMemory`. Every array of a reply
     is copied before the reply is signed (or written to shared memory), so a training that
     resumes while the reply still waits for the socket cannot change what is sent.
 
@@ -180,7 +180,7 @@ class Server:
     def start(self, timeout: float = 10.0) -> ConnectionInfo:
         """Bind, write the connection file and start serving; returns what the file holds.
 
-        Raises :class:`~tensordbg.connection.ConnectionFileError` or ``zmq.ZMQError`` when the
+        Raises :class:`~ConnectionFileError` or ``zmq.ZMQError`` when the
         session cannot be served (the message says why)."""
         with self._state_lock:
             if self._started:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tensordbg.protocol import PROTOCOL_VERSION, process_exists
+from tensordbg.transport.protocol import PROTOCOL_VERSION, process_exists
 
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _FILE_LIMIT = 64 * 1024  # a connection file is a few hundred bytes

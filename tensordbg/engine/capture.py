@@ -35,20 +35,22 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from tensordbg.stats import TensorStats
-from tensordbg.stats_torch import dtype_name, watchable
+from tensordbg.statistics import TensorStats
+from tensordbg.statistics.torch_kernels import dtype_name, watchable
 
 if TYPE_CHECKING:
-    from tensordbg.session import Session
+    from tensordbg.engine.session import Session
 
 MAX_NESTING = 6
 _PURE_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
 MAX_LEAVES = 256
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
-# tensordbg's files on the path from a hook to the user's code (not the demo: that is user code).
-_OWN_FILES = frozenset(str(Path(__file__).parent / name) for name in ("capture.py", "session.py",
-                                                                      "runner.py"))  # fmt: skip
+# tensordbg's own code on the path from a hook to the user's code: the engine and the
+# integrations that call the model for the user (not the demo: that is user code).
+_PACKAGE = Path(__file__).parent.parent
+_OWN_DIRS = tuple(str(_PACKAGE / name) + "/" for name in ("engine", "integrations"))
+_OWN_FILES = frozenset({str(_PACKAGE / "api.py")})
 
 
 @dataclass(eq=False, slots=True)
@@ -67,7 +69,7 @@ class Call:
     site: tuple[CodeType, int] | None = None
     # Inputs made by code between modules, screened only if the call's output turns out bad.
     unscreened: list[tuple[Record, torch.Tensor]] = field(default_factory=list)
-    # Origin bookkeeping, by condition (see tensordbg.origin). Immutable sets, replaced when
+    # Origin bookkeeping, by condition (see tensordbg.engine.origin). Immutable sets, replaced when
     # they grow: most calls never see a condition, and this costs them no allocation.
     fired_in: frozenset[int] = frozenset()
     fired_out: frozenset[int] = frozenset()
@@ -179,7 +181,7 @@ def user_site(frame: Any) -> tuple[CodeType, int] | None:
         internal = _INTERNAL_CODE.get(code)
         if internal is None:  # decided once per code object: this runs on every module call
             filename = code.co_filename
-            internal = filename.startswith(_TORCH_DIR) or filename in _OWN_FILES
+            internal = (filename.startswith((_TORCH_DIR, *_OWN_DIRS)) or filename in _OWN_FILES)
             _INTERNAL_CODE[code] = internal
         if not internal:
             return code, frame.f_lineno

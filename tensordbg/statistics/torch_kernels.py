@@ -1,6 +1,6 @@
 """Statistics computed next to the tensor, on its device, and brought to the host once per phase.
 
-This is the torch side of :mod:`tensordbg.stats`: the same statistics, computed with torch on the
+This is the torch side of :mod:`tensordbg.statistics`: the same statistics, computed with torch on the
 training device. Each watched tensor yields a small float64 vector on its device; a
 :class:`StatsBatch` gathers the vectors of one phase and copies them to the host in one transfer
 (on CUDA: one synchronization per phase, never one per tensor).
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tensordbg.stats import (
+from tensordbg.statistics import (
     ABS_MEAN,
     FINITE,
     L2,
@@ -232,7 +232,7 @@ _SUMMARY_FIELDS = (
 
 
 def summary_vector(t: torch.Tensor) -> torch.Tensor:
-    """Everything :class:`~tensordbg.stats.Summary` holds, as one float64 vector on the device.
+    """Everything :class:`~tensordbg.statistics.Summary` holds, as one float64 vector on the device.
     Moments are over finite elements, so a tensor with a few NaN still shows its range."""
     x = _wide(t.detach()).reshape(-1)
     n = x.numel()

@@ -1,7 +1,7 @@
 """Tensor statistics: the vocabulary rules speak, and its numpy reference implementation.
 
 Rules never see tensors. Each rule asks for a few :class:`Stat` values; the engine computes only
-those, next to the tensor (``tensordbg.stats_torch`` on the training device), and hands the rule a
+those, next to the tensor (``tensordbg.statistics.torch_kernels`` on the training device), and hands the rule a
 :class:`TensorStats`. Offline, the same statistics come from :func:`compute_numpy`, so a rule runs
 unchanged on a live training or on a dump. This module never imports torch.
 

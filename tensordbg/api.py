@@ -1,0 +1,123 @@
+"""``tensordbg.attach()``: the composition root. It builds the session (the engine), then the
+live source that serves it, then the server that carries the source to the UI; the engine
+never imports the transport or the UI.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from tensordbg.engine.session import DEFAULT_RETAIN, DEFAULT_UPDATE_BUDGET, Session
+from tensordbg.hit import Hit
+from tensordbg.rules import Rule
+
+
+def attach(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    rules: Iterable[Rule] | None = None,
+    on_hit: str | Callable[[Hit], None] = "pause",
+    scaler: Any = None,
+    *,
+    include: str | Sequence[str] = (),
+    exclude: str | Sequence[str] = (),
+    sync: str = "auto",
+    interval: int = 1,
+    retain_bytes: int = DEFAULT_RETAIN,
+    update_budget: int = DEFAULT_UPDATE_BUDGET,
+    max_skipped_steps: int = 5,
+    server: bool = True,
+    remote: bool | str = False,
+    ui_timeout: float | None = 30.0,
+    run_id: str | None = None,
+    rank: int | None = None,
+) -> Session:
+    """Watch a model's training with watchpoint rules.
+
+    >>> session = tensordbg.attach(model, optimizer=opt)           # pause on a hit, UI-ready
+    >>> session = tensordbg.attach(model, on_hit="raise")           # WatchpointHit instead
+    >>> session = tensordbg.attach(model, rules=[tensordbg.rules.NaN()], on_hit="record")
+
+    Args:
+        model: the root module; every submodule is watched unless ``include``/``exclude``
+            (glob patterns on module paths, e.g. ``"layers.*.attn"``) narrow it.
+        optimizer: an optimizer (or several) whose steps are watched; without one, a step is a
+            root forward call.
+        rules: watchpoint rules; None means ``tensordbg.rules.DEFAULT``.
+        on_hit: ``"pause"`` blocks the training until resumed from the UI (``tensordbg tui``) or
+            ``session.controller``; ``"raise"`` raises :class:`WatchpointHit`; ``"record"`` only
+            appends to ``session.hits``; a callable is called with each hit.
+        scaler: a ``torch.amp.GradScaler``: gradient statistics are unscaled, and a step it skips
+            for non-finite gradients is recorded in ``session.skipped_steps``, not as a hit,
+            unless ``max_skipped_steps`` are skipped in a row.
+        sync: ``"auto"`` (eager on CPU, batched on CUDA), ``"eager"``, ``"batched"`` or
+            ``"deferred"`` (the cheapest; see the module docstring).
+        interval: statistics beyond the NaN/Inf screen (norms, means, updates) every N steps.
+        retain_bytes: memory for keeping the current phase's tensors for inspection (batched
+            and deferred modes; eager mode keeps hits' tensors and the last few it saw, and
+            holds the others weakly); a hit's own tensor is kept regardless when it is judged
+            in its hook.
+        update_budget: memory for copies of parameters taken to measure updates exactly.
+        server: serve the session to the terminal UI over a local, authenticated socket.
+        remote: listen on TCP with CURVE encryption instead of a local socket: ``True`` on
+            127.0.0.1 (reach it through an SSH tunnel), or ``"HOST[:PORT]"`` to listen there,
+            e.g. ``"0.0.0.0:5555"`` (every client still needs the key in the connection file).
+        ui_timeout: seconds a paused training waits after the UI went away before it resumes
+            with blocking watchpoints disarmed; None waits for ever.
+    """
+    session = Session(
+        model,
+        optimizer,
+        rules,
+        on_hit,
+        scaler,
+        include=include,
+        exclude=exclude,
+        sync=sync,
+        interval=interval,
+        retain_bytes=retain_bytes,
+        update_budget=update_budget,
+        max_skipped_steps=max_skipped_steps,
+        run_id=run_id,
+        rank=rank,
+    )
+    session.ui_timeout = ui_timeout
+    if server:
+        _start_server(session, remote)
+    session.check_parameters()
+    return session
+
+
+def _start_server(session: Session, remote: bool | str) -> None:
+    try:
+        from tensordbg.sources.live import LiveSource
+        from tensordbg.transport.server import Server, listen_address
+
+        script = sys.argv[0] if sys.argv and sys.argv[0] else "<python>"
+        host, port = listen_address(remote) if isinstance(remote, str) else ("127.0.0.1", 0)
+        server = Server(
+            LiveSource(session),
+            run_id=session.run_id,
+            rank=session.rank,
+            script=script,
+            remote=bool(remote),
+            host=host,
+            port=port,
+            on_clients=session.on_clients,
+        )
+        server.start()
+        session.server = server
+    except Exception as e:  # the debugger must never stop a training over its UI
+        warnings.warn(
+            f"tensordbg: the UI server did not start ({e}); hits are still recorded",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+__all__ = ["attach"]

@@ -1,0 +1,63 @@
+"""What tensordbg measures of a tensor: each statistic defined once, with its numpy reference
+(:mod:`.registry`, no torch) and its torch kernel (:mod:`.torch_kernels`).
+
+>>> from tensordbg.statistics import NAN, L2, TensorStats
+"""
+
+from tensordbg.statistics.registry import (
+    ABS_MEAN,
+    FINITE,
+    FLOAT_MAX,
+    KINDS,
+    L2,
+    MAX,
+    MEAN,
+    MIN,
+    NAN,
+    NEGINF,
+    POSINF,
+    PREV_ABS_MEAN,
+    STD,
+    UPDATE_ABS_MEAN,
+    UPDATE_STATS,
+    ZERO_FRAC,
+    Stat,
+    Summary,
+    TensorStats,
+    compute_numpy,
+    dead_unit_frac,
+    describe,
+    in_range_frac,
+    stats_from_numpy,
+    summarize_numpy,
+    update_unchanged,
+)
+
+__all__ = [
+    "ABS_MEAN",
+    "FINITE",
+    "FLOAT_MAX",
+    "KINDS",
+    "L2",
+    "MAX",
+    "MEAN",
+    "MIN",
+    "NAN",
+    "NEGINF",
+    "POSINF",
+    "PREV_ABS_MEAN",
+    "STD",
+    "UPDATE_ABS_MEAN",
+    "UPDATE_STATS",
+    "ZERO_FRAC",
+    "Stat",
+    "Summary",
+    "TensorStats",
+    "compute_numpy",
+    "dead_unit_frac",
+    "describe",
+    "in_range_frac",
+    "stats_from_numpy",
+    "summarize_numpy",
+    "update_unchanged",
+]
