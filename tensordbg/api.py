@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from tensordbg.engine.session import DEFAULT_RETAIN, DEFAULT_UPDATE_BUDGET, Session
-from tensordbg.hit import Hit
+from tensordbg.hit import Hit, WatchpointHit
 from tensordbg.rules import Rule
 
 
@@ -86,32 +86,44 @@ def attach(
         run_id=run_id,
         rank=rank,
     )
-    session.ui_timeout = ui_timeout
-    if server:
-        _start_server(session, remote)
-    session.check_parameters()
+    try:
+        if server:
+            _start_server(session, remote, ui_timeout)
+        session.check_parameters()
+    except BaseException as e:
+        # All or nothing: what attach installed goes before the error reaches the user.
+        session.detach()
+        if isinstance(e, WatchpointHit):
+            raise WatchpointHit(
+                e.hit,
+                f"{e} tensordbg found this while attaching and removed everything it installed: "
+                "fix the model (or attach with on_hit='record' to inspect it), then attach again.",
+            ) from None
+        raise
     return session
 
 
-def _start_server(session: Session, remote: bool | str) -> None:
+def _start_server(session: Session, remote: bool | str, ui_timeout: float | None) -> None:
     try:
         from tensordbg.sources.live import LiveSource
         from tensordbg.transport.server import Server, listen_address
 
         script = sys.argv[0] if sys.argv and sys.argv[0] else "<python>"
         host, port = listen_address(remote) if isinstance(remote, str) else ("127.0.0.1", 0)
+        source = LiveSource(session, ui_timeout=ui_timeout)
         server = Server(
-            LiveSource(session),
+            source,
             run_id=session.run_id,
             rank=session.rank,
             script=script,
             remote=bool(remote),
             host=host,
             port=port,
-            on_clients=session.on_clients,
+            on_clients=source.on_clients,
         )
         server.start()
         session.server = server
+        session.handles.callback(server.stop, "the UI server")
     except Exception as e:  # the debugger must never stop a training over its UI
         warnings.warn(
             f"tensordbg: the UI server did not start ({e}); hits are still recorded",

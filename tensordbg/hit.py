@@ -64,6 +64,6 @@ class WatchpointHit(RuntimeError):
     ...     print(e.hit.module)
     """
 
-    def __init__(self, hit: Hit):
-        super().__init__(hit.message)
+    def __init__(self, hit: Hit, message: str | None = None):
+        super().__init__(hit.message if message is None else message)
         self.hit = hit

@@ -639,7 +639,7 @@ def test_nothing_is_kept_across_steps_and_the_retention_budget_is_kept(watch):
     model(torch.randn(3, 4)).sum().backward()
     optimizer.step()
     assert all(r.tensor is None for r in session.records)  # released at the end of the phase
-    assert session._retained == 0
+    assert session.phases.retained == 0
     kept = []
     session.subscribe(lambda event, payload: kept.append(session.record(payload["ref"]).tensor)
                       if event == "hit" else None)  # fmt: skip

@@ -46,9 +46,9 @@ def test_a_ui_attaches_to_a_paused_training_inspects_and_continues():
 def test_when_the_ui_vanishes_while_paused_the_training_resumes_disarmed():
     with PausedTraining(server=False, steps=8) as training:
         session = training.session
-        session.ui_timeout = 0.3
-        server = Server(LiveSource(session), run_id=session.run_id, rank=0,
-                        client_timeout=0.5, on_clients=session.on_clients)  # fmt: skip
+        source = LiveSource(session, ui_timeout=0.3)
+        server = Server(source, run_id=session.run_id, rank=0,
+                        client_timeout=0.5, on_clients=source.on_clients)  # fmt: skip
         server.start()
         session.server = server
         try:

@@ -14,8 +14,9 @@ What is hooked, and why this way (see reference.md, "Hook pitfalls"):
 - The end of a backward pass: a callback queued on the autograd engine from the first hook.
 - Optimizer: step pre- and post-hooks (in the session).
 
-Everything a hook learns becomes a :class:`Record` handed to the session, which computes the
-statistics and judges them. A forward that runs again inside backward (activation checkpointing
+Everything a hook learns becomes a :class:`~records.Record` handed to a :class:`Sink` (the
+session), which computes the statistics and judges them. Every hook is registered through the
+session's :class:`~handles.HandleGroup`, so detaching removes them all at once. A forward that runs again inside backward (activation checkpointing
 recomputes it) is skipped, so nothing is counted twice.
 """
 
@@ -24,22 +25,18 @@ from __future__ import annotations
 import dataclasses
 import sys
 import weakref
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from fnmatch import fnmatchcase
 from functools import partial
 from pathlib import Path
 from types import CodeType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
-from tensordbg.statistics import TensorStats
-from tensordbg.statistics.torch_kernels import dtype_name, watchable
-
-if TYPE_CHECKING:
-    from tensordbg.engine.session import Session
+from tensordbg.engine.handles import HandleGroup
+from tensordbg.engine.records import Call, Record, new_record
+from tensordbg.statistics.torch_kernels import watchable
 
 MAX_NESTING = 6
 _PURE_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
@@ -53,84 +50,24 @@ _OWN_DIRS = tuple(str(_PACKAGE / name) + "/" for name in ("engine", "integration
 _OWN_FILES = frozenset({str(_PACKAGE / "api.py")})
 
 
-@dataclass(eq=False, slots=True)
-class Call:
-    """One call of a module within one root forward."""
+class Sink(Protocol):
+    """What the hooks hand their findings to (the session). Each method runs on the training
+    thread, inside a hook; an exception other than ``passthrough`` goes to :meth:`fault`."""
 
-    path: str
-    module_type: str
-    index: int
-    parent: Call | None
-    depth: int
-    params: tuple[str, ...] = ()
-    inputs: list[tuple[str, Record]] = field(default_factory=list)
-    outputs: list[tuple[str, Record]] = field(default_factory=list)
-    children: list[Call] = field(default_factory=list)
-    site: tuple[CodeType, int] | None = None
-    # Inputs made by code between modules, screened only if the call's output turns out bad.
-    unscreened: list[tuple[Record, torch.Tensor]] = field(default_factory=list)
-    # Origin bookkeeping, by condition (see tensordbg.engine.origin). Immutable sets, replaced when
-    # they grow: most calls never see a condition, and this costs them no allocation.
-    fired_in: frozenset[int] = frozenset()
-    fired_out: frozenset[int] = frozenset()
-    origin_below: frozenset[int] = frozenset()
-    fired_grad_out: frozenset[int] = frozenset()
-    grad_origin_below: frozenset[int] = frozenset()
+    passthrough: tuple[type[BaseException], ...]
+    step: int
 
     @property
-    def base(self) -> str:
-        """The call's prefix in tensor names: ``layers.0.fc`` or ``layers.0.fc#1`` for a second
-        call of a shared module; ``""`` for the root's first call."""
-        if self.index:
-            return f"{self.path}#{self.index}"
-        return self.path
-
-    def tensor_name(self, kind: str, suffix: str = "") -> str:
-        """The name of one of its tensors: ``layers.0.fc.output[1]``; ``output`` at the root."""
-        base = self.base
-        return f"{base}.{kind}{suffix}" if base else f"{kind}{suffix}"
-
-    def ancestors(self) -> Iterator[Call]:
-        call = self.parent
-        while call is not None:
-            yield call
-            call = call.parent
-
-
-@dataclass(eq=False, slots=True)
-class Record:
-    """One watched tensor (one version of it) within a phase: its statistics and, while the
-    phase is open or paused, the tensor itself."""
-
-    stats: TensorStats
-    tensor: torch.Tensor | None
-    version: int
-    nbytes: int
-    suffix: str = ""
-    producer: Call | None = None
-    passed_up: list[Call] = field(default_factory=list)
-    consumers: list[Call] = field(default_factory=list)
-    grad_of: Record | None = None
-    param: str = ""
-    hidden: bool = False
-    rule_ids: tuple[int, ...] = ()
-    checks: tuple[Any, ...] = ()  # its per-tensor rules: (speak of finite values, the rest)
-    wanted: tuple[Any, ...] = ()  # the statistics to compute
-    lazy: bool = False  # kept to be screened only if the phase turns out bad (deferred mode)
-    judged: bool = False
-    sentinel: bool = False  # the model's output gradient: always screened at once
-    slot: int = -1
-    findings: dict[int, Any] = field(default_factory=dict)
-    conditions: set[int] = field(default_factory=set)
-    grad_hooked: bool = False
-    weak: weakref.ref[torch.Tensor] | None = None
-
-    def held(self) -> torch.Tensor | None:
-        """The tensor, if it can still be shown: kept by the session, or (eager mode, which keeps
-        only hits) still alive in the training, e.g. saved by autograd for the backward pass."""
-        if self.tensor is not None:
-            return self.tensor
-        return self.weak() if self.weak is not None else None
+    def active(self) -> bool: ...
+    def begin_forward(self) -> None: ...
+    def collect(self, record: Record, tensor: torch.Tensor) -> None: ...
+    def collect_input(self, call: Call, record: Record, tensor: torch.Tensor) -> None: ...
+    def enter(self, call: Call) -> None: ...
+    def exit(self, call: Call) -> None: ...
+    def end_forward(self, root: Call) -> None: ...
+    def activation_grad(self, forward: Record, grad: torch.Tensor) -> None: ...
+    def param_grad(self, name: str, owner: str, owner_type: str, grad: torch.Tensor) -> None: ...
+    def fault(self, error: Exception) -> None: ...
 
 
 def tensor_leaves(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
@@ -200,13 +137,12 @@ class Capture:
 
     def __init__(
         self,
-        session: Session,
+        session: Sink,
         model: torch.nn.Module,
         include: tuple[str, ...],
         exclude: tuple[str, ...],
     ):
         self.session = session
-        self.handles: list[RemovableHandle] = []
         self.paths: dict[int, str] = {}
         self.types: dict[int, str] = {}
         self.direct_params: dict[int, tuple[str, ...]] = {}
@@ -229,20 +165,22 @@ class Capture:
 
     # --- installation ----------------------------------------------------------------------
 
-    def install(self, model: torch.nn.Module) -> None:
+    def install(self, model: torch.nn.Module, handles: HandleGroup) -> None:
+        """Hook every selected module's forward, and every trainable parameter's gradient."""
         for module in model.modules():
             if id(module) not in self.paths:
                 continue
-            self.handles.append(module.register_forward_pre_hook(self._on_enter, with_kwargs=True))
-            self.handles.append(
+            handles.add(module.register_forward_pre_hook(self.on_enter, with_kwargs=True))
+            handles.add(
                 module.register_forward_hook(self._on_exit, with_kwargs=True, always_call=True)
             )
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-        self.reset()
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                owner = name.rpartition(".")[0]
+                owner_type = type(model.get_submodule(owner)).__name__
+                hook = param_hook(self.session, name, owner, owner_type)
+                handles.add(param.register_post_accumulate_grad_hook(hook))
+        handles.callback(self.reset)
 
     def reset(self) -> None:
         """Forget the call tree of the last forward (nothing is kept across steps)."""
@@ -258,7 +196,7 @@ class Capture:
     # torch.compile must not trace the hooks (they keep Python state): it runs them eagerly, at a
     # graph break around each watched module.
     @torch.compiler.disable
-    def _on_enter(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    def on_enter(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         session = self.session
         if not session.active:
             return
@@ -309,9 +247,7 @@ class Capture:
                 self._hook_grad(t, record)
             session.enter(call)
         except Exception as e:
-            if isinstance(e, session.passthrough):
-                raise
-            session.internal_error(e)
+            session.fault(e)
 
     @torch.compiler.disable
     def _on_exit(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -343,9 +279,7 @@ class Capture:
             if not self.stack:
                 session.end_forward(call)
         except Exception as e:
-            if isinstance(e, session.passthrough):
-                raise
-            session.internal_error(e)
+            session.fault(e)
 
     # --- records --------------------------------------------------------------------------------
 
@@ -365,26 +299,9 @@ class Capture:
     def _new_record(
         self, t: torch.Tensor, call: Call, kind: str, suffix: str, hidden: bool = False
     ) -> Record:
-        name = call.tensor_name(kind, suffix)
-        stats = TensorStats(
-            name=name,
-            module=call.path,
-            kind=kind,
-            phase="forward",
-            step=self.session.step,
-            shape=tuple(t.shape),
-            dtype=dtype_name(t.dtype),
-            module_type=call.module_type,
-            call=call.index,
-        )
-        return Record(
-            stats=stats,
-            tensor=None,
-            version=t._version,
-            nbytes=t.numel() * t.element_size(),
-            suffix=suffix,
-            hidden=hidden,
-        )
+        return new_record(t, call.tensor_name(kind, suffix), kind, "forward", self.session.step,
+                          module=call.path, module_type=call.module_type, call=call.index,
+                          suffix=suffix, hidden=hidden)  # fmt: skip
 
     # --- backward -------------------------------------------------------------------------------
 
@@ -413,47 +330,8 @@ class Capture:
         try:
             session.activation_grad(forward, grad)
         except Exception as e:
-            if isinstance(e, session.passthrough):
-                raise
-            session.internal_error(e)
+            session.fault(e)
         return None
-
-
-def grad_record(forward: Record, grad: torch.Tensor, step: int) -> Record:
-    """The record of the gradient of a forward tensor: the gradient of its producer's output
-    (``grad_output``), or of the input of the call that took it (``grad_input``)."""
-    call = forward.producer
-    kind = "grad_output" if call is not None else "grad_input"
-    if call is None and forward.consumers:
-        call = forward.consumers[0]
-    stats = TensorStats(
-        name=call.tensor_name(kind, forward.suffix) if call else f"{kind}{forward.suffix}",
-        module=call.path if call else "",
-        kind=kind,
-        phase="backward",
-        step=step,
-        shape=tuple(grad.shape),
-        dtype=dtype_name(grad.dtype),
-        module_type=call.module_type if call else "",
-        call=call.index if call else 0,
-    )
-    return Record(
-        stats=stats,
-        tensor=None,
-        version=grad._version,
-        nbytes=grad.numel() * grad.element_size(),
-        suffix=forward.suffix,
-        grad_of=forward,
-        sentinel=is_model_output(forward),
-    )
-
-
-def is_model_output(record: Record) -> bool:
-    """Whether a forward record is (one of) the model's outputs."""
-    producer = record.producer
-    return (producer is not None and producer.parent is None) or any(
-        c.parent is None for c in record.passed_up
-    )
 
 
 def _selected(path: str, include: tuple[str, ...], exclude: tuple[str, ...]) -> bool:
@@ -463,7 +341,7 @@ def _selected(path: str, include: tuple[str, ...], exclude: tuple[str, ...]) -> 
 
 
 def param_hook(
-    session: Session, name: str, owner: str, owner_type: str
+    session: Sink, name: str, owner: str, owner_type: str
 ) -> Callable[[torch.Tensor], None]:
     """A post-accumulate-grad hook that hands the parameter's gradient to the session."""
 
@@ -476,26 +354,8 @@ def param_hook(
             if grad is not None and watchable(grad):
                 session.param_grad(name, owner, owner_type, grad)
         except Exception as e:
-            if isinstance(e, session.passthrough):
-                raise
-            session.internal_error(e)
+            session.fault(e)
 
     return hook
 
 
-def param_grad_record(
-    name: str, owner: str, owner_type: str, grad: torch.Tensor, step: int
-) -> Record:
-    """The record of a parameter's gradient."""
-    stats = TensorStats(
-        name=f"{name}.grad",
-        module=owner,
-        kind="grad",
-        phase="backward",
-        step=step,
-        shape=tuple(grad.shape),
-        dtype=dtype_name(grad.dtype),
-        module_type=owner_type,
-        trainable=True,
-    )
-    return Record(stats, None, grad._version, grad.numel() * grad.element_size(), param=name)

@@ -1,4 +1,10 @@
-"""Pause control: the training thread waits here; other threads (the server, a test) drive it.
+"""The control plane: how other threads (the UI's server, a timer, a test) act on a training.
+
+Pausing: the training thread waits in :class:`PauseController`; other threads resume it, ask it
+to pause or detach it. Changes: every other change from another thread (a rule edited or added,
+a recheck, the UI going away) is a job for the training thread, run by :class:`ControlPlane` at
+the training's next hook or phase boundary, or at once while it is paused; so nothing the
+training thread is reading changes under it.
 
 The training thread calls :meth:`PauseController.block` where it stops and
 :meth:`PauseController.wants_pause` at step boundaries; everything else is called from other
@@ -176,3 +182,65 @@ class PauseController:
             # A listener's fault must not stop the training.
             with contextlib.suppress(Exception):
                 listener(state)
+
+
+class ControlPlane:
+    """Changes from other threads, applied on the training thread.
+
+    >>> session.control.submit(lambda: session.ruleset.changed())   # from the server thread
+    """
+
+    def __init__(self, controller: PauseController):
+        self.controller = controller
+        self._jobs: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        self._lock = threading.Lock()
+        self.direct = False
+        """Set once the training is gone (detached): changes then apply at once."""
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._jobs)
+
+    def submit(self, change: Callable[[], T]) -> Future[T]:
+        """Run ``change`` on the training thread: now when called from it, when the training is
+        detached, or while it is paused; else at its next boundary. The future holds the result
+        (done at once in the first three cases)."""
+        future: Future[T] = Future()
+        controller = self.controller
+        if self.direct or threading.current_thread() is controller.training_thread:
+            _run(change, future)
+            return future
+        try:
+            future.set_result(controller.run_on_training_thread(change))
+            return future
+        except NotPaused:
+            pass
+        except BaseException as e:
+            future.set_exception(e)
+            return future
+        with self._lock:
+            self._jobs.append((change, future))
+        return future
+
+    def apply(self) -> None:
+        """On the training thread, at a boundary: run every queued change, in order."""
+        while self._jobs:
+            with self._lock:
+                if not self._jobs:
+                    return
+                change, future = self._jobs.popleft()
+            if future.set_running_or_notify_cancel():
+                _run(change, future)
+
+    def close(self) -> None:
+        """The training is gone: queued changes run now, later ones at once."""
+        self.direct = True
+        self.apply()
+
+
+def _run(change: Callable[[], T], future: Future[T]) -> None:
+    try:
+        future.set_result(change())
+    except BaseException as e:  # handed back to the thread that asked
+        future.set_exception(e)
+

@@ -19,17 +19,132 @@ using the call tree of the forward:
 The conditions followed are non-finiteness (whatever rule reported it: a NaN gradient is also an
 exploding one) and the findings of rules that propagate; a rule that does not propagate (a
 vanishing gradient, a weight that does not change) is an origin wherever it fires. These
-functions only read and mark the call tree; the session makes hits.
+functions only read and mark the call tree; :class:`Attribution` turns a judged record's
+findings into verdicts (where each is reported, and whether it is an origin), and the session
+makes hits of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
-from tensordbg.engine.capture import Call, Record, is_model_output
+from tensordbg.engine.records import NONFINITE, Call, Record, is_model_output
+from tensordbg.rules.base import Finding
 
-NONFINITE = -1
-"""The condition "holds NaN or Inf", followed whatever rule reported it (rule ids are >= 0)."""
+
+class Verdict(NamedTuple):
+    """One finding, where it is reported and whether it is the origin of its condition."""
+
+    record: Record
+    rule_id: int
+    finding: Finding
+    origin: bool
+    call: Call | None = None
+    kind: str | None = None
+    name: str | None = None
+
+
+def condition_of(record: Record, rule_id: int) -> int | None:
+    """What a finding's origin is traced by: non-finiteness, the rule itself when it
+    propagates, or nothing (then it is an origin wherever it fires)."""
+    if NONFINITE in record.conditions:
+        return NONFINITE
+    return rule_id if rule_id in record.conditions else None
+
+
+class Attribution:
+    """The origin bookkeeping of one training step, across its phases: which conditions the
+    parameters, their gradients, the model's outputs and the observed loss showed."""
+
+    def __init__(self, owner_calls: Callable[[str], list[Call]]):
+        self._owner_calls = owner_calls  # a parameter's name -> the calls of its module
+        self.param_fired: dict[str, set[int]] = {}
+        self.grad_fired: dict[str, set[int]] = {}
+        self.root_fired: set[int] = set()
+        self.loss_fired: set[int] = set()
+
+    def begin_forward(self) -> None:
+        self.loss_fired = set()
+        self.root_fired = set()
+
+    def gradients_final(self, records: Iterable[Record]) -> None:
+        """The backward passes of the step are done: remember what each parameter's gradient
+        showed (a bad parameter after the step is then no origin)."""
+        self.grad_fired = {r.param: set(r.conditions) for r in records
+                           if r.stats.kind == "grad" and r.conditions}  # fmt: skip
+
+    def param_clean(self, name: str) -> None:
+        self.param_fired.pop(name, None)
+
+    def report(self, record: Record) -> list[Verdict]:
+        """Verdicts of a judged record whose origin does not need the call tree; outputs and
+        gradients are judged at their call's end (:meth:`exit`) and at :meth:`grad`."""
+        kind = record.stats.kind
+        if kind == "observed":
+            self.loss_fired |= record.conditions
+            return [Verdict(record, rule_id, finding,
+                            condition_of(record, rule_id) not in self.root_fired)
+                    for rule_id, finding in record.findings.items()]  # fmt: skip
+        if kind == "param":
+            upstream = self.grad_fired.get(record.param, set())
+            out = [Verdict(record, rule_id, finding,
+                           condition_of(record, rule_id) not in upstream)
+                   for rule_id, finding in record.findings.items()]  # fmt: skip
+            if record.conditions:
+                self.param_fired[record.param] = set(record.conditions)
+            else:
+                self.param_fired.pop(record.param, None)
+            return out
+        if (kind == "input" and not record.hidden) or kind == "update":
+            return [Verdict(record, r, f, True) for r, f in record.findings.items()]
+        return []
+
+    def exit(self, call: Call) -> list[Verdict]:
+        params_fired: set[int] = set()
+        if self.param_fired:
+            for name in call.params:
+                params_fired |= self.param_fired.get(name, set())
+        verdicts = exit(call, params_fired)
+        out = []
+        for suffix, record in call.outputs:
+            for rule_id, finding in record.findings.items():
+                condition = condition_of(record, rule_id)
+                is_origin = condition is None or verdicts[id(record), condition]
+                if record.producer is call:
+                    out.append(Verdict(record, rule_id, finding, is_origin))
+                elif condition is not None and is_origin:
+                    # Passed up from a submodule, but made by this module's own code.
+                    name = call.tensor_name("output", suffix)
+                    message = finding.message.replace(record.stats.name, name)
+                    finding = Finding(finding.value, finding.threshold, message)
+                    out.append(Verdict(record, rule_id, finding, True, call, "output", name))
+        if call.parent is None:
+            self.root_fired = set(call.fired_out)
+        return out
+
+    def grad(self, record: Record) -> list[Verdict]:
+        if not record.findings:
+            return []
+        if record.grad_of is None:  # a parameter's gradient
+            made_here = param_grad(record, self._owner_calls(record.param))
+            return [Verdict(record, rule_id, finding,
+                            (c := condition_of(record, rule_id)) is None or made_here[c])
+                    for rule_id, finding in record.findings.items()]  # fmt: skip
+        where = grad(record, self.loss_fired)
+        out = []
+        for rule_id, finding in record.findings.items():
+            condition = condition_of(record, rule_id)
+            if condition is None:
+                out.append(Verdict(record, rule_id, finding, True))
+                continue
+            call, kind, is_origin = where[condition]
+            name = record.stats.name
+            if call is not None and kind == "grad_input":
+                suffix = next((s for s, r in call.inputs if r is record.grad_of), record.suffix)
+                name = call.tensor_name("grad_input", suffix)
+            out.append(Verdict(record, rule_id, finding, is_origin, call, kind, name))
+        return out
 
 
 def enter(call: Call) -> None:

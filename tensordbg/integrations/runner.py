@@ -20,7 +20,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tensordbg.api import attach
-from tensordbg.engine.session import Session, _attached
+from tensordbg.engine.session import Session, attached_to
 from tensordbg.rules import Rule
 
 
@@ -62,12 +62,12 @@ class ScriptRun:
             return
         self._module_hook.remove()
         self._module_hook = None
-        if module in _attached:  # the script attaches tensordbg itself: let it
+        if attached_to(module) is not None:  # the script attaches tensordbg itself: let it
             print("tensordbg run: the script attaches tensordbg itself", file=sys.stderr)
             return
         self.session = attach(module, rules=self.rules, **self.attach_args)
         # This very call began before the model's own hooks existed: enter it by hand.
-        self.session.capture._on_enter(module, args, {})
+        self.session.capture.on_enter(module, args, {})
         print(
             f"tensordbg: watching {type(module).__name__} "
             f"({sum(p.numel() for p in module.parameters()):,} parameters), "

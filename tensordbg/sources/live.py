@@ -8,6 +8,8 @@ stream live; while the training runs they are refused with a sentence saying to 
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import inspect
 import linecache
 import math
@@ -20,8 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tensordbg.engine.capture import Call, Record
 from tensordbg.engine.control import NotPaused
+from tensordbg.engine.judge import ActiveRule
+from tensordbg.engine.records import Call, Record
 from tensordbg.engine.session import Session
 from tensordbg.rules.base import Rule, available_rules
 from tensordbg.sources.contract import EventCallback, SourceError
@@ -51,9 +54,14 @@ class LiveSource:
     >>> server = Server(LiveSource(session), run_id=session.run_id, rank=session.rank)
     """
 
-    def __init__(self, session: Session):
+    def __init__(self, session: Session, ui_timeout: float | None = 30.0):
         self.session = session
+        self.ui_timeout = ui_timeout
+        """Seconds a paused training waits after the last UI went away before it resumes with
+        blocking watchpoints disarmed; None waits for ever."""
         self.started = time.time()
+        self._clients = 0
+        self._ui_timer: Any = None
         # Summaries of tensors a person looked at, by name: (step, summary). Small, host-side.
         self._inspected: dict[str, tuple[int, dict[str, Any]]] = {}
 
@@ -131,25 +139,44 @@ class LiveSource:
     def set_rule(
         self, id: int, enabled: bool | None = None, params: dict[str, Any] | None = None
     ) -> dict[str, Any]:
-        active = next((a for a in self.session.rules if a.id == id), None)
+        """Edit a rule. The edit is checked here, and made by the training thread at its next
+        hook (at once while it is paused): the reply is the rule as it will be, with
+        ``pending`` true until then."""
+        session = self.session
+        active = next((a for a in list(session.rules) if a.id == id), None)
         if active is None:
             raise SourceError(f"there is no rule {id}")
+        edited = copy.deepcopy(active.rule)
         if params:
             try:
-                active.rule.set_params(**params)
+                edited.set_params(**params)
             except (ValueError, TypeError) as e:
                 raise SourceError(str(e)) from None
-            active.state.clear()  # history judged under the old thresholds no longer applies
-        if enabled is not None:
-            active.enabled = bool(enabled)
-            if enabled:
-                active.disabled_reason = None
-        self.session.rules_changed()
-        return _rule_dict(active)
+
+        def apply() -> dict[str, Any]:
+            if params:
+                active.rule = edited
+                active.state.clear()  # history judged under the old thresholds no longer applies
+            if enabled is not None:
+                active.enabled = bool(enabled)
+                if enabled:
+                    active.disabled_reason = None
+            session.rules_changed()
+            return _rule_dict(active)
+
+        def preview() -> dict[str, Any]:
+            ahead = copy.copy(active)
+            ahead.rule = edited
+            if enabled is not None:
+                ahead.enabled = bool(enabled)
+            return _rule_dict(ahead)
+
+        return self._change(apply, preview)
 
     def add_rule(
         self, name: str, match: str = "*", params: dict[str, Any] | None = None
     ) -> dict[str, Any]:
+        """Add a rule (made by the training thread, as :meth:`set_rule` says)."""
         cls = available_rules().get(name)
         if cls is None:
             raise SourceError(f"there is no rule named {name!r}; see the available list")
@@ -157,7 +184,16 @@ class LiveSource:
             rule = cls(match=match, **(params or {}))
         except (TypeError, ValueError) as e:
             raise SourceError(f"{name}: {e}") from None
-        return _rule_dict(self.session.add_rule(rule))
+        session = self.session
+        return self._change(lambda: _rule_dict(session.ruleset.add(rule)),
+                            lambda: _rule_dict(ActiveRule(-1, rule)))  # fmt: skip
+
+    def _change(self, apply: Callable[[], dict[str, Any]],
+                preview: Callable[[], dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+        future = self.session.control.submit(apply)
+        if future.done():
+            return future.result()
+        return {**preview(), "pending": True}
 
     def control(self, action: str, n: int = 1) -> dict[str, Any]:
         control = self.session.controller
@@ -173,6 +209,35 @@ class LiveSource:
 
     def subscribe(self, callback: EventCallback) -> Callable[[], None]:
         return self.session.subscribe(callback)
+
+    # --- the UI's presence ---------------------------------------------------------------------
+
+    def on_clients(self, count: int) -> None:
+        """The server saw the number of connected UIs change. When the last one vanishes while
+        the training is paused, the training resumes after ``ui_timeout`` seconds with blocking
+        watchpoints disarmed."""
+        previous, self._clients = self._clients, count
+        timer, self._ui_timer = self._ui_timer, None
+        if timer is not None:
+            timer.cancel()
+        if count == 0 and previous > 0 and self.ui_timeout is not None:
+            with contextlib.suppress(RuntimeError):  # detached meanwhile: nothing to time
+                self._ui_timer = self.session.handles.timer(self.ui_timeout, self._ui_gone)
+
+    def _ui_gone(self) -> None:
+        session = self.session
+        if self._clients or session.controller.state != "paused":
+            return
+
+        def disarm() -> None:
+            session.on_hit = "record"
+            session.log("the UI went away: blocking watchpoints disarmed, training resumed",
+                        "warning")  # fmt: skip
+            print("tensordbg: the UI went away; training resumes, hits are only recorded now",
+                  file=sys.stderr)  # fmt: skip
+
+        session.control.submit(disarm)
+        session.controller.resume()
 
     # --- while paused: on the training thread --------------------------------------------------
 

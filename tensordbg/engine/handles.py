@@ -1,0 +1,87 @@
+"""Everything ``attach`` installs, held in one place so that ``detach`` is one close.
+
+Hooks (anything with ``.remove()``, like torch's ``RemovableHandle``), patched attributes,
+timers and clean-up callbacks all go into a :class:`HandleGroup`; :meth:`HandleGroup.close`
+undoes them in reverse order, each once, and carries on past one that fails.
+
+>>> handles = HandleGroup()
+>>> handles.add(module.register_forward_hook(hook))
+>>> handles.patch(scaler, "update", wrapped_update)
+>>> handles.close()     # the hook is removed and scaler.update is the class's again
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any, Protocol
+
+_MISSING = object()
+
+
+class Removable(Protocol):
+    def remove(self) -> None: ...
+
+
+class HandleGroup:
+    """A last-in, first-out stack of things to undo."""
+
+    def __init__(self) -> None:
+        self._undo: list[tuple[str, Callable[[], Any]]] = []
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def add(self, handle: Removable) -> Removable:
+        """Keep a hook's handle: closing the group removes the hook."""
+        self._push(f"hook {type(handle).__name__}", handle.remove)
+        return handle
+
+    def callback(self, fn: Callable[[], Any], what: str = "") -> None:
+        """Call ``fn`` when the group closes."""
+        self._push(what or getattr(fn, "__qualname__", "callback"), fn)
+
+    def patch(self, obj: Any, name: str, value: Any) -> None:
+        """Set ``obj.name = value`` until the group closes; then put back what the instance had
+        (or nothing, when the attribute came from its class)."""
+        before = vars(obj).get(name, _MISSING) if hasattr(obj, "__dict__") else _MISSING
+        setattr(obj, name, value)
+
+        def restore() -> None:
+            if before is _MISSING:
+                if vars(obj).get(name) is value:
+                    delattr(obj, name)
+            else:
+                setattr(obj, name, before)
+
+        self._push(f"patch {type(obj).__name__}.{name}", restore)
+
+    def timer(self, seconds: float, fn: Callable[[], Any]) -> threading.Timer:
+        """Start a daemon timer that closing the group cancels."""
+        timer = threading.Timer(seconds, fn)
+        timer.daemon = True
+        self._push("timer", timer.cancel)
+        timer.start()
+        return timer
+
+    def close(self) -> None:
+        """Undo everything, newest first. A failing undo is reported and the rest still runs."""
+        with self._lock:
+            undo, self._undo = self._undo[::-1], []
+            self.closed = True
+        for what, fn in undo:
+            try:
+                fn()
+            except Exception as e:  # one stuck handle must not keep the others installed
+                warnings.warn(
+                    f"tensordbg: could not undo {what} at detach: {e}", RuntimeWarning, stacklevel=2
+                )
+
+    def __len__(self) -> int:
+        return len(self._undo)
+
+    def _push(self, what: str, fn: Callable[[], Any]) -> None:
+        with self._lock:
+            if self.closed:
+                raise RuntimeError("this session is detached: nothing more can be installed")
+            self._undo.append((what, fn))

@@ -1,0 +1,157 @@
+"""The hit log: each finding of a rule becomes a :class:`~tensordbg.hit.Hit` with an id, a
+sentence that says where the value came from, and a place in a bounded log.
+
+A training that stays NaN makes a hit per tensor per step; past ``max_hits`` only hits at their
+origin are kept, and the log says so once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tensordbg.engine.judge import ActiveRule
+from tensordbg.engine.records import Call, Record
+from tensordbg.hit import Hit
+from tensordbg.rules.base import Finding
+from tensordbg.statistics.torch_kernels import summarize
+
+MAX_HITS = 100_000
+
+
+class HitLog:
+    """Every hit of a session, in the order found.
+
+    >>> log = HitLog(log=print)
+    >>> log.add(hit, active)        # False when the cap dropped it
+    """
+
+    def __init__(self, log: Callable[[str, str], None], max_hits: int = MAX_HITS):
+        self.hits: list[Hit] = []
+        self.max_hits = max_hits
+        self.capped = False
+        self.fired_last_step: set[tuple[str, str]] = set()
+        self.fired_this_step: set[tuple[str, str]] = set()
+        self.first_origin: dict[int, str] = {}
+        """The first tensor named the origin of each condition this step (for messages)."""
+        self._log = log
+
+    def add(self, hit: Hit, active: ActiveRule | None) -> bool:
+        """Log a hit; False when the cap drops it (a hit not at its origin past ``max_hits``)."""
+        if len(self.hits) >= self.max_hits and not hit.origin:
+            if not self.capped:
+                self.capped = True
+                self._log(
+                    f"{self.max_hits} hits recorded: hits not at their origin are no "
+                    "longer kept (raise max_hits to keep more)",
+                    "warning",
+                )
+            return False
+        hit.id = len(self.hits)
+        self.hits.append(hit)
+        if active is not None:
+            active.hits += 1
+        self.fired_this_step.add((hit.rule, hit.tensor))
+        return True
+
+    def repeated(self, hit: Hit) -> bool:
+        """Whether the same rule fired on the same tensor in the step before."""
+        return (hit.rule, hit.tensor) in self.fired_last_step
+
+    def end_step(self) -> None:
+        self.fired_last_step, self.fired_this_step = self.fired_this_step, set()
+        self.first_origin = {}
+
+    def summary(self, skipped_steps: list[int], origins: int = 5) -> str:
+        """The hits in a few lines: those at their origin first."""
+        if not self.hits:
+            return "tensordbg: no hits."
+        first = [h for h in self.hits if h.origin]
+        lines = [f"tensordbg: {len(self.hits)} hits, {len(first)} at their origin."]
+        for hit in first[:origins]:
+            lines.append(f"  step {hit.step} {hit.phase}: [{hit.rule}] {hit.tensor}")
+            lines.append(f"    {hit.message}")
+        if skipped_steps:
+            lines.append(f"  steps the GradScaler skipped: {skipped_steps[:20]}")
+        return "\n".join(lines)
+
+    def make(
+        self,
+        record: Record,
+        active: ActiveRule,
+        finding: Finding,
+        is_origin: bool,
+        condition: int | None,
+        module: Call | None = None,
+        kind: str | None = None,
+        name: str | None = None,
+    ) -> Hit:
+        """The hit of one finding on one record; ``module``/``kind``/``name`` name another place
+        when the value is reported where it was made (a parent's own code, a consumer's
+        backward)."""
+        stats = record.stats
+        tensor = record.held()
+        if is_origin and stats.summary is None and tensor is not None:
+            stats.summary = summarize(tensor)  # for the UI; downstream hits skip it
+        kind = kind or stats.kind
+        path = module.path if module is not None else stats.module
+        hit = Hit(
+            rule=active.rule.name,
+            tensor=name or stats.name,
+            module=path,
+            kind=kind,
+            step=stats.step,
+            phase=stats.phase,
+            origin=is_origin,
+            value=float(finding.value),
+            threshold=None if finding.threshold is None else float(finding.threshold),
+            message=with_origin(finding.message, is_origin, condition, kind, path,
+                                self.first_origin.get(condition, "")),  # fmt: skip
+            ref=stats.ref,
+            call=module.index if module is not None else stats.call,
+            summary=_summary(record),
+        )
+        if is_origin and condition is not None:
+            self.first_origin.setdefault(condition, hit.tensor)
+        return hit
+
+
+def _summary(record: Record) -> dict[str, Any]:
+    stats = record.stats
+    return {
+        **(stats.summary.as_dict() if stats.summary is not None else {}),
+        "shape": list(stats.shape),
+        "dtype": stats.dtype,
+    }
+
+
+def with_origin(
+    message: str, is_origin: bool, condition: int | None, kind: str, module: str, first: str
+) -> str:
+    """The finding's sentence, followed by where the value came from."""
+    if condition is None:
+        return message
+    if not is_origin:
+        source = f" (first produced at {first})" if first else ""
+        return f"{message} It was passed on from upstream{source}, not produced here."
+    return f"{message} {_ORIGIN_NOTE.get((kind, bool(module)), _ORIGIN_NOTE[kind, True])}"
+
+
+_ORIGIN_NOTE = {
+    ("input", False): "It came in with the batch: look at the data and its preprocessing.",
+    ("input", True): "It came in with this module's inputs.",
+    ("output", True): "It was produced here: this module's inputs and parameters were clean.",
+    ("output", False): "It was produced by the model's own forward code between its submodules.",
+    ("grad_input", True): "It was produced by this module's backward: the gradient of its "
+    "output was clean.",
+    ("grad_input", False): "It was produced by the model's backward: the gradient of its "
+    "output was clean.",
+    ("grad", True): "It was produced by this module's backward: the gradient of its output "
+    "was clean.",
+    ("grad_output", True): "It was produced in backward between modules.",
+    ("grad_output", False): "It comes from the loss's backward: the loss itself was clean.",
+    ("param", True): "The gradient was clean: the optimizer step or the code around it made it "
+    "(learning rate, eps, a manual edit), or the parameter was loaded this way.",
+    ("update", True): "It was produced by the optimizer step.",
+    ("observed", True): "The model's outputs were clean: the code that computes it made it.",
+}

@@ -1,0 +1,291 @@
+"""Where a rule decides: the session's rule set.
+
+A :class:`RuleSet` holds each rule as one session runs it (:class:`ActiveRule`: its own copy,
+its memory across steps, whether it is on), knows which rules apply to which tensor and what
+statistics they need (cached per tensor identity), and judges a record's statistics. It judges
+whatever statistics it is given, so the same code judges a live training (statistics computed
+by torch next to the tensor) and a dump (statistics from numpy); a rule that asks for more
+(:class:`~tensordbg.rules.base.Refine`) gets them through the ``measure`` callback, or no verdict
+when the tensor is gone.
+
+The rule set belongs to the training thread. Other threads change it through the session's
+control plane, never directly.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tensordbg.engine.records import NONFINITE, Record
+from tensordbg.rules import Rule
+from tensordbg.rules.base import Finding, Refine
+from tensordbg.statistics import NAN, NEGINF, POSINF, Stat, TensorStats
+from tensordbg.statistics.torch_kernels import SCREEN
+
+COUNTS = (NAN, POSINF, NEGINF)
+REFINEMENTS = 3  # how many times in a row a rule may ask for more statistics of one tensor
+
+# Computes statistics of a record's tensor on the host: (stats, wanted) -> values.
+Measure = Callable[[TensorStats, Sequence[Stat]], list[float]]
+
+
+@dataclass(eq=False)
+class ActiveRule:
+    """A rule as one session runs it: its own copy, its memory across steps, whether it is on."""
+
+    id: int
+    rule: Rule
+    enabled: bool = True
+    state: dict[str, Any] = field(default_factory=dict)
+    disabled_reason: str | None = None
+    hits: int = 0
+    phase_wide: bool = False
+    """Whether the rule compares the tensors of a phase with each other (judged at phase end)."""
+
+    def __post_init__(self) -> None:
+        self.phase_wide = type(self.rule).check_phase is not Rule.check_phase
+
+
+@dataclass(frozen=True, slots=True)
+class Applicable:
+    """What the rules make of one tensor identity: which apply, what they need, and in which
+    order to ask them."""
+
+    rule_ids: tuple[int, ...]
+    wanted: tuple[Stat, ...]
+    checks: tuple[tuple[ActiveRule, ...], tuple[ActiveRule, ...]]
+    """Per-tensor rules: those that can speak about a finite tensor, then the others."""
+    silent: bool
+    """All of them are silent on a finite tensor (a deferred session may leave it unscreened)."""
+
+
+class RuleSet:
+    """The rules of one session.
+
+    >>> rules = RuleSet(tensordbg.rules.default_rules(), log=print)
+    >>> rules.judge(record, measure=None)
+    """
+
+    def __init__(self, rules: Iterable[Rule], log: Callable[[str, str], None]):
+        self.active: list[ActiveRule] = []
+        self._by_id: dict[int, ActiveRule] = {}
+        self._next_id = 0
+        self._log = log
+        self._applicable: dict[Any, Applicable] = {}
+        self._quiet_grads: dict[str, bool] = {}
+        self._updates: tuple[Stat, ...] | bool | None = False  # False: not computed yet
+        for rule in rules:
+            self.add(rule)
+
+    # --- the set -------------------------------------------------------------------------------
+
+    def add(self, rule: Rule) -> ActiveRule:
+        """Add a rule (it gets its own copy and memory)."""
+        if not isinstance(rule, Rule):
+            raise TypeError(f"rules are tensordbg.rules.Rule instances, not {type(rule).__name__}")
+        active = ActiveRule(self._next_id, copy.deepcopy(rule))
+        self._next_id += 1
+        self.active.append(active)
+        self._by_id[active.id] = active
+        self.changed()
+        return active
+
+    def get(self, rule_id: int) -> ActiveRule | None:
+        return self._by_id.get(rule_id)
+
+    def changed(self) -> None:
+        """Forget which rules apply to which tensor (after a rule was added, edited, toggled)."""
+        self._applicable = {}
+        self._quiet_grads = {}
+        self._updates = False
+
+    def disable(self, active: ActiveRule, error: BaseException) -> None:
+        """A rule raised: switch it off, say so once, and let the training go on."""
+        active.enabled = False
+        active.disabled_reason = f"{type(error).__name__}: {error}"
+        self.changed()
+        message = (
+            f"tensordbg: rule {active.rule.name} raised {active.disabled_reason} and was "
+            "disabled; the training goes on"
+        )
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        self._log(message, "warning")
+
+    def propagates(self, rule_id: int) -> bool:
+        active = self._by_id.get(rule_id)
+        return bool(active and active.rule.propagates)
+
+    # --- applicability -------------------------------------------------------------------------
+
+    def applicable(self, stats: TensorStats, screen_only: bool = False) -> Applicable:
+        """The rules that apply to a tensor and what they need (cached per tensor identity);
+        ``screen_only`` keeps just the NaN/Inf screen of the statistics (between interval
+        steps)."""
+        key = (stats.kind, stats.name, stats.module_type, stats.dtype, len(stats.shape),
+               stats.trainable)  # fmt: skip
+        found = self._applicable.get(key)
+        if found is None:
+            found = self._applicable[key] = self._find(stats)
+        if screen_only:
+            return Applicable(found.rule_ids, tuple(s for s in found.wanted if s in SCREEN),
+                              found.checks, found.silent)  # fmt: skip
+        return found
+
+    def _find(self, stats: TensorStats) -> Applicable:
+        ids: list[int] = []
+        wanted: dict[Stat, None] = {}
+        for active in self.active:
+            if not active.enabled:
+                continue
+            try:
+                if not active.rule.applies(stats):
+                    continue
+                needs = active.rule.stats_for(stats)
+            except Exception as e:
+                self.disable(active, e)
+                continue
+            ids.append(active.id)
+            wanted.update(dict.fromkeys(needs))
+        if ids:
+            wanted = dict.fromkeys(SCREEN) | wanted
+        chosen = [a for a in self.active if a.id in ids]
+        # Per-tensor rules, those that can speak about a finite tensor first: on a finite tensor
+        # the others are not asked at all (see judge).
+        loud = [a for a in chosen if not a.phase_wide and not silent_when_finite(a, stats)]
+        quiet = [a for a in chosen if not a.phase_wide and a not in loud]
+        silent = not loud and all(not a.phase_wide for a in chosen)
+        return Applicable(tuple(ids), tuple(wanted), (tuple(loud), tuple(quiet)), silent)
+
+    def grads_quiet(self, dtype: str) -> bool:
+        """Whether every rule that could look at an activation gradient of this dtype is silent
+        while it is finite (then a clean deferred pass need not read it)."""
+        quiet = self._quiet_grads.get(dtype)
+        if quiet is None:
+            quiet = True
+            for kind in ("grad_output", "grad_input"):
+                probe = TensorStats("probe", "probe", kind, "backward", 0, (1,), dtype)
+                for active in self.active:
+                    if active.enabled and kind in active.rule.kinds:
+                        quiet = quiet and silent_when_finite(active, probe)
+            self._quiet_grads[dtype] = quiet
+        return quiet
+
+    def update_stats(self) -> tuple[Stat, ...] | None:
+        """The statistics rules on ``update`` records need, or None when no rule looks at
+        updates (cached until the rules change)."""
+        if self._updates is not False:
+            return self._updates  # type: ignore[return-value]
+        probe = TensorStats("*.update", "", "update", "optimizer", 0, (1,), "float32",
+                            trainable=True)  # fmt: skip
+        wanted: dict[Stat, None] = {}
+        for active in self.active:
+            if not (active.enabled and "update" in active.rule.kinds):
+                continue
+            try:
+                wanted.update(dict.fromkeys(active.rule.stats_for(probe)))
+            except Exception as e:
+                self.disable(active, e)
+        self._updates = tuple(wanted) or None
+        return self._updates
+
+    # --- judging -------------------------------------------------------------------------------
+
+    def judge(self, record: Record, measure: Measure | None) -> None:
+        """Run the per-tensor rules that apply to a record on its statistics; ``measure``
+        computes statistics a rule asks for (None: the tensor is gone, no more can be had)."""
+        record.judged = True
+        stats = record.stats
+        nonfinite = stats.nonfinite
+        if nonfinite and measure is not None and NAN not in stats.values:
+            # Which of NaN and Inf, and how many: counted only for unhealthy tensors.
+            stats.values.update(zip(COUNTS, measure(stats, COUNTS), strict=True))
+            nonfinite = stats.nonfinite
+        loud, quiet = record.checks or ((), ())
+        for active in loud + quiet if nonfinite is not False else loud:
+            if not active.enabled:
+                continue
+            try:
+                finding = active.rule.check(stats, active.state)
+                if isinstance(finding, Refine):
+                    finding = self._refine(stats, finding, active, measure)
+            except Exception as e:
+                self.disable(active, e)
+                continue
+            if finding is not None:
+                record.findings[active.id] = finding
+        if nonfinite:
+            record.conditions.add(NONFINITE)
+        for rule_id in record.findings:
+            if self.propagates(rule_id):
+                record.conditions.add(rule_id)
+
+    def _refine(
+        self, stats: TensorStats, ask: Refine, active: ActiveRule, measure: Measure | None
+    ) -> Finding | None:
+        """A rule asked for more statistics of this tensor: compute them and ask it again."""
+        for _ in range(REFINEMENTS):
+            missing = tuple(s for s in ask.stats if s not in stats.values)
+            if not missing:
+                break
+            if measure is None:
+                return None  # the tensor is gone: no verdict
+            stats.values.update(zip(missing, measure(stats, missing), strict=True))
+            again = active.rule.check(stats, active.state)
+            if not isinstance(again, Refine):
+                return again
+            ask = again
+        return None
+
+    def judge_phase(self, records: Sequence[Record]) -> list[tuple[Record, int, Finding]]:
+        """Rules that compare the tensors of a phase with each other, at its end."""
+        found: list[tuple[Record, int, Finding]] = []
+        for active in [a for a in self.active if a.enabled and a.phase_wide]:
+            mine = [r for r in records if active.id in r.rule_ids and not r.hidden]
+            if not mine:
+                continue
+            try:
+                verdicts = active.rule.check_phase([r.stats for r in mine], active.state)
+            except Exception as e:
+                self.disable(active, e)
+                continue
+            by_stats = {id(r.stats): r for r in mine}
+            for stats, finding in verdicts:
+                record = by_stats.get(id(stats))
+                if record is not None:
+                    record.findings[active.id] = finding
+                    found.append((record, active.id, finding))
+        return found
+
+    def rejudge(
+        self, record: Record, already: set[tuple[int, str]]
+    ) -> list[tuple[int, Finding]]:
+        """Judge a record again with the rules as they are now, each with a copy of its memory
+        (a recheck is not another step); findings of rules that already hit it are skipped."""
+        found = []
+        for rule_id in record.rule_ids:
+            active = self._by_id.get(rule_id)
+            if active is None or not active.enabled or active.phase_wide:
+                continue
+            if (record.stats.ref, active.rule.name) in already:
+                continue
+            try:
+                finding = active.rule.check(record.stats, copy.deepcopy(active.state))
+            except Exception as e:
+                self.disable(active, e)
+                continue
+            if finding is not None and not isinstance(finding, Refine):
+                found.append((rule_id, finding))
+        return found
+
+
+def silent_when_finite(active: ActiveRule, stats: TensorStats) -> bool:
+    if active.phase_wide:
+        return False
+    try:
+        return bool(active.rule.silent_when_finite(stats))
+    except Exception:
+        return False

@@ -1,0 +1,67 @@
+"""Step metrics: the loss and gradient norm of each step, its speed, and the latest statistics
+of every tensor (what the UI's Run and Modules tabs show)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+
+from tensordbg.statistics import L2, MEAN, TensorStats
+
+HISTORY = 512
+
+
+class StepMetrics:
+    """What one training step measured, and the last HISTORY steps."""
+
+    def __init__(self) -> None:
+        self.history: deque[tuple[int, float | None, float | None, float | None]] = deque(
+            maxlen=HISTORY
+        )
+        """(step, loss, gradient norm, steps per second) of the last completed steps."""
+        self.latest: dict[str, tuple[int, TensorStats]] = {}
+        self.previous: dict[str, tuple[int, TensorStats]] = {}
+        self._loss: list[float] = []
+        self._grad_sq = 0.0
+        self._grad_seen = False
+        self._last = time.perf_counter()
+
+    def judged(self, stats: TensorStats) -> None:
+        """A tensor's statistics were judged: they are its latest; a gradient adds to the
+        step's norm."""
+        last = self.latest.get(stats.name)
+        if last is not None and last[0] != stats.step:
+            self.previous[stats.name] = last
+        self.latest[stats.name] = (stats.step, stats)
+        if stats.kind == "grad":
+            norm = stats.values.get(L2)
+            if norm is not None:
+                self._grad_sq += norm * norm
+                self._grad_seen = True
+
+    def observed(self, stats: TensorStats) -> None:
+        """An observed scalar named like ``loss`` feeds the loss curve."""
+        if "loss" in stats.name.lower() and stats.numel == 1:
+            value = stats.values.get(MEAN)
+            if value is not None and math.isfinite(value):
+                self._loss.append(value)
+
+    def finish(self, step: int) -> dict[str, float | int | None]:
+        """The step completed: its numbers, kept in the history."""
+        now = time.perf_counter()
+        dt, self._last = now - self._last, now
+        loss = sum(self._loss) / len(self._loss) if self._loss else None
+        grad_norm = math.sqrt(self._grad_sq) if self._grad_seen else None
+        rate = 1.0 / dt if dt > 0 else None
+        self.history.append((step, loss, grad_norm, rate))
+        self._loss = []
+        self._grad_sq = 0.0
+        self._grad_seen = False
+        return {"step": step, "loss": loss, "grad_norm": grad_norm, "steps_per_sec": rate}
+
+    def last(self) -> dict[str, float | int | None] | None:
+        if not self.history:
+            return None
+        step, loss, grad_norm, rate = self.history[-1]
+        return {"step": step, "loss": loss, "grad_norm": grad_norm, "steps_per_sec": rate}

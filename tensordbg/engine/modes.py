@@ -1,0 +1,148 @@
+"""The three ways to check a tensor (``sync``), as strategies of the session's pipeline.
+
+- :class:`Eager`: statistics are read at once, in the hook that saw the tensor, so a hit stops
+  the training at that very tensor. On the CPU reading costs nothing extra; on CUDA it
+  synchronizes per tensor.
+- :class:`Batched`: statistics stay on the device until the end of the phase (forward, backward,
+  optimizer step) and come to the host in one transfer: one synchronization per phase. Hits are
+  the same; the pause comes at the end of the phase.
+- :class:`Deferred`: the model's outputs, the observed loss, every gradient and every parameter
+  are screened each step; the other tensors of a phase are kept (within ``retain_bytes``) and
+  screened only when those show a problem, in execution order, so the same origin is named. The
+  cheapest: for whole runs. A NaN masked before it reaches an output, the loss or a gradient
+  goes unseen.
+
+``"auto"`` (the default) is eager on the CPU and batched on CUDA. Nothing outside this module
+asks which mode runs: the session asks the strategy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from tensordbg.engine.phases import Judged
+from tensordbg.engine.records import Record
+from tensordbg.statistics.torch_kernels import device_stats
+
+if TYPE_CHECKING:
+    from tensordbg.engine.session import Session
+
+# Kinds a deferred session may keep unscreened until the phase shows a problem.
+LAZY_KINDS = frozenset({"output", "input", "grad_output", "grad_input"})
+
+
+class SyncMode:
+    """How a session turns a tensor seen in a hook into judged statistics."""
+
+    name = ""
+    immediate = False
+    """Hooks handle their own events at once when nothing waits (eager)."""
+    on_device = False
+    """Statistics stay on the device until the phase's one transfer (batched)."""
+    screens_inputs_later = False
+    """A value made between modules is screened only once its call's output turns out bad."""
+
+    def collect(self, session: Session, record: Record, tensor: torch.Tensor, silent: bool,
+                kept: bool) -> None:  # fmt: skip
+        """Compute (or arrange) the statistics of a registered record."""
+        raise NotImplementedError
+
+    def retain(self, session: Session, record: Record, tensor: torch.Tensor) -> bool:
+        """Keep a tensor for inspection; whether it is held until the phase ends."""
+        return session.phases.keep(record, tensor)
+
+    def judges_in_hooks(self, triggered: bool) -> bool:
+        """Whether a hook judges what is pending before it returns."""
+        return False
+
+    def notes_gradients(self, triggered: bool) -> bool:
+        """Whether a gradient is only noted (read at the end of the pass if at all)."""
+        return False
+
+    def why_not_kept(self, retain_bytes: int) -> str:
+        return f"the phase's tensors passed retain_bytes={retain_bytes // 2**20} MiB"
+
+
+class Eager(SyncMode):
+    name = "eager"
+    immediate = True
+    screens_inputs_later = True
+
+    def collect(self, session: Session, record: Record, tensor: torch.Tensor, silent: bool,
+                kept: bool) -> None:  # fmt: skip
+        session.screen(record, tensor)
+        session.judge(record, tensor)
+        session.report(record)
+
+    def retain(self, session: Session, record: Record, tensor: torch.Tensor) -> bool:
+        session.phases.keep_recent(record, tensor)
+        return True
+
+    def judges_in_hooks(self, triggered: bool) -> bool:
+        return True
+
+    def why_not_kept(self, retain_bytes: int) -> str:
+        return (
+            "eager checks keep only hits and the last few tensors; this one passed and the "
+            "training has freed it"
+        )
+
+
+class Batched(SyncMode):
+    name = "batched"
+    on_device = True
+
+    def collect(self, session: Session, record: Record, tensor: torch.Tensor, silent: bool,
+                kept: bool) -> None:  # fmt: skip
+        wanted = record.wanted
+        vector = device_stats(tensor, wanted)
+        factors = session.amp.scale_vector(wanted) if session.amp.scales(record.stats) else None
+        if factors is not None:
+            vector = vector * factors
+        record.stats.values = dict.fromkeys(wanted, math.nan)
+        record.slot = session.phases.batch.add(vector)
+        session.phases.pending.append(Judged(record))
+
+
+class Deferred(SyncMode):
+    name = "deferred"
+
+    def collect(self, session: Session, record: Record, tensor: torch.Tensor, silent: bool,
+                kept: bool) -> None:  # fmt: skip
+        if (
+            kept
+            and silent
+            and record.stats.kind in LAZY_KINDS
+            and not (record.sentinel or session.triggered)
+        ):
+            record.lazy = True  # its rules only speak of NaN and Inf: wait for a reason to look
+            session.phases.pending.append(Judged(record))
+            return
+        session.screen(record, tensor)
+        session.judge(record, tensor)
+        # Its hits are made in execution order, once the phase is settled.
+        session.phases.pending.append(Judged(record))
+        if record.findings or record.conditions:
+            session.triggered = True
+
+    def judges_in_hooks(self, triggered: bool) -> bool:
+        return triggered
+
+    def notes_gradients(self, triggered: bool) -> bool:
+        return not triggered
+
+
+MODES: dict[str, type[SyncMode]] = {m.name: m for m in (Eager, Batched, Deferred)}
+SYNC = ("auto", *MODES)
+
+
+def choose(sync: str, device: torch.device) -> SyncMode:
+    """The strategy for ``sync`` on a model living on ``device``."""
+    if sync not in SYNC:
+        raise ValueError(f"sync is one of {', '.join(SYNC)}, not {sync!r}")
+    if sync == "auto":
+        sync = "batched" if device.type == "cuda" else "eager"
+    return MODES[sync]()

@@ -1,0 +1,133 @@
+"""The optimizer phase of the session's pipeline: gradients are final before the step (a
+gradient hit pauses before the bad update lands), parameters and their updates are judged
+after it. Parameter bookkeeping itself (who owns what, copies, ranges) is in :mod:`.params`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tensordbg.engine.params import Param
+from tensordbg.engine.phases import Judged
+from tensordbg.engine.records import Record
+from tensordbg.statistics import MAX, MIN, Stat
+from tensordbg.statistics.torch_kernels import host_stats, update_stats, watchable
+
+if TYPE_CHECKING:
+    from tensordbg.engine.session import Session
+
+# A parameter's range before and after a step tells cheaply that the step changed it.
+RANGE = (MIN, MAX)
+
+
+class OptimizerPhase:
+    """Part of :class:`~tensordbg.engine.session.Session`: its optimizer hooks."""
+
+    def check_parameters(self: Session) -> None:
+        """Check every parameter now (``attach`` does it once: a NaN or a poor initialization
+        is found before the first step)."""
+        if not self.active:
+            return
+        self._start_phase("optimizer")
+        self._check_parameters(list(self.weights.params.values()), None)
+
+    def _before_step(self: Session, optimizer: torch.optim.Optimizer, args: Any,
+                     kwargs: Any) -> None:  # fmt: skip
+        """Gradients are final: judge what is pending (a gradient hit pauses before the update
+        lands), note parameter versions and copy those whose update must be measured exactly."""
+        if self.broken or self._detach_requested():
+            return
+        try:
+            if self.phases.busy() or self._forward_open:
+                self._end_phase()
+            self.amp.stepped = True
+            if self.phase != "optimizer":  # the first optimizer of the step: gradients are final
+                self.origins.gradients_final(self.phases.records)
+            self._start_phase("optimizer")
+            owned = self._stepping[optimizer] = self.weights.owned(optimizer, self.optimizers)
+            wanted = self.ruleset.update_stats()
+            if wanted is None:
+                self.weights.versions, self.weights.snapshots = {}, {}
+                return
+            every = self.step % self.interval == 0
+            self.weights.before_step(owned, wanted, every)
+        except Exception as e:
+            self.fault(e)
+
+    def _after_step(self: Session, optimizer: torch.optim.Optimizer, args: Any,
+                    kwargs: Any) -> None:  # fmt: skip
+        if not self.active:
+            return
+        try:
+            owned = self._stepping.pop(optimizer, None)
+            if owned is None:
+                owned = self.weights.owned(optimizer, self.optimizers)
+            self._check_parameters(owned, self.ruleset.update_stats())
+            if self.optimizers and optimizer is self.optimizers[0]:
+                self._finish_step()
+                self._boundary(completed_step=True)
+        except Exception as e:
+            self.fault(e)
+
+    def _check_parameters(self: Session, owned: list[Param],
+                          updates: tuple[Stat, ...] | None) -> None:  # fmt: skip
+        """Parameters after an optimizer step (and at attach): their values and, for those the
+        step updated, the update against their values before it (batched: one transfer)."""
+        ranges: dict[str, tuple[float | None, float | None]] = {}
+        for p in owned:
+            if not watchable(p.param):
+                continue
+            silent = self._quiet_params.get(p.name)
+            if silent is None:
+                probe = p.record("param", p.name, self.step).stats
+                silent = self._quiet_params[p.name] = self.ruleset.applicable(probe).silent
+            if silent and not self.sync.on_device:
+                # The common case, without a record: its rules speak only of NaN and Inf, and
+                # its range (needed anyway to tell that the step changed it) says it is finite.
+                lo, hi = host_stats(p.param, RANGE)
+                if math.isfinite(lo) and math.isfinite(hi):
+                    ranges[p.name] = (lo, hi)
+                    self.origins.param_clean(p.name)  # finite again, if it was not
+                    continue
+            record = p.record("param", p.name, self.step)
+            self.collect(record, p.param.detach(), extra=RANGE if updates else ())
+            ranges[p.name] = (record.stats.values.get(MIN), record.stats.values.get(MAX))
+        pending_range: list[Record] = []
+        if updates is not None:
+            for p in owned:
+                if p.name in self.weights.versions and watchable(p.param):
+                    record = self._update_record(p, updates)
+                    if record.slot < 0 and not record.stats.values:
+                        pending_range.append(record)
+        self.phases.fetch()
+        if self.sync.on_device:  # the ranges arrived with the transfer
+            ranges = {r.param: (r.stats.values.get(MIN), r.stats.values.get(MAX))
+                      for r in self.phases.records if r.stats.kind == "param"}  # fmt: skip
+        self.weights.resolve_by_range(pending_range, ranges, updates or ())
+        self.weights.remember_ranges(ranges)
+        self._drain()
+        self._judge_phase()
+        self._publish_phase()
+        self._pause_if_needed()
+        self.phases.release()
+        self.weights.snapshots = {}
+
+    def _update_record(self: Session, p: Param, wanted: tuple[Stat, ...]) -> Record:
+        record = p.record("update", f"{p.name}.update", self.step)
+        applicable = self.ruleset.applicable(record.stats)
+        record.rule_ids, record.checks = applicable.rule_ids, applicable.checks
+        self.phases.register(record)
+        previous = self.weights.before(p)
+        if previous is not None:
+            vector = update_stats(p.param.detach(), previous, wanted)
+            if not self.sync.on_device:
+                record.stats.values = dict(zip(wanted, vector.tolist(), strict=True))
+            else:
+                record.stats.values = dict.fromkeys(wanted, math.nan)
+                record.slot = self.phases.batch.add(vector)
+            self.weights.suspects.discard(p.name)
+        self.phases.pending.append(Judged(record))
+        return record

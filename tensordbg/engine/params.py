@@ -1,0 +1,133 @@
+"""Parameters and their updates: which optimizer steps which parameter, what a step changed.
+
+Telling whether a step changed a parameter must cost almost nothing on the common path. A
+parameter's minimum and maximum are read anyway (they say it is finite); when either moved by
+more than the tolerance, some element did too, so it changed. Otherwise it may not have changed:
+it is copied before the next step (within ``update_budget``) and compared exactly then. Rules that
+measure updates (``update_abs_mean``) get a copy of every parameter, the budget rotating over a
+model larger than it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tensordbg.engine.records import Record, new_record
+from tensordbg.statistics import Stat
+
+# Update statistics that need a copy of the parameter from before the step.
+SNAPSHOT_STATS = frozenset({"update_abs_mean", "prev_abs_mean"})
+
+
+@dataclass(eq=False)
+class Param:
+    """A watched parameter: its name, and the module that owns it."""
+
+    name: str
+    param: torch.nn.Parameter
+    owner: str
+    owner_type: str
+
+    def record(self, kind: str, name: str, step: int) -> Record:
+        """A record of the parameter (``kind="param"``) or of its update (``"update"``)."""
+        return new_record(self.param, name, kind, "optimizer", step, module=self.owner,
+                          module_type=self.owner_type, trainable=self.param.requires_grad,
+                          param=self.name)  # fmt: skip
+
+
+class ParamWatch:
+    """The model's parameters, and what is needed to measure their updates."""
+
+    def __init__(self, model: torch.nn.Module, update_budget: int):
+        self.update_budget = update_budget
+        self.params: dict[int, Param] = {}
+        for name, param in model.named_parameters():
+            owner = name.rpartition(".")[0]
+            owner_type = type(model.get_submodule(owner)).__name__
+            self.params[id(param)] = Param(name, param, owner, owner_type)
+        self.by_name = {p.name: p for p in self.params.values()}
+        self.digests: dict[str, tuple[float, float]] = {}
+        """Each parameter's range after the last step."""
+        self.suspects: set[str] = set()
+        """Parameters whose change could not be told by their range: copied before next step."""
+        self.snapshots: dict[str, torch.Tensor] = {}
+        self.versions: dict[str, int] = {}
+        self._offset = 0
+
+    def owned(
+        self, optimizer: torch.optim.Optimizer, optimizers: Sequence[torch.optim.Optimizer]
+    ) -> list[Param]:
+        """The parameters this optimizer steps; the first optimizer also takes those no
+        optimizer holds (a parameter left out of the optimizer is a bug worth seeing)."""
+        mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if optimizer is optimizers[0]:
+            held = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
+            return [p for key, p in self.params.items() if key in mine or key not in held]
+        return [p for key, p in self.params.items() if key in mine]
+
+    def before_step(self, owned: list[Param], wanted: Sequence[Stat], every: bool) -> None:
+        """Note the versions of the parameters about to be stepped, and copy those whose update
+        must be measured exactly (``every``: all of them, within the budget)."""
+        self.versions = {}
+        self.snapshots = {}
+        stepped = [p for p in owned if p.param.requires_grad and p.param.grad is not None]
+        for p in stepped:
+            self.versions[p.name] = p.param._version
+        every = every and any(s.name in SNAPSHOT_STATS for s in wanted)
+        budget = self.update_budget
+        start = self._offset % len(stepped) if stepped else 0
+        taken = 0
+        for p in stepped[start:] + stepped[:start]:
+            if not (every or p.name in self.suspects):
+                continue
+            size = p.param.numel() * p.param.element_size()
+            if size <= budget:
+                self.snapshots[p.name] = p.param.detach().clone()
+                budget -= size
+                taken += 1
+        self._offset = start + taken  # a model larger than the budget rotates
+
+    def before(self, p: Param) -> torch.Tensor | None:
+        """The parameter as it was before the step, if known: itself when the optimizer did not
+        touch it (the update is exactly zero), else its copy."""
+        if p.param._version == self.versions[p.name]:
+            return p.param.detach()
+        return self.snapshots.get(p.name)
+
+    def resolve_by_range(
+        self,
+        records: list[Record],
+        ranges: dict[str, tuple[float | None, float | None]],
+        wanted: Sequence[Stat],
+    ) -> None:
+        """Updates measured without a copy: a moved minimum or maximum says it changed (the
+        statistic ``update_unchanged`` is 0); else the parameter becomes a suspect."""
+        unchanged = next((s for s in wanted if s.name == "update_unchanged"), None)
+        for record in records:
+            name = record.param
+            before, after = self.digests.get(name), ranges.get(name)
+            moved = False
+            if unchanged is not None and before is not None and after is not None:
+                rtol, atol = unchanged.params
+                moved = any(
+                    a is not None and abs(a - b) > atol + rtol * abs(b)
+                    for a, b in zip(after, before, strict=True)
+                )
+            if moved:
+                record.stats.values = {unchanged: 0.0}
+            else:
+                self.suspects.add(name)
+
+    def remember_ranges(self, ranges: dict[str, tuple[float | None, float | None]]) -> None:
+        for name, (lo, hi) in ranges.items():
+            if lo is not None and hi is not None:
+                self.digests[name] = (lo, hi)
+
+    def clear(self) -> None:
+        """Let go of every parameter and copy (at detach)."""
+        self.params = {}
+        self.by_name = {}
+        self.snapshots = {}

@@ -1,0 +1,175 @@
+"""The phase queue: what the hooks saw in one phase (forward, backward, optimizer step), in
+execution order, as typed events, and the tensors kept for inspection within a memory budget.
+
+Eager checks handle most events in the hook that saw them; batched and deferred checks queue
+them and handle them at the end of the phase (after the one transfer of statistics, or once the
+phase showed a problem), in the same order, so every mode names the same origin.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from tensordbg.engine.records import Call, Record
+from tensordbg.statistics.torch_kernels import StatsBatch
+
+# Eager mode holds the last few tensors it saw (within retain_bytes), so that a hit's neighbours
+# can be shown, e.g. the gradient that came into the module whose backward broke.
+EAGER_WINDOW = 8
+
+
+# --- events, in the order the hooks saw them ------------------------------------------------
+
+
+@dataclass(slots=True)
+class Judged:
+    """A record to judge and report (statistics computed, or coming with the phase's transfer)."""
+
+    record: Record
+
+
+@dataclass(slots=True)
+class Enter:
+    """A module call started."""
+
+    call: Call
+
+
+@dataclass(slots=True)
+class Exit:
+    """A module call returned."""
+
+    call: Call
+
+
+@dataclass(slots=True)
+class Gradient:
+    """A judged gradient to attribute (after its record's :class:`Judged`)."""
+
+    record: Record
+
+
+@dataclass(slots=True)
+class ParamGradNote:
+    """Deferred mode: a parameter's gradient, noted but not read yet."""
+
+    name: str
+    owner: str
+    owner_type: str
+    grad: torch.Tensor
+
+
+@dataclass(slots=True)
+class ActGradNote:
+    """Deferred mode: an activation's gradient, noted but not read yet."""
+
+    forward: Record
+    grad: torch.Tensor
+
+
+Event = Judged | Enter | Exit | Gradient | ParamGradNote | ActGradNote
+
+
+class PhaseQueue:
+    """One phase's records, its pending events, its statistics batch and its kept tensors."""
+
+    def __init__(self, retain_bytes: int):
+        self.phase = "forward"
+        self.records: list[Record] = []
+        self.by_ref: dict[int, Record] = {}
+        self.pending: list[Event] = []
+        self.batch = StatsBatch()
+        self.retain_bytes = retain_bytes
+        self.retained = 0
+        self.window: deque[Record] = deque()
+        self._next_ref = 0
+
+    def start(self, phase: str) -> None:
+        self.release()
+        self.records = []
+        self.by_ref = {}
+        self.phase = phase
+
+    def busy(self) -> bool:
+        """Whether anything of the phase waits to be handled."""
+        return bool(self.pending) or bool(len(self.batch))
+
+    def register(self, record: Record) -> None:
+        """Give a record its reference (what the UI asks for it by) and its place in the phase."""
+        stats = record.stats
+        if stats.ref >= 0:
+            return
+        stats.ref = self._next_ref
+        self._next_ref += 1
+        if stats.kind not in ("param", "update"):
+            stats.phase = self.phase
+        self.records.append(record)
+        self.by_ref[stats.ref] = record
+
+    def fetch(self) -> None:
+        """The one transfer of the phase: batched statistics from the device to the host."""
+        if not len(self.batch):
+            return
+        values = self.batch.flush()
+        for event in self.pending:
+            if type(event) is Judged and event.record.slot >= 0:
+                record = event.record
+                record.stats.values = dict(zip(record.stats.values, values[record.slot],
+                                               strict=True))  # fmt: skip
+                record.slot = -1
+
+    # --- retention -------------------------------------------------------------------------
+
+    def keep_recent(self, record: Record, tensor: torch.Tensor) -> None:
+        """Eager mode: keep a tensor among the last EAGER_WINDOW seen (within the budget; a
+        hit's stays kept) and hold it weakly anyway: what the training keeps (most activations,
+        saved for backward) can still be shown, and what it frees is freed soon (holding every
+        freed gradient until the phase ends makes each step fault in fresh memory)."""
+        if record.weak is None:
+            record.weak = weakref.ref(tensor)
+        if record.tensor is not None or record.nbytes > self.retain_bytes:
+            return
+        window = self.window
+        while window and (
+            len(window) >= EAGER_WINDOW or self.retained + record.nbytes > self.retain_bytes
+        ):
+            old = window.popleft()  # the oldest makes room
+            self.retained -= old.nbytes
+            if not old.findings:
+                old.tensor = None
+        self.retained += record.nbytes
+        record.tensor = tensor
+        window.append(record)
+
+    def keep(self, record: Record, tensor: torch.Tensor) -> bool:
+        """Keep a tensor until the phase ends, if it fits the budget."""
+        if self.take(record.nbytes):
+            record.tensor = tensor
+            return True
+        return False
+
+    def take(self, nbytes: int) -> bool:
+        """Count ``nbytes`` more against the phase's memory budget, if they fit."""
+        if self.retained + nbytes <= self.retain_bytes:
+            self.retained += nbytes
+            return True
+        return False
+
+    def release(self) -> None:
+        """Let go of every tensor of the phase."""
+        for record in self.records:
+            record.tensor = None
+        self.retained = 0
+        self.window.clear()
+
+    def clear(self) -> None:
+        """Forget the phase altogether (at detach)."""
+        self.release()
+        self.records = []
+        self.by_ref = {}
+        self.pending = []
+        self.batch = StatsBatch()

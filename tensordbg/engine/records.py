@@ -1,0 +1,172 @@
+"""The engine's data model: a :class:`Call` of a module within a root forward, a :class:`Record`
+of one watched tensor within a phase, and :func:`new_record`, the one factory that makes records.
+
+A leaf module: it imports nothing else of the engine, so capture, judging, origin and the
+sources can all speak of the same objects without importing each other.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import CodeType
+from typing import Any
+
+import torch
+
+from tensordbg.statistics import TensorStats
+from tensordbg.statistics.torch_kernels import dtype_name
+
+NONFINITE = -1
+"""The condition "holds NaN or Inf", followed whatever rule reported it (rule ids are >= 0)."""
+
+@dataclass(eq=False, slots=True)
+class Call:
+    """One call of a module within one root forward."""
+
+    path: str
+    module_type: str
+    index: int
+    parent: Call | None
+    depth: int
+    params: tuple[str, ...] = ()
+    inputs: list[tuple[str, Record]] = field(default_factory=list)
+    outputs: list[tuple[str, Record]] = field(default_factory=list)
+    children: list[Call] = field(default_factory=list)
+    site: tuple[CodeType, int] | None = None
+    # Inputs made by code between modules, screened only if the call's output turns out bad.
+    unscreened: list[tuple[Record, torch.Tensor]] = field(default_factory=list)
+    # Origin bookkeeping, by condition (see tensordbg.engine.origin). Immutable sets, replaced when
+    # they grow: most calls never see a condition, and this costs them no allocation.
+    fired_in: frozenset[int] = frozenset()
+    fired_out: frozenset[int] = frozenset()
+    origin_below: frozenset[int] = frozenset()
+    fired_grad_out: frozenset[int] = frozenset()
+    grad_origin_below: frozenset[int] = frozenset()
+
+    @property
+    def base(self) -> str:
+        """The call's prefix in tensor names: ``layers.0.fc`` or ``layers.0.fc#1`` for a second
+        call of a shared module; ``""`` for the root's first call."""
+        if self.index:
+            return f"{self.path}#{self.index}"
+        return self.path
+
+    def tensor_name(self, kind: str, suffix: str = "") -> str:
+        """The name of one of its tensors: ``layers.0.fc.output[1]``; ``output`` at the root."""
+        base = self.base
+        return f"{base}.{kind}{suffix}" if base else f"{kind}{suffix}"
+
+    def ancestors(self) -> Iterator[Call]:
+        call = self.parent
+        while call is not None:
+            yield call
+            call = call.parent
+
+
+@dataclass(eq=False, slots=True)
+class Record:
+    """One watched tensor (one version of it) within a phase: its statistics and, while the
+    phase is open or paused, the tensor itself."""
+
+    stats: TensorStats
+    tensor: torch.Tensor | None
+    version: int
+    nbytes: int
+    suffix: str = ""
+    producer: Call | None = None
+    passed_up: list[Call] = field(default_factory=list)
+    consumers: list[Call] = field(default_factory=list)
+    grad_of: Record | None = None
+    param: str = ""
+    hidden: bool = False
+    rule_ids: tuple[int, ...] = ()
+    checks: tuple[Any, ...] = ()  # its per-tensor rules: (speak of finite values, the rest)
+    wanted: tuple[Any, ...] = ()  # the statistics to compute
+    lazy: bool = False  # kept to be screened only if the phase turns out bad (deferred mode)
+    judged: bool = False
+    sentinel: bool = False  # the model's output gradient: always screened at once
+    slot: int = -1
+    findings: dict[int, Any] = field(default_factory=dict)
+    conditions: set[int] = field(default_factory=set)
+    grad_hooked: bool = False
+    weak: weakref.ref[torch.Tensor] | None = None
+
+    def held(self) -> torch.Tensor | None:
+        """The tensor, if it can still be shown: kept by the session, or (eager mode, which keeps
+        only hits) still alive in the training, e.g. saved by autograd for the backward pass."""
+        if self.tensor is not None:
+            return self.tensor
+        return self.weak() if self.weak is not None else None
+
+
+def new_record(
+    tensor: torch.Tensor,
+    name: str,
+    kind: str,
+    phase: str,
+    step: int,
+    *,
+    module: str = "",
+    module_type: str = "",
+    call: int = 0,
+    trainable: bool = False,
+    **fields: Any,
+) -> Record:
+    """A record of ``tensor`` as it is now (its shape, dtype, version and size); ``fields`` are
+    :class:`Record` fields (``suffix``, ``param``, ``grad_of``, ``hidden``, ...).
+
+    >>> new_record(loss, "loss", "observed", "forward", step=3)
+    """
+    stats = TensorStats(
+        name=name,
+        module=module,
+        kind=kind,
+        phase=phase,
+        step=step,
+        shape=tuple(tensor.shape),
+        dtype=dtype_name(tensor.dtype),
+        module_type=module_type,
+        call=call,
+        trainable=trainable,
+    )
+    return Record(stats, None, tensor._version, tensor.numel() * tensor.element_size(), **fields)
+
+
+def grad_record(forward: Record, grad: torch.Tensor, step: int) -> Record:
+    """The record of the gradient of a forward tensor: the gradient of its producer's output
+    (``grad_output``), or of the input of the call that took it (``grad_input``)."""
+    call = forward.producer
+    kind = "grad_output" if call is not None else "grad_input"
+    if call is None and forward.consumers:
+        call = forward.consumers[0]
+    return new_record(
+        grad,
+        call.tensor_name(kind, forward.suffix) if call else f"{kind}{forward.suffix}",
+        kind,
+        "backward",
+        step,
+        module=call.path if call else "",
+        module_type=call.module_type if call else "",
+        call=call.index if call else 0,
+        suffix=forward.suffix,
+        grad_of=forward,
+        sentinel=is_model_output(forward),
+    )
+
+
+def param_grad_record(
+    name: str, owner: str, owner_type: str, grad: torch.Tensor, step: int
+) -> Record:
+    """The record of a parameter's gradient."""
+    return new_record(grad, f"{name}.grad", "grad", "backward", step, module=owner,
+                      module_type=owner_type, trainable=True, param=name)  # fmt: skip
+
+
+def is_model_output(record: Record) -> bool:
+    """Whether a forward record is (one of) the model's outputs."""
+    producer = record.producer
+    return (producer is not None and producer.parent is None) or any(
+        c.parent is None for c in record.passed_up
+    )
