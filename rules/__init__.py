@@ -10,32 +10,12 @@ group (see :mod:`tensordbg.rules.base`).
 """
 
 from tensordbg.rules.activations import DeadActivation, SaturatedActivation
-from tensordbg.rules.base import Finding, Refine, Rule, available_rules
+from tensordbg.rules.base import Finding, Refine, Rule
+from tensordbg.rules.catalog import BUILTIN, available_rules, builtin_rules, default_rules
 from tensordbg.rules.gradients import ExplodingGradient, VanishingGradient
 from tensordbg.rules.loss import LossNotDecreasing
 from tensordbg.rules.numeric import AllZero, NaN, Overflow, TensorRange
 from tensordbg.rules.weights import PoorInitialization, WeightNotChanging, WeightUpdateRatio
-
-BUILTIN = (
-    "NaN",
-    "Overflow",
-    "ExplodingGradient",
-    "VanishingGradient",
-    "WeightNotChanging",
-    "WeightUpdateRatio",
-    "DeadActivation",
-    "SaturatedActivation",
-    "AllZero",
-    "PoorInitialization",
-    "LossNotDecreasing",
-    "TensorRange",
-)
-
-
-def default_rules() -> list[Rule]:
-    """Fresh instances of the default rules."""
-    return [NaN(), Overflow(), ExplodingGradient(), VanishingGradient(), WeightNotChanging()]
-
 
 DEFAULT: list[Rule] = default_rules()
 
@@ -58,5 +38,6 @@ __all__ = [
     "WeightNotChanging",
     "WeightUpdateRatio",
     "available_rules",
+    "builtin_rules",
     "default_rules",
 ]

@@ -35,11 +35,9 @@ and, for others to install it, an entry point in the ``tensordbg.rules`` group::
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from importlib.metadata import entry_points
 from typing import Any, ClassVar
 
 from tensordbg.statistics import KINDS, Stat, TensorStats
@@ -255,32 +253,3 @@ def _coerce(rule: str, key: str, old: Any, new: Any) -> Any:
     except (TypeError, ValueError) as e:
         raise ValueError(f"{rule}.{key} takes a {type(old).__name__}, not {new!r}") from e
     return new
-
-
-def builtin_rules() -> dict[str, type[Rule]]:
-    """The rules shipped with tensordbg, by class name."""
-    from tensordbg import rules
-
-    return {name: getattr(rules, name) for name in rules.BUILTIN}
-
-
-def available_rules() -> dict[str, type[Rule]]:
-    """Built-in rules plus those installed through the ``tensordbg.rules`` entry-point group.
-
-    A plugin that fails to load is skipped with a warning; it never stops a training.
-    """
-    found = builtin_rules()
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            cls = ep.load()
-        except Exception as e:  # a broken plugin must not break the training
-            warnings.warn(f"tensordbg: rule plugin {ep.name!r} failed to load: {e}", stacklevel=2)
-            continue
-        if not (isinstance(cls, type) and issubclass(cls, Rule)):
-            warnings.warn(
-                f"tensordbg: rule plugin {ep.name!r} is not a tensordbg.rules.Rule subclass",
-                stacklevel=2,
-            )
-            continue
-        found.setdefault(ep.name, cls)
-    return found

@@ -147,8 +147,7 @@ def _command(commands: argparse._SubParsersAction, name: str, help: str) -> argp
 
 
 def _rules(spec: str) -> list | None:
-    from tensordbg.rules import default_rules
-    from tensordbg.rules.base import available_rules
+    from tensordbg.rules import available_rules, default_rules
 
     names = [n.strip() for n in spec.split(",") if n.strip()]
     if names == ["default"]:

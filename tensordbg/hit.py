@@ -43,8 +43,8 @@ class Hit:
     """Which call of the module within the root forward (a shared module is called several
     times)."""
     summary: dict[str, Any] = field(default_factory=dict)
-    """The tensor's shape and dtype, and its one-glance statistics (``tensordbg.statistics.Summary``)
-    when they were computed (for hits at their origin)."""
+    """The tensor's shape and dtype, and its one-glance statistics
+    (``tensordbg.statistics.Summary``) when they were computed (for hits at their origin)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

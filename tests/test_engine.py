@@ -277,7 +277,7 @@ def test_an_internal_error_stops_watching_but_never_the_training(watch, monkeypa
     def explode(*args, **kwargs):
         raise RuntimeError("tensordbg bug")
 
-    monkeypatch.setattr("tensordbg.engine.session.host_stats", explode)
+    monkeypatch.setattr("tensordbg.engine.pipeline.host_stats", explode)
     with pytest.warns(RuntimeWarning, match="internal error"):
         loss = model(torch.randn(3, 4)).sum()
     loss.backward()

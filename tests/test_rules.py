@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-import tensordbg.rules.base as rules_base
+import tensordbg.rules.catalog as rules_catalog
 import tensordbg.statistics.registry as stats_module
 from tensordbg.rules import (
     BUILTIN,
@@ -35,7 +35,8 @@ from tensordbg.rules import (
     available_rules,
     default_rules,
 )
-from tensordbg.rules.base import SELECTION_ARGS, builtin_rules, judge_array
+from tensordbg.rules.base import SELECTION_ARGS, judge_array
+from tensordbg.rules.catalog import builtin_rules
 from tensordbg.statistics import (
     ABS_MEAN,
     FINITE,
@@ -629,7 +630,7 @@ def test_third_party_rules_come_through_entry_points(monkeypatch):
         FakeEntryPoint("NaN", LargeActivation),
     ]
     monkeypatch.setattr(
-        rules_base, "entry_points", lambda group: plugins if group == "tensordbg.rules" else []
+        rules_catalog, "entry_points", lambda group: plugins if group == "tensordbg.rules" else []
     )
     with pytest.warns(UserWarning) as warned:
         found = available_rules()

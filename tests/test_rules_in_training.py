@@ -191,7 +191,7 @@ def test_tensor_range_on_a_pattern(watch):
 
 
 def test_a_rule_from_the_entry_point_group_runs_in_a_session(watch, monkeypatch):
-    import tensordbg.rules.base as base
+    import tensordbg.rules.catalog as catalog
     from tensordbg.rules import Finding, Rule
     from tensordbg.statistics import MAX
 
@@ -211,11 +211,11 @@ def test_a_rule_from_the_entry_point_group_runs_in_a_session(watch, monkeypatch)
         def load(self):
             return Over100
 
-    monkeypatch.setattr(base, "entry_points", lambda group: [EntryPoint()])
+    monkeypatch.setattr(catalog, "entry_points", lambda group: [EntryPoint()])
     model = net(nn.Linear(8, 2))
     with torch.no_grad():
         model[0].weight.fill_(0.1)
-    session = watch(model, on_hit="record", rules=[base.available_rules()["Over100"](), NaN()])
+    session = watch(model, on_hit="record", rules=[catalog.available_rules()["Over100"](), NaN()])
     with torch.no_grad():
         model(torch.full((1, 8), 1e3))
     session.flush()

@@ -98,7 +98,8 @@ class EventBus:
         chosen = None if events is None else frozenset(events)
         if chosen is not None and not chosen <= EVENTS:
             unknown = ", ".join(sorted(chosen - EVENTS))
-            raise ValueError(f"no such event: {unknown}; the events are {', '.join(sorted(EVENTS))}")
+            known = ", ".join(sorted(EVENTS))
+            raise ValueError(f"no such event: {unknown}; the events are {known}")
         if not callable(callback):
             raise TypeError(f"a subscriber is a callable, not {type(callback).__name__}")
         subscription = _Subscription(callback, chosen)

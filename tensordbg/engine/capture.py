@@ -16,8 +16,9 @@ What is hooked, and why this way (see reference.md, "Hook pitfalls"):
 
 Everything a hook learns becomes a :class:`~records.Record` handed to a :class:`Sink` (the
 session), which computes the statistics and judges them. Every hook is registered through the
-session's :class:`~handles.HandleGroup`, so detaching removes them all at once. A forward that runs again inside backward (activation checkpointing
-recomputes it) is skipped, so nothing is counted twice.
+session's :class:`~handles.HandleGroup`, so detaching removes them all at once. A forward
+that runs again inside backward (activation checkpointing recomputes it) is skipped, so
+nothing is counted twice.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def user_site(frame: Any) -> tuple[CodeType, int] | None:
         internal = _INTERNAL_CODE.get(code)
         if internal is None:  # decided once per code object: this runs on every module call
             filename = code.co_filename
-            internal = (filename.startswith((_TORCH_DIR, *_OWN_DIRS)) or filename in _OWN_FILES)
+            internal = filename.startswith((_TORCH_DIR, *_OWN_DIRS)) or filename in _OWN_FILES
             _INTERNAL_CODE[code] = internal
         if not internal:
             return code, frame.f_lineno
@@ -357,5 +358,3 @@ def param_hook(
             session.fault(e)
 
     return hook
-
-

@@ -243,4 +243,3 @@ def _run(change: Callable[[], T], future: Future[T]) -> None:
         future.set_result(change())
     except BaseException as e:  # handed back to the thread that asked
         future.set_exception(e)
-

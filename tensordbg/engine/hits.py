@@ -105,8 +105,14 @@ class HitLog:
             origin=is_origin,
             value=float(finding.value),
             threshold=None if finding.threshold is None else float(finding.threshold),
-            message=with_origin(finding.message, is_origin, condition, kind, path,
-                                self.first_origin.get(condition, "")),  # fmt: skip
+            message=with_origin(
+                finding.message,
+                is_origin,
+                condition,
+                kind,
+                path,
+                self.first_origin.get(condition, ""),
+            ),
             ref=stats.ref,
             call=module.index if module is not None else stats.call,
             summary=_summary(record),

@@ -260,9 +260,7 @@ class RuleSet:
                     found.append((record, active.id, finding))
         return found
 
-    def rejudge(
-        self, record: Record, already: set[tuple[int, str]]
-    ) -> list[tuple[int, Finding]]:
+    def rejudge(self, record: Record, already: set[tuple[int, str]]) -> list[tuple[int, Finding]]:
         """Judge a record again with the rules as they are now, each with a copy of its memory
         (a recheck is not another step); findings of rules that already hit it are skipped."""
         found = []

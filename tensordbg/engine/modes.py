@@ -28,7 +28,7 @@ from tensordbg.engine.records import Record
 from tensordbg.statistics.torch_kernels import device_stats
 
 if TYPE_CHECKING:
-    from tensordbg.engine.session import Session
+    from tensordbg.engine.pipeline import Pipeline as Session
 
 # Kinds a deferred session may keep unscreened until the phase shows a problem.
 LAZY_KINDS = frozenset({"output", "input", "grad_output", "grad_input"})

@@ -6,7 +6,7 @@ after it. Parameter bookkeeping itself (who owns what, copies, ranges) is in :mo
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -16,9 +16,6 @@ from tensordbg.engine.records import Record
 from tensordbg.statistics import MAX, MIN, Stat
 from tensordbg.statistics.torch_kernels import host_stats, update_stats, watchable
 
-if TYPE_CHECKING:
-    from tensordbg.engine.session import Session
-
 # A parameter's range before and after a step tells cheaply that the step changed it.
 RANGE = (MIN, MAX)
 
@@ -26,7 +23,7 @@ RANGE = (MIN, MAX)
 class OptimizerPhase:
     """Part of :class:`~tensordbg.engine.session.Session`: its optimizer hooks."""
 
-    def check_parameters(self: Session) -> None:
+    def check_parameters(self) -> None:
         """Check every parameter now (``attach`` does it once: a NaN or a poor initialization
         is found before the first step)."""
         if not self.active:
@@ -34,7 +31,7 @@ class OptimizerPhase:
         self._start_phase("optimizer")
         self._check_parameters(list(self.weights.params.values()), None)
 
-    def _before_step(self: Session, optimizer: torch.optim.Optimizer, args: Any,
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any,
                      kwargs: Any) -> None:  # fmt: skip
         """Gradients are final: judge what is pending (a gradient hit pauses before the update
         lands), note parameter versions and copy those whose update must be measured exactly."""
@@ -57,7 +54,7 @@ class OptimizerPhase:
         except Exception as e:
             self.fault(e)
 
-    def _after_step(self: Session, optimizer: torch.optim.Optimizer, args: Any,
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any,
                     kwargs: Any) -> None:  # fmt: skip
         if not self.active:
             return
@@ -72,7 +69,7 @@ class OptimizerPhase:
         except Exception as e:
             self.fault(e)
 
-    def _check_parameters(self: Session, owned: list[Param],
+    def _check_parameters(self, owned: list[Param],
                           updates: tuple[Stat, ...] | None) -> None:  # fmt: skip
         """Parameters after an optimizer step (and at attach): their values and, for those the
         step updated, the update against their values before it (batched: one transfer)."""
@@ -115,7 +112,7 @@ class OptimizerPhase:
         self.phases.release()
         self.weights.snapshots = {}
 
-    def _update_record(self: Session, p: Param, wanted: tuple[Stat, ...]) -> Record:
+    def _update_record(self, p: Param, wanted: tuple[Stat, ...]) -> Record:
         record = p.record("update", f"{p.name}.update", self.step)
         applicable = self.ruleset.applicable(record.stats)
         record.rule_ids, record.checks = applicable.rule_ids, applicable.checks

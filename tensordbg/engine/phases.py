@@ -11,6 +11,7 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -72,6 +73,23 @@ class ActGradNote:
 
 
 Event = Judged | Enter | Exit | Gradient | ParamGradNote | ActGradNote
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """What the training thread publishes for readers on other threads (the UI's server): made
+    at each step's end and whenever the training pauses, never changed afterwards."""
+
+    step: int
+    latest: dict[str, tuple[int, Any]]
+    """Each tensor's latest statistics: name -> (step, TensorStats)."""
+    calls: dict[str, int]
+    """How often each module was called in the last forward."""
+    records: list[Record]
+    """The watched tensors of the phase, in execution order."""
+
+
+EMPTY = Snapshot(0, {}, {}, [])
 
 
 class PhaseQueue:

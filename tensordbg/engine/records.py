@@ -21,6 +21,7 @@ from tensordbg.statistics.torch_kernels import dtype_name
 NONFINITE = -1
 """The condition "holds NaN or Inf", followed whatever rule reported it (rule ids are >= 0)."""
 
+
 @dataclass(eq=False, slots=True)
 class Call:
     """One call of a module within one root forward."""

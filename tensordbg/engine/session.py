@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import os
 import secrets
-import sys
 import threading
 import traceback
 import warnings
@@ -27,7 +26,7 @@ from tensordbg.engine import origin
 from tensordbg.engine.amp import MixedPrecision
 from tensordbg.engine.bus import EventBus, extend
 from tensordbg.engine.capture import Capture
-from tensordbg.engine.control import DETACHED, STEP, ControlPlane, PauseController
+from tensordbg.engine.control import ControlPlane, PauseController
 from tensordbg.engine.handles import HandleGroup
 from tensordbg.engine.hits import HitLog
 from tensordbg.engine.judge import ActiveRule, RuleSet
@@ -37,26 +36,19 @@ from tensordbg.engine.optimizer import OptimizerPhase
 from tensordbg.engine.params import Param, ParamWatch
 from tensordbg.engine.phases import (
     EAGER_WINDOW,
-    ActGradNote,
-    Enter,
-    Exit,
-    Gradient,
-    Judged,
-    ParamGradNote,
+    EMPTY,
     PhaseQueue,
 )
+from tensordbg.engine.pipeline import Pipeline
 from tensordbg.engine.records import (
     Call,
     Record,
-    grad_record,
-    is_model_output,
     new_record,
-    param_grad_record,
 )
 from tensordbg.hit import Hit, WatchpointHit
 from tensordbg.rules import Rule, default_rules
-from tensordbg.statistics import MEAN, Stat, TensorStats
-from tensordbg.statistics.torch_kernels import SCREEN, host_stats, watchable
+from tensordbg.statistics import MEAN, TensorStats
+from tensordbg.statistics.torch_kernels import watchable
 
 ON_HIT = ("pause", "raise", "record")
 DEFAULT_RETAIN = 256 * 2**20
@@ -74,7 +66,7 @@ def attached_to(model: torch.nn.Module) -> Session | None:
     return session if session is not None and not session.detached else None
 
 
-class Session(OptimizerPhase):
+class Session(Pipeline, OptimizerPhase):
     """A training under watch. Made by :func:`tensordbg.attach`; see there for the arguments.
 
     >>> with tensordbg.attach(model, optimizer=opt, on_hit="record") as session:
@@ -140,6 +132,8 @@ class Session(OptimizerPhase):
         self._backward_tasks: set[int] = set()
         self._root_forwards = 0
         self._quiet_params: dict[str, bool] = {}
+        self.published = EMPTY
+        """The last :meth:`publish`: what other threads read (never the live dicts)."""
         self._stepping: dict[torch.optim.Optimizer, list[Param]] = {}  # between pre and post hook
         self.capture = Capture(self, model, _patterns(include), _patterns(exclude))
         try:
@@ -319,6 +313,7 @@ class Session(OptimizerPhase):
             return
         self.detached = True
         self.controller.detach()
+        self.publish()
         self.bus.publish("state", {"state": "finished", "step": self.step})
         self.bus.publish("detach", {"state": "detached", "step": self.step})
         self.handles.close()
@@ -379,362 +374,6 @@ class Session(OptimizerPhase):
         )
         self.log(f"internal error, watching stopped: {error}", "error")
 
-    # --- hooks call these (capture.py) -----------------------------------------------------
-
-    def begin_forward(self) -> None:
-        """A root forward starts: close what is open, count the step, honour pause requests."""
-        if self._detach_requested():
-            return
-        if self._forward_open or self.phases.busy():
-            self._end_phase()
-        if not self.optimizers and self._root_forwards:
-            self._finish_step()
-            self._boundary(completed_step=True)
-        self._root_forwards += 1
-        self._start_phase("forward")
-        self._forward_open = True
-        self.origins.begin_forward()
-        self._boundary()
-
-    def collect(self, record: Record, tensor: torch.Tensor, extra: tuple[Stat, ...] = ()) -> None:
-        """A tensor was seen: register it, keep it for inspection, and have the sync mode
-        compute what the rules need of it."""
-        stats = record.stats
-        screen_only = self.interval > 1 and self.step % self.interval != 0
-        applicable = self.ruleset.applicable(stats, screen_only)
-        wanted = applicable.wanted
-        if record.hidden:
-            extra = SCREEN  # the origin of a non-finite value is traced through every input
-        if extra:
-            wanted = tuple(dict.fromkeys(wanted + extra))
-        record.rule_ids = applicable.rule_ids
-        record.checks = applicable.checks
-        record.wanted = wanted
-        self.phases.register(record)
-        kept = self.sync.retain(self, record, tensor)
-        if wanted:
-            self.sync.collect(self, record, tensor, applicable.silent, kept)
-
-    def collect_input(self, call: Call, record: Record, tensor: torch.Tensor) -> None:
-        """An input made by code between modules. Eager mode screens it only if the call's
-        output turns out bad (that is when it matters: to tell who made the value); the other
-        modes treat it as any other tensor of the phase."""
-        if not self.sync.screens_inputs_later:
-            self.collect(record, tensor)
-            return
-        self.phases.register(record)
-        self.sync.retain(self, record, tensor)
-        call.unscreened.append((record, tensor))
-
-    def enter(self, call: Call) -> None:
-        self._process(Enter(call))
-
-    def exit(self, call: Call) -> None:
-        if call.unscreened:
-            if any(r.conditions for _, r in call.outputs):
-                for record, tensor in call.unscreened:
-                    self.collect(record, tensor)
-                origin.enter(call)  # what the inputs showed, now that they are screened
-            call.unscreened = []
-        self._process(Exit(call))
-
-    def end_forward(self, root: Call) -> None:
-        """The root forward returned. Deferred mode screens the model's outputs now. With a
-        backward to come, the forward phase stays open so the loss observed after it joins it;
-        otherwise it ends here."""
-        for _, record in root.outputs:
-            if record.lazy and record.tensor is not None:
-                self.screen(record, record.tensor)
-                if record.stats.nonfinite:
-                    self.triggered = True
-        self._after_hook()
-        backward_expected = torch.is_grad_enabled() and any(r.grad_hooked for _, r in root.outputs)
-        if not backward_expected:
-            self._end_phase()
-
-    def begin_backward(self) -> None:
-        """Called by every backward hook: the first one of a pass ends the forward phase and
-        asks the autograd engine to call back at the end of the pass."""
-        if self.phase != "backward":
-            if self._forward_open or self.phases.busy():
-                self._end_phase()
-            self._start_phase("backward")
-        task = torch._C._current_graph_task_id()
-        if task not in self._backward_tasks:
-            self._backward_tasks.add(task)
-            torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: self._end_backward(task)
-            )
-
-    def activation_grad(self, forward: Record, grad: torch.Tensor) -> None:
-        """The gradient of a watched forward tensor. A clean deferred backward only notes it
-        (it becomes a record only if the pass turns out bad); otherwise it is collected."""
-        self.begin_backward()
-        if (
-            self.sync.notes_gradients(self.triggered)
-            and not is_model_output(forward)
-            and self.ruleset.grads_quiet(str(grad.dtype).removeprefix("torch."))
-            and self.phases.take(grad.numel() * grad.element_size())
-        ):
-            self.phases.pending.append(ActGradNote(forward, grad))
-            return
-        record = grad_record(forward, grad, self.step)
-        self.collect(record, grad)
-        self._process(Gradient(record))
-
-    def param_grad(self, name: str, owner: str, owner_type: str, grad: torch.Tensor) -> None:
-        """A parameter's gradient is final for this backward pass. Deferred mode only notes it
-        here (a hook runs cold) and judges all of them together when the pass ends."""
-        self.begin_backward()
-        if self.sync.notes_gradients(self.triggered):
-            self.phases.pending.append(ParamGradNote(name, owner, owner_type, grad))
-            return
-        record = param_grad_record(name, owner, owner_type, grad, self.step)
-        self.collect(record, grad)
-        self._process(Gradient(record))
-
-    # --- statistics and judging (the sync modes call these) --------------------------------
-
-    def screen(self, record: Record, tensor: torch.Tensor) -> None:
-        """Compute a record's statistics now, on the host."""
-        values = self.measure(record.stats, tensor, record.wanted)
-        record.stats.values = dict(zip(record.wanted, values, strict=True))
-        record.lazy = False
-
-    def measure(
-        self, stats: TensorStats, tensor: torch.Tensor, wanted: Sequence[Stat]
-    ) -> list[float]:
-        """``wanted`` of ``tensor`` read at once; a scaled gradient's unscaled."""
-        values = host_stats(tensor, wanted)
-        return self.amp.unscale(wanted, values) if self.amp.scales(stats) else values
-
-    def judge(self, record: Record, tensor: torch.Tensor | None) -> None:
-        """Run the per-tensor rules that apply to a record on its statistics."""
-        measure = None if tensor is None else partial(_measure_tensor, self, tensor)
-        self.ruleset.judge(record, measure)
-        if record.findings and tensor is not None and record.tensor is None:
-            record.tensor = tensor  # a hit's own tensor is always kept for inspection
-        self.metrics.judged(record.stats)
-
-    def report(self, record: Record) -> None:
-        """Make the hits of a judged record whose origin does not need the call tree."""
-        if record.stats.kind == "observed":
-            self.metrics.observed(record.stats)
-        for verdict in self.origins.report(record):
-            self._hit(verdict)
-
-    # --- the pipeline ----------------------------------------------------------------------
-
-    def _process(self, event: Enter | Exit | Gradient) -> None:
-        """What a hook saw, in execution order: at once in eager mode when nothing waits (the
-        queue is skipped: hooks run hot), else queued for the end of the phase."""
-        if self.sync.immediate and not self.phases.pending:
-            self._handle(event)
-            if self._pausing:
-                self._pause_if_needed()
-            if self.controller.pause_requested or self.control.pending:
-                self._boundary()
-            return
-        self.phases.pending.append(event)
-        self._after_hook()
-
-    def _handle(self, event: Any) -> None:
-        kind = type(event)
-        if kind is Judged:
-            record = event.record
-            if record.lazy:
-                return
-            if not record.judged:
-                self.judge(record, record.tensor)
-            self.report(record)
-        elif kind is Enter:
-            origin.enter(event.call)
-        elif kind is Exit:
-            for verdict in self.origins.exit(event.call):
-                self._hit(verdict)
-        elif kind is Gradient:
-            for verdict in self.origins.grad(event.record):
-                self._hit(verdict)
-
-    def _after_hook(self) -> None:
-        """What a hook does last: judge now (eager, or deferred once the phase showed a
-        problem) and pause if a hit or a request asks for it."""
-        if self.sync.judges_in_hooks(self.triggered):
-            self._settle()
-        self._boundary()
-
-    def _read_notes(self, gradients_of_activations: bool = False) -> None:
-        """Deferred mode: turn the gradients the hooks only noted into records, in their place
-        in execution order, in one warm loop. Parameter gradients always (at the end of a
-        pass: what they show decides about the rest); activation gradients too once the pass
-        showed a problem."""
-        notes = (ParamGradNote, ActGradNote) if gradients_of_activations else (ParamGradNote,)
-        pending = self.phases.pending
-        if not any(type(e) in notes for e in pending):
-            return
-        self.phases.pending = []
-        for event in pending:
-            if type(event) not in notes:
-                self.phases.pending.append(event)
-                continue
-            if type(event) is ParamGradNote:
-                record = param_grad_record(event.name, event.owner, event.owner_type,
-                                                  event.grad, self.step)  # fmt: skip
-            else:
-                record = grad_record(event.forward, event.grad, self.step)
-            self.collect(record, event.grad)
-            self.phases.pending.append(Gradient(record))
-
-    def _settle(self) -> None:
-        """Screen what a deferred phase kept, judge everything pending in execution order, and
-        pause if a hit asks for it."""
-        self._read_notes(gradients_of_activations=True)
-        for event in self.phases.pending:
-            if type(event) is Judged and event.record.lazy and event.record.tensor is not None:
-                self.screen(event.record, event.record.tensor)
-        self._drain()
-        self._pause_if_needed()
-
-    def _drain(self) -> None:
-        """Handle what the hooks saw, in execution order."""
-        pending, self.phases.pending = self.phases.pending, []
-        for event in pending:
-            self._handle(event)
-
-    def _start_phase(self, phase: str) -> None:
-        self.phases.start(phase)
-        self.amp.new_phase()
-        self.triggered = False
-        self.phase = phase
-
-    def _end_phase(self) -> None:
-        """Bring the phase's statistics over (batched), judge, run phase-wide rules, pause if a
-        hit asks for it, and let go of the phase's tensors."""
-        self._forward_open = False
-        self.phases.fetch()
-        self._read_notes()
-        if self.triggered:
-            self._settle()
-        elif not self.sync.immediate and not self.sync.on_device:
-            # A clean deferred phase: nothing it kept is read, and no call can be an origin of
-            # anything; what the screened records say (the loss for the curve) is all there is.
-            pending, self.phases.pending = self.phases.pending, []
-            for event in pending:
-                if type(event) is Judged and not event.record.lazy:
-                    self.report(event.record)
-        self._drain()
-        self._judge_phase()
-        self._publish_phase()
-        self._pause_if_needed()
-        self._boundary()
-        self.phases.release()
-
-    def _end_backward(self, task: int) -> None:
-        self._backward_tasks.discard(task)
-        if not self.active or self._backward_tasks:
-            return
-        try:
-            self._end_phase()
-        except Exception as e:
-            self.fault(e)
-
-    def _judge_phase(self) -> None:
-        for record, rule_id, finding in self.ruleset.judge_phase(self.phases.records):
-            self._hit(origin.Verdict(record, rule_id, finding, True))
-
-    def _publish_phase(self) -> None:
-        if self.bus.wants("phase_end"):
-            self.bus.publish("phase_end", {"step": self.step, "phase": self.phase,
-                                           "records": list(self.phases.records)})  # fmt: skip
-
-    def _hit(self, verdict: origin.Verdict) -> None:
-        active = self.ruleset.get(verdict.rule_id)
-        if active is None:
-            return
-        record = verdict.record
-        condition = origin.condition_of(record, verdict.rule_id)
-        hit = self.hitlog.make(record, active, verdict.finding, verdict.origin, condition,
-                               verdict.call, verdict.kind, verdict.name)  # fmt: skip
-        if self.amp.scales(record.stats) and record.stats.nonfinite:
-            self.amp.held.append((hit, active))  # the scaler may skip this step: see amp.py
-            return
-        self._add_hit(hit, active)
-
-    def _add_hit(self, hit: Hit, active: ActiveRule | None) -> None:
-        repeated = self.hitlog.repeated(hit)
-        if not self.hitlog.add(hit, active):
-            return
-        self.bus.publish("hit", hit.as_dict())
-        if self.controller.should_pause(hit, repeated):
-            self._pausing.append(hit)
-
-    # --- pausing -----------------------------------------------------------------------------
-
-    def _pause_if_needed(self) -> None:
-        if not self._pausing:
-            return
-        pausing, self._pausing = self._pausing, []
-        first = next((h for h in pausing if h.origin), pausing[0])
-        if callable(self.on_hit):
-            for hit in pausing:
-                self.on_hit(hit)
-        elif self.on_hit == "raise":
-            raise WatchpointHit(first)
-        elif self.on_hit == "pause":
-            self._block(f"{first.rule} hit: {first.message}", first)
-
-    def _boundary(self, completed_step: bool = False) -> None:
-        """A place where the training can stop: apply the changes other threads asked for,
-        and pause if asked to (or when the steps to run are done)."""
-        if self.control.pending:
-            self.control.apply()
-        control = self.controller
-        if not (control.pause_requested or (completed_step and control.mode == STEP)):
-            return
-        reason = control.wants_pause(completed_step)
-        if reason:
-            self._block(reason, None)
-
-    def _block(self, reason: str, hit: Hit | None) -> None:
-        if self._detach_requested():
-            return
-        _print_pause(self, reason, hit)
-        self.bus.publish("pause", {"state": "paused", "step": self.step, "reason": reason})
-        self.controller.block(reason, hit)
-        if not self._detach_requested():
-            self.bus.publish("resume", {"state": "running", "step": self.step})
-
-    def _detach_requested(self) -> bool:
-        """The UI asked to detach (from its thread): finish it here, on the training thread."""
-        if self.controller.state == DETACHED and not self.detached:
-            self.detach()
-        return self.detached
-
-    def _finish_step(self) -> None:
-        """A training step completed: history, status, this step's hits become last step's."""
-        numbers = self.metrics.finish(self.step)
-        self.step += 1
-        self.hitlog.end_step()
-        self.bus.publish("step_end", numbers)
-        self.bus.publish("status", self.status())
-
-    def _after_scaler_update(self) -> None:
-        if not self.active:
-            return
-        skipped, hits = self.amp.after_update(self.step)
-        for hit, active in hits:
-            self._add_hit(hit, active)
-        if skipped:
-            self.log(f"step {self.step}: the GradScaler skipped the step (non-finite gradients)")
-            self._finish_step()
-        self._pause_if_needed()
-        if skipped:
-            self._boundary(completed_step=True)
-
-    def _on_state(self, state: str) -> None:
-        self.bus.publish("state", {"state": state, "step": self.step,
-                                   "reason": self.controller.reason})  # fmt: skip
-
     def _owner_calls(self, param: str) -> list[Call]:
         owner = self.weights.by_name.get(param)
         return self.capture.calls_by_path.get(owner.owner, []) if owner else []
@@ -747,12 +386,6 @@ class Session(OptimizerPhase):
                 self.fault(e)
 
         return guarded
-
-
-def _measure_tensor(
-    session: Session, tensor: torch.Tensor, stats: TensorStats, wanted: Sequence[Stat]
-) -> list[float]:
-    return session.measure(stats, tensor, wanted)
 
 
 def _check_arguments(model: Any, on_hit: Any, interval: int) -> None:
@@ -771,19 +404,6 @@ def _check_arguments(model: Any, on_hit: Any, interval: int) -> None:
         raise ValueError(f"on_hit is one of {', '.join(ON_HIT)} or a callable, not {on_hit!r}")
     if interval < 1:
         raise ValueError("interval is a number of steps, at least 1")
-
-
-def _print_pause(session: Session, reason: str, hit: Hit | None) -> None:
-    where = f"step {session.step}, {session.phase}"
-    lines = [f"tensordbg: training paused ({where}): {reason}"]
-    if session.server is not None:
-        lines.append(
-            f"  inspect it: tensordbg tui      (run {session.run_id}, rank {session.rank}); "
-            "continue with c there"
-        )
-    else:
-        lines.append("  continue from another thread: session.controller.resume()")
-    print("\n".join(lines), file=sys.stderr, flush=True)
 
 
 def _patterns(value: str | Sequence[str]) -> tuple[str, ...]:

@@ -26,7 +26,7 @@ from tensordbg.engine.control import NotPaused
 from tensordbg.engine.judge import ActiveRule
 from tensordbg.engine.records import Call, Record
 from tensordbg.engine.session import Session
-from tensordbg.rules.base import Rule, available_rules
+from tensordbg.rules import Rule, available_rules
 from tensordbg.sources.contract import EventCallback, SourceError
 from tensordbg.sources.slicing import (
     SliceError,
@@ -100,14 +100,15 @@ class LiveSource:
 
     def modules(self) -> list[dict[str, Any]]:
         s = self.session
+        snapshot = s.snapshot()  # never the dicts the training thread is filling
         latest: dict[str, dict[str, dict[str, Any]]] = {}
-        for _, (_, stats) in list(s.latest.items()):
+        for _, (_, stats) in snapshot.latest.items():
             if stats.module or stats.kind in ("input", "output", "grad_output", "grad_input"):
                 latest.setdefault(stats.module, {}).setdefault(stats.kind, _brief(stats))
         hits: dict[str, int] = {}
         for hit in list(s.hits):
             hits[hit.module] = hits.get(hit.module, 0) + 1
-        calls = s.capture.calls_by_path
+        calls = snapshot.calls
         out = []
         model = s.model
         for path, module in model.named_modules() if model is not None else ():
@@ -118,7 +119,7 @@ class LiveSource:
                     "depth": path.count(".") + 1 if path else 0,
                     "params": sum(p.numel() for p in module.parameters()),
                     "hits": hits.get(path, 0),
-                    "calls": len(calls.get(path, ())),
+                    "calls": calls.get(path, 0),
                     "stats": latest.get(path, {}),
                 }
             )
@@ -128,7 +129,7 @@ class LiveSource:
         return [h.as_dict() for h in list(self.session.hits)[max(0, since) :]]
 
     def tensors(self) -> list[dict[str, Any]]:
-        return [_listing(r) for r in self.session.records]
+        return [_listing(r) for r in self.session.snapshot().records]
 
     def rules(self) -> dict[str, Any]:
         available = []
