@@ -71,6 +71,32 @@ class Sink(Protocol):
     def fault(self, error: Exception) -> None: ...
 
 
+class Unhooked:
+    """A hooked module's ``__reduce_ex__``: pickling or deep-copying the module (``torch.save``,
+    ``copy.deepcopy``, an EMA or "best model" copy) gives it without tensordbg's hooks, as if it
+    had never been attached. The session's own state never leaves the process this way."""
+
+    _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                   "_forward_hooks_with_kwargs", "_forward_hooks_always_called")  # fmt: skip
+
+    def __init__(self, module: torch.nn.Module, hook_ids: set[int]):
+        self._module = weakref.ref(module)
+        self._ids = frozenset(hook_ids)
+
+    def __call__(self, protocol: int) -> tuple[Any, ...]:
+        module = self._module()
+        if module is None:
+            raise TypeError("this module is gone")
+        reduced = type(module).__reduce_ex__(module, protocol)
+        state = dict(reduced[2])
+        state.pop("__reduce_ex__", None)
+        for name in self._HOOK_DICTS:
+            hooks = state.get(name)
+            if hooks and not self._ids.isdisjoint(hooks):
+                state[name] = type(hooks)((k, v) for k, v in hooks.items() if k not in self._ids)
+        return (reduced[0], reduced[1], state, *reduced[3:])
+
+
 def tensor_leaves(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     """Every tensor in a nested output, with its path: ``(output, (h, c))`` gives
     ``[("[0]", output), ("[1][0]", h), ("[1][1]", c)]``; dicts and dataclasses (e.g. Hugging Face
@@ -171,10 +197,12 @@ class Capture:
         for module in model.modules():
             if id(module) not in self.paths:
                 continue
-            handles.add(module.register_forward_pre_hook(self.on_enter, with_kwargs=True))
-            handles.add(
+            pre = handles.add(module.register_forward_pre_hook(self.on_enter, with_kwargs=True))
+            post = handles.add(
                 module.register_forward_hook(self._on_exit, with_kwargs=True, always_call=True)
             )
+            # torch.save(model) and copy.deepcopy(model) see the module without these hooks.
+            handles.patch(module, "__reduce_ex__", Unhooked(module, {pre.id, post.id}))
         for name, param in model.named_parameters():
             if param.requires_grad:
                 owner = name.rpartition(".")[0]

@@ -15,13 +15,16 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 _MISSING = object()
 
 
 class Removable(Protocol):
     def remove(self) -> None: ...
+
+
+R = TypeVar("R", bound=Removable)
 
 
 class HandleGroup:
@@ -32,7 +35,7 @@ class HandleGroup:
         self._lock = threading.Lock()
         self.closed = False
 
-    def add(self, handle: Removable) -> Removable:
+    def add(self, handle: R) -> R:
         """Keep a hook's handle: closing the group removes the hook."""
         self._push(f"hook {type(handle).__name__}", handle.remove)
         return handle
