@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import gc
 import threading
-import time
 import warnings
 import weakref
+from collections.abc import Callable
 
 import pytest
 import torch
+from conftest import DEADLINE, wait_until
 from models import GptRun, LogHead, SqrtOfSquare, mlp, run_gpt, train_gpt
 from torch import nn
 
@@ -23,6 +24,38 @@ MODES = ("eager", "batched", "deferred")
 
 def origins(session):
     return [h for h in session.hits if h.origin]
+
+
+def when_paused(session, then: Callable[[], None]) -> Callable[[], None]:
+    """Call ``then()`` from another thread, as the UI would, once the training pauses; returns
+    ``join()``, which fails the test when no pause came within DEADLINE seconds or ``then``
+    raised. A helper that fails detaches the session, so that a training it should have resumed
+    goes on: a bug fails the test in seconds instead of hanging it.
+
+    >>> join = when_paused(session, session.controller.resume)
+    >>> model(bad_batch)  # pauses, and is resumed
+    >>> join()
+    """
+    failures: list[BaseException] = []
+
+    def helper() -> None:
+        try:
+            wait_until(lambda: session.controller.state == "paused")
+            then()
+        except BaseException as e:
+            failures.append(e)
+            session.controller.detach()
+
+    thread = threading.Thread(target=helper, daemon=True)
+    thread.start()
+
+    def join() -> None:
+        thread.join(DEADLINE)
+        assert not thread.is_alive(), f"the helper did not finish within {DEADLINE} s"
+        if failures:
+            raise failures[0]
+
+    return join
 
 
 # --- healthy training ------------------------------------------------------------------------
@@ -188,22 +221,16 @@ def test_pause_blocks_the_training_until_resumed_and_says_how_to_inspect(watch, 
     session = watch(model, on_hit="pause")
     seen = {}
 
-    def resume_when_paused():
-        deadline = time.monotonic() + 20
-        while session.controller.state != "paused" and time.monotonic() < deadline:
-            time.sleep(0.005)
-        seen["state"] = session.controller.state
+    def inspect_then_resume():
         seen["hit"] = session.controller.paused_at
         seen["tensor"] = session.record(seen["hit"].ref).tensor
         session.controller.resume()
 
-    helper = threading.Thread(target=resume_when_paused)
-    helper.start()
+    join = when_paused(session, inspect_then_resume)
     x = torch.randn(3, 4)
     x[2, 1] = float("nan")
     model(x)
-    helper.join()
-    assert seen["state"] == "paused"
+    join()
     assert seen["hit"].tensor == "input[0]"
     assert torch.isnan(seen["tensor"]).sum() == 1  # the offending tensor is there to inspect
     assert session.controller.state == "running"
@@ -222,17 +249,14 @@ def test_a_gradient_hit_pauses_before_the_bad_update_lands(watch):
     seen = {}
 
     def inspect_then_resume():
-        while session.controller.state != "paused":
-            time.sleep(0.005)
         seen["phase"] = session.controller.paused_at.phase
         seen["weight unchanged"] = torch.equal(model[0].weight, before)
         session.controller.resume()
 
-    helper = threading.Thread(target=inspect_then_resume)
-    helper.start()
+    join = when_paused(session, inspect_then_resume)
     model(torch.randn(3, 4)).sum().backward()
     optimizer.step()
-    helper.join()
+    join()
     assert seen == {"phase": "backward", "weight unchanged": True}
 
 
@@ -718,17 +742,11 @@ def test_a_detach_from_another_thread_mid_step_stops_everything_there(watch):
     model = mlp()
     session = watch(model, on_hit="pause")
 
-    def detach_when_paused():
-        while session.controller.state != "paused":
-            time.sleep(0.005)
-        session.controller.detach()  # what the UI's q does
-
-    helper = threading.Thread(target=detach_when_paused)
-    helper.start()
+    join = when_paused(session, session.controller.detach)  # what the UI's q does
     x = torch.randn(3, 4)
     x[0, 0] = float("nan")
     model(x).sum().backward()  # hooks placed on this step's graph must stay silent
-    helper.join()
+    join()
     assert session.detached
     assert [h.tensor for h in session.hits] == ["input[0]"]
     assert all(not m._forward_hooks for m in model.modules())
