@@ -263,11 +263,19 @@ def test_a_gradient_hit_pauses_before_the_bad_update_lands(watch):
 def test_a_callable_on_hit_is_called_with_each_hit(watch):
     seen = []
     model = mlp()
-    watch(model, on_hit=seen.append)
+    session = watch(model, on_hit=seen.append)
     x = torch.randn(3, 4)
     x[0, 0] = float("nan")
-    model(x)
-    assert seen and seen[0].kind == "input"
+    model(x)  # a NaN in the batch, passed on by every layer
+    assert [h.tensor for h in seen] == [
+        "input[0]",
+        "0.output",
+        "1.output",
+        "2.output",
+        "3.output",
+        "4.output",
+    ]
+    assert seen == session.hits  # the origin and every hit passed on, in the order found
 
 
 def test_a_rule_that_raises_is_disabled_with_a_warning_and_the_training_goes_on(watch):
