@@ -446,14 +446,28 @@ def test_a_shared_module_is_told_apart_by_call_index(watch, sync):
     assert origins(session)[0].module == ""  # the log between the two calls is the root's code
 
 
-def test_evaluation_under_no_grad_checks_forward_only(watch):
+@pytest.mark.parametrize("sync", MODES)
+def test_evaluation_under_no_grad_is_judged_as_its_forward_returns_and_training_goes_on(
+    watch, sync
+):
+    """No backward follows a forward under no_grad: its hits are complete when it returns (no
+    mode waits for a backward that never comes), and the training step after it is watched
+    backward as usual."""
     model = mlp()
-    session = watch(model, on_hit="record")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=optimizer, on_hit="record", rules=[NaN()], sync=sync)
+    x = torch.randn(3, 4)
+    x[0, 0] = float("nan")
     with torch.no_grad():
-        x = torch.randn(3, 4)
-        x[0, 0] = float("nan")
-        model(x)
-    assert session.hits and {h.phase for h in session.hits} == {"forward"}
+        model(x)  # an evaluation batch holding a NaN; no flush() after it
+    evaluation = [(h.tensor, h.phase, h.origin) for h in session.hits]
+    passed_on = [(f"{i}.output", "forward", False) for i in range(5)]
+    assert evaluation == [("input[0]", "forward", True), *passed_on]
+    model[4].weight.register_hook(lambda g: g * float("nan"))  # a NaN gradient, planted
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    training = [(h.tensor, h.phase) for h in session.hits[len(evaluation) :] if h.origin]
+    assert training == [("4.weight.grad", "backward")]
 
 
 def test_activation_checkpointing_does_not_count_a_recomputed_forward_twice(watch):
