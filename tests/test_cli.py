@@ -62,6 +62,49 @@ def test_run_debugs_a_script_without_changing_it(script: Path):
     assert "[NaN] input[0]" in done.stderr and "step 3 forward" in done.stderr
 
 
+SELF_ATTACHING = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from torch import nn
+    import tensordbg
+    from tensordbg.transport.connection import find_sessions
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    if "--check-first" in sys.argv:
+        model(torch.randn(2, 4))  # a forward before attaching: tensordbg run has seen the model
+    session = tensordbg.attach(model, optimizer=optimizer, on_hit="record")
+    for step in range(6):
+        x = torch.randn(16, 4)
+        if step == 3:
+            x[0, 0] = float("nan")  # a bad batch
+        loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True).nan_to_num())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    print("steps", session.step)
+    print("origins", [(h.tensor, h.step, h.phase) for h in session.hits if h.origin])
+    print("sessions", len(find_sessions()))
+    session.detach()
+    sys.exit(3)
+    """
+)
+
+
+@pytest.mark.parametrize("args", [(), ("--check-first",)], ids=["attach-first", "forward-first"])
+def test_run_leaves_a_script_that_attaches_itself_to_its_own_session(tmp_path: Path, args):
+    script = tmp_path / "train.py"
+    script.write_text(SELF_ATTACHING)
+    done = tensordbg("run", "--on-hit", "record", str(script), *args, cwd=tmp_path, timeout=60)
+    assert done.returncode == 3, done.stderr  # the script's own exit code
+    assert "Traceback" not in done.stderr and "already attached" not in done.stderr
+    assert "steps 6" in done.stdout  # the script's session watched every step
+    assert "origins [('input[0]', 3, 'forward')]" in done.stdout
+    assert "sessions 1" in done.stdout  # and it is the only one
+
+
 def test_run_with_raise_stops_the_script_at_the_first_origin_hit(script: Path):
     done = tensordbg("run", "--on-hit", "raise", "--rules", "NaN", str(script), "6",
                      cwd=script.parent)  # fmt: skip

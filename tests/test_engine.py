@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import gc
 import threading
-import time
 import warnings
 import weakref
+from collections.abc import Callable
 
 import pytest
 import torch
+from conftest import DEADLINE, wait_until
 from models import GptRun, LogHead, SqrtOfSquare, mlp, run_gpt, train_gpt
 from torch import nn
 
@@ -23,6 +24,38 @@ MODES = ("eager", "batched", "deferred")
 
 def origins(session):
     return [h for h in session.hits if h.origin]
+
+
+def when_paused(session, then: Callable[[], None]) -> Callable[[], None]:
+    """Call ``then()`` from another thread, as the UI would, once the training pauses; returns
+    ``join()``, which fails the test when no pause came within DEADLINE seconds or ``then``
+    raised. A helper that fails detaches the session, so that a training it should have resumed
+    goes on: a bug fails the test in seconds instead of hanging it.
+
+    >>> join = when_paused(session, session.controller.resume)
+    >>> model(bad_batch)  # pauses, and is resumed
+    >>> join()
+    """
+    failures: list[BaseException] = []
+
+    def helper() -> None:
+        try:
+            wait_until(lambda: session.controller.state == "paused")
+            then()
+        except BaseException as e:
+            failures.append(e)
+            session.controller.detach()
+
+    thread = threading.Thread(target=helper, daemon=True)
+    thread.start()
+
+    def join() -> None:
+        thread.join(DEADLINE)
+        assert not thread.is_alive(), f"the helper did not finish within {DEADLINE} s"
+        if failures:
+            raise failures[0]
+
+    return join
 
 
 # --- healthy training ------------------------------------------------------------------------
@@ -188,22 +221,16 @@ def test_pause_blocks_the_training_until_resumed_and_says_how_to_inspect(watch, 
     session = watch(model, on_hit="pause")
     seen = {}
 
-    def resume_when_paused():
-        deadline = time.monotonic() + 20
-        while session.controller.state != "paused" and time.monotonic() < deadline:
-            time.sleep(0.005)
-        seen["state"] = session.controller.state
+    def inspect_then_resume():
         seen["hit"] = session.controller.paused_at
         seen["tensor"] = session.record(seen["hit"].ref).tensor
         session.controller.resume()
 
-    helper = threading.Thread(target=resume_when_paused)
-    helper.start()
+    join = when_paused(session, inspect_then_resume)
     x = torch.randn(3, 4)
     x[2, 1] = float("nan")
     model(x)
-    helper.join()
-    assert seen["state"] == "paused"
+    join()
     assert seen["hit"].tensor == "input[0]"
     assert torch.isnan(seen["tensor"]).sum() == 1  # the offending tensor is there to inspect
     assert session.controller.state == "running"
@@ -222,28 +249,33 @@ def test_a_gradient_hit_pauses_before_the_bad_update_lands(watch):
     seen = {}
 
     def inspect_then_resume():
-        while session.controller.state != "paused":
-            time.sleep(0.005)
         seen["phase"] = session.controller.paused_at.phase
         seen["weight unchanged"] = torch.equal(model[0].weight, before)
         session.controller.resume()
 
-    helper = threading.Thread(target=inspect_then_resume)
-    helper.start()
+    join = when_paused(session, inspect_then_resume)
     model(torch.randn(3, 4)).sum().backward()
     optimizer.step()
-    helper.join()
+    join()
     assert seen == {"phase": "backward", "weight unchanged": True}
 
 
 def test_a_callable_on_hit_is_called_with_each_hit(watch):
     seen = []
     model = mlp()
-    watch(model, on_hit=seen.append)
+    session = watch(model, on_hit=seen.append)
     x = torch.randn(3, 4)
     x[0, 0] = float("nan")
-    model(x)
-    assert seen and seen[0].kind == "input"
+    model(x)  # a NaN in the batch, passed on by every layer
+    assert [h.tensor for h in seen] == [
+        "input[0]",
+        "0.output",
+        "1.output",
+        "2.output",
+        "3.output",
+        "4.output",
+    ]
+    assert seen == session.hits  # the origin and every hit passed on, in the order found
 
 
 def test_a_rule_that_raises_is_disabled_with_a_warning_and_the_training_goes_on(watch):
@@ -367,9 +399,9 @@ def test_in_place_relu_keeps_its_input_and_output_apart(watch, sync):
     mins: dict[str, list[float]] = {}
 
     class Spy(Rule):
-        """Records the minimum of every output and output gradient."""
+        """Records the minimum of every output, output gradient and parameter gradient."""
 
-        kinds = frozenset({"output", "grad_output"})
+        kinds = frozenset({"output", "grad_output", "grad"})
         needs = (MIN,)
 
         def check(self, t, state):
@@ -381,10 +413,12 @@ def test_in_place_relu_keeps_its_input_and_output_apart(watch, sync):
         model(torch.randn(8, 4)).sum().backward()
         optimizer.step()
         optimizer.zero_grad()
-    grads = {r.stats.name for r in session.records}
     session.flush()
     assert session.step == 3 and not session.broken
-    assert grads  # the optimizer phase has records
+    # Every parameter's gradient was judged in every step, the first Linear's (behind the ReLU
+    # that wrote over its output) included.
+    grads = {name: len(m) for name, m in mins.items() if name.endswith(".grad")}
+    assert grads == {f"{name}.grad": 3 for name, _ in model.named_parameters()}
     # The Linear's statistics are of its output as it returned it, not as the ReLU left it.
     assert mins["0.output"] == linear_min and all(m < 0 for m in linear_min)
     assert len(mins["1.output"]) == 3 and all(m >= 0 for m in mins["1.output"])
@@ -412,14 +446,28 @@ def test_a_shared_module_is_told_apart_by_call_index(watch, sync):
     assert origins(session)[0].module == ""  # the log between the two calls is the root's code
 
 
-def test_evaluation_under_no_grad_checks_forward_only(watch):
+@pytest.mark.parametrize("sync", MODES)
+def test_evaluation_under_no_grad_is_judged_as_its_forward_returns_and_training_goes_on(
+    watch, sync
+):
+    """No backward follows a forward under no_grad: its hits are complete when it returns (no
+    mode waits for a backward that never comes), and the training step after it is watched
+    backward as usual."""
     model = mlp()
-    session = watch(model, on_hit="record")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=optimizer, on_hit="record", rules=[NaN()], sync=sync)
+    x = torch.randn(3, 4)
+    x[0, 0] = float("nan")
     with torch.no_grad():
-        x = torch.randn(3, 4)
-        x[0, 0] = float("nan")
-        model(x)
-    assert session.hits and {h.phase for h in session.hits} == {"forward"}
+        model(x)  # an evaluation batch holding a NaN; no flush() after it
+    evaluation = [(h.tensor, h.phase, h.origin) for h in session.hits]
+    passed_on = [(f"{i}.output", "forward", False) for i in range(5)]
+    assert evaluation == [("input[0]", "forward", True), *passed_on]
+    model[4].weight.register_hook(lambda g: g * float("nan"))  # a NaN gradient, planted
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    training = [(h.tensor, h.phase) for h in session.hits[len(evaluation) :] if h.origin]
+    assert training == [("4.weight.grad", "backward")]
 
 
 def test_activation_checkpointing_does_not_count_a_recomputed_forward_twice(watch):
@@ -718,17 +766,11 @@ def test_a_detach_from_another_thread_mid_step_stops_everything_there(watch):
     model = mlp()
     session = watch(model, on_hit="pause")
 
-    def detach_when_paused():
-        while session.controller.state != "paused":
-            time.sleep(0.005)
-        session.controller.detach()  # what the UI's q does
-
-    helper = threading.Thread(target=detach_when_paused)
-    helper.start()
+    join = when_paused(session, session.controller.detach)  # what the UI's q does
     x = torch.randn(3, 4)
     x[0, 0] = float("nan")
     model(x).sum().backward()  # hooks placed on this step's graph must stay silent
-    helper.join()
+    join()
     assert session.detached
     assert [h.tensor for h in session.hits] == ["input[0]"]
     assert all(not m._forward_hooks for m in model.modules())
