@@ -24,6 +24,7 @@ from tensordbg.engine.capture import Call, Record
 from tensordbg.engine.control import NotPaused
 from tensordbg.engine.session import Session
 from tensordbg.rules.base import Rule, available_rules
+from tensordbg.sources import contract
 from tensordbg.sources.contract import EventCallback, SourceError
 from tensordbg.sources.slicing import (
     SliceError,
@@ -51,6 +52,8 @@ class LiveSource:
     >>> server = Server(LiveSource(session), run_id=session.run_id, rank=session.rank)
     """
 
+    capabilities = contract.EVERY_REQUEST  # a running training can be read, driven and re-judged
+
     def __init__(self, session: Session):
         self.session = session
         self.started = time.time()
@@ -59,7 +62,7 @@ class LiveSource:
 
     # --- at any time ---------------------------------------------------------------------------
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> contract.Info:
         s = self.session
         control = s.controller
         history = list(s.history)
@@ -90,7 +93,7 @@ class LiveSource:
             },
         }
 
-    def modules(self) -> list[dict[str, Any]]:
+    def modules(self) -> list[contract.Module]:
         s = self.session
         latest: dict[str, dict[str, dict[str, Any]]] = {}
         for _, (_, stats) in list(s.latest.items()):
@@ -116,13 +119,13 @@ class LiveSource:
             )
         return out
 
-    def hits(self, since: int = 0) -> list[dict[str, Any]]:
+    def hits(self, since: int = 0) -> list[contract.Hit]:
         return [h.as_dict() for h in list(self.session.hits)[max(0, since) :]]
 
-    def tensors(self) -> list[dict[str, Any]]:
+    def tensors(self) -> list[contract.Tensor]:
         return [_listing(r) for r in self.session.records]
 
-    def rules(self) -> dict[str, Any]:
+    def rules(self) -> contract.Rules:
         available = []
         for name, cls in available_rules().items():
             available.append({"name": name, "doc": _doc(cls), "params": _default_params(cls)})
@@ -130,7 +133,7 @@ class LiveSource:
 
     def set_rule(
         self, id: int, enabled: bool | None = None, params: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
+    ) -> contract.Rule:
         active = next((a for a in self.session.rules if a.id == id), None)
         if active is None:
             raise SourceError(f"there is no rule {id}")
@@ -149,7 +152,7 @@ class LiveSource:
 
     def add_rule(
         self, name: str, match: str = "*", params: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
+    ) -> contract.Rule:
         cls = available_rules().get(name)
         if cls is None:
             raise SourceError(f"there is no rule named {name!r}; see the available list")
@@ -159,7 +162,7 @@ class LiveSource:
             raise SourceError(f"{name}: {e}") from None
         return _rule_dict(self.session.add_rule(rule))
 
-    def control(self, action: str, n: int = 1) -> dict[str, Any]:
+    def control(self, action: str, n: int = 1) -> contract.Control:
         control = self.session.controller
         if action in ("continue", "next", "step"):
             control.resume(action, n)
@@ -176,7 +179,7 @@ class LiveSource:
 
     # --- while paused: on the training thread --------------------------------------------------
 
-    def stats(self, ref: int, text: str = "") -> dict[str, Any]:
+    def stats(self, ref: int, text: str = "") -> contract.Stats:
         record = self._record(ref)
 
         def work() -> dict[str, Any]:
@@ -212,7 +215,7 @@ class LiveSource:
 
     def slice(
         self, ref: int, text: str = "", window: list[list[int]] | None = None
-    ) -> dict[str, Any]:
+    ) -> contract.Slice:
         record = self._record(ref)
 
         def work() -> dict[str, Any]:
@@ -247,7 +250,7 @@ class LiveSource:
         bins: int = 64,
         lo: float | None = None,
         hi: float | None = None,
-    ) -> dict[str, Any]:
+    ) -> contract.Histogram:
         record = self._record(ref)
         if not 1 <= bins <= MAX_BINS:
             raise SourceError(f"bins is between 1 and {MAX_BINS}")
@@ -283,7 +286,7 @@ class LiveSource:
 
         return self._on_training_thread(work)
 
-    def provenance(self, ref: int, module: str | None = None, call: int = 0) -> dict[str, Any]:
+    def provenance(self, ref: int, module: str | None = None, call: int = 0) -> contract.Provenance:
         record = self._record(ref, need_tensor=False)
         forward = record.grad_of or record
         producer = forward.producer
@@ -326,7 +329,7 @@ class LiveSource:
             out["stack"] = _stack(site)
         return out
 
-    def recheck(self) -> list[dict[str, Any]]:
+    def recheck(self) -> list[contract.Hit]:
         return self._on_training_thread(lambda: [h.as_dict() for h in self.session.recheck()])
 
     # --- helpers -------------------------------------------------------------------------------
