@@ -14,7 +14,7 @@ validates a value against one, as the conformance tests do to each source's repl
 to what it receives::
 
     >>> check(reply, REPLIES["stats"])
-    SchemaError: stats.summary.nan: expected int, got '2'
+    SchemaError: stats.summary.numel: expected int, got '32'
 
 ``ref``: records are numbered per session; a ref names a tensor of the current phase and is valid
 while that phase is retained (while paused, in practice).
@@ -503,7 +503,7 @@ def dispatch(source: Source, method: str, params: dict[str, Any]) -> Any:
     except TypeError as e:
         raise SourceError(f"bad parameters for {method!r}: {e}") from None
     for name, value in params.items():
-        if _problem(value, _HINTS[method][name], name, strict=False) is not None:
+        if _checker(_HINTS[method][name])(value, False) is not None:
             raise SourceError(f"parameter {name!r} of {method!r} cannot be {value!r}")
     reply = getattr(source, method)(**params)
     if method == "info":
@@ -532,114 +532,158 @@ def check(value: Any, schema: Any, *, name: str = "reply", strict: bool = False)
 
     >>> check(source.stats(3), Stats)
     """
-    problem = _problem(value, schema, name, strict)
+    problem = _checker(schema)(value, strict)
     if problem is not None:
-        raise SchemaError(problem)
+        raise SchemaError(name + problem)
 
 
 def conforms(value: Any, schema: Any) -> bool:
     """Whether ``value`` matches ``schema`` (as :func:`check`, without the reason)."""
-    return _problem(value, schema, "", strict=False) is None
+    return _checker(schema)(value, False) is None
 
 
 _OPEN = (Summary,)  # TypedDicts that may hold keys they do not name, even when strict
 
-
-def _problem(value: Any, hint: Any, path: str, strict: bool) -> str | None:
-    """What is wrong with ``value`` as a ``hint`` at ``path``, None when nothing is."""
-    if hint is Any:
-        return None
-    if _is_typeddict(hint):
-        return _typeddict_problem(value, hint, path, strict)
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(hint)
-        if any(_problem(value, h, path, strict) is None for h in options):
-            return None
-        # The reason of the one option of the value's kind, if any: deeper than "expected".
-        for h in options:
-            if h is not type(None) and _kind_fits(value, h):
-                return _problem(value, h, path, strict)
-        return _expected(path, " or ".join(_name(h) for h in options), value)
-    if hint is type(None):
-        return None if value is None else _expected(path, "None", value)
-    if origin is Literal:
-        allowed = typing.get_args(hint)
-        return None if value in allowed else _expected(path, " or ".join(map(repr, allowed)), value)
-    if origin is list:
-        if not isinstance(value, list):
-            return _expected(path, "a list", value)
-        (item,) = typing.get_args(hint) or (Any,)
-        for i, v in enumerate(value):
-            problem = _problem(v, item, f"{path}[{i}]", strict)
-            if problem is not None:
-                return problem
-        return None
-    if origin is dict:
-        if not isinstance(value, dict):
-            return _expected(path, "an object", value)
-        _, item = typing.get_args(hint) or (str, Any)
-        for k, v in value.items():
-            if not isinstance(k, str):
-                return _expected(f"{path} key", "str", k)
-            problem = _problem(v, item, f"{path}.{k}", strict)
-            if problem is not None:
-                return problem
-        return None
-    return None if _kind_fits(value, hint) else _expected(path, _name(hint), value)
-
-
-def _typeddict_problem(value: Any, schema: Any, path: str, strict: bool) -> str | None:
-    if not isinstance(value, dict):
-        return _expected(path, f"an object ({schema.__name__})", value)
-    hints, required = _fields(schema)
-    missing = [k for k in required if k not in value]
-    if missing:
-        return f"{path}: missing {', '.join(map(repr, missing))}"
-    for key, v in value.items():
-        if key not in hints:
-            if strict and schema not in _OPEN:
-                return f"{path}: {key!r} is not in the schema of {schema.__name__}"
-            continue
-        problem = _problem(v, hints[key], f"{path}.{key}", strict)
-        if problem is not None:
-            return problem
-    return None
+Checker = Callable[[Any, bool], "str | None"]
+"""``checker(value, strict)``: None when the value matches, else where and what is wrong, as a
+path under the value and a reason (``".summary.nan: expected float, got '2'"``). A reply is
+checked on the UI's event loop: a schema is turned into a checker once, and a checker builds
+the path only for what is wrong."""
 
 
 @functools.cache
-def _fields(schema: Any) -> tuple[dict[str, Any], tuple[str, ...]]:
-    """A TypedDict's field hints and its required keys, in order. (``__required_keys__`` is wrong
-    under ``from __future__ import annotations`` before Python 3.12: read the hints instead.)"""
-    hints: dict[str, Any] = {}
+def _checker(hint: Any) -> Checker:
+    if hint is Any:
+        return lambda value, strict: None
+    if _is_typeddict(hint):
+        return _typeddict_checker(hint)
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return _union_checker(hint)
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        what = " or ".join(map(repr, allowed))
+        return lambda value, strict: None if value in allowed else _expected(what, value)
+    if origin is list:
+        (item,) = typing.get_args(hint) or (Any,)
+        return _list_checker(_checker(item))
+    if origin is dict:
+        _, item = typing.get_args(hint) or (str, Any)
+        return _dict_checker(_checker(item))
+    return _kind_checker(hint)
+
+
+def _typeddict_checker(schema: Any) -> Checker:
+    name = schema.__name__
+    is_open = schema in _OPEN
+    fields: dict[str, Checker] = {}
     required = []
+    # Not __required_keys__: it is wrong under `from __future__ import annotations` before 3.12.
     for key, hint in get_type_hints(schema, include_extras=True).items():
         if typing.get_origin(hint) is NotRequired:
             (hint,) = typing.get_args(hint)
         elif schema.__total__:
             required.append(key)
-        hints[key] = hint
-    return hints, tuple(required)
+        fields[key] = _checker(hint)
+
+    def check_typeddict(value: Any, strict: bool) -> str | None:
+        if not isinstance(value, dict):
+            return _expected(f"an object ({name})", value)
+        missing = [key for key in required if key not in value]
+        if missing:
+            return f": missing {', '.join(map(repr, missing))}"
+        for key, item in value.items():
+            checker = fields.get(key)
+            if checker is None:
+                if strict and not is_open:
+                    return f": {key!r} is not in the schema of {name}"
+                continue
+            problem = checker(item, strict)
+            if problem is not None:
+                return f".{key}{problem}"
+        return None
+
+    return check_typeddict
+
+
+def _union_checker(hint: Any) -> Checker:
+    options = typing.get_args(hint)
+    checkers = [(_checker(h), _kind_fits(h)) for h in options]
+    what = " or ".join(_name(h) for h in options)
+
+    def check_union(value: Any, strict: bool) -> str | None:
+        if any(checker(value, strict) is None for checker, _ in checkers):
+            return None
+        # The reason of the one option of the value's kind, if any: deeper than "expected".
+        for checker, fits in checkers:
+            if value is not None and fits(value):
+                return checker(value, strict)
+        return _expected(what, value)
+
+    return check_union
+
+
+def _list_checker(item: Checker) -> Checker:
+    def check_list(value: Any, strict: bool) -> str | None:
+        if not isinstance(value, list):
+            return _expected("a list", value)
+        for i, v in enumerate(value):
+            problem = item(v, strict)
+            if problem is not None:
+                return f"[{i}]{problem}"
+        return None
+
+    return check_list
+
+
+def _dict_checker(item: Checker) -> Checker:
+    def check_dict(value: Any, strict: bool) -> str | None:
+        if not isinstance(value, dict):
+            return _expected("an object", value)
+        for key, v in value.items():
+            if not isinstance(key, str):
+                return f" key{_expected('str', key)}"
+            problem = item(v, strict)
+            if problem is not None:
+                return f".{key}{problem}"
+        return None
+
+    return check_dict
+
+
+def _kind_checker(hint: Any) -> Checker:
+    fits = _kind_fits(hint)
+    what = _name(hint)
+    return lambda value, strict: None if fits(value) else _expected(what, value)
+
+
+def _kind_fits(hint: Any) -> Callable[[Any], bool]:
+    """Whether a value is of the plain kind ``hint`` names (a bool is no number here)."""
+    origin = typing.get_origin(hint) or hint
+    if hint is type(None):
+        return lambda value: value is None
+    if _is_typeddict(hint) or origin is dict:
+        return lambda value: isinstance(value, dict)
+    if origin is list:
+        return lambda value: isinstance(value, list)
+    if origin is Literal:
+        return lambda value: isinstance(value, str)
+    if hint is float:
+        return lambda value: (
+            type(value) is float
+            or (isinstance(value, (int, float)) and not isinstance(value, bool))
+        )
+    if hint is int:
+        return lambda value: (
+            type(value) is int or (isinstance(value, int) and not isinstance(value, bool))
+        )
+    if isinstance(origin, type):
+        return lambda value: isinstance(value, origin)
+    return lambda value: False
 
 
 def _is_typeddict(hint: Any) -> bool:
     return isinstance(hint, type) and issubclass(hint, dict) and hasattr(hint, "__total__")
-
-
-def _kind_fits(value: Any, hint: Any) -> bool:
-    """Whether ``value`` is of the plain kind ``hint`` names (a bool is no number here)."""
-    origin = typing.get_origin(hint) or hint
-    if _is_typeddict(hint) or origin is dict:
-        return isinstance(value, dict)
-    if origin is list:
-        return isinstance(value, list)
-    if origin is Literal:
-        return isinstance(value, str)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(origin, type) and isinstance(value, origin)
 
 
 def _name(hint: Any) -> str:
@@ -655,8 +699,8 @@ def _name(hint: Any) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
-def _expected(path: str, what: str, value: Any) -> str:
+def _expected(what: str, value: Any) -> str:
     shown = repr(value)
     if len(shown) > 60:
         shown = shown[:57] + "..."
-    return f"{path}: expected {what}, got {shown}"
+    return f": expected {what}, got {shown}"
