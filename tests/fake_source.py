@@ -12,7 +12,22 @@ from typing import Any
 
 import numpy as np
 
-from tensordbg.sources.contract import EventCallback, SourceError
+from tensordbg.sources.contract import (
+    EVERY_REQUEST,
+    Control,
+    EventCallback,
+    Histogram,
+    Hit,
+    Info,
+    Module,
+    Provenance,
+    Rule,
+    Rules,
+    Slice,
+    SourceError,
+    Stats,
+    Tensor,
+)
 from tensordbg.sources.slicing import (
     SliceError,
     apply_index,
@@ -28,9 +43,16 @@ MAX_WINDOW = 4_000_000
 
 
 class FakeSource:
-    """A paused three-layer network with one origin NaN hit and one passed-on hit."""
+    """A paused three-layer network with one origin NaN hit and one passed-on hit.
 
-    def __init__(self, big: int = 1000, modules: int = 0):
+    ``capabilities`` narrows the requests it serves: ``FakeSource(capabilities=READ_ONLY)`` stands
+    for a recorded run, which cannot be driven.
+    """
+
+    def __init__(
+        self, big: int = 1000, modules: int = 0, capabilities: frozenset[str] = EVERY_REQUEST
+    ):
+        self.capabilities = capabilities
         rng = np.random.default_rng(0)
         x = rng.standard_normal((8, 16)).astype(np.float32)
         h0 = rng.standard_normal((8, 32)).astype(np.float32)
@@ -75,13 +97,13 @@ class FakeSource:
         for r in self._rules:
             r.update(match=["*"], exclude=[], kinds=["grad"], disabled_reason=None, hits=0)
         self.state = "paused"
-        self.paused_at: dict[str, Any] | None = self._hits[0]  # None when paused by p or s
+        self.paused_at: Hit | None = self._hits[0]  # None when paused by p or s
         self.step = 3
         self.controls: list[tuple[str, int]] = []
         self._subscribers: list[EventCallback] = []
         self._lock = threading.Lock()
 
-    def _hit(self, id: int, rule: str, ref: int, origin: bool, value: float) -> dict[str, Any]:
+    def _hit(self, id: int, rule: str, ref: int, origin: bool, value: float) -> Hit:
         name, module, kind, array = self.arrays[ref]
         where = "produced here: its inputs were finite" if origin else "passed on from net.2"
         return {
@@ -103,7 +125,7 @@ class FakeSource:
 
     # --- Source ------------------------------------------------------------------------------
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> Info:
         return {
             "run_id": "fake0001",
             "rank": 0,
@@ -135,7 +157,7 @@ class FakeSource:
             return ""
         return "hit" if self.paused_at else "pause"
 
-    def modules(self) -> list[dict[str, Any]]:
+    def modules(self) -> list[Module]:
         out = []
         for m in self.module_list:
             stats = {}
@@ -146,10 +168,10 @@ class FakeSource:
             out.append({**m, "hits": hits, "calls": 1, "stats": stats})
         return out
 
-    def hits(self, since: int = 0) -> list[dict[str, Any]]:
+    def hits(self, since: int = 0) -> list[Hit]:
         return [h for h in self._hits if h["id"] >= since]
 
-    def tensors(self) -> list[dict[str, Any]]:
+    def tensors(self) -> list[Tensor]:
         return [
             {
                 "ref": ref,
@@ -175,12 +197,13 @@ class FakeSource:
         except SliceError as e:
             raise SourceError(str(e)) from None
 
-    def stats(self, ref: int, text: str = "") -> dict[str, Any]:
+    def stats(self, ref: int, text: str = "") -> Stats:
         index, view = self._view(ref, text)
         summary = summarize_numpy(view)
         return {
             "ref": ref,
             "name": self.arrays[ref][0],
+            "step": self.step,
             "index": index,
             "shape": list(view.shape),
             "dtype": "float32",
@@ -189,7 +212,7 @@ class FakeSource:
             "previous": {"step": 2, "summary": summarize_numpy(view * 0.5).as_dict()},
         }
 
-    def slice(self, ref: int, text: str = "", window: list[list[int]] | None = None):
+    def slice(self, ref: int, text: str = "", window: list[list[int]] | None = None) -> Slice:
         index, view = self._view(ref, text)
         try:
             rows, cols = clamp_window(view.shape, window, MAX_WINDOW)
@@ -208,7 +231,14 @@ class FakeSource:
             "data": WireArray("float32", tuple(grid), block),
         }
 
-    def histogram(self, ref: int, text: str = "", bins: int = 64, lo=None, hi=None):
+    def histogram(
+        self,
+        ref: int,
+        text: str = "",
+        bins: int = 64,
+        lo: float | None = None,
+        hi: float | None = None,
+    ) -> Histogram:
         index, view = self._view(ref, text)
         finite = view[np.isfinite(view)]
         rng = (
@@ -228,7 +258,7 @@ class FakeSource:
             "max": rng[1],
         }
 
-    def provenance(self, ref: int, module: str | None = None, call: int = 0) -> dict[str, Any]:
+    def provenance(self, ref: int, module: str | None = None, call: int = 0) -> Provenance:
         if ref not in self.arrays:
             raise SourceError(f"no tensor {ref} in this phase")
         name, module, kind, _ = self.arrays[ref]
@@ -251,6 +281,7 @@ class FakeSource:
             "name": name,
             "kind": kind,
             "producer": {"module": module, "type": "Linear", "call": 0},
+            "returned_by": None,
             "inputs": inputs,
             "consumers": [{"module": "", "type": "Net", "call": 0}],
             "source": {
@@ -266,7 +297,7 @@ class FakeSource:
             "stack": [["train.py", 40, "<module>"], ["fake.py", 12, "forward"]],
         }
 
-    def rules(self) -> dict[str, Any]:
+    def rules(self) -> Rules:
         return {
             "rules": self._rules,
             "available": [
@@ -278,7 +309,9 @@ class FakeSource:
             ],
         }
 
-    def set_rule(self, id: int, enabled: bool | None = None, params: dict | None = None):
+    def set_rule(
+        self, id: int, enabled: bool | None = None, params: dict[str, Any] | None = None
+    ) -> Rule:
         if not 0 <= id < len(self._rules):
             raise SourceError(f"no rule {id}")
         rule = self._rules[id]
@@ -290,7 +323,7 @@ class FakeSource:
             rule["params"][key] = value
         return rule
 
-    def add_rule(self, name: str, match: str = "*", params: dict | None = None):
+    def add_rule(self, name: str, match: str = "*", params: dict[str, Any] | None = None) -> Rule:
         rule = {
             "id": len(self._rules),
             "name": name,
@@ -306,10 +339,10 @@ class FakeSource:
         self._rules.append(rule)
         return rule
 
-    def recheck(self) -> list[dict[str, Any]]:
+    def recheck(self) -> list[Hit]:
         return self._hits[:1]
 
-    def control(self, action: str, n: int = 1) -> dict[str, Any]:
+    def control(self, action: str, n: int = 1) -> Control:
         if action not in ("continue", "next", "step", "pause", "detach"):
             raise SourceError(f"unknown action {action!r}")
         self.controls.append((action, n))
@@ -331,7 +364,7 @@ class FakeSource:
 
     # --- test helpers ---------------------------------------------------------------------
 
-    def pause_on_hit(self) -> dict[str, Any]:
+    def pause_on_hit(self) -> Hit:
         """The running training stops on a new NaN hit in net.2, one step later."""
         self.step += 1
         hit = self._hit(len(self._hits) + 1, "NaN", 3, True, 2.0)

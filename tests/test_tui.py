@@ -240,7 +240,8 @@ def test_pushed_events_update_the_run_tab_and_the_hits() -> None:
             hits = app.query_one(HitTable)
             await until(pilot, lambda: hits.row_count == 2)
             last = {"step": 3, "loss": 1.5, "grad_norm": 0.7, "steps_per_sec": 9.0}
-            source.emit("status", {"step": 4, "last": last})
+            status = {"state": "paused", "step": 4, "phase": "forward", "hits_total": 2}
+            source.emit("status", {**status, "last": last})
             numbers = app.query_one("#run-numbers", Static)
             await until(pilot, lambda: "1.5" in str(list(numbers.content.columns[1].cells)))
             hit = dict(source.hits()[0], id=7, step=4, message="a later NaN")

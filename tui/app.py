@@ -3,7 +3,8 @@
 >>> from tensordbg.transport.client import LocalClient
 >>> TensorDbgApp(LocalClient(source)).run()
 
-The app owns the connection (:meth:`TensorDbgApp._keep_connected`) and the debugger's keys; the
+The app owns the connection (:meth:`TensorDbgApp._keep_connected`), the debugger's keys and the
+errors it survives (:meth:`TensorDbgApp.report_error`); the
 :class:`~tensordbg.tui.screens.main.MainScreen` lays out the tabs and routes data to the widgets.
 """
 
@@ -14,15 +15,17 @@ import contextlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from textual import work
 from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.reactive import reactive
 from textual.screen import Screen
 
+from tensordbg.sources.contract import SchemaError, Welcome
+from tensordbg.tui.errors import CrashFile, work
 from tensordbg.tui.remote import (
     ClientFactory,
     DebugClient,
+    MalformedReply,
     Remote,
     RequestFailed,
     TrainingExited,
@@ -71,6 +74,7 @@ class TensorDbgApp(App[int]):
         *,
         sessions: Sequence[Any] = (),
         reconnect_delay: float = 1.0,
+        crash_file: CrashFile | None = None,
     ) -> None:
         super().__init__()
         self._client: DebugClient | None = None
@@ -84,7 +88,10 @@ class TensorDbgApp(App[int]):
         self._lost = asyncio.Event()
         self._lost_reason = ""
         self._count = 0
-        self.remote = Remote(self._connection_lost)
+        self.remote = Remote(self._connection_lost, self._request_refused, self.report_error)
+        """The typed client widgets ask through (``remote_of(widget).stats(...)``)."""
+        self.crash_file = crash_file or CrashFile()
+        """Where the details of the errors the UI survived go; ``run_tui`` prints its path."""
         self.main = MainScreen()
 
     def get_default_screen(self) -> Screen:
@@ -98,14 +105,36 @@ class TensorDbgApp(App[int]):
             path = session_field(self._sessions[0], "path") if self._sessions else None
             self._keep_connected(path)
 
-    async def call(self, method: str, **params: Any) -> Any:
-        """One request to the training; raises :class:`RequestFailed` with a sentence to show
-        (and logged in the Log tab)."""
-        try:
-            return await self.remote.call(method, **params)
-        except RequestFailed as e:
-            self.main.log_entry(f"{method} failed: {e.message}", "error")
-            raise
+    def _request_refused(self, method: str, message: str) -> None:
+        self.main.log_entry(f"{method} failed: {message}", "error")
+
+    # --- errors ------------------------------------------------------------------------------
+
+    def report_error(self, error: BaseException, where: str, details: str = "") -> None:
+        """An error the UI survives (a widget's bug, a malformed reply or event), the one place
+        they are handled: a line in the Log tab, a notification, and the details in the crash
+        file. Workers (``tensordbg.tui.errors.work``) and handlers (``reported``) end here."""
+        path = self.crash_file.write(error, where, details)
+        saved = f"details in {path}" if path else "no crash file could be written"
+        what = f"{where}: {type(error).__name__}: {error}"
+        self.main.log_entry(f"error in {what} ({saved})", "error")
+        self.notify(
+            f"{what}\nThe debugger goes on; {saved}.",
+            title="tensordbg hit an error",
+            severity="error",
+            timeout=10,
+            markup=False,
+        )
+
+    def served(self, method: str) -> bool:
+        """Whether the session serves ``method``; when it does not (a recorded run cannot be
+        driven), the person is told why, in a notification and the Log tab."""
+        if self.remote.serves(method):
+            return True
+        why = self.remote.refusal(method)
+        self.notify(why, title="Not in this session", severity="warning", markup=False)
+        self.main.log_entry(why, "warning")
+        return False
 
     # --- connection ------------------------------------------------------------------------
 
@@ -129,8 +158,18 @@ class TensorDbgApp(App[int]):
                     await asyncio.sleep(self._reconnect_delay)
                     continue
             self._lost.clear()
-            self.remote.client = client
-            self.main.load_welcome(client.welcome)
+            try:
+                welcome = self.remote.connect(client)
+            except MalformedReply as e:  # reported: a training the UI cannot read
+                with contextlib.suppress(Exception):
+                    await client.close()
+                client = None
+                self.main.show_connect_failed(e.message)
+                if self._connect is None:
+                    return
+                await asyncio.sleep(self._reconnect_delay)
+                continue
+            self._greeted(welcome)
             reason = await self._serve_events(client)
             self.remote.client = None
             with contextlib.suppress(Exception):
@@ -144,13 +183,23 @@ class TensorDbgApp(App[int]):
                 return
             await asyncio.sleep(self._reconnect_delay)
 
+    def _greeted(self, welcome: Welcome) -> None:
+        info = welcome["info"]
+        self.crash_file.session = (
+            f"run {info['run_id']} of {info['script']} (rank {info['rank']}, pid {info['pid']}, "
+            f"torch {info['torch']}, {'live' if info['live'] else 'recorded'}, serves "
+            f"{', '.join(info['capabilities'])})"
+        )
+        self.main.load_welcome(welcome)
+
     async def _serve_events(self, client: DebugClient) -> str:
-        """Hand pushed events to the screen until the connection drops; returns why it did."""
+        """Hand pushed events to the screen until the connection drops; returns why it did. A
+        malformed event is reported and skipped: the connection stays."""
 
         async def pump() -> str:
             try:
                 async for event, payload in client.events():
-                    self.main.server_event(event, payload)
+                    self._route_event(event, payload)
             except Exception as e:
                 return str(e) or type(e).__name__
             return "the training closed the connection"
@@ -163,6 +212,14 @@ class TensorDbgApp(App[int]):
             events.cancel()
             lost.cancel()
         return self._lost_reason if lost.done() and not lost.cancelled() else events.result()
+
+    def _route_event(self, event: str, payload: Any) -> None:
+        try:
+            payload = self.remote.event(event, payload)
+        except SchemaError as e:
+            self.report_error(e, f"the {event!r} event", f"payload: {payload!r}"[:4000])
+            return
+        self.main.server_event(event, payload)
 
     def _connection_lost(self, reason: str) -> None:
         self._lost_reason = reason
@@ -187,12 +244,13 @@ class TensorDbgApp(App[int]):
     def action_control(self, action: str) -> None:
         n, self._count = max(self._count, 1), 0
         self.main.show_count(0)
-        self._control(action, n)
+        if self.served("control"):  # else the person is told why the key does nothing
+            self._control(action, n)
 
     @work(group="control", exclusive=True)
     async def _control(self, action: str, n: int) -> None:
         try:
-            reply = await self.call("control", action=action, n=n)
+            reply = await self.remote.control(action, n)
         except RequestFailed:
             return  # the Log tab says why
         # The state itself comes from the state events, which arrive in order: this reply may
@@ -220,9 +278,10 @@ class TensorDbgApp(App[int]):
     @work(group="control", exclusive=True)
     async def _detach_and_exit(self) -> None:
         """Quit, letting the training run on: the debugger detaches first."""
-        if self.remote.client is not None and self.state in ("running", "paused"):
+        can_detach = self.remote.serves("control") and self.state in ("running", "paused")
+        if self.remote.client is not None and can_detach:
             with contextlib.suppress(RequestFailed):  # quit anyway: a lost client detaches too
-                await self.call("control", action="detach")
+                await self.remote.control("detach")
         client, self.remote.client = self.remote.client, None
         if client is not None:
             with contextlib.suppress(Exception):
@@ -237,8 +296,9 @@ class TensorDbgApp(App[int]):
         if screen is not self.main:  # the session list (dialogs have no palette): no session
             yield SystemCommand("Quit", "Leave tensordbg", self.action_quit)
             return
+        drivable = self.remote.serves("control")  # a recorded run cannot be driven
         for action, title, help in COMMANDS:
-            if action in CONTROLS.get(self.state, ()):
+            if drivable and action in CONTROLS.get(self.state, ()):
                 yield SystemCommand(title, help, lambda a=action: self.action_control(a))
         yield SystemCommand(
             "Detach and quit", "Let the training run on, and quit (q)", self.action_detach
@@ -250,7 +310,8 @@ class TensorDbgApp(App[int]):
                 f"Switch to the {tab.title} tab ({tab.key.upper()})",
                 lambda p=tab.pane: self.main.show_tab(p),
             )
-        if self.state == "paused":  # a recheck judges the step the training is paused in
+        # A recheck judges the step the training is paused in.
+        if self.state == "paused" and self.remote.serves("recheck"):
             yield SystemCommand(
                 "Recheck",
                 "Judge the current step again with the rules as they are now",

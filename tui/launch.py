@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -26,7 +27,8 @@ def run_tui(
     lists them when there are several, and with ``run_id`` the UI waits up to ``wait`` seconds
     for that run's connection file to appear (``tensordbg demo`` starts the training and the UI
     together). ``alive()``, when given, says whether the training's process still runs: once it
-    says no, the UI stops waiting and reconnecting.
+    says no, the UI stops waiting and reconnecting. Errors the UI survived are counted on exit,
+    with the path of the file that holds their details.
 
     >>> run_tui()                                   # the only session of this user
     >>> run_tui(run_id="demo7f3a", wait=30)         # a training that is starting now
@@ -40,6 +42,9 @@ def run_tui(
         )
         return 1
     result = app.run()
+    report = app.crash_file.exit_message()  # "tensordbg: details of 2 errors in ..."
+    if report is not None:
+        print(report, file=sys.stderr)
     return app.return_code or int(result or 0)
 
 

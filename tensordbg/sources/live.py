@@ -27,6 +27,7 @@ from tensordbg.engine.judge import ActiveRule
 from tensordbg.engine.records import Call, Record
 from tensordbg.engine.session import Session
 from tensordbg.rules import Rule, available_rules
+from tensordbg.sources import contract
 from tensordbg.sources.contract import EventCallback, SourceError
 from tensordbg.sources.slicing import (
     SliceError,
@@ -54,6 +55,8 @@ class LiveSource:
     >>> server = Server(LiveSource(session), run_id=session.run_id, rank=session.rank)
     """
 
+    capabilities = contract.EVERY_REQUEST  # a running training can be read, driven and re-judged
+
     def __init__(self, session: Session, ui_timeout: float | None = 30.0):
         self.session = session
         self.ui_timeout = ui_timeout
@@ -67,7 +70,7 @@ class LiveSource:
 
     # --- at any time ---------------------------------------------------------------------------
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> contract.Info:
         s = self.session
         control = s.controller
         history = list(s.history)
@@ -98,7 +101,7 @@ class LiveSource:
             },
         }
 
-    def modules(self) -> list[dict[str, Any]]:
+    def modules(self) -> list[contract.Module]:
         s = self.session
         snapshot = s.snapshot()  # never the dicts the training thread is filling
         latest: dict[str, dict[str, dict[str, Any]]] = {}
@@ -125,13 +128,13 @@ class LiveSource:
             )
         return out
 
-    def hits(self, since: int = 0) -> list[dict[str, Any]]:
+    def hits(self, since: int = 0) -> list[contract.Hit]:
         return [h.as_dict() for h in list(self.session.hits)[max(0, since) :]]
 
-    def tensors(self) -> list[dict[str, Any]]:
+    def tensors(self) -> list[contract.Tensor]:
         return [_listing(r) for r in self.session.snapshot().records]
 
-    def rules(self) -> dict[str, Any]:
+    def rules(self) -> contract.Rules:
         available = []
         for name, cls in available_rules().items():
             available.append({"name": name, "doc": _doc(cls), "params": _default_params(cls)})
@@ -139,7 +142,7 @@ class LiveSource:
 
     def set_rule(
         self, id: int, enabled: bool | None = None, params: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
+    ) -> contract.Rule:
         """Edit a rule. The edit is checked here, and made by the training thread at its next
         hook (at once while it is paused): the reply is the rule as it will be, with
         ``pending`` true until then."""
@@ -176,7 +179,7 @@ class LiveSource:
 
     def add_rule(
         self, name: str, match: str = "*", params: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
+    ) -> contract.Rule:
         """Add a rule (made by the training thread, as :meth:`set_rule` says)."""
         cls = available_rules().get(name)
         if cls is None:
@@ -196,7 +199,7 @@ class LiveSource:
             return future.result()
         return {**preview(), "pending": True}
 
-    def control(self, action: str, n: int = 1) -> dict[str, Any]:
+    def control(self, action: str, n: int = 1) -> contract.Control:
         control = self.session.controller
         if action in ("continue", "next", "step"):
             control.resume(action, n)
@@ -242,7 +245,7 @@ class LiveSource:
 
     # --- while paused: on the training thread --------------------------------------------------
 
-    def stats(self, ref: int, text: str = "") -> dict[str, Any]:
+    def stats(self, ref: int, text: str = "") -> contract.Stats:
         record = self._record(ref)
 
         def work() -> dict[str, Any]:
@@ -278,7 +281,7 @@ class LiveSource:
 
     def slice(
         self, ref: int, text: str = "", window: list[list[int]] | None = None
-    ) -> dict[str, Any]:
+    ) -> contract.Slice:
         record = self._record(ref)
 
         def work() -> dict[str, Any]:
@@ -313,7 +316,7 @@ class LiveSource:
         bins: int = 64,
         lo: float | None = None,
         hi: float | None = None,
-    ) -> dict[str, Any]:
+    ) -> contract.Histogram:
         record = self._record(ref)
         if not 1 <= bins <= MAX_BINS:
             raise SourceError(f"bins is between 1 and {MAX_BINS}")
@@ -349,7 +352,7 @@ class LiveSource:
 
         return self._on_training_thread(work)
 
-    def provenance(self, ref: int, module: str | None = None, call: int = 0) -> dict[str, Any]:
+    def provenance(self, ref: int, module: str | None = None, call: int = 0) -> contract.Provenance:
         record = self._record(ref, need_tensor=False)
         forward = record.grad_of or record
         producer = forward.producer
@@ -392,7 +395,7 @@ class LiveSource:
             out["stack"] = _stack(site)
         return out
 
-    def recheck(self) -> list[dict[str, Any]]:
+    def recheck(self) -> list[contract.Hit]:
         return self._on_training_thread(lambda: [h.as_dict() for h in self.session.recheck()])
 
     # --- helpers -------------------------------------------------------------------------------

@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from rich.text import Text
-from textual import on, work
+from textual import on
 from textual.message import Message
 from textual.widgets import Static
+
+from tensordbg.tui.errors import work
 
 HEIGHT = 8  # rows of bars
 EIGHTHS = " ▁▂▃▄▅▆▇█"

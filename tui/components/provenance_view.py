@@ -7,13 +7,14 @@ from typing import Any
 
 from rich.console import Group
 from rich.text import Text
-from textual import on, work
+from textual import on
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static, Tree
 
+from tensordbg.tui.errors import work
 from tensordbg.tui.messages import OpenTensor
-from tensordbg.tui.remote import RequestFailed
+from tensordbg.tui.remote import RequestFailed, remote_of
 
 
 def finiteness(flag: bool | None) -> Text:
@@ -53,11 +54,8 @@ class ProvenanceView(VerticalScroll):
 
     @work(group="provenance", exclusive=True)
     async def load(self, ref: int, module: str | None = None, call: int = 0) -> None:
-        params: dict[str, Any] = {"ref": ref}
-        if module is not None:
-            params.update(module=module, call=call)
         try:
-            prov = await self.app.call("provenance", **params)  # type: ignore[attr-defined]
+            prov = await remote_of(self).provenance(ref, module, call)
         except RequestFailed as e:
             self.show_message(f"No provenance for tensor {ref}: {e.message}")
             return

@@ -3,18 +3,21 @@ added with a, and the current step judged again with r."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
 from rich.text import Text
-from textual import on, work
+from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical
 from textual.widgets import DataTable, Static
 
+from tensordbg.sources.contract import Rule
 from tensordbg.tui.components.table import Table
+from tensordbg.tui.errors import work
 from tensordbg.tui.messages import HitsFound
-from tensordbg.tui.remote import RequestFailed
+from tensordbg.tui.remote import Remote, RequestFailed, remote_of
 from tensordbg.tui.screens.rule_add import RuleAddScreen
 from tensordbg.tui.screens.rule_edit import RuleEditScreen
 
@@ -65,7 +68,7 @@ class RulePanel(Vertical):
     @work(group="rules", exclusive=True)
     async def reload(self) -> None:
         try:
-            reply = await self.app.call("rules")  # type: ignore[attr-defined]
+            reply = await remote_of(self).rules()
         except RequestFailed as e:
             self._say(f"Could not read the rules: {e.message}", error=True)
             return
@@ -103,14 +106,17 @@ class RulePanel(Vertical):
             return action in ACTIONS.get(self.app.state, ())  # type: ignore[attr-defined]
         return True
 
+    def _served(self, method: str) -> bool:
+        """Whether the session serves ``method``; if not, the person is told why."""
+        return bool(self.app.served(method))  # type: ignore[attr-defined]
+
     def action_toggle(self) -> None:
         rule = self.current
-        if rule is not None:
+        if rule is not None and self._served("set_rule"):
+            enabled = not rule["enabled"]
             self._change(
-                "set_rule",
-                f"{rule['name']} {'off' if rule['enabled'] else 'on'}",
-                id=rule["id"],
-                enabled=not rule["enabled"],
+                f"{rule['name']} {'on' if enabled else 'off'}",
+                lambda remote: remote.set_rule(rule["id"], enabled=enabled),
             )
 
     @on(DataTable.RowSelected)
@@ -120,30 +126,39 @@ class RulePanel(Vertical):
 
     def action_edit(self) -> None:
         rule = self.current
-        if rule is None:
+        if rule is None or not self._served("set_rule"):
             return
 
         def edited(params: dict[str, Any] | None) -> None:
             if params is not None:
-                self._change("set_rule", f"{rule['name']} thresholds", id=rule["id"], params=params)
+                self._change(
+                    f"{rule['name']} thresholds",
+                    lambda remote: remote.set_rule(rule["id"], params=params),
+                )
 
         self.app.push_screen(RuleEditScreen(rule), edited)
 
     def action_add(self) -> None:
+        if not self._served("add_rule"):
+            return
         if not self._available:
             self._say("No rules are available to add.", error=True)
             return
 
         def chosen(spec: dict[str, Any] | None) -> None:
             if spec is not None:
-                self._change("add_rule", f"{spec['name']} added on {spec['match']}", **spec)
+                self._change(
+                    f"{spec['name']} added on {spec['match']}",
+                    lambda remote: remote.add_rule(spec["name"], spec["match"], spec["params"]),
+                )
 
         self.app.push_screen(RuleAddScreen(self._available), chosen)
 
     @work(group="rule-change")
-    async def _change(self, method: str, what: str, **params: Any) -> None:
+    async def _change(self, what: str, request: Callable[[Remote], Awaitable[Rule]]) -> None:
+        """Send a change of the rules (``request`` makes it), then show them as they are."""
         try:
-            await self.app.call(method, **params)  # type: ignore[attr-defined]
+            await request(remote_of(self))
         except RequestFailed as e:
             self._say(f"{what}: refused: {e.message}", error=True)
             return
@@ -152,9 +167,11 @@ class RulePanel(Vertical):
 
     @work(group="rule-change")
     async def action_recheck(self) -> None:
+        if not self._served("recheck"):
+            return
         self._say("Judging the current step again…")
         try:
-            hits = await self.app.call("recheck")  # type: ignore[attr-defined]
+            hits = await remote_of(self).recheck()
         except RequestFailed as e:
             self._say(f"Recheck refused: {e.message}", error=True)
             return

@@ -166,6 +166,9 @@ class RunStatus(VerticalScroll):
         elif "retain_bytes" in info:
             text.append("retaining ", style="dim")
             text.append(f"{info['retain_bytes'] / 2**20:.0f} MiB")
+        if "control" not in info.get("capabilities", ("control",)):
+            text.append("\nread-only ", style="dim")
+            text.append("a recorded run: it cannot be continued, stepped or paused")
         return text
 
 

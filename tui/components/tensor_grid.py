@@ -16,7 +16,7 @@ from typing import ClassVar
 import numpy as np
 from rich.segment import Segment
 from rich.style import Style
-from textual import on, work
+from textual import on
 from textual.binding import Binding, BindingType
 from textual.geometry import Size
 from textual.message import Message
@@ -25,7 +25,8 @@ from textual.strip import Strip
 
 from tensordbg.sources.slicing import grid_shape
 from tensordbg.transport.protocol import WireArray
-from tensordbg.tui.remote import RequestFailed
+from tensordbg.tui.errors import work
+from tensordbg.tui.remote import RequestFailed, remote_of
 
 BLOCK_ROWS = 64
 BLOCK_COLS = 16
@@ -264,7 +265,7 @@ class TensorGrid(ScrollView, can_focus=True):
             [bc * BLOCK_COLS, min((bc + 1) * BLOCK_COLS, self._cols)],
         ]
         try:
-            reply = await self.app.call("slice", ref=self._ref, text=self._text, window=window)  # type: ignore[attr-defined]
+            reply = await remote_of(self).slice(self._ref, self._text, window)
         except RequestFailed:  # logged by the app; the block shows "?" rather than retrying
             if generation == self._generation:
                 self._pending.discard(key)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from rich.text import Text
-from textual import on, work
+from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
@@ -16,7 +16,8 @@ from tensordbg.tui.components.histogram_view import HistogramView
 from tensordbg.tui.components.slice_input import SliceInput
 from tensordbg.tui.components.stats_compare import StatsCompare
 from tensordbg.tui.components.tensor_grid import TensorGrid
-from tensordbg.tui.remote import RequestFailed
+from tensordbg.tui.errors import work
+from tensordbg.tui.remote import RequestFailed, remote_of
 
 
 class TensorInspector(Vertical):
@@ -86,11 +87,11 @@ class TensorInspector(Vertical):
         if ref is None:
             return
         try:
-            stats = await self.app.call("stats", ref=ref, text=text)  # type: ignore[attr-defined]
+            stats = await remote_of(self).stats(ref, text)
         except RequestFailed as e:
             self._show_error(e.message)
             return
-        self.text = stats.get("index", text)
+        self.text = stats["index"]
         line = stats["line"]
         title = Text(self.tensor_name, style="bold")
         title.append(f"  ref {ref}", style="dim")
@@ -120,7 +121,7 @@ class TensorInspector(Vertical):
         unless another tensor or slice was opened meanwhile."""
         histogram = self.query_one(HistogramView)
         try:
-            hist = await self.app.call("histogram", ref=ref, text=text, bins=histogram.bins)  # type: ignore[attr-defined]
+            hist = await remote_of(self).histogram(ref, text, bins=histogram.bins)
         except RequestFailed as e:
             if self.ref == ref:
                 histogram.show_message(f"No histogram: {e.message}")

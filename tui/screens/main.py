@@ -1,20 +1,22 @@
 """The main screen: a tab per question a person asks of a paused training.
 
 It receives what the app learns (the hello reply, pushed events, state changes) and routes it to
-the widgets; widgets ask for their own data through ``app.call`` and report back with messages.
+the widgets; widgets ask for their own data through the app's typed client (``remote_of``) and
+report back with messages. What routes the training's data survives its own errors (``reported``).
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from textual import on, work
+from textual import on
 from textual.app import ComposeResult
 from textual.lazy import Lazy
 from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import DataTable, Footer, Header, TabbedContent, TabPane, Tabs, Tree
 
+from tensordbg.sources.contract import Welcome
 from tensordbg.tui.components.connection_banner import ConnectionBanner
 from tensordbg.tui.components.event_log import EventLog
 from tensordbg.tui.components.hit_detail import HitDetail
@@ -26,8 +28,9 @@ from tensordbg.tui.components.rule_panel import RulePanel
 from tensordbg.tui.components.run_status import RunStatus
 from tensordbg.tui.components.tensor_grid import TensorGrid
 from tensordbg.tui.components.tensor_inspector import TensorInspector
+from tensordbg.tui.errors import reported, work
 from tensordbg.tui.messages import HitsFound, OpenTensor
-from tensordbg.tui.remote import RequestFailed
+from tensordbg.tui.remote import RequestFailed, remote_of
 
 
 class Tab(NamedTuple):
@@ -115,9 +118,10 @@ class MainScreen(Screen):
 
     # --- what the app hands over -------------------------------------------------------------
 
-    def load_welcome(self, welcome: dict[str, Any]) -> None:
+    @reported
+    def load_welcome(self, welcome: Welcome) -> None:
         """A (re)connection: everything shown is re-read from the hello reply."""
-        info, hits = welcome["info"], welcome.get("hits", [])
+        info, hits = welcome["info"], welcome["hits"]
         self.banner.clear()
         self._lost_text = ""
         self.app.title = f"tensordbg · {info.get('script', '?')} · run {info.get('run_id', '?')}"
@@ -140,7 +144,8 @@ class MainScreen(Screen):
         self._welcomed = True
         self.reload()
 
-    def server_event(self, event: str, payload: dict[str, Any]) -> None:
+    @reported
+    def server_event(self, event: str, payload: Any) -> None:
         self.event_log.write_event(event, payload)
         if event == "status":
             self.run_status.add_status(payload)
@@ -235,10 +240,11 @@ class MainScreen(Screen):
 
     async def _load_model(self) -> None:
         """The model tree, the current phase's tensors and the rules."""
+        remote = remote_of(self)
         try:
-            modules = await self.app.call("modules")  # type: ignore[attr-defined]
+            modules = await remote.modules()
             self.module_browser.set_modules(modules)
-            tensors = await self.app.call("tensors")  # type: ignore[attr-defined]
+            tensors = await remote.tensors()
             self.module_browser.set_tensors(tensors)
             self.rule_panel.reload()
         except RequestFailed as e:
@@ -249,11 +255,12 @@ class MainScreen(Screen):
         """Paused again: where and why, the hits since, and the new phase's tensors. Paused on
         a hit, the Hits tab comes forward with that hit under the cursor, as a debugger shows
         where it stopped (Enter opens its tensor); paused by p or after s, the tab stays."""
+        remote = remote_of(self)
         try:
-            info = await self.app.call("info")  # type: ignore[attr-defined]
+            info = await remote.info()
             self.run_status.show_info(info)
             table = self.hit_table
-            hits = await self.app.call("hits", since=table.next_id)  # type: ignore[attr-defined]
+            hits = await remote.hits(since=table.next_id)
             table.merge(hits)
             if info.get("paused_at") and self.app.state == "paused":  # type: ignore[attr-defined]
                 self.show_tab("hits")
@@ -266,6 +273,7 @@ class MainScreen(Screen):
     # --- messages from the widgets -----------------------------------------------------------
 
     @on(OpenTensor)
+    @reported
     def _open_tensor(self, message: OpenTensor) -> None:
         if not (self.tensor_inspector.is_mounted and self.provenance_view.is_mounted):
             self.call_after_refresh(self._open_tensor, message)  # its tab is still mounting
@@ -275,6 +283,7 @@ class MainScreen(Screen):
         self.provenance_view.load(message.ref, message.module, message.call)
 
     @on(HitTable.Highlighted)
+    @reported
     def _hit_highlighted(self, message: HitTable.Highlighted) -> None:
         self.hit_detail.show(message.hit)
 
@@ -313,5 +322,6 @@ class MainScreen(Screen):
         return next(iter(self.query_one(f"#{pane}").query(target)), None)
 
     @on(HitsFound)
+    @reported
     def _hits_found(self, message: HitsFound) -> None:
         self.hit_table.merge(message.hits)
