@@ -12,7 +12,12 @@ from typing import Any
 
 import torch
 
-from tensordbg.engine.session import DEFAULT_RETAIN, DEFAULT_UPDATE_BUDGET, Session
+from tensordbg.engine.session import (
+    DEFAULT_RETAIN,
+    DEFAULT_UPDATE_BUDGET,
+    Session,
+    attached_to,
+)
 from tensordbg.hit import Hit, WatchpointHit
 from tensordbg.rules import Rule
 
@@ -36,6 +41,7 @@ def attach(
     ui_timeout: float | None = 30.0,
     run_id: str | None = None,
     rank: int | None = None,
+    replaceable: bool = False,
 ) -> Session:
     """Watch a model's training with watchpoint rules.
 
@@ -69,7 +75,15 @@ def attach(
             e.g. ``"0.0.0.0:5555"`` (every client still needs the key in the connection file).
         ui_timeout: seconds a paused training waits after the UI went away before it resumes
             with blocking watchpoints disarmed; None waits for ever.
+        replaceable: a later ``attach`` of the same model detaches this session and takes
+            over instead of refusing (``tensordbg run`` attaches this way, so a script that
+            attaches tensordbg itself keeps its own settings).
     """
+    existing = attached_to(model)
+    if existing is not None and existing.replaceable:
+        existing.detach()
+        print("tensordbg: this attach() replaces the session tensordbg run made for the model",
+              file=sys.stderr)  # fmt: skip
     session = Session(
         model,
         optimizer,
@@ -86,6 +100,7 @@ def attach(
         run_id=run_id,
         rank=rank,
     )
+    session.replaceable = replaceable
     try:
         if server:
             _start_server(session, remote, ui_timeout)
@@ -132,4 +147,4 @@ def _start_server(session: Session, remote: bool | str, ui_timeout: float | None
         )
 
 
-__all__ = ["attach"]
+__all__ = ["attach", "attached_to"]

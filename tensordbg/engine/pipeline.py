@@ -327,7 +327,8 @@ class Pipeline:
         if not self.hitlog.add(hit, active):
             return
         self.bus.publish("hit", hit.as_dict())
-        if self.controller.should_pause(hit, repeated):
+        # A callable on_hit hears every hit; pause and raise stop at new origins only.
+        if callable(self.on_hit) or self.controller.should_pause(hit, repeated):
             self._pausing.append(hit)
 
     # --- pausing -----------------------------------------------------------------------------

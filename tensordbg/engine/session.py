@@ -76,6 +76,8 @@ class Session(Pipeline, OptimizerPhase):
     """
 
     passthrough: tuple[type[BaseException], ...] = (WatchpointHit,)
+    replaceable = False
+    """Whether a later ``attach`` of the same model replaces this session (``tensordbg run``)."""
 
     def __init__(
         self,

@@ -19,8 +19,8 @@ import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from tensordbg.api import attach
-from tensordbg.engine.session import Session, attached_to
+from tensordbg.api import attach, attached_to
+from tensordbg.engine.session import Session
 from tensordbg.rules import Rule
 
 
@@ -65,7 +65,7 @@ class ScriptRun:
         if attached_to(module) is not None:  # the script attaches tensordbg itself: let it
             print("tensordbg run: the script attaches tensordbg itself", file=sys.stderr)
             return
-        self.session = attach(module, rules=self.rules, **self.attach_args)
+        self.session = attach(module, rules=self.rules, replaceable=True, **self.attach_args)
         # This very call began before the model's own hooks existed: enter it by hand.
         self.session.capture.on_enter(module, args, {})
         print(

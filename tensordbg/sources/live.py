@@ -212,7 +212,8 @@ class LiveSource:
         return {"state": control.state, "step": self.session.step}
 
     def subscribe(self, callback: EventCallback) -> Callable[[], None]:
-        return self.session.subscribe(callback)
+        # The UI's feed only: the engine's own events (phase_end's records) do not cross.
+        return self.session.bus.subscribe(callback, events=contract.EVENTS)
 
     # --- the UI's presence ---------------------------------------------------------------------
 
