@@ -22,307 +22,47 @@ while that phase is retained (while paused, in practice).
 
 from __future__ import annotations
 
-import functools
 import inspect
 import sys
-import types
-import typing
 from collections.abc import Callable, Collection
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 if sys.version_info >= (3, 11):
-    from typing import NotRequired, TypedDict, get_type_hints
-else:  # typing's TypedDict learnt NotRequired in 3.11
-    from typing_extensions import NotRequired, TypedDict, get_type_hints
-
-TrainingState = Literal["running", "paused", "detached", "finished"]
-
-
-# --- the wire schema -----------------------------------------------------------------------------
-
-
-class Summary(TypedDict, total=False):
-    """What is known of a tensor's statistics: every field of
-    :meth:`tensordbg.statistics.Summary.as_dict` when they were computed, else the ones the rules
-    asked for, and any other statistic by name (``zero_frac``...); moments are over finite
-    elements. Listings add the tensor's ``shape``, ``dtype`` and the ``step`` it is from."""
-
-    numel: int
-    # Counts, but numbers in general: a partial summary carries the rules' values, floats.
-    nan: float
-    posinf: float
-    neginf: float
-    zeros: float
-    min: float
-    max: float
-    mean: float
-    std: float
-    abs_mean: float
-    l2: float
-    shape: list[int]
-    dtype: str
-    step: int
-
-
-class Hit(TypedDict):
-    """One watchpoint that fired (:meth:`tensordbg.hit.Hit.as_dict`)."""
-
-    id: int
-    rule: str
-    tensor: str
-    module: str  # "" is the root model
-    kind: str
-    step: int
-    phase: str
-    origin: bool  # where the problem was produced, not passed on
-    value: float
-    threshold: float | None
-    message: str
-    ref: int
-    call: int
-    summary: Summary
-
-
-class History(TypedDict):
-    """The last few hundred completed steps, one list a column."""
-
-    step: list[int]
-    loss: list[float | None]
-    grad_norm: list[float | None]
-    steps_per_sec: list[float | None]
-
-
-class Info(TypedDict):
-    """The session at a glance."""
-
-    run_id: str
-    rank: int
-    pid: int
-    script: str
-    model: str
-    device: str
-    torch: str
-    live: bool  # False for a dump
-    state: TrainingState
-    step: int
-    phase: str
-    on_hit: str
-    sync: str  # "eager", "batched" or "deferred"
-    paused_at: Hit | None
-    pause_reason: str  # why it is paused; "" while it is not
-    hits_total: int
-    retain_bytes: int
-    history: History
-    capabilities: list[str]  # the requests the source serves; filled in by dispatch()
-    started: NotRequired[float]  # time.time() when the source started serving
-
-
-class Module(TypedDict):
-    """A module of the model tree, with its latest statistics by kind (``output``...)."""
-
-    path: str
-    type: str
-    depth: int
-    params: int
-    hits: int  # hits on this module so far
-    calls: int  # calls in the latest root forward
-    stats: dict[str, Summary]
-
-
-class Tensor(TypedDict):
-    """A watched tensor of the current phase."""
-
-    ref: int
-    name: str
-    module: str
-    kind: str
-    call: int
-    shape: list[int]
-    dtype: str
-    retained: bool
-    summary: Summary | None
-    # Modules that returned this very tensor as their own output (a block returning its last
-    # layer's output): their tensor lists show it too.
-    passed_up: list[str]
-
-
-class Previous(TypedDict):
-    step: int
-    summary: Summary
-
-
-class Stats(TypedDict):
-    """Statistics of a tensor or of a slice of it."""
-
-    ref: int
-    name: str
-    step: int
-    index: str  # the slice as parsed, "" for all
-    shape: list[int]
-    dtype: str
-    summary: Summary
-    line: str  # the one-line summary a person reads
-    previous: Previous | None  # the same tensor at the last step it was seen
-
-
-@runtime_checkable
-class ArrayData(Protocol):
-    """Tensor values on the wire: what ``tensordbg.transport.protocol.WireArray`` provides."""
-
-    dtype: str
-    shape: tuple[int, ...]
-
-    def to_numpy(self) -> Any: ...
-
-
-class Slice(TypedDict):
-    """A window of the values of a slice, viewed as 2-D (rows x cols)."""
-
-    ref: int
-    index: str
-    shape: list[int]  # of the slice
-    rows: int
-    cols: int
-    window: list[list[int]]  # [[row0, row1], [col0, col1]]
-    dtype: str
-    data: ArrayData  # the window, 2-D
-
-
-class Histogram(TypedDict):
-    ref: int
-    index: str
-    edges: list[float]  # bins + 1
-    counts: list[int]  # bins
-    nan: int
-    posinf: int
-    neginf: int
-    min: float
-    max: float
-
-
-class CallSite(TypedDict):
-    """One call of a module."""
-
-    module: str
-    type: str
-    call: int
-
-
-class ProvenanceInput(TypedDict):
-    ref: int | None
-    name: str
-    module: str
-    shape: list[int]
-    dtype: str
-    line: str
-    nonfinite: bool | None  # None: not checked
-
-
-class SourceLine(TypedDict):
-    """The user's line of a call, with the lines around it as ``[number, text]``."""
-
-    file: str
-    line: int
-    function: str
-    context: list[list[int | str]]
-
-
-class Provenance(TypedDict):
-    """Where a tensor came from."""
-
-    ref: int
-    name: str
-    kind: str
-    producer: CallSite | None
-    returned_by: CallSite | None  # a submodule that returned what its parent's own code made
-    inputs: list[ProvenanceInput]
-    consumers: list[CallSite]
-    source: SourceLine | None
-    stack: list[list[str | int]]  # [file, line, function], innermost last
-
-
-class Rule(TypedDict):
-    """A rule of the session."""
-
-    id: int
-    name: str
-    enabled: bool
-    doc: str
-    params: dict[str, Any]
-    match: list[str]
-    exclude: list[str]
-    kinds: list[str]
-    disabled_reason: str | None
-    hits: int
-    pending: NotRequired[bool]
-    """True when the training runs: the edit is made at its next hook, and this is the rule as
-    it will be then."""
-
-
-class AvailableRule(TypedDict):
-    """A rule that can be added, with its default thresholds."""
-
-    name: str
-    doc: str
-    params: dict[str, Any]
-
-
-class Rules(TypedDict):
-    rules: list[Rule]
-    available: list[AvailableRule]
-
-
-class Control(TypedDict):
-    state: TrainingState
-    step: int
-
-
-class Welcome(TypedDict):
-    """The reply to the transport's ``hello``: the whole current state, for a (re)connecting UI."""
-
-    protocol: int
-    info: Info
-    hits: list[Hit]
-
-
-class StepNumbers(TypedDict):
-    """The numbers of a completed step: a row of ``Info.history``."""
-
-    step: int
-    loss: float | None
-    grad_norm: float | None
-    steps_per_sec: float | None
-
-
-class StatusEvent(TypedDict):
-    """Pushed after every step."""
-
-    state: TrainingState
-    step: int  # the step running now
-    phase: str
-    hits_total: int
-    last: StepNumbers | None  # the step just completed
-
-
-class StateEvent(TypedDict):
-    state: TrainingState
-    step: int
-    reason: NotRequired[str]  # why it paused, when it did
-
-
-class LogEvent(TypedDict):
-    level: str  # "info", "warning" or "error"
-    message: str
-    step: int
-
-
-EVENTS: dict[str, Any] = {
-    "status": StatusEvent,
-    "hit": Hit,
-    "state": StateEvent,
-    "log": LogEvent,
-}
-"""The events a source pushes, and their payloads."""
+    from typing import get_type_hints
+else:
+    from typing_extensions import get_type_hints
+
+from tensordbg.sources.checking import SchemaError as SchemaError
+from tensordbg.sources.checking import check as check
+from tensordbg.sources.checking import conforms as conforms
+from tensordbg.sources.schema import EVENTS as EVENTS
+
+# The schema's names, re-exported: the contract is where a reader looks for them.
+from tensordbg.sources.schema import ArrayData as ArrayData
+from tensordbg.sources.schema import AvailableRule as AvailableRule
+from tensordbg.sources.schema import CallSite as CallSite
+from tensordbg.sources.schema import Control as Control
+from tensordbg.sources.schema import Histogram as Histogram
+from tensordbg.sources.schema import History as History
+from tensordbg.sources.schema import Hit as Hit
+from tensordbg.sources.schema import Info as Info
+from tensordbg.sources.schema import LogEvent as LogEvent
+from tensordbg.sources.schema import Module as Module
+from tensordbg.sources.schema import Previous as Previous
+from tensordbg.sources.schema import Provenance as Provenance
+from tensordbg.sources.schema import ProvenanceInput as ProvenanceInput
+from tensordbg.sources.schema import Rule as Rule
+from tensordbg.sources.schema import Rules as Rules
+from tensordbg.sources.schema import Slice as Slice
+from tensordbg.sources.schema import SourceLine as SourceLine
+from tensordbg.sources.schema import StateEvent as StateEvent
+from tensordbg.sources.schema import Stats as Stats
+from tensordbg.sources.schema import StatusEvent as StatusEvent
+from tensordbg.sources.schema import StepNumbers as StepNumbers
+from tensordbg.sources.schema import Summary as Summary
+from tensordbg.sources.schema import Tensor as Tensor
+from tensordbg.sources.schema import TrainingState as TrainingState
+from tensordbg.sources.schema import Welcome as Welcome
 
 EventCallback = Callable[[str, dict[str, Any]], None]
 """``callback(event, payload)`` with an event of :data:`EVENTS`; it may be called from the training
@@ -506,204 +246,9 @@ def dispatch(source: Source, method: str, params: dict[str, Any]) -> Any:
     except TypeError as e:
         raise SourceError(f"bad parameters for {method!r}: {e}") from None
     for name, value in params.items():
-        if _checker(_HINTS[method][name])(value, False) is not None:
+        if not conforms(value, _HINTS[method][name]):
             raise SourceError(f"parameter {name!r} of {method!r} cannot be {value!r}")
     reply = getattr(source, method)(**params)
     if method == "info":
         reply = {**reply, "capabilities": sorted(serves)}
     return reply
-
-
-# --- checking values against the schema -----------------------------------------------------------
-
-
-class SchemaError(ValueError):
-    """A value that does not match its schema; the message says where and how.
-
-    >>> check({"state": "paused"}, Control, name="control")
-    SchemaError: control: missing 'step'
-    """
-
-
-def check(value: Any, schema: Any, *, name: str = "reply", strict: bool = False) -> None:
-    """Raise :class:`SchemaError` unless ``value`` matches ``schema`` (a TypedDict above, or a
-    type hint made of them: ``list[Hit]``, ``Hit | None``...).
-
-    Keys a TypedDict does not name are let through (a newer source may send more, and the UI
-    ignores what it does not know) unless ``strict``, as the conformance tests ask, so that the
-    schema here stays complete; a :class:`Summary` is open to any statistic either way.
-
-    >>> check(source.stats(3), Stats)
-    """
-    problem = _checker(schema)(value, strict)
-    if problem is not None:
-        raise SchemaError(name + problem)
-
-
-def conforms(value: Any, schema: Any) -> bool:
-    """Whether ``value`` matches ``schema`` (as :func:`check`, without the reason)."""
-    return _checker(schema)(value, False) is None
-
-
-_OPEN = (Summary,)  # TypedDicts that may hold keys they do not name, even when strict
-
-Checker = Callable[[Any, bool], "str | None"]
-"""``checker(value, strict)``: None when the value matches, else where and what is wrong, as a
-path under the value and a reason (``".summary.nan: expected float, got '2'"``). A reply is
-checked on the UI's event loop: a schema is turned into a checker once, and a checker builds
-the path only for what is wrong."""
-
-
-@functools.cache
-def _checker(hint: Any) -> Checker:
-    if hint is Any:
-        return lambda value, strict: None
-    if _is_typeddict(hint):
-        return _typeddict_checker(hint)
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return _union_checker(hint)
-    if origin is Literal:
-        allowed = typing.get_args(hint)
-        what = " or ".join(map(repr, allowed))
-        return lambda value, strict: None if value in allowed else _expected(what, value)
-    if origin is list:
-        (item,) = typing.get_args(hint) or (Any,)
-        return _list_checker(_checker(item))
-    if origin is dict:
-        _, item = typing.get_args(hint) or (str, Any)
-        return _dict_checker(_checker(item))
-    return _kind_checker(hint)
-
-
-def _typeddict_checker(schema: Any) -> Checker:
-    name = schema.__name__
-    is_open = schema in _OPEN
-    fields: dict[str, Checker] = {}
-    required = []
-    # Not __required_keys__: it is wrong under `from __future__ import annotations` before 3.12.
-    for key, hint in get_type_hints(schema, include_extras=True).items():
-        if typing.get_origin(hint) is NotRequired:
-            (hint,) = typing.get_args(hint)
-        elif schema.__total__:
-            required.append(key)
-        fields[key] = _checker(hint)
-
-    def check_typeddict(value: Any, strict: bool) -> str | None:
-        if not isinstance(value, dict):
-            return _expected(f"an object ({name})", value)
-        missing = [key for key in required if key not in value]
-        if missing:
-            return f": missing {', '.join(map(repr, missing))}"
-        for key, item in value.items():
-            checker = fields.get(key)
-            if checker is None:
-                if strict and not is_open:
-                    return f": {key!r} is not in the schema of {name}"
-                continue
-            problem = checker(item, strict)
-            if problem is not None:
-                return f".{key}{problem}"
-        return None
-
-    return check_typeddict
-
-
-def _union_checker(hint: Any) -> Checker:
-    options = typing.get_args(hint)
-    checkers = [(_checker(h), _kind_fits(h)) for h in options]
-    what = " or ".join(_name(h) for h in options)
-
-    def check_union(value: Any, strict: bool) -> str | None:
-        if any(checker(value, strict) is None for checker, _ in checkers):
-            return None
-        # The reason of the one option of the value's kind, if any: deeper than "expected".
-        for checker, fits in checkers:
-            if value is not None and fits(value):
-                return checker(value, strict)
-        return _expected(what, value)
-
-    return check_union
-
-
-def _list_checker(item: Checker) -> Checker:
-    def check_list(value: Any, strict: bool) -> str | None:
-        if not isinstance(value, list):
-            return _expected("a list", value)
-        for i, v in enumerate(value):
-            problem = item(v, strict)
-            if problem is not None:
-                return f"[{i}]{problem}"
-        return None
-
-    return check_list
-
-
-def _dict_checker(item: Checker) -> Checker:
-    def check_dict(value: Any, strict: bool) -> str | None:
-        if not isinstance(value, dict):
-            return _expected("an object", value)
-        for key, v in value.items():
-            if not isinstance(key, str):
-                return f" key{_expected('str', key)}"
-            problem = item(v, strict)
-            if problem is not None:
-                return f".{key}{problem}"
-        return None
-
-    return check_dict
-
-
-def _kind_checker(hint: Any) -> Checker:
-    fits = _kind_fits(hint)
-    what = _name(hint)
-    return lambda value, strict: None if fits(value) else _expected(what, value)
-
-
-def _kind_fits(hint: Any) -> Callable[[Any], bool]:
-    """Whether a value is of the plain kind ``hint`` names (a bool is no number here)."""
-    origin = typing.get_origin(hint) or hint
-    if hint is type(None):
-        return lambda value: value is None
-    if _is_typeddict(hint) or origin is dict:
-        return lambda value: isinstance(value, dict)
-    if origin is list:
-        return lambda value: isinstance(value, list)
-    if origin is Literal:
-        return lambda value: isinstance(value, str)
-    if hint is float:
-        return lambda value: (
-            type(value) is float
-            or (isinstance(value, (int, float)) and not isinstance(value, bool))
-        )
-    if hint is int:
-        return lambda value: (
-            type(value) is int or (isinstance(value, int) and not isinstance(value, bool))
-        )
-    if isinstance(origin, type):
-        return lambda value: isinstance(value, origin)
-    return lambda value: False
-
-
-def _is_typeddict(hint: Any) -> bool:
-    return isinstance(hint, type) and issubclass(hint, dict) and hasattr(hint, "__total__")
-
-
-def _name(hint: Any) -> str:
-    if hint is type(None):
-        return "None"
-    if _is_typeddict(hint):
-        return f"an object ({hint.__name__})"
-    origin = typing.get_origin(hint)
-    if origin is list:
-        return "a list"
-    if origin is dict:
-        return "an object"
-    return getattr(hint, "__name__", str(hint))
-
-
-def _expected(what: str, value: Any) -> str:
-    shown = repr(value)
-    if len(shown) > 60:
-        shown = shown[:57] + "..."
-    return f": expected {what}, got {shown}"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import linecache
 import math
 import os
 import sys
@@ -24,11 +23,13 @@ import torch
 
 from tensordbg.engine.control import NotPaused
 from tensordbg.engine.judge import ActiveRule
-from tensordbg.engine.records import Call, Record
+from tensordbg.engine.records import Record
 from tensordbg.engine.session import Session
 from tensordbg.rules import Rule, available_rules
 from tensordbg.sources import contract
 from tensordbg.sources.contract import EventCallback, SourceError
+from tensordbg.sources.provenance import brief as _brief
+from tensordbg.sources.provenance import provenance
 from tensordbg.sources.slicing import (
     SliceError,
     apply_index,
@@ -38,11 +39,10 @@ from tensordbg.sources.slicing import (
     parse_index,
     window_of,
 )
-from tensordbg.statistics import Summary, TensorStats
+from tensordbg.statistics import Summary
 from tensordbg.statistics.torch_kernels import dtype_name, summarize
 from tensordbg.transport.protocol import DTYPES, MAX_REPLY_BYTES, WireArray
 
-CONTEXT_LINES = 3
 MAX_BINS = 1024
 # Words that carry each dtype on the wire, as torch dtypes to .view() the tensor as.
 _WIRE_VIEW = {"bfloat16": torch.int16, "float8_e4m3fn": torch.uint8, "float8_e4m3fnuz": torch.uint8,
@@ -354,47 +354,8 @@ class LiveSource:
         return self._on_training_thread(work)
 
     def provenance(self, ref: int, module: str | None = None, call: int = 0) -> contract.Provenance:
-        record = self._record(ref, need_tensor=False)
-        forward = record.grad_of or record
-        producer = forward.producer
-        returned_by = None
-        if module is not None and producer is not None:
-            chosen = next(
-                (c for c in forward.passed_up if c.path == module and c.index == call), None
-            )
-            if chosen is not None:  # made by this module's own code, returned by a submodule
-                returned_by, producer = producer, chosen
-        site = producer or (forward.consumers[0] if forward.consumers else None)
-        owner = self.session.params_by_name.get(record.param)
-        name = record.stats.name
-        if returned_by is not None and producer is not None:
-            suffix = forward.suffix
-            name = producer.tensor_name("output", suffix)
-        out: dict[str, Any] = {
-            "ref": ref,
-            "name": name,
-            "kind": record.stats.kind,
-            "producer": _call_dict(producer) if producer else None,
-            "returned_by": _call_dict(returned_by) if returned_by else None,
-            "inputs": [],
-            "consumers": [_call_dict(c) for c in forward.consumers],
-            "source": None,
-            "stack": [],
-        }
-        if producer is not None:
-            out["inputs"] = [_input_dict(r) for _, r in producer.inputs]
-        elif owner is not None:
-            calls = self.session.capture.calls_by_path.get(owner.owner, [])
-            out["producer"] = {"module": owner.owner, "type": owner.owner_type, "call": 0}
-            # A parameter is consumed by its module's calls; its gradient and its update by
-            # the optimizer, which is no module call.
-            used = record.stats.kind == "param"
-            out["consumers"] = [_call_dict(c) for c in calls] if used else []
-            site = calls[0] if calls else None
-        if site is not None:
-            out["source"] = _source(site)
-            out["stack"] = _stack(site)
-        return out
+        """Where a value came from (see :mod:`.provenance`)."""
+        return provenance(self.session, self._record(ref, need_tensor=False), module, call)
 
     def recheck(self) -> list[contract.Hit]:
         return self._on_training_thread(lambda: [h.as_dict() for h in self.session.recheck()])
@@ -447,22 +408,6 @@ def _wire(block: torch.Tensor, dtype: str) -> WireArray:
     return WireArray(dtype, tuple(block.shape), array.view(storage))
 
 
-def _brief(stats: TensorStats) -> dict[str, Any]:
-    """What is known of a tensor's statistics: its summary when computed, else the values the
-    rules asked for (a partial summary), with its shape."""
-    if stats.summary is not None:
-        out: dict[str, Any] = stats.summary.as_dict()
-    else:
-        out = {"numel": stats.numel}
-        for stat, value in stats.values.items():
-            if not stat.params:
-                out[stat.name] = value
-    out["shape"] = list(stats.shape)
-    out["dtype"] = stats.dtype
-    out["step"] = stats.step
-    return out
-
-
 def _listing(record: Record) -> dict[str, Any]:
     stats = record.stats
     return {
@@ -479,62 +424,6 @@ def _listing(record: Record) -> dict[str, Any]:
         # last layer's output): their tensor lists show it too.
         "passed_up": list(dict.fromkeys(c.path for c in record.passed_up)),
     }
-
-
-def _call_dict(call: Call) -> dict[str, Any]:
-    return {"module": call.path, "type": call.module_type, "call": call.index}
-
-
-def _input_dict(record: Record) -> dict[str, Any]:
-    stats = record.stats
-    producer = record.producer
-    return {
-        "ref": stats.ref,
-        "name": stats.name,
-        "module": producer.path if producer else stats.module,
-        "shape": list(stats.shape),
-        "dtype": stats.dtype,
-        "line": stats.line() if stats.summary else _range_line(stats),
-        "nonfinite": stats.nonfinite,
-    }
-
-
-def _range_line(stats: TensorStats) -> str:
-    brief = _brief(stats)
-    lo, hi = brief.get("min"), brief.get("max")
-    head = stats.line()
-    if lo is None or hi is None:
-        return head
-    return f"{head} x∈[{lo:.3g}, {hi:.3g}]"
-
-
-def _source(call: Call) -> dict[str, Any] | None:
-    if call.site is None:
-        return None
-    code, line = call.site
-    filename = code.co_filename
-    lines = range(max(1, line - CONTEXT_LINES), line + CONTEXT_LINES + 1)
-    context = [[n, linecache.getline(filename, n).rstrip("\n")] for n in lines]
-    return {
-        "file": filename,
-        "line": line,
-        "function": code.co_name,
-        "context": [c for c in context if c[1] or c[0] <= line],
-    }
-
-
-def _stack(call: Call) -> list[list[Any]]:
-    """The user's lines from the training loop down to the call: one per enclosing module call
-    made from a line of its own (a container's children share the container's line)."""
-    chain = [call, *call.ancestors()]
-    frames: list[list[Any]] = []
-    for c in reversed(chain):
-        if c.site is not None:
-            code, line = c.site
-            frame = [code.co_filename, line, code.co_name]
-            if not frames or frames[-1] != frame:  # a container's child: the same user line
-                frames.append(frame)
-    return frames
 
 
 def _rule_dict(active: Any) -> dict[str, Any]:

@@ -1,0 +1,131 @@
+"""Provenance: which module call produced a value, from which inputs, at which line of the
+user's code, and who consumed it; read from the call tree the hooks recorded."""
+
+from __future__ import annotations
+
+import linecache
+from typing import Any
+
+from tensordbg.engine.records import Call, Record
+from tensordbg.sources import contract
+from tensordbg.statistics import TensorStats
+
+CONTEXT_LINES = 3
+
+
+def provenance(
+    session: Any, record: Record, module: str | None = None, call: int = 0
+) -> contract.Provenance:
+    """Where ``record``'s value came from; ``module``/``call`` pick the enclosing call that
+    made it when a submodule only returned it."""
+    ref = record.stats.ref
+    forward = record.grad_of or record
+    producer = forward.producer
+    returned_by = None
+    if module is not None and producer is not None:
+        chosen = next((c for c in forward.passed_up if c.path == module and c.index == call), None)
+        if chosen is not None:  # made by this module's own code, returned by a submodule
+            returned_by, producer = producer, chosen
+    site = producer or (forward.consumers[0] if forward.consumers else None)
+    owner = session.params_by_name.get(record.param)
+    name = record.stats.name
+    if returned_by is not None and producer is not None:
+        suffix = forward.suffix
+        name = producer.tensor_name("output", suffix)
+    out: dict[str, Any] = {
+        "ref": ref,
+        "name": name,
+        "kind": record.stats.kind,
+        "producer": _call_dict(producer) if producer else None,
+        "returned_by": _call_dict(returned_by) if returned_by else None,
+        "inputs": [],
+        "consumers": [_call_dict(c) for c in forward.consumers],
+        "source": None,
+        "stack": [],
+    }
+    if producer is not None:
+        out["inputs"] = [_input_dict(r) for _, r in producer.inputs]
+    elif owner is not None:
+        calls = session.capture.calls_by_path.get(owner.owner, [])
+        out["producer"] = {"module": owner.owner, "type": owner.owner_type, "call": 0}
+        # A parameter is consumed by its module's calls; its gradient and its update by
+        # the optimizer, which is no module call.
+        used = record.stats.kind == "param"
+        out["consumers"] = [_call_dict(c) for c in calls] if used else []
+        site = calls[0] if calls else None
+    if site is not None:
+        out["source"] = _source(site)
+        out["stack"] = _stack(site)
+    return out
+
+
+def brief(stats: TensorStats) -> dict[str, Any]:
+    """What is known of a tensor's statistics: its summary when computed, else the values the
+    rules asked for (a partial summary), with its shape."""
+    if stats.summary is not None:
+        out: dict[str, Any] = stats.summary.as_dict()
+    else:
+        out = {"numel": stats.numel}
+        for stat, value in stats.values.items():
+            if not stat.params:
+                out[stat.name] = value
+    out["shape"] = list(stats.shape)
+    out["dtype"] = stats.dtype
+    out["step"] = stats.step
+    return out
+
+
+def _call_dict(call: Call) -> dict[str, Any]:
+    return {"module": call.path, "type": call.module_type, "call": call.index}
+
+
+def _input_dict(record: Record) -> dict[str, Any]:
+    stats = record.stats
+    producer = record.producer
+    return {
+        "ref": stats.ref,
+        "name": stats.name,
+        "module": producer.path if producer else stats.module,
+        "shape": list(stats.shape),
+        "dtype": stats.dtype,
+        "line": stats.line() if stats.summary else _range_line(stats),
+        "nonfinite": stats.nonfinite,
+    }
+
+
+def _range_line(stats: TensorStats) -> str:
+    summary = brief(stats)
+    lo, hi = summary.get("min"), summary.get("max")
+    head = stats.line()
+    if lo is None or hi is None:
+        return head
+    return f"{head} x∈[{lo:.3g}, {hi:.3g}]"
+
+
+def _source(call: Call) -> dict[str, Any] | None:
+    if call.site is None:
+        return None
+    code, line = call.site
+    filename = code.co_filename
+    lines = range(max(1, line - CONTEXT_LINES), line + CONTEXT_LINES + 1)
+    context = [[n, linecache.getline(filename, n).rstrip("\n")] for n in lines]
+    return {
+        "file": filename,
+        "line": line,
+        "function": code.co_name,
+        "context": [c for c in context if c[1] or c[0] <= line],
+    }
+
+
+def _stack(call: Call) -> list[list[Any]]:
+    """The user's lines from the training loop down to the call: one per enclosing module call
+    made from a line of its own (a container's children share the container's line)."""
+    chain = [call, *call.ancestors()]
+    frames: list[list[Any]] = []
+    for c in reversed(chain):
+        if c.site is not None:
+            code, line = c.site
+            frame = [code.co_filename, line, code.co_name]
+            if not frames or frames[-1] != frame:  # a container's child: the same user line
+                frames.append(frame)
+    return frames

@@ -1,0 +1,299 @@
+"""The schema of every reply and event on the wire between a source and a UI: plain
+TypedDicts, whose field names are the protocol. :mod:`.checking` validates values against them;
+:mod:`.contract` says which request answers with which."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Literal, Protocol, runtime_checkable
+
+if sys.version_info >= (3, 11):
+    from typing import NotRequired, TypedDict
+else:  # typing's TypedDict learnt NotRequired in 3.11
+    from typing_extensions import NotRequired, TypedDict
+
+TrainingState = Literal["running", "paused", "detached", "finished"]
+
+
+class Summary(TypedDict, total=False):
+    """What is known of a tensor's statistics: every field of
+    :meth:`tensordbg.statistics.Summary.as_dict` when they were computed, else the ones the rules
+    asked for, and any other statistic by name (``zero_frac``...); moments are over finite
+    elements. Listings add the tensor's ``shape``, ``dtype`` and the ``step`` it is from."""
+
+    numel: int
+    # Counts, but numbers in general: a partial summary carries the rules' values, floats.
+    nan: float
+    posinf: float
+    neginf: float
+    zeros: float
+    min: float
+    max: float
+    mean: float
+    std: float
+    abs_mean: float
+    l2: float
+    shape: list[int]
+    dtype: str
+    step: int
+
+
+class Hit(TypedDict):
+    """One watchpoint that fired (:meth:`tensordbg.hit.Hit.as_dict`)."""
+
+    id: int
+    rule: str
+    tensor: str
+    module: str  # "" is the root model
+    kind: str
+    step: int
+    phase: str
+    origin: bool  # where the problem was produced, not passed on
+    value: float
+    threshold: float | None
+    message: str
+    ref: int
+    call: int
+    summary: Summary
+
+
+class History(TypedDict):
+    """The last few hundred completed steps, one list a column."""
+
+    step: list[int]
+    loss: list[float | None]
+    grad_norm: list[float | None]
+    steps_per_sec: list[float | None]
+
+
+class Info(TypedDict):
+    """The session at a glance."""
+
+    run_id: str
+    rank: int
+    pid: int
+    script: str
+    model: str
+    device: str
+    torch: str
+    live: bool  # False for a dump
+    state: TrainingState
+    step: int
+    phase: str
+    on_hit: str
+    sync: str  # "eager", "batched" or "deferred"
+    paused_at: Hit | None
+    pause_reason: str  # why it is paused; "" while it is not
+    hits_total: int
+    retain_bytes: int
+    history: History
+    capabilities: list[str]  # the requests the source serves; filled in by dispatch()
+    started: NotRequired[float]  # time.time() when the source started serving
+
+
+class Module(TypedDict):
+    """A module of the model tree, with its latest statistics by kind (``output``...)."""
+
+    path: str
+    type: str
+    depth: int
+    params: int
+    hits: int  # hits on this module so far
+    calls: int  # calls in the latest root forward
+    stats: dict[str, Summary]
+
+
+class Tensor(TypedDict):
+    """A watched tensor of the current phase."""
+
+    ref: int
+    name: str
+    module: str
+    kind: str
+    call: int
+    shape: list[int]
+    dtype: str
+    retained: bool
+    summary: Summary | None
+    # Modules that returned this very tensor as their own output (a block returning its last
+    # layer's output): their tensor lists show it too.
+    passed_up: list[str]
+
+
+class Previous(TypedDict):
+    step: int
+    summary: Summary
+
+
+class Stats(TypedDict):
+    """Statistics of a tensor or of a slice of it."""
+
+    ref: int
+    name: str
+    step: int
+    index: str  # the slice as parsed, "" for all
+    shape: list[int]
+    dtype: str
+    summary: Summary
+    line: str  # the one-line summary a person reads
+    previous: Previous | None  # the same tensor at the last step it was seen
+
+
+@runtime_checkable
+class ArrayData(Protocol):
+    """Tensor values on the wire: what ``tensordbg.transport.protocol.WireArray`` provides."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+    def to_numpy(self) -> Any: ...
+
+
+class Slice(TypedDict):
+    """A window of the values of a slice, viewed as 2-D (rows x cols)."""
+
+    ref: int
+    index: str
+    shape: list[int]  # of the slice
+    rows: int
+    cols: int
+    window: list[list[int]]  # [[row0, row1], [col0, col1]]
+    dtype: str
+    data: ArrayData  # the window, 2-D
+
+
+class Histogram(TypedDict):
+    ref: int
+    index: str
+    edges: list[float]  # bins + 1
+    counts: list[int]  # bins
+    nan: int
+    posinf: int
+    neginf: int
+    min: float
+    max: float
+
+
+class CallSite(TypedDict):
+    """One call of a module."""
+
+    module: str
+    type: str
+    call: int
+
+
+class ProvenanceInput(TypedDict):
+    ref: int | None
+    name: str
+    module: str
+    shape: list[int]
+    dtype: str
+    line: str
+    nonfinite: bool | None  # None: not checked
+
+
+class SourceLine(TypedDict):
+    """The user's line of a call, with the lines around it as ``[number, text]``."""
+
+    file: str
+    line: int
+    function: str
+    context: list[list[int | str]]
+
+
+class Provenance(TypedDict):
+    """Where a tensor came from."""
+
+    ref: int
+    name: str
+    kind: str
+    producer: CallSite | None
+    returned_by: CallSite | None  # a submodule that returned what its parent's own code made
+    inputs: list[ProvenanceInput]
+    consumers: list[CallSite]
+    source: SourceLine | None
+    stack: list[list[str | int]]  # [file, line, function], innermost last
+
+
+class Rule(TypedDict):
+    """A rule of the session."""
+
+    id: int
+    name: str
+    enabled: bool
+    doc: str
+    params: dict[str, Any]
+    match: list[str]
+    exclude: list[str]
+    kinds: list[str]
+    disabled_reason: str | None
+    hits: int
+    pending: NotRequired[bool]
+    """True when the training runs: the edit is made at its next hook, and this is the rule as
+    it will be then."""
+
+
+class AvailableRule(TypedDict):
+    """A rule that can be added, with its default thresholds."""
+
+    name: str
+    doc: str
+    params: dict[str, Any]
+
+
+class Rules(TypedDict):
+    rules: list[Rule]
+    available: list[AvailableRule]
+
+
+class Control(TypedDict):
+    state: TrainingState
+    step: int
+
+
+class Welcome(TypedDict):
+    """The reply to the transport's ``hello``: the whole current state, for a (re)connecting UI."""
+
+    protocol: int
+    info: Info
+    hits: list[Hit]
+
+
+class StepNumbers(TypedDict):
+    """The numbers of a completed step: a row of ``Info.history``."""
+
+    step: int
+    loss: float | None
+    grad_norm: float | None
+    steps_per_sec: float | None
+
+
+class StatusEvent(TypedDict):
+    """Pushed after every step."""
+
+    state: TrainingState
+    step: int  # the step running now
+    phase: str
+    hits_total: int
+    last: StepNumbers | None  # the step just completed
+
+
+class StateEvent(TypedDict):
+    state: TrainingState
+    step: int
+    reason: NotRequired[str]  # why it paused, when it did
+
+
+class LogEvent(TypedDict):
+    level: str  # "info", "warning" or "error"
+    message: str
+    step: int
+
+
+EVENTS: dict[str, Any] = {
+    "status": StatusEvent,
+    "hit": Hit,
+    "state": StateEvent,
+    "log": LogEvent,
+}
+"""The events a source pushes, and their payloads."""
