@@ -14,8 +14,9 @@ from conftest import DEADLINE, wait_until
 from fake_source import FakeSource
 
 from tensordbg.transport.client import SyncClient
-from tensordbg.transport.protocol import PROTOCOL_VERSION, MessageCodec, pack
+from tensordbg.transport.codec import MessageCodec
 from tensordbg.transport.server import GENERIC_REFUSAL, MAX_REQUEST_BYTES, Server
+from tensordbg.transport.wire import PROTOCOL_VERSION, pack
 
 
 @pytest.fixture

@@ -12,19 +12,23 @@ import pytest
 import zmq
 
 import tensordbg.transport.client
+import tensordbg.transport.codec
 import tensordbg.transport.connection
-import tensordbg.transport.protocol
 import tensordbg.transport.server
-from tensordbg.transport.protocol import (
-    MAX_REQUEST_FRAMES,
-    MAX_REQUEST_HEADER,
-    PROTOCOL_VERSION,
+import tensordbg.transport.shm
+import tensordbg.transport.wire
+from tensordbg.transport.codec import (
     ZERO_COPY_MIN,
     MessageCodec,
     ProtocolError,
     ReplayGuard,
-    WireArray,
     configure_socket,
+)
+from tensordbg.transport.wire import (
+    MAX_REQUEST_FRAMES,
+    MAX_REQUEST_HEADER,
+    PROTOCOL_VERSION,
+    WireArray,
     pack,
     roundtrip,
 )
@@ -244,7 +248,7 @@ def test_a_replayed_message_is_refused(server_codec, client_codec):
 
 def test_a_message_outside_the_time_window_is_refused(server_codec, monkeypatch):
     sender = MessageCodec(KEY, side="client")
-    monkeypatch.setattr(tensordbg.transport.protocol.time, "time", lambda: 1_000_000.0)
+    monkeypatch.setattr(tensordbg.transport.codec.time, "time", lambda: 1_000_000.0)
     stale = sender.encode("info", {}, id=1)
     monkeypatch.undo()
 
@@ -357,7 +361,14 @@ def test_a_malformed_array_is_refused(client_codec, descriptor, frame, problem):
 
 @pytest.mark.parametrize(
     "module",
-    [tensordbg.transport.protocol, tensordbg.transport.connection, tensordbg.transport.server, tensordbg.transport.client],
+    [
+        tensordbg.transport.wire,
+        tensordbg.transport.codec,
+        tensordbg.transport.shm,
+        tensordbg.transport.connection,
+        tensordbg.transport.server,
+        tensordbg.transport.client,
+    ],
 )
 def test_no_pickle_anywhere_in_the_transport(module):
     tree = ast.parse(inspect.getsource(module))

@@ -41,13 +41,14 @@ from tensordbg.transport.connection import (
     shared_memory_dir,
     write_connection_file,
 )
-from tensordbg.transport.protocol import WireArray
 from tensordbg.transport.server import Server, listen_address
+from tensordbg.transport.wire import WireArray
 
 
 @pytest.fixture
 def runtime(private_runtime_dir, monkeypatch) -> Path:
-    monkeypatch.setattr(tensordbg.transport.client, "PING_INTERVAL", 0.1)  # liveness tests stay short
+    # Liveness tests stay short.
+    monkeypatch.setattr(tensordbg.transport.client, "PING_INTERVAL", 0.1)
     return private_runtime_dir
 
 

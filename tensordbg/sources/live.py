@@ -36,7 +36,7 @@ from tensordbg.sources.slicing import (
 )
 from tensordbg.statistics import Summary, TensorStats
 from tensordbg.statistics.torch_kernels import dtype_name, summarize
-from tensordbg.transport.protocol import DTYPES, MAX_REPLY_BYTES, WireArray
+from tensordbg.transport.wire import DTYPES, MAX_REPLY_BYTES, WireArray
 
 CONTEXT_LINES = 3
 MAX_BINS = 1024

@@ -34,6 +34,15 @@ import zmq
 import zmq.asyncio
 
 from tensordbg.sources.contract import Source, SourceError, dispatch
+from tensordbg.transport.codec import (
+    ERROR,
+    PONG,
+    REPLY,
+    MessageCodec,
+    ProtocolError,
+    configure_socket,
+    peek_id,
+)
 from tensordbg.transport.connection import (
     ConnectionInfo,
     default_runtime_dir,
@@ -41,18 +50,9 @@ from tensordbg.transport.connection import (
     read_connection_file,
     runtime_dir,
 )
-from tensordbg.transport.protocol import (
-    ERROR,
-    PONG,
-    REPLY,
-    MessageCodec,
-    ProtocolError,
-    SharedMemory,
-    configure_socket,
-    peek_id,
-    roundtrip,
-    welcome,
-)
+from tensordbg.transport.server import welcome
+from tensordbg.transport.shm import SharedMemory
+from tensordbg.transport.wire import roundtrip
 
 log = logging.getLogger("tensordbg.transport.client")
 

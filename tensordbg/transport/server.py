@@ -37,6 +37,17 @@ from typing import Any
 import zmq
 
 from tensordbg.sources.contract import Source, SourceError, dispatch
+from tensordbg.transport.codec import (
+    ERROR,
+    EVENTS,
+    PONG,
+    REPLY,
+    REQUESTS,
+    Message,
+    MessageCodec,
+    ProtocolError,
+    configure_socket,
+)
 from tensordbg.transport.connection import (
     ConnectionFileError,
     ConnectionInfo,
@@ -47,20 +58,8 @@ from tensordbg.transport.connection import (
     shared_memory_dir,
     write_connection_file,
 )
-from tensordbg.transport.protocol import (
-    ERROR,
-    EVENTS,
-    MAX_REQUEST_FRAMES,
-    PONG,
-    REPLY,
-    REQUESTS,
-    Message,
-    MessageCodec,
-    ProtocolError,
-    SharedMemory,
-    configure_socket,
-    welcome,
-)
+from tensordbg.transport.shm import SharedMemory
+from tensordbg.transport.wire import MAX_REQUEST_FRAMES, PROTOCOL_VERSION
 
 log = logging.getLogger("tensordbg.transport.server")
 
@@ -74,6 +73,20 @@ _REFUSALS_LOGGED_PER_MINUTE = 10
 _ZAP_DOMAIN = "tensordbg"
 _IPC_PATH_MAX = 100  # sun_path holds 104-108 bytes depending on the system
 _SWEEP_INTERVAL = 5.0  # seconds between looks for shared-memory files no client took
+
+
+def welcome(source: Source) -> dict[str, Any]:
+    """The body of the reply to ``hello``: the whole current state, so that a (re)connecting UI is
+    up to date at once.
+
+    >>> welcome(source)["info"]["state"]
+    'paused'
+    """
+    return {
+        "protocol": PROTOCOL_VERSION,
+        "info": dispatch(source, "info", {}),
+        "hits": dispatch(source, "hits", {}),
+    }
 
 
 def listen_address(text: str) -> tuple[str, int]:

@@ -24,7 +24,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from tensordbg.sources.slicing import grid_shape
-from tensordbg.transport.protocol import WireArray
+from tensordbg.transport.wire import WireArray
 from tensordbg.tui.remote import RequestFailed
 
 BLOCK_ROWS = 64
