@@ -3,7 +3,7 @@
 
 A training sends a tensor's values as raw C-order words tagged with the tensor's dtype name; the
 UI (or a reader of dump files) reads them back without torch. numpy has no bfloat16 or fp8, so
-those travel as unsigned words.
+those travel as unsigned words and come back as ``ml_dtypes`` arrays, never widened on the way.
 A body is plain data (never pickle, never a msgpack extension) whose top-level WireArrays leave a
 descriptor ``{"__array__": i, "dtype", "shape"}`` in their place and travel as raw array i. This
 module imports neither zmq nor torch: the socket, the signature and shared memory are
@@ -11,7 +11,7 @@ module imports neither zmq nor torch: the socket, the signature and shared memor
 
 >>> array = WireArray("bfloat16", (2,), np.array([0x3F80, 0xC000], np.uint16))
 >>> array.to_numpy()
-array([ 1., -2.], dtype=float32)
+array([1, -2], dtype=bfloat16)
 >>> split_arrays({"ref": 3, "data": array})
 ({'ref': 3, 'data': {'__array__': 0, 'dtype': 'bfloat16', 'shape': [2]}}, [<memory ...>])
 """
@@ -23,6 +23,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import ml_dtypes
 import msgpack
 import numpy as np
 
@@ -45,30 +46,40 @@ Buffer = bytes | bytearray | memoryview  # or anything with the buffer protocol,
 
 @dataclass(frozen=True, slots=True)
 class DType:
-    """How one tensor dtype crosses the wire: the numpy type of its raw words."""
+    """How one tensor dtype crosses the wire: the numpy type of its raw words, and the numpy
+    type of its values (an ``ml_dtypes`` type where numpy has none).
+
+    >>> DTYPES["bfloat16"].storage, DTYPES["bfloat16"].values
+    ('<u2', dtype(bfloat16))
+    """
 
     name: str  # torch's name, e.g. "bfloat16"
     storage: str  # numpy dtype of the words on the wire, e.g. "<u2"
+    values: np.dtype  # what the words mean, e.g. ml_dtypes.bfloat16
+
+
+def _dtype(name: str, storage: str, values: type | str | None = None) -> DType:
+    return DType(name, storage, np.dtype(storage if values is None else values))
 
 
 # numpy has no bfloat16 or fp8: they travel as raw words tagged with their dtype name.
 DTYPES: dict[str, DType] = {
     d.name: d
     for d in (
-        DType("float64", "<f8"),
-        DType("float32", "<f4"),
-        DType("float16", "<f2"),
-        DType("bfloat16", "<u2"),
-        DType("float8_e4m3fn", "|u1"),
-        DType("float8_e4m3fnuz", "|u1"),
-        DType("float8_e5m2", "|u1"),
-        DType("float8_e5m2fnuz", "|u1"),
-        DType("int64", "<i8"),
-        DType("int32", "<i4"),
-        DType("int16", "<i2"),
-        DType("int8", "|i1"),
-        DType("uint8", "|u1"),
-        DType("bool", "|b1"),
+        _dtype("float64", "<f8"),
+        _dtype("float32", "<f4"),
+        _dtype("float16", "<f2"),
+        _dtype("bfloat16", "<u2", ml_dtypes.bfloat16),
+        _dtype("float8_e4m3fn", "|u1", ml_dtypes.float8_e4m3fn),
+        _dtype("float8_e4m3fnuz", "|u1", ml_dtypes.float8_e4m3fnuz),
+        _dtype("float8_e5m2", "|u1", ml_dtypes.float8_e5m2),
+        _dtype("float8_e5m2fnuz", "|u1", ml_dtypes.float8_e5m2fnuz),
+        _dtype("int64", "<i8"),
+        _dtype("int32", "<i4"),
+        _dtype("int16", "<i2"),
+        _dtype("int8", "|i1"),
+        _dtype("uint8", "|u1"),
+        _dtype("bool", "|b1"),
     )
 }
 
@@ -78,7 +89,10 @@ class WireArray:
     """Tensor data as it crosses the wire: C-order raw words plus the dtype they encode.
 
     ``data`` is a numpy array of ``DTYPES[dtype].storage`` words (uint16 for bfloat16);
-    :meth:`to_numpy` gives the values, bfloat16 and fp8 widened to float32.
+    :meth:`to_numpy` views them as values, bfloat16 and fp8 as ``ml_dtypes`` arrays.
+
+    >>> WireArray("float8_e4m3fn", (3,), np.array([0x38, 0xB8, 0x7F], np.uint8)).to_numpy()
+    array([1, -1, nan], dtype=float8_e4m3fn)
     """
 
     dtype: str
@@ -86,7 +100,9 @@ class WireArray:
     data: np.ndarray
 
     def to_numpy(self) -> np.ndarray:
-        return decode_words(self.dtype, self.data).reshape(self.shape)
+        """The values, in their own dtype and without a copy: every bit as it was sent (widen
+        bfloat16 and fp8 with ``.astype(np.float32)`` to compute or print with plain numpy)."""
+        return self.data.view(DTYPES[self.dtype].values).reshape(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -105,54 +121,6 @@ class WireArray:
         if words.size != math.prod(self.shape):
             raise ValueError(f"WireArray of shape {self.shape} holds {words.size} words")
         return memoryview(words.reshape(-1)).cast("B")
-
-
-def decode_words(dtype: str, words: np.ndarray) -> np.ndarray:
-    """Values of raw words of ``dtype``: bfloat16 and fp8 become float32, the rest as they are."""
-    if dtype == "bfloat16":
-        return (words.astype(np.uint32) << 16).view(np.float32)
-    if dtype.startswith("float8"):
-        return _fp8_table(dtype)[words]
-    return words
-
-
-_FP8_TABLES: dict[str, np.ndarray] = {}
-
-
-def _fp8_table(dtype: str) -> np.ndarray:
-    """float32 value of each of the 256 bytes of an fp8 format (OCP e4m3fn/e5m2, and the 'fnuz'
-    variants with one NaN at 0x80, no -0 and no Inf)."""
-    if dtype in _FP8_TABLES:
-        return _FP8_TABLES[dtype]
-    exp_bits, bias = {
-        "float8_e4m3fn": (4, 7),
-        "float8_e4m3fnuz": (4, 8),
-        "float8_e5m2": (5, 15),
-        "float8_e5m2fnuz": (5, 16),
-    }[dtype]
-    man_bits = 7 - exp_bits
-    table = np.empty(256, dtype=np.float32)
-    for byte in range(256):
-        sign = -1.0 if byte & 0x80 else 1.0
-        exp = (byte >> man_bits) & ((1 << exp_bits) - 1)
-        man = byte & ((1 << man_bits) - 1)
-        if exp == 0:
-            value = sign * man / (1 << man_bits) * 2.0 ** (1 - bias)
-        else:
-            value = sign * (1 + man / (1 << man_bits)) * 2.0 ** (exp - bias)
-        table[byte] = value
-    if dtype == "float8_e4m3fn":
-        table[0x7F] = table[0xFF] = np.nan
-    elif dtype == "float8_e5m2":
-        for byte in range(256):
-            exp = (byte >> 2) & 0x1F
-            if exp == 0x1F:
-                man = byte & 0x3
-                table[byte] = np.nan if man else (-np.inf if byte & 0x80 else np.inf)
-    else:  # fnuz: 0x80 is the only NaN
-        table[0x80] = np.nan
-    _FP8_TABLES[dtype] = table
-    return table
 
 
 def pack(value: Any) -> bytes:
