@@ -15,7 +15,8 @@ from fake_source import FakeSource
 
 from tensordbg.transport.client import SyncClient
 from tensordbg.transport.codec import MessageCodec
-from tensordbg.transport.server import GENERIC_REFUSAL, MAX_REQUEST_BYTES, Server
+from tensordbg.transport.server import MAX_REQUEST_BYTES, Server
+from tensordbg.transport.socket_loop import GENERIC_REFUSAL
 from tensordbg.transport.wire import PROTOCOL_VERSION, pack
 
 

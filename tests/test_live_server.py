@@ -19,7 +19,8 @@ import tensordbg
 from tensordbg.sources.live import LiveSource
 from tensordbg.transport.client import RemoteError, SyncClient
 from tensordbg.transport.connection import find_sessions
-from tensordbg.transport.server import GENERIC_REFUSAL, Server
+from tensordbg.transport.server import Server
+from tensordbg.transport.socket_loop import GENERIC_REFUSAL
 
 
 def test_a_ui_attaches_to_a_paused_training_inspects_and_continues():

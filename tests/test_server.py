@@ -42,6 +42,7 @@ from tensordbg.transport.connection import (
     write_connection_file,
 )
 from tensordbg.transport.server import Server, listen_address
+from tensordbg.transport.socket_loop import Wakeup
 from tensordbg.transport.wire import WireArray
 
 
@@ -367,32 +368,33 @@ def test_the_async_client_streams_events(server, source):
 
 
 class WakeDuringDrain:
-    """The read end of the server's wake pipe, as the socket thread sees it when another thread
-    wakes it just as it starts draining the pipe."""
+    """The read end of the socket thread's wake-up pair, as the socket thread sees it when another
+    thread wakes it just as it starts draining the pair."""
 
-    def __init__(self, server: Server):
-        self.server, self.pipe, self.woken = server, server._wake_read, False
+    def __init__(self, wakeup: Wakeup):
+        self.wakeup, self.reader, self.woken = wakeup, wakeup.reader, False
 
     def recv(self, size: int) -> bytes:
         if not self.woken:
             self.woken = True
-            self.server._wake()
-        return self.pipe.recv(size)
+            self.wakeup.wake()
+        return self.reader.recv(size)
 
 
-def test_a_wake_up_that_comes_while_the_pipe_is_drained_is_not_lost(source):
-    server = Server(source, run_id="wake", rank=0)
-    pipe = server._wake_read
+def test_a_wake_up_that_comes_while_the_pipe_is_drained_is_not_lost():
+    wakeup = Wakeup()
+    reader = wakeup.reader
     try:
-        server._wake()  # an event is queued: the socket thread wakes and drains the pipe
-        server._wake_read = WakeDuringDrain(server)  # meanwhile another event is queued
-        server._drain_wakeups()
-        server._wake_read = pipe
-        server._wake()  # the socket thread handled both; the next event must wake it again
-        assert select.select([pipe], [], [], 0)[0], "the wake-up was lost: replies would wait"
+        wakeup.wake()  # an event is queued: the socket thread wakes and drains the pair
+        wakeup.reader = WakeDuringDrain(wakeup)  # meanwhile another event is queued
+        wakeup.drain()
+        wakeup.reader = reader
+        wakeup.wake()  # the socket thread handled both; the next event must wake it again
+        assert select.select([reader], [], [], 0)[0], "the wake-up was lost: replies would wait"
     finally:
-        server._wake_read = pipe
-        server.stop()
+        wakeup.reader = reader
+        wakeup.close_reader()
+        wakeup.close_writer()
 
 
 # --- reconnecting and liveness -------------------------------------------------------------------
