@@ -21,6 +21,7 @@ import pytest
 import zmq
 from conftest import DEADLINE, wait_until
 from fake_source import FakeSource
+from test_hostile_client import RawClient
 
 import tensordbg.transport.client
 from tensordbg.sources.contract import METHODS
@@ -42,7 +43,7 @@ from tensordbg.transport.connection import (
     write_connection_file,
 )
 from tensordbg.transport.server import Server, listen_address
-from tensordbg.transport.socket_loop import Wakeup
+from tensordbg.transport.socket_loop import MAX_PENDING_REQUESTS, Wakeup
 from tensordbg.transport.wire import WireArray
 
 
@@ -313,6 +314,35 @@ def test_a_slow_request_does_not_stop_the_server_answering(start_server, runtime
         asyncio.run(scenario())
     finally:
         source.release.set()
+
+
+def test_a_client_flooding_the_training_is_told_it_is_busy_and_the_ui_is_still_served(
+    start_server, runtime
+):
+    source = SlowSource()  # the first request holds the worker: the others wait in line
+    server = start_server(source)
+    context = zmq.Context()
+    flooder = RawClient(context, server.info.endpoint, server.info.key_bytes)
+    ui = RawClient(context, server.info.endpoint, server.info.key_bytes)
+    try:
+        for i in range(MAX_PENDING_REQUESTS + 3):
+            flooder.request("modules", {}, id=i)
+        for _ in range(3):
+            assert "the training is busy" in flooder.refusal_text()
+
+        ui.request("info", {}, id=1)
+        source.release.set()
+        reply = ui.reply()
+
+        assert reply is not None, "the UI got no answer"
+        message = ui.codec.decode(reply)
+        assert message.type == "reply", message.body  # not "the training is busy"
+        assert message.id == 1 and message.body["state"] == "paused"
+    finally:
+        source.release.set()
+        for client in (flooder, ui):
+            client.socket.close(linger=0)
+        context.term()
 
 
 # --- events --------------------------------------------------------------------------------------

@@ -40,7 +40,9 @@ from tensordbg.transport.wire import MAX_REQUEST_FRAMES, Buffer
 log = logging.getLogger("tensordbg.transport.server")
 
 STATUS_INTERVAL = 0.1  # at most 10 status events a second reach a client; the latest wins
-MAX_PENDING_REQUESTS = 64  # a UI has a handful in flight; more is a flood
+MAX_PENDING_REQUESTS = 64
+"""Requests one client may have waiting for their replies; a UI has a handful in flight, more is
+a flood. Counted per client, so that one flooding the training leaves the others served."""
 MAX_QUEUED_EVENTS = 10_000  # events waiting for the socket thread; the oldest go first
 GENERIC_REFUSAL = "request refused"
 _REFUSALS_LOGGED_PER_MINUTE = 10
@@ -126,8 +128,8 @@ class SocketLoop:
     """Serves one ROUTER on the thread that calls :meth:`run`, until :meth:`stop`.
 
     ``submit(identity, message)`` takes a checked request that is not a ``ping`` to the worker,
-    whose reply comes back through :meth:`post_reply`; beyond MAX_PENDING_REQUESTS waiting, a
-    client is told the training is busy. A client silent
+    whose reply comes back through :meth:`post_reply`; each client has at most
+    MAX_PENDING_REQUESTS waiting, and is told the training is busy beyond that. A client silent
     for ``client_timeout`` seconds is gone; ``on_clients(count)`` is called on this thread
     whenever the number of live clients changes.
     """
@@ -156,7 +158,7 @@ class SocketLoop:
         self._latest_status: collections.deque[Any] = collections.deque(maxlen=1)
         # This thread's own state.
         self._clients: dict[bytes, float] = {}  # ROUTER identity -> when last heard (monotonic)
-        self._pending = 0  # requests waiting for their replies
+        self._pending: collections.Counter[bytes] = collections.Counter()  # identity -> requests
         self._status_sent_at = 0.0
         self._swept_at = 0.0
         self._refusals_logged: collections.deque[float] = collections.deque()
@@ -272,15 +274,16 @@ class SocketLoop:
             self._reply_error(router, identity, message, f"unknown request type {message.type!r}")
         elif message.type != "hello" and not isinstance(message.body, dict):
             self._reply_error(router, identity, message, "request parameters must be a map")
-        elif self._pending >= MAX_PENDING_REQUESTS:
+        elif self._pending[identity] >= MAX_PENDING_REQUESTS:
             self._reply_error(
                 router,
                 identity,
                 message,
-                f"the training is busy with {self._pending} requests: try again shortly",
+                f"the training is busy with {self._pending[identity]} of your requests: try "
+                "again shortly",
             )
         else:
-            self._pending += 1
+            self._pending[identity] += 1
             self.submit(identity, message)
 
     def _refuse(self, router: zmq.Socket, identity: bytes, error: ProtocolError) -> None:
@@ -305,7 +308,9 @@ class SocketLoop:
     def _send_outbox(self, router: zmq.Socket) -> None:
         while self._outbox:
             identity, frames = self._outbox.popleft()
-            self._pending -= 1
+            self._pending[identity] -= 1
+            if self._pending[identity] <= 0:
+                del self._pending[identity]  # a client gone for good leaves nothing behind
             self._send(router, identity, frames)
 
     def _send_events(self, router: zmq.Socket) -> None:
