@@ -109,6 +109,45 @@ def test_stop_removes_the_files_and_can_be_called_twice(server, runtime):
     assert find_sessions() == []
 
 
+EXITING_WHILE_SERVING = """
+import atexit, contextlib, threading, time
+from fake_source import FakeSource
+from tensordbg.transport.client import SyncClient
+from tensordbg.transport.server import Server
+
+server = Server(FakeSource(), run_id="exiting", rank=0)
+server.start()  # never stopped: the exit handler it registered does it
+atexit.register(time.sleep, 0.5)  # the training's own exit handlers run first: the UI still asks
+client = SyncClient(server.info.path)
+
+
+def keep_asking():
+    while True:
+        with contextlib.suppress(Exception):
+            client.call("slice", ref=5, text="[:200]")  # 800 kB replies: zero-copy frames
+
+
+threading.Thread(target=keep_asking, daemon=True).start()
+time.sleep(0.5)
+print("exiting", flush=True)
+"""
+
+
+def test_a_training_that_exits_while_a_ui_asks_for_tensors_leaves_no_traceback():
+    finished = subprocess.run(
+        [sys.executable, "-c", EXITING_WHILE_SERVING],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent,
+        timeout=DEADLINE * 2,
+    )
+
+    assert finished.returncode == 0 and finished.stdout == "exiting\n", finished.stderr
+    assert "Traceback" not in finished.stderr and "internal error" not in finished.stderr, (
+        finished.stderr
+    )
+
+
 def test_find_sessions_lists_live_ones_newest_first_and_removes_stale_ones(
     start_server, source, runtime
 ):

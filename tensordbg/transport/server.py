@@ -35,6 +35,12 @@ from typing import Any
 
 import zmq
 
+# pyzmq's helper thread for zero-copy frames registers its exit handler when first imported; done
+# here, before any server registers its own, that handler runs after every server has stopped
+# (exit handlers run last registered first). Imported on the first large reply instead, it ran
+# first, and a reply sent in between failed with "zmq gc socket requested during shutdown".
+import zmq.utils.garbage
+
 from tensordbg.sources.contract import Source, SourceError, dispatch
 from tensordbg.transport.codec import REPLY, Message, MessageCodec, configure_socket
 from tensordbg.transport.connection import (
