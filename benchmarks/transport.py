@@ -87,8 +87,8 @@ def serve_raw_zmq(endpoint: str, nbytes: int, ready: Any) -> None:
 
 def wait_for_pause(runtime: str, training: Any) -> Path:
     """The connection file of the training once it is paused with its tensors kept."""
-    from tensordbg.transport.client import SyncClient
     from tensordbg.transport.connection import find_sessions
+    from tensordbg.transport.sync_client import SyncClient
 
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:

@@ -20,6 +20,8 @@ import tensordbg.transport.codec
 import tensordbg.transport.connection
 import tensordbg.transport.server
 import tensordbg.transport.shm
+import tensordbg.transport.socket_loop
+import tensordbg.transport.sync_client
 import tensordbg.transport.wire
 from tensordbg.transport.codec import (
     ZERO_COPY_MIN,
@@ -411,7 +413,9 @@ def test_a_malformed_array_is_refused(client_codec, descriptor, frame, problem):
         tensordbg.transport.shm,
         tensordbg.transport.connection,
         tensordbg.transport.server,
+        tensordbg.transport.socket_loop,
         tensordbg.transport.client,
+        tensordbg.transport.sync_client,
     ],
 )
 def test_no_pickle_anywhere_in_the_transport(module):

@@ -31,7 +31,6 @@ from tensordbg.transport.client import (
     LocalClient,
     RemoteError,
     SessionNotFound,
-    SyncClient,
 )
 from tensordbg.transport.connection import (
     ConnectionFileError,
@@ -44,6 +43,7 @@ from tensordbg.transport.connection import (
 )
 from tensordbg.transport.server import Server, listen_address
 from tensordbg.transport.socket_loop import MAX_PENDING_REQUESTS, Wakeup
+from tensordbg.transport.sync_client import SyncClient
 from tensordbg.transport.wire import WireArray
 
 
@@ -112,7 +112,7 @@ def test_stop_removes_the_files_and_can_be_called_twice(server, runtime):
 EXITING_WHILE_SERVING = """
 import atexit, contextlib, threading, time
 from fake_source import FakeSource
-from tensordbg.transport.client import SyncClient
+from tensordbg.transport.sync_client import SyncClient
 from tensordbg.transport.server import Server
 
 server = Server(FakeSource(), run_id="exiting", rank=0)
@@ -607,7 +607,7 @@ def test_a_tcp_connection_file_without_curve_keys_is_refused(tmp_path):
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads per-thread CPU time")
 def test_an_idle_server_with_a_client_uses_no_cpu(tmp_path):
     """The server shares the training's CPU: waiting for requests must cost nothing."""
-    from tensordbg.transport.client import SyncClient
+    from tensordbg.transport.sync_client import SyncClient
 
     def cpu_seconds(thread_id: int) -> float:
         fields = Path(f"/proc/self/task/{thread_id}/stat").read_text().rsplit(")", 1)[1].split()
