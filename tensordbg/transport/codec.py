@@ -13,11 +13,12 @@ signature hex HMAC-SHA256, with the session's key, over the sender's side ("serv
           "client"), the header bytes and then each array in order, each part after its length
           in ASCII digits and a colon (Jupyter signs only the header; a tensor is data a person
           acts on, so it is signed too). An array above TREE_HASH_MIN enters the HMAC as
-          "tree<length>:" followed by the SHA-256 digests of its TREE_CHUNK-byte chunks, computed
-          on all cores: a keyed hash over collision-resistant digests authenticates the bytes
-          just the same, and one core alone would hash a 256 MiB tensor slower than the socket
-          moves it. A signature seen before within REPLAY_WINDOW, or a timestamp further than
-          REPLAY_WINDOW from this side's clock, is a replay and is refused.
+          "tree<length>:" followed by the SHA-256 digests of its TREE_CHUNK-byte chunks,
+          computed on all cores (:func:`tensordbg.transport.shm.chunk_digests`): a keyed hash
+          over collision-resistant digests authenticates the bytes just the same, and one core
+          alone would hash a 256 MiB tensor slower than the socket moves it. A signature seen
+          before within REPLAY_WINDOW, or a timestamp further than REPLAY_WINDOW from this
+          side's clock, is a replay and is refused.
 shared    in a reply to a client on the same host, an array of SHM_MIN bytes or more waits in a
           file of the session's shared-memory directory instead (see
           :mod:`tensordbg.transport.shm`); its descriptor names the file: {"__array__": i,
