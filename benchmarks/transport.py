@@ -3,7 +3,8 @@
 Run: ``python benchmarks/transport.py``. A real training runs in its own process (spawned): a tiny
 model whose forward returns a 1 GiB float32 tensor and a 256 MiB one with a planted NaN, attached
 with ``tensordbg.attach(on_hit="pause", server=True)``, so it pauses with both retained. The UI
-side here finds the session as the UI does and measures through :class:`tensordbg.transport.client.Client`:
+side here finds the session as the UI does and measures through
+:class:`tensordbg.transport.client.Client`:
 
 (a) the round trip of a 1 MiB slice request (a 512 x 512 window) of the 1 GiB tensor;
     target: median < 50 ms;
@@ -33,7 +34,8 @@ import numpy as np
 import zmq
 
 from tensordbg.transport.client import Client
-from tensordbg.transport.protocol import SHM_MIN, configure_socket
+from tensordbg.transport.codec import configure_socket
+from tensordbg.transport.shm import SHM_MIN
 
 BIG_SHAPE = (16384, 16384)  # float32: 1 GiB
 WHOLE_SHAPE = (4096, 16384)  # float32: 256 MiB
@@ -85,8 +87,8 @@ def serve_raw_zmq(endpoint: str, nbytes: int, ready: Any) -> None:
 
 def wait_for_pause(runtime: str, training: Any) -> Path:
     """The connection file of the training once it is paused with its tensors kept."""
-    from tensordbg.transport.client import SyncClient
     from tensordbg.transport.connection import find_sessions
+    from tensordbg.transport.sync_client import SyncClient
 
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:

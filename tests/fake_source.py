@@ -37,7 +37,7 @@ from tensordbg.sources.slicing import (
     window_of,
 )
 from tensordbg.statistics import summarize_numpy
-from tensordbg.transport.protocol import WireArray
+from tensordbg.transport.wire import WireArray
 
 MAX_WINDOW = 4_000_000
 

@@ -13,9 +13,11 @@ import zmq
 from conftest import DEADLINE, wait_until
 from fake_source import FakeSource
 
-from tensordbg.transport.client import SyncClient
-from tensordbg.transport.protocol import PROTOCOL_VERSION, MessageCodec, pack
-from tensordbg.transport.server import GENERIC_REFUSAL, MAX_REQUEST_BYTES, Server
+from tensordbg.transport.codec import MessageCodec
+from tensordbg.transport.server import MAX_REQUEST_BYTES, Server
+from tensordbg.transport.socket_loop import GENERIC_REFUSAL
+from tensordbg.transport.sync_client import SyncClient
+from tensordbg.transport.wire import PROTOCOL_VERSION, pack
 
 
 @pytest.fixture

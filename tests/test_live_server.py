@@ -17,9 +17,11 @@ from test_hostile_client import RawClient
 
 import tensordbg
 from tensordbg.sources.live import LiveSource
-from tensordbg.transport.client import RemoteError, SyncClient
+from tensordbg.transport.client import RemoteError
 from tensordbg.transport.connection import find_sessions
-from tensordbg.transport.server import GENERIC_REFUSAL, Server
+from tensordbg.transport.server import Server
+from tensordbg.transport.socket_loop import GENERIC_REFUSAL
+from tensordbg.transport.sync_client import SyncClient
 
 
 def test_a_ui_attaches_to_a_paused_training_inspects_and_continues():

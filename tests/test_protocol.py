@@ -4,27 +4,38 @@ from __future__ import annotations
 
 import ast
 import inspect
+import subprocess
+import sys
 import time
 
+import ml_dtypes
 import msgpack
 import numpy as np
 import pytest
+import torch
 import zmq
 
 import tensordbg.transport.client
+import tensordbg.transport.codec
 import tensordbg.transport.connection
-import tensordbg.transport.protocol
 import tensordbg.transport.server
-from tensordbg.transport.protocol import (
-    MAX_REQUEST_FRAMES,
-    MAX_REQUEST_HEADER,
-    PROTOCOL_VERSION,
+import tensordbg.transport.shm
+import tensordbg.transport.socket_loop
+import tensordbg.transport.sync_client
+import tensordbg.transport.wire
+from tensordbg.transport.codec import (
     ZERO_COPY_MIN,
     MessageCodec,
     ProtocolError,
     ReplayGuard,
-    WireArray,
     configure_socket,
+)
+from tensordbg.transport.wire import (
+    DTYPES,
+    MAX_REQUEST_FRAMES,
+    MAX_REQUEST_HEADER,
+    PROTOCOL_VERSION,
+    WireArray,
     pack,
     roundtrip,
 )
@@ -93,9 +104,48 @@ def test_arrays_travel_as_raw_frames_in_their_own_dtype(server_codec, client_cod
     assert got["ref"] == 3
     assert got["bf16"].dtype == "bfloat16" and got["bf16"].data.dtype == np.uint16
     np.testing.assert_array_equal(got["bf16"].data, bf16)
-    np.testing.assert_array_equal(got["bf16"].to_numpy(), [[1.0, -2.0], [np.nan, 0.0]])
-    np.testing.assert_array_equal(got["fp8"].to_numpy(), [1.0, -1.0, np.nan])
+    assert got["bf16"].to_numpy().dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(got["bf16"].to_numpy().astype("f4"), [[1, -2], [np.nan, 0]])
+    np.testing.assert_array_equal(got["fp8"].to_numpy().astype("f4"), [1.0, -1.0, np.nan])
     np.testing.assert_array_equal(got["f32"].to_numpy(), f32)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "nans", "infinities", "smallest"),
+    [
+        ("bfloat16", 254, 2, 2.0**-133),
+        ("float8_e4m3fn", 2, 0, 2.0**-9),
+        ("float8_e4m3fnuz", 1, 0, 2.0**-10),
+        ("float8_e5m2", 6, 2, 2.0**-16),
+        ("float8_e5m2fnuz", 1, 0, 2.0**-17),
+    ],
+)
+def test_bfloat16_and_fp8_arrive_bit_for_bit_as_the_values_torch_means(
+    server_codec, client_codec, dtype, nans, infinities, smallest
+):
+    storage = np.dtype(DTYPES[dtype].storage)
+    every_word = np.arange(256**storage.itemsize, dtype=np.int64).astype(storage)
+    frames = server_codec.encode("reply", {"data": WireArray(dtype, every_word.shape, every_word)})
+
+    values = client_codec.decode(frames).body["data"].to_numpy()
+
+    assert values.dtype == np.dtype(getattr(ml_dtypes, dtype))  # never widened on the way
+    np.testing.assert_array_equal(values.view(storage), every_word)
+    signed = every_word.view(np.int16 if storage.itemsize == 2 else np.uint8)
+    meant = torch.from_numpy(signed).view(getattr(torch, dtype)).float().numpy()
+    wide = values.astype(np.float32)  # exact for every one of them
+    np.testing.assert_array_equal(wide, meant)  # NaN where torch has NaN
+    assert (np.isnan(wide).sum(), np.isinf(wide).sum()) == (nans, infinities)
+    assert wide[1] == smallest  # word 1: the smallest subnormal
+
+
+def test_the_wire_types_need_neither_zmq_nor_torch():
+    """The UI's screens and a reader of dumps import tensordbg.transport.wire alone."""
+    check = "import sys, tensordbg.transport.wire; print(sorted({'zmq', 'torch'} & {*sys.modules}))"
+    imported = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+
+    assert imported.returncode == 0, imported.stderr
+    assert imported.stdout.strip() == "[]"
 
 
 def test_large_arrays_are_neither_copied_to_send_nor_to_receive(server_codec, client_codec):
@@ -244,7 +294,7 @@ def test_a_replayed_message_is_refused(server_codec, client_codec):
 
 def test_a_message_outside_the_time_window_is_refused(server_codec, monkeypatch):
     sender = MessageCodec(KEY, side="client")
-    monkeypatch.setattr(tensordbg.transport.protocol.time, "time", lambda: 1_000_000.0)
+    monkeypatch.setattr(tensordbg.transport.codec.time, "time", lambda: 1_000_000.0)
     stale = sender.encode("info", {}, id=1)
     monkeypatch.undo()
 
@@ -357,7 +407,16 @@ def test_a_malformed_array_is_refused(client_codec, descriptor, frame, problem):
 
 @pytest.mark.parametrize(
     "module",
-    [tensordbg.transport.protocol, tensordbg.transport.connection, tensordbg.transport.server, tensordbg.transport.client],
+    [
+        tensordbg.transport.wire,
+        tensordbg.transport.codec,
+        tensordbg.transport.shm,
+        tensordbg.transport.connection,
+        tensordbg.transport.server,
+        tensordbg.transport.socket_loop,
+        tensordbg.transport.client,
+        tensordbg.transport.sync_client,
+    ],
 )
 def test_no_pickle_anywhere_in_the_transport(module):
     tree = ast.parse(inspect.getsource(module))

@@ -21,6 +21,7 @@ import pytest
 import zmq
 from conftest import DEADLINE, wait_until
 from fake_source import FakeSource
+from test_hostile_client import RawClient
 
 import tensordbg.transport.client
 from tensordbg.sources.contract import METHODS
@@ -30,7 +31,6 @@ from tensordbg.transport.client import (
     LocalClient,
     RemoteError,
     SessionNotFound,
-    SyncClient,
 )
 from tensordbg.transport.connection import (
     ConnectionFileError,
@@ -41,13 +41,16 @@ from tensordbg.transport.connection import (
     shared_memory_dir,
     write_connection_file,
 )
-from tensordbg.transport.protocol import WireArray
 from tensordbg.transport.server import Server, listen_address
+from tensordbg.transport.socket_loop import MAX_PENDING_REQUESTS, Wakeup
+from tensordbg.transport.sync_client import SyncClient
+from tensordbg.transport.wire import WireArray
 
 
 @pytest.fixture
 def runtime(private_runtime_dir, monkeypatch) -> Path:
-    monkeypatch.setattr(tensordbg.transport.client, "PING_INTERVAL", 0.1)  # liveness tests stay short
+    # Liveness tests stay short.
+    monkeypatch.setattr(tensordbg.transport.client, "PING_INTERVAL", 0.1)
     return private_runtime_dir
 
 
@@ -104,6 +107,45 @@ def test_stop_removes_the_files_and_can_be_called_twice(server, runtime):
     server.stop()
     assert list(runtime.iterdir()) == []
     assert find_sessions() == []
+
+
+EXITING_WHILE_SERVING = """
+import atexit, contextlib, threading, time
+from fake_source import FakeSource
+from tensordbg.transport.sync_client import SyncClient
+from tensordbg.transport.server import Server
+
+server = Server(FakeSource(), run_id="exiting", rank=0)
+server.start()  # never stopped: the exit handler it registered does it
+atexit.register(time.sleep, 0.5)  # the training's own exit handlers run first: the UI still asks
+client = SyncClient(server.info.path)
+
+
+def keep_asking():
+    while True:
+        with contextlib.suppress(Exception):
+            client.call("slice", ref=5, text="[:200]")  # 800 kB replies: zero-copy frames
+
+
+threading.Thread(target=keep_asking, daemon=True).start()
+time.sleep(0.5)
+print("exiting", flush=True)
+"""
+
+
+def test_a_training_that_exits_while_a_ui_asks_for_tensors_leaves_no_traceback():
+    finished = subprocess.run(
+        [sys.executable, "-c", EXITING_WHILE_SERVING],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent,
+        timeout=DEADLINE * 2,
+    )
+
+    assert finished.returncode == 0 and finished.stdout == "exiting\n", finished.stderr
+    assert "Traceback" not in finished.stderr and "internal error" not in finished.stderr, (
+        finished.stderr
+    )
 
 
 def test_find_sessions_lists_live_ones_newest_first_and_removes_stale_ones(
@@ -313,6 +355,35 @@ def test_a_slow_request_does_not_stop_the_server_answering(start_server, runtime
         source.release.set()
 
 
+def test_a_client_flooding_the_training_is_told_it_is_busy_and_the_ui_is_still_served(
+    start_server, runtime
+):
+    source = SlowSource()  # the first request holds the worker: the others wait in line
+    server = start_server(source)
+    context = zmq.Context()
+    flooder = RawClient(context, server.info.endpoint, server.info.key_bytes)
+    ui = RawClient(context, server.info.endpoint, server.info.key_bytes)
+    try:
+        for i in range(MAX_PENDING_REQUESTS + 3):
+            flooder.request("modules", {}, id=i)
+        for _ in range(3):
+            assert "the training is busy" in flooder.refusal_text()
+
+        ui.request("info", {}, id=1)
+        source.release.set()
+        reply = ui.reply()
+
+        assert reply is not None, "the UI got no answer"
+        message = ui.codec.decode(reply)
+        assert message.type == "reply", message.body  # not "the training is busy"
+        assert message.id == 1 and message.body["state"] == "paused"
+    finally:
+        source.release.set()
+        for client in (flooder, ui):
+            client.socket.close(linger=0)
+        context.term()
+
+
 # --- events --------------------------------------------------------------------------------------
 
 
@@ -366,32 +437,33 @@ def test_the_async_client_streams_events(server, source):
 
 
 class WakeDuringDrain:
-    """The read end of the server's wake pipe, as the socket thread sees it when another thread
-    wakes it just as it starts draining the pipe."""
+    """The read end of the socket thread's wake-up pair, as the socket thread sees it when another
+    thread wakes it just as it starts draining the pair."""
 
-    def __init__(self, server: Server):
-        self.server, self.pipe, self.woken = server, server._wake_read, False
+    def __init__(self, wakeup: Wakeup):
+        self.wakeup, self.reader, self.woken = wakeup, wakeup.reader, False
 
     def recv(self, size: int) -> bytes:
         if not self.woken:
             self.woken = True
-            self.server._wake()
-        return self.pipe.recv(size)
+            self.wakeup.wake()
+        return self.reader.recv(size)
 
 
-def test_a_wake_up_that_comes_while_the_pipe_is_drained_is_not_lost(source):
-    server = Server(source, run_id="wake", rank=0)
-    pipe = server._wake_read
+def test_a_wake_up_that_comes_while_the_pipe_is_drained_is_not_lost():
+    wakeup = Wakeup()
+    reader = wakeup.reader
     try:
-        server._wake()  # an event is queued: the socket thread wakes and drains the pipe
-        server._wake_read = WakeDuringDrain(server)  # meanwhile another event is queued
-        server._drain_wakeups()
-        server._wake_read = pipe
-        server._wake()  # the socket thread handled both; the next event must wake it again
-        assert select.select([pipe], [], [], 0)[0], "the wake-up was lost: replies would wait"
+        wakeup.wake()  # an event is queued: the socket thread wakes and drains the pair
+        wakeup.reader = WakeDuringDrain(wakeup)  # meanwhile another event is queued
+        wakeup.drain()
+        wakeup.reader = reader
+        wakeup.wake()  # the socket thread handled both; the next event must wake it again
+        assert select.select([reader], [], [], 0)[0], "the wake-up was lost: replies would wait"
     finally:
-        server._wake_read = pipe
-        server.stop()
+        wakeup.reader = reader
+        wakeup.close_reader()
+        wakeup.close_writer()
 
 
 # --- reconnecting and liveness -------------------------------------------------------------------
@@ -535,7 +607,7 @@ def test_a_tcp_connection_file_without_curve_keys_is_refused(tmp_path):
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads per-thread CPU time")
 def test_an_idle_server_with_a_client_uses_no_cpu(tmp_path):
     """The server shares the training's CPU: waiting for requests must cost nothing."""
-    from tensordbg.transport.client import SyncClient
+    from tensordbg.transport.sync_client import SyncClient
 
     def cpu_seconds(thread_id: int) -> float:
         fields = Path(f"/proc/self/task/{thread_id}/stat").read_text().rsplit(")", 1)[1].split()

@@ -21,18 +21,13 @@ import zmq
 from conftest import DEADLINE, wait_until
 
 from tensordbg.sources.contract import EventCallback, SourceError
-from tensordbg.transport.client import Client, ReplyRefused, SyncClient
+from tensordbg.transport.client import Client, ReplyRefused
+from tensordbg.transport.codec import MessageCodec, ProtocolError
 from tensordbg.transport.connection import shared_memory_dir
-from tensordbg.transport.protocol import (
-    PROTOCOL_VERSION,
-    SHM_MIN,
-    MessageCodec,
-    ProtocolError,
-    SharedMemory,
-    WireArray,
-    pack,
-)
 from tensordbg.transport.server import Server
+from tensordbg.transport.shm import SHM_MIN, SharedMemory
+from tensordbg.transport.sync_client import SyncClient
+from tensordbg.transport.wire import PROTOCOL_VERSION, WireArray, pack
 
 KEY = bytes(range(32))
 MiB = 2**20

@@ -41,7 +41,7 @@ from tensordbg.sources.slicing import (
 )
 from tensordbg.statistics import Summary
 from tensordbg.statistics.torch_kernels import dtype_name, summarize
-from tensordbg.transport.protocol import DTYPES, MAX_REPLY_BYTES, WireArray
+from tensordbg.transport.wire import DTYPES, MAX_REPLY_BYTES, WireArray
 
 MAX_BINS = 1024
 # Words that carry each dtype on the wire, as torch dtypes to .view() the tensor as.

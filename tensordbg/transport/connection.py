@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tensordbg.transport.protocol import PROTOCOL_VERSION, process_exists
+from tensordbg.transport.wire import PROTOCOL_VERSION
 
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _FILE_LIMIT = 64 * 1024  # a connection file is a few hundred bytes
@@ -293,6 +293,22 @@ def default_runtime_dir() -> Path:
         except OSError:
             pass
     return Path(tempfile.gettempdir()) / f"tensordbg-{os.getuid()}"
+
+
+def process_exists(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this host (another user's counts: it cannot be checked
+    further, and its files are not ours to remove).
+
+    >>> process_exists(os.getpid())
+    True
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: someone else's process
+        return True
+    return True
 
 
 def _check_private_dir(path: Path) -> None:

@@ -24,7 +24,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from tensordbg.sources.slicing import grid_shape
-from tensordbg.transport.protocol import WireArray
+from tensordbg.transport.wire import WireArray
 from tensordbg.tui.errors import work
 from tensordbg.tui.remote import RequestFailed, remote_of
 
@@ -278,6 +278,8 @@ class TensorGrid(ScrollView, can_focus=True):
     @work(thread=True, group="grid-decode")
     def _decode_block(self, generation: int, key: tuple[int, int], data: WireArray) -> None:
         values = data.to_numpy()
+        if data.dtype == "bfloat16" or data.dtype.startswith("float8"):
+            values = values.astype(np.float32)  # exact; numpy prints and tests only its own floats
         values = values.reshape(values.shape[0] if values.ndim else 1, -1)
         self.post_message(self.BlockReady(generation, key, format_block(values)))
 
