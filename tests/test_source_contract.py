@@ -38,7 +38,8 @@ from tensordbg.sources.contract import (
     refusal,
 )
 from tensordbg.sources.live import LiveSource
-from tensordbg.transport.protocol import roundtrip, welcome
+from tensordbg.transport.server import welcome
+from tensordbg.transport.wire import roundtrip
 
 
 class Scene(NamedTuple):

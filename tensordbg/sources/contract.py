@@ -5,7 +5,7 @@ A live training serves a Source (``tensordbg.sources.live.LiveSource``) through 
 a dump will serve the same interface offline. The UI never knows which one it talks to, except
 through the source's :attr:`Source.capabilities`: a recorded run cannot be driven, so it serves
 no ``control``. Every method returns plain data that msgpack can carry (dicts, lists, str, int,
-float, bool, None), except that tensor data comes as a WireArray (``tensordbg.transport.protocol``)
+float, bool, None), except that tensor data comes as a WireArray (``tensordbg.transport.wire``)
 at the top level of a reply dict; the transport sends those as raw frames. This module never
 imports torch.
 

@@ -141,7 +141,7 @@ class Stats(TypedDict):
 
 @runtime_checkable
 class ArrayData(Protocol):
-    """Tensor values on the wire: what ``tensordbg.transport.protocol.WireArray`` provides."""
+    """Tensor values on the wire: what ``tensordbg.transport.wire.WireArray`` provides."""
 
     dtype: str
     shape: tuple[int, ...]
