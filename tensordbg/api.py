@@ -140,8 +140,15 @@ def _start_server(session: Session, remote: bool | str, ui_timeout: float | None
         session.server = server
         session.handles.callback(server.stop, "the UI server")
     except Exception as e:  # the debugger must never stop a training over its UI
+        # With no UI to resume it, a pause would block for ever: hits are recorded instead.
+        paused = session.on_hit == "pause"
+        if paused:
+            session.on_hit = "record"
         warnings.warn(
-            f"tensordbg: the UI server did not start ({e}); hits are still recorded",
+            f"tensordbg: the UI server did not start ({e}); hits are "
+            + ("recorded instead of pausing the training" if paused else "still recorded")
+            + ". To get a UI next time, fix that cause (see TENSORDBG_RUNTIME_DIR in the README) "
+            "or attach with server=False and drive the session from code.",
             RuntimeWarning,
             stacklevel=3,
         )

@@ -53,13 +53,24 @@ def test_nan_and_overflow_in_a_layers_output(watch, sync):
     with torch.no_grad():
         model[1].bias[0] = math.inf  # set between steps: the next forward meets it first
     steps(model, optimizer, session, 1)
+    # The forward meets the Inf in layer 1's own bias before anything else: the parameter is
+    # the origin (it changed since it was last checked), and the output only passes it on.
     first = hits_of(session, "Overflow")[0]
-    assert (first.kind, first.module, first.step, first.origin) == ("output", "1", 2, True)
+    assert (first.tensor, first.kind, first.module, first.step, first.origin) == (
+        "1.bias",
+        "param",
+        "1",
+        2,
+        True,
+    )
+    output = next(h for h in hits_of(session, "Overflow") if h.tensor == "1.output")
+    assert not output.origin and "first produced at 1.bias" in output.message
+    assert "inputs and parameters were clean" not in output.message
     assert any(h.rule == "NaN" and h.phase == "backward" for h in session.hits)  # Inf - Inf
     # The Inf is the one origin; the NaN it turns into is passed on from it. The gradient of the
     # loss is +Inf in output column 0, so 1.weight.grad[0] sums +Inf times activations of both
     # signs: Inf - Inf, in the first gradient the backward computes.
-    assert [(h.rule, h.tensor) for h in session.hits if h.origin] == [("Overflow", "1.output")]
+    assert [(h.rule, h.tensor) for h in session.hits if h.origin] == [("Overflow", "1.bias")]
     nan = hits_of(session, "NaN")[0]
     assert (nan.tensor, nan.module, nan.kind, nan.phase, nan.step) == (
         "1.weight.grad",

@@ -186,6 +186,8 @@ class Capture:
         self.stack: list[Call] = []
         self.root: Call | None = None
         self.calls_by_path: dict[str, list[Call]] = {}
+        self._root_calls: list[Call] = []  # the calls of the current root forward
+        self._root_grad = True  # whether it ran with gradients (a backward can come)
         self._counts: dict[int, int] = {}
         self._seen: dict[int, Record] = {}
         self._skipping = 0
@@ -210,15 +212,32 @@ class Capture:
                 hook = param_hook(self.session, name, owner, owner_type)
                 handles.add(param.register_post_accumulate_grad_hook(hook))
         handles.callback(self.reset)
+        handles.callback(self.new_step)
 
     def reset(self) -> None:
-        """Forget the call tree of the last forward (nothing is kept across steps)."""
+        """Start a new root forward. The calls of the step's earlier root forwards stay in
+        :attr:`calls_by_path` (a GAN calls ``G(z)``, ``D(fake)``, ``D(real)`` before its backward
+        passes: their origins are reasoned over all of them) until :meth:`new_step`."""
+        if not self._root_grad and self._root_calls:
+            # An evaluation under no_grad: no backward will reason over its calls.
+            gone = {id(c) for c in self._root_calls}
+            self.calls_by_path = {
+                path: kept
+                for path, calls in self.calls_by_path.items()
+                if (kept := [c for c in calls if id(c) not in gone])
+            }
+        self._root_calls = []
+        self._root_grad = torch.is_grad_enabled()
         self.stack.clear()
         self.root = None
-        self.calls_by_path = {}
         self._counts.clear()
         self._seen.clear()
         self._skipping = 0
+
+    def new_step(self) -> None:
+        """A step ended: forget its calls (nothing is kept across steps)."""
+        self.calls_by_path = {}
+        self._root_calls = []
 
     # --- forward -------------------------------------------------------------------------------
 
@@ -256,6 +275,7 @@ class Capture:
             else:
                 self.root = call
             self.calls_by_path.setdefault(call.path, []).append(call)
+            self._root_calls.append(call)
             self.stack.append(call)
             leaves = tensor_leaves(args, "")
             if kwargs:
@@ -380,6 +400,8 @@ def param_hook(
             return
         try:
             grad = param.grad
+            if grad is not None and grad.layout is torch.sparse_coo:
+                grad = grad.coalesce().values()  # the rows it has: a sparse embedding's update
             if grad is not None and watchable(grad):
                 session.param_grad(name, owner, owner_type, grad)
         except Exception as e:

@@ -98,21 +98,31 @@ class PauseController:
             self.state, self.reason, self.paused_at = PAUSED, reason, hit
             self.pause_requested = False
         self._notify(PAUSED)
+        try:
+            self._serve_while_paused()
+        except BaseException:  # Ctrl-C while paused: the training goes on up, as without us
+            with self._cond:
+                if self.state == PAUSED:
+                    self.state = RUNNING
+                self.paused_at = None
+            self._fail_pending_jobs()
+            self._notify(self.state)
+            raise
+        self._fail_pending_jobs()
+        self._notify(self.state)
+
+    def _serve_while_paused(self) -> None:
         while True:
             with self._cond:
                 while self.state == PAUSED and not self._jobs:
                     self._cond.wait()
                 if self.state != PAUSED:
                     self.paused_at = None
-                    break
+                    return
                 fn, future = self._jobs.popleft()
             if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as e:  # handed back to the thread that asked
-                    future.set_exception(e)
-        self._fail_pending_jobs()
-        self._notify(self.state)
+                _run(fn, future)
+            del fn, future  # a large reply is not kept alive once it is sent
 
     # --- other threads -------------------------------------------------------------------
 
@@ -239,7 +249,13 @@ class ControlPlane:
 
 
 def _run(change: Callable[[], T], future: Future[T]) -> None:
+    """Run ``change`` and hand its result or error to whoever waits on ``future``. A Ctrl-C (or
+    SystemExit) is told to the asker and then goes on up the training thread, as it would
+    without tensordbg."""
     try:
         future.set_result(change())
+    except (KeyboardInterrupt, SystemExit) as e:
+        future.set_exception(NotPaused(f"the training was interrupted ({type(e).__name__})"))
+        raise
     except BaseException as e:  # handed back to the thread that asked
         future.set_exception(e)

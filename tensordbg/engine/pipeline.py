@@ -12,6 +12,7 @@ hooks talk to, the :class:`~tensordbg.engine.capture.Sink`).
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Sequence
@@ -32,10 +33,17 @@ from tensordbg.engine.phases import (
     ParamGradNote,
     Snapshot,
 )
-from tensordbg.engine.records import Call, Record, grad_record, is_model_output, param_grad_record
+from tensordbg.engine.records import (
+    NONFINITE,
+    Call,
+    Record,
+    grad_record,
+    is_model_output,
+    param_grad_record,
+)
 from tensordbg.hit import Hit, WatchpointHit
 from tensordbg.statistics import Stat, TensorStats
-from tensordbg.statistics.torch_kernels import SCREEN, host_stats
+from tensordbg.statistics.torch_kernels import SCREEN, host_stats, watchable
 
 
 class Pipeline:
@@ -50,6 +58,7 @@ class Pipeline:
         if self._forward_open or self.phases.busy():
             self._end_phase()
         if not self.optimizers and self._root_forwards:
+            self._say_what_is_not_watched()
             self._finish_step()
             self._boundary(completed_step=True)
         self._root_forwards += 1
@@ -92,11 +101,22 @@ class Pipeline:
         self._process(Enter(call))
 
     def exit(self, call: Call) -> None:
-        if call.unscreened:
+        if call.unscreened or self.sync.screens_inputs_later:
             if any(r.conditions for _, r in call.outputs):
-                for record, tensor in call.unscreened:
-                    self.collect(record, tensor)
-                origin.enter(call)  # what the inputs showed, now that they are screened
+                # Inputs made by code between modules, screened now that it matters: this
+                # call's own, and those it got from its parent unchanged (a wrapper handing its
+                # input to a child: the parent's code made it, not the child).
+                late = {id(r): (r, t) for r, t in call.unscreened}
+                for _, record in call.inputs:
+                    if record.hidden and not record.judged and id(record) not in late:
+                        late[id(record)] = (record, record.held())
+                screened = False
+                for record, tensor in late.values():
+                    if tensor is not None and not record.judged:
+                        self.collect(record, tensor)
+                        screened = True
+                if screened:
+                    origin.enter(call)  # what the inputs showed, now that they are screened
             call.unscreened = []
         self._process(Exit(call))
 
@@ -212,11 +232,36 @@ class Pipeline:
         elif kind is Enter:
             origin.enter(event.call)
         elif kind is Exit:
+            self._check_own_params(event.call)
             for verdict in self.origins.exit(event.call):
                 self._hit(verdict)
         elif kind is Gradient:
             for verdict in self.origins.grad(event.record):
                 self._hit(verdict)
+
+    def _check_own_params(self, call: Call) -> None:
+        """A call about to be named the origin of a NaN/Inf: read its own parameters first.
+        They were checked after the last step, but code may have changed them since (a weight
+        set by hand, a load): then the parameter is the origin, and the sentence says so."""
+        if not call.params or NONFINITE in call.fired_in or NONFINITE in call.origin_below:
+            return
+        if not any(NONFINITE in r.conditions for _, r in call.outputs):
+            return
+        for name in call.params:
+            p = self.weights.by_name.get(name)
+            if p is None or name in self.origins.param_fired or not watchable(p.param):
+                continue
+            record = p.record("param", name, self.step)
+            record.stats.phase = self.phase
+            applicable = self.ruleset.applicable(record.stats)
+            record.rule_ids, record.checks = applicable.rule_ids, applicable.checks
+            record.wanted = applicable.wanted or SCREEN
+            tensor = p.param.detach()
+            self.screen(record, tensor)
+            if record.stats.nonfinite:
+                self.phases.register(record)
+                self.judge(record, tensor)
+                self.report(record)
 
     def _after_hook(self) -> None:
         """What a hook does last: judge now (eager, or deferred once the phase showed a
@@ -344,6 +389,8 @@ class Pipeline:
         elif self.on_hit == "raise":
             raise WatchpointHit(first)
         elif self.on_hit == "pause":
+            if self.forked():
+                return  # recorded; a forked worker cannot be driven from the UI (said once)
             self._block(f"{first.rule} hit: {first.message}", first)
 
     def _boundary(self, completed_step: bool = False) -> None:
@@ -359,7 +406,7 @@ class Pipeline:
             self._block(reason, None)
 
     def _block(self, reason: str, hit: Hit | None) -> None:
-        if self._detach_requested():
+        if self._detach_requested() or self.forked():
             return
         _print_pause(self, reason, hit)
         self.publish()
@@ -378,10 +425,40 @@ class Pipeline:
         """A training step completed: history, status, this step's hits become last step's."""
         numbers = self.metrics.finish(self.step)
         self.step += 1
+        self.capture.new_step()
         self.hitlog.end_step()
         self.publish()
         self.bus.publish("step_end", numbers)
         self.bus.publish("status", self.status())
+
+    def _say_what_is_not_watched(self) -> None:
+        """No optimizer is watched, yet the model trains (its parameters have gradients): the
+        weights are updated by hand or by an optimizer tensordbg was not given. Say once what
+        that leaves unwatched."""
+        if self._said_no_optimizer:
+            return
+        self._said_no_optimizer = True
+        if not any(p.param.grad is not None for p in self.weights.params.values()):
+            return  # evaluation only: nothing is missing
+        message = (
+            "no optimizer is watched: a step is one call of the model, and weight updates are "
+            "not checked (WeightNotChanging, update statistics) because tensordbg cannot tell "
+            "when they happen; pass optimizer= to attach() to watch them"
+        )
+        self.log(message, "warning")
+        print(f"tensordbg: {message}", file=sys.stderr, flush=True)
+
+    def forked(self) -> bool:
+        """Whether this is a forked child of the attaching process (a DataLoader worker that
+        runs the model, say): it records or raises but never pauses, and says so once."""
+        if os.getpid() == self.pid:
+            return False
+        if not self._said_forked:
+            self._said_forked = True
+            print(f"tensordbg: process {os.getpid()} is a fork of the training ({self.pid}): its "
+                  "hits are recorded here but never pause it (no UI can reach a forked worker)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        return True
 
     def publish(self) -> None:
         """Publish what readers on other threads may see (:class:`~.phases.Snapshot`)."""

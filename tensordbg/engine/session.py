@@ -136,6 +136,9 @@ class Session(Pipeline, OptimizerPhase):
         self._quiet_params: dict[str, bool] = {}
         self.published = EMPTY
         """The last :meth:`publish`: what other threads read (never the live dicts)."""
+        self.pid = os.getpid()
+        self._said_forked = False
+        self._said_no_optimizer = False
         self._stepping: dict[torch.optim.Optimizer, list[Param]] = {}  # between pre and post hook
         self.capture = Capture(self, model, _patterns(include), _patterns(exclude))
         try:
@@ -377,8 +380,17 @@ class Session(Pipeline, OptimizerPhase):
         self.log(f"internal error, watching stopped: {error}", "error")
 
     def _owner_calls(self, param: str) -> list[Call]:
+        """The calls that used a parameter: its module's, or, when that module was never called
+        (``nn.MultiheadAttention`` uses ``out_proj.weight`` through a functional call), those of
+        the nearest enclosing module that was."""
         owner = self.weights.by_name.get(param)
-        return self.capture.calls_by_path.get(owner.owner, []) if owner else []
+        path = owner.owner if owner else None
+        calls = self.capture.calls_by_path
+        while path is not None:
+            if calls.get(path):
+                return calls[path]
+            path = path.rpartition(".")[0] if path else None
+        return []
 
     def _guarded(self, fn: Callable[[], None]) -> Callable[[], None]:
         def guarded() -> None:

@@ -44,6 +44,8 @@ from tensordbg.statistics.torch_kernels import dtype_name, summarize
 from tensordbg.transport.wire import DTYPES, MAX_REPLY_BYTES, WireArray
 
 MAX_BINS = 1024
+# A slice may make as many values as its tensor holds, and at least this many.
+MIN_SLICE_BOUND = 2**20
 # Words that carry each dtype on the wire, as torch dtypes to .view() the tensor as.
 _WIRE_VIEW = {"bfloat16": torch.int16, "float8_e4m3fn": torch.uint8, "float8_e4m3fnuz": torch.uint8,
               "float8_e5m2": torch.uint8, "float8_e5m2fnuz": torch.uint8}  # fmt: skip
@@ -321,6 +323,14 @@ class LiveSource:
         record = self._record(ref)
         if not 1 <= bins <= MAX_BINS:
             raise SourceError(f"bins is between 1 and {MAX_BINS}")
+        for name, bound in (("lo", lo), ("hi", hi)):
+            if bound is not None and not math.isfinite(bound):
+                raise SourceError(f"histogram bound {name}={bound} is not a finite number")
+        if lo is not None and hi is not None:
+            if lo > hi:
+                raise SourceError(f"histogram bounds: lo={lo:g} is above hi={hi:g}")
+            if not math.isfinite(hi - lo):
+                raise SourceError(f"histogram bounds {lo:g}..{hi:g} are too far apart to bin")
 
         def work() -> dict[str, Any]:
             index, view = self._view(record, text)
@@ -389,7 +399,8 @@ class LiveSource:
             raise SourceError(f"{record.stats.name} is no longer kept")
         try:
             index = parse_index(text)
-            return format_index(index), apply_index(tensor.detach(), index)
+            bound = max(tensor.numel(), MIN_SLICE_BOUND)  # documented in apply_index
+            return format_index(index), apply_index(tensor.detach(), index, bound)
         except SliceError as e:
             raise SourceError(str(e)) from None
 

@@ -113,14 +113,69 @@ def _format_part(part: Any) -> str:
     return str(part)
 
 
-def apply_index(x: Any, index: Index) -> Any:
-    """``x[index]`` for a torch tensor or numpy array, with a clear error for a misfit."""
+def result_shape(shape: tuple[int, ...], index: Index) -> tuple[int, ...]:
+    """The shape ``x[index]`` would have, worked out from the index alone (numpy's rules, for
+    the parts :func:`parse_index` accepts), so that a request is judged before anything is
+    computed. Integers and list entries out of range are refused here too."""
+    ellipses = sum(part is Ellipsis for part in index)
+    if ellipses > 1:
+        raise SliceError("an index can have only one ...")
+    consumed = sum(part is not None and part is not Ellipsis for part in index)
+    if consumed > len(shape):
+        raise SliceError(f"{format_index(index)} has {consumed} indices for {len(shape)} dims")
+    parts: list[Any] = []
+    for part in index:
+        if part is Ellipsis:
+            parts.extend([slice(None)] * (len(shape) - consumed))
+        else:
+            parts.append(part)
+    parts.extend([slice(None)] * (len(shape) - sum(p is not None for p in parts)))
+    out: list[int] = []
+    lists: list[int] = []
+    dims = iter(shape)
+    for part in parts:
+        if part is None:
+            out.append(1)
+            continue
+        n = next(dims)
+        if isinstance(part, slice):
+            out.append(len(range(*part.indices(n))))
+        elif isinstance(part, list):
+            bad = next((i for i in part if not -n <= i < n), None)
+            if bad is not None:
+                raise SliceError(f"index {bad} is out of range for a dim of size {n}")
+            lists.append(len(part))
+        elif not -n <= part < n:
+            raise SliceError(f"index {part} is out of range for a dim of size {n}")
+    if lists:
+        size = max(lists)
+        if any(k not in (1, size) for k in lists):
+            raise SliceError(f"index lists of lengths {lists} cannot be combined")
+        out.append(size)  # where numpy puts it does not change the size
+    return tuple(out)
+
+
+def apply_index(x: Any, index: Index, max_elements: int | None = None) -> Any:
+    """``x[index]`` for a torch tensor or numpy array, with a clear error for a misfit. With
+    ``max_elements``, an index whose result would hold more values is refused before it is
+    evaluated (a short list index can ask for many copies of a large tensor)."""
     if not index:
         return x
+    shape = "x".join(map(str, tuple(x.shape))) or "scalar"
+    if max_elements is not None:
+        try:
+            size = math.prod(result_shape(tuple(x.shape), index))
+        except SliceError as e:
+            raise SliceError(f"{format_index(index)} does not fit a tensor of shape {shape}: "
+                             f"{e}") from None  # fmt: skip
+        if size > max_elements:
+            raise SliceError(
+                f"{format_index(index)} would make {size:,} values; a slice may make at most "
+                f"{max_elements:,} (as many as the tensor holds, or 2**20): narrow it"
+            )
     try:
         return x[index]
     except (IndexError, TypeError, ValueError, RuntimeError) as e:
-        shape = "x".join(map(str, tuple(x.shape))) or "scalar"
         text = format_index(index)
         raise SliceError(f"{text} does not fit a tensor of shape {shape}: {e}") from None
 
