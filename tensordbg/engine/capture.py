@@ -176,8 +176,11 @@ class Capture:
         for path, module in model.named_modules():
             if path and not _selected(path, include, exclude):
                 continue
-            if path and type(module) in _PURE_CONTAINERS:
-                continue  # its forward only chains its children: nothing can start there
+            if "." in path and type(module) in _PURE_CONTAINERS:
+                # Its forward only chains its children, inside its parent's forward. (A child
+                # of the root is hooked: a GAN calls G(z) and D(x) itself, and each is a root
+                # forward whose children must share its call tree.)
+                continue
             self.paths[id(module)] = path
             self.types[id(module)] = type(module).__name__
             self.direct_params[id(module)] = tuple(
@@ -231,13 +234,13 @@ class Capture:
         self.stack.clear()
         self.root = None
         self._counts.clear()
-        self._seen.clear()
         self._skipping = 0
 
     def new_step(self) -> None:
         """A step ended: forget its calls (nothing is kept across steps)."""
         self.calls_by_path = {}
         self._root_calls = []
+        self._seen.clear()  # a tensor made by one root forward and used by the next is one record
 
     # --- forward -------------------------------------------------------------------------------
 

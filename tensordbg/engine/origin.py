@@ -201,9 +201,12 @@ def grad(record: Record, loss_fired: set[int]) -> dict[int, tuple[Call | None, s
                 reported = (call, "grad_input", True)
         if reported is None:
             if producer is not None:
-                # The model output's gradient comes from the loss: made there if it was clean.
+                # The model output's gradient comes from the loss: made there if it was clean;
+                # unless a later root forward took it (a GAN's G(z) fed to D): then it came
+                # back through that call's backward.
                 origin = (
                     is_model_output(forward)
+                    and not forward.consumers
                     and condition not in loss_fired
                     and condition not in forward.conditions
                 )

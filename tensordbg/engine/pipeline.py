@@ -110,12 +110,10 @@ class Pipeline:
                 for _, record in call.inputs:
                     if record.hidden and not record.judged and id(record) not in late:
                         late[id(record)] = (record, record.held())
-                screened = False
                 for record, tensor in late.values():
                     if tensor is not None and not record.judged:
                         self.collect(record, tensor)
-                        screened = True
-                if screened:
+                if any(r.conditions for _, r in call.inputs):
                     origin.enter(call)  # what the inputs showed, now that they are screened
             call.unscreened = []
         self._process(Exit(call))
@@ -432,14 +430,20 @@ class Pipeline:
         self.bus.publish("status", self.status())
 
     def _say_what_is_not_watched(self) -> None:
-        """No optimizer is watched, yet the model trains (its parameters have gradients): the
-        weights are updated by hand or by an optimizer tensordbg was not given. Say once what
-        that leaves unwatched."""
-        if self._said_no_optimizer:
+        """No optimizer is watched, yet the model trains (its parameters get gradients or
+        change): the weights are updated by hand or by an optimizer tensordbg was not given. Say
+        once, in the first steps, what that leaves unwatched."""
+        if self._said_no_optimizer or self.step > 3:
             return
+        params = list(self.weights.params.values())
+        versions = [p.param._version for p in params]
+        trained = any(p.param.grad is not None for p in params) or (
+            self._param_versions is not None and versions != self._param_versions
+        )
+        self._param_versions = versions
+        if not trained:
+            return  # evaluation only, so far: nothing is missing
         self._said_no_optimizer = True
-        if not any(p.param.grad is not None for p in self.weights.params.values()):
-            return  # evaluation only: nothing is missing
         message = (
             "no optimizer is watched: a step is one call of the model, and weight updates are "
             "not checked (WeightNotChanging, update statistics) because tensordbg cannot tell "

@@ -139,6 +139,7 @@ class Session(Pipeline, OptimizerPhase):
         self.pid = os.getpid()
         self._said_forked = False
         self._said_no_optimizer = False
+        self._param_versions: list[int] | None = None
         self._stepping: dict[torch.optim.Optimizer, list[Param]] = {}  # between pre and post hook
         self.capture = Capture(self, model, _patterns(include), _patterns(exclude))
         try:

@@ -1,0 +1,333 @@
+"""The engine tells the truth and survives its users: origins in common set-ups (attention,
+GANs, a parent's own code, sparse gradients), scripts that save, copy and fork, and requests or
+signals that must not hurt the training."""
+
+from __future__ import annotations
+
+import copy
+import io
+import multiprocessing
+import os
+import threading
+import warnings
+
+import pytest
+import torch
+from conftest import DEADLINE, wait_until
+from models import mlp
+from paused import PausedTraining
+from torch import nn
+
+import tensordbg
+from tensordbg.engine.control import NotPaused
+from tensordbg.rules import NaN, Overflow
+from tensordbg.sources.contract import SourceError
+from tensordbg.sources.live import LiveSource
+from tensordbg.sources.slicing import (
+    MAX_TEXT,
+    SliceError,
+    apply_index,
+    parse_index,
+    result_shape,
+)
+
+MODES = ("eager", "batched", "deferred")
+
+
+class NaNBackward(nn.Module):
+    """The identity in forward; its backward makes NaN (sqrt's derivative at 0 is 1/0, times 0),
+    as ``sqrt(x * x)`` at 0 does: a finite forward, a bad backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.sqrt(x * 0)
+
+
+def origins(session, phase=None):
+    return [(h.tensor, h.kind) for h in session.hits
+            if h.origin and (phase is None or h.phase == phase)]  # fmt: skip
+
+
+# --- origins that are true ------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.bad = NaNBackward()
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x):
+        h = self.inp(x)
+        h, _ = self.attn(h, h, h)
+        return self.head(self.bad(h))
+
+
+@pytest.mark.parametrize("sync", MODES)
+def test_a_parameter_used_through_a_functional_call_is_no_origin_of_what_flowed_into_it(
+    watch, sync
+):
+    """MultiheadAttention uses out_proj.weight without calling out_proj: its gradient is NaN
+    because the gradient of the attention's output already was, so it is passed on."""
+    model = Attention()
+    session = watch(model, on_hit="record", rules=[NaN()], sync=sync)
+    model(torch.randn(2, 5, 8)).sum().backward()
+    session.flush()
+    names = {h.tensor for h in session.hits}
+    assert "attn.out_proj.weight.grad" in names  # the NaN reached it...
+    backward = origins(session, "backward")
+    assert backward and all(t.startswith("bad.") for t, _ in backward), backward  # ...from here
+
+
+class Gan(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.G = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6))
+        self.D = nn.Sequential(nn.Linear(6, 8), NaNBackward(), nn.Linear(8, 1))
+
+
+@pytest.mark.parametrize("sync", MODES)
+def test_a_gan_step_with_several_root_forwards_names_the_discriminator(watch, sync):
+    """G(z), D(fake), D(real), one backward: D's backward made the NaN; the generator's
+    gradients only received it."""
+    gan = Gan()
+    opt = torch.optim.SGD(gan.parameters(), lr=0.01)
+    session = watch(gan, optimizer=opt, on_hit="record", rules=[NaN()], sync=sync)
+    fake = gan.G(torch.randn(3, 4))
+    loss = gan.D(fake).mean() + gan.D(torch.randn(3, 6)).mean()
+    loss.backward()
+    opt.step()
+    assert any(h.tensor.startswith("G.") for h in session.hits)  # the NaN reached G...
+    backward = origins(session, "backward")
+    assert backward and all(t.startswith("D.1") for t, _ in backward), backward  # ...from D.1
+
+
+class Wrapper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+class ParentCode(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.head = nn.Linear(4, 4), Wrapper(), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.b(torch.log(self.a(x) - 100)))  # the root's own code makes NaN
+
+
+def test_every_mode_names_the_parents_own_code_not_the_child_it_handed_the_value_to(watch):
+    found = {}
+    for sync in MODES:
+        model = ParentCode()
+        session = watch(model, on_hit="record", rules=[NaN()], sync=sync)
+        with torch.no_grad():
+            model(torch.randn(3, 4))
+        session.flush()
+        found[sync] = origins(session)
+        session.detach()
+    assert found["eager"] == found["batched"] == found["deferred"], found
+    assert all(not t.startswith(("b.", "head.")) for t, _ in found["eager"]), found
+
+
+def test_a_nan_in_a_sparse_gradient_is_found_in_the_gradient_not_blamed_on_the_optimizer(watch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 4, sparse=True), nn.Linear(4, 1))
+    opt = torch.optim.SparseAdam(list(model[0].parameters()))
+    session = watch(model, optimizer=opt, on_hit="record", rules=[NaN()])
+    model[0].weight.register_hook(lambda grad: grad * float("nan"))
+    model(torch.randint(0, 50, (6,))).sum().backward()
+    opt.step()
+    first = next(h for h in session.hits if h.origin)
+    assert (first.tensor, first.kind, first.phase) == ("0.weight.grad", "grad", "backward")
+    assert not any(h.kind == "param" and h.origin for h in session.hits)
+
+
+# --- attaching must not break the script ----------------------------------------------------
+
+
+def test_saving_and_copying_a_watched_model_work_and_the_copies_carry_no_hooks(watch):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=opt, on_hit="record", rules=[NaN()])
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # a whole-model checkpoint
+    ema = copy.deepcopy(model)  # an EMA or "best model" copy
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for other in (ema, loaded):
+        assert all(not m._forward_hooks and not m._forward_pre_hooks for m in other.modules())
+        assert torch.equal(other[0].weight, model[0].weight)
+        x = torch.randn(3, 4)
+        x[0, 0] = float("nan")
+        other(x)  # the copy is not watched: nothing reaches the session
+    assert session.hits == []
+    assert all(m._forward_hooks for m in model.modules() if m is not model)  # still watched
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    session.detach()
+    assert "__reduce_ex__" not in vars(model[0])  # detach undid that too
+
+
+def _forward_with_a_nan(model: nn.Module) -> None:
+    x = torch.randn(3, 4)
+    x[0, 0] = float("nan")
+    model(x)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_worker_that_hits_records_and_never_pauses(watch, capfd):
+    model = mlp()
+    watch(model, on_hit="pause", rules=[NaN()])
+    worker = multiprocessing.get_context("fork").Process(target=_forward_with_a_nan, args=(model,))
+    worker.start()
+    worker.join(DEADLINE)
+    if worker.is_alive():  # paused for ever: the bug
+        worker.kill()
+        worker.join()
+        pytest.fail("the forked worker paused on its hit")
+    assert worker.exitcode == 0
+    assert "is a fork of the training" in capfd.readouterr().err
+
+
+def test_detaching_while_paused_in_the_optimizer_phase_is_clean(watch):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e38)  # the update overflows the weights
+    session = watch(model, optimizer=opt, on_hit="pause", rules=[NaN(), Overflow()])
+    seen = {}
+
+    def detach_when_paused():
+        try:
+            wait_until(lambda: session.controller.state == "paused")
+            seen["phase"] = session.phase
+        finally:
+            session.controller.detach()  # what the UI's q does
+
+    helper = threading.Thread(target=detach_when_paused)
+    helper.start()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            (model(torch.randn(3, 4)) * 1e30).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    helper.join()
+    assert seen == {"phase": "optimizer"}
+    assert session.detached and not session.broken
+    assert not [w for w in caught if "internal error" in str(w.message)]
+
+
+def test_weights_updated_by_hand_are_said_once_to_be_unwatched(watch, capsys):
+    model = mlp()
+    watch(model, on_hit="record")
+    for _ in range(3):
+        model(torch.randn(3, 4)).sum().backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.01 * p.grad
+                p.grad = None
+    err = capsys.readouterr().err
+    assert err.count("no optimizer is watched") == 1
+    assert "pass optimizer= to attach()" in err
+
+
+# --- requests and signals that cannot hurt the training -------------------------------------
+
+
+@pytest.fixture
+def paused_source():
+    with PausedTraining() as training:
+        training.wait_paused()
+        yield training, LiveSource(training.session)
+
+
+def test_a_short_slice_text_cannot_make_the_training_build_a_huge_result():
+    """60 zeros in a list ask for 30 times the tensor: refused from the index alone, before
+    anything is computed."""
+    text = "[[" + ", ".join(["0"] * 60) + "]]"
+    assert len(text) <= MAX_TEXT  # a short text a person (or a hostile client) can send
+    x = torch.zeros(2, 500_000)
+    with pytest.raises(SliceError, match="would make 30,000,000 values"):
+        apply_index(x, parse_index(text), max_elements=x.numel())
+    assert result_shape((1000, 1000), parse_index("[[0, 1], None, 3:7]")) == (1, 4, 2)
+    assert apply_index(x, parse_index("[[0, 1], 5]"), max_elements=x.numel()).shape == (2,)
+
+
+def test_a_slice_request_is_sized_before_it_is_made(paused_source):
+    _, source = paused_source
+    ref = source.info()["paused_at"]["ref"]  # a 16x32 tensor
+    with pytest.raises(SourceError, match="out of range"):
+        source.stats(ref, "[[0, 99]]")
+    assert source.stats(ref, "[[0, 1], 3]")["shape"] == [2]  # a small list index still works
+
+
+def test_histogram_bounds_that_make_no_sense_get_a_sentence(paused_source):
+    _, source = paused_source
+    ref = source.info()["paused_at"]["ref"]
+    with pytest.raises(SourceError, match="lo=2 is above hi=1"):
+        source.histogram(ref, lo=2.0, hi=1.0)
+    with pytest.raises(SourceError, match="not a finite number"):
+        source.histogram(ref, lo=float("-inf"), hi=1.0)
+    with pytest.raises(SourceError, match="too far apart"):
+        source.histogram(ref, lo=-1e308, hi=1e308)
+
+
+def test_ctrl_c_during_a_ui_request_reaches_the_training_and_the_ui_gets_an_answer(watch):
+    model = mlp()
+    session = watch(model, on_hit="pause", rules=[NaN()])
+    answer = {}
+
+    def interrupted_request():
+        try:
+            wait_until(lambda: session.controller.state == "paused")
+
+            def work():
+                raise KeyboardInterrupt  # Ctrl-C arriving while the request runs
+
+            session.controller.run_on_training_thread(work, timeout=DEADLINE)
+        except BaseException as e:
+            answer["error"] = e
+        finally:
+            if session.controller.state == "paused":  # the bug: still paused; let it go
+                session.controller.detach()
+
+    helper = threading.Thread(target=interrupted_request)
+    helper.start()
+    with pytest.raises(KeyboardInterrupt):
+        _forward_with_a_nan(model)
+    helper.join(DEADLINE)
+    assert not helper.is_alive()
+    assert isinstance(answer.get("error"), NotPaused)  # told, not killed by the interrupt
+    assert session.controller.state == "running"
+
+
+def test_without_a_ui_server_a_pause_becomes_a_recorded_hit(tmp_path, monkeypatch):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # a runtime directory others can enter: refused
+    monkeypatch.setenv("TENSORDBG_RUNTIME_DIR", str(shared))
+    model = mlp()
+    with pytest.warns(RuntimeWarning, match="recorded instead of pausing"):
+        session = tensordbg.attach(model, on_hit="pause", rules=[NaN()])
+    try:
+        runner = threading.Thread(target=_forward_with_a_nan, args=(model,))
+        runner.start()
+        runner.join(DEADLINE)
+        blocked = runner.is_alive()
+        if blocked:
+            session.controller.detach()
+            runner.join()
+        assert not blocked, "the training paused with no UI to resume it"
+        assert session.hits and session.on_hit == "record"
+    finally:
+        session.detach()
