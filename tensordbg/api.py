@@ -57,7 +57,10 @@ def attach(
         rules: watchpoint rules; None means ``tensordbg.rules.DEFAULT``.
         on_hit: ``"pause"`` blocks the training until resumed from the UI (``tensordbg tui``) or
             ``session.controller``; ``"raise"`` raises :class:`WatchpointHit`; ``"record"`` only
-            appends to ``session.hits``; a callable is called with each hit.
+            appends to ``session.hits``; ``"skip"`` skips the update of a step that hit before
+            its optimizer step (see ``Session.skip_step``), and raises :class:`WatchpointHit`
+            after ``max_skipped_steps`` skipped updates in a row; a callable is called with
+            each hit.
         scaler: a ``torch.amp.GradScaler``: gradient statistics are unscaled, and a step it skips
             for non-finite gradients is recorded in ``session.skipped_steps``, not as a hit,
             unless ``max_skipped_steps`` are skipped in a row.

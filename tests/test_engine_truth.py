@@ -331,3 +331,100 @@ def test_without_a_ui_server_a_pause_becomes_a_recorded_hit(tmp_path, monkeypatc
         assert session.hits and session.on_hit == "record"
     finally:
         session.detach()
+
+
+# --- skipping a bad update ------------------------------------------------------------------
+
+
+def _adam_run(on_hit, plant_at, steps=4):
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    session = tensordbg.attach(model, optimizer=opt, on_hit=on_hit, rules=[NaN()], server=False)
+    before = {}
+    for step in range(steps):
+        loss = model(torch.randn(3, 4)).sum()
+        if step == plant_at:
+            before = {"params": copy.deepcopy(model.state_dict()),
+                      "opt": copy.deepcopy(opt.state_dict())}  # fmt: skip
+            loss = loss * float("nan")  # every gradient of this step is NaN
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step == plant_at:
+            after = {"params": copy.deepcopy(model.state_dict()),
+                     "opt": copy.deepcopy(opt.state_dict())}  # fmt: skip
+    return session, model, before, after
+
+
+def _bitwise_equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.dim() else a, b.view(
+            torch.uint8) if b.dim() else b)  # fmt: skip
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_bitwise_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_bitwise_equal(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def test_on_hit_skip_drops_a_bad_update_and_leaves_parameters_and_optimizer_state_bitwise(capsys):
+    session, model, before, after = _adam_run("skip", plant_at=2)
+    try:
+        assert session.skipped_updates == [2]
+        assert _bitwise_equal(before["params"], after["params"])
+        assert _bitwise_equal(before["opt"], after["opt"])
+        assert all(torch.isfinite(p).all() for p in model.parameters())  # the run goes on clean
+        assert "updates tensordbg skipped: [2]" in session.summary()
+    finally:
+        session.detach()
+
+
+def test_without_a_skip_the_same_bad_update_lands():
+    session, _, before, after = _adam_run("record", plant_at=2)
+    try:
+        assert session.skipped_updates == []
+        assert not _bitwise_equal(before["params"], after["params"])
+    finally:
+        session.detach()
+
+
+def test_a_person_skips_the_update_from_a_pause(watch):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    session = watch(model, optimizer=opt, on_hit="pause", rules=[NaN()])
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()  # momentum buffers exist now
+    opt.zero_grad()
+    params = copy.deepcopy(model.state_dict())
+    state = copy.deepcopy(opt.state_dict())
+    replies = {}
+
+    def skip_when_paused():
+        try:
+            wait_until(lambda: session.controller.state == "paused")
+            replies["skip"] = LiveSource(session).control("skip")
+        finally:
+            session.controller.resume()
+
+    helper = threading.Thread(target=skip_when_paused)
+    helper.start()
+    (model(torch.randn(3, 4)).sum() * float("nan")).backward()  # pauses on the NaN gradient
+    opt.step()
+    helper.join(DEADLINE)
+    assert replies["skip"]["state"] == "paused"
+    assert session.skipped_updates == [1]
+    assert _bitwise_equal(params, model.state_dict())
+    assert _bitwise_equal(state, opt.state_dict())
+
+
+def test_skipping_forever_is_bounded(watch):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=opt, on_hit="skip", rules=[NaN()], max_skipped_steps=3)
+    with pytest.raises(tensordbg.WatchpointHit, match="skipped 3 updates in a row"):
+        for _ in range(10):
+            (model(torch.randn(3, 4)).sum() * float("nan")).backward()
+            opt.step()
+            opt.zero_grad()
+    assert session.skipped_updates == [0, 1, 2]

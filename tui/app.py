@@ -34,12 +34,18 @@ from tensordbg.tui.screens.main import TABS, MainScreen
 from tensordbg.tui.screens.session_picker import SessionPicker, session_field
 
 # Which control actions make sense in which state of the training.
-CONTROLS = {"paused": ("continue", "next", "step"), "running": ("pause",)}
+CONTROLS = {"paused": ("continue", "next", "step", "skip"), "running": ("pause",)}
 COMMANDS = (
     ("continue", "Continue", "Run to the next new problem: a new origin hit (c)"),
     ("next", "Next hit", "Run to the next hit of any kind (n)"),
     ("step", "Step", "Run one training step, then pause (s; 5s runs five)"),
     ("pause", "Pause", "Pause the training as soon as possible (p)"),
+    (
+        "skip",
+        "Skip this update",
+        "Drop this step's gradients: the parameters and the optimizer's "
+        "state stay as they are, as a GradScaler skips an overflow (k)",
+    ),
 )
 
 
@@ -58,6 +64,7 @@ class TensorDbgApp(App[int]):
         Binding("n", "control('next')", "Next hit"),
         Binding("s", "control('step')", "Step"),
         Binding("p", "control('pause')", "Pause"),
+        Binding("k", "control('skip')", "Skip update"),
         Binding("q", "detach", "Detach & quit"),
         Binding("slash", "search", "Search"),
         *(Binding(str(d), f"count({d})", show=False) for d in range(10)),

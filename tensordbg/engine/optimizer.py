@@ -40,6 +40,8 @@ class OptimizerPhase:
         try:
             if self.phases.busy() or self._forward_open:
                 self._end_phase()
+            if self._skip_requested:
+                _drop_gradients(optimizer)
             self.amp.stepped = True
             if self.phase != "optimizer":  # the first optimizer of the step: gradients are final
                 self.origins.gradients_final(self.phases.records)
@@ -128,3 +130,11 @@ class OptimizerPhase:
             self.weights.suspects.discard(p.name)
         self.phases.pending.append(Judged(record))
         return record
+
+
+def _drop_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """Make this ``optimizer.step()`` change nothing: optimizers leave a parameter without a
+    gradient alone (its value, its momentum, its step count)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = None

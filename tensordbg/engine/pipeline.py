@@ -371,7 +371,8 @@ class Pipeline:
             return
         self.bus.publish("hit", hit.as_dict())
         # A callable on_hit hears every hit; pause and raise stop at new origins only.
-        if callable(self.on_hit) or self.controller.should_pause(hit, repeated):
+        skipping = self.on_hit == "skip" and hit.origin  # every step that hits is skipped
+        if callable(self.on_hit) or skipping or self.controller.should_pause(hit, repeated):
             self._pausing.append(hit)
 
     # --- pausing -----------------------------------------------------------------------------
@@ -386,6 +387,8 @@ class Pipeline:
                 self.on_hit(hit)
         elif self.on_hit == "raise":
             raise WatchpointHit(first)
+        elif self.on_hit == "skip":
+            self._skip_automatically(first)
         elif self.on_hit == "pause":
             if self.forked():
                 return  # recorded; a forked worker cannot be driven from the UI (said once)
@@ -421,6 +424,12 @@ class Pipeline:
 
     def _finish_step(self) -> None:
         """A training step completed: history, status, this step's hits become last step's."""
+        if self._skip_requested:
+            self._skip_requested = False
+            self.skipped_updates.append(self.step)
+            self._skips_in_row += 1
+        else:
+            self._skips_in_row = 0
         numbers = self.metrics.finish(self.step)
         self.step += 1
         self.capture.new_step()
@@ -428,6 +437,21 @@ class Pipeline:
         self.publish()
         self.bus.publish("step_end", numbers)
         self.bus.publish("status", self.status())
+
+    def _skip_automatically(self, hit: Hit) -> None:
+        """``on_hit="skip"``: a hit before the update skips that update; past
+        ``max_skipped_steps`` in a row the training cannot recover this way, and the hit is
+        raised. A hit after the update (a parameter) can only be recorded."""
+        if self.phase == "optimizer" and not self._stepping:
+            return
+        if self._skips_in_row >= self.amp.max_skipped_steps:
+            raise WatchpointHit(
+                hit,
+                f"{hit.message} tensordbg skipped {self._skips_in_row} updates in a row "
+                "(max_skipped_steps) and stops skipping.",
+            )
+        if not self._skip_requested:
+            self._skip()
 
     def _say_what_is_not_watched(self) -> None:
         """No optimizer is watched, yet the model trains (its parameters get gradients or

@@ -50,7 +50,7 @@ from tensordbg.rules import Rule, default_rules
 from tensordbg.statistics import MEAN, TensorStats
 from tensordbg.statistics.torch_kernels import watchable
 
-ON_HIT = ("pause", "raise", "record")
+ON_HIT = ("pause", "raise", "record", "skip")
 DEFAULT_RETAIN = 256 * 2**20
 DEFAULT_UPDATE_BUDGET = 512 * 2**20
 
@@ -140,6 +140,10 @@ class Session(Pipeline, OptimizerPhase):
         self._said_forked = False
         self._said_no_optimizer = False
         self._param_versions: list[int] | None = None
+        self._skip_requested = False
+        self._skips_in_row = 0
+        self.skipped_updates: list[int] = []
+        """Steps whose update tensordbg skipped (:meth:`skip_step`, ``on_hit="skip"``)."""
         self._stepping: dict[torch.optim.Optimizer, list[Param]] = {}  # between pre and post hook
         self.capture = Capture(self, model, _patterns(include), _patterns(exclude))
         try:
@@ -245,7 +249,10 @@ class Session(Pipeline, OptimizerPhase):
           step 25 forward: [NaN] blocks.0.attn.output
             blocks.0.attn.output holds 1984 NaN among 31744 values; ...
         """
-        return self.hitlog.summary(self.skipped_steps, origins)
+        text = self.hitlog.summary(self.skipped_steps, origins)
+        if self.skipped_updates:
+            text += f"\n  updates tensordbg skipped: {self.skipped_updates[:20]}"
+        return text
 
     def flush(self) -> None:
         """Judge what is pending now. Batched checks judge at the end of a phase, and a forward
@@ -272,6 +279,22 @@ class Session(Pipeline, OptimizerPhase):
         """Add a rule to this session (it gets its own copy and memory). From another thread,
         it takes effect at the training's next hook (see :attr:`control`)."""
         return self.control.submit(lambda: self.ruleset.add(rule)).result()
+
+    def skip_step(self) -> int:
+        """Skip this step's update, as a GradScaler skips an overflowing one: at the next
+        ``optimizer.step()`` the gradients are dropped, so the parameters and the optimizer's
+        state stay bitwise as they are. Call it while the training is paused on a hit before the
+        update (from the UI: ``k``); from another thread it is made by the training thread.
+        Returns the step that will be skipped.
+
+        >>> session.skip_step()   # paused on an exploding gradient: that update never lands
+        """
+        return self.control.submit(self._skip).result()
+
+    def _skip(self) -> int:
+        self._skip_requested = True
+        self.log(f"step {self.step}: its update will be skipped (asked for)", "warning")
+        return self.step
 
     def rules_changed(self) -> None:
         """Forget which rules apply to which tensor (after a rule was added, edited, toggled)."""

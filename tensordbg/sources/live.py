@@ -209,8 +209,14 @@ class LiveSource:
             control.request_pause()
         elif action == "detach":
             control.detach()
+        elif action == "skip":
+            if control.state != "paused":
+                raise SourceError("pause the training first: an update is skipped from a pause")
+            self.session.skip_step()
         else:
-            raise SourceError(f"unknown action {action!r}: continue, next, step, pause or detach")
+            raise SourceError(
+                f"unknown action {action!r}: continue, next, step, pause, skip or detach"
+            )
         return {"state": control.state, "step": self.session.step}
 
     def subscribe(self, callback: EventCallback) -> Callable[[], None]:
