@@ -1,0 +1,101 @@
+"""Pausing: where a hit, a request or a finished step stops the training, and what it does
+instead where it cannot stop (a forked worker; ``on_hit="skip"``, ``"raise"`` or a callable).
+Part of :class:`~tensordbg.engine.session.Session` (see :mod:`.pipeline`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from tensordbg.engine.control import DETACHED, STEP
+from tensordbg.hit import Hit, WatchpointHit
+
+
+class Pausing:
+    """The pausing part of a session's pipeline."""
+
+    def _pause_if_needed(self) -> None:
+        if not self._pausing:
+            return
+        pausing, self._pausing = self._pausing, []
+        first = next((h for h in pausing if h.origin), pausing[0])
+        if callable(self.on_hit):
+            for hit in pausing:
+                self.on_hit(hit)
+        elif self.on_hit == "raise":
+            raise WatchpointHit(first)
+        elif self.on_hit == "skip":
+            self._skip_automatically(first)
+        elif self.on_hit == "pause":
+            if self.forked():
+                return  # recorded; a forked worker cannot be driven from the UI (said once)
+            self._block(f"{first.rule} hit: {first.message}", first)
+
+    def _boundary(self, completed_step: bool = False) -> None:
+        """A place where the training can stop: apply the changes other threads asked for,
+        and pause if asked to (or when the steps to run are done)."""
+        if self.control.pending:
+            self.control.apply()
+        control = self.controller
+        if not (control.pause_requested or (completed_step and control.mode == STEP)):
+            return
+        reason = control.wants_pause(completed_step)
+        if reason:
+            self._block(reason, None)
+
+    def _block(self, reason: str, hit: Hit | None) -> None:
+        if self._detach_requested() or self.forked():
+            return
+        _print_pause(self, reason, hit)
+        self.publish()
+        self.bus.publish("pause", {"state": "paused", "step": self.step, "reason": reason})
+        self.controller.block(reason, hit)
+        if not self._detach_requested():
+            self.bus.publish("resume", {"state": "running", "step": self.step})
+
+    def _detach_requested(self) -> bool:
+        """The UI asked to detach (from its thread): finish it here, on the training thread."""
+        if self.controller.state == DETACHED and not self.detached:
+            self.detach()
+        return self.detached
+
+    def _skip_automatically(self, hit: Hit) -> None:
+        """``on_hit="skip"``: a hit before the update skips that update; past
+        ``max_skipped_steps`` in a row the training cannot recover this way, and the hit is
+        raised. A hit after the update (a parameter) can only be recorded."""
+        if self.phase == "optimizer" and not self._stepping:
+            return
+        if self._skips_in_row >= self.amp.max_skipped_steps:
+            raise WatchpointHit(
+                hit,
+                f"{hit.message} tensordbg skipped {self._skips_in_row} updates in a row "
+                "(max_skipped_steps) and stops skipping.",
+            )
+        if not self._skip_requested:
+            self._skip()
+
+    def forked(self) -> bool:
+        """Whether this is a forked child of the attaching process (a DataLoader worker that
+        runs the model, say): it records or raises but never pauses, and says so once."""
+        if os.getpid() == self.pid:
+            return False
+        if not self._said_forked:
+            self._said_forked = True
+            print(f"tensordbg: process {os.getpid()} is a fork of the training ({self.pid}): its "
+                  "hits are recorded here but never pause it (no UI can reach a forked worker)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        return True
+
+
+def _print_pause(session: Any, reason: str, hit: Hit | None) -> None:
+    where = f"step {session.step}, {session.phase}"
+    lines = [f"tensordbg: training paused ({where}): {reason}"]
+    if session.server is not None:
+        lines.append(
+            f"  inspect it: tensordbg tui      (run {session.run_id}, rank {session.rank}); "
+            "continue with c there"
+        )
+    else:
+        lines.append("  continue from another thread: session.controller.resume()")
+    print("\n".join(lines), file=sys.stderr, flush=True)
