@@ -64,7 +64,7 @@ class TensorDbgApp(App[int]):
         Binding("n", "control('next')", "Next hit"),
         Binding("s", "control('step')", "Step"),
         Binding("p", "control('pause')", "Pause"),
-        Binding("k", "control('skip')", "Skip update"),
+        Binding("k", "control('skip')", "Skip"),
         Binding("q", "detach", "Detach & quit"),
         Binding("slash", "search", "Search"),
         *(Binding(str(d), f"count({d})", show=False) for d in range(10)),
