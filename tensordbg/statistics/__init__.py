@@ -1,7 +1,10 @@
-"""What tensordbg measures of a tensor: each statistic defined once, with its numpy reference
-(:mod:`.registry`, no torch) and its torch kernel (:mod:`.torch_kernels`).
+"""What tensordbg measures of a tensor: each statistic defined once in :data:`REGISTRY` with
+its numpy reference (:mod:`.registry`, no torch); its torch kernel is attached under the same
+name in :mod:`.torch_kernels`.
 
->>> from tensordbg.statistics import NAN, L2, TensorStats
+>>> from tensordbg.statistics import NAN, L2, TensorStats, definition
+>>> definition(L2).scaling
+<Scaling.LINEAR: 'linear'>
 """
 
 from tensordbg.statistics.registry import (
@@ -17,15 +20,20 @@ from tensordbg.statistics.registry import (
     NEGINF,
     POSINF,
     PREV_ABS_MEAN,
+    REGISTRY,
+    SCALE_LINEAR,
     STD,
     UPDATE_ABS_MEAN,
     UPDATE_STATS,
     ZERO_FRAC,
+    Definition,
+    Scaling,
     Stat,
     Summary,
     TensorStats,
     compute_numpy,
     dead_unit_frac,
+    definition,
     describe,
     in_range_frac,
     stats_from_numpy,
@@ -46,15 +54,20 @@ __all__ = [
     "NEGINF",
     "POSINF",
     "PREV_ABS_MEAN",
+    "REGISTRY",
+    "SCALE_LINEAR",
     "STD",
     "UPDATE_ABS_MEAN",
     "UPDATE_STATS",
     "ZERO_FRAC",
+    "Definition",
+    "Scaling",
     "Stat",
     "Summary",
     "TensorStats",
     "compute_numpy",
     "dead_unit_frac",
+    "definition",
     "describe",
     "in_range_frac",
     "stats_from_numpy",

@@ -1,9 +1,16 @@
-"""Tensor statistics: the vocabulary rules speak, and its numpy reference implementation.
+"""The statistics of a tensor: the vocabulary rules speak, one registry that defines each
+statistic once, and the numpy reference of each.
 
 Rules never see tensors. Each rule asks for a few :class:`Stat` values; the engine computes only
-those, next to the tensor (``tensordbg.statistics.torch_kernels`` on the training device), and hands the rule a
-:class:`TensorStats`. Offline, the same statistics come from :func:`compute_numpy`, so a rule runs
-unchanged on a live training or on a dump. This module never imports torch.
+those, next to the tensor (:mod:`tensordbg.statistics.torch_kernels`, on the training device),
+and hands the rule a :class:`TensorStats`. Offline, the same statistics come from
+:func:`compute_numpy`, so a rule runs unchanged on a live training or on a dump. This module
+never imports torch; the torch kernels are attached to the same names in ``torch_kernels``.
+
+A statistic is one :func:`_define` call: its name, its numpy reference and what both sides must
+know of it (how it scales under a loss scale, which non-finite elements it shows, ...)::
+
+    MEAN = _define("mean", np.mean, scaling=Scaling.LINEAR, poisoned_by=ANY_NONFINITE, wide=True)
 
 >>> import numpy as np
 >>> compute_numpy(np.array([1.0, -3.0, 0.0]), (MIN, MAX, ZERO_FRAC))[ZERO_FRAC]
@@ -13,8 +20,9 @@ unchanged on a live training or on a dump. This module never imports torch.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -52,27 +60,168 @@ class Stat(NamedTuple):
         return f"{self.name}({', '.join(f'{p:g}' for p in self.params)})"
 
 
-# The screen every watched tensor gets: 1.0 when every element is finite. On the training device
-# it costs one sum (NaN and Inf both poison a sum), and only a non-finite sum leads to counting.
-FINITE = Stat("finite")
-# The range: one pass. Both propagate NaN, like numpy's min and max.
-MIN = Stat("min")
-MAX = Stat("max")
-# Counts of non-finite elements.
-NAN = Stat("nan")
-POSINF = Stat("posinf")
-NEGINF = Stat("neginf")
-# Moments and norms (NaN as soon as one element is NaN).
-MEAN = Stat("mean")
-STD = Stat("std")  # population standard deviation (ddof 0)
-ABS_MEAN = Stat("abs_mean")
-L2 = Stat("l2")
-ZERO_FRAC = Stat("zero_frac")
-# Statistics of an optimizer update: the parameter now against the parameter before the step.
-UPDATE_ABS_MEAN = Stat("update_abs_mean")  # mean |p - p_prev|
-PREV_ABS_MEAN = Stat("prev_abs_mean")  # mean |p_prev|
+# ---------------------------------------------------------------------------------------------
+# The registry: each statistic defined once
 
-UPDATE_STATS = frozenset({"update_abs_mean", "prev_abs_mean", "update_unchanged"})
+
+class Scaling(Enum):
+    """How a statistic of a tensor changes when the tensor is multiplied by s > 0, as a gradient
+    computed under a loss scale (``torch.amp.GradScaler``) is."""
+
+    INVARIANT = "invariant"  # counts and fractions: the same value
+    LINEAR = "linear"  # s times the value: multiplying by 1/s undoes the scale
+
+
+# Which non-finite elements a statistic shows; see Definition.poisoned_by.
+ANY_NONFINITE = frozenset({"nan", "+inf", "-inf"})
+
+
+@dataclass(frozen=True, slots=True)
+class Definition:
+    """What a statistic is, for the numpy side and the torch side alike.
+
+    - ``reference``: the numpy reference, ``reference(x, *params)``, or
+      ``reference(x, prev, *params)`` when ``needs_prev``; ``x`` has at least one element.
+    - ``params``: the names of its parameters (``Stat.params`` holds their values, in order).
+    - ``scaling``: how its value changes when the tensor is multiplied by s > 0.
+    - ``scaled_params``: indices of the parameters in the tensor's units (bounds on its values):
+      the value on ``s * x`` with those parameters multiplied by s is the value on ``x``, scaled
+      by ``scaling``. A factor alone cannot unscale such a statistic.
+    - ``poisoned_by``: the non-finite elements ("nan", "+inf", "-inf") that always make the
+      statistic non-finite, so that it tells "finite" for free. Declared for statistics of the
+      tensor alone (not of an update, which a non-finite ``prev`` poisons too).
+    - ``wide``: the reference reads the tensor in float64, where each element is exact: sums
+      that do not overflow, comparisons with a bound as given. (The torch kernels accumulate in
+      float32 at least, and round a bound outwards to the tensor's dtype.)
+    - ``needs_prev``: it compares the tensor with its value before the optimizer step.
+    - ``empty``: its value on a tensor without elements.
+    """
+
+    name: str
+    reference: Callable[..., Any]
+    params: tuple[str, ...] = ()
+    scaling: Scaling = Scaling.INVARIANT
+    scaled_params: tuple[int, ...] = ()
+    poisoned_by: frozenset[str] = frozenset()
+    wide: bool = False
+    needs_prev: bool = False
+    empty: float = math.nan
+
+
+# Every statistic by name, in the order defined below (the torch side prefers earlier ones when
+# it reads "finite" off statistics computed anyway: the range never overflows, sums can).
+REGISTRY: dict[str, Definition] = {}
+
+
+def _define(name: str, reference: Callable[..., Any], **how: Any) -> Stat:
+    """Register a statistic; returns it, without parameters (see the constructors below)."""
+    if name in REGISTRY:
+        raise ValueError(f"statistic {name!r} is defined twice")
+    REGISTRY[name] = Definition(name, reference, **how)
+    return Stat(name)
+
+
+def definition(stat: Stat) -> Definition:
+    """The registry's entry for ``stat``, checked against its parameters.
+
+    >>> definition(L2).scaling
+    <Scaling.LINEAR: 'linear'>
+    """
+    entry = REGISTRY.get(stat.name)
+    if entry is None:
+        raise KeyError(f"unknown statistic {stat}; known: {', '.join(REGISTRY)}")
+    if len(stat.params) != len(entry.params):
+        raise ValueError(f"statistic {stat} takes the parameters ({', '.join(entry.params)})")
+    return entry
+
+
+# The screen every watched tensor gets. On the training device it is read off a statistic
+# computed anyway (see poisoned_by), else off one sum: NaN and Inf both poison a sum.
+FINITE = _define("finite", lambda x: np.isfinite(x).all(), empty=1.0)
+# The range: one pass on the device. Both propagate NaN, like numpy's min and max.
+MIN = _define("min", np.min, scaling=Scaling.LINEAR, poisoned_by=frozenset({"nan", "-inf"}))
+MAX = _define("max", np.max, scaling=Scaling.LINEAR, poisoned_by=frozenset({"nan", "+inf"}))
+# Counts of non-finite elements.
+NAN = _define("nan", lambda x: np.count_nonzero(np.isnan(x)), empty=0.0)
+POSINF = _define("posinf", lambda x: np.count_nonzero(np.isposinf(x)), empty=0.0)
+NEGINF = _define("neginf", lambda x: np.count_nonzero(np.isneginf(x)), empty=0.0)
+# Moments and norms: NaN or Inf as soon as one element is.
+MEAN = _define("mean", np.mean, scaling=Scaling.LINEAR, poisoned_by=ANY_NONFINITE, wide=True)
+ABS_MEAN = _define(
+    "abs_mean",
+    lambda x: np.mean(np.abs(x)),
+    scaling=Scaling.LINEAR,
+    poisoned_by=ANY_NONFINITE,
+    wide=True,
+)
+STD = _define("std", np.std, scaling=Scaling.LINEAR, poisoned_by=ANY_NONFINITE, wide=True)
+L2 = _define(
+    "l2",
+    lambda x: np.sqrt(np.vdot(x, x)),
+    scaling=Scaling.LINEAR,
+    poisoned_by=ANY_NONFINITE,
+    wide=True,
+)
+ZERO_FRAC = _define("zero_frac", lambda x: np.count_nonzero(x == 0) / x.size)
+# Parameterised statistics: made by the constructors below. The references compare in float64,
+# where every element is exact, so that a bound is never rounded to the tensor's dtype.
+_define(
+    "in_range_frac",
+    lambda x, lo, hi: np.count_nonzero((x >= lo) & (x <= hi)) / x.size,
+    params=("lo", "hi"),
+    scaled_params=(0, 1),
+    wide=True,
+)
+
+
+def _dead_unit_frac(x: np.ndarray, lo: float, hi: float, unit_dim: float, min_live: float):
+    x = x.reshape(1) if x.ndim == 0 else x
+    live = x > lo if hi == math.inf else (x > lo) & (x < hi)
+    axis = int(unit_dim) % x.ndim
+    others = tuple(d for d in range(x.ndim) if d != axis)
+    per_unit = x.size // x.shape[axis]
+    return np.mean(np.count_nonzero(live, axis=others) / per_unit < min_live)
+
+
+_define(
+    "dead_unit_frac",
+    _dead_unit_frac,
+    params=("lo", "hi", "unit_dim", "min_live"),
+    scaled_params=(0, 1),
+    wide=True,
+)
+# Statistics of an optimizer update: the parameter now against the parameter before the step.
+UPDATE_ABS_MEAN = _define(
+    "update_abs_mean",
+    lambda x, prev: np.mean(np.abs(x - prev)),
+    scaling=Scaling.LINEAR,
+    wide=True,
+    needs_prev=True,
+)
+PREV_ABS_MEAN = _define(
+    "prev_abs_mean",
+    lambda x, prev: np.mean(np.abs(prev)),
+    scaling=Scaling.LINEAR,
+    wide=True,
+    needs_prev=True,
+)
+_define(
+    "update_unchanged",
+    lambda x, prev, rtol, atol: np.all(np.abs(x - prev) <= atol + rtol * np.abs(prev)),
+    params=("rtol", "atol"),
+    scaled_params=(1,),
+    wide=True,
+    needs_prev=True,
+    empty=1.0,
+)
+
+# Names of the statistics that compare a parameter with its value before the step.
+UPDATE_STATS = frozenset(name for name, entry in REGISTRY.items() if entry.needs_prev)
+# Names of the statistics that scale with the tensor: a gradient computed under a loss scale s
+# has them s times too large. Counts and fractions do not scale.
+SCALE_LINEAR = frozenset(
+    name for name, entry in REGISTRY.items() if entry.scaling is Scaling.LINEAR
+)
 
 
 def in_range_frac(lo: float, hi: float) -> Stat:
@@ -255,77 +404,44 @@ class TensorStats:
 # numpy reference implementation (offline rules, tests, replay)
 
 
-# Statistics numpy computes in float64, whatever the array's dtype.
-_WIDE = frozenset({"mean", "std", "abs_mean", "l2"}) | UPDATE_STATS
+def _as_float(array: np.ndarray) -> np.ndarray:
+    """The array in a dtype numpy computes with: integers, booleans and the floats numpy does
+    not know (ml_dtypes' bfloat16 and float8) in float64, where each of their values is exact."""
+    x = np.asarray(array)
+    return x if np.issubdtype(x.dtype, np.floating) else x.astype(np.float64)
 
 
 def compute_numpy(
     array: np.ndarray, stats: Iterable[Stat], prev: np.ndarray | None = None
 ) -> dict[Stat, float]:
     """Compute ``stats`` of ``array`` with numpy; update statistics need ``prev``."""
-    x = np.asarray(array)
-    if not np.issubdtype(x.dtype, np.floating):
-        x = x.astype(np.float64)
-    stats = tuple(stats)
-    wide = x.astype(np.float64, copy=False) if any(s.name in _WIDE for s in stats) else x
+    x = _as_float(array)
+    entries = {stat: definition(stat) for stat in stats}
     before = None
-    if any(s.name in UPDATE_STATS for s in stats):
+    needs_prev = [stat for stat, entry in entries.items() if entry.needs_prev]
+    if needs_prev:
         if prev is None:
-            missing = next(s for s in stats if s.name in UPDATE_STATS)
-            raise ValueError(f"statistic {missing} needs the previous value of the tensor")
-        before = np.asarray(prev, dtype=np.float64)
-    return {stat: float(_numpy_stat(x, wide, stat, before)) for stat in stats}
+            raise ValueError(f"statistic {needs_prev[0]} needs the previous value of the tensor")
+        before = _as_float(prev).astype(np.float64, copy=False)
+    if x.size == 0:
+        return {stat: entry.empty for stat, entry in entries.items()}
+    wide = x.astype(np.float64, copy=False) if any(e.wide for e in entries.values()) else x
+    values = {}
+    with np.errstate(all="ignore"):  # NaN and Inf are what is being measured, not an accident
+        for stat, entry in entries.items():
+            data = wide if entry.wide else x
+            args = (data, before, *stat.params) if entry.needs_prev else (data, *stat.params)
+            values[stat] = float(entry.reference(*args))
+    return values
 
 
-def _numpy_stat(x: np.ndarray, wide: np.ndarray, stat: Stat, before: np.ndarray | None) -> float:
-    name, p = stat.name, stat.params
-    if name == "finite":
-        return float(np.isfinite(x).all())
-    if name == "min":
-        return float(np.min(x))
-    if name == "max":
-        return float(np.max(x))
-    if name == "nan":
-        return float(np.count_nonzero(np.isnan(x)))
-    if name == "posinf":
-        return float(np.count_nonzero(np.isposinf(x)))
-    if name == "neginf":
-        return float(np.count_nonzero(np.isneginf(x)))
-    if name == "mean":
-        return float(np.mean(wide))
-    if name == "std":
-        return float(np.std(wide))
-    if name == "abs_mean":
-        return float(np.mean(np.abs(wide)))
-    if name == "l2":
-        return float(np.sqrt(np.sum(wide * wide)))
-    if name == "zero_frac":
-        return float(np.count_nonzero(x == 0)) / x.size
-    if name == "in_range_frac":
-        return float(np.count_nonzero((x >= p[0]) & (x <= p[1]))) / x.size
-    if name == "dead_unit_frac":
-        lo, hi, dim, min_live = p
-        live = (x > lo if hi == math.inf else (x > lo) & (x < hi)).astype(np.float64)
-        unit_dim = int(dim) % x.ndim
-        other = tuple(d for d in range(x.ndim) if d != unit_dim)
-        live_frac = live.mean(axis=other) if other else live
-        return float(np.mean(live_frac < min_live))
-    if before is not None and name in UPDATE_STATS:
-        if name == "prev_abs_mean":
-            return float(np.mean(np.abs(before)))
-        delta = np.abs(wide - before)
-        if name == "update_abs_mean":
-            return float(np.mean(delta))
-        rtol, atol = p
-        return float(np.all(delta <= atol + rtol * np.abs(before)))
-    raise KeyError(f"unknown statistic {stat}")
+# The Summary's moments, each computed by its statistic's reference.
+_MOMENTS = (MIN, MAX, MEAN, STD, ABS_MEAN, L2)
 
 
 def summarize_numpy(array: np.ndarray) -> Summary:
     """The :class:`Summary` of an array; moments over its finite elements."""
-    x = np.asarray(array)
-    if not np.issubdtype(x.dtype, np.floating):
-        x = x.astype(np.float64)
+    x = _as_float(array)
     finite = np.isfinite(x)
     s = Summary(
         numel=int(x.size),
@@ -336,10 +452,8 @@ def summarize_numpy(array: np.ndarray) -> Summary:
     )
     values = x[finite].astype(np.float64) if not finite.all() else x.astype(np.float64).ravel()
     if values.size:
-        s.min, s.max = float(values.min()), float(values.max())
-        s.mean, s.std = float(values.mean()), float(values.std())
-        s.abs_mean = float(np.abs(values).mean())
-        s.l2 = float(np.sqrt(np.sum(values * values)))
+        for stat in _MOMENTS:
+            setattr(s, stat.name, float(REGISTRY[stat.name].reference(values)))
     return s
 
 

@@ -1,39 +1,58 @@
 """Statistics computed next to the tensor, on its device, and brought to the host once per phase.
 
-This is the torch side of :mod:`tensordbg.statistics`: the same statistics, computed with torch on the
-training device. Each watched tensor yields a small float64 vector on its device; a
-:class:`StatsBatch` gathers the vectors of one phase and copies them to the host in one transfer
-(on CUDA: one synchronization per phase, never one per tensor).
+This is the torch side of :mod:`tensordbg.statistics`: each statistic of the registry gets its
+torch kernel here, under the same name (checked when this module is imported). Each watched
+tensor yields a small float64 vector on its device; a :class:`StatsBatch` gathers the vectors of
+one phase and copies them to the host in one transfer (on CUDA: one synchronization per phase,
+never one per tensor).
+
+A kernel sees the tensor ``x`` (in a dtype torch reduces), its number of elements ``n``, a
+cache shared by the kernels of one call and the statistic's parameters, and returns a 0-d tensor
+on the device::
+
+    @_kernel("abs_mean")
+    def _abs_mean(x, n, cache, params):
+        return x.abs().sum(dtype=_accum(x)) / n
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
+from torch import Tensor
 
-from tensordbg.statistics import (
-    ABS_MEAN,
+from tensordbg.statistics.registry import (
+    ANY_NONFINITE,
     FINITE,
-    L2,
-    MAX,
-    MEAN,
-    MIN,
-    STD,
-    UPDATE_STATS,
+    REGISTRY,
+    SCALE_LINEAR,
     Stat,
     Summary,
+    definition,
 )
 
 _F64 = torch.float64
 
-# Statistics that scale with the tensor: a gradient computed under a loss scale s has them s times
-# too large. Counts and fractions do not scale.
-SCALE_LINEAR = frozenset({"min", "max", "mean", "std", "abs_mean", "l2"})
+__all__ = [
+    "SCALE_LINEAR",
+    "SCREEN",
+    "StatsBatch",
+    "device_stats",
+    "dtype_name",
+    "host_stats",
+    "scale_vector",
+    "summarize",
+    "summary_from",
+    "summary_vector",
+    "update_stats",
+    "watchable",
+]
 
-# What every watched tensor gets: whether it is finite (one sum, or free with a witness below).
+# What every watched tensor gets: whether it is finite (one sum, or free beside a statistic that
+# a NaN or an Inf poisons).
 SCREEN = (FINITE,)
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -57,7 +76,7 @@ def watchable(t: object) -> bool:
     )
 
 
-def _wide(t: torch.Tensor) -> torch.Tensor:
+def _reducible(t: Tensor) -> Tensor:
     """The tensor in a dtype that torch's reductions support: fp8 is widened to float32. (The
     half types stay as they are; the kernels that would overflow them accumulate in float32.)"""
     if t.dtype in _FLOATING:
@@ -65,160 +84,351 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
     return t.float()
 
 
-def device_stats(t: torch.Tensor, stats: Sequence[Stat]) -> torch.Tensor:
-    """The values of ``stats`` for ``t`` as one float64 vector on ``t``'s device (no sync)."""
-    x = _wide(t.detach())
-    n = x.numel()
-    witnesses = _witnesses(stats)
-    cache: dict[str, Any] = {}
-    values: dict[Stat, torch.Tensor] = {}
-    for stat in (*stats, *witnesses):
-        if stat not in values and stat != FINITE:
-            values[stat] = _kernel(stat, x, n, cache)
-    if len(witnesses) == 1:
-        values[FINITE] = torch.isfinite(values[witnesses[0]])
-    elif witnesses:
-        values[FINITE] = torch.isfinite(torch.stack([values[w] for w in witnesses])).all()
-    out = [values[stat].to(_F64) for stat in stats]
-    return torch.stack(out) if out else x.new_empty(0, dtype=_F64)
+# ---------------------------------------------------------------------------------------------
+# The kernels, one per statistic of the registry
+
+# A kernel: (x, n, cache, params) -> 0-d tensor on x's device. The cache holds what kernels of
+# one call share (the sum, aminmax) and, for update statistics, the value before the step.
+Cache = dict[str, Any]
+Params = tuple[float, ...]
+Kernel = Callable[[Tensor, int, Cache, Params], Tensor]
+# The same read on the host, as a Python float.
+HostKernel = Callable[[Tensor, int, Cache, Params], float]
+
+_KERNELS: dict[str, Kernel] = {}
+_HOST_KERNELS: dict[str, HostKernel] = {}
+# Kernels that one pass computes together ("min" and "max" from one aminmax): any of them is
+# free beside another.
+_PASSES: dict[str, str] = {}
 
 
-def host_stats(t: torch.Tensor, stats: Sequence[Stat]) -> list[float]:
-    """The values of ``stats`` for ``t`` as Python floats, read at once: the eager path. On the CPU
-    reading a value costs nothing; on CUDA each read synchronizes (batched mode avoids that)."""
-    x = _wide(t.detach())
-    if len(stats) == 1 and stats[0] == FINITE:  # most tensors, most steps: one sum
-        return [1.0 if math.isfinite(_sum(x).item()) else 0.0]
-    n = x.numel()
-    witnesses = _witnesses(stats)
-    cache: dict[str, Any] = {}
-    values: dict[Stat, float] = {}
-    for stat in (*stats, *witnesses):
-        if stat in values or stat == FINITE:
-            continue
-        if stat.name == "mean":
-            # From the one sum, in Python: arithmetic on 0-d tensors costs microseconds each.
-            values[stat] = _cached_sum(x, cache).item() / n
-        else:
-            values[stat] = float(_kernel(stat, x, n, cache).item())
-    if witnesses:
-        values[FINITE] = float(all(math.isfinite(values[w]) for w in witnesses))
-    return [values[stat] for stat in stats]
+def _kernel(
+    name: str, *, host: HostKernel | None = None, shares: str | None = None
+) -> Callable[[Kernel], Kernel]:
+    """Attach a torch kernel to the registry's statistic ``name``. ``host`` reads it as a Python
+    float more cheaply than the kernel and ``.item()``; ``shares`` names a pass it shares."""
+
+    def attach(kernel: Kernel) -> Kernel:
+        _KERNELS[name] = kernel
+        _HOST_KERNELS[name] = host or _read(kernel)
+        if shares is not None:
+            _PASSES[name] = shares
+        return kernel
+
+    return attach
 
 
-# Statistics that a single NaN or Inf makes non-finite: any of them is a witness for "finite", so
-# that statistic costs no pass of its own when one of these is computed anyway. Min and max witness
-# together (one pass gives both; +Inf shows in the max only). A witness can also overflow on finite
-# values (the L2 norm of 1e20s): "finite" is then 0, and the engine counts NaN and Inf, which
-# settles it.
-NAN_WITNESSES = (MIN, MAX, MEAN, STD, ABS_MEAN, L2)
-# The witness when none is computed anyway: the sum, which NaN and Inf both poison.
-_SUM = Stat("sum")
+def _read(kernel: Kernel) -> HostKernel:
+    def read(x: Tensor, n: int, cache: Cache, params: Params) -> float:
+        return float(kernel(x, n, cache, params).item())
+
+    return read
 
 
-def _witnesses(stats: Sequence[Stat]) -> tuple[Stat, ...]:
-    """The statistics "finite" is read from, the one rule of device_stats and host_stats: those
-    of ``stats`` that witness it, else the sum; none when ``stats`` does not ask for "finite"."""
-    if FINITE not in stats:
-        return ()
-    names = {s.name for s in stats}
-    if "min" in names or "max" in names:
-        names |= {"min", "max"}
-    return tuple(w for w in NAN_WITNESSES if w.name in names) or (_SUM,)
-
-
-def _kernel(stat: Stat, x: torch.Tensor, n: int, cache: dict[str, Any]) -> torch.Tensor:
-    """One statistic as a 0-d tensor on the device (of whatever dtype the reduction gives)."""
-    name = stat.name
-    if name == "sum":
-        return _cached_sum(x, cache)
-    if name == "mean":
-        return _cached_sum(x, cache) / n
-    if name in ("min", "max"):
-        if "minmax" not in cache:
-            cache["minmax"] = torch.aminmax(x)
-        return cache["minmax"][0 if name == "min" else 1]
-    if name == "nan":
-        return torch.count_nonzero(torch.isnan(x))
-    if name == "posinf":
-        return torch.count_nonzero(x == math.inf)
-    if name == "neginf":
-        return torch.count_nonzero(x == -math.inf)
-    if name == "std":
-        # Two passes (mean, then squares of the deviations): torch.std_mean is ~30x slower here.
-        centered = x.reshape(-1).to(_accum(x)) - _cached_sum(x, cache) / n
-        return (torch.dot(centered, centered) / n).sqrt()
-    if name == "abs_mean":
-        return x.abs().sum(dtype=_accum(x)) / n  # vector_norm(x, 1) is ~2-8x slower on CPU
-    if name == "l2":
-        flat = x.reshape(-1)
-        if flat.dtype in (torch.float32, torch.float64):
-            return torch.dot(flat, flat).sqrt()  # BLAS: ~2.5x faster than vector_norm
-        return torch.linalg.vector_norm(x, 2, dtype=torch.float32)
-    if name == "zero_frac":
-        return (n - torch.count_nonzero(x)) / n
-    if name == "in_range_frac":
-        lo, hi = stat.params
-        return torch.count_nonzero((x >= lo) & (x <= hi)) / n
-    if name == "dead_unit_frac":
-        lo, hi, dim, min_live = stat.params
-        live = x > lo if hi == math.inf else (x > lo) & (x < hi)
-        # torch copies a bool mask before any reduction by dim (to int64 for sum and count_nonzero):
-        # float32 is the cheapest copy.
-        live = live.to(torch.float32)
-        unit_dim = int(dim) % x.dim()
-        others = [d for d in range(x.dim()) if d != unit_dim]
-        live_frac = live.mean(dim=others) if others else live
-        return (live_frac < min_live).to(torch.float32).mean()
-    raise KeyError(f"statistic {stat} has no torch kernel")
-
-
-def _accum(x: torch.Tensor) -> torch.dtype:
+def _accum(x: Tensor) -> torch.dtype:
+    """The dtype a kernel accumulates in: float32, float64 for float64 tensors."""
     return _F64 if x.dtype == _F64 else torch.float32
 
 
-def _sum(x: torch.Tensor) -> torch.Tensor:
+def _sum(x: Tensor) -> Tensor:
     """The sum in a dtype that holds it: float32 for the half types."""
     return x.sum() if x.dtype in (torch.float32, _F64) else x.sum(dtype=torch.float32)
 
 
-def _cached_sum(x: torch.Tensor, cache: dict[str, Any]) -> torch.Tensor:
+def _cached_sum(x: Tensor, cache: Cache) -> Tensor:
     if "sum" not in cache:
         cache["sum"] = _sum(x)
     return cache["sum"]
 
 
-def update_stats(
-    current: torch.Tensor, previous: torch.Tensor, stats: Sequence[Stat]
-) -> torch.Tensor:
+def _aminmax(x: Tensor, cache: Cache) -> tuple[Tensor, Tensor]:
+    if "aminmax" not in cache:
+        cache["aminmax"] = torch.aminmax(x)
+    return cache["aminmax"]
+
+
+def _delta(x: Tensor, cache: Cache) -> Tensor:
+    """|p - p_prev|: one subtraction for all the update statistics, never changed in place."""
+    if "delta" not in cache:
+        cache["delta"] = (x - cache["prev"]).abs_()
+    return cache["delta"]
+
+
+_ROUNDED: dict[tuple[float, torch.dtype, bool], float] = {}
+
+
+def _rounded(bound: float, dtype: torch.dtype, up: bool) -> float:
+    """``bound`` rounded to ``dtype`` upwards (or downwards), so that comparing elements of that
+    dtype with it answers as comparing them with ``bound`` exactly: for x of the dtype,
+    ``x >= b`` iff ``x >= up(b)``, ``x > b`` iff ``x > down(b)`` (torch would round the bound to
+    the nearest value, and count 1.0 in bfloat16 as inside ``x <= tanh(8.8)``). Cached."""
+    key = (bound, dtype, up)
+    value = _ROUNDED.get(key)
+    if value is None:
+        if dtype == _F64 or not math.isfinite(bound):
+            value = bound
+        else:
+            r = torch.tensor(bound, dtype=_F64).to(dtype)
+            if (r.item() < bound) if up else (r.item() > bound):
+                r = torch.nextafter(r, torch.tensor(math.inf if up else -math.inf, dtype=dtype))
+            value = r.item()
+        _ROUNDED[key] = value
+    return value
+
+
+# When no statistic computed anyway tells (see _witnesses): the sum, which NaN and Inf poison.
+@_kernel("finite", host=lambda x, n, cache, p: 1.0 if math.isfinite(_sum(x).item()) else 0.0)
+def _finite(x: Tensor, n: int, cache: Cache, p: Params) -> Tensor:
+    return torch.isfinite(_sum(x))
+
+
+@_kernel("min", shares="aminmax")
+def _min(x: Tensor, n: int, cache: Cache, p: Params) -> Tensor:
+    return _aminmax(x, cache)[0]
+
+
+@_kernel("max", shares="aminmax")
+def _max(x: Tensor, n: int, cache: Cache, p: Params) -> Tensor:
+    return _aminmax(x, cache)[1]
+
+
+@_kernel("nan")
+def _nan(x: Tensor, n: int, cache: Cache, p: Params) -> Tensor:
+    return torch.count_nonzero(torch.isnan(x))
+
+
+@_kernel("posinf")
+def _posinf(x: Tensor, n: int, cache: Cache, p: Params) -> Tensor:
+    return torch.count_nonzero(x == math.inf)
+
+
+@_kernel("neginf")
+def _neginf(x: Tensor, n: int, cache: Cache, p: Params) -> Tensor:
+    return torch.count_nonzero(x == -math.inf)
+
+
+# On the host, from the one sum in Python: arithmetic on 0-d tensors costs microseconds each.
+@_kernel("mean", host=lambda x, n, cache, p: _cached_sum(x, cache).item() / n)
+def _mean(x: Tensor, n: int, cache: Cache, p: Params) -> Tensor:
+    return _cached_sum(x, cache) / n
+
+
+@_kernel("abs_mean")
+def _abs_mean(x: Tensor, n: int, cache: Cache, p: Params) -> Tensor:
+    return x.abs().sum(dtype=_accum(x)) / n  # vector_norm(x, 1) is ~2-8x slower on CPU
+
+
+@_kernel("std")
+def _std(x: Tensor, n: int, cache: Cache, p: Params) -> Tensor:
+    # Two passes (mean, then squares of the deviations): torch.std_mean is ~30x slower here.
+    centered = x.reshape(-1).to(_accum(x)) - _cached_sum(x, cache) / n
+    return (torch.dot(centered, centered) / n).sqrt()
+
+
+@_kernel("l2")
+def _l2(x: Tensor, n: int, cache: Cache, p: Params) -> Tensor:
+    flat = x.reshape(-1)
+    if flat.dtype in (torch.float32, _F64):
+        return torch.dot(flat, flat).sqrt()  # BLAS: ~2.5x faster than vector_norm
+    return torch.linalg.vector_norm(x, 2, dtype=torch.float32)
+
+
+# Fractions are divided in float64, as numpy divides: exact counts give the same value.
+@_kernel("zero_frac", host=lambda x, n, cache, p: (n - torch.count_nonzero(x).item()) / n)
+def _zero_frac(x: Tensor, n: int, cache: Cache, p: Params) -> Tensor:
+    return (n - torch.count_nonzero(x)).to(_F64) / n
+
+
+def _in_range(x: Tensor, p: Params) -> Tensor:
+    lo, hi = _rounded(p[0], x.dtype, up=True), _rounded(p[1], x.dtype, up=False)
+    return torch.count_nonzero((x >= lo) & (x <= hi))
+
+
+@_kernel("in_range_frac", host=lambda x, n, cache, p: _in_range(x, p).item() / n)
+def _in_range_frac(x: Tensor, n: int, cache: Cache, p: Params) -> Tensor:
+    return _in_range(x, p).to(_F64) / n
+
+
+@_kernel("dead_unit_frac")
+def _dead_unit_frac(x: Tensor, n: int, cache: Cache, p: Params) -> Tensor:
+    lo, hi, dim, min_live = p
+    x = x.reshape(1) if x.dim() == 0 else x
+    live = x > _rounded(lo, x.dtype, up=False)
+    if hi != math.inf:  # +Inf is live when there is no upper bound
+        live &= x < _rounded(hi, x.dtype, up=True)
+    # torch copies a bool mask before any reduction by dim (to int64 for sum and count_nonzero):
+    # float32 is the cheapest copy, and counts exactly up to 2**24 elements per unit.
+    unit_dim = int(dim) % x.dim()
+    others = [d for d in range(x.dim()) if d != unit_dim]
+    live_count = live.to(torch.float32).sum(dim=others) if others else live.to(torch.float32)
+    dead = live_count < _fewest_live(min_live, n // x.shape[unit_dim])
+    return dead.to(_F64).mean()
+
+
+def _fewest_live(min_live: float, per_unit: int) -> int:
+    """The fewest live elements a unit of ``per_unit`` elements needs: a count k is dead when
+    k / per_unit < min_live in float64, as numpy decides it (exact integers on both sides)."""
+    k = max(0, math.ceil(min_live * per_unit))
+    while k > 0 and (k - 1) / per_unit >= min_live:
+        k -= 1
+    while k <= per_unit and k / per_unit < min_live:
+        k += 1
+    return k
+
+
+@_kernel("update_abs_mean")
+def _update_abs_mean(x: Tensor, n: int, cache: Cache, p: Params) -> Tensor:
+    delta = _delta(x, cache)
+    return delta.sum(dtype=_accum(delta)) / n
+
+
+@_kernel("prev_abs_mean")
+def _prev_abs_mean(x: Tensor, n: int, cache: Cache, p: Params) -> Tensor:
+    prev = cache["prev"]
+    return prev.abs().sum(dtype=_accum(prev)) / n  # vector_norm(prev, 1) is ~2-8x slower on CPU
+
+
+@_kernel("update_unchanged")
+def _update_unchanged(x: Tensor, n: int, cache: Cache, p: Params) -> Tensor:
+    # Every element within atol + rtol * |prev|, in the tensor's dtype.
+    rtol, atol = p
+    bound = cache["prev"].abs().mul_(rtol)
+    excess = torch.sub(_delta(x, cache), bound, out=bound).amax()  # in bound's buffer
+    return excess <= atol
+
+
+_missing = REGISTRY.keys() - _KERNELS.keys()
+if _missing:
+    raise ImportError(f"statistics without a torch kernel: {', '.join(sorted(_missing))}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans: what one tuple of statistics costs, worked out once
+
+
+class _Plan(NamedTuple):
+    """How to compute one tuple of statistics: made once per tuple, then reused on every call."""
+
+    kernels: tuple[tuple[Kernel, Params], ...]  # one per statistic computed, in order
+    host_kernels: tuple[tuple[HostKernel, Params], ...]  # the same, read on the host
+    witnesses: tuple[int, ...]  # the computed statistics "finite" is read off, if it is
+    order: tuple[int, ...]  # where each requested statistic is; "finite" read off witnesses last
+    empty: tuple[float, ...]  # the values on a tensor without elements
+    needs_prev: Stat | None  # the first statistic that needs the value before the step
+
+
+_PLANS: dict[tuple[Stat, ...], _Plan] = {}
+_MAX_PLANS = 4096  # rules ask for a few tuples; a rule that makes a new one each call is capped
+
+
+def _plan(stats: Sequence[Stat]) -> _Plan:
+    if type(stats) is not tuple:
+        stats = tuple(stats)
+    plan = _PLANS.get(stats)
+    if plan is None:
+        plan = _make_plan(stats)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[stats] = plan
+    return plan
+
+
+def _make_plan(stats: tuple[Stat, ...]) -> _Plan:
+    entries = {stat: definition(stat) for stat in stats}
+    computed = [stat for stat in entries if stat != FINITE]
+    witnesses: list[Stat] = _witnesses(computed) if FINITE in entries else []
+    computed += [w for w in witnesses if w not in computed]
+    if FINITE in entries and not witnesses:
+        computed.append(FINITE)  # its own kernel: the sum
+    where = {stat: i for i, stat in enumerate(computed)}
+    if witnesses:
+        where[FINITE] = len(computed)
+    return _Plan(
+        kernels=tuple((_KERNELS[s.name], s.params) for s in computed),
+        host_kernels=tuple((_HOST_KERNELS[s.name], s.params) for s in computed),
+        witnesses=tuple(where[w] for w in witnesses),
+        order=tuple(where[stat] for stat in stats),
+        empty=tuple(entries[stat].empty for stat in stats),
+        needs_prev=next((s for s, entry in entries.items() if entry.needs_prev), None),
+    )
+
+
+def _witnesses(computed: list[Stat]) -> list[Stat]:
+    """Statistics that together show any NaN or Inf (each is non-finite when the tensor holds
+    the non-finite values its ``poisoned_by`` names), so that "finite" costs no pass of its own:
+    those computed anyway and those free beside them (min and max share one pass). Earlier ones
+    in the registry first (the range never overflows; a sum of finite values can, which gives a
+    "not finite" that the engine settles by counting NaN and Inf). None when they do not cover
+    every non-finite value: the sum is then the cheaper screen."""
+    passes = {_PASSES.get(s.name) for s in computed} - {None}
+    free = [Stat(name) for name, key in _PASSES.items() if key in passes]
+    candidates = sorted(dict.fromkeys(computed + free), key=lambda s: _ORDER[s.name])
+    chosen: list[Stat] = []
+    shown: frozenset[str] = frozenset()
+    for stat in candidates:
+        poisoned_by = REGISTRY[stat.name].poisoned_by
+        if poisoned_by - shown:
+            chosen.append(stat)
+            shown |= poisoned_by
+    return chosen if shown >= ANY_NONFINITE else []
+
+
+_ORDER = {name: i for i, name in enumerate(REGISTRY)}
+
+
+# ---------------------------------------------------------------------------------------------
+# What the engine calls
+
+
+def device_stats(t: Tensor, stats: Sequence[Stat]) -> Tensor:
+    """The values of ``stats`` for ``t`` as one float64 vector on ``t``'s device (no sync)."""
+    plan = _plan(stats)
+    if plan.needs_prev is not None:
+        raise ValueError(f"statistic {plan.needs_prev} needs the previous value: update_stats")
+    return _device_vector(_reducible(t.detach()), plan, {})
+
+
+def _device_vector(x: Tensor, plan: _Plan, cache: Cache) -> Tensor:
+    n = x.numel()
+    if not n:
+        return torch.tensor(plan.empty, dtype=_F64, device=x.device)
+    values = [kernel(x, n, cache, params) for kernel, params in plan.kernels]
+    witnesses = plan.witnesses
+    if len(witnesses) == 1:
+        values.append(torch.isfinite(values[witnesses[0]]))
+    elif witnesses:
+        values.append(torch.isfinite(torch.stack([values[i] for i in witnesses])).all())
+    out = [values[i].to(_F64) for i in plan.order]
+    return torch.stack(out) if out else x.new_empty(0, dtype=_F64)
+
+
+def host_stats(t: Tensor, stats: Sequence[Stat]) -> list[float]:
+    """The values of ``stats`` for ``t`` as Python floats, read at once: the eager path. On the CPU
+    reading a value costs nothing; on CUDA each read synchronizes (batched mode avoids that)."""
+    x = _reducible(t.detach())
+    if len(stats) == 1 and stats[0] == FINITE:  # most tensors, most steps: one sum, no plan
+        return [1.0 if math.isfinite(_sum(x).item()) else 0.0]
+    plan = _plan(stats)
+    if plan.needs_prev is not None:
+        raise ValueError(f"statistic {plan.needs_prev} needs the previous value: update_stats")
+    n = x.numel()
+    if not n:
+        return list(plan.empty)
+    cache: Cache = {}
+    values = [read(x, n, cache, params) for read, params in plan.host_kernels]
+    if plan.witnesses:
+        values.append(float(all(math.isfinite(values[i]) for i in plan.witnesses)))
+    return [values[i] for i in plan.order]
+
+
+def update_stats(current: Tensor, previous: Tensor, stats: Sequence[Stat]) -> Tensor:
     """Update statistics of a parameter against its value before the optimizer step, as one
     float64 vector on the device. Other statistics in ``stats`` are of ``current``."""
-    cur = _wide(current.detach())
-    prev = _wide(previous)
-    n = cur.numel()
-    values: dict[Stat, torch.Tensor] = {}
-    others = [s for s in stats if s.name not in UPDATE_STATS]
-    if others:
-        values.update(zip(others, device_stats(cur, others).unbind(), strict=True))
-    # |p - p_prev|: one subtraction for all the statistics that need it, never changed in place.
-    delta = None
-    if any(s.name in ("update_abs_mean", "update_unchanged") for s in stats):
-        delta = (cur - prev).abs_()
-    for stat in stats:
-        if stat.name == "prev_abs_mean":  # vector_norm(prev, 1) is ~2-8x slower on CPU
-            values[stat] = prev.abs().sum(dtype=_accum(prev)).to(_F64) / n
-        elif stat.name == "update_abs_mean":
-            values[stat] = delta.sum(dtype=_accum(delta)).to(_F64) / n
-        elif stat.name == "update_unchanged":  # every element within atol + rtol * |prev|
-            rtol, atol = stat.params
-            bound = prev.abs().mul_(rtol)
-            excess = torch.sub(delta, bound, out=bound).amax()  # in bound's buffer: no third one
-            values[stat] = (excess <= atol).to(_F64)
-    out = [values[stat] for stat in stats]
-    return torch.stack(out) if out else cur.new_empty(0, dtype=_F64)
+    prev = _reducible(previous)
+    return _device_vector(_reducible(current.detach()), _plan(stats), {"prev": prev})
 
 
-def scale_vector(stats: Sequence[Stat], inv_scale: torch.Tensor) -> torch.Tensor:
+def scale_vector(stats: Sequence[Stat], inv_scale: Tensor) -> Tensor:
     """Factors that unscale a stats vector of a gradient computed under a loss scale."""
     one = torch.ones((), dtype=_F64, device=inv_scale.device)
     inv = inv_scale.to(_F64)
@@ -229,12 +439,14 @@ def scale_vector(stats: Sequence[Stat], inv_scale: torch.Tensor) -> torch.Tensor
 _SUMMARY_FIELDS = (
     "numel", "nan", "posinf", "neginf", "zeros", "min", "max", "mean", "std", "abs_mean", "l2",
 )  # fmt: skip
+# The moments after the range, each by its statistic's kernel.
+_MOMENT_KERNELS = tuple(_KERNELS[name] for name in _SUMMARY_FIELDS[7:])
 
 
-def summary_vector(t: torch.Tensor) -> torch.Tensor:
+def summary_vector(t: Tensor) -> Tensor:
     """Everything :class:`~tensordbg.statistics.Summary` holds, as one float64 vector on the device.
     Moments are over finite elements, so a tensor with a few NaN still shows its range."""
-    x = _wide(t.detach()).reshape(-1)
+    x = _reducible(t.detach()).reshape(-1)
     n = x.numel()
     finite = torch.isfinite(x)
     nonfinite = n - torch.count_nonzero(finite)
@@ -251,13 +463,11 @@ def summary_vector(t: torch.Tensor) -> torch.Tensor:
     if x.numel() == 0:
         moments = torch.full((6,), math.nan, dtype=_F64, device=x.device)
     else:
-        cache: dict[str, Any] = {}
+        cache: Cache = {}
         m = x.numel()
-        lo_hi = torch.stack(torch.aminmax(x)).to(_F64)
-        stats = [
-            _kernel(Stat(name), x, m, cache).to(_F64) for name in ("mean", "std", "abs_mean", "l2")
-        ]
-        moments = torch.cat((lo_hi, torch.stack(stats)))
+        lo_hi = torch.stack(_aminmax(x, cache)).to(_F64)
+        rest = [kernel(x, m, cache, ()).to(_F64) for kernel in _MOMENT_KERNELS]
+        moments = torch.cat((lo_hi, torch.stack(rest)))
     return torch.cat((counts, moments))
 
 
@@ -269,7 +479,7 @@ def summary_from(values: Sequence[float]) -> Summary:
     return Summary(**data)
 
 
-def summarize(t: torch.Tensor) -> Summary:
+def summarize(t: Tensor) -> Summary:
     """The summary of a tensor, on the host (synchronizes with the device)."""
     return summary_from(summary_vector(t).tolist())
 
@@ -283,12 +493,12 @@ class StatsBatch:
     """
 
     def __init__(self) -> None:
-        self._vectors: list[torch.Tensor] = []
+        self._vectors: list[Tensor] = []
 
     def __len__(self) -> int:
         return len(self._vectors)
 
-    def add(self, vector: torch.Tensor) -> int:
+    def add(self, vector: Tensor) -> int:
         self._vectors.append(vector)
         return len(self._vectors) - 1
 
