@@ -170,8 +170,9 @@ class VanishingGradient(Rule):
       leaves the others at zero, so the mean over the whole table is tiny by design
       (pytorch/examples' word language model fell below 1e-7 on most steps).
     - The gradient must also be below ``relative`` = 1e-5 times the model's typical gradient,
-      the median root-mean-square of the other gradients (each one's latest, zeros left out):
-      under plain SGD such a parameter moves 100,000 times slower than the rest. A loss that is
+      the median root-mean-square of the other gradients (each one's latest, zeros left out).
+      Neither debugger compared gradients with each other; 1e-5 is tensordbg's: under plain SGD
+      such a parameter moves 100,000 times slower than the rest. A loss that is
       small everywhere is not a vanishing gradient, nor are the query and key projections of
       a freshly initialised transformer, whose attention is still uniform (1e-4 of the median
       in a BART encoder). The first gradients of a training, with none to compare with, are
