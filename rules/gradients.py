@@ -7,7 +7,68 @@ import statistics
 from typing import Any
 
 from tensordbg.rules.base import Finding, Refine, Rule, nonfinite_count
-from tensordbg.statistics import ABS_MEAN, FINITE, L2, MAX, MIN, NAN, NEGINF, POSINF, TensorStats
+from tensordbg.statistics import (
+    ABS_MEAN,
+    FINITE,
+    L2,
+    MAX,
+    MIN,
+    NAN,
+    NEGINF,
+    POSINF,
+    ZERO_FRAC,
+    TensorStats,
+)
+
+# VanishingGradient's defaults: SageMaker's bound on mean |grad|, and how far below the model's
+# typical gradient a gradient must also be to vanish.
+THRESHOLD = 1e-7
+RELATIVE = 1e-5
+
+
+def note_scale(t: TensorStats, state: dict[str, Any]) -> float | None:
+    """Note the root-mean-square of gradient ``t``, ||g||_2 / sqrt(n), in ``state["scales"]``,
+    which keeps the latest of every gradient the rule has seen (and the one of an earlier step
+    before it): the model's scale. Returns it; None when the norm was not computed or is not
+    finite. The root-mean-square is never below mean |g| and costs no pass of its own: the norm
+    is computed for every gradient."""
+    l2 = t.get(L2)
+    if l2 is None or not math.isfinite(l2):
+        return None
+    scale = l2 / math.sqrt(t.numel)
+    scales: dict[str, list[float]] = state.setdefault("scales", {})
+    noted = scales.get(t.name)
+    if noted is None:
+        scales[t.name] = [t.step, scale, math.nan]
+    elif noted[0] == t.step:
+        noted[1] = scale  # again in the same step (accumulated gradients, a refinement)
+    else:
+        noted[:] = [t.step, scale, noted[1]]
+    return scale
+
+
+def typical_scale(state: dict[str, Any], name: str, before: int | None = None) -> float | None:
+    """The model's typical gradient: the median root-mean-square of the gradients other than
+    ``name``, each one's latest (from a step before ``before`` when given), zeros left out; None
+    before there is any."""
+    others = []
+    for key, (step, scale, earlier) in state.get("scales", {}).items():
+        if key == name:
+            continue
+        value = scale if before is None or step < before else earlier
+        if value > 0:  # NaN (no earlier step) is not
+            others.append(value)
+    return statistics.median(others) if others else None
+
+
+def negligible(value: float, state: dict[str, Any], name: str) -> bool:
+    """Whether gradient ``name`` of size ``value`` vanishes by VanishingGradient's defaults:
+    below THRESHOLD, and below RELATIVE times the model's typical gradient once that is known
+    (computed only for a gradient below THRESHOLD)."""
+    if not value < THRESHOLD:
+        return False
+    typical = typical_scale(state, name)
+    return typical is None or value < RELATIVE * typical
 
 
 class ExplodingGradient(Rule):
@@ -18,6 +79,15 @@ class ExplodingGradient(Rule):
     passes ``max_norm`` (1e6), or, once ``warmup`` (10) norms of that gradient have been seen,
     when it is ``growth`` (20) times the median of its last ``window`` (50) finite norms: a norm
     growing x1.5 per step from 1 is caught near 300, long before float32 overflows.
+
+    Growth counts only for a gradient that has reached the model's typical size, the median
+    root-mean-square of the other gradients at their last step before this one: a gradient
+    that grows while still below it is catching up, not exploding. The query and key
+    projections of a transformer start with tiny gradients (its attention is uniform) that
+    grow a thousandfold once it learns where to look (BERT's, within 25 steps); rounding noise
+    grows x20 from one step to another (the attention key bias's, which softmax cancels, at
+    1e-13). When all gradients blow up at once, each passes the size the model had the step
+    before. A gradient judged alone is compared with its own history only.
 
     Example: ``ExplodingGradient(growth=10.0, match="decoder.*")`` is stricter on the decoder.
     """
@@ -61,11 +131,15 @@ class ExplodingGradient(Rule):
         median = statistics.median(history) if seen >= self.warmup else None
         history.append(norm)
         del history[: -self.window]
+        scale = note_scale(t, state)
         if norm > self.max_norm:
             return self._too_large(t, norm)
         # Over a median of zero (a gradient that was exactly zero so far) growth means nothing.
         if median is None or median <= 0 or not norm > self.growth * median:
             return None
+        typical = typical_scale(state, t.name, before=t.step)
+        if scale is not None and typical is not None and scale < typical:
+            return None  # catching up with the model's gradients, not exploding
         ratio = norm / median
         return Finding(
             ratio,
@@ -88,60 +162,132 @@ class VanishingGradient(Rule):
     """A trainable parameter whose gradient is so small that the parameter barely learns.
 
     Defaults: SageMaker's VanishingGradient fires when mean |grad| < ``threshold`` = 1e-7
-    (MindInsight recommended 1e-9 for the same statistic). Exactly zero gradients count: the
-    parameter receives nothing. Frozen parameters are never judged. Some parameters get a zero
-    gradient by construction, such as the bias of an attention key projection (BERT's
-    ``attention.self.key.bias``): softmax ignores a shift shared by all keys.
+    (MindInsight recommended 1e-9 for the same statistic). On its own that bound raises false
+    alarms on healthy models; three more conditions keep them out:
+
+    - Sparse gradients are judged over their nonzero elements, mean |grad| / (1 - fraction of
+      zeros): a step of a language model touches a few hundred rows of its embedding table and
+      leaves the others at zero, so the mean over the whole table is tiny by design
+      (pytorch/examples' word language model fell below 1e-7 on most steps).
+    - The gradient must also be below ``relative`` = 1e-5 times the model's typical gradient,
+      the median root-mean-square of the other gradients (each one's latest, zeros left out).
+      Neither debugger compared gradients with each other; 1e-5 is tensordbg's: under plain SGD
+      such a parameter moves 100,000 times slower than the rest. A loss that is
+      small everywhere is not a vanishing gradient, nor are the query and key projections of
+      a freshly initialised transformer, whose attention is still uniform (1e-4 of the median
+      in a BART encoder). The first gradients of a training, with none to compare with, are
+      judged on ``threshold`` alone; ``relative=math.inf`` always judges that way.
+    - A bias whose gradient vanishes while its module's weight gets a healthy one is cancelled
+      downstream by construction, not cut off: softmax ignores a shift shared by all keys (the
+      attention key bias, BERT's ``attention.self.key.bias``), BatchNorm subtracts the batch
+      mean (the bias of a convolution right before it). It is not reported. A bias judged
+      before its module's weight on its first step waits a step for it, unless its gradient is
+      exactly zero.
+
+    An exactly zero gradient is reported at once: the parameter receives nothing (a dead or
+    detached branch, a saturated unit). Frozen parameters are never judged.
 
     Example: ``VanishingGradient(threshold=1e-9)`` uses MindInsight's stricter bound.
     """
 
     kinds = frozenset({"grad"})
-    # Screened with bounds from cheap statistics; mean |grad| is computed only near the
-    # threshold (see check).
+    # Screened with bounds from the norm; mean |grad| and the share of zeros are computed only
+    # for a gradient near the threshold (see _nonzero_mean).
     needs = (L2,)
 
-    def __init__(self, *, threshold: float = 1e-7, **selection: Any):
+    def __init__(
+        self, *, threshold: float = THRESHOLD, relative: float = RELATIVE, **selection: Any
+    ):
         super().__init__(**selection)
         self.threshold = threshold
+        self.relative = relative
 
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | Refine | None:
-        if not t.trainable:
+        # Noted before a refinement too: the same value again when check is called back.
+        scale = note_scale(t, state)
+        if not t.trainable or scale is None:
+            # Not measured this step (between interval steps), or not finite: not vanishing.
             return None
-        mean = t.get(ABS_MEAN)
-        if mean is None:
-            # Lower bounds on mean|g| from cheaper statistics, each decisive for most gradients:
-            # sum|g| >= ||g||_2 gives mean|g| >= L2 / n (no extra pass); Hölder, sum g^2 <=
-            # max|g| * sum|g|, gives mean|g| >= L2^2 / (n * max|g|), within a few times of the
-            # truth. Only a gradient near the threshold pays a pass for the exact mean.
-            l2, n = t.get(L2), t.numel
-            if l2 is not None and math.isfinite(l2) and l2 / n >= self.threshold:
-                return None
-            peak = t.abs_max
-            if peak is None:
-                return Refine((MIN, MAX))
-            if (
-                l2 is not None
-                and peak > 0
-                and math.isfinite(l2)
-                and l2 * l2 / (n * peak) >= self.threshold
-            ):
-                return None
-            return Refine((ABS_MEAN,))
-        if not mean < self.threshold:
+        mean = self._nonzero_mean(t)
+        if isinstance(mean, Refine):
+            return mean
+        seen: set[str] = state.setdefault("seen", set())
+        first = t.name not in seen
+        seen.add(t.name)
+        typical, vanishing = None, False
+        if mean is not None and mean < self.threshold:
+            typical = typical_scale(state, t.name)
+            vanishing = typical is None or mean < self.relative * typical
+        # Per module, whether each of its weights (its parameters other than biases) got a
+        # healthy gradient the last time it was judged.
+        weights: dict[str, dict[str, bool]] = state.setdefault("weights", {})
+        param = t.name.removesuffix(".grad").rpartition(".")[2]
+        bias = param.startswith("bias")
+        if not bias:
+            weights.setdefault(t.module, {})[param] = not vanishing
+        if mean is None or not vanishing:
             return None
+        if bias:
+            known = [ok for name, ok in weights.get(t.module, {}).items() if name != param]
+            if any(known):
+                return None  # a shift cancelled downstream, while the module's weight learns
+            if not known and first and mean > 0:
+                return None  # its module's weight comes later in this pass: wait a step for it
+        return Finding(mean, self.threshold, self._message(t, mean, typical, bias))
+
+    def _nonzero_mean(self, t: TensorStats) -> float | Refine | None:
+        """mean |grad| over the nonzero elements (0.0 when all are zero), or None when a bound
+        already shows that it reaches the threshold."""
+        mean, zeros = t.get(ABS_MEAN), t.get(ZERO_FRAC)
+        if mean is not None and zeros is not None:
+            return mean / (1.0 - zeros) if zeros < 1.0 else 0.0
+        if mean is not None:
+            return None if mean >= self.threshold else Refine((ZERO_FRAC,))
+        # Lower bounds on mean |g| from cheaper statistics (over all elements, so over the
+        # nonzero ones too), each decisive for most gradients: sum |g| >= ||g||_2 gives mean |g|
+        # >= L2 / n (no extra pass); Hölder, sum g^2 <= max |g| * sum |g|, gives mean |g| >=
+        # L2^2 / (n * max |g|), within a few times of the truth. Only a gradient near the
+        # threshold pays for the exact mean and its zeros.
+        l2, n = t.get(L2), t.numel
+        if l2 is not None and l2 / n >= self.threshold:
+            return None
+        peak = t.abs_max
+        if peak is None:
+            return Refine((MIN, MAX))
+        if l2 is not None and peak > 0 and l2 * l2 / (n * peak) >= self.threshold:
+            return None
+        return Refine((ABS_MEAN, ZERO_FRAC))
+
+    def _message(self, t: TensorStats, mean: float, typical: float | None, bias: bool) -> str:
         if mean == 0:
             message = (
                 f"{t.name} receives no gradient at all (mean |grad| 0, threshold "
                 f"{self.threshold:.3g}); the parameter is not connected to the loss, or sits "
-                "behind dead units or a detached branch. A few get zero by construction (an "
-                "attention key bias: softmax ignores a shift shared by all keys); leave those "
-                "out with VanishingGradient(exclude='*key.bias')."
+                "behind dead units, saturated units or a detached branch."
             )
-        else:
-            message = (
-                f"{t.name} has mean |grad| {mean:.3g}, below {self.threshold:.3g}; the gradient "
-                "vanishes on its way back: look for saturated activations upstream, add "
-                "normalisation or residual connections, or check the initialisation."
+            if bias and _attention_like(t):
+                message += (
+                    " An attention key bias gets none by construction (softmax ignores a "
+                    "shift shared by all keys); this one is left alone once its projection's "
+                    f"weight is seen learning, or for good with exclude='{t.name}'."
+                )
+            return message
+        zeros = t.get(ZERO_FRAC) or 0.0
+        nonzero = f" over its {round(t.numel * (1 - zeros))} nonzero values" if zeros else ""
+        relative = ""
+        if typical is not None:
+            relative = (
+                f" and {mean / typical:.2g}x the model's typical gradient {typical:.3g} "
+                f"(threshold {self.relative:g}x)"
             )
-        return Finding(mean, self.threshold, message)
+        return (
+            f"{t.name} has mean |grad| {mean:.3g}{nonzero}, below {self.threshold:.3g}"
+            f"{relative}; the gradient vanishes on its way back: look for saturated "
+            "activations upstream, add normalisation or residual connections, or check the "
+            "initialisation."
+        )
+
+
+def _attention_like(t: TensorStats) -> bool:
+    where = f"{t.module}.{t.module_type}".lower()
+    return "attn" in where or "attention" in where

@@ -9,7 +9,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from tensordbg.rules.base import Finding, Rule
+from tensordbg.rules.gradients import negligible, note_scale
 from tensordbg.statistics import (
+    L2,
     MAX,
     MIN,
     PREV_ABS_MEAN,
@@ -22,17 +24,29 @@ from tensordbg.statistics import (
 
 
 class WeightNotChanging(Rule):
-    """A trainable parameter that the optimizer leaves unchanged for ``num_steps`` steps in a row.
+    """A trainable parameter that the optimizer leaves unchanged for ``num_steps`` steps in a row
+    although its gradient asks it to move.
 
     Defaults: "unchanged" is MindInsight's "weight not changed" test, every element within
     ``atol`` (1e-8) + ``rtol`` (1e-5) x |previous value|; the streak length ``num_steps`` = 3 is
     SageMaker's UnchangedTensor. The rule fires once per streak and re-arms when the parameter
     moves again; a step whose statistic was not computed neither extends nor breaks a streak.
 
+    A step whose gradient was negligible breaks the streak instead: a parameter with nothing to
+    learn from has no reason to move. Negligible is VanishingGradient's default verdict on the
+    gradient's root-mean-square: below 1e-7 (SageMaker's bound) and below 1e-5 of the model's
+    typical gradient. Some parameters get nothing by construction, such as the attention key
+    bias, which softmax cancels and which plain SGD, or Adam with its ``eps``, leaves where it
+    is; a gradient that vanishes for a reason is VanishingGradient's to report. What is left
+    is a healthy gradient that does not reach the weight: a learning rate of zero, a parameter
+    missing from the optimizer's groups. An embedding whose rows got no gradient in a step is
+    judged as a whole: its other rows moved, so it changed.
+
     Example: ``WeightNotChanging(num_steps=10, exclude="*.bias")`` tolerates longer pauses.
     """
 
-    kinds = frozenset({"update"})
+    # The gradient of a step comes before its update: the rule notes whether it was negligible.
+    kinds = frozenset({"update", "grad"})
 
     def __init__(
         self, *, num_steps: int = 3, rtol: float = 1e-5, atol: float = 1e-8, **selection: Any
@@ -43,15 +57,24 @@ class WeightNotChanging(Rule):
         self.atol = atol
 
     def stats_for(self, t: TensorStats) -> tuple[Stat, ...]:
+        if t.kind == "grad":
+            return (L2,)
         return (update_unchanged(self.rtol, self.atol),)
 
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
+        # Per parameter: whether its latest measured gradient was negligible.
+        idle: dict[str, bool] = state.setdefault("idle", {})
+        if t.kind == "grad":
+            scale = note_scale(t, state)
+            if scale is not None:
+                idle[t.name.removesuffix(".grad")] = negligible(scale, state, t.name)
+            return None
         unchanged = t.get(update_unchanged(self.rtol, self.atol))
         if not t.trainable or unchanged is None:
             return None
         # Per tensor: [length of the current streak, whether it has been reported].
         streak = state.setdefault(t.name, [0, False])
-        if unchanged != 1.0:
+        if unchanged != 1.0 or idle.get(t.name.removesuffix(".update"), False):
             streak[:] = [0, False]
             return None
         streak[0] += 1
@@ -62,9 +85,9 @@ class WeightNotChanging(Rule):
             float(streak[0]),
             float(self.num_steps),
             f"{t.name} has not changed for {streak[0]} optimizer steps (every element within "
-            f"{self.atol:.3g} + {self.rtol:.3g} x |value|, threshold {self.num_steps} steps); "
-            "it is not learning: its learning rate may be zero, it may be missing from the "
-            "optimizer's parameter groups, or its gradient is zero.",
+            f"{self.atol:.3g} + {self.rtol:.3g} x |value|, threshold {self.num_steps} steps) "
+            "though its gradient is not negligible; it is not learning: its learning rate may "
+            "be zero, or it may be missing from the optimizer's parameter groups.",
         )
 
 

@@ -1,0 +1,159 @@
+"""No false alarms on healthy real models: the default rules stay silent over dozens of steps of
+the models people train (``zoo.py``), and still fire on the same models where a fault is planted.
+
+Each family trains from a small config in a few seconds. A hit on a healthy training fails the
+test with every hit listed: the rule, the tensor, the step and the rule's own sentence.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import zoo
+
+STEPS = 30
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Small models train faster on one thread than on two contended ones (the machine running
+    the tests is shared); the training's numbers do not depend on it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def listed(hits) -> str:
+    return "\n".join(f"  step {h.step} {h.rule} on {h.tensor}: {h.message}" for h in hits)
+
+
+def assert_no_hit(session) -> None:
+    assert session.hits == [], f"{len(session.hits)} hits on a healthy training:\n" + listed(
+        session.hits
+    )
+
+
+def assert_no_hit_but(session, rule: str) -> None:
+    others = [h for h in session.hits if h.rule != rule]
+    assert others == [], f"hits other than {rule}:\n" + listed(others)
+
+
+def hits_of(session, rule: str) -> dict[str, int]:
+    """The tensors ``rule`` hit, each with the step of its first hit."""
+    first: dict[str, int] = {}
+    for h in session.hits:
+        if h.rule == rule:
+            first.setdefault(h.tensor, h.step)
+    return first
+
+
+# --- healthy trainings ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", list(zoo.FAMILIES))
+def test_a_healthy_training_raises_no_hit_with_the_default_rules(watch, family):
+    run = zoo.FAMILIES[family]()
+    session = watch(run.model, optimizer=run.optimizer, on_hit="record")
+    losses = zoo.train(run, STEPS, session)
+    assert session.step == STEPS
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert_no_hit(session)
+
+
+def test_the_diverging_example_with_its_learning_rate_fixed_raises_no_hit(monkeypatch):
+    import examples_path  # noqa: F401  (puts examples/ on sys.path)
+    import train_diverging
+
+    monkeypatch.setattr(train_diverging, "learning_rate", lambda step: 1e-2)
+    session = train_diverging.main(record=True)
+    assert session.step == 120
+    assert_no_hit(session)
+
+
+# --- the same models, with a fault planted: the rules still fire ------------------------------
+
+
+def test_an_embedding_table_cut_off_from_the_loss_has_a_vanishing_gradient(watch):
+    run = zoo.word_lm()
+    run.model.encoder.register_forward_hook(lambda module, args, out: out * 0.0)
+    session = watch(run.model, optimizer=run.optimizer, on_hit="record")
+    zoo.train(run, 2, session)
+    hit = next(h for h in session.hits if h.tensor == "encoder.weight.grad")
+    assert (hit.rule, hit.step, hit.value) == ("VanishingGradient", 0, 0.0)
+    assert "receives no gradient at all" in hit.message
+    assert "attention" not in hit.message  # advice about key biases is for attention only
+
+
+def test_rows_of_an_embedding_that_get_a_vanishing_gradient_are_found_among_the_others(watch):
+    """Sparse gradients are judged over their nonzero rows: a tiny gradient in the rows a step
+    used is still a vanishing gradient."""
+    run = zoo.word_lm()
+    run.model.encoder.register_forward_hook(lambda module, args, out: out * 1e-9)
+    session = watch(run.model, optimizer=run.optimizer, on_hit="record")
+    zoo.train(run, 2, session)
+    hit = next(h for h in session.hits if h.tensor == "encoder.weight.grad")
+    assert (hit.rule, hit.step) == ("VanishingGradient", 0) and 0 < hit.value < 1e-12
+    assert "nonzero values" in hit.message
+
+
+def test_a_dead_feed_forward_layer_in_bert_has_vanishing_gradients(watch):
+    run = zoo.bert()
+    dense = run.model.bert.encoder.layer[1].intermediate.dense
+    with torch.no_grad():
+        dense.bias.fill_(-100.0)  # GELU(-100) is 0 with a derivative of 0: nothing gets through
+    session = watch(run.model, optimizer=run.optimizer, on_hit="record")
+    zoo.train(run, 3, session)
+    layer = "bert.encoder.layer.1"
+    assert hits_of(session, "VanishingGradient") == {
+        f"{layer}.intermediate.dense.bias.grad": 0,
+        f"{layer}.intermediate.dense.weight.grad": 0,
+        f"{layer}.output.dense.weight.grad": 0,  # its input is all zeros
+    }
+
+
+def test_a_layer_whose_learning_rate_is_zero_is_not_changing_but_its_key_bias_is_no_news(watch):
+    """With a learning rate of 0 for one BERT layer, every parameter of that layer stays put;
+    all are reported but the attention key bias, whose gradient softmax cancels: it has nothing
+    to learn from in any layer."""
+    run = zoo.bert()
+    layer = run.model.bert.encoder.layer[0]
+    frozen = {id(p) for p in layer.parameters()}
+    others = [p for p in run.model.parameters() if id(p) not in frozen]
+    run.optimizer = torch.optim.AdamW(
+        [{"params": list(layer.parameters()), "lr": 0.0}, {"params": others}], lr=1e-3
+    )
+    session = watch(run.model, optimizer=run.optimizer, on_hit="record")
+    # AdamW writes every parameter, so the engine tells "unchanged" exactly every other step:
+    # three unchanged steps (SageMaker's streak) are seen within six.
+    zoo.train(run, 6, session)
+    expected = {
+        f"bert.encoder.layer.0.{name}.update"
+        for name, _ in layer.named_parameters()
+        if name != "attention.self.key.bias"
+    }
+    assert set(hits_of(session, "WeightNotChanging")) == expected
+    assert_no_hit_but(session, "WeightNotChanging")
+
+
+def test_a_head_left_out_of_the_optimizer_is_not_changing(watch):
+    run = zoo.resnet()
+    head = {id(p) for p in run.model.fc.parameters()}
+    body = [p for p in run.model.parameters() if id(p) not in head]
+    run.optimizer = torch.optim.SGD(body, lr=0.01, momentum=0.9, weight_decay=1e-4)
+    session = watch(run.model, optimizer=run.optimizer, on_hit="record")
+    zoo.train(run, 4, session)
+    assert hits_of(session, "WeightNotChanging") == {"fc.weight.update": 2, "fc.bias.update": 2}
+
+
+def test_a_convolution_bias_before_batchnorm_that_no_unit_passes_on_is_reported(watch):
+    """Healthy, the bias of a convolution that BatchNorm follows gets no gradient (up to
+    rounding) while its weight learns: no hit (the ``resnet_conv_bias`` family). Behind ReLUs
+    that never fire, weight and bias both get nothing: both are reported."""
+    run = zoo.resnet(conv_bias=True)
+    with torch.no_grad():
+        run.model.bn1.bias.fill_(-100.0)  # every unit after the stem is below zero: all dead
+    session = watch(run.model, optimizer=run.optimizer, on_hit="record")
+    zoo.train(run, 3, session)
+    stem = {"conv1.weight.grad": 0, "conv1.bias.grad": 0, "bn1.weight.grad": 0}
+    assert stem.items() <= hits_of(session, "VanishingGradient").items()
