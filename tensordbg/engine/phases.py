@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from tensordbg.engine.records import Call, Record
-from tensordbg.statistics.torch_kernels import StatsBatch
+from tensordbg.statistics.batch import StatsBatch
 
 # Eager mode holds the last few tensors it saw (within retain_bytes), so that a hit's neighbours
 # can be shown, e.g. the gradient that came into the module whose backward broke.
