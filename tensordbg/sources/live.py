@@ -386,14 +386,7 @@ class LiveSource:
                 "the training is paused in"
             )
         if need_tensor and record.held() is None:
-            if self.session.mode == "eager":
-                why = (
-                    "eager checks keep only hits and the last few tensors; this one passed "
-                    "and the training has freed it"
-                )
-            else:
-                budget = self.session.retain_bytes // 2**20
-                why = f"the phase's tensors passed retain_bytes={budget} MiB"
+            why = self.session.sync.why_not_kept(self.session.retain_bytes)
             raise SourceError(
                 f"{record.stats.name} was not kept ({why}); its statistics are in the list"
             )
