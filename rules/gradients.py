@@ -249,6 +249,8 @@ class VanishingGradient(Rule):
         # L2^2 / (n * max |g|), within a few times of the truth. Only a gradient near the
         # threshold pays for the exact mean and its zeros.
         l2, n = t.get(L2), t.numel
+        if l2 == 0:
+            return 0.0  # all zeros: no pass needed (nor the tensor, gone in batched mode)
         if l2 is not None and l2 / n >= self.threshold:
             return None
         peak = t.abs_max

@@ -10,6 +10,7 @@ import numpy as np
 
 from tensordbg.rules import ExplodingGradient, VanishingGradient, WeightNotChanging
 from tensordbg.rules.base import Finding, Rule, judge_array
+from tensordbg.statistics import L2, stats_from_numpy
 
 rng = np.random.default_rng(0)
 
@@ -54,6 +55,15 @@ def test_a_table_without_any_gradient_receives_nothing():
     found = grad(VanishingGradient(), np.zeros((20_000, 8)), {}, "encoder.weight")
     assert found is not None and found.value == 0.0
     assert "receives no gradient at all" in found.message
+
+
+def test_a_zero_norm_is_enough_to_tell_a_gradient_receives_nothing():
+    """Without the tensor (batched checks on a GPU, past the retention budget) no statistic
+    can be added: a norm of zero already says every element is zero."""
+    t = stats_from_numpy(np.zeros(64), (L2,), name="fc.weight.grad", module="fc", kind="grad",
+                         trainable=True)  # fmt: skip
+    found = VanishingGradient().check(t, {})
+    assert isinstance(found, Finding) and found.value == 0.0
 
 
 # --- against the model's other gradients -------------------------------------------------------
