@@ -1,1 +1,1 @@
-"""."""
+"""Ways into tensordbg besides attach(): tensordbg run (framework callbacks will join it)."""

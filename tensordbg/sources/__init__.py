@@ -1,1 +1,1 @@
-"""."""
+"""What a UI can ask of a training: the Source contract and the sources that serve it."""
