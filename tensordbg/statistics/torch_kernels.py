@@ -224,12 +224,23 @@ def _std(x: Tensor, n: int, cache: Cache, p: Params) -> Tensor:
     return (torch.dot(centered, centered) / n).sqrt()
 
 
-@_kernel("l2")
-def _l2(x: Tensor, n: int, cache: Cache, p: Params) -> Tensor:
+def _l2_host(x: Tensor, n: int, cache: Cache, p: Params) -> float:
     flat = x.reshape(-1)
     if flat.dtype in (torch.float32, _F64):
-        return torch.dot(flat, flat).sqrt()  # BLAS: ~2.5x faster than vector_norm
-    return torch.linalg.vector_norm(x, 2, dtype=torch.float32)
+        norm = torch.dot(flat, flat).sqrt().item()  # BLAS: ~2.5x faster than vector_norm
+    else:
+        norm = torch.linalg.vector_norm(x, 2, dtype=torch.float32).item()
+    if math.isinf(norm) and flat.dtype != _F64:
+        # x * x overflowed (|x| past ~1.8e19 in float32) though x may be finite: read exactly.
+        norm = torch.linalg.vector_norm(x, 2, dtype=_F64).item()
+    return norm
+
+
+@_kernel("l2", host=_l2_host)
+def _l2(x: Tensor, n: int, cache: Cache, p: Params) -> Tensor:
+    # On the device nothing is read back per tensor, so an overflow of x * x cannot be caught
+    # and redone: accumulate in float64, where the square of any float32 is finite.
+    return torch.linalg.vector_norm(x, 2, dtype=_F64)
 
 
 # Fractions are divided in float64, as numpy divides: exact counts give the same value.
