@@ -148,3 +148,14 @@ def test_a_listening_address_is_checked_before_the_script_runs(tmp_path: Path):
     done = tensordbg("run", "--listen", "0.0.0.0:http", "train.py", cwd=tmp_path)
     assert done.returncode == 2
     assert "a listening address is HOST or HOST:PORT, not '0.0.0.0:http'" in done.stderr
+
+
+def test_ctrl_c_in_a_watched_script_ends_it_with_one_line_and_no_traceback(tmp_path: Path):
+    path = tmp_path / "train.py"
+    path.write_text(
+        SCRIPT.replace('print("trained"', 'raise KeyboardInterrupt  # Ctrl-C\nprint("x"')
+    )
+    done = tensordbg("run", "--on-hit", "record", str(path), "6", cwd=tmp_path)
+    assert done.returncode == 130  # as a shell reports SIGINT
+    assert "tensordbg run: interrupted (Ctrl-C) at step 6" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -428,3 +428,28 @@ def test_skipping_forever_is_bounded(watch):
             opt.step()
             opt.zero_grad()
     assert session.skipped_updates == [0, 1, 2]
+
+
+class MakesNaN(nn.Module):
+    def forward(self, x):
+        return x * float("nan")
+
+
+class Branches(nn.Module):
+    """Eight branches on the same clean input, each making its own NaN: eight origins."""
+
+    def __init__(self):
+        super().__init__()
+        self.branches = nn.ModuleList(MakesNaN() for _ in range(8))
+
+    def forward(self, x):
+        return [branch(x) for branch in self.branches]
+
+
+def test_the_summary_counts_what_it_does_not_list(watch):
+    model = Branches()
+    session = watch(model, on_hit="record", rules=[NaN()])
+    model(torch.randn(2, 4))
+    summary = session.summary()
+    assert summary.startswith("tensordbg: 8 hits, 8 at their origin.")
+    assert "... and 3 more at their origin (3 NaN)" in summary

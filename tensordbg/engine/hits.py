@@ -67,10 +67,17 @@ class HitLog:
         if not self.hits:
             return "tensordbg: no hits."
         first = [h for h in self.hits if h.origin]
-        lines = [f"tensordbg: {len(self.hits)} hits, {len(first)} at their origin."]
+        total = len(self.hits)
+        lines = [f"tensordbg: {total} hit{'s' * (total != 1)}, {len(first)} at their origin."]
         for hit in first[:origins]:
             lines.append(f"  step {hit.step} {hit.phase}: [{hit.rule}] {hit.tensor}")
             lines.append(f"    {hit.message}")
+        if len(first) > origins:
+            by_rule: dict[str, int] = {}
+            for hit in first[origins:]:
+                by_rule[hit.rule] = by_rule.get(hit.rule, 0) + 1
+            rules = ", ".join(f"{n} {rule}" for rule, n in by_rule.items())
+            lines.append(f"  ... and {len(first) - origins} more at their origin ({rules})")
         if skipped_steps:
             lines.append(f"  steps the GradScaler skipped: {skipped_steps[:20]}")
         return "\n".join(lines)

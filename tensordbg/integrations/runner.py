@@ -104,6 +104,13 @@ def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = 
     except SystemExit as e:
         code = e.code
         return code if isinstance(code, int) else (0 if code is None else 1)
+    except KeyboardInterrupt:
+        session = run.session
+        where = f" at step {session.step}, {session.phase}" if session is not None else ""
+        paused = session is not None and session.controller.state == "paused"
+        print(f"tensordbg run: interrupted (Ctrl-C){where}"
+              + (" while paused" if paused else ""), file=sys.stderr)  # fmt: skip
+        return 130
     finally:
         if run.session is not None and run.session.hits:
             print(run.session.summary(), file=sys.stderr, flush=True)
