@@ -247,8 +247,8 @@ def chunk_digests(view: memoryview) -> list[bytes]:
     >>> len(chunk_digests(memoryview(bytes(9 * 2**20))))
     3
     """
-    chunks = [view[i : i + TREE_CHUNK] for i in range(0, view.nbytes, TREE_CHUNK)]
-    return [h.result() for h in map(_hash, chunks)]
+    hashing = [_hash(view[i : i + TREE_CHUNK]) for i in range(0, view.nbytes, TREE_CHUNK)]
+    return [h.result() for h in hashing]  # all submitted first: the chunks hash in parallel
 
 
 def _write_and_digest(fd: int, view: memoryview) -> list[bytes]:
