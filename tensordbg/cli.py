@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_listen,
         help="with --remote: where to listen, e.g. 0.0.0.0:5555 (implies --remote)",
     )
-    run.add_argument("script", help="the training script")
+    run.add_argument("script", nargs="?", help="the training script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     run.set_defaults(handler=_run)
 
@@ -177,6 +177,11 @@ def _listen(text: str) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     from tensordbg.integrations.runner import run_script
+
+    if args.script is None:
+        print("tensordbg run: which script? e.g. tensordbg run train.py --epochs 3 "
+              "(see tensordbg run --help)", file=sys.stderr)  # fmt: skip
+        return 2
 
     return run_script(
         args.script,

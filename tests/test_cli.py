@@ -4,7 +4,9 @@ help of every command."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -159,3 +161,26 @@ def test_ctrl_c_in_a_watched_script_ends_it_with_one_line_and_no_traceback(tmp_p
     assert done.returncode == 130  # as a shell reports SIGINT
     assert "tensordbg run: interrupted (Ctrl-C) at step 6" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["tui", "missing.json"], "cannot read connection file missing.json"),
+        (["tui", "not_a_connection.json"], "is not a tensordbg connection file"),
+        (["tui", "dead.json"], "that training is no longer running (pid 999999999"),
+        (["tui", "--run-id", "abc", "--wait", "1"], "no running session of run 'abc' within 1 s"),
+        (["run"], "tensordbg run: which script?"),
+    ],
+)
+def test_a_mistyped_session_or_script_gets_one_line_and_exit_code_2(tmp_path, args, said):
+    """Before, the full-screen UI opened and retried for ever."""
+    (tmp_path / "not_a_connection.json").write_text('{"hello": 1}')
+    dead = {"protocol": 2, "run_id": "old", "rank": 0, "pid": 999999999,
+            "host": socket.gethostname(), "script": "train.py", "started": 0.0,
+            "endpoint": "ipc:///nowhere", "transport": "ipc", "key": "ab" * 32}  # fmt: skip
+    (tmp_path / "dead.json").write_text(json.dumps(dead))
+    done = tensordbg(*args, cwd=tmp_path, timeout=30)
+    assert done.returncode == 2, done.stderr
+    assert said in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr

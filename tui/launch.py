@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -34,6 +35,10 @@ def run_tui(
     >>> run_tui(run_id="demo7f3a", wait=30)         # a training that is starting now
     >>> run_tui(run_id="demo7f3a", wait=30, alive=lambda: training.poll() is None)
     """
+    problem = _unreachable(conn, run_id, wait) if alive is None else None
+    if problem is not None:  # a mistyped path or run: say so at once, not in a UI that retries
+        print(f"tensordbg tui: {problem}", file=sys.stderr)
+        return 2
     app = session_app(conn, run_id=run_id, wait=wait, alive=alive)
     if app is None:
         print(
@@ -46,6 +51,35 @@ def run_tui(
     if report is not None:
         print(report, file=sys.stderr)
     return app.return_code or int(result or 0)
+
+
+def _unreachable(conn: str | None, run_id: str | None, wait: float) -> str | None:
+    """Why the session a person named cannot be opened, if it plainly cannot: the connection
+    file is missing or is not one, its training has exited, or no session of ``run_id``
+    appears within ``wait`` seconds."""
+    from tensordbg.transport.connection import (
+        ConnectionFileError,
+        find_sessions,
+        process_exists,
+        read_connection_file,
+    )
+
+    if conn is not None:
+        try:
+            info = read_connection_file(conn)
+        except ConnectionFileError as e:
+            return str(e)
+        if info.host == socket.gethostname() and not process_exists(info.pid):
+            return f"that training is no longer running (pid {info.pid}, {conn})"
+        return None
+    if run_id is not None:
+        deadline = time.monotonic() + wait
+        while not any(s.run_id == run_id for s in find_sessions()):
+            if time.monotonic() >= deadline:
+                waited = f" within {wait:g} s" if wait else ""
+                return f"no running session of run {run_id!r}{waited}: see tensordbg tui --help"
+            time.sleep(0.1)
+    return None
 
 
 def session_app(

@@ -176,7 +176,7 @@ def read_connection_file(path: str | os.PathLike[str]) -> ConnectionInfo:
         raise ConnectionFileError(
             f"cannot read connection file {path}: {e}: pass the .json file a training wrote"
         ) from None
-    if not isinstance(data, dict):
+    if not isinstance(data, dict) or "protocol" not in data or "endpoint" not in data:
         raise ConnectionFileError(f"{path} is not a tensordbg connection file")
     if data.get("protocol") != PROTOCOL_VERSION:
         raise ConnectionFileError(
