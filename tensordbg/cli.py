@@ -13,6 +13,7 @@ import sys
 import tempfile
 import textwrap
 from collections.abc import Sequence
+from typing import Any
 
 from tensordbg import __version__
 
@@ -110,7 +111,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not watch modules whose path matches (repeatable)",
     )
     run.add_argument(
-        "--interval", type=int, default=1, help="statistics beyond the NaN/Inf screen every N steps"
+        "--interval",
+        type=_interval,
+        default=1,
+        help="statistics beyond the NaN/Inf screen every N steps (N >= 1)",
+    )
+    run.add_argument(
+        "--rule",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="a rule with its arguments, added to --rules (repeatable), e.g. "
+        "\"TensorRange(match='*.attn.*', max_gt=1e4)\"; read as data, never run as code",
     )
     run.add_argument(
         "--remote",
@@ -158,11 +170,64 @@ def _rules(spec: str) -> list | None:
         if name == "default":
             rules.extend(default_rules())
         elif name in available:
-            rules.append(available[name]())
+            try:
+                rules.append(available[name]())
+            except (TypeError, ValueError) as e:  # a rule that needs arguments
+                raise SystemExit(
+                    f"tensordbg: {e}; give {name} its arguments with "
+                    f'--rule "{name}(...)" instead of --rules'
+                ) from None
         else:
             known = ", ".join(sorted(available))
             raise SystemExit(f"tensordbg: no rule named {name!r}; the rules are: {known}")
     return rules
+
+
+def _interval(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: the interval is a number of steps, at least 1")
+    return value
+
+
+def _rule(spec: str) -> Any:
+    """``"TensorRange(match='*.attn.*', max_gt=1e4)"`` as a rule: the name and its keyword
+    arguments are read with ``ast`` as literals; nothing is evaluated."""
+    import ast
+
+    from tensordbg.rules import available_rules
+
+    try:
+        call = ast.parse(spec.strip(), mode="eval").body
+    except SyntaxError:
+        call = None
+    if isinstance(call, ast.Name):
+        call = ast.Call(func=call, args=[], keywords=[])
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.args):
+        raise SystemExit(
+            f"tensordbg: --rule {spec!r}: write it as Name(key=value, ...), e.g. "
+            '"TensorRange(max_gt=1e4)"'
+        )
+    cls = available_rules().get(call.func.id)
+    if cls is None:
+        known = ", ".join(sorted(available_rules()))
+        raise SystemExit(f"tensordbg: no rule named {call.func.id!r}; the rules are: {known}")
+    kwargs = {}
+    for keyword in call.keywords:
+        try:
+            kwargs[keyword.arg] = ast.literal_eval(keyword.value)
+        except (ValueError, SyntaxError):
+            raise SystemExit(
+                f"tensordbg: --rule {spec!r}: {keyword.arg}= takes a plain value (a number, a "
+                "string, a list or tuple of them)"
+            ) from None
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"tensordbg: --rule {spec!r}: {e}") from None
 
 
 def _listen(text: str) -> str:
@@ -177,16 +242,23 @@ def _listen(text: str) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     from tensordbg.integrations.runner import run_script
+    from tensordbg.rules import default_rules
 
     if args.script is None:
         print("tensordbg run: which script? e.g. tensordbg run train.py --epochs 3 "
               "(see tensordbg run --help)", file=sys.stderr)  # fmt: skip
         return 2
 
+    rules = _rules(args.rules)
+    if args.rule:
+        rules = [*(default_rules() if rules is None else rules), *map(_rule, args.rule)]
+    if rules == []:
+        print("tensordbg run: no rules (--rules ''): statistics are kept, nothing can hit",
+              file=sys.stderr)  # fmt: skip
     return run_script(
         args.script,
         args.args,
-        rules=_rules(args.rules),
+        rules=rules,
         on_hit=args.on_hit,
         sync=args.sync,
         include=args.include,

@@ -58,7 +58,7 @@ def script(tmp_path: Path) -> Path:
 
 def test_run_debugs_a_script_without_changing_it(script: Path):
     done = tensordbg("run", "--on-hit", "record", str(script), "6", cwd=script.parent)
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 1, done.stderr  # something hit: non-zero, as a linter
     assert "trained 6 steps" in done.stdout  # the script got its own arguments
     assert "watching Sequential" in done.stderr
     assert "[NaN] input[0]" in done.stderr and "step 3 forward" in done.stderr
@@ -184,3 +184,31 @@ def test_a_mistyped_session_or_script_gets_one_line_and_exit_code_2(tmp_path, ar
     assert done.returncode == 2, done.stderr
     assert said in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+def test_a_clean_run_exits_0_and_a_run_that_hit_exits_1(tmp_path: Path):
+    clean = tmp_path / "clean.py"
+    clean.write_text(SCRIPT.replace('x[0, 0] = float("nan")', "pass"))
+    done = tensordbg("run", "--on-hit", "record", str(clean), "5", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "trained 5 steps" in done.stdout
+
+
+def test_a_rule_with_arguments_is_given_on_the_command_line_and_read_as_data(script: Path):
+    done = tensordbg("run", "--on-hit", "record", "--rules", "NaN", "--rule",
+                     "TensorRange(match='2', max_gt=1e-9)", str(script), "2",
+                     cwd=script.parent)  # fmt: skip
+    assert "[TensorRange] 2." in done.stderr, done.stderr  # module 2, by its match
+    for spec, said in [
+        ("TensorRange", "needs at least one bound"),
+        ("TensorRange(max_gt=__import__('os'))", "max_gt= takes a plain value"),
+        ("os.system('true')", "write it as Name(key=value, ...)"),
+        ("Nope(x=1)", "no rule named 'Nope'"),
+    ]:
+        done = tensordbg("run", "--rule", spec, str(script), cwd=script.parent)
+        assert done.returncode != 0 and said in done.stderr, (spec, done.stderr)
+        assert "Traceback" not in done.stderr
+    done = tensordbg("run", "--rules", "TensorRange", str(script), cwd=script.parent)
+    assert 'give TensorRange its arguments with --rule "TensorRange(...)"' in done.stderr
+    done = tensordbg("run", "--interval", "0", str(script), cwd=script.parent)
+    assert done.returncode == 2 and "at least 1" in done.stderr

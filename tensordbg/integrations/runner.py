@@ -86,7 +86,9 @@ class ScriptRun:
 
 def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = None,
                **attach_args: Any) -> int:  # fmt: skip
-    """Run ``script`` as ``__main__`` with ``args``, watched by tensordbg; returns its exit code.
+    """Run ``script`` as ``__main__`` with ``args``, watched by tensordbg; returns its exit code,
+    or 1 when the script exited 0 but a watchpoint hit (as a linter does: a CI job that runs a
+    short training under ``tensordbg run --on-hit record`` fails when something hit).
 
     >>> run_script("train.py", ["--epochs", "1"], on_hit="raise")
     """
@@ -100,10 +102,11 @@ def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = 
     run.install()
     try:
         runpy.run_path(script, run_name="__main__")
-        return 0
+        return 1 if run.session is not None and run.session.hits else 0
     except SystemExit as e:
         code = e.code
-        return code if isinstance(code, int) else (0 if code is None else 1)
+        code = code if isinstance(code, int) else (0 if code is None else 1)
+        return 1 if code == 0 and run.session is not None and run.session.hits else code
     except KeyboardInterrupt:
         session = run.session
         where = f" at step {session.step}, {session.phase}" if session is not None else ""
