@@ -42,6 +42,7 @@ def attach(
     run_id: str | None = None,
     rank: int | None = None,
     replaceable: bool = False,
+    summary_at_exit: bool = True,
 ) -> Session:
     """Watch a model's training with watchpoint rules.
 
@@ -78,6 +79,8 @@ def attach(
             e.g. ``"0.0.0.0:5555"`` (every client still needs the key in the connection file).
         ui_timeout: seconds a paused training waits after the UI went away before it resumes
             with blocking watchpoints disarmed; None waits for ever.
+        summary_at_exit: when the program exits with the session still attached and hits
+            recorded, print ``session.summary()`` on stderr (as ``tensordbg run`` does).
         replaceable: a later ``attach`` of the same model detaches this session and takes
             over instead of refusing (``tensordbg run`` attaches this way, so a script that
             attaches tensordbg itself keeps its own settings).
@@ -104,6 +107,7 @@ def attach(
         rank=rank,
     )
     session.replaceable = replaceable
+    session.summary_at_exit = summary_at_exit
     try:
         if server:
             _start_server(session, remote, ui_timeout)

@@ -212,3 +212,19 @@ def test_a_rule_with_arguments_is_given_on_the_command_line_and_read_as_data(scr
     assert 'give TensorRange its arguments with --rule "TensorRange(...)"' in done.stderr
     done = tensordbg("run", "--interval", "0", str(script), cwd=script.parent)
     assert done.returncode == 2 and "at least 1" in done.stderr
+
+
+def test_a_script_that_attaches_and_exits_with_hits_prints_the_summary(tmp_path: Path):
+    path = tmp_path / "train.py"
+    path.write_text(
+        SCRIPT.replace(
+            "optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)",
+            "optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)\n"
+            "import tensordbg\n"
+            "session = tensordbg.attach(model, optimizer=optimizer, on_hit='record')",
+        )
+    )
+    done = subprocess.run([sys.executable, str(path), "5"], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "at their origin." in done.stderr and "input[0]" in done.stderr

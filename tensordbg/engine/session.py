@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import os
 import secrets
+import sys
 import threading
 import traceback
 import warnings
@@ -77,6 +78,9 @@ class Session(Pipeline, OptimizerPhase):
 
     passthrough: tuple[type[BaseException], ...] = (WatchpointHit,)
     replaceable = False
+    summary_at_exit = False
+    """Whether the program's exit prints :meth:`summary` when hits were recorded (``attach``
+    sets it)."""
     """Whether a later ``attach`` of the same model replaces this session (``tensordbg run``)."""
 
     def __init__(
@@ -465,4 +469,6 @@ def _forget(model_ref: weakref.ref[torch.nn.Module], session: Session) -> None:
 def _detach_at_exit(ref: weakref.ref[Session]) -> None:
     session = ref()
     if session is not None:
+        if session.summary_at_exit and session.hits and not session.detached:
+            print(session.summary(), file=sys.stderr, flush=True)
         session.detach()
