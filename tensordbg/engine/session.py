@@ -78,6 +78,7 @@ class Session(Pipeline, OptimizerPhase):
 
     passthrough: tuple[type[BaseException], ...] = (WatchpointHit,)
     replaceable = False
+    _exiting = False
     summary_at_exit = False
     """Whether the program's exit prints :meth:`summary` when hits were recorded (``attach``
     sets it)."""
@@ -347,7 +348,9 @@ class Session(Pipeline, OptimizerPhase):
         self.detached = True
         self.controller.detach()
         self.publish()
-        self.bus.publish("state", {"state": "finished", "step": self.step})
+        # The UI's q lets the training go on unwatched ("detached"); at exit it is over.
+        state = "finished" if self._exiting else "detached"
+        self.bus.publish("state", {"state": state, "step": self.step})
         self.bus.publish("detach", {"state": "detached", "step": self.step})
         self.handles.close()
         self.control.close()
@@ -471,4 +474,5 @@ def _detach_at_exit(ref: weakref.ref[Session]) -> None:
     if session is not None:
         if session.summary_at_exit and session.hits and not session.detached:
             print(session.summary(), file=sys.stderr, flush=True)
+        session._exiting = True
         session.detach()
