@@ -86,3 +86,15 @@ def watch():
     yield attach
     for session in sessions:
         session.detach()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Detach what a test left attached (a training thread a test gave up on, say), so that no
+    summary of its hits is printed after pytest's own last line."""
+    import sys
+
+    engine = sys.modules.get("tensordbg.engine.session")
+    if engine is not None:
+        for watched in list(engine._attached.values()):
+            watched.summary_at_exit = False
+            watched.detach()
