@@ -143,10 +143,6 @@ class EventBus:
                     stacklevel=2,
                 )
 
-    def clear(self) -> None:
-        self._subscriptions.clear()
-        self._wanted.clear()
-
 
 _extensions: list[Callable[[Any], Any]] | None = None
 

@@ -80,7 +80,6 @@ class Snapshot:
     """What the training thread publishes for readers on other threads (the UI's server): made
     at each step's end and whenever the training pauses, never changed afterwards."""
 
-    step: int
     latest: dict[str, tuple[int, Any]]
     """Each tensor's latest statistics: name -> (step, TensorStats)."""
     calls: dict[str, int]
@@ -89,7 +88,7 @@ class Snapshot:
     """The watched tensors of the phase, in execution order."""
 
 
-EMPTY = Snapshot(0, {}, {}, [])
+EMPTY = Snapshot({}, {}, [])
 
 
 class PhaseQueue:

@@ -416,7 +416,6 @@ class Pipeline(Pausing):
     def publish(self) -> None:
         """Publish what readers on other threads may see (:class:`~.phases.Snapshot`)."""
         self.published = Snapshot(
-            self.step,
             dict(self.metrics.latest),
             {path: len(calls) for path, calls in list(self.capture.calls_by_path.items())},
             [r for r in self.phases.records if not r.hidden],

@@ -372,9 +372,6 @@ class Session(Pipeline, OptimizerPhase):
         :mod:`tensordbg.engine.bus`); it runs on the training thread and must not block."""
         return self.bus.subscribe(callback)
 
-    def emit(self, event: str, payload: Any) -> None:
-        self.bus.publish(event, payload)
-
     def log(self, message: str, level: str = "info") -> None:
         self.bus.publish("log", {"level": level, "message": message, "step": self.step})
 
