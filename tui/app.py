@@ -19,6 +19,7 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.reactive import reactive
 from textual.screen import Screen
+from textual.widgets import Input
 
 from tensordbg.sources.contract import SchemaError, Welcome
 from tensordbg.tui.errors import CrashFile, work
@@ -243,8 +244,8 @@ class TensorDbgApp(App[int]):
                 return False
             if action in ("tab", "search", "detach"):
                 return True
-            if action == "count":
-                return self.state == "paused"
+            if action == "count":  # digits typed into a text box are text
+                return self.state == "paused" and not isinstance(self.focused, Input)
             return parameters[0] in CONTROLS.get(self.state, ())
         return True
 

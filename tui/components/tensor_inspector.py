@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from rich.text import Text
-from textual import on
+from textual import events, on
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
@@ -55,9 +55,26 @@ class TensorInspector(Vertical):
 
     def action_edit_slice(self) -> None:
         box = self.query_one(SliceInput)
-        box.focus()
+        # Focused now, not after the keys already queued (widget.focus() waits for them): a
+        # fast "[3]" would send "3" to the grid, where it is a count prefix.
+        self.screen.set_focus(box)
         if not box.value:
             box.insert_text_at_cursor("[")
+
+    def on_key(self, event: events.Key) -> None:
+        # Keys typed fast ("[3]", a paste) are all sent to the grid before "[" moves the focus
+        # to the slice box, and a binding would see "[" only after the rest went by (as a count
+        # prefix). So "[" is handled here, in order, and what follows it is handed on as text.
+        focused = self.screen.focused
+        if isinstance(focused, Input):
+            if event.is_printable:
+                event.stop()
+                event.prevent_default()
+                focused.post_message(events.Key(event.key, event.character))
+        elif event.key == "left_square_bracket":
+            event.stop()
+            event.prevent_default()
+            self.action_edit_slice()
 
     @on(Input.Changed, "#slice-input")
     def _typed(self, event: Input.Changed) -> None:
