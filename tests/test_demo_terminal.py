@@ -70,3 +70,18 @@ def test_the_demo_pauses_at_the_broken_attention_and_lets_a_person_inspect_it():
         terminal.wait_for("1 at their origin", "step 25 forward: [NaN] blocks.0.attn.output")
     finally:
         terminal.close()
+
+
+@pytest.mark.timeout(300)
+def test_q_in_the_demo_gives_the_terminal_back_at_once():
+    """The demo's training would run for minutes: q stops it and the prompt is back at once,
+    saying so, rather than after the training's end."""
+    terminal = Terminal(f"{sys.executable} -m tensordbg.cli demo --steps 100000 --bad-step 99999")
+    try:
+        terminal.wait_for("RUNNING", "Run F1", timeout=120)
+        terminal.press("q")
+        quit_at = time.monotonic()
+        terminal.wait_for("stopped: the UI was closed", "the training's output:", timeout=30)
+        assert time.monotonic() - quit_at < 8  # under load; about 1.5 s on a quiet machine
+    finally:
+        terminal.close()
