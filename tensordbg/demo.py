@@ -104,9 +104,7 @@ def train(
         for step, tokens in enumerate(batches(steps, bad_step)):
             logits = model(tokens[:, :-1])
             target = tokens[:, 1:]
-            loss = F.cross_entropy(
-                logits.reshape(-1, VOCAB), target.reshape(-1), ignore_index=PAD
-            )
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1), ignore_index=PAD)
             session.observe("loss", loss)
             loss.backward()
             optimizer.step()
