@@ -5,11 +5,15 @@ wrong (issue 9)."""
 from __future__ import annotations
 
 import asyncio
+import io
 
 from fake_source import FakeSource
+from rich.console import Console
+from rich.text import Text
 from test_tui import SIZE, open_tensor, until
 from textual import events
 from textual.pilot import Pilot
+from textual.widgets import Static
 
 from tensordbg.transport.client import LocalClient
 from tensordbg.tui.app import TensorDbgApp
@@ -46,6 +50,54 @@ def test_a_slice_typed_fast_goes_to_the_slice_box_not_to_the_count() -> None:
             box = app.query_one(SliceInput)
             assert box.value == "[3]"
             assert app.focused is box
-            assert "count" not in app.main.sub_title
+            assert "count" not in app.main.title
+
+    asyncio.run(flow())
+
+
+def screen_text(app: TensorDbgApp) -> str:
+    """The screen as a person sees it, line by line."""
+    console = Console(width=app.size.width, height=app.size.height, record=True, file=io.StringIO())
+    for strip in app.screen._compositor.render_strips():
+        console.print(Text("".join(segment.text for segment in strip)), soft_wrap=True)
+    return console.export_text()
+
+
+def state_line(app: TensorDbgApp) -> str:
+    return str(app.query_one("#run-state", Static).content)
+
+
+def test_the_state_shown_is_the_state_the_training_is_in_now() -> None:
+    """Paused by ``p``, then running on: the Run tab and the header say RUNNING
+    at the new step, not the reason nor the hit of an earlier pause."""
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "paused" and "on a hit" in state_line(app))
+            assert app.main.title == "PAUSED at step 3"
+            source.state, source.paused_at, source.step = "paused", None, 4
+            source.emit("state", {"state": "running", "step": 3})
+            source.emit("state", {"state": "paused", "step": 4, "reason": "pause"})
+            await until(pilot, lambda: "step 4" in state_line(app))
+            assert "(pause)" in state_line(app) and "on a hit" not in state_line(app)
+            source.state, source.step = "running", 5
+            source.emit("state", {"state": "running", "step": 5})
+            await until(pilot, lambda: app.state == "running")
+            line = state_line(app)
+            assert "RUNNING" in line and "at step 5" in line and "pause" not in line
+            assert app.main.title == "RUNNING at step 5"
+
+    asyncio.run(flow())
+
+
+def test_at_80_by_24_the_header_shows_the_state_whole() -> None:
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(FakeSource()))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.state == "paused")
+            await pilot.pause(0.1)
+            assert "PAUSED at step 3" in screen_text(app).splitlines()[0]
 
     asyncio.run(flow())

@@ -77,6 +77,14 @@ class RunStatus(VerticalScroll):
         self._info["hits_total"] = self._info.get("hits_total", 0) + 1
         self._draw()
 
+    def state_event(self, event: dict[str, Any]) -> None:
+        """A ``state`` event: the training's state, step and (paused) reason, now. What an
+        earlier pause said (its hit, "stepped") is gone with it; the info request that
+        follows a pause brings the new hit."""
+        self._info["step"] = event["step"]
+        self._info["pause_reason"] = event.get("reason", "") if event["state"] == "paused" else ""
+        self._info["paused_at"] = None
+
     def show_state(self, state: str) -> None:
         if state != "disconnected":
             self._last_connected_state = state

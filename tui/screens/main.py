@@ -94,6 +94,7 @@ class MainScreen(Screen):
         self._welcomed = False
         self._state = "connecting"
         self._count = 0
+        self._step: int | None = None
         self._lost_text = ""  # the banner's sentence while the connection is down
         self._focus_switch: bool | None = None  # set by show_tab for the switch it makes
 
@@ -125,6 +126,10 @@ class MainScreen(Screen):
         self.banner.clear()
         self._lost_text = ""
         self.app.title = f"tensordbg · {info.get('script', '?')} · run {info.get('run_id', '?')}"
+        # The header says the state first, so a narrow terminal cuts the script, not the state.
+        script = str(info.get("script", "?")).replace("\\", "/").rsplit("/", 1)[-1]
+        self.sub_title = f"{script} · run {info.get('run_id', '?')}"
+        self._step = info.get("step")
         self.run_status.show_info(info)
         table = self.hit_table
         table.set_hits(hits)
@@ -135,6 +140,7 @@ class MainScreen(Screen):
         )
         self._state = info.get("state", "running")
         self.app.state = self._state  # type: ignore[attr-defined]
+        self._show_title()
         paused_at = info.get("paused_at")
         if not self._welcomed and paused_at:
             # Opened on a paused training: start where it paused, on the hit, ready for Enter.
@@ -149,19 +155,24 @@ class MainScreen(Screen):
         self.event_log.write_event(event, payload)
         if event == "status":
             self.run_status.add_status(payload)
+            self._step = payload.get("step", self._step)
+            self._show_title()
             if payload.get("state"):
                 self.app.state = payload["state"]  # type: ignore[attr-defined]
         elif event == "hit":
             self.hit_table.merge([payload])
             self.run_status.add_hit(payload)
         elif event == "state":
+            self.run_status.state_event(payload)
+            self._step = payload["step"]
             self.app.state = payload["state"]  # type: ignore[attr-defined]
+            self._show_title()
 
     def show_state(self, state: str) -> None:
         """The training's state changed (the app's ``state`` reactive)."""
         before, self._state = self._state, state
         self.run_status.show_state(state)
-        self._show_sub_title()
+        self._show_title()
         if state == "paused" and before not in ("paused", "connecting", "disconnected"):
             self._refresh_paused()
 
@@ -199,11 +210,12 @@ class MainScreen(Screen):
     def show_count(self, count: int) -> None:
         """The count typed before a key (``5s`` steps five times)."""
         self._count = count
-        self._show_sub_title()
+        self._show_title()
 
-    def _show_sub_title(self) -> None:
-        count = f"  ·  count {self._count}" if self._count else ""
-        self.sub_title = f"{self._state.upper()}{count}"
+    def _show_title(self) -> None:
+        step = "" if self._step is None else f" at step {self._step}"
+        count = f" · count {self._count}" if self._count else ""
+        self.title = f"{self._state.upper()}{step}{count}"
 
     def log_entry(self, text: str, level: str = "info") -> None:
         self.event_log.write_entry(text, level)
@@ -259,6 +271,8 @@ class MainScreen(Screen):
         try:
             info = await remote.info()
             self.run_status.show_info(info)
+            self._step = info.get("step", self._step)
+            self._show_title()
             table = self.hit_table
             hits = await remote.hits(since=table.next_id)
             table.merge(hits)
