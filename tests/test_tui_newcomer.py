@@ -6,17 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import io
+import math
 
+import torch
 from fake_source import FakeSource
 from rich.console import Console
 from rich.text import Text
 from test_tui import SIZE, open_tensor, until
 from textual import events
 from textual.pilot import Pilot
-from textual.widgets import Static
+from textual.widgets import Label, Static
 
+import tensordbg
 from tensordbg.transport.client import LocalClient
 from tensordbg.tui.app import TensorDbgApp
+from tensordbg.tui.components.hit_table import HitTable
+from tensordbg.tui.components.run_status import RunStatus
 from tensordbg.tui.components.slice_input import SliceInput
 from tensordbg.tui.components.tensor_grid import TensorGrid
 
@@ -101,3 +106,48 @@ def test_at_80_by_24_the_header_shows_the_state_whole() -> None:
             assert "PAUSED at step 3" in screen_text(app).splitlines()[0]
 
     asyncio.run(flow())
+
+
+def test_a_nan_loss_is_shown_as_nan_and_the_curves_say_which_steps_they_cannot_draw() -> None:
+    """The loss went NaN at step 4: the Run tab says NaN (not the last finite loss), the curve's
+    title gives its scale and names the steps it could not draw; hits count the same as the
+    Hits tab however events interleave."""
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "paused")
+            run = app.query_one(RunStatus)
+            for step, loss in ((4, math.nan), (5, math.nan)):
+                last = {"step": step, "loss": loss, "grad_norm": 0.5, "steps_per_sec": 9.0}
+                status = {"state": "paused", "step": step + 1, "phase": "forward"}
+                source.emit("status", {**status, "hits_total": 2, "last": last})
+            numbers = app.query_one("#run-numbers", Static)
+            await until(
+                pilot, lambda: "NaN (step 5)" in str(list(numbers.content.columns[1].cells))
+            )
+            label = str(app.query_one("#loss-label", Label).content)
+            assert "1.9 … 2.3" in label and "non-finite at steps 4–5, not drawn" in label
+            hit = dict(source.hits()[0], id=2, step=5, message="a later NaN")
+            source.emit("hit", hit)
+            source.emit("status", {**status, "hits_total": 3, "last": None})
+            await until(pilot, lambda: app.query_one(HitTable).row_count == 3)
+            await pilot.pause(0.05)
+            assert run._info["hits_total"] == 3
+
+    asyncio.run(flow())
+
+
+def test_the_loss_of_a_step_whose_loss_was_nan_is_nan() -> None:
+    """What the Run tab is sent: a NaN loss is the step's loss, not left out."""
+    model = torch.nn.Linear(2, 1)
+    session = tensordbg.attach(model, on_hit="record", server=False, summary_at_exit=False)
+    try:
+        for loss in (1.0, math.nan, 2.0):
+            model(torch.ones(1, 2)).sum().backward()
+            session.observe("loss", torch.tensor(loss))
+    finally:
+        session.detach()
+    losses = [loss for _, loss, _, _ in session.metrics.history]
+    assert losses[0] == 1.0 and math.isnan(losses[1])

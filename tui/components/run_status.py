@@ -37,9 +37,9 @@ class RunStatus(VerticalScroll):
     def compose(self) -> ComposeResult:
         yield Static(id="run-state")
         yield Static(id="run-numbers")
-        yield Label("Loss", classes="spark-label")
+        yield Label("Loss", id="loss-label", classes="spark-label")
         yield Sparkline([], id="loss-spark", summary_function=_mean)
-        yield Label("Gradient norm", classes="spark-label")
+        yield Label("Gradient norm", id="grad-label", classes="spark-label")
         yield Sparkline([], id="grad-spark", summary_function=_mean)
         yield Static(id="run-session")
 
@@ -74,7 +74,9 @@ class RunStatus(VerticalScroll):
         self._draw()
 
     def add_hit(self, hit: dict[str, Any]) -> None:
-        self._info["hits_total"] = self._info.get("hits_total", 0) + 1
+        # Hit ids count from 0: the count is the same whatever order hits and status events
+        # arrive in, and the same as the Hits tab's (adding one per hit counted some twice).
+        self._info["hits_total"] = max(self._info.get("hits_total", 0), hit["id"] + 1)
         self._draw()
 
     def state_event(self, event: dict[str, Any]) -> None:
@@ -100,8 +102,12 @@ class RunStatus(VerticalScroll):
             return
         self.query_one("#run-state", Static).update(self._state_line())
         self.query_one("#run-numbers", Static).update(self._numbers())
-        self.query_one("#loss-spark", Sparkline).data = _finite(self._history["loss"])
-        self.query_one("#grad-spark", Sparkline).data = _finite(self._history["grad_norm"])
+        for key, name, title in (("loss", "loss", "Loss"), ("grad_norm", "grad", "Gradient norm")):
+            values = self._history[key]
+            self.query_one(f"#{name}-spark", Sparkline).data = _finite(values)
+            self.query_one(f"#{name}-label", Label).update(
+                _curve_title(title, self._history["step"], values)
+            )
         self.query_one("#run-session", Static).update(self._session())
 
     def _state_line(self) -> Text:
@@ -145,8 +151,8 @@ class RunStatus(VerticalScroll):
         """The latest known value, with its step when that is not the current one."""
         steps, values = self._history["step"], self._history[key]
         for step, value in zip(reversed(steps), reversed(values), strict=False):
-            if value is not None:
-                text = f"{value:.4g}"
+            if value is not None:  # a NaN is a value: the loss went NaN, it is said so
+                text = _number(value)
                 return text if step == self._info.get("step") else f"{text} (step {step})"
         return "–"
 
@@ -178,6 +184,40 @@ class RunStatus(VerticalScroll):
             text.append("\nread-only ", style="dim")
             text.append("a recorded run: it cannot be continued, stepped or paused")
         return text
+
+
+def _number(value: float) -> str:
+    return f"{value:.4g}" if math.isfinite(value) else {"nan": "NaN"}.get(str(value), str(value))
+
+
+def _curve_title(title: str, steps: list[Any], values: list[Any]) -> Text:
+    """``Loss  0.31 … 4.26 over steps 0–28  NaN at steps 26–28, not drawn``: the curve's scale,
+    and the points it cannot draw (a sparkline drops them without a trace)."""
+    text = Text(title, style="bold")
+    finite = _finite(values)
+    if finite:
+        text.append(f"  {min(finite):.4g} … {max(finite):.4g}")
+    if steps:
+        text.append(f" over steps {steps[0]}–{steps[-1]}", style="dim")
+    bad = [s for s, v in zip(steps, values, strict=False) if v is not None and not math.isfinite(v)]
+    if bad:
+        where = f"step {bad[0]}" if len(bad) == 1 else f"steps {_ranges(bad)}"
+        text.append(f"  non-finite at {where}, not drawn", style="bold red")
+    return text
+
+
+def _ranges(steps: list[int]) -> str:
+    """``3, 7–9, 12``."""
+    out: list[str] = []
+    start = prev = steps[0]
+    for s in [*steps[1:], None]:
+        if s is not None and s == prev + 1:
+            prev = s
+            continue
+        out.append(str(start) if start == prev else f"{start}–{prev}")
+        if s is not None:
+            start = prev = s
+    return ", ".join(out)
 
 
 def _finite(values: list[Any]) -> list[float]:
