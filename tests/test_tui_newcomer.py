@@ -20,6 +20,8 @@ from textual.widgets import Label, Static
 import tensordbg
 from tensordbg.transport.client import LocalClient
 from tensordbg.tui.app import TensorDbgApp
+from tensordbg.tui.components.event_log import describe_event
+from tensordbg.tui.components.histogram_view import draw
 from tensordbg.tui.components.hit_table import HitTable
 from tensordbg.tui.components.run_status import RunStatus
 from tensordbg.tui.components.slice_input import SliceInput
@@ -151,3 +153,26 @@ def test_the_loss_of_a_step_whose_loss_was_nan_is_nan() -> None:
         session.detach()
     losses = [loss for _, loss, _, _ in session.metrics.history]
     assert losses[0] == 1.0 and math.isnan(losses[1])
+
+
+def test_a_histogram_of_only_nan_says_so_rather_than_nan_to_nan() -> None:
+    nan = float("nan")
+    all_nan = {"counts": [0] * 8, "min": nan, "max": nan, "nan": 1984, "posinf": 0, "neginf": 0}
+    assert draw(all_nan).plain == "All 1,984 values are NaN: no finite value to draw."
+    mixed = dict(all_nan, nan=3, posinf=2)
+    assert draw(mixed).plain == "No finite value to draw: NaN 3   +Inf 2."
+    assert "nan" not in draw(mixed).plain
+
+
+def test_the_log_writes_numbers_for_people_not_dicts_and_17_digits() -> None:
+    last = {"step": 25, "loss": 0.30512345678901234, "grad_norm": math.nan, "steps_per_sec": 12.1}
+    status = {"state": "running", "step": 26, "phase": "forward", "hits_total": 2, "last": last}
+    line = describe_event("status", status)
+    assert line == (
+        "step 25 done: loss 0.3051, gradient norm NaN, 12.1 steps/s; "
+        "now running at step 26 (forward), 2 hits"
+    )
+    assert "{" not in line
+    assert describe_event("custom", {"ratio": 1 / 3, "where": {"x": 2.0000000001}}) == (
+        "ratio 0.3333, where {x 2}"
+    )
