@@ -15,7 +15,7 @@ from rich.text import Text
 from test_tui import SIZE, open_tensor, until
 from textual import events
 from textual.pilot import Pilot
-from textual.widgets import Label, Static
+from textual.widgets import Label, Static, TabbedContent
 
 import tensordbg
 from tensordbg.transport.client import LocalClient
@@ -41,7 +41,14 @@ async def type_at_once(pilot: Pilot, text: str) -> None:
     await pilot.pause(0.05)
 
 
-_KEYS = {"[": "left_square_bracket", "]": "right_square_bracket", ":": "colon", ",": "comma"}
+_KEYS = {
+    "/": "slash",
+    " ": "space",
+    "[": "left_square_bracket",
+    "]": "right_square_bracket",
+    ":": "colon",
+    ",": "comma",
+}
 
 
 def test_a_slice_typed_fast_goes_to_the_slice_box_not_to_the_count() -> None:
@@ -176,3 +183,36 @@ def test_the_log_writes_numbers_for_people_not_dicts_and_17_digits() -> None:
     assert describe_event("custom", {"ratio": 1 / 3, "where": {"x": 2.0000000001}}) == (
         "ratio 0.3333, where {x 2}"
     )
+
+
+def test_slash_on_the_hits_tab_filters_the_hits_and_end_goes_to_the_last_hit() -> None:
+    """``/`` typed fast with a word filters the hits (not the model tree); Escape gives the keys
+    back with the filter kept; End goes to the last hit, Home to the first."""
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            hits = app.query_one(HitTable)
+            await until(pilot, lambda: app.state == "paused" and hits.row_count == 2)
+            passed_on = source.hits()[1]
+            for i in range(300):
+                source.emit("hit", dict(passed_on, id=2 + i, step=4 + i, message=f"late {i}"))
+            await until(pilot, lambda: hits.row_count == 302)
+            await until(pilot, lambda: app.focused is hits)
+            await pilot.press("end")
+            assert hits.current is not None and hits.current["id"] == 301
+            assert hits.scroll_x == 0 and hits.scroll_y > 0
+            await pilot.press("home")
+            assert hits.current is not None and hits.current["id"] == 0
+
+            await type_at_once(pilot, "/late 29")
+            assert app.query_one(TabbedContent).active == "hits"
+            assert app.main.hit_filter.value == "late 29"
+            assert hits.ids == [31, *range(292, 302)]  # "late 29", "late 290".."late 299"
+            await pilot.press("escape")
+            assert app.focused is hits and hits.row_count == 11
+            await pilot.press("enter")
+            await until(pilot, lambda: app.main.tensor_inspector.ref == passed_on["ref"])
+
+    asyncio.run(flow())

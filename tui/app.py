@@ -67,7 +67,7 @@ class TensorDbgApp(App[int]):
         Binding("p", "control('pause')", "Pause"),
         Binding("k", "control('skip')", "Skip"),
         Binding("q", "detach", "Detach & quit"),
-        Binding("slash", "search", "Search"),
+        Binding("slash", "search", "Search/filter"),
         *(Binding(str(d), f"count({d})", show=False) for d in range(10)),
         # One key per tab, named in the tab titles.
         *(Binding(tab.key, f"tab('{tab.pane}')", tab.title, show=False) for tab in TABS),
@@ -311,7 +311,9 @@ class TensorDbgApp(App[int]):
         yield SystemCommand(
             "Detach and quit", "Let the training run on, and quit (q)", self.action_detach
         )
-        yield SystemCommand("Search modules", "Filter the model tree (/)", self.action_search)
+        yield SystemCommand(
+            "Search", "Filter the hits on the Hits tab, else the model tree (/)", self.action_search
+        )
         for tab in TABS:
             yield SystemCommand(
                 f"Show {tab.title}",

@@ -53,7 +53,8 @@ class ModuleBrowser(Vertical):
         self._show_tensors(self.table.current)
 
     def focus_search(self) -> None:
-        self.search.focus()
+        # Now, not after the keys already queued: they are the search's.
+        self.screen.set_focus(self.search)
 
     @on(Input.Changed, "#module-search")
     def _search(self, event: Input.Changed) -> None:

@@ -56,9 +56,10 @@ class RunStatus(VerticalScroll):
 
     def add_status(self, status: dict[str, Any]) -> None:
         """A ``status`` event: one more step's numbers."""
-        for key in ("phase", "hits_total"):
-            if key in status:
-                self._info[key] = status[key]
+        if "phase" in status:
+            self._info["phase"] = status["phase"]
+        if "hits_total" in status:  # hits pushed since the status was sent are counted already
+            self._info["hits_total"] = max(status["hits_total"], self._info.get("hits_total", 0))
         if "step" in status:
             self._info["step"] = status["step"]
         last = status.get("last")
@@ -73,10 +74,11 @@ class RunStatus(VerticalScroll):
                         self._history[key][-1] = last[key]
         self._draw()
 
-    def add_hit(self, hit: dict[str, Any]) -> None:
-        # Hit ids count from 0: the count is the same whatever order hits and status events
-        # arrive in, and the same as the Hits tab's (adding one per hit counted some twice).
-        self._info["hits_total"] = max(self._info.get("hits_total", 0), hit["id"] + 1)
+    def add_hit(self, known: int) -> None:
+        """A ``hit`` event; ``known`` is how many hits the Hits tab holds: the count shown is
+        never below it, and the same whatever order hits and status events arrive in (adding
+        one a hit event counted some twice)."""
+        self._info["hits_total"] = max(self._info.get("hits_total", 0), known)
         self._draw()
 
     def state_event(self, event: dict[str, Any]) -> None:

@@ -64,14 +64,8 @@ class TensorInspector(Vertical):
     def on_key(self, event: events.Key) -> None:
         # Keys typed fast ("[3]", a paste) are all sent to the grid before "[" moves the focus
         # to the slice box, and a binding would see "[" only after the rest went by (as a count
-        # prefix). So "[" is handled here, in order, and what follows it is handed on as text.
-        focused = self.screen.focused
-        if isinstance(focused, Input):
-            if event.is_printable:
-                event.stop()
-                event.prevent_default()
-                focused.post_message(events.Key(event.key, event.character))
-        elif event.key == "left_square_bracket":
+        # prefix). So "[" is handled here, in order; the screen hands what follows to the box.
+        if event.key == "left_square_bracket" and not isinstance(self.screen.focused, Input):
             event.stop()
             event.prevent_default()
             self.action_edit_slice()

@@ -9,17 +9,18 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from textual import on
+from textual import events, on
 from textual.app import ComposeResult
 from textual.lazy import Lazy
 from textual.screen import Screen
 from textual.widget import Widget
-from textual.widgets import DataTable, Footer, Header, TabbedContent, TabPane, Tabs, Tree
+from textual.widgets import DataTable, Footer, Header, Input, TabbedContent, TabPane, Tabs, Tree
 
 from tensordbg.sources.contract import Welcome
 from tensordbg.tui.components.connection_banner import ConnectionBanner
 from tensordbg.tui.components.event_log import EventLog
 from tensordbg.tui.components.hit_detail import HitDetail
+from tensordbg.tui.components.hit_filter import HitFilter
 from tensordbg.tui.components.hit_table import HitTable
 from tensordbg.tui.components.module_browser import ModuleBrowser
 from tensordbg.tui.components.module_table import ModuleTable
@@ -84,6 +85,7 @@ class MainScreen(Screen):
         # The screen keeps its widgets: data may arrive before a lazily mounted tab is mounted.
         self.banner = ConnectionBanner()
         self.run_status = RunStatus()
+        self.hit_filter = HitFilter()
         self.hit_table = HitTable()
         self.hit_detail = HitDetail()
         self.module_browser = ModuleBrowser()
@@ -104,7 +106,7 @@ class MainScreen(Screen):
         # Tabs that open hidden are mounted after the first screen is up (a faster start).
         content: dict[str, list[Widget]] = {
             "run": [self.run_status],
-            "hits": [self.hit_table, self.hit_detail],
+            "hits": [self.hit_filter, self.hit_table, self.hit_detail],
             "modules": [Later(self.module_browser)],
             "tensor": [Later(self.tensor_inspector)],
             "provenance": [Later(self.provenance_view)],
@@ -161,7 +163,7 @@ class MainScreen(Screen):
                 self.app.state = payload["state"]  # type: ignore[attr-defined]
         elif event == "hit":
             self.hit_table.merge([payload])
-            self.run_status.add_hit(payload)
+            self.run_status.add_hit(self.hit_table.known)
         elif event == "state":
             self.run_status.state_event(payload)
             self._step = payload["step"]
@@ -237,6 +239,10 @@ class MainScreen(Screen):
         tabs.active = pane
 
     def focus_search(self) -> None:
+        """``/``: on the Hits tab, filter the hits; elsewhere, search the model tree."""
+        if self.query_one(TabbedContent).active == "hits":
+            self.hit_filter.open()
+            return
         self.show_tab("modules", focus=False)
         self.module_browser.focus_search()
 
@@ -296,6 +302,14 @@ class MainScreen(Screen):
         self.tensor_inspector.open(message.ref, message.name, message.text)
         self.provenance_view.load(message.ref, message.module, message.call)
 
+    @on(Input.Changed, "#hit-filter")
+    def _filter_hits(self, event: Input.Changed) -> None:
+        self.hit_table.set_filter(event.value)
+
+    @on(Input.Submitted, "#hit-filter")
+    def _filter_done(self) -> None:
+        self.hit_filter.action_leave()
+
     @on(HitTable.Highlighted)
     @reported
     def _hit_highlighted(self, message: HitTable.Highlighted) -> None:
@@ -334,6 +348,22 @@ class MainScreen(Screen):
         if target is None:
             return None
         return next(iter(self.query_one(f"#{pane}").query(target)), None)
+
+    def on_key(self, event: events.Key) -> None:
+        # Keys typed fast ("/late", a paste) are all sent to the widget that has the keys before
+        # "/" moves them to a text box, and the app's binding would see "/" only after the rest
+        # went by. So "/" is handled here, in order, and printable keys that reach the screen
+        # while a text box has the keys (it would have taken them) are handed on to it as text.
+        focused = self.focused
+        if isinstance(focused, Input):
+            if event.is_printable:
+                event.stop()
+                event.prevent_default()
+                focused.post_message(events.Key(event.key, event.character))
+        elif event.key == "slash" and self.app.check_action("search", ()):
+            event.stop()
+            event.prevent_default()
+            self.focus_search()
 
     @on(HitsFound)
     @reported
