@@ -29,6 +29,7 @@ class RunStatus(VerticalScroll):
     def __init__(self) -> None:
         super().__init__(id="run-status")
         self._drawable = False  # set on mount; is_mounted is still False in on_mount
+        self._draw_due = False
         self._info: dict[str, Any] = {}
         self._history: dict[str, list[Any]] = {k: [] for k in SERIES}
         self._state = "connecting"
@@ -45,7 +46,7 @@ class RunStatus(VerticalScroll):
 
     def on_mount(self) -> None:
         self._drawable = True
-        self._draw()
+        self._draw_now()
 
     def show_info(self, info: dict[str, Any]) -> None:
         self._info = dict(info)
@@ -100,6 +101,14 @@ class RunStatus(VerticalScroll):
     # --- drawing -----------------------------------------------------------------------------
 
     def _draw(self) -> None:
+        """Draw after the next refresh, once however many events asked until then: a flood of
+        hits and status events would otherwise lay out the whole tab for each."""
+        if self._drawable and not self._draw_due:
+            self._draw_due = True
+            self.call_after_refresh(self._draw_now)
+
+    def _draw_now(self) -> None:
+        self._draw_due = False
         if not self._drawable:  # data can arrive before the widget is mounted
             return
         self.query_one("#run-state", Static).update(self._state_line())
