@@ -16,11 +16,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from fake_source import FakeSource  # noqa: E402
+from fake_source import FakeSource
 
-from tensordbg.transport.client import LocalClient  # noqa: E402
-from tensordbg.tui.app import TensorDbgApp  # noqa: E402
-from tensordbg.tui.components.hit_table import HitTable  # noqa: E402
+from tensordbg.transport.client import LocalClient
+from tensordbg.tui.app import TensorDbgApp
+from tensordbg.tui.components.hit_table import HitTable
 
 
 async def flood(hits: int, rate: float) -> tuple[float, float, float]:
@@ -30,7 +30,7 @@ async def flood(hits: int, rate: float) -> tuple[float, float, float]:
         table = app.query_one(HitTable)
         while not (app.state == "paused" and table.row_count == 2):
             await asyncio.sleep(0.01)
-        origin, passed_on = source.hits()
+        passed_on = source.hits()[1]
         cpu, wall = time.process_time(), time.perf_counter()
         batch = max(1, int(rate / 50))
         for i in range(0, hits, batch):
