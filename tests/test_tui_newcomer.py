@@ -8,6 +8,7 @@ import asyncio
 import io
 import math
 
+import numpy as np
 import torch
 from fake_source import FakeSource
 from rich.console import Console
@@ -25,7 +26,7 @@ from tensordbg.tui.components.histogram_view import draw
 from tensordbg.tui.components.hit_table import HitTable
 from tensordbg.tui.components.run_status import RunStatus
 from tensordbg.tui.components.slice_input import SliceInput
-from tensordbg.tui.components.tensor_grid import TensorGrid
+from tensordbg.tui.components.tensor_grid import CELL, TensorGrid, format_block
 
 
 async def type_at_once(pilot: Pilot, text: str) -> None:
@@ -214,5 +215,32 @@ def test_slash_on_the_hits_tab_filters_the_hits_and_end_goes_to_the_last_hit() -
             assert app.focused is hits and hits.row_count == 11
             await pilot.press("enter")
             await until(pilot, lambda: app.main.tensor_inspector.ref == passed_on["ref"])
+
+    asyncio.run(flow())
+
+
+def test_grid_cells_never_cut_a_number_silently() -> None:
+    """Numbers too long for a cell lose digits of precision, never digits of magnitude."""
+    floats = format_block(np.array([[-1.2345e100, 123456.789, -0.000123456]]))[0][0]
+    cells = [floats[i : i + CELL].strip() for i in range(0, len(floats), CELL)]
+    assert cells == ["-1.23e+100", "1.235e+05", "-0.0001235"]
+    ints = format_block(np.array([[12345678901234, -5]], dtype=np.int64))[0][0]
+    assert ints[:CELL].strip() == "1.235e+13" and ints[CELL:].strip() == "-5"
+    assert len(floats) == 3 * CELL and len(ints) == 2 * CELL
+
+
+def test_a_column_cut_by_the_edge_of_the_grid_is_not_drawn_and_an_ellipsis_says_more_follow() -> (
+    None
+):
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(FakeSource()))
+        async with app.run_test(size=(80, 24)) as pilot:
+            grid = await open_tensor(pilot, 5, "big", TensorGrid)  # 1000 x 1000
+            await until(pilot, lambda: grid.cell_text(0, 1) not in (None, "·"))
+            line = grid.render_line(1).text.rstrip()
+            assert line.endswith("…")
+            values = line[:-1].split()[1:]  # the row label first
+            c0, c1 = grid._visible_columns()
+            assert [grid.cell_text(0, c) for c in range(c0, c1)] == values
 
     asyncio.run(flow())

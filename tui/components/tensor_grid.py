@@ -58,7 +58,7 @@ def format_block(values: np.ndarray) -> list[BlockRow]:
                 else None
             )
         else:
-            text = "".join(f"{v!s:>{width}.{width}} " for v in row)
+            text = "".join(_other_cell(v, width) for v in row)
             kinds = None
         rows.append((text, kinds))
     return rows
@@ -69,7 +69,21 @@ def _float_cell(v: float, width: int) -> str:
         return "NaN".rjust(width) + " "
     if math.isinf(v):
         return ("+Inf" if v > 0 else "-Inf").rjust(width) + " "
-    return f"{v:>{width}.4g} "
+    for digits in (4, 3, 2, 1):  # fewer digits before a number is cut
+        text = f"{v:.{digits}g}"
+        if len(text) <= width:
+            return f"{text:>{width}} "
+    return text[: width - 1] + "… "  # unreachable for float64, kept as the rule: never cut
+
+
+def _other_cell(v: object, width: int) -> str:
+    """An integer or bool, whole; an integer too long for the cell in scientific notation."""
+    text = str(v)
+    if len(text) > width and isinstance(v, int):
+        text = f"{v:.3e}"
+    if len(text) > width:
+        text = text[: width - 1] + "…"
+    return f"{text:>{width}} "
 
 
 class TensorGrid(ScrollView, can_focus=True):
@@ -174,7 +188,8 @@ class TensorGrid(ScrollView, can_focus=True):
 
     def _visible_columns(self) -> tuple[int, int]:
         c0 = round(self.scroll_x) // CELL
-        n = max(1, -(-(self.size.width - self._label_width) // CELL))
+        # Whole columns only: a column cut by the edge would show part of a number.
+        n = max(1, (self.size.width - self._label_width) // CELL)
         return c0, min(self._cols, c0 + n)
 
     def render_line(self, y: int) -> Strip:
@@ -194,6 +209,8 @@ class TensorGrid(ScrollView, can_focus=True):
                 return Strip.blank(width, base)
             label = self._row_label(row).rjust(self._label_width - 1) + " "
             segments = [Segment(label, index), *self._cells(row, c0, c1, base)]
+        if c1 < self._cols:  # more columns to the right: say so where the next would start
+            segments.append(Segment("…", index))
         return Strip(segments).extend_cell_length(width, base).crop(0, width)
 
     def _cells(self, row: int, c0: int, c1: int, base: Style) -> list[Segment]:
