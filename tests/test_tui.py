@@ -122,7 +122,7 @@ def test_from_the_origin_hit_to_its_values_and_back_to_training() -> None:
             await mounted(pilot)
             assert active_tab(app) == "hits"
             assert hits.current is not None and hits.current["origin"]
-            assert sorted(footer_keys(app)) == sorted(["c", "n", "s", "k", "q", "slash"])
+            assert sorted(footer_keys(app)) == sorted(["c", "n", "s", "k", "i", "q", "slash"])
 
             await pilot.press("enter")
             inspector = app.main.tensor_inspector
@@ -594,7 +594,7 @@ def test_the_session_picker_hands_the_chosen_file_to_the_connection() -> None:
             assert type(app.screen).__name__ == "SessionPicker"
             await pilot.press("down", "enter")
             await until(pilot, lambda: app.state == "paused")
-            assert sorted(footer_keys(app)) == sorted(["c", "n", "s", "k", "q", "slash"])
+            assert sorted(footer_keys(app)) == sorted(["c", "n", "s", "k", "i", "q", "slash"])
         assert picked == ["/tmp/run1-0.json"]
 
 

@@ -19,6 +19,7 @@ from textual.pilot import Pilot
 from textual.widgets import Label, Static, TabbedContent
 
 import tensordbg
+from tensordbg.sources.live import LiveSource
 from tensordbg.transport.client import LocalClient
 from tensordbg.tui.app import TensorDbgApp
 from tensordbg.tui.components.event_log import describe_event
@@ -244,3 +245,62 @@ def test_a_column_cut_by_the_edge_of_the_grid_is_not_drawn_and_an_ellipsis_says_
             assert [grid.cell_text(0, c) for c in range(c0, c1)] == values
 
     asyncio.run(flow())
+
+
+def test_i_ignores_the_rule_of_the_hit_on_its_tensor() -> None:
+    """Paused on a NaN at net.2.output: i adds the tensor to the NaN rule's exclusions through
+    set_rule (the palette offers it too), and says so."""
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "paused" and app.main.hit_table.current)
+            titles = [c.title for c in app.get_system_commands(app.screen)]
+            assert "Ignore this rule on this tensor" in titles
+            await pilot.press("i")
+            await until(pilot, lambda: source._rules[0]["exclude"] == ["net.2.output"])
+            assert source._rules[1]["exclude"] == []
+            source.state = "running"
+            source.emit("state", {"state": "running", "step": 3})
+            await until(pilot, lambda: app.state == "running")
+            assert "i" not in [
+                b.binding.key
+                for b in app.screen.active_bindings.values()
+                if b.enabled and b.node is app
+            ]
+
+    asyncio.run(flow())
+
+
+def test_a_rule_told_to_ignore_a_tensor_stops_hitting_it_in_the_training() -> None:
+    """The live side of i: a network that makes NaN every step hits once a step until the NaN
+    rule excludes that tensor, then not at all there."""
+
+    class Broken(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * torch.tensor(float("nan"))
+
+    model = Broken()
+    session = tensordbg.attach(model, on_hit="record", server=False, summary_at_exit=False)
+    source = LiveSource(session)
+    try:
+        model(torch.ones(2, 4))
+        hit = next(h for h in source.hits() if h["rule"] == "NaN" and h["origin"])
+        rule = next(r for r in source.rules()["rules"] if r["name"] == "NaN")
+        source.set_rule(rule["id"], params={"exclude": [*rule["exclude"], hit["tensor"]]})
+        before = len(session.hits)
+        model(torch.ones(2, 4))
+        model(torch.ones(2, 4))
+        again = [h for h in source.hits(since=before) if h["tensor"] == hit["tensor"]]
+        assert again == [] and rule["name"] == "NaN"
+        assert (
+            hit["tensor"]
+            in next(r for r in source.rules()["rules"] if r["id"] == rule["id"])["exclude"]
+        )
+    finally:
+        session.detach()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fnmatch
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -66,6 +67,7 @@ class TensorDbgApp(App[int]):
         Binding("s", "control('step')", "Step"),
         Binding("p", "control('pause')", "Pause"),
         Binding("k", "control('skip')", "Skip"),
+        Binding("i", "ignore", "Ignore rule on tensor"),
         Binding("q", "detach", "Detach & quit"),
         Binding("slash", "search", "Search/filter"),
         *(Binding(str(d), f"count({d})", show=False) for d in range(10)),
@@ -239,9 +241,11 @@ class TensorDbgApp(App[int]):
     # --- keys ------------------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action in ("control", "count", "tab", "search", "detach"):
+        if action in ("control", "count", "tab", "search", "detach", "ignore"):
             if self.screen is not self.main:  # a dialog or the session list: its keys only
                 return False
+            if action == "ignore":  # on the hit the training is paused at, or the one chosen
+                return self.state == "paused" and self.main.hit_to_ignore() is not None
             if action in ("tab", "search", "detach"):
                 return True
             if action == "count":  # digits typed into a text box are text
@@ -264,6 +268,34 @@ class TensorDbgApp(App[int]):
         # The state itself comes from the state events, which arrive in order: this reply may
         # be older than them (the training resumed and hit again before the reply was sent).
         self.main.log_entry(f"control {action} (n={n}): {reply['state']} at step {reply['step']}")
+
+    def action_ignore(self) -> None:
+        hit = self.main.hit_to_ignore()
+        if hit is not None and self.served("set_rule"):
+            self._ignore(hit)
+
+    @work(group="control", exclusive=True)
+    async def _ignore(self, hit: dict[str, Any]) -> None:
+        """Like pdb's ``ignore``: the hit's rule stops judging the hit's tensor (its exclude
+        list gains the tensor's name), so ``c`` no longer stops on it; the Rules tab shows the
+        exclusion and can take it back."""
+        try:
+            rules = (await self.remote.rules())["rules"]
+        except RequestFailed:
+            return
+        rule = _rule_of(hit, rules)
+        if rule is None:
+            self.main.log_entry(f"no rule {hit['rule']!r} judges {hit['tensor']} now", "warning")
+            return
+        exclude = [*rule.get("exclude", []), hit["tensor"]]
+        try:
+            await self.remote.set_rule(rule["id"], params={"exclude": exclude})
+        except RequestFailed:
+            return  # the Log tab says why
+        said = f"{hit['rule']} now ignores {hit['tensor']}; c continues without stopping there"
+        self.main.log_entry(said)
+        self.notify(said, title="Rule changed", markup=False)
+        self.main.rule_panel.reload()
 
     def action_tab(self, pane: str) -> None:
         self.main.show_tab(pane)
@@ -308,6 +340,12 @@ class TensorDbgApp(App[int]):
         for action, title, help in COMMANDS:
             if drivable and action in CONTROLS.get(self.state, ()):
                 yield SystemCommand(title, help, lambda a=action: self.action_control(a))
+        if self.check_action("ignore", ()):
+            yield SystemCommand(
+                "Ignore this rule on this tensor",
+                "The hit's rule stops judging its tensor, so c does not stop there again (i)",
+                self.action_ignore,
+            )
         yield SystemCommand(
             "Detach and quit", "Let the training run on, and quit (q)", self.action_detach
         )
@@ -327,3 +365,15 @@ class TensorDbgApp(App[int]):
                 "Judge the current step again with the rules as they are now",
                 self.main.recheck,
             )
+
+
+def _rule_of(hit: dict[str, Any], rules: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The rule that made ``hit``: of the rules with its name, the first enabled one whose
+    patterns select its tensor."""
+    named = [r for r in rules if r["name"] == hit["rule"] and r.get("enabled", True)]
+    for rule in named:
+        name = hit["tensor"]
+        selected = any(fnmatch.fnmatchcase(name, p) for p in rule.get("match", ["*"]))
+        if selected and not any(fnmatch.fnmatchcase(name, p) for p in rule.get("exclude", [])):
+            return rule
+    return named[0] if named else None

@@ -154,10 +154,18 @@ class LiveSource:
             raise SourceError(f"there is no rule {id}")
         edited = copy.deepcopy(active.rule)
         if params:
+            thresholds = dict(params)
+            # ``exclude`` (tensor name patterns) is a selection, not a threshold: "ignore this
+            # rule on this tensor" is ``params={"exclude": [*rule["exclude"], name]}``.
+            exclude = thresholds.pop("exclude", None)
             try:
-                edited.set_params(**params)
+                edited.set_params(**thresholds)
             except (ValueError, TypeError) as e:
                 raise SourceError(str(e)) from None
+            if exclude is not None:
+                if not isinstance(exclude, list) or not all(isinstance(p, str) for p in exclude):
+                    raise SourceError("exclude is a list of tensor name patterns")
+                edited.exclude = tuple(exclude)
 
         def apply() -> dict[str, Any]:
             if params:

@@ -53,7 +53,7 @@ class RunStatus(VerticalScroll):
         history = info.get("history") or {}
         self._history = {k: list(history.get(k, []))[-HISTORY:] for k in SERIES}
         self._state = info.get("state", self._state)
-        self._draw()
+        self._draw_now()
 
     def add_status(self, status: dict[str, Any]) -> None:
         """A ``status`` event: one more step's numbers."""
@@ -82,6 +82,11 @@ class RunStatus(VerticalScroll):
         self._info["hits_total"] = max(self._info.get("hits_total", 0), known)
         self._draw()
 
+    @property
+    def paused_at(self) -> dict[str, Any] | None:
+        """The hit the training is paused at, when it is paused at one."""
+        return self._info.get("paused_at") if self._state == "paused" else None
+
     def state_event(self, event: dict[str, Any]) -> None:
         """A ``state`` event: the training's state, step and (paused) reason, now. What an
         earlier pause said (its hit, "stepped") is gone with it; the info request that
@@ -96,7 +101,7 @@ class RunStatus(VerticalScroll):
         elif self._state != "disconnected":
             self._last_connected_state = self._state
         self._state = state
-        self._draw()
+        self._draw_now()
 
     # --- drawing -----------------------------------------------------------------------------
 

@@ -219,6 +219,13 @@ class MainScreen(Screen):
         count = f" · count {self._count}" if self._count else ""
         self.title = f"{self._state.upper()}{step}{count}"
 
+    def hit_to_ignore(self) -> dict[str, Any] | None:
+        """The hit ``i`` acts on: the one under the cursor on the Hits tab, else the hit the
+        training is paused at."""
+        if self.query_one(TabbedContent).active == "hits" and self.hit_table.current:
+            return self.hit_table.current
+        return self.run_status.paused_at
+
     def log_entry(self, text: str, level: str = "info") -> None:
         self.event_log.write_entry(text, level)
 
