@@ -20,6 +20,7 @@ from tensordbg.engine.session import (
 )
 from tensordbg.hit import Hit, WatchpointHit
 from tensordbg.rules import Rule
+from tensordbg.tracebacks import install_excepthook
 
 
 def attach(
@@ -108,6 +109,8 @@ def attach(
     )
     session.replaceable = replaceable
     session.summary_at_exit = summary_at_exit
+    if on_hit == "raise":  # an uncaught hit shows the user's frames only (tracebacks.py)
+        session.handles.callback(install_excepthook(), "excepthook")
     try:
         if server:
             _start_server(session, remote, ui_timeout)

@@ -7,8 +7,12 @@ from __future__ import annotations
 import asyncio
 import io
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from fake_source import FakeSource
 from rich.console import Console
@@ -304,3 +308,43 @@ def test_a_rule_told_to_ignore_a_tensor_stops_hitting_it_in_the_training() -> No
         )
     finally:
         session.detach()
+
+
+BROKEN_SCRIPT = """
+import torch
+{attach}
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.log(self.lin(x) - 100.0)  # the user's line that makes NaN
+
+model = Net()
+{session}
+for step in range(3):
+    model(torch.ones(2, 4)).sum().backward()
+print("trained")
+"""
+
+
+@pytest.mark.parametrize("how", ["run", "attach"])
+def test_on_hit_raise_shows_the_users_frames_and_the_summary_last(tmp_path: Path, how: str):
+    attach = "import tensordbg" if how == "attach" else ""
+    session = 'tensordbg.attach(model, on_hit="raise", server=False)' if how == "attach" else ""
+    script = tmp_path / "train.py"
+    script.write_text(BROKEN_SCRIPT.format(attach=attach, session=session))
+    if how == "run":
+        command = [sys.executable, "-m", "tensordbg.cli", "run", "--on-hit", "raise", str(script)]
+    else:
+        command = [sys.executable, str(script)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    err = done.stderr
+    assert "Traceback" in err and "WatchpointHit" in err
+    frames = [line for line in err.splitlines() if line.startswith('  File "')]
+    assert frames and all("train.py" in line for line in frames), err
+    assert "model(torch.ones(2, 4)).sum().backward()" in err  # the user's call
+    assert err.index("WatchpointHit:") < err.index("tensordbg: 1 hit, 1 at their origin"), err

@@ -21,7 +21,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tensordbg.api import attach, attached_to
 from tensordbg.engine.session import Session
+from tensordbg.hit import WatchpointHit
 from tensordbg.rules import Rule
+from tensordbg.tracebacks import format_user_traceback
 
 
 class ScriptRun:
@@ -107,6 +109,9 @@ def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = 
         code = e.code
         code = code if isinstance(code, int) else (0 if code is None else 1)
         return 1 if code == 0 and run.session is not None and run.session.hits else code
+    except WatchpointHit as e:  # on_hit="raise": the user's frames, and the summary last
+        print(format_user_traceback(e), end="", file=sys.stderr, flush=True)
+        return 1
     except KeyboardInterrupt:
         session = run.session
         where = f" at step {session.step}, {session.phase}" if session is not None else ""
