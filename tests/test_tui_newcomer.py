@@ -32,6 +32,7 @@ from tensordbg.tui.components.hit_table import HitTable
 from tensordbg.tui.components.run_status import RunStatus
 from tensordbg.tui.components.slice_input import SliceInput
 from tensordbg.tui.components.tensor_grid import CELL, TensorGrid, format_block
+from tensordbg.tui.screens.rule_add import RuleAddScreen
 
 
 async def type_at_once(pilot: Pilot, text: str) -> None:
@@ -348,3 +349,51 @@ def test_on_hit_raise_shows_the_users_frames_and_the_summary_last(tmp_path: Path
     assert frames and all("train.py" in line for line in frames), err
     assert "model(torch.ones(2, 4)).sum().backward()" in err  # the user's call
     assert err.index("WatchpointHit:") < err.index("tensordbg: 1 hit, 1 at their origin"), err
+
+
+def test_the_add_rule_dialog_keeps_its_buttons_on_screen_at_80_by_24() -> None:
+    """A rule with many thresholds and a long description: the dialog's body scrolls, Add and
+    Cancel stay on screen."""
+    source = FakeSource()
+    many = {f"threshold_{i}": float(i) for i in range(8)}
+    rules = source.rules()
+    source.rules = lambda: {  # type: ignore[method-assign]
+        **rules,
+        "available": [{"name": "TensorRange", "doc": "Bounds. " * 60, "params": many}],
+    }
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.state == "paused")
+            await pilot.press("f6")
+            await until(pilot, lambda: app.main.rule_panel.current is not None)
+            await pilot.press("a")
+            await until(pilot, lambda: isinstance(app.screen, RuleAddScreen))
+            await pilot.pause(0.1)
+            for button in ("#save", "#cancel"):
+                region = app.screen.query_one(button).region
+                assert region.height > 0 and region.y >= 0 and region.bottom <= 24, region
+
+    asyncio.run(flow())
+
+
+def test_the_rules_tab_fits_160_columns_with_every_column_whole() -> None:
+    """A rule watching every kind of tensor and disabled with a reason: at 160 columns the
+    reason is on screen (it came last and was cut) and the kinds say "all"."""
+    source = FakeSource()
+    kinds = ["grad", "grad_input", "grad_output", "input", "observed", "output", "param", "update"]
+    source._rules[0].update(kinds=kinds, disabled_reason="needs an optimizer")
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=(160, 48)) as pilot:
+            await until(pilot, lambda: app.state == "paused")
+            await pilot.press("f6")
+            await until(pilot, lambda: app.main.rule_panel.current is not None)
+            await pilot.pause(0.2)
+            text = screen_text(app)
+            assert "needs an optimizer" in text and "grad_input" not in text
+            assert " all " in text
+
+    asyncio.run(flow())

@@ -8,7 +8,7 @@ from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static
 
@@ -29,22 +29,25 @@ class RuleAddScreen(ModalScreen[dict[str, Any] | None]):
         first = next(iter(self.available.values()), None)
         with Vertical(classes="dialog"):
             yield Label("Add a rule", classes="dialog-title")
-            yield Select(
-                [(name, name) for name in self.available],
-                value=first["name"] if first else Select.NULL,
-                allow_blank=first is None,
-                id="rule-choice",
-            )
-            yield Static(
-                first.get("doc", "") if first else "No rules to add.", classes="dialog-doc"
-            )
-            yield Label("on tensors matching (a glob on the tensor name)")
-            yield Input("*", id="rule-match")
-            yield ParamInputs(first["params"] if first else {})
-            yield Static("", classes="dialog-error")
+            # The body scrolls; the buttons stay on screen whatever the terminal's height.
+            with VerticalScroll(classes="dialog-body"):
+                yield from self._body(first)
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Add", variant="primary", id="save")
                 yield Button("Cancel", id="cancel")
+
+    def _body(self, first: dict[str, Any] | None) -> ComposeResult:
+        yield Select(
+            [(name, name) for name in self.available],
+            value=first["name"] if first else Select.NULL,
+            allow_blank=first is None,
+            id="rule-choice",
+        )
+        yield Static(first.get("doc", "") if first else "No rules to add.", classes="dialog-doc")
+        yield Label("on tensors matching (a glob on the tensor name)")
+        yield Input("*", id="rule-match")
+        yield ParamInputs(first["params"] if first else {})
+        yield Static("", classes="dialog-error")
 
     @on(Select.Changed, "#rule-choice")
     async def _chosen(self, event: Select.Changed) -> None:
@@ -53,7 +56,7 @@ class RuleAddScreen(ModalScreen[dict[str, Any] | None]):
             return
         self.query_one(".dialog-doc", Static).update(rule.get("doc", ""))
         await self.query_one(ParamInputs).remove()
-        await self.query_one(".dialog", Vertical).mount(
+        await self.query_one(".dialog-body", VerticalScroll).mount(
             ParamInputs(rule["params"]), before=self.query_one(".dialog-error")
         )
 

@@ -8,7 +8,7 @@ from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
@@ -30,10 +30,11 @@ class RuleEditScreen(ModalScreen[dict[str, Any] | None]):
                 f"Thresholds of {self.rule['name']} (rule {self.rule['id']})",
                 classes="dialog-title",
             )
-            if self.rule.get("doc"):
-                yield Static(self.rule["doc"], classes="dialog-doc")
-            yield ParamInputs(self.rule.get("params") or {})
-            yield Static("", classes="dialog-error")
+            with VerticalScroll(classes="dialog-body"):  # the buttons stay on screen
+                if self.rule.get("doc"):
+                    yield Static(self.rule["doc"], classes="dialog-doc")
+                yield ParamInputs(self.rule.get("params") or {})
+                yield Static("", classes="dialog-error")
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Save", variant="primary", id="save")
                 yield Button("Cancel", id="cancel")
