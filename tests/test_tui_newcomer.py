@@ -10,6 +10,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -397,3 +398,63 @@ def test_the_rules_tab_fits_160_columns_with_every_column_whole() -> None:
             assert " all " in text
 
     asyncio.run(flow())
+
+
+class StaleSource(FakeSource):
+    """Paused mid-forward at step 3: net.2 has not run yet this step, its output is step 2's."""
+
+    def modules(self) -> list[Any]:
+        out = super().modules()
+        for m in out:
+            for summary in m["stats"].values():
+                summary["step"] = 2 if m["path"] == "net.2" else 3
+        return out
+
+
+def test_modules_mark_statistics_from_an_earlier_step_and_name_a_passed_up_output_as_hits_do() -> (
+    None
+):
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(StaleSource()))
+        async with app.run_test(size=SIZE) as pilot:
+            table = app.main.module_browser.table
+            await until(pilot, lambda: table.row_count == 6)
+            await pilot.press("f3")
+            await until(pilot, lambda: app.focused is table)
+            await pilot.pause(0.1)
+            rows = {
+                table.render_line(y).text.split()[0]: table.render_line(y).text for y in range(1, 7)
+            }
+            assert "step 2: n=" in rows["2"]  # net.2, last seen at step 2
+            assert "step" not in rows["0"].split("Linear")[1]  # net.0 ran this step
+            await type_at_once(pilot, "/Sequential")
+            await until(pilot, lambda: table.row_count == 1)
+            tensors = app.main.module_browser.tensor_table
+            await until(pilot, lambda: tensors.row_count == 1)
+            await pilot.pause(0.1)
+            assert "net.output = net.2.output" in tensors.render_line(1).text
+
+    asyncio.run(flow())
+
+
+def test_a_module_that_returns_its_childs_output_shows_it_as_its_own() -> None:
+    """The demo's attention returns its output projection's output: the attention's row in the
+    Modules tab has that output's statistics (it was empty)."""
+
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(torch.softmax(x, dim=-1))
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), Attention())
+    session = tensordbg.attach(model, on_hit="record", server=False, summary_at_exit=False)
+    try:
+        model(torch.ones(2, 4))
+        modules = {m["path"]: m for m in LiveSource(session).modules()}
+    finally:
+        session.detach()
+    assert modules["1"]["stats"]["output"]["numel"] == 8
+    assert modules["1"]["stats"]["output"] == modules["1.proj"]["stats"]["output"]

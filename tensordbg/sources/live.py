@@ -110,6 +110,12 @@ class LiveSource:
         for _, (_, stats) in snapshot.latest.items():
             if stats.module or stats.kind in ("input", "output", "grad_output", "grad_input"):
                 latest.setdefault(stats.module, {}).setdefault(stats.kind, _brief(stats))
+        # A module that returned a child's output as its own (attention returning its output
+        # projection's) has that output too: its row is not empty, and names the same tensor.
+        for record in snapshot.records:
+            if record.stats.kind == "output":
+                for call in record.passed_up:
+                    latest.setdefault(call.path, {})["output"] = _brief(record.stats)
         hits: dict[str, int] = {}
         for hit in list(s.hits):
             hits[hit.module] = hits.get(hit.module, 0) + 1

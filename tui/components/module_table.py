@@ -20,6 +20,7 @@ from textual.strip import Strip
 from tensordbg.statistics import describe
 
 GAP = 2
+STALE = "step "  # statistics from an earlier step start "step 24: ..." and are drawn dim
 
 
 def brief(summary: dict[str, Any] | None) -> str:
@@ -84,12 +85,16 @@ class ModuleTable(ScrollView, can_focus=True):
         self._widths: list[int] = []
         self._kinds: list[str] = []
         self.cursor = 0
+        self._step: int | None = None
         self._palette: dict[object, Any] = {}
 
     # --- data --------------------------------------------------------------------------------
 
-    def set_modules(self, modules: list[dict[str, Any]]) -> None:
+    def set_modules(self, modules: list[dict[str, Any]], step: int | None = None) -> None:
+        """The model tree; ``step`` is the training's step now: statistics from an earlier
+        one (a module that has not run yet this step) are marked with their step."""
         current = self.current
+        self._step = step
         self._modules = modules
         self._keys = [f"{m['path']} {m['type']}".lower() for m in modules]
         kinds = {k for m in modules for k in (m.get("stats") or {})}
@@ -125,8 +130,15 @@ class ModuleTable(ScrollView, can_focus=True):
             m["type"],
             count(m.get("params", 0)),
             hits,
-            *(brief(stats.get(k)) for k in self._kinds),
+            *(self._brief(stats.get(k)) for k in self._kinds),
         )
+
+    def _brief(self, summary: dict[str, Any] | None) -> str:
+        text = brief(summary)
+        step = (summary or {}).get("step")
+        if text and step is not None and self._step is not None and step < self._step:
+            text = f"{STALE}{step}: {text}"
+        return text
 
     def _row(self, i: int) -> tuple[str, ...]:
         name = self._paths[i] if self._query else self._tree_names[i]
@@ -242,7 +254,10 @@ class ModuleTable(ScrollView, can_focus=True):
         base, dim, hit = self._palette[cursor]
         first = hit if self._modules[i].get("hits") else base
         # A summary ends "NaN×2!" or "Inf×1!" when the module's output was not finite.
-        stats = [hit if "!" in cell else base for cell in self._cells[i][3:]]
+        stats = [
+            dim if cell.startswith(STALE) else hit if "!" in cell else base
+            for cell in self._cells[i][3:]
+        ]
         return [first, dim, dim, hit, *stats], base
 
     def _strip(self, cells: tuple[str, ...], styles: list[Style], base: Style) -> Strip:

@@ -268,7 +268,7 @@ class MainScreen(Screen):
         remote = remote_of(self)
         try:
             modules = await remote.modules()
-            self.module_browser.set_modules(modules)
+            self.module_browser.set_modules(modules, self._step)
             tensors = await remote.tensors()
             self.module_browser.set_tensors(tensors)
             self.rule_panel.reload()
