@@ -51,6 +51,7 @@ async def type_at_once(pilot: Pilot, text: str) -> None:
 
 _KEYS = {
     "/": "slash",
+    "\r": "enter",
     " ": "space",
     "[": "left_square_bracket",
     "]": "right_square_bracket",
@@ -60,19 +61,20 @@ _KEYS = {
 
 
 def test_a_slice_typed_fast_goes_to_the_slice_box_not_to_the_count() -> None:
-    """``[3]`` typed fast on the grid: ``[`` opens the slice box and the rest is text in it, not
-    a count prefix for ``s``."""
+    """``[3]`` and Enter typed fast on the grid: ``[`` opens the slice box, the rest is text in
+    it (not a count prefix for ``s``), and Enter applies the slice."""
 
     async def flow() -> None:
         app = TensorDbgApp(LocalClient(FakeSource()))
         async with app.run_test(size=SIZE) as pilot:
             grid = await open_tensor(pilot, 3, "net.2.output", TensorGrid)
             await until(pilot, lambda: app.focused is grid)
-            await type_at_once(pilot, "[3]")
+            await type_at_once(pilot, "[3]\r")  # and Enter, all in one burst
             box = app.query_one(SliceInput)
             assert box.value == "[3]"
-            assert app.focused is box
             assert "count" not in app.main.title
+            inspector = app.main.tensor_inspector
+            await until(pilot, lambda: inspector.text == "[3]")
 
     asyncio.run(flow())
 
@@ -458,3 +460,34 @@ def test_a_module_that_returns_its_childs_output_shows_it_as_its_own() -> None:
         session.detach()
     assert modules["1"]["stats"]["output"]["numel"] == 8
     assert modules["1"]["stats"]["output"] == modules["1.proj"]["stats"]["output"]
+
+
+class Masked(torch.nn.Module):
+    """Attention-like: its own code makes the NaN (a softmax over a fully masked row) and its
+    output projection returns it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        scores = x.masked_fill(~keep, float("-inf"))
+        weights = torch.softmax(scores, dim=-1)  # 0/0 on a row with nothing kept
+        return self.proj(weights)
+
+
+def test_provenance_of_a_value_made_inside_a_modules_forward_shows_the_line_inside_it() -> None:
+    model = Masked()
+    session = tensordbg.attach(model, on_hit="record", server=False, summary_at_exit=False)
+    source = LiveSource(session)
+    try:
+        keep = torch.tensor([[True, True, False, False], [False, False, False, False]])
+        model(torch.ones(2, 4), keep)
+        hit = next(h for h in source.hits() if h["origin"])
+        prov = source.provenance(hit["ref"], hit["module"], hit["call"])
+    finally:
+        session.detach()
+    assert prov["source"]["function"] == "forward"
+    listing = dict(prov["source"]["context"])
+    assert "return self.proj(weights)" in listing[prov["source"]["line"]]
+    assert any("torch.softmax(scores" in text for text in listing.values())

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 from rich.segment import Segment
 from rich.style import Style
+from textual import events
 from textual.binding import Binding, BindingType
 from textual.events import Click
 from textual.geometry import Region, Size
@@ -21,6 +22,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from tensordbg.tui.components.module_table import strip_style
+from tensordbg.tui.components.typed_ahead import keys_in_order, search
 from tensordbg.tui.messages import OpenTensor
 
 GAP = 2
@@ -199,6 +201,9 @@ class HitTable(ScrollView, can_focus=True):
         self._scroll_to_cursor()
         self.refresh()
         self._announce()
+
+    def on_key(self, event: events.Key) -> None:
+        keys_in_order(self, event, {"slash": search(self)})  # "/word" typed fast: all in the box
 
     # --- keys --------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 
 from rich.segment import Segment
 from rich.style import Style
+from textual import events
 from textual.binding import Binding, BindingType
 from textual.events import Click
 from textual.geometry import Region, Size
@@ -18,6 +19,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from tensordbg.statistics import describe
+from tensordbg.tui.components.typed_ahead import keys_in_order, search
 
 GAP = 2
 STALE = "step "  # statistics from an earlier step start "step 24: ..." and are drawn dim
@@ -180,6 +182,9 @@ class ModuleTable(ScrollView, can_focus=True):
 
     def _headers(self) -> tuple[str, ...]:
         return ("module", "type", "params", "hits", *self._kinds)
+
+    def on_key(self, event: events.Key) -> None:
+        keys_in_order(self, event, {"slash": search(self)})  # "/word" typed fast: all in the box
 
     # --- keys --------------------------------------------------------------------------------
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import ClassVar
 
 import numpy as np
 from rich.segment import Segment
 from rich.style import Style
-from textual import on
+from textual import events, on
 from textual.binding import Binding, BindingType
 from textual.geometry import Size
 from textual.message import Message
@@ -25,6 +26,7 @@ from textual.strip import Strip
 
 from tensordbg.sources.slicing import grid_shape
 from tensordbg.transport.wire import WireArray
+from tensordbg.tui.components.typed_ahead import keys_in_order, search
 from tensordbg.tui.errors import work
 from tensordbg.tui.remote import RequestFailed, remote_of
 
@@ -129,6 +131,8 @@ class TensorGrid(ScrollView, can_focus=True):
         self._wanted: set[tuple[int, int]] = set()
         self._failed: set[tuple[int, int]] = set()
         self.message = "Open a tensor from the Hits or Modules tab."
+        self.open_slice: Callable[[], object] | None = None
+        """What ``[`` does on the grid: the Tensor tab focuses its slice box (set by it)."""
 
     # --- what to show ------------------------------------------------------------------------
 
@@ -170,6 +174,12 @@ class TensorGrid(ScrollView, can_focus=True):
         if len(lead) <= 1:
             return str(row) if lead else ""
         return ",".join(map(str, np.unravel_index(row, lead)))
+
+    def on_key(self, event: events.Key) -> None:
+        opens = {"slash": search(self)}
+        if self.open_slice is not None:
+            opens["left_square_bracket"] = self.open_slice
+        keys_in_order(self, event, opens)  # "[3]" typed fast: "[" opens the box, "3]" in it
 
     # --- keys --------------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from rich.text import Text
-from textual import events, on
+from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
@@ -41,7 +41,9 @@ class TensorInspector(Vertical):
         yield Static("", id="slice-error")
         yield Static("", id="tensor-summary")
         with Horizontal(id="tensor-body"):
-            yield TensorGrid()
+            grid = TensorGrid()
+            grid.open_slice = self.action_edit_slice  # "[" on the grid, in order with what follows
+            yield grid
             with Vertical(id="tensor-side"):
                 yield StatsCompare()
                 yield HistogramView()
@@ -60,15 +62,6 @@ class TensorInspector(Vertical):
         self.screen.set_focus(box)
         if not box.value:
             box.insert_text_at_cursor("[")
-
-    def on_key(self, event: events.Key) -> None:
-        # Keys typed fast ("[3]", a paste) are all sent to the grid before "[" moves the focus
-        # to the slice box, and a binding would see "[" only after the rest went by (as a count
-        # prefix). So "[" is handled here, in order; the screen hands what follows to the box.
-        if event.key == "left_square_bracket" and not isinstance(self.screen.focused, Input):
-            event.stop()
-            event.prevent_default()
-            self.action_edit_slice()
 
     @on(Input.Changed, "#slice-input")
     def _typed(self, event: Input.Changed) -> None:

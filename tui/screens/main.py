@@ -357,17 +357,11 @@ class MainScreen(Screen):
         return next(iter(self.query_one(f"#{pane}").query(target)), None)
 
     def on_key(self, event: events.Key) -> None:
-        # Keys typed fast ("/late", a paste) are all sent to the widget that has the keys before
-        # "/" moves them to a text box, and the app's binding would see "/" only after the rest
-        # went by. So "/" is handled here, in order, and printable keys that reach the screen
-        # while a text box has the keys (it would have taken them) are handed on to it as text.
-        focused = self.focused
-        if isinstance(focused, Input):
-            if event.is_printable:
-                event.stop()
-                event.prevent_default()
-                focused.post_message(events.Key(event.key, event.character))
-        elif event.key == "slash" and self.app.check_action("search", ()):
+        # "/" is handled here, in order with the keys typed after it ("/late" typed fast): the
+        # app's binding would see it only after they went by. Those keys reach the widget that
+        # had the focus, which hands them on (tensordbg.tui.components.typed_ahead).
+        searchable = not isinstance(self.focused, Input) and self.app.check_action("search", ())
+        if event.key == "slash" and searchable:
             event.stop()
             event.prevent_default()
             self.focus_search()
