@@ -8,10 +8,11 @@ from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
-from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static
 
+from tensordbg.tui.components.dialog_body import DialogBody
 from tensordbg.tui.components.param_inputs import ParamInputs
 
 
@@ -30,7 +31,7 @@ class RuleAddScreen(ModalScreen[dict[str, Any] | None]):
         with Vertical(classes="dialog"):
             yield Label("Add a rule", classes="dialog-title")
             # The body scrolls; the buttons stay on screen whatever the terminal's height.
-            with VerticalScroll(classes="dialog-body"):
+            with DialogBody():
                 yield from self._body(first)
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Add", variant="primary", id="save")
@@ -56,7 +57,7 @@ class RuleAddScreen(ModalScreen[dict[str, Any] | None]):
             return
         self.query_one(".dialog-doc", Static).update(rule.get("doc", ""))
         await self.query_one(ParamInputs).remove()
-        await self.query_one(".dialog-body", VerticalScroll).mount(
+        await self.query_one(DialogBody).mount(
             ParamInputs(rule["params"]), before=self.query_one(".dialog-error")
         )
 

@@ -8,10 +8,11 @@ from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
-from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
+from tensordbg.tui.components.dialog_body import DialogBody
 from tensordbg.tui.components.param_inputs import ParamInputs
 
 
@@ -30,7 +31,7 @@ class RuleEditScreen(ModalScreen[dict[str, Any] | None]):
                 f"Thresholds of {self.rule['name']} (rule {self.rule['id']})",
                 classes="dialog-title",
             )
-            with VerticalScroll(classes="dialog-body"):  # the buttons stay on screen
+            with DialogBody():  # the buttons stay on screen
                 if self.rule.get("doc"):
                     yield Static(self.rule["doc"], classes="dialog-doc")
                 yield ParamInputs(self.rule.get("params") or {})
