@@ -28,7 +28,6 @@ class TensorTable(Table):
 
     def on_mount(self) -> None:
         self._drawable = True
-        self.add_columns("kind", "call", "name", "summary")
         self._draw()
 
     def show(self, tensors: list[dict[str, Any]]) -> None:
@@ -38,7 +37,9 @@ class TensorTable(Table):
     def _draw(self) -> None:
         if not self._drawable:  # data can arrive before the widget is mounted
             return
-        self.clear()
+        # Columns too: they keep the width of the longest name of any module shown before.
+        self.clear(columns=True)
+        self.add_columns("kind", "call", "name", "summary")
         for t in self._tensors.values():
             line = summary_line(t)
             style = "bold red" if "!" in line else ""
