@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tensordbg import __version__
+from tensordbg.rules import available_rules
 
 EXAMPLES = {
     "tensordbg": """
@@ -80,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--rules",
         default="default",
-        help="comma-separated rule names; 'default' is the default set",
+        help="comma-separated rule names; 'default' is the default set; the rules: "
+        + ", ".join(sorted(available_rules())),
     )
     run.add_argument(
         "--on-hit",

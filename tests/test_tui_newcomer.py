@@ -491,3 +491,15 @@ def test_provenance_of_a_value_made_inside_a_modules_forward_shows_the_line_insi
     listing = dict(prov["source"]["context"])
     assert "return self.proj(weights)" in listing[prov["source"]["line"]]
     assert any("torch.softmax(scores" in text for text in listing.values())
+
+
+def test_run_help_lists_the_rules_by_name() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "tensordbg.cli", "run", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    text = " ".join(done.stdout.split())
+    assert done.returncode == 0
+    assert "NaN," in text and "TensorRange" in text and "WeightUpdateRatio" in text
