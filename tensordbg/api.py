@@ -65,8 +65,10 @@ def attach(
         scaler: a ``torch.amp.GradScaler``: gradient statistics are unscaled, and a step it skips
             for non-finite gradients is recorded in ``session.skipped_steps``, not as a hit,
             unless ``max_skipped_steps`` are skipped in a row.
-        sync: ``"auto"`` (eager on CPU, batched on CUDA), ``"eager"``, ``"batched"`` or
-            ``"deferred"`` (the cheapest; see the module docstring).
+        sync: ``"auto"`` (deferred on CPU, batched on CUDA), ``"eager"`` (screens every tensor
+            where it is made, pauses in the hook), ``"batched"`` or ``"deferred"`` (screens the
+            outputs, loss, gradients and parameters; the rest only when those show a problem);
+            see :mod:`tensordbg.engine.modes`.
         interval: statistics beyond the NaN/Inf screen (norms, means, updates) every N steps.
         retain_bytes: memory for keeping the current phase's tensors for inspection (batched
             and deferred modes; eager mode keeps hits' tensors and the last few it saw, and

@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="when statistics reach the host: eager (at each tensor), batched (once a phase), "
         "deferred (the cheapest: the rest only when outputs, loss or gradients show a problem), "
-        "auto (default: eager on the CPU, batched on CUDA)",
+        "auto (default: deferred on the CPU, batched on CUDA)",
     )
     run.add_argument(
         "--include",

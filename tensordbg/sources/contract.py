@@ -53,6 +53,7 @@ from tensordbg.sources.schema import Provenance as Provenance
 from tensordbg.sources.schema import ProvenanceInput as ProvenanceInput
 from tensordbg.sources.schema import Rule as Rule
 from tensordbg.sources.schema import Rules as Rules
+from tensordbg.sources.schema import RunningRule as RunningRule
 from tensordbg.sources.schema import Slice as Slice
 from tensordbg.sources.schema import SourceLine as SourceLine
 from tensordbg.sources.schema import StateEvent as StateEvent

@@ -89,6 +89,16 @@ class Info(TypedDict):
     history: History
     capabilities: list[str]  # the requests the source serves; filled in by dispatch()
     started: NotRequired[float]  # time.time() when the source started serving
+    running_rule: NotRequired[RunningRule | None]  # a rule check under way on the training thread
+
+
+class RunningRule(TypedDict):
+    """The rule check the training thread is in, when a person asks (a hanging rule blocks the
+    training: this says which)."""
+
+    rule: str
+    tensor: str
+    seconds: float  # how long it has run
 
 
 class Module(TypedDict):
