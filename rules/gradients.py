@@ -80,6 +80,13 @@ class ExplodingGradient(Rule):
     when it is ``growth`` (20) times the median of its last ``window`` (50) finite norms: a norm
     growing x1.5 per step from 1 is caught near 300, long before float32 overflows.
 
+    Growth must persist: it fires on the second step in a row above ``growth`` times the median
+    (``persist`` = 2), or at once past ``growth`` squared. A healthy run has one-step spikes (a
+    hard batch: x20-x40 for one step past step 45 of a small transformer, back the next step),
+    and a gradient that is really exploding is still above the bar a step later, far from any
+    overflow (train_diverging.py: the growth verdict comes one step after the learning rate
+    jumped, at a norm below 1e3; NaN and Inf fire when they first appear, ``max_norm`` at once).
+
     Growth counts only for a gradient that has reached the model's typical size, the median
     root-mean-square of the other gradients at their last step before this one: a gradient
     that grows while still below it is catching up, not exploding. The query and key
@@ -89,7 +96,8 @@ class ExplodingGradient(Rule):
     1e-13). When all gradients blow up at once, each passes the size the model had the step
     before. A gradient judged alone is compared with its own history only.
 
-    Example: ``ExplodingGradient(growth=10.0, match="decoder.*")`` is stricter on the decoder.
+    Example: ``ExplodingGradient(growth=10.0, match="decoder.*")`` is stricter on the decoder;
+    ``ExplodingGradient(persist=1)`` fires on the first step above the bar.
     """
 
     kinds = frozenset({"grad"})
@@ -102,6 +110,7 @@ class ExplodingGradient(Rule):
         growth: float = 20.0,
         window: int = 50,
         warmup: int = 10,
+        persist: int = 2,
         **selection: Any,
     ):
         super().__init__(**selection)
@@ -109,6 +118,7 @@ class ExplodingGradient(Rule):
         self.growth = growth
         self.window = window
         self.warmup = warmup
+        self.persist = persist
 
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
         if t.nonfinite:
@@ -135,12 +145,18 @@ class ExplodingGradient(Rule):
         if norm > self.max_norm:
             return self._too_large(t, norm)
         # Over a median of zero (a gradient that was exactly zero so far) growth means nothing.
+        streaks: dict[str, int] = state.setdefault("above", {})
         if median is None or median <= 0 or not norm > self.growth * median:
+            streaks.pop(t.name, None)
             return None
         typical = typical_scale(state, t.name, before=t.step)
         if scale is not None and typical is not None and scale < typical:
+            streaks.pop(t.name, None)
             return None  # catching up with the model's gradients, not exploding
         ratio = norm / median
+        streaks[t.name] = streaks.get(t.name, 0) + 1
+        if streaks[t.name] < self.persist and ratio < self.growth**2:
+            return None  # one step above the bar: a spike, unless it is far above
         return Finding(
             ratio,
             self.growth,

@@ -221,6 +221,21 @@ def test_exploding_gradient_is_quiet_on_a_healthy_noisy_sequence():
     assert all(judge(rule, grad(n), state, step=i, **GRAD) is None for i, n in enumerate(norms))
 
 
+def test_a_one_step_spike_is_not_an_explosion_but_two_steps_or_a_huge_jump_are():
+    def first_hit(norms: list[float], rule: ExplodingGradient) -> int | None:
+        state: dict = {}
+        for step, n in enumerate(norms):
+            if judge(rule, grad(n), state, step=step, **GRAD) is not None:
+                return step
+        return None
+
+    steady = [1.0] * 20
+    assert first_hit([*steady, 30.0, 1.0, 1.0, 1.0], ExplodingGradient()) is None  # a hard batch
+    assert first_hit([*steady, 30.0, 35.0], ExplodingGradient()) == 21  # still up a step later
+    assert first_hit([*steady, 500.0], ExplodingGradient()) == 20  # past growth**2: at once
+    assert first_hit([*steady, 30.0], ExplodingGradient(persist=1)) == 20
+
+
 def test_exploding_gradient_keeps_one_history_per_tensor():
     rule, state = ExplodingGradient(), {}
     small = {**GRAD, "name": "a.weight.grad"}
