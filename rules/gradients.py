@@ -200,8 +200,13 @@ class VanishingGradient(Rule):
       before its module's weight on its first step waits a step for it, unless its gradient is
       exactly zero.
 
-    An exactly zero gradient is reported at once: the parameter receives nothing (a dead or
-    detached branch, a saturated unit). Frozen parameters are never judged.
+    An exactly zero gradient on the first step must persist ``persist`` (2) judged steps: a zero
+    by construction at initialisation is lifted by the first update (torchvision's
+    ``zero_init_residual=True`` sets the last BatchNorm scale of each residual block to 0, so
+    the convolution before it gets an exactly zero gradient on step 0 only); a dead or detached
+    branch is still dead a step later. Past the first step an exactly zero gradient is reported
+    at once: the parameter receives nothing (a dead or detached branch, a saturated unit).
+    Frozen parameters are never judged.
 
     Example: ``VanishingGradient(threshold=1e-9)`` uses MindInsight's stricter bound.
     """
@@ -212,11 +217,17 @@ class VanishingGradient(Rule):
     needs = (L2,)
 
     def __init__(
-        self, *, threshold: float = THRESHOLD, relative: float = RELATIVE, **selection: Any
+        self,
+        *,
+        threshold: float = THRESHOLD,
+        relative: float = RELATIVE,
+        persist: int = 2,
+        **selection: Any,
     ):
         super().__init__(**selection)
         self.threshold = threshold
         self.relative = relative
+        self.persist = persist
 
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | Refine | None:
         # Noted before a refinement too: the same value again when check is called back.
@@ -241,7 +252,9 @@ class VanishingGradient(Rule):
         bias = param.startswith("bias")
         if not bias:
             weights.setdefault(t.module, {})[param] = not vanishing
+        streaks: dict[str, int] = state.setdefault("low", {})
         if mean is None or not vanishing:
+            streaks.pop(t.name, None)
             return None
         if bias:
             known = [ok for name, ok in weights.get(t.module, {}).items() if name != param]
@@ -249,6 +262,9 @@ class VanishingGradient(Rule):
                 return None  # a shift cancelled downstream, while the module's weight learns
             if not known and first and mean > 0:
                 return None  # its module's weight comes later in this pass: wait a step for it
+        streaks[t.name] = streaks.get(t.name, 0) + 1
+        if mean == 0 and t.step == 0 and streaks[t.name] < self.persist:
+            return None  # a zero at initialisation, which the first update may lift
         return Finding(mean, self.threshold, self._message(t, mean, typical, bias))
 
     def _nonzero_mean(self, t: TensorStats) -> float | Refine | None:

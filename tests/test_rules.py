@@ -264,7 +264,9 @@ def test_vanishing_gradient_of_a_trainable_parameter():
     found = judge(VanishingGradient(), np.full(10, 1e-9), trainable=True, **GRAD)
     assert (found.value, found.threshold) == (pytest.approx(1e-9), 1e-7)
     assert "layers.1.fc.weight.grad has mean |grad| 1e-09, below 1e-07" in found.message
-    zero = judge(VanishingGradient(), np.zeros(10), trainable=True, **GRAD)
+    # An exactly zero gradient waits a step only on step 0 (a zero at initialisation).
+    assert judge(VanishingGradient(), np.zeros(10), trainable=True, step=0, **GRAD) is None
+    zero = judge(VanishingGradient(), np.zeros(10), trainable=True, step=1, **GRAD)
     assert zero.value == 0.0 and "receives no gradient at all" in zero.message
 
 
