@@ -221,6 +221,11 @@ class Dump:
             for h in self._step_record(step, rank).hits
         ]
 
+    def numbers(self, step: int, rank: int = 0) -> dict[str, Any]:
+        """The step's loss, gradient norm and rate as the session measured them ({} when the
+        step was written before it ended, as a step that stopped on a hit)."""
+        return dict(self._step_record(step, rank).raw.get("numbers") or {})
+
     def verify(self) -> dict[tuple[int, int], str]:
         """Read every file whole and check its checksum; what fails joins :attr:`broken`,
         which is returned."""

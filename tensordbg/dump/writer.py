@@ -92,9 +92,11 @@ class DumpWriter:
         values: Mapping[str, np.ndarray],
         hits: Sequence[Mapping[str, Any]],
         modules: Sequence[Mapping[str, Any]] | None = None,
+        numbers: Mapping[str, Any] | None = None,
     ) -> None:
         """Write one step of one rank: its values (if any) as one safetensors file, then one
-        line of the index naming it."""
+        line of the index naming it. ``numbers`` are the step's loss, gradient norm and rate
+        (the bus's ``step_end``)."""
         directory = self._dir(rank)
         if modules is not None:
             self._append(rank, {"type": "modules", "modules": list(modules)})
@@ -147,6 +149,8 @@ class DumpWriter:
             line.update(file=None, nbytes=0)
         line["entries"] = out_entries
         line["hits"] = [{k: _plain(v) for k, v in h.items()} for h in hits]
+        if numbers is not None:
+            line["numbers"] = _plain(dict(numbers))
         line_bytes = self._append(rank, line)
         keep = bool(hits) or bool(previous and previous.keep)
         self._written[(step, rank)] = _Written(file_name, nbytes, line_bytes, keep)
