@@ -70,6 +70,7 @@ class CheckReport:
     unjudged: list[Unjudged] = field(default_factory=list)
     broken: list[dict[str, Any]] = field(default_factory=list)
     complete: bool = True
+    notes: list[str] = field(default_factory=list)  # rules of the run that were not checked
 
     @property
     def exit_code(self) -> int:
@@ -90,6 +91,7 @@ class CheckReport:
             "findings": [_jsonable(asdict(f)) for f in self.findings],
             "unjudged": [asdict(u) for u in self.unjudged],
             "broken": self.broken,
+            "notes": self.notes,
         }
 
     def table(self, limit: int = 50) -> str:
@@ -110,6 +112,7 @@ class CheckReport:
             )
         for b in self.broken:
             lines.append(f"step {b['step']} of rank {b['rank']} was not checked: {b['reason']}")
+        lines.extend(self.notes)
         if not self.complete:
             lines.append("the dump is incomplete: the run stopped before it was closed")
         n = len(self.findings)
@@ -126,7 +129,8 @@ def check_dump(
 ) -> CheckReport:
     """Judge every dumped step of ``ranks`` (all by default) with ``rules`` (the run's own, as
     its metadata names them, else the default rules)."""
-    chosen = list(rules) if rules is not None else recorded_rules(dump.meta)
+    notes: list[str] = []
+    chosen = list(rules) if rules is not None else recorded_rules(dump.meta, notes)
     ranks = sorted(dump.ranks if ranks is None else ranks)
     report = CheckReport(
         path=str(dump.path),
@@ -136,6 +140,7 @@ def check_dump(
         steps=0,
         tensors=0,
         complete=bool(dump.meta.get("complete", True)),
+        notes=notes,
     )
     unjudged: dict[tuple[str, tuple[str, ...]], Unjudged] = {}
     for rank in ranks:
@@ -160,9 +165,10 @@ def check_dump(
     return report
 
 
-def recorded_rules(meta: dict[str, Any]) -> list[Rule]:
-    """The rules a dump's metadata names (with their thresholds), else the default rules. A
-    rule this installation does not have is left out."""
+def recorded_rules(meta: dict[str, Any], notes: list[str] | None = None) -> list[Rule]:
+    """The rules a dump's metadata names, with their thresholds and selections, else the
+    default rules. A rule that cannot be rebuilt here (not installed, thresholds it no longer
+    takes) is left out, with a sentence in ``notes``."""
     recorded = meta.get("rules")
     if not recorded:
         return default_rules()
@@ -170,17 +176,25 @@ def recorded_rules(meta: dict[str, Any]) -> list[Rule]:
     out = []
     for spec in recorded:
         spec = spec if isinstance(spec, dict) else {"name": str(spec)}
-        cls = available.get(str(spec.get("name", "")))
+        name = str(spec.get("name", ""))
+        if spec.get("enabled") is False:
+            continue
+        cls = available.get(name)
         if cls is None:
+            _note(notes, f"the run's rule {name} is not installed here: it was not checked")
             continue
         selection = {k: spec[k] for k in ("match", "exclude", "kinds") if spec.get(k)}
+        params = {k: _number(v) for k, v in (spec.get("params") or {}).items() if v is not None}
         try:
-            rule = cls(**selection)
-            rule.set_params(**{k: _number(v) for k, v in (spec.get("params") or {}).items()})
-        except (TypeError, ValueError):
-            continue
-        out.append(rule)
+            out.append(cls(**selection, **params))
+        except (TypeError, ValueError) as e:
+            _note(notes, f"the run's rule {name} cannot be rebuilt here ({e}): it was not checked")
     return out or default_rules()
+
+
+def _note(notes: list[str] | None, text: str) -> None:
+    if notes is not None:
+        notes.append(text)
 
 
 def parse_stat(name: str) -> Stat | None:
@@ -227,7 +241,7 @@ def _judge_step(
             values=_values(entry.stats),
             module_type=getattr(entry, "module_type", ""),
             call=getattr(entry, "call", 0),
-            trainable=entry.kind in ("param", "grad", "update"),
+            trainable=getattr(entry, "trainable", entry.kind in ("param", "grad", "update")),
         )
         record = Record(stats, None, 0, 0)
         applicable = ruleset.applicable(stats)

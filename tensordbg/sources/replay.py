@@ -143,7 +143,14 @@ class ReplaySource:
         if self._history is None:
             out: dict[str, list[Any]] = {"step": [], "loss": [], "grad_norm": [],
                                          "steps_per_sec": []}  # fmt: skip
+            numbers = getattr(self.dump, "numbers", None)
             for step in self.steps[-HISTORY:]:
+                recorded = _recorded_numbers(numbers, step, self.rank)
+                if recorded:  # what the training measured itself
+                    for key in ("loss", "grad_norm", "steps_per_sec"):
+                        out[key].append(_num(recorded.get(key)))
+                    out["step"].append(step)
+                    continue
                 entries = self._step_entries(step, quiet=True)
                 loss = next((_num(e.stats.get("mean")) for e in entries.values()
                              if e.kind == "observed"), None)  # fmt: skip
@@ -455,6 +462,16 @@ def _hit_dict(hit: Any) -> dict[str, Any]:
     out = hit.as_dict() if hasattr(hit, "as_dict") else dict(hit)
     out["summary"] = {k: v for k, v in (out.get("summary") or {}).items() if v is not None}
     return out
+
+
+def _recorded_numbers(numbers: Any, step: int, rank: int) -> dict[str, Any]:
+    """The loss, gradient norm and rate the training recorded at ``step``, if it did."""
+    if numbers is None:
+        return {}
+    try:
+        return dict(numbers(step, rank=rank) or {})
+    except Exception:  # a broken step: it has no numbers
+        return {}
 
 
 def _call_of(name: str) -> int:
