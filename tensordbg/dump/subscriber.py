@@ -122,7 +122,10 @@ class DumpRecorder:
         if event == "phase_end":
             self._phase(payload["step"], payload["records"])
         elif event == "hit":
-            self._at(payload.get("step", self.session.step)).hits.append(dict(payload))
+            # A hit the GradScaler held past its step's end joins the step now open (it keeps
+            # its own step number), so the step already written is not replaced.
+            step = max(payload.get("step", self.session.step), self._buffer.step)
+            self._at(step).hits.append(dict(payload))
         elif event == "step_end":
             self._finish(payload["step"], dict(payload))
         elif event == "halt":
