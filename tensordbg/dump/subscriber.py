@@ -154,6 +154,12 @@ class DumpRecorder:
             if record.hidden or id(record.stats) in buffer.seen:
                 continue
             buffer.seen.add(id(record.stats))
+            if record.lazy and not record.stats.values:
+                # Deferred mode leaves a clean phase's activations unscreened; a dumped step
+                # holds statistics of every watched tensor, so it screens them (its own cost).
+                tensor = record.held()
+                if tensor is not None:
+                    self.session.screen(record, tensor)
             buffer.stats.append(record.stats)
             if self.failed is not None:
                 continue
