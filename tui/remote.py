@@ -178,6 +178,19 @@ class Remote:
     async def control(self, action: str, n: int = 1) -> Control:
         return await self._request("control", action=action, n=n)
 
+    async def profile(self, steps: int) -> dict[str, Any]:
+        """Profile the next ``steps`` steps; ``{"pending": True, "steps": N}`` at once, the
+        ``profile`` event follows it and ``profile_report()`` has the report when it is done."""
+        return await self._request("profile", steps=steps)
+
+    async def profile_report(self) -> dict[str, Any] | None:
+        """The latest finished profile report (a ProfileReport's dict), or None."""
+        return await self._request("profile_report")
+
+    async def gpu(self, since: float = 0.0) -> dict[str, Any]:
+        """NVML samples newer than ``since``, the devices, and error events."""
+        return await self._request("gpu", since=since)
+
     async def _request(self, method: str, **params: Any) -> Any:
         """One request, its reply checked against ``REPLIES[method]``; a failure not reported
         as an error already is told to ``on_refused``."""
