@@ -53,6 +53,8 @@ class FakeSource:
         self, big: int = 1000, modules: int = 0, capabilities: frozenset[str] = EVERY_REQUEST
     ):
         self.capabilities = capabilities
+        self.stored_profile: dict[str, Any] | None = None
+        """What ``profile_report`` answers (a test sets a report dict)."""
         rng = np.random.default_rng(0)
         x = rng.standard_normal((8, 16)).astype(np.float32)
         h0 = rng.standard_normal((8, 32)).astype(np.float32)
@@ -350,6 +352,20 @@ class FakeSource:
         self.paused_at = None
         self.emit("state", {"state": self.state, "step": self.step})
         return {"state": self.state, "step": self.step}
+
+    def profile(self, steps: int = 5) -> dict[str, Any]:
+        if steps < 1:
+            raise SourceError("steps is a number of training steps, at least 1")
+        self.emit("profile", {"state": "running", "step": self.step, "steps": steps,
+                              "message": ""})  # fmt: skip
+        return {"pending": True, "steps": steps}
+
+    def profile_report(self) -> dict[str, Any] | None:
+        return self.stored_profile
+
+    def gpu(self, since: float = 0.0) -> dict[str, Any]:
+        return {"available": False, "reason": "NVML unavailable: a fake source has no GPU",
+                "devices": [], "samples": [], "events": []}  # fmt: skip
 
     def subscribe(self, callback: EventCallback) -> Callable[[], None]:
         with self._lock:
