@@ -60,7 +60,8 @@ class FakeSource:
         self.capabilities = capabilities
         # Profiling: the stored report (a ProfileReport's dict), the steps asked for, and
         # ``gpus`` fake devices whose NVML samples ``gpu()`` serves (none: NVML unavailable).
-        self.report = report
+        self.stored_profile = report
+        """What ``profile_report`` answers (a test sets a report dict)."""
         self.profiles: list[int] = []
         self.gpus = gpus
         self.gpu_requests: list[float] = []
@@ -363,14 +364,15 @@ class FakeSource:
         self.emit("state", {"state": self.state, "step": self.step})
         return {"state": self.state, "step": self.step}
 
-    def profile(self, steps: int) -> dict[str, Any]:
+    def profile(self, steps: int = 5) -> dict[str, Any]:
+        # As a live training: armed now, "running" comes at the next step (run_profile).
         if steps < 1:
-            raise SourceError(f"the number of steps to profile is at least 1, not {steps}")
+            raise SourceError("steps is a number of training steps, at least 1")
         self.profiles.append(steps)
         return {"pending": True, "steps": steps}
 
     def profile_report(self) -> dict[str, Any] | None:
-        return self.report
+        return self.stored_profile
 
     def gpu(self, since: float = 0.0) -> dict[str, Any]:
         self.gpu_requests.append(since)
@@ -430,11 +432,16 @@ class FakeSource:
         return hit
 
     def run_profile(self, report: dict[str, Any], steps: int = 5) -> None:
-        """The training profiles ``steps`` steps (``profile`` events), then holds ``report``."""
-        for step in range(1, steps + 1):
-            self.emit("profile", {"state": "running", "step": step, "steps": steps, "message": ""})
-        self.report = report
-        self.emit("profile", {"state": "done", "step": steps, "steps": steps, "message": ""})
+        """The training profiles ``steps`` steps (the ``profile`` events a live training sends
+        when the profile starts and ends), then holds ``report``."""
+        first = self.step + 1
+        message = f"profiling steps {first}..{self.step + steps} after the warm-up step {self.step}"
+        self.emit("profile", {"state": "running", "step": self.step, "steps": steps,
+                              "message": message})  # fmt: skip
+        self.step += steps + 1
+        self.stored_profile = report
+        self.emit("profile", {"state": "done", "step": self.step, "steps": steps,
+                              "message": f"{steps} steps profiled"})  # fmt: skip
 
     def emit(self, event: str, payload: dict[str, Any]) -> None:
         with self._lock:

@@ -95,8 +95,9 @@ def test_P_asks_how_many_steps_profiles_them_and_the_views_fill_when_it_is_done(
         await until(pilot, lambda: "Profiling the next 3 steps" in text_of(profiler.status))
         # Paused on a hit: the profile waits for the training, and the line says so.
         assert "the training is paused: c continues it" in text_of(profiler.status)
-        source.emit("profile", {"state": "running", "step": 2, "steps": 3, "message": ""})
-        await until(pilot, lambda: "Profiling: step 2 of 3" in text_of(profiler.status))
+        message = "profiling steps 4..6 after the warm-up step 3"
+        source.emit("profile", {"state": "running", "step": 3, "steps": 3, "message": message})
+        await until(pilot, lambda: f"Profiling 3 steps: {message}…" in text_of(profiler.status))
         source.run_profile(cpu_report(), steps=3)
         await until(pilot, lambda: profiler.report is not None)
         await until(pilot, lambda: "Profile of steps 2–6 on cpu" in text_of(profiler.status))
@@ -442,8 +443,13 @@ def test_a_report_at_the_bounds_draws_every_view_without_freezing_the_ui() -> No
         for view in ("operators", "timeline", "memory", "overview"):
             profiler.show_view(view)
             await pilot.pause(0.05)
-            widget = {"operators": profiler.operators.table, "timeline": profiler.timeline,
-                      "memory": profiler.memory.chart, "overview": profiler.overview}[view]  # fmt: skip
+            widgets = {
+                "operators": profiler.operators.table,
+                "timeline": profiler.timeline,
+                "memory": profiler.memory.chart,
+                "overview": profiler.overview,
+            }
+            widget = widgets[view]
             times = []
             for _ in range(3):
                 widget.refresh()

@@ -14,6 +14,8 @@ Events:
 - ``detach``: the session was detached; nothing follows: :class:`State`.
 - ``state``, ``status``, ``log``: the UI's own feed (every state change; :class:`Status` after each
   step; a line for the Log tab: :class:`LogLine`).
+- ``profile``: a profile (:mod:`tensordbg.profiler`) started, ended, failed or was cancelled:
+  ``{"state", "step", "steps", "message"}`` (its end comes from the summary's thread).
 
 In process::
 
@@ -32,7 +34,18 @@ from importlib.metadata import entry_points
 from typing import Any, TypedDict
 
 EVENTS = frozenset(
-    {"phase_end", "step_end", "hit", "pause", "resume", "detach", "state", "status", "log"}
+    {
+        "phase_end",
+        "step_end",
+        "hit",
+        "pause",
+        "resume",
+        "detach",
+        "state",
+        "status",
+        "log",
+        "profile",
+    }
 )
 ENTRY_POINT_GROUP = "tensordbg.extensions"
 

@@ -198,18 +198,15 @@ class ProfilerView(Vertical, can_focus=True):
             return
         text = Text()
         p, report = self.progress, self.report
-        if p and p.get("state") in ("pending", "running"):
-            steps = p.get("steps", "?")
-            if p["state"] == "pending" or not p.get("step"):
-                text.append(f"Profiling the next {steps} steps: ", style="bold")
-                text.append("it starts at the next step boundary")
-                if getattr(self.app, "state", "") == "paused":
-                    text.append(" (the training is paused: c continues it)")
-                text.append(".")
-            else:
-                text.append(f"Profiling: step {p.get('step')} of {steps}…", style="bold")
-            if p.get("message"):
-                text.append(f" {p['message']}", style="dim")
+        if p and p.get("state") == "pending":
+            text.append(f"Profiling the next {p.get('steps', '?')} steps: ", style="bold")
+            text.append("it starts at the next step boundary")
+            if getattr(self.app, "state", "") == "paused":
+                text.append(" (the training is paused: c continues it)")
+            text.append(".")
+        elif p and p.get("state") == "running":
+            text.append(f"Profiling {p.get('steps', '?')} steps", style="bold")
+            text.append(f": {p['message']}…" if p.get("message") else "…")
         elif p and p.get("state") in ("failed", "cancelled"):
             text.append(f"The profile {p['state']}: ", style="bold red")
             text.append(str(p.get("message") or "no reason given"))
