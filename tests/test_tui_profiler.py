@@ -6,10 +6,15 @@ which kernel, how much memory, what ran when, how the GPU is doing, what to chan
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
+import pytest
 from fake_source import FakeSource
 from profile_fixtures import MIB, big_report, cpu_report, cuda_report
 from test_tui import SIZE, active_tab, footer_keys, mounted, text_of, until
@@ -19,9 +24,11 @@ from textual.widgets import Input, TabbedContent
 from tensordbg.sources.contract import READ_ONLY
 from tensordbg.transport.client import LocalClient
 from tensordbg.tui.app import TensorDbgApp
+from tensordbg.tui.launch import session_app
 from tensordbg.tui.profiler.operators import by_operator
 from tensordbg.tui.profiler.overview import categories_of
 from tensordbg.tui.profiler.view import VIEWS, ProfilerView
+from tensordbg.tui.screens.main import TABS
 from tensordbg.tui.screens.profile_steps import ProfileStepsScreen
 
 
@@ -485,3 +492,68 @@ def test_the_views_are_switchable_in_the_nested_tabs() -> None:
         assert active_tab(app) == "profile"  # the outer tabs did not move
 
     run(FakeSource(report=cpu_report()), flow)
+
+
+# --- the demo, live -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_demo_offers_profiling_and_every_tab_is_reachable_and_fills_from_a_real_profile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The demo's training, live over ZeroMQ: the footer and the palette offer P, every tab and
+    every view of the Profile tab is a key away, and P then Enter profiles five real steps whose
+    report fills the views."""
+    from tensordbg import demo
+
+    assert "P" in (demo.__doc__ or "") and "profiles the next steps" in demo.__doc__
+    runtime = tmp_path / "rt"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("TENSORDBG_RUNTIME_DIR", str(runtime))
+    env = {**os.environ, "TENSORDBG_RUN_ID": "demoprof"}
+    # No broken batch within reach: the training runs while it is profiled.
+    training = subprocess.Popen(
+        [sys.executable, "-m", "tensordbg.demo", "--steps", "3000", "--bad-step", "100000"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    app = session_app(run_id="demoprof", wait=120.0, alive=lambda: training.poll() is None)
+    assert app is not None
+
+    async def flow() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "running", timeout=120)
+            await mounted(pilot)
+            assert "P" in footer_keys(app)
+            titles = [c.title for c in app.get_system_commands(app.main)]
+            assert "Profile the next N steps" in titles
+            for tab in TABS:
+                await pilot.press(tab.key)
+                await until(pilot, lambda t=tab: active_tab(app) == t.pane)
+            profiler = app.main.profiler_view
+            for view in VIEWS[1:]:
+                await pilot.press("f8")
+                await until(pilot, lambda v=view: profiler.active_view == v.key)
+            assert "NVML unavailable" in text_of(profiler.gpu.head) or profiler.gpu.polling
+            await pilot.press("f8")  # round to the Overview
+            await pilot.press("P")
+            await until(pilot, lambda: isinstance(app.screen, ProfileStepsScreen))
+            await pilot.press("enter")  # five steps, the default
+            await until(pilot, lambda: profiler.report is not None, timeout=120)
+            report = profiler.report
+            assert len(report["steps"]) == 5
+            assert "5 steps" in text_of(profiler.overview.head)
+            assert profiler.operators.table.row_count > 10
+            assert "aten::" in " ".join(r["name"] for r in profiler.operators.table.shown_rows())
+            assert sum(len(r.starts) for r in profiler.timeline.rows) > 0
+            if report["device"] == "cpu":
+                assert text_of(profiler.kernels.note).startswith("No kernels: ")
+            assert "Profile of steps" in text_of(profiler.status)
+            app.action_detach()
+            await until(pilot, lambda: not app.is_running)
+
+    try:
+        asyncio.run(flow())
+    finally:
+        training.terminate()
+        training.wait(timeout=30)
