@@ -244,8 +244,10 @@ class TensorDbgApp(App[int]):
         if action in ("control", "count", "tab", "search", "detach", "profile"):
             if self.screen is not self.main:  # a dialog or the session list: its keys only
                 return False
-            if action in ("tab", "search", "detach", "profile"):
+            if action in ("tab", "search", "detach"):
                 return True
+            if action == "profile":  # a training to profile (or to say why it cannot be)
+                return self.state in ("running", "paused")
             if action == "count":
                 return self.state == "paused"
             return parameters[0] in CONTROLS.get(self.state, ())
