@@ -382,6 +382,12 @@ class Session(Pipeline, OptimizerPhase):
 
         return profiler_of(self).start(steps, **options)
 
+    @property
+    def profiling(self) -> Any:
+        """The last profile asked for (a :class:`~tensordbg.profiler.ProfileHandle`), or None."""
+        profiler = self.__dict__.get("_profiler")
+        return profiler.handle if profiler is not None else None
+
     def subscribe(self, callback: Callable[[str, Any], None]) -> Callable[[], None]:
         """Call ``callback(event, payload)`` on every event of the bus (see
         :mod:`tensordbg.engine.bus`); it runs on the training thread and must not block."""

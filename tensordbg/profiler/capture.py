@@ -69,6 +69,9 @@ class ProfileHandle:
         self.report: ProfileReport | None = None
         """The report, once the steps are profiled and summarized; None before (and after a
         failure or a cancel)."""
+        self.torch_profile: Any = None
+        """The ``torch.profiler.profile`` that recorded the steps, once they are done: for what
+        the report leaves out (``key_averages(group_by_stack_n=5)``, ``export_stacks()``)."""
         self._profiler = profiler
         self._finished = threading.Event()
 
@@ -277,6 +280,7 @@ class Profiler:
             self._finish(run, None, "cancelled" if state == "done" else state, message)
             return
         run.handle.state = "summarizing"
+        run.handle.torch_profile = profiler
         run.wall = time.perf_counter() - run.clock[0] if run.clock else 0.0
         run.cpu = time.process_time() - run.clock[1] if run.clock else 0.0
         worker = threading.Thread(

@@ -181,19 +181,25 @@ class GpuSampler:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
-            try:
-                self.sample_once()
-            except _DriverGone as e:
-                self.available = False
-                self.reason = f"NVML unavailable: {e} (sampling stopped)"
-                return
-            except Exception as e:  # never the training's problem
-                self.reason = f"NVML sampling stopped: {e}"
-                self.available = False
+            if not self.sample_once():
                 return
 
-    def sample_once(self) -> None:
-        """Read every device once (the thread calls it; tests call it directly)."""
+    def sample_once(self) -> bool:
+        """Read every device once (the thread calls it; tests call it directly). False when
+        sampling must stop (the driver went away): :attr:`reason` says why."""
+        try:
+            self._sample_devices()
+        except _DriverGone as e:
+            self.available = False
+            self.reason = f"NVML unavailable: {e} (sampling stopped)"
+            return False
+        except Exception as e:  # never the training's problem
+            self.available = False
+            self.reason = f"NVML sampling stopped: {_describe(e)}"
+            return False
+        return True
+
+    def _sample_devices(self) -> None:
         nvml = self._nvml
         now = self._clock()
         taken = []
@@ -370,7 +376,10 @@ def _kind(nvml: Any, error: BaseException) -> str | None:
 
 
 def _describe(error: BaseException) -> str:
-    text = str(error).strip()
+    try:  # pynvml's str() asks the library for the text, which may be what is missing
+        text = str(error).strip()
+    except Exception:
+        text = ""
     return text or type(error).__name__
 
 
