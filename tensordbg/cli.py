@@ -106,10 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--on-hit",
-        choices=("pause", "raise", "record"),
+        choices=("pause", "raise", "record", "dump"),
         default="pause",
         help="what a hit does: pause the training for the UI (default), raise WatchpointHit, "
-        "or only record it",
+        "only record it, or record it and write its step into --dump-dir",
     )
     run.add_argument(
         "--sync",
@@ -158,6 +158,26 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST[:PORT]",
         type=_listen,
         help="with --remote: where to listen, e.g. 0.0.0.0:5555 (implies --remote)",
+    )
+    run.add_argument(
+        "--dump-dir",
+        metavar="DIR",
+        help="write a dump there: every step with a hit (open it with tensordbg replay, or "
+        "tensordbg.load in Python)",
+    )
+    run.add_argument(
+        "--dump-every",
+        type=_interval,
+        metavar="N",
+        help="with --dump-dir: also write every N-th step (statistics of every watched tensor)",
+    )
+    run.add_argument(
+        "--dump-tensors",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="with --dump-every: the values of the tensors whose names match, e.g. "
+        "'*.weight.grad' (repeatable)",
     )
     run.add_argument("script", nargs="?", help="the training script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
@@ -312,6 +332,14 @@ def _run(args: argparse.Namespace) -> int:
               "(see tensordbg run --help)", file=sys.stderr)  # fmt: skip
         return 2
 
+    if args.dump_dir is None and (args.dump_every or args.dump_tensors or args.on_hit == "dump"):
+        print("tensordbg run: --dump-every, --dump-tensors and --on-hit dump write into a dump: "
+              "give --dump-dir DIR too", file=sys.stderr)  # fmt: skip
+        return 2
+    dumps = {}
+    if args.dump_dir is not None:
+        dumps = {"dump_dir": args.dump_dir, "dump_every": args.dump_every,
+                 "dump_tensors": args.dump_tensors}  # fmt: skip
     rules = _rules(args.rules)
     if args.rule:
         rules = [*(default_rules() if rules is None else rules), *map(_rule, args.rule)]
@@ -328,6 +356,7 @@ def _run(args: argparse.Namespace) -> int:
         exclude=args.exclude,
         interval=args.interval,
         remote=args.listen or args.remote,
+        **dumps,
     )
 
 

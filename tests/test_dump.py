@@ -218,10 +218,12 @@ def test_flipped_bytes_fail_the_checksum(tmp_path):
     _write(tmp_path)
     path = tmp_path / "rank-0" / "step-00000002.safetensors"
     data = bytearray(path.read_bytes())
-    data[-3] ^= 0xFF  # in the last tensor's bytes
+    data[-3] ^= 0xFF  # in the bytes of "scalar" (the last tensor, "empty", has none)
     path.write_bytes(bytes(data))
     dump = load(tmp_path)
-    assert dump.verify() == {(2, 0): f"{path} fails its checksum: its bytes changed after writing"}
+    assert dump.verify() == {
+        (2, 0): f"{path} fails its checksum at scalar: its bytes changed after writing"
+    }
     with pytest.raises(DumpError, match=r"step-00000002\.safetensors fails its checksum"):
         load(tmp_path).tensor("scalar").value(2)  # checked when read, without verify()
     assert load(tmp_path).tensor("scalar").value(1) == 2.5

@@ -4,6 +4,9 @@ write leaves the training running and the dump marked incomplete."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -121,11 +124,11 @@ def test_a_failed_write_keeps_the_training_running_and_marks_the_dump_incomplete
     real = dump_writer.fmt.write_atomic
     calls = []
 
-    def failing(path, chunks):
+    def failing(path, chunks, **how):
         if path.name.endswith(".safetensors"):
             calls.append(path)
             raise OSError(28, "No space left on device")
-        return real(path, chunks)
+        return real(path, chunks, **how)
 
     monkeypatch.setattr(dump_writer.fmt, "write_atomic", failing)
     model = _model()
@@ -152,3 +155,47 @@ def test_dump_arguments_are_checked(tmp_path):
         tensordbg.attach(model, dump_every=3, server=False)
     with pytest.raises(DumpError):
         tensordbg.load(tmp_path)
+
+
+RUN_SCRIPT = """
+import sys
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+for step in range(6):
+    x = torch.randn(16, 4)
+    if step == 3:
+        x[0, 0] = float("nan")  # a bad batch
+    loss = model(x).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+"""
+
+
+def test_tensordbg_run_writes_a_dump_without_changing_the_script(tmp_path):
+    (tmp_path / "train.py").write_text(RUN_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, "-m", "tensordbg.cli", "run", "--on-hit", "dump", "--dump-dir", "dbg",
+         "--dump-every", "2", "--dump-tensors", "*.weight", "train.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr  # a watchpoint hit, as with --on-hit record
+    dump = tensordbg.load(tmp_path / "dbg")
+    assert dump.meta["complete"] and dump.meta["argv"][0] == "train.py"
+    assert dump.hits and dump.hits[0].step == 3
+    assert {0, 2, 3, 4} <= set(dump.steps())
+    assert dump.tensor("loss").steps() == dump.steps()  # the loss the runner observes
+
+
+def test_tensordbg_run_says_dump_flags_need_a_dump_dir(tmp_path):
+    (tmp_path / "train.py").write_text(RUN_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, "-m", "tensordbg.cli", "run", "--dump-every", "2", "train.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "give --dump-dir DIR too" in done.stderr and "Traceback" not in done.stderr

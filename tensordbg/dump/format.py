@@ -112,16 +112,20 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, chunks: Iterable[bytes | memoryview]) -> tuple[int, int]:
+def write_atomic(
+    path: Path, chunks: Iterable[bytes | memoryview], checksum: bool = True
+) -> tuple[int, int]:
     """Write ``chunks`` to ``path`` so that the file appears whole or not at all; returns its
-    size and CRC-32. A failure removes the temporary file and raises."""
+    size and CRC-32 (0 without ``checksum``). A failure removes the temporary file and
+    raises."""
     tmp = path.with_name(path.name + TMP_SUFFIX)
     size, crc = 0, 0
     try:
         with open(tmp, "wb") as f:
             for chunk in chunks:
                 f.write(chunk)
-                crc = zlib.crc32(chunk, crc)
+                if checksum:
+                    crc = zlib.crc32(chunk, crc)
                 size += len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
             f.flush()
             os.fsync(f.fileno())
