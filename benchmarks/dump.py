@@ -126,15 +126,61 @@ def bench_step(rounds: int) -> None:
           f"<= 1.02x, {rounds} rounds, {steps} steps dumped)")  # fmt: skip
 
 
+def bench_check(rounds: int, steps: int = 1000, tensors: int = 64) -> None:
+    """tensordbg check (open the dump, judge it with the default rules) over ``steps`` dumped
+    steps of statistics only, ``tensors`` watched tensors a step (outputs, gradients and
+    parameters of a 16-layer model), every statistic the default rules read."""
+    from tensordbg.offline.check import check_dump
+    from tensordbg.statistics import (
+        ABS_MEAN,
+        FINITE,
+        L2,
+        MAX,
+        MEAN,
+        MIN,
+        NAN,
+        NEGINF,
+        POSINF,
+        ZERO_FRAC,
+    )
+
+    kinds = ("output", "grad_output", "grad", "param")
+    names = [(f"layers.{i // 4}", kinds[i % 4]) for i in range(tensors)]
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        writer = DumpWriter(Path(tmp) / "dump", {"rules": []})
+        for step in range(steps):
+            entries = []
+            for name, kind in names:
+                x = rng.standard_normal(4)
+                stats = {str(s): float(v) for s, v in zip(
+                    (FINITE, MIN, MAX, NAN, POSINF, NEGINF, MEAN, ABS_MEAN, L2, ZERO_FRAC),
+                    (1.0, x.min(), x.max(), 0, 0, 0, x.mean(), abs(x).mean(), 100 + x[0], 0.0),
+                    strict=True)}  # fmt: skip
+                phase = {"output": "forward", "param": "optimizer"}.get(kind, "backward")
+                entries.append({"name": f"{name}.{kind}", "module": name.rsplit(".", 1)[0],
+                                "phase": phase, "kind": kind, "shape": [256, 256],
+                                "dtype": "float32", "stats": stats})  # fmt: skip
+            writer.write_step(step, 0, entries, {}, [])
+        writer.close()
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            report = check_dump(tensordbg.load(Path(tmp) / "dump"))
+            times.append(time.perf_counter() - start)
+    print(f"check  {steps} steps x {tensors} tensors of statistics: {_median_ms(times):7.0f} ms "
+          f"(min {min(times) * 1e3:.0f} ms, {rounds} rounds, target < 2000 ms; "
+          f"{len(report.findings)} findings)")  # fmt: skip
+
+
 # --- the measurements, by name ------------------------------------------------------------------
-# The replay engineer adds `check` (tensordbg check over 1,000 dumped steps of statistics, target
-# under 2 s) here: a function taking the number of rounds, printing one line.
 BENCHMARKS: dict[str, Callable[[int], None]] = {
     "write": bench_write,
     "slice": bench_slice,
     "step": bench_step,
+    "check": bench_check,
 }
-ROUNDS = {"write": 5, "slice": 9, "step": 40}
+ROUNDS = {"write": 5, "slice": 9, "step": 40, "check": 3}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tensordbg import __version__
@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("dump", help="the dump's directory (attach(dump_dir=...))")
     replay.add_argument("--rank", type=int, default=None, help="the rank to show (default: first)")
     replay.add_argument("--step", type=int, default=None, help="the dumped step to open at")
-    replay.set_defaults(handler=_replay)
+    replay.set_defaults(handler=_offline("replay"))
 
     check = _command(commands, "check", "judge a dump with rules again, offline")
     check.add_argument("dump", help="the dump's directory")
@@ -226,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit 1 also when a rule could not judge a tensor (a statistic it needs was not "
         "dumped, nor the values to compute it)",
     )
-    check.set_defaults(handler=_check)
+    check.set_defaults(handler=_offline("check"))
 
     diff = _command(commands, "diff", "find where two dumped runs parted")
     diff.add_argument("a", help="the first dump's directory")
@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("--ranks", type=_ranks, default=(0, 0), metavar="RA,RB",
                       help="compare rank RA of A with rank RB of B (default 0,0)")  # fmt: skip
     diff.add_argument("--json", action="store_true", help="print the report as JSON")
-    diff.set_defaults(handler=_diff)
+    diff.set_defaults(handler=_offline("diff"))
     return parser
 
 
@@ -396,86 +396,16 @@ def _ranks(text: str) -> tuple[int, int]:
     return (ranks[0], ranks[-1])
 
 
-def _open_dump(path: str, command: str) -> Any:
-    """The dump at ``path``, or None after one sentence on stderr saying why it cannot be read."""
-    from tensordbg.dump import DumpError, load
+def _offline(name: str) -> Callable[[argparse.Namespace], int]:
+    """The handler of ``replay``, ``check`` or ``diff`` (tensordbg.offline.commands), imported
+    when the command runs."""
 
-    try:
-        return load(path)
-    except DumpError as e:
-        print(f"tensordbg {command}: {e}", file=sys.stderr)
-        return None
+    def handler(args: argparse.Namespace) -> int:
+        from tensordbg.offline import commands
 
+        return int(getattr(commands, name)(args, rules=_rules, rule=_rule))
 
-def _replay(args: argparse.Namespace) -> int:
-    from tensordbg.sources.contract import SourceError
-    from tensordbg.sources.replay import ReplaySource
-
-    dump = _open_dump(args.dump, "replay")
-    if dump is None:
-        return 2
-    try:
-        source = ReplaySource(dump, rank=args.rank)
-        if args.step is not None:
-            source.goto(step=args.step)
-    except SourceError as e:
-        print(f"tensordbg replay: {e}", file=sys.stderr)
-        return 2
-    if not sys.stdout.isatty():
-        print("tensordbg replay needs a terminal; `tensordbg check` reads a dump as text.",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    from tensordbg.transport.client import LocalClient
-    from tensordbg.tui.app import TensorDbgApp
-
-    app = TensorDbgApp(LocalClient(source))
-    result = app.run()
-    report = app.crash_file.exit_message()
-    if report is not None:
-        print(report, file=sys.stderr)
-    return app.return_code or int(result or 0)
-
-
-def _check(args: argparse.Namespace) -> int:
-    import json
-
-    dump = _open_dump(args.dump, "check")
-    if dump is None:
-        return 2
-    from tensordbg.offline.check import check_dump
-    from tensordbg.rules import default_rules
-
-    rules = None
-    if args.rules is not None or args.rule:
-        rules = _rules(args.rules or "default")
-        rules = [*(default_rules() if rules is None else rules), *map(_rule, args.rule)]
-    report = check_dump(dump, rules)
-    if args.json:
-        print(json.dumps(report.as_json(), indent=1))
-    else:
-        print(report.table())
-    if args.strict and report.unjudged:
-        return 1
-    return report.exit_code
-
-
-def _diff(args: argparse.Namespace) -> int:
-    import json
-
-    a = _open_dump(args.a, "diff")
-    b = _open_dump(args.b, "diff") if a is not None else None
-    if a is None or b is None:
-        return 2
-    from tensordbg.offline.diff import diff_dumps
-
-    for dump, rank in ((a, args.ranks[0]), (b, args.ranks[1])):
-        if rank not in dump.ranks:
-            print(f"tensordbg diff: {dump.path} has no rank {rank} (ranks: {dump.ranks})",
-                  file=sys.stderr)  # fmt: skip
-            return 2
-    report = diff_dumps(a, b, rtol=args.rtol, atol=args.atol, ranks=args.ranks)
-    print(json.dumps(report.as_json(), indent=1) if args.json else report.text())
-    return report.exit_code
+    return handler
 
 
 def _demo(args: argparse.Namespace) -> int:

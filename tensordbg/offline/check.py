@@ -320,10 +320,16 @@ class _Value:
 def _values(dumped: dict[str, Any]) -> dict[Stat, float]:
     out = {}
     for name, value in dumped.items():
-        stat = parse_stat(name)
+        stat = _parsed.get(name, _UNSEEN)
+        if stat is _UNSEEN:  # a few names recur on every tensor: each is parsed once
+            stat = _parsed[name] = parse_stat(name)
         if stat is not None and isinstance(value, (int, float)):
             out[stat] = float(value)
     return out
+
+
+_parsed: dict[str, Stat | None] = {}
+_UNSEEN: Any = object()
 
 
 def _note_unjudged(

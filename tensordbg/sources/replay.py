@@ -14,7 +14,6 @@ readable. numpy only: this module never imports torch.
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 from collections.abc import Callable
@@ -22,8 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from tensordbg.rules import Rule, available_rules
-from tensordbg.sources import contract
+from tensordbg.sources import contract, recorded
 from tensordbg.sources.contract import EventCallback, SourceError
 from tensordbg.sources.slicing import (
     SliceError,
@@ -145,10 +143,10 @@ class ReplaySource:
                                          "steps_per_sec": []}  # fmt: skip
             numbers = getattr(self.dump, "numbers", None)
             for step in self.steps[-HISTORY:]:
-                recorded = _recorded_numbers(numbers, step, self.rank)
-                if recorded:  # what the training measured itself
+                measured = _recorded_numbers(numbers, step, self.rank)
+                if measured:  # what the training measured itself
                     for key in ("loss", "grad_norm", "steps_per_sec"):
-                        out[key].append(_num(recorded.get(key)))
+                        out[key].append(_num(measured.get(key)))
                     out["step"].append(step)
                     continue
                 entries = self._step_entries(step, quiet=True)
@@ -313,14 +311,14 @@ class ReplaySource:
         """What the dump recorded of where the tensor came from: its producer and inputs (as
         refs of the same step when they were dumped), consumers, the user's line and stack."""
         step, entry = self._entry(ref)
-        recorded = entry.provenance if isinstance(entry.provenance, dict) else {}
+        made = entry.provenance if isinstance(entry.provenance, dict) else {}
         types = {str(m.get("path", "")): str(m.get("type", "")) for m in self.dump.modules}
-        producer = recorded.get("producer")
+        producer = made.get("producer")
         if not isinstance(producer, dict):
             producer = {"module": entry.module, "type": types.get(entry.module, ""), "call": 0}
         entries = self._step_entries(step, quiet=True)
         inputs = []
-        for item in recorded.get("inputs") or []:
+        for item in made.get("inputs") or []:
             if not isinstance(item, dict):
                 continue
             name = str(item.get("name", ""))
@@ -342,14 +340,14 @@ class ReplaySource:
             "ref": ref,
             "name": entry.name,
             "kind": entry.kind,
-            "producer": _call_site(producer),
-            "returned_by": _call_site(recorded.get("returned_by")),
+            "producer": recorded.call_site(producer),
+            "returned_by": recorded.call_site(made.get("returned_by")),
             "inputs": inputs,
-            "consumers": [c for c in map(_call_site, recorded.get("consumers") or []) if c],
-            "source": _source_line(recorded.get("source")),
+            "consumers": [c for c in map(recorded.call_site, made.get("consumers") or []) if c],
+            "source": recorded.source_line(made.get("source")),
             "stack": [
                 [str(f[0]), int(f[1]), str(f[2])]
-                for f in recorded.get("stack") or []
+                for f in made.get("stack") or []
                 if isinstance(f, (list, tuple)) and len(f) == 3
             ],
         }
@@ -357,28 +355,13 @@ class ReplaySource:
     def rules(self) -> contract.Rules:
         """The rules the run was recorded with (as the dump's metadata says), and the rules
         ``tensordbg check --rules`` can judge it with."""
-        recorded = self.dump.meta.get("rules") or []
-        rules = []
-        for i, spec in enumerate(recorded if isinstance(recorded, list) else []):
-            spec = spec if isinstance(spec, dict) else {"name": str(spec)}
-            name = str(spec.get("name", "?"))
-            rules.append(
-                {
-                    "id": i,
-                    "name": name,
-                    "enabled": bool(spec.get("enabled", True)),
-                    "doc": str(spec.get("doc", "")),
-                    "params": {str(k): _plain(v) for k, v in (spec.get("params") or {}).items()},
-                    "match": [str(m) for m in _listed(spec.get("match", ["*"]))],
-                    "exclude": [str(m) for m in _listed(spec.get("exclude", []))],
-                    "kinds": [str(m) for m in _listed(spec.get("kinds", []))],
-                    "disabled_reason": None,
-                    "hits": sum(h["rule"] == name for h in self._hits),
-                }
-            )
-        available = [{"name": name, "doc": _doc(cls), "params": _default_params(cls)}
-                     for name, cls in available_rules().items()]  # fmt: skip
-        return {"rules": rules, "available": available}
+        hits: dict[str, int] = {}
+        for hit in self._hits:
+            hits[hit["rule"]] = hits.get(hit["rule"], 0) + 1
+        return {
+            "rules": recorded.rule_dicts(self.dump.meta.get("rules") or [], hits),
+            "available": recorded.available(),
+        }
 
     def subscribe(self, callback: EventCallback) -> Callable[[], None]:
         # A recording pushes nothing: it changes only when the person moves (goto's reply).
@@ -490,48 +473,3 @@ def _call_of(name: str) -> int:
 
 def _num(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
-
-
-def _call_site(value: Any) -> contract.CallSite | None:
-    if not isinstance(value, dict):
-        return None
-    return {"module": str(value.get("module", "")), "type": str(value.get("type", "")),
-            "call": int(value.get("call", 0))}  # fmt: skip
-
-
-def _source_line(value: Any) -> contract.SourceLine | None:
-    if not isinstance(value, dict) or "file" not in value:
-        return None
-    return {
-        "file": str(value["file"]),
-        "line": int(value.get("line", 0)),
-        "function": str(value.get("function", "")),
-        "context": [[int(c[0]), str(c[1])] for c in value.get("context") or [] if len(c) == 2],
-    }
-
-
-def _listed(value: Any) -> list[Any]:
-    return [value] if isinstance(value, str) else list(value or [])
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return value
-
-
-def _doc(cls: type[Rule]) -> str:
-    doc = inspect.getdoc(cls) or cls.__name__
-    return doc.strip().splitlines()[0]
-
-
-def _default_params(cls: type[Rule]) -> dict[str, Any]:
-    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    out = {}
-    for name, p in inspect.signature(cls.__init__).parameters.items():
-        if name in ("self", "match", "exclude", "kinds") or p.kind not in named:
-            continue
-        out[name] = _plain(None if p.default is inspect.Parameter.empty else p.default)
-    return out
