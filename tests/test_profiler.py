@@ -155,6 +155,13 @@ def test_the_chrome_trace_is_gzip_json_with_the_steps_and_ranges(slow_run):
                      "tensordbg: backward", "tensordbg: optimizer", "aten::addmm"):  # fmt: skip
         assert expected in names
     assert any(n.startswith("enumerate(DataLoader)") for n in names)
+    # Perfetto wants the ranges of a thread nested: no step begins or ends inside optimizer.step
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    steps = [e for e in spans if e["name"].startswith("ProfilerStep#")]
+    for opt in (e for e in spans if e["name"].startswith("Optimizer.step#")):
+        for step in steps:
+            for t in (step["ts"], step["ts"] + step["dur"]):
+                assert not opt["ts"] < t < opt["ts"] + opt["dur"]
     assert str(path) in handle.report.text()
 
 

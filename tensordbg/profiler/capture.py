@@ -71,7 +71,8 @@ class ProfileHandle:
         failure or a cancel)."""
         self.torch_profile: Any = None
         """The ``torch.profiler.profile`` that recorded the steps, once they are done: for what
-        the report leaves out (``key_averages(group_by_stack_n=5)``, ``export_stacks()``)."""
+        the report leaves out (``key_averages(group_by_stack_n=5)``, ``export_stacks()``); its
+        Chrome trace is already written (torch writes one once): ``report.trace``."""
         self._profiler = profiler
         self._finished = threading.Event()
 

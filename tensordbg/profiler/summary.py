@@ -125,19 +125,50 @@ class Capture:
             plain = Path(scratch) / "trace.json"
             profiler.export_chrome_trace(str(plain))
             with open(plain, "rb") as f:
-                raw = f.read()
-        with gzip.open(trace, "wb", compresslevel=3) as out:
-            out.write(raw)
-        events = json.loads(raw).get("traceEvents", [])
+                document = json.load(f)
+        events = document.get("traceEvents", [])
+        with gzip.open(trace, "wt", compresslevel=3, encoding="utf-8") as out:
+            json.dump({**document, "traceEvents": nest_steps(events)}, out, separators=(",", ":"))
         averages = [
-            _average(row) for row in profiler.key_averages(group_by_input_shape=record_shapes)
+            key_average_row(row)
+            for row in profiler.key_averages(group_by_input_shape=record_shapes)
         ]
         return cls(
             events, averages, list(steps), device, main_thread, str(trace), host, memory_limit
         )
 
 
-def _average(row: Any) -> dict[str, Any]:
+def nest_steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events with each step boundary moved out of the range it falls in, for the trace
+    file. The profiler's steps end where the session's step ends, in the optimizer's step
+    post-hook, inside ``Optimizer.step#...``; a trace viewer wants the ranges of a thread nested,
+    so in the file the boundary moves to the end of the outermost range that holds it (the tail
+    of ``optimizer.step()``, microseconds). The summary keeps torch's boundaries."""
+    spans = [e for e in events if e.get("ph") == "X" and "ts" in e and "dur" in e]
+    steps = sorted((e for e in spans if str(e.get("name", "")).startswith(STEP_PREFIX)),
+                   key=lambda e: e["ts"])  # fmt: skip
+    if not steps:
+        return events
+    lane = (steps[0].get("pid"), steps[0].get("tid"))
+    mine = {id(e) for e in steps}
+    others = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in spans
+              if (e.get("pid"), e.get("tid")) == lane and id(e) not in mine]  # fmt: skip
+
+    def outside(t: float) -> float:
+        holders = [(start, end) for start, end in others if start < t < end]
+        return min(holders)[1] if holders else t  # the outermost one's end
+
+    moved = {}
+    for step in steps:
+        start, end = float(step["ts"]), float(step["ts"]) + float(step["dur"])
+        start, end = outside(start), outside(end)
+        moved[id(step)] = {**step, "ts": start, "dur": max(0.0, end - start)}
+    return [moved.get(id(e), e) for e in events]
+
+
+def key_average_row(row: Any) -> dict[str, Any]:
+    """One row of ``key_averages()`` as plain data (seconds, bytes)."""
+
     def get(*names: str) -> float:
         for name in names:
             value = getattr(row, name, None)
