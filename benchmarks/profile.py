@@ -39,7 +39,8 @@ import torch  # noqa: E402
 import tensordbg  # noqa: E402
 from tensordbg.profiler.advisor import advise  # noqa: E402
 from tensordbg.profiler.nvml import GpuSampler  # noqa: E402
-from tensordbg.profiler.summary import Capture, key_average_row, summarize  # noqa: E402
+from tensordbg.profiler.summary import summarize  # noqa: E402
+from tensordbg.profiler.trace import Capture, key_average_row  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("overhead", HERE / "overhead.py")
 overhead = importlib.util.module_from_spec(_spec)

@@ -12,7 +12,8 @@ from tensordbg.profiler import advisor
 from tensordbg.profiler.advisor import AdviceRule, advise
 from tensordbg.profiler.capture import _memory_history
 from tensordbg.profiler.report import ProfileReport
-from tensordbg.profiler.summary import Capture, nest_steps, summarize, tensor_core
+from tensordbg.profiler.summary import summarize, tensor_core
+from tensordbg.profiler.trace import Capture, nest_steps
 
 
 def span(name, ts, dur, cat="user_annotation", pid=1, tid=10, **args):

@@ -296,7 +296,8 @@ class Profiler:
 
     def _summarize(self, run: _Run, profiler: Any, snapshot: str | None, message: str) -> None:
         from tensordbg.profiler.advisor import advise
-        from tensordbg.profiler.summary import Capture, summarize
+        from tensordbg.profiler.summary import summarize
+        from tensordbg.profiler.trace import Capture
 
         try:
             capture = Capture.from_profiler(
