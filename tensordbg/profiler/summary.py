@@ -16,6 +16,7 @@ calls), DataLoader, forward, backward, optimizer; the rest is other. Time paused
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 import statistics
 from collections import defaultdict
@@ -82,7 +83,14 @@ TENSOR_CORE_ELIGIBLE = (
 
 def summarize(capture: Capture) -> ProfileReport:
     """The report of a capture (advice is the advisor's: :func:`~.advisor.advise`)."""
-    spans = [e for e in capture.events if e.get("ph") == "X" and "dur" in e and "ts" in e]
+    spans, memory_events = [], []
+    for e in capture.events:  # one pass: a trace of a few steps holds 10^5 events
+        ph = e.get("ph")
+        if ph == "X":
+            if "dur" in e and "ts" in e:
+                spans.append(e)
+        elif ph == "i" and e.get("name") == "[memory]":
+            memory_events.append(e)
     step_spans = _steps(spans, len(capture.steps))
     cuda = capture.device != "cpu"
     report = ProfileReport(
@@ -100,7 +108,7 @@ def summarize(capture: Capture) -> ProfileReport:
     report.paused_seconds = sum(_overlap(paused, s, e) for s, e in step_spans) * 1e-6
     report.operators = _operators(capture.averages)
     report.kernels, report.kernels_note = _kernels(spans, window, cuda)
-    report.memory = _memory(capture, window)
+    report.memory = _memory(capture, memory_events, window)
     report.timeline = _timeline(spans, window, capture.main_thread)
     report.outliers = _outliers(report.breakdown)
     if cuda:
@@ -307,12 +315,14 @@ def _kernels(
     return rows[:MAX_KERNELS], None
 
 
-def _memory(capture: Capture, window: tuple[float, float]) -> dict[str, Any]:
+def _memory(
+    capture: Capture, events: list[dict[str, Any]], window: tuple[float, float]
+) -> dict[str, Any]:
     cuda = capture.device != "cpu"
     wanted_type = 1 if cuda else 0  # the trace's "Device Type": 0 CPU, 1 CUDA
     points = []
-    for e in capture.events:
-        if e.get("name") != "[memory]" or not window[0] <= e.get("ts", -1) < window[1]:
+    for e in events:
+        if not window[0] <= e.get("ts", -1) < window[1]:
             continue
         args = e.get("args", {})
         if args.get("Device Type") != wanted_type:
@@ -355,27 +365,18 @@ def _timeline(
     spans: list[dict[str, Any]], window: tuple[float, float], main_thread: int
 ) -> dict[str, Any]:
     start, end = window
-    lanes: dict[tuple[Any, Any], list[list[Any]]] = defaultdict(list)
-    gpu_lanes: set[tuple[Any, Any]] = set()
-    for e in spans:
-        cat = e.get("cat")
-        if cat in (None, "Trace"):
-            continue
-        s, d = float(e["ts"]), float(e["dur"])
-        if s + d <= start or s >= end:
-            continue
-        s0, s1 = max(s, start), min(s + d, end)
-        key = (e.get("pid"), e.get("tid"))
-        if cat in ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"):
-            gpu_lanes.add(key)
-        lanes[key].append([(s0 - start) * 1e-6, (s1 - s0) * 1e-6, str(e.get("name", ""))])
-    every = [(key, span) for key, items in lanes.items() for span in items]
-    if len(every) > MAX_SPANS:
-        every.sort(key=lambda item: item[1][1], reverse=True)
-        every = every[:MAX_SPANS]
+    inside = [e for e in spans if e.get("cat") not in (None, "Trace")
+              and e["ts"] < end and e["ts"] + e["dur"] > start]  # fmt: skip
+    if len(inside) > MAX_SPANS:  # the longest are kept
+        inside = heapq.nlargest(MAX_SPANS, inside, key=lambda e: e["dur"])
     kept: dict[tuple[Any, Any], list[list[Any]]] = defaultdict(list)
-    for key, span in every:
-        kept[key].append(span)
+    gpu_lanes: set[tuple[Any, Any]] = set()
+    for e in inside:
+        s0, s1 = max(float(e["ts"]), start), min(float(e["ts"]) + float(e["dur"]), end)
+        key = (e.get("pid"), e.get("tid"))
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"):
+            gpu_lanes.add(key)
+        kept[key].append([(s0 - start) * 1e-6, (s1 - s0) * 1e-6, str(e.get("name", ""))])
     devices = {pid for pid, _ in gpu_lanes}
     out = []
     for key in sorted(kept, key=lambda k: (k in gpu_lanes, str(k))):
