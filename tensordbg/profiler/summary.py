@@ -1,11 +1,10 @@
 """Summary: from what ``torch.profiler`` recorded to a :class:`~.report.ProfileReport`.
 
-Two inputs, both taken from the profiler once it stopped (:meth:`.trace.Capture.from_profiler`): the
-Chrome trace it exports (every event with its category: ``cpu_op``, ``user_annotation``,
-``kernel``, ``gpu_memcpy``, ``gpu_memset``, ``cuda_runtime``, ``[memory]``...), which is also
-written gzip-compressed next to the run for Perfetto, and ``key_averages()``, which the operator
-table is (so it agrees with what ``torch.profiler`` prints). Everything below works on plain
-dicts, so the GPU paths are tested with made-up kernel events on a machine without one.
+The input is the Chrome trace the profiler exports (:class:`.trace.Capture`: every event with
+its category: ``cpu_op``, ``user_annotation``, ``kernel``, ``gpu_memcpy``, ``gpu_memset``,
+``cuda_runtime``, ``[memory]``...); the operator table is counted from it as ``key_averages()``
+counts (:mod:`.operators`). Everything below works on plain dicts, so the GPU paths are tested
+with made-up kernel events on a machine without one.
 
 Per step (a ``ProfilerStep#k`` range), each instant of the step's wall time is given to the first
 category that covers it: kernel, memcpy, memset, communication (NCCL kernels), runtime (CUDA API
@@ -22,8 +21,9 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
+from tensordbg.profiler.operators import operator_rows
 from tensordbg.profiler.report import CATEGORIES, DEVICE_CATEGORIES, ProfileReport
-from tensordbg.profiler.trace import STEP_PREFIX, Capture
+from tensordbg.profiler.trace import STEP_PREFIX, Capture, nest_steps
 
 MAX_SPANS = 20_000
 MAX_CURVE = 2_000
@@ -106,6 +106,11 @@ def summarize(capture: Capture) -> ProfileReport:
     intervals, paused = _categories(spans, cuda)
     report.breakdown = _breakdown(report.steps, step_spans, intervals, paused, cuda)
     report.paused_seconds = sum(_overlap(paused, s, e) for s, e in step_spans) * 1e-6
+    if capture.averages is None:
+        # Counted on the steps nested as in the trace file: the step boundary inside
+        # optimizer.step() would otherwise cut that call's children away from it.
+        nested = nest_steps(spans)
+        capture.averages = operator_rows(nested, memory_events, capture.flops, capture.by_shape)
     report.operators = _operators(capture.averages)
     report.kernels, report.kernels_note = _kernels(spans, window, cuda)
     report.memory = _memory(capture, memory_events, window)

@@ -1,7 +1,7 @@
 """The profiler's output as plain data: the Chrome trace ``torch.profiler`` exports (written
-gzip-compressed next to the run, for Perfetto) and its ``key_averages()`` rows, taken once the
-profiler stopped. :mod:`.summary` works on this :class:`Capture` only, so its GPU paths are
-tested with made-up events on a machine without a GPU.
+gzip-compressed next to the run, for Perfetto), taken once the profiler stopped.
+:mod:`.summary` works on this :class:`Capture` only, so its GPU paths are tested with made-up
+events on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -9,11 +9,14 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tensordbg.profiler.operators import kineto_flops
 
 STEP_PREFIX = "ProfilerStep#"
 
@@ -24,9 +27,10 @@ class Capture:
 
     events: list[dict[str, Any]]
     """The Chrome trace's ``traceEvents``."""
-    averages: list[dict[str, Any]]
-    """``key_averages()`` rows: name, calls, self/total CPU and device time (seconds), input
-    shapes, flops, self CPU/device memory (bytes), user annotation or not."""
+    averages: list[dict[str, Any]] | None
+    """Operator rows as ``key_averages()`` counts them (name, calls, self/total CPU and device
+    seconds, input shapes, flops, self CPU/device memory bytes); None: the summary counts them
+    from the events (:mod:`.operators`)."""
     steps: list[int]
     """The session's numbers of the profiled steps, in order (ProfilerStep#1 is the first)."""
     device: str = "cpu"
@@ -34,6 +38,11 @@ class Capture:
     trace: str | None = None
     host: dict[str, Any] = field(default_factory=dict)
     memory_limit: int | None = None
+    flops: dict[tuple[str, str | None], int] = field(default_factory=dict)
+    """FLOPs by operator name and shapes, as torch counted them (the trace does not carry
+    them)."""
+    by_shape: bool = False
+    """Whether operators are told apart by their input shapes too."""
 
     @classmethod
     def from_profiler(
@@ -48,25 +57,38 @@ class Capture:
         host: dict[str, Any],
         memory_limit: int | None,
     ) -> Capture:
-        """Export the trace of a stopped ``torch.profiler.profile`` (gzip, into ``directory``),
-        read it back, and take its ``key_averages()``."""
+        """Export the trace of a stopped ``torch.profiler.profile``, write it gzip-compressed
+        into ``directory`` (its steps nested, see :func:`nest_steps`) and read its events."""
         stamp = time.strftime("%Y%m%d-%H%M%S")
         trace = directory / f"trace-{stamp}-{os.getpid()}.json.gz"
         with tempfile.TemporaryDirectory(prefix="tensordbg-trace-") as scratch:
             plain = Path(scratch) / "trace.json"
             profiler.export_chrome_trace(str(plain))
-            with open(plain, "rb") as f:
-                document = json.load(f)
-        events = document.get("traceEvents", [])
+            raw = plain.read_text(encoding="utf-8")
+        events = json.loads(raw).get("traceEvents", [])
+        # Re-serializing 10^5 events costs seconds: the few step events are edited in the text.
         with gzip.open(trace, "wt", compresslevel=3, encoding="utf-8") as out:
-            json.dump({**document, "traceEvents": nest_steps(events)}, out, separators=(",", ":"))
-        averages = [
-            key_average_row(row)
-            for row in profiler.key_averages(group_by_input_shape=record_shapes)
-        ]
-        return cls(
-            events, averages, list(steps), device, main_thread, str(trace), host, memory_limit
-        )
+            out.write(_nested_text(raw, events))
+        return cls(events, None, list(steps), device, main_thread, str(trace), host,
+                   memory_limit, kineto_flops(profiler, record_shapes), record_shapes)  # fmt: skip
+
+
+_STEP_TEXT = re.compile(
+    r'("name": "ProfilerStep#(\d+)",[^{}]*?"ts": )([-0-9.e+]+)(,\s*"dur": )([-0-9.e+]+)'
+)
+
+
+def _nested_text(raw: str, events: list[dict[str, Any]]) -> str:
+    moved = {str(e["name"]): e for e in nest_steps(events)
+             if e.get("ph") == "X" and str(e.get("name", "")).startswith(STEP_PREFIX)}  # fmt: skip
+
+    def edit(match: re.Match[str]) -> str:
+        event = moved.get(f"{STEP_PREFIX}{match.group(2)}")
+        if event is None:
+            return match.group(0)
+        return f"{match.group(1)}{event['ts']:.3f}{match.group(4)}{event['dur']:.3f}"
+
+    return _STEP_TEXT.sub(edit, raw)
 
 
 def nest_steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -95,29 +117,3 @@ def nest_steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         start, end = outside(start), outside(end)
         moved[id(step)] = {**step, "ts": start, "dur": max(0.0, end - start)}
     return [moved.get(id(e), e) for e in events]
-
-
-def key_average_row(row: Any) -> dict[str, Any]:
-    """One row of ``key_averages()`` as plain data (seconds, bytes)."""
-
-    def get(*names: str) -> float:
-        for name in names:
-            value = getattr(row, name, None)
-            if value is not None:
-                return float(value)
-        return 0.0
-
-    shapes = getattr(row, "input_shapes", None)
-    return {
-        "name": row.key,
-        "calls": int(row.count),
-        "self_cpu": get("self_cpu_time_total") * 1e-6,
-        "total_cpu": get("cpu_time_total") * 1e-6,
-        "self_device": get("self_device_time_total", "self_cuda_time_total") * 1e-6,
-        "total_device": get("device_time_total", "cuda_time_total") * 1e-6,
-        "input_shapes": str(shapes) if shapes and any(shapes) else None,
-        "flops": int(row.flops) if getattr(row, "flops", 0) else None,
-        "self_cpu_memory": int(get("self_cpu_memory_usage")),
-        "self_device_memory": int(get("self_device_memory_usage", "self_cuda_memory_usage")),
-        "annotation": bool(getattr(row, "is_user_annotation", False)),
-    }
