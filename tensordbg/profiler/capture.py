@@ -423,7 +423,8 @@ def _between_steps(session: Any) -> bool:
 def _directory(session: Any, directory: str | os.PathLike[str] | None) -> Path:
     """Where the trace goes: the directory asked for, the session's dump directory, else
     ``<tmp>/tensordbg-<user>/<run id>``."""
-    chosen = directory or getattr(session, "dump_dir", None)
+    dumps = getattr(session, "dumps", None)  # attach(dump_dir=...): its writer's folder
+    chosen = directory or getattr(getattr(dumps, "writer", None), "root", None)
     if chosen is None:
         try:
             user = getpass.getuser()
