@@ -12,7 +12,8 @@ from tensordbg.profiler import advisor
 from tensordbg.profiler.advisor import AdviceRule, advise
 from tensordbg.profiler.capture import _memory_history
 from tensordbg.profiler.report import ProfileReport
-from tensordbg.profiler.summary import Capture, summarize, tensor_core
+from tensordbg.profiler.summary import summarize, tensor_core
+from tensordbg.profiler.trace import Capture, nest_steps
 
 
 def span(name, ts, dur, cat="user_annotation", pid=1, tid=10, **args):
@@ -222,3 +223,18 @@ def test_the_cuda_memory_snapshot_is_recorded_dumped_and_switched_off(tmp_path):
     failing = FakeCudaMemory(fail_dump=True)
     assert _memory_history(False, path, memory=failing) is None
     assert failing.calls == [("record", None, 0)]  # switched off all the same
+
+
+def test_step_boundaries_move_out_of_the_optimizer_step_they_fall_in():
+    events = [
+        span("ProfilerStep#1", 0, 1000),
+        span("ProfilerStep#2", 1000, 1000),
+        span("Optimizer.step#SGD.step", 900, 150),  # the boundary at 1000 falls inside it
+        span("tensordbg: optimizer", 910, 80),
+        span("aten::add_", 1010, 20, cat="cpu_op"),
+        span("Optimizer.step#SGD.step", 1950, 100),
+        span("elsewhere", 990, 100, tid=99),  # another thread: not in the way
+    ]
+    first, second = nest_steps(events)[:2]
+    assert (first["ts"], first["dur"]) == (0, 1050)
+    assert (second["ts"], second["dur"]) == (1050, 1000)

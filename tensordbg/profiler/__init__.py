@@ -8,7 +8,8 @@ telemetry from NVML.
 
 - :mod:`.capture`: when the profiler runs (step boundaries from the session's bus), its ranges,
   pauses and detach;
-- :mod:`.summary`: from the trace and ``key_averages()`` to the report;
+- :mod:`.trace`: the exported Chrome trace and ``key_averages()`` as plain data;
+- :mod:`.summary`: from those to the report;
 - :mod:`.report`: :class:`ProfileReport`, plain data (what the UI draws, what a dump stores);
 - :mod:`.advisor`: rules over a report (plugins: entry-point group ``tensordbg.advisor``);
 - :mod:`.nvml`: the GPU sampler.

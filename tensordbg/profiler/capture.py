@@ -71,7 +71,8 @@ class ProfileHandle:
         failure or a cancel)."""
         self.torch_profile: Any = None
         """The ``torch.profiler.profile`` that recorded the steps, once they are done: for what
-        the report leaves out (``key_averages(group_by_stack_n=5)``, ``export_stacks()``)."""
+        the report leaves out (``key_averages(group_by_stack_n=5)``, ``export_stacks()``); its
+        Chrome trace is already written (torch writes one once): ``report.trace``."""
         self._profiler = profiler
         self._finished = threading.Event()
 
@@ -295,7 +296,8 @@ class Profiler:
 
     def _summarize(self, run: _Run, profiler: Any, snapshot: str | None, message: str) -> None:
         from tensordbg.profiler.advisor import advise
-        from tensordbg.profiler.summary import Capture, summarize
+        from tensordbg.profiler.summary import summarize
+        from tensordbg.profiler.trace import Capture
 
         try:
             capture = Capture.from_profiler(
@@ -421,7 +423,8 @@ def _between_steps(session: Any) -> bool:
 def _directory(session: Any, directory: str | os.PathLike[str] | None) -> Path:
     """Where the trace goes: the directory asked for, the session's dump directory, else
     ``<tmp>/tensordbg-<user>/<run id>``."""
-    chosen = directory or getattr(session, "dump_dir", None)
+    dumps = getattr(session, "dumps", None)  # attach(dump_dir=...): its writer's folder
+    chosen = directory or getattr(getattr(dumps, "writer", None), "root", None)
     if chosen is None:
         try:
             user = getpass.getuser()

@@ -129,9 +129,9 @@ class ProfileReport:
                 lines.append(f"    {_ms(own):>10}  {op['calls']:>6} calls  {op['name']}")
         memory = self.memory
         if memory.get("peak_allocated"):
-            peak = f"  memory: peak {_mib(memory['peak_allocated'])} allocated"
+            peak = f"  memory: peak {_bytes(memory['peak_allocated'])} allocated"
             if memory.get("limit"):
-                peak += f" of {_mib(memory['limit'])}"
+                peak += f" of {_bytes(memory['limit'])}"
             lines.append(peak)
         for outlier in self.outliers:
             lines.append(
@@ -161,5 +161,8 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms"
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"

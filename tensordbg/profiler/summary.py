@@ -1,11 +1,10 @@
 """Summary: from what ``torch.profiler`` recorded to a :class:`~.report.ProfileReport`.
 
-Two inputs, both taken from the profiler once it stopped (:meth:`Capture.from_profiler`): the
-Chrome trace it exports (every event with its category: ``cpu_op``, ``user_annotation``,
-``kernel``, ``gpu_memcpy``, ``gpu_memset``, ``cuda_runtime``, ``[memory]``...), which is also
-written gzip-compressed next to the run for Perfetto, and ``key_averages()``, which the operator
-table is (so it agrees with what ``torch.profiler`` prints). Everything below works on plain
-dicts, so the GPU paths are tested with made-up kernel events on a machine without one.
+The input is the Chrome trace the profiler exports (:class:`.trace.Capture`: every event with
+its category: ``cpu_op``, ``user_annotation``, ``kernel``, ``gpu_memcpy``, ``gpu_memset``,
+``cuda_runtime``, ``[memory]``...); the operator table is counted from it as ``key_averages()``
+counts (:mod:`.operators`). Everything below works on plain dicts, so the GPU paths are tested
+with made-up kernel events on a machine without one.
 
 Per step (a ``ProfilerStep#k`` range), each instant of the step's wall time is given to the first
 category that covers it: kernel, memcpy, memset, communication (NCCL kernels), runtime (CUDA API
@@ -16,19 +15,15 @@ calls), DataLoader, forward, backward, optimizer; the rest is other. Time paused
 from __future__ import annotations
 
 import bisect
-import gzip
-import json
+import heapq
 import math
-import os
 import statistics
-import tempfile
-import time
 from collections import defaultdict
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from tensordbg.profiler.operators import operator_rows
 from tensordbg.profiler.report import CATEGORIES, DEVICE_CATEGORIES, ProfileReport
+from tensordbg.profiler.trace import STEP_PREFIX, Capture, nest_steps
 
 MAX_SPANS = 20_000
 MAX_CURVE = 2_000
@@ -39,7 +34,6 @@ OUTLIER_RATIO = 1.5
 SHORT_KERNEL = 10e-6
 """A kernel shorter than this (or than its own launch call) is launch-bound."""
 
-STEP_PREFIX = "ProfilerStep#"
 DATALOADER_PREFIX = "enumerate(DataLoader)"
 OURS = "tensordbg: "
 HOST_RANGES = {
@@ -87,83 +81,16 @@ TENSOR_CORE_ELIGIBLE = (
 )
 
 
-@dataclass
-class Capture:
-    """What a stopped profiler recorded, as plain data."""
-
-    events: list[dict[str, Any]]
-    """The Chrome trace's ``traceEvents``."""
-    averages: list[dict[str, Any]]
-    """``key_averages()`` rows: name, calls, self/total CPU and device time (seconds), input
-    shapes, flops, self CPU/device memory (bytes), user annotation or not."""
-    steps: list[int]
-    """The session's numbers of the profiled steps, in order (ProfilerStep#1 is the first)."""
-    device: str = "cpu"
-    main_thread: int = 0
-    trace: str | None = None
-    host: dict[str, Any] = field(default_factory=dict)
-    memory_limit: int | None = None
-
-    @classmethod
-    def from_profiler(
-        cls,
-        profiler: Any,
-        *,
-        directory: Path,
-        device: str,
-        steps: list[int],
-        main_thread: int,
-        record_shapes: bool,
-        host: dict[str, Any],
-        memory_limit: int | None,
-    ) -> Capture:
-        """Export the trace of a stopped ``torch.profiler.profile`` (gzip, into ``directory``),
-        read it back, and take its ``key_averages()``."""
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        trace = directory / f"trace-{stamp}-{os.getpid()}.json.gz"
-        with tempfile.TemporaryDirectory(prefix="tensordbg-trace-") as scratch:
-            plain = Path(scratch) / "trace.json"
-            profiler.export_chrome_trace(str(plain))
-            with open(plain, "rb") as f:
-                raw = f.read()
-        with gzip.open(trace, "wb", compresslevel=3) as out:
-            out.write(raw)
-        events = json.loads(raw).get("traceEvents", [])
-        averages = [
-            _average(row) for row in profiler.key_averages(group_by_input_shape=record_shapes)
-        ]
-        return cls(
-            events, averages, list(steps), device, main_thread, str(trace), host, memory_limit
-        )
-
-
-def _average(row: Any) -> dict[str, Any]:
-    def get(*names: str) -> float:
-        for name in names:
-            value = getattr(row, name, None)
-            if value is not None:
-                return float(value)
-        return 0.0
-
-    shapes = getattr(row, "input_shapes", None)
-    return {
-        "name": row.key,
-        "calls": int(row.count),
-        "self_cpu": get("self_cpu_time_total") * 1e-6,
-        "total_cpu": get("cpu_time_total") * 1e-6,
-        "self_device": get("self_device_time_total", "self_cuda_time_total") * 1e-6,
-        "total_device": get("device_time_total", "cuda_time_total") * 1e-6,
-        "input_shapes": str(shapes) if shapes and any(shapes) else None,
-        "flops": int(row.flops) if getattr(row, "flops", 0) else None,
-        "self_cpu_memory": int(get("self_cpu_memory_usage")),
-        "self_device_memory": int(get("self_device_memory_usage", "self_cuda_memory_usage")),
-        "annotation": bool(getattr(row, "is_user_annotation", False)),
-    }
-
-
 def summarize(capture: Capture) -> ProfileReport:
     """The report of a capture (advice is the advisor's: :func:`~.advisor.advise`)."""
-    spans = [e for e in capture.events if e.get("ph") == "X" and "dur" in e and "ts" in e]
+    spans, memory_events = [], []
+    for e in capture.events:  # one pass: a trace of a few steps holds 10^5 events
+        ph = e.get("ph")
+        if ph == "X":
+            if "dur" in e and "ts" in e:
+                spans.append(e)
+        elif ph == "i" and e.get("name") == "[memory]":
+            memory_events.append(e)
     step_spans = _steps(spans, len(capture.steps))
     cuda = capture.device != "cpu"
     report = ProfileReport(
@@ -179,9 +106,14 @@ def summarize(capture: Capture) -> ProfileReport:
     intervals, paused = _categories(spans, cuda)
     report.breakdown = _breakdown(report.steps, step_spans, intervals, paused, cuda)
     report.paused_seconds = sum(_overlap(paused, s, e) for s, e in step_spans) * 1e-6
+    if capture.averages is None:
+        # Counted on the steps nested as in the trace file: the step boundary inside
+        # optimizer.step() would otherwise cut that call's children away from it.
+        nested = nest_steps(spans)
+        capture.averages = operator_rows(nested, memory_events, capture.flops, capture.by_shape)
     report.operators = _operators(capture.averages)
     report.kernels, report.kernels_note = _kernels(spans, window, cuda)
-    report.memory = _memory(capture, window)
+    report.memory = _memory(capture, memory_events, window)
     report.timeline = _timeline(spans, window, capture.main_thread)
     report.outliers = _outliers(report.breakdown)
     if cuda:
@@ -388,12 +320,14 @@ def _kernels(
     return rows[:MAX_KERNELS], None
 
 
-def _memory(capture: Capture, window: tuple[float, float]) -> dict[str, Any]:
+def _memory(
+    capture: Capture, events: list[dict[str, Any]], window: tuple[float, float]
+) -> dict[str, Any]:
     cuda = capture.device != "cpu"
     wanted_type = 1 if cuda else 0  # the trace's "Device Type": 0 CPU, 1 CUDA
     points = []
-    for e in capture.events:
-        if e.get("name") != "[memory]" or not window[0] <= e.get("ts", -1) < window[1]:
+    for e in events:
+        if not window[0] <= e.get("ts", -1) < window[1]:
             continue
         args = e.get("args", {})
         if args.get("Device Type") != wanted_type:
@@ -436,27 +370,18 @@ def _timeline(
     spans: list[dict[str, Any]], window: tuple[float, float], main_thread: int
 ) -> dict[str, Any]:
     start, end = window
-    lanes: dict[tuple[Any, Any], list[list[Any]]] = defaultdict(list)
-    gpu_lanes: set[tuple[Any, Any]] = set()
-    for e in spans:
-        cat = e.get("cat")
-        if cat in (None, "Trace"):
-            continue
-        s, d = float(e["ts"]), float(e["dur"])
-        if s + d <= start or s >= end:
-            continue
-        s0, s1 = max(s, start), min(s + d, end)
-        key = (e.get("pid"), e.get("tid"))
-        if cat in ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"):
-            gpu_lanes.add(key)
-        lanes[key].append([(s0 - start) * 1e-6, (s1 - s0) * 1e-6, str(e.get("name", ""))])
-    every = [(key, span) for key, items in lanes.items() for span in items]
-    if len(every) > MAX_SPANS:
-        every.sort(key=lambda item: item[1][1], reverse=True)
-        every = every[:MAX_SPANS]
+    inside = [e for e in spans if e.get("cat") not in (None, "Trace")
+              and e["ts"] < end and e["ts"] + e["dur"] > start]  # fmt: skip
+    if len(inside) > MAX_SPANS:  # the longest are kept
+        inside = heapq.nlargest(MAX_SPANS, inside, key=lambda e: e["dur"])
     kept: dict[tuple[Any, Any], list[list[Any]]] = defaultdict(list)
-    for key, span in every:
-        kept[key].append(span)
+    gpu_lanes: set[tuple[Any, Any]] = set()
+    for e in inside:
+        s0, s1 = max(float(e["ts"]), start), min(float(e["ts"]) + float(e["dur"]), end)
+        key = (e.get("pid"), e.get("tid"))
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"):
+            gpu_lanes.add(key)
+        kept[key].append([(s0 - start) * 1e-6, (s1 - s0) * 1e-6, str(e.get("name", ""))])
     devices = {pid for pid, _ in gpu_lanes}
     out = []
     for key in sorted(kept, key=lambda k: (k in gpu_lanes, str(k))):
