@@ -13,6 +13,7 @@ import importlib.abc
 import importlib.machinery
 import inspect
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
 from typing import Any
@@ -136,14 +137,24 @@ class TrainerPatches(importlib.abc.MetaPathFinder):
         trainer_class = getattr(module, "Trainer", None)
         if trainer_class is None:
             return
-        integration = importlib.import_module(TRAINER_MODULES[module.__name__])
+        # Imported when a trainer is made: now, the framework's package may be half imported.
+        integration = TRAINER_MODULES[module.__name__]
         original = trainer_class.__init__
         patches = self
 
         def __init__(trainer: Any, *args: Any, **kwargs: Any) -> None:
             original(trainer, *args, **kwargs)
-            patches.on_trainer()
-            integration.add_callback(trainer, patches.make_callback)
+            try:
+                add_callback = importlib.import_module(integration).add_callback
+                patches.on_trainer()
+                add_callback(trainer, patches.make_callback)
+            except Exception as e:  # never stop the script over its debugger
+                warnings.warn(
+                    f"tensordbg run: could not give this {type(trainer).__name__} tensordbg's "
+                    f"callback ({e}); add {integration}.TensordbgCallback to its callbacks",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
 
         trainer_class.__init__ = __init__
         self._undo.append(lambda: setattr(trainer_class, "__init__", original))
