@@ -387,3 +387,68 @@ def test_tensordbg_run_watches_a_framework_script_without_changing_it(tmp_path, 
     assert "through its trainer" in done.stderr
     assert where in done.stderr, done.stderr[-3000:]
     assert done.returncode == 1  # the script exited 0, but something hit (as a linter)
+
+
+DDP_SCRIPT = """
+    import json, sys
+    import torch
+    import pytorch_lightning as pl
+    from torch import nn
+    from tensordbg.integrations.lightning import TensordbgCallback
+
+    class Standardize(nn.Module):
+        def forward(self, x):
+            return (x - x.mean(-1, keepdim=True)) / x.std(-1, keepdim=True)
+
+    class Regression(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(Standardize(), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            if self.global_rank == 1 and self.global_step == 2:  # rank 1's batch is poisoned
+                x = x.clone()
+                x[3] = 0.5
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    if __name__ == "__main__":
+        torch.manual_seed(0)
+        x = torch.randn(128, 8)
+        loader = torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+        callback = TensordbgCallback(on_hit="record", server=False, summary_at_exit=False)
+        trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=2, strategy="ddp",
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, callbacks=[callback])
+        trainer.fit(Regression(), loader)
+        session = callback.session
+        hits = [[h.step, h.module, h.kind, h.origin] for h in session.hits]
+        with open(f"{OUT}/rank{trainer.global_rank}.json", "w") as f:
+            json.dump({"rank": session.rank, "steps": session.step, "hits": hits}, f)
+"""
+
+
+@pytest.mark.slow
+def test_lightning_ddp_two_processes_each_rank_has_its_session_and_rank_1_names_its_batch(
+    tmp_path,
+):
+    """Lightning's own DDP launcher (2 CPU processes, gloo) re-runs the script for rank 1 and
+    sets no ``RANK``: the callback takes the rank from the trainer."""
+    import json
+
+    path = tmp_path / "train_ddp.py"
+    path.write_text(f"OUT = {str(tmp_path)!r}\n" + textwrap.dedent(DDP_SCRIPT))
+    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert [r["steps"] for r in ranks] == [3, 3]
+    origin = next(h for h in ranks[1]["hits"] if h[3])
+    assert origin == [2, "net.0", "output", True]
+    # Rank 0's own forward made nothing; the NaN reached it through DDP's gradient all-reduce.
+    assert not [h for h in ranks[0]["hits"] if h[2] == "output"]

@@ -44,11 +44,12 @@ class TrainingWatch:
         """Told of each session made (``tensordbg run`` counts their hits)."""
 
     def begin(self, model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer],
-              scaler: Any) -> Session:  # fmt: skip
+              scaler: Any, rank: int | None = None) -> Session:  # fmt: skip
         """Attach to what the trainer made (a session left from an earlier training, one that
-        ended in an exception, is detached first)."""
+        ended in an exception, is detached first). ``rank``: the process's rank as the trainer
+        knows it (Lightning's own DDP launcher sets no ``RANK``)."""
         self.end(summary=False)
-        args = {"summary_at_exit": True, **self.attach_args}
+        args = {"summary_at_exit": True, "rank": rank, **self.attach_args}
         self.session = attach(model, optimizer=list(optimizers) or None, scaler=scaler, **args)
         if self.on_attach is not None:
             self.on_attach(self.session)

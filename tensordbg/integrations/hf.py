@@ -46,7 +46,8 @@ class TensordbgCallback(TrainerCallback, TrainingWatch):
         while inner is not None and hasattr(inner, "optimizer"):  # accelerate's wrapper(s)
             inner = inner.optimizer
         scaler = getattr(optimizer, "scaler", None)
-        session = self.begin(model, [] if inner is None else [inner], scaler)
+        rank = getattr(args, "process_index", None)
+        session = self.begin(model, [] if inner is None else [inner], scaler, rank)
         session.handles.add(model.register_forward_hook(self._model_returned))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

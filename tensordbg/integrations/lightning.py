@@ -47,7 +47,7 @@ class TensordbgCallback(*_BASES, TrainingWatch):  # type: ignore[misc]
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        self.begin(pl_module, trainer.optimizers, scaler)
+        self.begin(pl_module, trainer.optimizers, scaler, trainer.global_rank)
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         if pl_module.training:  # not a backward of the user's own in validation
