@@ -296,6 +296,58 @@ def test_lightning_bf16_autocast_on_cpu_finds_the_poisoned_batch():
     assert (hit.module, hit.step) == ("net.0", 1)
 
 
+# --- what the trainers need of the engine ----------------------------------------------------
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(Standardize(), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def test_a_step_given_a_closure_judges_the_gradients_after_the_closure_ran():
+    """``optimizer.step(closure)`` runs forward and backward inside the step (Lightning,
+    LBFGS): skipping a step that hit must wait for the closure's gradients."""
+    import tensordbg
+
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    session = tensordbg.attach(model, optimizer=optimizer, on_hit="skip", **QUIET)
+    x = torch.randn(8, 8)
+    for step in range(4):
+        batch = x.clone()
+        if step == 2:
+            batch[3] = 0.5  # a constant sample: Standardize divides 0 by 0
+
+        def closure(batch=batch):
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(batch), batch.sum(1, keepdim=True))
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+    session.detach()
+    assert session.skipped_updates == [2]
+    assert first_origin(session).module == "0"
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_fused_adamw_that_learns_is_not_taken_for_weights_that_do_not_change():
+    """A fused AdamW (the Hugging Face Trainer's default) writes the weights without bumping
+    their version counter."""
+    import tensordbg
+
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    session = tensordbg.attach(model, optimizer=optimizer, on_hit="record", **QUIET)
+    x = torch.randn(32, 8)
+    for _ in range(6):
+        nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    session.detach()
+    assert session.hits == []
+
+
 # --- import cost and tensordbg run -----------------------------------------------------------
 
 
