@@ -139,9 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--also",
         nargs="*",
-        default=["deferred"],
+        default=["eager"],
         choices=("eager", "batched", "deferred"),
-        help="modes to measure besides the default one (default: deferred)",
+        help="modes to measure besides the default one (default: eager, which screens every "
+        "tensor where it is made)",
     )
     args = parser.parse_args(argv)
     device = args.device

@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Any
 from tensordbg.hit import Hit, WatchpointHit
 
 __version__ = "0.1.0"
-__all__ = ["Hit", "Session", "WatchpointHit", "__version__", "attach", "rules"]
+__all__ = ["Hit", "Session", "WatchpointHit", "__version__", "attach", "load", "rules"]
 
 if TYPE_CHECKING:
     from tensordbg import rules
     from tensordbg.api import attach
+    from tensordbg.dump import load
     from tensordbg.engine.session import Session
 
 
@@ -36,6 +37,10 @@ def __getattr__(name: str) -> Any:
         from tensordbg.engine.session import Session
 
         return Session
+    if name == "load":
+        from tensordbg.dump import load
+
+        return load
     if name == "rules":
         import tensordbg.rules
 

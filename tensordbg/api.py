@@ -5,6 +5,7 @@ never imports the transport or the UI.
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -43,6 +44,10 @@ def attach(
     rank: int | None = None,
     replaceable: bool = False,
     summary_at_exit: bool = True,
+    dump_dir: str | os.PathLike[str] | None = None,
+    dump_every: int | None = None,
+    dump_tensors: str | Sequence[str] = (),
+    dump_max_bytes: int | None = None,
 ) -> Session:
     """Watch a model's training with watchpoint rules.
 
@@ -58,15 +63,18 @@ def attach(
         rules: watchpoint rules; None means ``tensordbg.rules.DEFAULT``.
         on_hit: ``"pause"`` blocks the training until resumed from the UI (``tensordbg tui``) or
             ``session.controller``; ``"raise"`` raises :class:`WatchpointHit`; ``"record"`` only
-            appends to ``session.hits``; ``"skip"`` skips the update of a step that hit before
+            appends to ``session.hits``; ``"dump"`` records it and writes its step into
+            ``dump_dir``; ``"skip"`` skips the update of a step that hit before
             its optimizer step (see ``Session.skip_step``), and raises :class:`WatchpointHit`
             after ``max_skipped_steps`` skipped updates in a row; a callable is called with
             each hit.
         scaler: a ``torch.amp.GradScaler``: gradient statistics are unscaled, and a step it skips
             for non-finite gradients is recorded in ``session.skipped_steps``, not as a hit,
             unless ``max_skipped_steps`` are skipped in a row.
-        sync: ``"auto"`` (eager on CPU, batched on CUDA), ``"eager"``, ``"batched"`` or
-            ``"deferred"`` (the cheapest; see the module docstring).
+        sync: ``"auto"`` (deferred on CPU, batched on CUDA), ``"eager"`` (screens every tensor
+            where it is made, pauses in the hook), ``"batched"`` or ``"deferred"`` (screens the
+            outputs, loss, gradients and parameters; the rest only when those show a problem);
+            see :mod:`tensordbg.engine.modes`.
         interval: statistics beyond the NaN/Inf screen (norms, means, updates) every N steps.
         retain_bytes: memory for keeping the current phase's tensors for inspection (batched
             and deferred modes; eager mode keeps hits' tensors and the last few it saw, and
@@ -79,12 +87,23 @@ def attach(
             e.g. ``"0.0.0.0:5555"`` (every client still needs the key in the connection file).
         ui_timeout: seconds a paused training waits after the UI went away before it resumes
             with blocking watchpoints disarmed; None waits for ever.
+        dump_dir: write a dump there (see the README's "Dumps"; open it with
+            ``tensordbg.load``): every step with a hit, statistics and values; with
+            ``on_hit="dump"`` that is all a hit does.
+        dump_every: also write every N-th step: the statistics of every watched tensor, and the
+            values of those whose names match ``dump_tensors`` (glob patterns, e.g.
+            ``"*.weight.grad"``).
+        dump_max_bytes: bound the dump's size: the oldest steps without hits go first.
         summary_at_exit: when the program exits with the session still attached and hits
             recorded, print ``session.summary()`` on stderr (as ``tensordbg run`` does).
         replaceable: a later ``attach`` of the same model detaches this session and takes
             over instead of refusing (``tensordbg run`` attaches this way, so a script that
             attaches tensordbg itself keeps its own settings).
     """
+    if on_hit == "dump" and dump_dir is None:
+        raise ValueError("on_hit='dump' writes hits into a dump: give dump_dir= too")
+    if dump_dir is None and (dump_every is not None or dump_tensors or dump_max_bytes):
+        raise ValueError("dump_every, dump_tensors and dump_max_bytes need dump_dir= too")
     existing = attached_to(model)
     if existing is not None and existing.replaceable:
         existing.detach()
@@ -109,6 +128,12 @@ def attach(
     session.replaceable = replaceable
     session.summary_at_exit = summary_at_exit
     try:
+        if dump_dir is not None:
+            from tensordbg.dump.subscriber import DumpRecorder
+
+            patterns = (dump_tensors,) if isinstance(dump_tensors, str) else tuple(dump_tensors)
+            session.dumps = DumpRecorder(session, os.fspath(dump_dir), dump_every, patterns,
+                                         dump_max_bytes)  # fmt: skip
         if server:
             _start_server(session, remote, ui_timeout)
         session.check_parameters()

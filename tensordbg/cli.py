@@ -1,4 +1,5 @@
-"""The ``tensordbg`` command: ``demo``, ``run``, ``tui``.
+"""The ``tensordbg`` command: ``demo``, ``run``, ``tui``, and over dumps ``replay``, ``check``,
+``diff``.
 
 This module imports neither torch nor the UI until a command needs them, so ``--help`` is quick.
 """
@@ -48,6 +49,28 @@ EXAMPLES = {
           tensordbg tui /run/user/1000/tensordbg/3f2a1c9e-0.json
           tensordbg tui --run-id 3f2a1c9e --wait 30   wait for a training that is starting
         """,
+    "replay": """
+        examples:
+          tensordbg replay runs/dbg             the UI over a dump; n / p: next / previous step
+          tensordbg replay runs/dbg --rank 1 --step 120
+        """,
+    "check": """
+        examples:
+          tensordbg check runs/dbg                          the run's own rules, a table
+          tensordbg check runs/dbg --rules default,DeadActivation --json
+          tensordbg check runs/dbg --rule "TensorRange(match='*.attn.*', max_gt=1e4)"
+
+        Exit status: 0 clean, 1 a rule hits (or, with --strict, could not judge a tensor),
+        2 the dump cannot be read.
+        """,
+    "diff": """
+        examples:
+          tensordbg diff runs/eager runs/compiled
+          tensordbg diff runs/a runs/b --rtol 1e-3 --atol 1e-6 --json
+          tensordbg diff runs/ddp runs/ddp --ranks 0,1     rank 0 against rank 1
+
+        Exit status: 0 the runs agree, 1 they differ, 2 a dump cannot be read.
+        """,
 }
 
 
@@ -84,10 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--on-hit",
-        choices=("pause", "raise", "record"),
+        choices=("pause", "raise", "record", "dump"),
         default="pause",
         help="what a hit does: pause the training for the UI (default), raise WatchpointHit, "
-        "or only record it",
+        "only record it, or record it and write its step into --dump-dir",
     )
     run.add_argument(
         "--sync",
@@ -95,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="when statistics reach the host: eager (at each tensor), batched (once a phase), "
         "deferred (the cheapest: the rest only when outputs, loss or gradients show a problem), "
-        "auto (default: eager on the CPU, batched on CUDA)",
+        "auto (default: deferred on the CPU, batched on CUDA)",
     )
     run.add_argument(
         "--include",
@@ -137,6 +160,26 @@ def build_parser() -> argparse.ArgumentParser:
         type=_listen,
         help="with --remote: where to listen, e.g. 0.0.0.0:5555 (implies --remote)",
     )
+    run.add_argument(
+        "--dump-dir",
+        metavar="DIR",
+        help="write a dump there: every step with a hit (open it with tensordbg replay, or "
+        "tensordbg.load in Python)",
+    )
+    run.add_argument(
+        "--dump-every",
+        type=_interval,
+        metavar="N",
+        help="with --dump-dir: also write every N-th step (statistics of every watched tensor)",
+    )
+    run.add_argument(
+        "--dump-tensors",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="with --dump-every: the values of the tensors whose names match, e.g. "
+        "'*.weight.grad' (repeatable)",
+    )
     run.add_argument("script", nargs="?", help="the training script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     run.set_defaults(handler=_run)
@@ -146,6 +189,46 @@ def build_parser() -> argparse.ArgumentParser:
     tui.add_argument("--run-id", help="the run to open (waits for it with --wait)")
     tui.add_argument("--wait", type=float, default=0.0, help="seconds to wait for --run-id")
     tui.set_defaults(handler=_tui)
+
+    replay = _command(commands, "replay", "open the terminal UI on a dump of a recorded run")
+    replay.add_argument("dump", help="the dump's directory (attach(dump_dir=...))")
+    replay.add_argument("--rank", type=int, default=None, help="the rank to show (default: first)")
+    replay.add_argument("--step", type=int, default=None, help="the dumped step to open at")
+    replay.set_defaults(handler=_replay)
+
+    check = _command(commands, "check", "judge a dump with rules again, offline")
+    check.add_argument("dump", help="the dump's directory")
+    check.add_argument(
+        "--rules",
+        default=None,
+        help="comma-separated rule names ('default' is the default set); without it and "
+        "--rule, the rules the run was recorded with",
+    )
+    check.add_argument(
+        "--rule",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="a rule with its arguments, as for tensordbg run (repeatable)",
+    )
+    check.add_argument("--json", action="store_true", help="print the report as JSON")
+    check.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 1 also when a rule could not judge a tensor (a statistic it needs was not "
+        "dumped, nor the values to compute it)",
+    )
+    check.set_defaults(handler=_check)
+
+    diff = _command(commands, "diff", "find where two dumped runs parted")
+    diff.add_argument("a", help="the first dump's directory")
+    diff.add_argument("b", help="the second dump's directory")
+    diff.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance (1e-5)")
+    diff.add_argument("--atol", type=float, default=1e-8, help="absolute tolerance (1e-8)")
+    diff.add_argument("--ranks", type=_ranks, default=(0, 0), metavar="RA,RB",
+                      help="compare rank RA of A with rank RB of B (default 0,0)")  # fmt: skip
+    diff.add_argument("--json", action="store_true", help="print the report as JSON")
+    diff.set_defaults(handler=_diff)
     return parser
 
 
@@ -250,6 +333,14 @@ def _run(args: argparse.Namespace) -> int:
               "(see tensordbg run --help)", file=sys.stderr)  # fmt: skip
         return 2
 
+    if args.dump_dir is None and (args.dump_every or args.dump_tensors or args.on_hit == "dump"):
+        print("tensordbg run: --dump-every, --dump-tensors and --on-hit dump write into a dump: "
+              "give --dump-dir DIR too", file=sys.stderr)  # fmt: skip
+        return 2
+    dumps = {}
+    if args.dump_dir is not None:
+        dumps = {"dump_dir": args.dump_dir, "dump_every": args.dump_every,
+                 "dump_tensors": args.dump_tensors}  # fmt: skip
     rules = _rules(args.rules)
     if args.rule:
         rules = [*(default_rules() if rules is None else rules), *map(_rule, args.rule)]
@@ -266,6 +357,7 @@ def _run(args: argparse.Namespace) -> int:
         exclude=args.exclude,
         interval=args.interval,
         remote=args.listen or args.remote,
+        **dumps,
     )
 
 
@@ -273,6 +365,98 @@ def _tui(args: argparse.Namespace) -> int:
     from tensordbg.tui import run_tui
 
     return run_tui(args.connection, run_id=args.run_id, wait=args.wait)
+
+
+def _ranks(text: str) -> tuple[int, int]:
+    try:
+        ranks = [int(r) for r in text.split(",")]
+    except ValueError:
+        ranks = []
+    if len(ranks) not in (1, 2) or min(ranks) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give two ranks as RA,RB (or one for both)")
+    return (ranks[0], ranks[-1])
+
+
+def _open_dump(path: str, command: str) -> Any:
+    """The dump at ``path``, or None after one sentence on stderr saying why it cannot be read."""
+    from tensordbg.dump import DumpError, load
+
+    try:
+        return load(path)
+    except DumpError as e:
+        print(f"tensordbg {command}: {e}", file=sys.stderr)
+        return None
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from tensordbg.sources.contract import SourceError
+    from tensordbg.sources.replay import ReplaySource
+
+    dump = _open_dump(args.dump, "replay")
+    if dump is None:
+        return 2
+    try:
+        source = ReplaySource(dump, rank=args.rank)
+        if args.step is not None:
+            source.goto(step=args.step)
+    except SourceError as e:
+        print(f"tensordbg replay: {e}", file=sys.stderr)
+        return 2
+    if not sys.stdout.isatty():
+        print("tensordbg replay needs a terminal; `tensordbg check` reads a dump as text.",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    from tensordbg.transport.client import LocalClient
+    from tensordbg.tui.app import TensorDbgApp
+
+    app = TensorDbgApp(LocalClient(source))
+    result = app.run()
+    report = app.crash_file.exit_message()
+    if report is not None:
+        print(report, file=sys.stderr)
+    return app.return_code or int(result or 0)
+
+
+def _check(args: argparse.Namespace) -> int:
+    import json
+
+    dump = _open_dump(args.dump, "check")
+    if dump is None:
+        return 2
+    from tensordbg.offline.check import check_dump
+    from tensordbg.rules import default_rules
+
+    rules = None
+    if args.rules is not None or args.rule:
+        rules = _rules(args.rules or "default")
+        rules = [*(default_rules() if rules is None else rules), *map(_rule, args.rule)]
+    report = check_dump(dump, rules)
+    if args.json:
+        print(json.dumps(report.as_json(), indent=1))
+    else:
+        print(report.table())
+    if args.strict and report.unjudged:
+        return 1
+    return report.exit_code
+
+
+def _diff(args: argparse.Namespace) -> int:
+    import json
+
+    a = _open_dump(args.a, "diff")
+    b = _open_dump(args.b, "diff") if a is not None else None
+    if a is None or b is None:
+        return 2
+    from tensordbg.offline.diff import diff_dumps
+
+    for dump, rank in ((a, args.ranks[0]), (b, args.ranks[1])):
+        if rank not in dump.ranks:
+            print(f"tensordbg diff: {dump.path} has no rank {rank} (ranks: {dump.ranks})",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+    report = diff_dumps(a, b, rtol=args.rtol, atol=args.atol, ranks=args.ranks)
+    print(json.dumps(report.as_json(), indent=1) if args.json else report.text())
+    return report.exit_code
 
 
 def _demo(args: argparse.Namespace) -> int:

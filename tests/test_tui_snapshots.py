@@ -84,3 +84,24 @@ def test_rules_tab(snap_compare) -> None:
         pilot.app.main.show_tab("rules")
 
     assert snap_compare(app(), terminal_size=SIZE, run_before=run_before)
+
+
+def test_replay_of_a_dump(snap_compare, tmp_path) -> None:
+    """tensordbg replay: the banner says which run and when, the footer offers n / p."""
+    from dumps import write_dump
+
+    from tensordbg.dump import load
+    from tensordbg.sources.replay import ReplaySource
+
+    source = ReplaySource(load(write_dump(tmp_path / "run")))
+
+    async def run_before(pilot: Pilot) -> None:
+        app = pilot.app
+        await until(pilot, lambda: app.state == "replay")
+        await until(pilot, lambda: app.main.hit_table.row_count == 1)
+        await until(pilot, lambda: all(w.is_mounted for w in app.main.query("TabPane > *")))
+        for box in app.query(Input):
+            box.cursor_blink = False
+
+    app = TensorDbgApp(LocalClient(source))
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)

@@ -65,6 +65,11 @@ class TensorDbgApp(App[int]):
         Binding("s", "control('step')", "Step"),
         Binding("p", "control('pause')", "Pause"),
         Binding("k", "control('skip')", "Skip"),
+        # A recorded run (tensordbg replay): n and p move between its dumped steps, and the
+        # keys that drive a training say why they do nothing (see check_action).
+        Binding("n", "replay_step(1)", "Next dumped step"),
+        Binding("p", "replay_step(-1)", "Previous dumped step"),
+        Binding("c,s,k", "refuse_control", show=False),
         Binding("q", "detach", "Detach & quit"),
         Binding("slash", "search", "Search"),
         *(Binding(str(d), f"count({d})", show=False) for d in range(10)),
@@ -238,6 +243,8 @@ class TensorDbgApp(App[int]):
     # --- keys ------------------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in ("replay_step", "refuse_control"):
+            return self.screen is self.main and self.remote.serves("goto")
         if action in ("control", "count", "tab", "search", "detach"):
             if self.screen is not self.main:  # a dialog or the session list: its keys only
                 return False
@@ -253,6 +260,20 @@ class TensorDbgApp(App[int]):
         self.main.show_count(0)
         if self.served("control"):  # else the person is told why the key does nothing
             self._control(action, n)
+
+    def action_replay_step(self, move: int) -> None:
+        self._replay_step(move)
+
+    def action_refuse_control(self) -> None:
+        self.served("control")  # a recorded run: the person is told it cannot be driven
+
+    @work(group="control", exclusive=True)
+    async def _replay_step(self, move: int) -> None:
+        try:
+            info = await self.remote.goto(move=move)
+        except RequestFailed:
+            return  # the Log tab says why
+        self.main.show_replay_step(info)
 
     @work(group="control", exclusive=True)
     async def _control(self, action: str, n: int) -> None:

@@ -178,6 +178,10 @@ class Remote:
     async def control(self, action: str, n: int = 1) -> Control:
         return await self._request("control", action=action, n=n)
 
+    async def goto(self, step: int | None = None, move: int = 0) -> Info:
+        """A recorded run: show another dumped step (``move=1`` the next)."""
+        return await self._request("goto", step=step, move=move)
+
     async def _request(self, method: str, **params: Any) -> Any:
         """One request, its reply checked against ``REPLIES[method]``; a failure not reported
         as an error already is told to ``on_refused``."""

@@ -12,14 +12,17 @@ from typing import Any
 
 import torch
 
-from tensordbg.engine.params import Param
+from tensordbg.engine.params import Digest, Param
 from tensordbg.engine.phases import Judged
 from tensordbg.engine.records import Record
 from tensordbg.statistics import MAX, MIN, Stat
+from tensordbg.statistics.batch import norms_of
 from tensordbg.statistics.torch_kernels import host_stats, update_stats, watchable
 
 # A parameter's range before and after a step tells cheaply that the step changed it.
 RANGE = (MIN, MAX)
+# Parameters whose digest is their norm (one pass over all of them): float32 and float64.
+NORMED = frozenset({torch.float32, torch.float64})
 SKIPPED_INSIDE: list[Param] = []
 """What a step that a fused optimizer skips in its kernel owns: nothing."""
 
@@ -96,7 +99,9 @@ class OptimizerPhase:
                           updates: tuple[Stat, ...] | None) -> None:  # fmt: skip
         """Parameters after an optimizer step (and at attach): their values and, for those the
         step updated, the update against their values before it (batched: one transfer)."""
-        ranges: dict[str, tuple[float | None, float | None]] = {}
+        ranges: dict[str, Digest] = {}
+        quiet: list[Param] = []  # finite and a digest from one norm each, all at once
+        loud: list[Param] = []
         for p in owned:
             if not watchable(p.param):
                 continue
@@ -106,15 +111,30 @@ class OptimizerPhase:
                 silent = self._quiet_params[p.name] = self.ruleset.applicable(probe).silent
             if silent and not self.sync.on_device:
                 # The common case, without a record: its rules speak only of NaN and Inf, and
-                # its range (needed anyway to tell that the step changed it) says it is finite.
+                # its digest (needed anyway to tell that the step changed it) says it is finite.
+                (quiet if p.param.dtype in NORMED else loud).append(p)
+            else:
+                loud.append(p)
+        norms = norms_of([p.param.detach() for p in quiet])
+        for p, norm in zip(quiet, norms, strict=True):
+            if math.isfinite(norm):
+                ranges[p.name] = Digest.of_norm(norm, p.param.numel())
+                self.origins.param_clean(p.name)  # finite again, if it was not
+            else:
+                loud.append(p)
+        for p in loud:
+            silent = self._quiet_params[p.name]
+            if silent and not self.sync.on_device and p.param.dtype not in NORMED:
                 lo, hi = host_stats(p.param, RANGE)
                 if math.isfinite(lo) and math.isfinite(hi):
-                    ranges[p.name] = (lo, hi)
-                    self.origins.param_clean(p.name)  # finite again, if it was not
+                    ranges[p.name] = Digest.of_range(lo, hi)
+                    self.origins.param_clean(p.name)
                     continue
             record = p.record("param", p.name, self.step)
             self.collect(record, p.param.detach(), extra=RANGE if updates else ())
-            ranges[p.name] = (record.stats.values.get(MIN), record.stats.values.get(MAX))
+            ranges[p.name] = Digest.of_range(
+                record.stats.values.get(MIN), record.stats.values.get(MAX)
+            )
         pending_range: list[Record] = []
         if updates is not None:
             for p in owned:
@@ -124,7 +144,7 @@ class OptimizerPhase:
                         pending_range.append(record)
         self.phases.fetch()
         if self.sync.on_device:  # the ranges arrived with the transfer
-            ranges = {r.param: (r.stats.values.get(MIN), r.stats.values.get(MAX))
+            ranges = {r.param: Digest.of_range(r.stats.values.get(MIN), r.stats.values.get(MAX))
                       for r in self.phases.records if r.stats.kind == "param"}  # fmt: skip
         self.weights.resolve_by_range(pending_range, ranges, updates or ())
         self.weights.remember_ranges(ranges)

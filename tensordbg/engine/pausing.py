@@ -20,6 +20,9 @@ class Pausing:
             return
         pausing, self._pausing = self._pausing, []
         first = next((h for h in pausing if h.origin), pausing[0])
+        if self.on_hit in ("raise", "pause") and self.bus.wants("halt"):
+            self.bus.publish("halt", {"step": self.step, "phase": self.phase,
+                                      "records": list(self.phases.records)})  # fmt: skip
         if callable(self.on_hit):
             for hit in pausing:
                 self.on_hit(hit)

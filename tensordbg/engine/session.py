@@ -51,7 +51,7 @@ from tensordbg.rules import Rule, default_rules
 from tensordbg.statistics import MEAN, TensorStats
 from tensordbg.statistics.torch_kernels import watchable
 
-ON_HIT = ("pause", "raise", "record", "skip")
+ON_HIT = ("pause", "raise", "record", "skip", "dump")
 DEFAULT_RETAIN = 256 * 2**20
 DEFAULT_UPDATE_BUDGET = 512 * 2**20
 
@@ -119,6 +119,8 @@ class Session(Pipeline, OptimizerPhase):
         self.triggered = False
         """Deferred mode: the phase showed a problem, so everything it kept is screened."""
         self.server: Any = None
+        self.dumps: Any = None
+        """What writes this session's dump (``attach(dump_dir=...)``), if anything."""
         """What serves this session to the UI, set by ``attach`` (the engine never makes one)."""
 
         self.handles = HandleGroup()

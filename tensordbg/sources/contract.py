@@ -51,8 +51,10 @@ from tensordbg.sources.schema import Module as Module
 from tensordbg.sources.schema import Previous as Previous
 from tensordbg.sources.schema import Provenance as Provenance
 from tensordbg.sources.schema import ProvenanceInput as ProvenanceInput
+from tensordbg.sources.schema import Replay as Replay
 from tensordbg.sources.schema import Rule as Rule
 from tensordbg.sources.schema import Rules as Rules
+from tensordbg.sources.schema import RunningRule as RunningRule
 from tensordbg.sources.schema import Slice as Slice
 from tensordbg.sources.schema import SourceLine as SourceLine
 from tensordbg.sources.schema import StateEvent as StateEvent
@@ -164,6 +166,12 @@ class Source(Protocol):
         possible), ``detach`` (remove the debugger and let the training run)."""
         ...
 
+    def goto(self, step: int | None = None, move: int = 0) -> Info:
+        """A recorded run only: show the dumped step ``step``, or the one ``move`` places from
+        the shown one (1 the next, -1 the previous); returns the new :meth:`info`. A broken
+        step is shown as broken (``info["replay"]["broken"]``), never an error."""
+        ...
+
     def subscribe(self, callback: EventCallback) -> Callable[[], None]:
         """Call ``callback`` on every pushed event; returns a function that unsubscribes."""
         ...
@@ -185,10 +193,17 @@ METHODS = (
     "add_rule",
     "recheck",
     "control",
+    "goto",
 )
-EVERY_REQUEST = frozenset(METHODS)
-READ_ONLY = frozenset(METHODS) - {"set_rule", "add_rule", "recheck", "control"}
-"""What a recorded run (a dump, a replay) can serve: it can be read, not driven nor re-judged."""
+RECORDED_ONLY = frozenset({"goto"})
+"""Requests only a recorded run serves: moving between its dumped steps."""
+EVERY_REQUEST = frozenset(METHODS) - RECORDED_ONLY
+"""What a running training serves (everything but moving between recorded steps)."""
+READ_ONLY = EVERY_REQUEST - {"set_rule", "add_rule", "recheck", "control"}
+"""What a recorded run can serve at least: it can be read, not driven nor re-judged."""
+REPLAY = READ_ONLY | RECORDED_ONLY
+"""What a replay of a dump serves (``tensordbg.sources.replay.ReplaySource``): READ_ONLY, and
+moving between the dumped steps."""
 NEEDED = frozenset({"info", "hits"})  # the hello reply is made of them
 
 _SIGNATURES = {m: inspect.signature(getattr(Source, m)) for m in METHODS}
@@ -201,18 +216,19 @@ _CANNOT = {
     "set_rule": "change a rule",
     "add_rule": "add a rule",
     "recheck": "judge a step again",
+    "goto": "move to another recorded step",
 }
 
 
 def capabilities_of(source: object) -> frozenset[str]:
-    """The requests ``source`` serves: its ``capabilities``, or every request when it declares
-    none. A declaration naming unknown requests, or lacking ``info`` or ``hits``, is a bug in the
-    source: TypeError."""
+    """The requests ``source`` serves: its ``capabilities``, or every request of a running
+    training (:data:`EVERY_REQUEST`) when it declares none. A declaration naming unknown
+    requests, or lacking ``info`` or ``hits``, is a bug in the source: TypeError."""
     declared = getattr(source, "capabilities", None)
     if declared is None:
         return EVERY_REQUEST
     serves = frozenset(declared)
-    if not NEEDED <= serves <= EVERY_REQUEST:
+    if not NEEDED <= serves <= frozenset(METHODS):
         raise TypeError(
             f"{type(source).__name__}.capabilities must name requests of METHODS, info and hits "
             f"among them, not {sorted(serves)}"
@@ -227,6 +243,8 @@ def refusal(method: str, serves: Collection[str]) -> str:
     'this session is a recorded run, not a running training: it cannot drive the training ...'
     """
     what = _CANNOT.get(method, f"answer {method!r}")
+    if method in RECORDED_ONLY and "control" in serves:
+        return f"this session is a running training, not a recorded run: it cannot {what}"
     if "control" not in serves:
         return f"this session is a recorded run, not a running training: it cannot {what}"
     return f"this session cannot {what}"
@@ -249,6 +267,6 @@ def dispatch(source: Source, method: str, params: dict[str, Any]) -> Any:
         if not conforms(value, _HINTS[method][name]):
             raise SourceError(f"parameter {name!r} of {method!r} cannot be {value!r}")
     reply = getattr(source, method)(**params)
-    if method == "info":
+    if REPLIES[method] is Info:  # info, and goto's reply
         reply = {**reply, "capabilities": sorted(serves)}
     return reply

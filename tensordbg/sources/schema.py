@@ -12,7 +12,8 @@ if sys.version_info >= (3, 11):
 else:  # typing's TypedDict learnt NotRequired in 3.11
     from typing_extensions import NotRequired, TypedDict
 
-TrainingState = Literal["running", "paused", "detached", "finished"]
+TrainingState = Literal["running", "paused", "detached", "finished", "replay"]
+"""``replay``: a recorded run (a dump), shown one dumped step at a time."""
 
 
 class Summary(TypedDict, total=False):
@@ -66,6 +67,17 @@ class History(TypedDict):
     steps_per_sec: list[float | None]
 
 
+class Replay(TypedDict):
+    """Where a replay stands: which dump, recorded when, and which of its steps is shown."""
+
+    path: str  # the dump's directory
+    recorded: str  # when the run was recorded (ISO 8601), "" when the dump does not say
+    complete: bool  # False for a run that was killed or ran out of disk midway
+    steps: int  # dumped steps of this rank, broken ones included
+    index: int  # the position of the shown step among them, from 0
+    broken: str  # why the shown step cannot be read; "" when it can
+
+
 class Info(TypedDict):
     """The session at a glance."""
 
@@ -89,6 +101,17 @@ class Info(TypedDict):
     history: History
     capabilities: list[str]  # the requests the source serves; filled in by dispatch()
     started: NotRequired[float]  # time.time() when the source started serving
+    running_rule: NotRequired[RunningRule | None]  # a rule check under way on the training thread
+    replay: NotRequired[Replay]  # a recorded run only
+
+
+class RunningRule(TypedDict):
+    """The rule check the training thread is in, when a person asks (a hanging rule blocks the
+    training: this says which)."""
+
+    rule: str
+    tensor: str
+    seconds: float  # how long it has run
 
 
 class Module(TypedDict):

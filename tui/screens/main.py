@@ -16,7 +16,7 @@ from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import DataTable, Footer, Header, TabbedContent, TabPane, Tabs, Tree
 
-from tensordbg.sources.contract import Welcome
+from tensordbg.sources.contract import Info, Welcome
 from tensordbg.tui.components.connection_banner import ConnectionBanner
 from tensordbg.tui.components.event_log import EventLog
 from tensordbg.tui.components.hit_detail import HitDetail
@@ -96,6 +96,7 @@ class MainScreen(Screen):
         self._count = 0
         self._lost_text = ""  # the banner's sentence while the connection is down
         self._focus_switch: bool | None = None  # set by show_tab for the switch it makes
+        self._replay_text = ""  # a recorded run: the dumped step shown, for the sub-title
 
     def compose(self) -> ComposeResult:
         yield Header(icon="◆")
@@ -125,6 +126,7 @@ class MainScreen(Screen):
         self.banner.clear()
         self._lost_text = ""
         self.app.title = f"tensordbg · {info.get('script', '?')} · run {info.get('run_id', '?')}"
+        self._show_replay(info)
         self.run_status.show_info(info)
         table = self.hit_table
         table.set_hits(hits)
@@ -156,6 +158,32 @@ class MainScreen(Screen):
             self.run_status.add_hit(payload)
         elif event == "state":
             self.app.state = payload["state"]  # type: ignore[attr-defined]
+
+    def show_replay_step(self, info: Info) -> None:
+        """A recorded run moved to another dumped step (n / p): its tensors and statistics."""
+        self.run_status.show_info(info)
+        self._show_replay(info)
+        self.log_entry(f"replay: step {info['step']}")
+        self.reload()
+
+    def _show_replay(self, info: Info) -> None:
+        """The banner of a recorded run: which run, recorded when, which step, and whether that
+        step can be read."""
+        replay = info.get("replay")
+        if replay is None:
+            self._replay_text = ""
+            return
+        recorded = f" recorded {replay['recorded']}" if replay["recorded"] else ""
+        where = f"step {info['step']} ({replay['index'] + 1} of {replay['steps']} dumped)"
+        text = f"Replay of run {info['run_id']} ({info['script']}){recorded} · {where}"
+        if not replay["complete"]:
+            text += " · the run stopped before its dump was closed"
+        if replay["broken"]:
+            self.banner.show(f"{text} · this step is broken: {replay['broken']}", "lost")
+        else:
+            self.banner.show(f"{text} · n / p: next / previous dumped step", "replay")
+        self._replay_text = f"step {info['step']} ({replay['index'] + 1}/{replay['steps']})"
+        self._show_sub_title()
 
     def show_state(self, state: str) -> None:
         """The training's state changed (the app's ``state`` reactive)."""
@@ -203,7 +231,8 @@ class MainScreen(Screen):
 
     def _show_sub_title(self) -> None:
         count = f"  ·  count {self._count}" if self._count else ""
-        self.sub_title = f"{self._state.upper()}{count}"
+        step = f"  ·  {self._replay_text}" if self._replay_text else ""
+        self.sub_title = f"{self._state.upper()}{step}{count}"
 
     def log_entry(self, text: str, level: str = "info") -> None:
         self.event_log.write_entry(text, level)
