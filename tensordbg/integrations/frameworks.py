@@ -9,8 +9,9 @@ class only when the script itself imports it (an import hook, :class:`TrainerPat
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.abc
-import importlib.machinery
 import inspect
 import sys
 import warnings
@@ -128,9 +129,14 @@ class TrainerPatches(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
         if name not in TRAINER_MODULES:
             return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        spec = None
+        for finder in sys.meta_path:  # whoever would have found it (an editable install too)
+            if finder is not self and hasattr(finder, "find_spec"):
+                spec = finder.find_spec(name, path, target)
+                if spec is not None:
+                    break
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return None
+            return None  # imported as usual, unpatched: the global hooks still find the model
         spec.loader = _ThenPatch(spec.loader, self._patch)
         return spec
 
@@ -143,6 +149,7 @@ class TrainerPatches(importlib.abc.MetaPathFinder):
         original = trainer_class.__init__
         patches = self
 
+        @functools.wraps(original)
         def __init__(trainer: Any, *args: Any, **kwargs: Any) -> None:
             original(trainer, *args, **kwargs)
             try:
@@ -173,4 +180,8 @@ class _ThenPatch(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self.loader.exec_module(module)
-        self.then(module)
+        try:
+            self.then(module)
+        except Exception as e:  # the framework imports as usual, unwatched
+            warnings.warn(f"tensordbg run: could not watch {module.__name__}'s Trainer ({e})",
+                          RuntimeWarning, stacklevel=2)  # fmt: skip
