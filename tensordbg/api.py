@@ -150,6 +150,39 @@ def attach(
     return session
 
 
+def profile(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    steps: int = 5,
+    *,
+    record_shapes: bool = False,
+    profile_memory: bool = True,
+    with_stack: bool = False,
+    directory: str | None = None,
+    **attach_args: Any,
+) -> Session:
+    """A session that only profiles: no watchpoint rules, nothing pauses; the next ``steps``
+    steps (after one warm-up) are profiled, and the UI's profiler tabs show the report.
+
+    >>> session = tensordbg.profile(model, opt, steps=5)
+    >>> train(model, opt)                             # a few more than 5 steps
+    >>> print(session.profiling.wait(60).text())      # the ProfileHandle's report
+    >>> session.detach()
+
+    ``attach_args`` are :func:`attach`'s (``server``, ``run_id``...); see
+    :meth:`Session.profile` for the rest.
+    """
+    attach_args.setdefault("summary_at_exit", False)
+    session = attach(model, optimizer, rules=[], on_hit="record", **attach_args)
+    try:
+        session.profile(steps, record_shapes=record_shapes, profile_memory=profile_memory,
+                        with_stack=with_stack, directory=directory)  # fmt: skip
+    except BaseException:
+        session.detach()
+        raise
+    return session
+
+
 def _start_server(session: Session, remote: bool | str, ui_timeout: float | None) -> None:
     try:
         from tensordbg.sources.live import LiveSource
@@ -186,4 +219,4 @@ def _start_server(session: Session, remote: bool | str, ui_timeout: float | None
         )
 
 
-__all__ = ["attach", "attached_to"]
+__all__ = ["attach", "attached_to", "profile"]

@@ -37,6 +37,7 @@ EXAMPLES = {
           tensordbg run train.py --epochs 3
           tensordbg run --rules default,DeadActivation --on-hit record train.py
           tensordbg run --include 'encoder.*' --sync batched train.py
+          tensordbg run --profile 5 train.py      profile 5 steps; summary and advice at the end
 
         The script runs as __main__ with its own arguments; the first module with trainable
         parameters it calls is watched, with the first optimizer that steps it. A Hugging Face
@@ -179,6 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATTERN",
         help="with --dump-every: the values of the tensors whose names match, e.g. "
         "'*.weight.grad' (repeatable)",
+    )
+    run.add_argument(
+        "--profile",
+        type=_profile_steps,
+        default=0,
+        metavar="N",
+        help="profile N training steps (after the first step and one warm-up step) with "
+        "torch.profiler; the summary, the advice and where the trace is are printed at the end",
     )
     run.add_argument("script", nargs="?", help="the training script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
@@ -324,6 +333,16 @@ def _listen(text: str) -> str:
     return text
 
 
+def _profile_steps(text: str) -> int:
+    try:
+        steps = int(text)
+    except ValueError:
+        steps = 0
+    if not 1 <= steps <= 1000:
+        raise argparse.ArgumentTypeError(f"a number of steps from 1 to 1000, not {text!r}")
+    return steps
+
+
 def _run(args: argparse.Namespace) -> int:
     from tensordbg.integrations.runner import run_script
     from tensordbg.rules import default_rules
@@ -358,6 +377,7 @@ def _run(args: argparse.Namespace) -> int:
         interval=args.interval,
         remote=args.listen or args.remote,
         **dumps,
+        profile_steps=args.profile,
     )
 
 

@@ -139,7 +139,8 @@ def test_a_failed_write_keeps_the_training_running_and_marks_the_dump_incomplete
         _train(model, opt, steps=6)
         session.detach()
     assert session.step == 6  # the training went on
-    assert len([w for w in said if "tensordbg" in str(w.message)]) == 1  # said once
+    told = [str(w.message) for w in said if "No space left" in str(w.message)]
+    assert len(told) == 1, told  # said once (a loaded machine may add "fell behind")
     assert len(calls) == 1  # and no more writes tried
     dump = tensordbg.load(tmp_path)
     assert dump.meta["complete"] is False

@@ -130,6 +130,9 @@ def typical_requests(source: Any) -> dict[str, dict[str, Any]]:
         "recheck": {},
         "control": {"action": "pause"},  # paused already: nothing moves
         "goto": {"move": 0},  # a recording: stays on the step it shows
+        "profile": {"steps": 2},
+        "profile_report": {},
+        "gpu": {"since": 0.0},
     }
 
 
@@ -211,7 +214,7 @@ def test_a_recorded_run_says_it_cannot_be_driven() -> None:
     assert source.controls == [] and source.state == "paused"
     assert refusal("add_rule", READ_ONLY).endswith("it cannot add a rule")
     readable = {"info", "modules", "hits", "tensors", "stats", "slice", "histogram", "provenance"}
-    assert readable | {"rules"} == READ_ONLY
+    assert readable | {"rules", "profile_report"} == READ_ONLY
 
 
 def test_a_capabilities_declaration_names_requests_of_the_contract() -> None:

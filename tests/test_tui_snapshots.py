@@ -105,3 +105,34 @@ def test_replay_of_a_dump(snap_compare, tmp_path) -> None:
 
     app = TensorDbgApp(LocalClient(source))
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def profiled_app() -> TensorDbgApp:
+    from profile_fixtures import cpu_report
+
+    return TensorDbgApp(LocalClient(FakeSource(report=cpu_report())))
+
+
+async def profile_view(pilot: Pilot, view: str) -> None:
+    """The Profile tab on ``view``, its report drawn."""
+    await paused(pilot)
+    app = pilot.app
+    app._show_profile_view(view)
+    profiler = app.main.profiler_view
+    await until(pilot, lambda: profiler.report is not None and profiler.active_view == view)
+    await pilot.pause(0.1)
+
+
+def test_profile_overview(snap_compare) -> None:
+    async def run_before(pilot: Pilot) -> None:
+        await profile_view(pilot, "overview")
+
+    assert snap_compare(profiled_app(), terminal_size=SIZE, run_before=run_before)
+
+
+def test_profile_operators(snap_compare) -> None:
+    async def run_before(pilot: Pilot) -> None:
+        await profile_view(pilot, "operators")
+        await pilot.press("g")  # by operator and input shape
+
+    assert snap_compare(profiled_app(), terminal_size=SIZE, run_before=run_before)

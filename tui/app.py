@@ -22,6 +22,7 @@ from textual.screen import Screen
 
 from tensordbg.sources.contract import SchemaError, Welcome
 from tensordbg.tui.errors import CrashFile, work
+from tensordbg.tui.profiler.view import DEFAULT_STEPS, VIEWS
 from tensordbg.tui.remote import (
     ClientFactory,
     DebugClient,
@@ -31,6 +32,7 @@ from tensordbg.tui.remote import (
     TrainingExited,
 )
 from tensordbg.tui.screens.main import TABS, MainScreen
+from tensordbg.tui.screens.profile_steps import ProfileStepsScreen
 from tensordbg.tui.screens.session_picker import SessionPicker, session_field
 
 # Which control actions make sense in which state of the training.
@@ -72,6 +74,7 @@ class TensorDbgApp(App[int]):
         Binding("c,s,k", "refuse_control", show=False),
         Binding("q", "detach", "Detach & quit"),
         Binding("slash", "search", "Search"),
+        Binding("P", "profile", "Profile N steps"),
         *(Binding(str(d), f"count({d})", show=False) for d in range(10)),
         # One key per tab, named in the tab titles.
         *(Binding(tab.key, f"tab('{tab.pane}')", tab.title, show=False) for tab in TABS),
@@ -245,11 +248,13 @@ class TensorDbgApp(App[int]):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in ("replay_step", "refuse_control"):
             return self.screen is self.main and self.remote.serves("goto")
-        if action in ("control", "count", "tab", "search", "detach"):
+        if action in ("control", "count", "tab", "search", "detach", "profile"):
             if self.screen is not self.main:  # a dialog or the session list: its keys only
                 return False
             if action in ("tab", "search", "detach"):
                 return True
+            if action == "profile":  # a training to profile (or to say why it cannot be)
+                return self.state in ("running", "paused")
             if action == "count":
                 return self.state == "paused"
             return parameters[0] in CONTROLS.get(self.state, ())
@@ -298,6 +303,21 @@ class TensorDbgApp(App[int]):
     def action_detach(self) -> None:
         self._detach_and_exit()
 
+    def action_profile(self) -> None:
+        """Ask how many steps, then profile them (the Profile tab follows it)."""
+        view = self.main.profiler_view
+        if not self.remote.serves("profile"):
+            self.notify(view.how_to_profile(), title="Cannot profile", severity="warning")
+            self.main.show_tab("profile")
+            return
+
+        def chosen(steps: int | None) -> None:
+            if steps is not None:
+                self.main.show_tab("profile")
+                view.start(steps)
+
+        self.push_screen(ProfileStepsScreen(DEFAULT_STEPS), chosen)
+
     async def action_quit(self) -> None:
         # Every way out (ctrl+q, the palette) detaches as q does: a paused training would
         # otherwise wait for a UI that is gone.
@@ -315,6 +335,14 @@ class TensorDbgApp(App[int]):
             with contextlib.suppress(Exception):
                 await client.close()
         self.exit(0)
+
+    def _show_profile_view(self, view: str) -> None:
+        self.main.show_tab("profile", focus=False)
+        profiler = self.main.profiler_view
+        if profiler.is_mounted:
+            profiler.show_view(view)
+        else:  # its tab is still mounting
+            self.call_after_refresh(self._show_profile_view, view)
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         # Textual's own "Quit" is "Detach and quit" here, offered once under the clearer title.
@@ -337,6 +365,18 @@ class TensorDbgApp(App[int]):
                 f"Show {tab.title}",
                 f"Switch to the {tab.title} tab ({tab.key.upper()})",
                 lambda p=tab.pane: self.main.show_tab(p),
+            )
+        yield SystemCommand(
+            "Profile the next N steps",
+            "Run torch.profiler around the next steps; the Profile tab shows where the time "
+            "and memory went (P)",
+            self.action_profile,
+        )
+        for view in VIEWS:
+            yield SystemCommand(
+                f"Show Profile: {view.title}",
+                f"Switch to the {view.title} view of the Profile tab (F8, then F8 again)",
+                lambda v=view.key: self._show_profile_view(v),
             )
         # A recheck judges the step the training is paused in.
         if self.state == "paused" and self.remote.serves("recheck"):

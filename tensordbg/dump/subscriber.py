@@ -122,7 +122,10 @@ class DumpRecorder:
         if event == "phase_end":
             self._phase(payload["step"], payload["records"])
         elif event == "hit":
-            self._at(payload.get("step", self.session.step)).hits.append(dict(payload))
+            # A hit the GradScaler held past its step's end joins the step now open (it keeps
+            # its own step number), so the step already written is not replaced.
+            step = max(payload.get("step", self.session.step), self._buffer.step)
+            self._at(step).hits.append(dict(payload))
         elif event == "step_end":
             self._finish(payload["step"], dict(payload))
         elif event == "halt":
@@ -151,6 +154,12 @@ class DumpRecorder:
             if record.hidden or id(record.stats) in buffer.seen:
                 continue
             buffer.seen.add(id(record.stats))
+            if record.lazy and not record.stats.values:
+                # Deferred mode leaves a clean phase's activations unscreened; a dumped step
+                # holds statistics of every watched tensor, so it screens them (its own cost).
+                tensor = record.held()
+                if tensor is not None:
+                    self.session.screen(record, tensor)
             buffer.stats.append(record.stats)
             if self.failed is not None:
                 continue

@@ -17,6 +17,8 @@ Events:
 - ``detach``: the session was detached; nothing follows: :class:`State`.
 - ``state``, ``status``, ``log``: the UI's own feed (every state change; :class:`Status` after each
   step; a line for the Log tab: :class:`LogLine`).
+- ``profile``: a profile (:mod:`tensordbg.profiler`) started, ended, failed or was cancelled:
+  ``{"state", "step", "steps", "message"}`` (its end comes from the summary's thread).
 
 In process::
 
@@ -35,7 +37,19 @@ from importlib.metadata import entry_points
 from typing import Any, TypedDict
 
 EVENTS = frozenset(
-    {"phase_end", "step_end", "hit", "halt", "pause", "resume", "detach", "state", "status", "log"}
+    {
+        "phase_end",
+        "step_end",
+        "hit",
+        "halt",
+        "pause",
+        "resume",
+        "detach",
+        "state",
+        "status",
+        "log",
+        "profile",
+    }
 )
 ENTRY_POINT_GROUP = "tensordbg.extensions"
 

@@ -369,6 +369,27 @@ class Session(Pipeline, OptimizerPhase):
     def __exit__(self, *exc: object) -> None:
         self.detach()
 
+    def profile(self, steps: int = 5, **options: Any) -> Any:
+        """Profile the next ``steps`` training steps, after one warm-up step, while the
+        training runs; returns a :class:`~tensordbg.profiler.ProfileHandle` at once (its
+        ``report`` is None until they are done). ``options``: ``record_shapes``,
+        ``profile_memory`` (True), ``with_flops`` (True), ``with_stack``, ``directory`` (where the
+        trace goes). See :mod:`tensordbg.profiler.capture`.
+
+        >>> handle = session.profile(steps=5)
+        >>> ...                                  # the training runs its steps
+        >>> print(handle.wait(60).text())
+        """
+        from tensordbg.profiler.capture import profiler_of
+
+        return profiler_of(self).start(steps, **options)
+
+    @property
+    def profiling(self) -> Any:
+        """The last profile asked for (a :class:`~tensordbg.profiler.ProfileHandle`), or None."""
+        profiler = self.__dict__.get("_profiler")
+        return profiler.handle if profiler is not None else None
+
     def subscribe(self, callback: Callable[[str, Any], None]) -> Callable[[], None]:
         """Call ``callback(event, payload)`` on every event of the bus (see
         :mod:`tensordbg.engine.bus`); it runs on the training thread and must not block."""

@@ -33,8 +33,10 @@ from tensordbg.rules import Rule
 class ScriptRun:
     """Finds the model, the optimizer and the loss of a script as it runs."""
 
-    def __init__(self, rules: Sequence[Rule] | None, **attach_args: Any):
+    def __init__(self, rules: Sequence[Rule] | None, profile_steps: int = 0, **attach_args: Any):
         self.rules = rules
+        self.profile_steps = profile_steps
+        self.profiling: Any = None  # the ProfileHandle of --profile
         self.attach_args = attach_args
         self.session: Session | None = None
         """The session the global hooks made (none when a framework's trainer is used)."""
@@ -117,6 +119,8 @@ class ScriptRun:
         self.session = attach(module, rules=self.rules, replaceable=True, **self.attach_args)
         # This very call began before the model's own hooks existed: enter it by hand.
         self.session.capture.on_enter(module, args, {})
+        if self.profile_steps:
+            self.profiling = self.session.profile(self.profile_steps)
         print(
             f"tensordbg: watching {type(module).__name__} "
             f"({sum(p.numel() for p in module.parameters()):,} parameters), "
@@ -134,7 +138,7 @@ class ScriptRun:
 
 
 def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = None,
-               **attach_args: Any) -> int:  # fmt: skip
+               profile_steps: int = 0, **attach_args: Any) -> int:  # fmt: skip
     """Run ``script`` as ``__main__`` with ``args``, watched by tensordbg; returns its exit code,
     or 1 when the script exited 0 but a watchpoint hit (as a linter does: a CI job that runs a
     short training under ``tensordbg run --on-hit record`` fails when something hit).
@@ -144,7 +148,7 @@ def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = 
     if not os.path.isfile(script):
         print(f"tensordbg run: no such script: {script}", file=sys.stderr)
         return 2
-    run = ScriptRun(rules, **attach_args)
+    run = ScriptRun(rules, profile_steps, **attach_args)
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
@@ -169,3 +173,19 @@ def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = 
                 print(session.summary(), file=sys.stderr, flush=True)
         run.remove()
         sys.argv, sys.path[:] = saved_argv, saved_path
+        if run.profile_steps:
+            _print_profile(run)
+
+
+def _print_profile(run: ScriptRun) -> None:
+    """``--profile``: the report (the steps done, when the script ended first), or why none."""
+    handle = run.profiling
+    if handle is None:
+        print("tensordbg run --profile: no model was found, nothing was profiled", file=sys.stderr)
+        return
+    report = handle.wait(120)
+    if report is None:
+        why = handle.message or f"the profile is {handle.state}"
+        print(f"tensordbg run --profile: no report ({why})", file=sys.stderr, flush=True)
+        return
+    print(report.text(), file=sys.stderr, flush=True)

@@ -36,19 +36,29 @@ from tensordbg.sources.checking import SchemaError as SchemaError
 from tensordbg.sources.checking import check as check
 from tensordbg.sources.checking import conforms as conforms
 from tensordbg.sources.schema import EVENTS as EVENTS
+from tensordbg.sources.schema import Advice as Advice
 
 # The schema's names, re-exported: the contract is where a reader looks for them.
 from tensordbg.sources.schema import ArrayData as ArrayData
 from tensordbg.sources.schema import AvailableRule as AvailableRule
+from tensordbg.sources.schema import BreakdownRow as BreakdownRow
 from tensordbg.sources.schema import CallSite as CallSite
 from tensordbg.sources.schema import Control as Control
+from tensordbg.sources.schema import Gpu as Gpu
+from tensordbg.sources.schema import GpuDevice as GpuDevice
+from tensordbg.sources.schema import GpuEvent as GpuEvent
+from tensordbg.sources.schema import GpuSample as GpuSample
 from tensordbg.sources.schema import Histogram as Histogram
 from tensordbg.sources.schema import History as History
 from tensordbg.sources.schema import Hit as Hit
 from tensordbg.sources.schema import Info as Info
 from tensordbg.sources.schema import LogEvent as LogEvent
 from tensordbg.sources.schema import Module as Module
+from tensordbg.sources.schema import OperatorRow as OperatorRow
 from tensordbg.sources.schema import Previous as Previous
+from tensordbg.sources.schema import ProfileEvent as ProfileEvent
+from tensordbg.sources.schema import ProfilePending as ProfilePending
+from tensordbg.sources.schema import ProfileReport as ProfileReport
 from tensordbg.sources.schema import Provenance as Provenance
 from tensordbg.sources.schema import ProvenanceInput as ProvenanceInput
 from tensordbg.sources.schema import Replay as Replay
@@ -172,6 +182,23 @@ class Source(Protocol):
         step is shown as broken (``info["replay"]["broken"]``), never an error."""
         ...
 
+    def profile(self, steps: int = 5) -> ProfilePending:
+        """Profile the next ``steps`` training steps, after one warm-up step (``torch.profiler``
+        in the training process, started by the training thread at its next step boundary). The
+        ``profile`` event says when the report is ready; raw traces never cross the wire."""
+        ...
+
+    def profile_report(self) -> ProfileReport | None:
+        """The latest finished profile report (None before one); a recorded run serves the one
+        it stored."""
+        ...
+
+    def gpu(self, since: float = 0.0) -> Gpu:
+        """NVML samples of the training's GPUs newer than ``since`` (a ``time.time()``), from a
+        bounded ring a background sampler fills; ``available`` false with a ``reason`` where
+        there is no NVML."""
+        ...
+
     def subscribe(self, callback: EventCallback) -> Callable[[], None]:
         """Call ``callback`` on every pushed event; returns a function that unsubscribes."""
         ...
@@ -194,16 +221,23 @@ METHODS = (
     "recheck",
     "control",
     "goto",
+    "profile",
+    "profile_report",
+    "gpu",
 )
 RECORDED_ONLY = frozenset({"goto"})
 """Requests only a recorded run serves: moving between its dumped steps."""
 EVERY_REQUEST = frozenset(METHODS) - RECORDED_ONLY
 """What a running training serves (everything but moving between recorded steps)."""
-READ_ONLY = EVERY_REQUEST - {"set_rule", "add_rule", "recheck", "control"}
-"""What a recorded run can serve at least: it can be read, not driven nor re-judged."""
+READ_ONLY = EVERY_REQUEST - {"set_rule", "add_rule", "recheck", "control", "profile", "gpu"}
+"""What a recorded run can serve at least: it can be read, not driven nor re-judged (nor
+profiled: it serves the profile report it stored)."""
 REPLAY = READ_ONLY | RECORDED_ONLY
 """What a replay of a dump serves (``tensordbg.sources.replay.ReplaySource``): READ_ONLY, and
 moving between the dumped steps."""
+PROFILING = frozenset({"profile", "profile_report", "gpu"})
+"""The optional capabilities of profiling: ``profile`` needs ``control`` (it drives the
+training); ``gpu`` needs a training process to sample in."""
 NEEDED = frozenset({"info", "hits"})  # the hello reply is made of them
 
 _SIGNATURES = {m: inspect.signature(getattr(Source, m)) for m in METHODS}
@@ -217,6 +251,8 @@ _CANNOT = {
     "add_rule": "add a rule",
     "recheck": "judge a step again",
     "goto": "move to another recorded step",
+    "profile": "profile the training",
+    "gpu": "sample the GPUs (NVML)",
 }
 
 

@@ -70,6 +70,7 @@ class LiveSource:
         self._ui_timer: Any = None
         # Summaries of tensors a person looked at, by name: (step, summary). Small, host-side.
         self._inspected: dict[str, tuple[int, dict[str, Any]]] = {}
+        self._gpu: Any = None  # the NVML sampler, made by the first gpu() request
 
     # --- at any time ---------------------------------------------------------------------------
 
@@ -220,6 +221,38 @@ class LiveSource:
                 f"unknown action {action!r}: continue, next, step, pause, skip or detach"
             )
         return {"state": control.state, "step": self.session.step}
+
+    # --- profiling ------------------------------------------------------------------------------
+
+    def profile(self, steps: int = 5) -> contract.ProfilePending:
+        """Profile the next ``steps`` steps: started by the training thread at its next step
+        boundary (through the control plane); the ``profile`` event says when it is done."""
+        from tensordbg.profiler.capture import ProfileError
+
+        try:
+            self.session.profile(steps)
+        except ProfileError as e:
+            raise SourceError(str(e)) from None
+        return {"pending": True, "steps": steps}
+
+    def profile_report(self) -> contract.ProfileReport | None:
+        profiler = self.session.__dict__.get("_profiler")
+        report = profiler.latest if profiler is not None else None
+        return report.to_dict() if report is not None else None  # type: ignore[return-value]
+
+    def gpu(self, since: float = 0.0) -> contract.Gpu:
+        """NVML samples newer than ``since``; the sampler starts on the first request (nothing
+        is sampled while no UI looks) and stops at detach."""
+        if self._gpu is None:
+            from tensordbg.profiler.nvml import GpuSampler
+
+            self._gpu = GpuSampler()
+            if self._gpu.start():
+                with contextlib.suppress(RuntimeError):  # detached meanwhile
+                    self.session.handles.callback(self._gpu.stop, "the GPU sampler")
+                if self.session.detached:
+                    self._gpu.stop()
+        return self._gpu.read(since)  # type: ignore[return-value]
 
     def subscribe(self, callback: EventCallback) -> Callable[[], None]:
         # The UI's feed only: the engine's own events (phase_end's records) do not cross.

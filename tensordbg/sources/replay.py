@@ -192,6 +192,12 @@ class ReplaySource:
             )
         return out
 
+    def profile_report(self) -> dict[str, Any] | None:
+        """The profile report the run stored with its dump (``meta["profile"]``), if any: a
+        recorded run cannot be profiled again."""
+        report = self.dump.meta.get("profile")
+        return report if isinstance(report, dict) else None
+
     def hits(self, since: int = 0) -> list[contract.Hit]:
         return [h for h in self._hits[max(0, since) :]]
 

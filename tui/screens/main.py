@@ -30,6 +30,7 @@ from tensordbg.tui.components.tensor_grid import TensorGrid
 from tensordbg.tui.components.tensor_inspector import TensorInspector
 from tensordbg.tui.errors import reported, work
 from tensordbg.tui.messages import HitsFound, OpenTensor
+from tensordbg.tui.profiler.view import ProfilerView
 from tensordbg.tui.remote import RequestFailed, remote_of
 
 
@@ -48,6 +49,7 @@ TABS = (
     Tab("provenance", "Provenance", "f5", Tree),
     Tab("rules", "Rules", "f6", DataTable),
     Tab("log", "Log", "f7", EventLog),
+    Tab("profile", "Profile", "f8", ProfilerView),
 )
 """The tabs in order: the app's keys, the tab titles, the palette's entries and the widget that
 gets the keys on each tab all come from here."""
@@ -91,6 +93,7 @@ class MainScreen(Screen):
         self.provenance_view = ProvenanceView()
         self.rule_panel = RulePanel()
         self.event_log = EventLog()
+        self.profiler_view = ProfilerView()
         self._welcomed = False
         self._state = "connecting"
         self._count = 0
@@ -110,6 +113,7 @@ class MainScreen(Screen):
             "provenance": [Later(self.provenance_view)],
             "rules": [Later(self.rule_panel)],
             "log": [Later(self.event_log)],
+            "profile": [Later(self.profiler_view)],
         }
         with TabbedContent(initial=TABS[0].pane):
             for tab in TABS:
@@ -145,6 +149,7 @@ class MainScreen(Screen):
             table.focus()
         self._welcomed = True
         self.reload()
+        self.profiler_view.connected()
 
     @reported
     def server_event(self, event: str, payload: Any) -> None:
@@ -158,6 +163,8 @@ class MainScreen(Screen):
             self.run_status.add_hit(payload)
         elif event == "state":
             self.app.state = payload["state"]  # type: ignore[attr-defined]
+        elif event == "profile":
+            self.profiler_view.profile_event(payload)
 
     def show_replay_step(self, info: Info) -> None:
         """A recorded run moved to another dumped step (n / p): its tensors and statistics."""
