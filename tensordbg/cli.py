@@ -40,8 +40,9 @@ EXAMPLES = {
           tensordbg run --profile 5 train.py      profile 5 steps; summary and advice at the end
 
         The script runs as __main__ with its own arguments; the first module with trainable
-        parameters it calls is watched, with the first optimizer that steps it. Open the UI
-        with `tensordbg tui` in another terminal.
+        parameters it calls is watched, with the first optimizer that steps it. A Hugging Face
+        or Lightning Trainer gets tensordbg's callback instead. Open the UI with
+        `tensordbg tui` in another terminal.
         """,
     "tui": """
         examples:

@@ -6,6 +6,8 @@ after it. Parameter bookkeeping itself (who owns what, copies, ranges) is in :mo
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -21,6 +23,8 @@ from tensordbg.statistics.torch_kernels import host_stats, update_stats, watchab
 RANGE = (MIN, MAX)
 # Parameters whose digest is their norm (one pass over all of them): float32 and float64.
 NORMED = frozenset({torch.float32, torch.float64})
+SKIPPED_INSIDE: list[Param] = []
+"""What a step that a fused optimizer skips in its kernel owns: nothing."""
 
 
 class OptimizerPhase:
@@ -35,7 +39,21 @@ class OptimizerPhase:
         self._check_parameters(list(self.weights.params.values()), None)
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any,
-                     kwargs: Any) -> None:  # fmt: skip
+                     kwargs: Any) -> tuple[Any, Any] | None:  # fmt: skip
+        """The optimizer's step pre-hook. A step given a closure runs the forward and backward
+        inside it (Lightning, LBFGS): the gradients are final only once the closure returned."""
+        if self.broken or self._detach_requested():
+            return None
+        if _skips_inside(optimizer):  # as if the scaler had not called it (see amp.py)
+            self._stepping[optimizer] = SKIPPED_INSIDE
+            return None
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._gradients_final(optimizer)
+            return None
+        return _after_first_call(closure, partial(self._gradients_final, optimizer), args, kwargs)
+
+    def _gradients_final(self, optimizer: torch.optim.Optimizer) -> None:
         """Gradients are final: judge what is pending (a gradient hit pauses before the update
         lands), note parameter versions and copy those whose update must be measured exactly."""
         if self.broken or self._detach_requested():
@@ -55,7 +73,8 @@ class OptimizerPhase:
                 self.weights.versions, self.weights.snapshots = {}, {}
                 return
             every = self.step % self.interval == 0
-            self.weights.before_step(owned, wanted, every)
+            fused = any(g.get("fused") for g in optimizer.param_groups)
+            self.weights.before_step(owned, wanted, every, fused)
         except Exception as e:
             self.fault(e)
 
@@ -65,6 +84,8 @@ class OptimizerPhase:
             return
         try:
             owned = self._stepping.pop(optimizer, None)
+            if owned is SKIPPED_INSIDE:
+                return
             if owned is None:
                 owned = self.weights.owned(optimizer, self.optimizers)
             self._check_parameters(owned, self.ruleset.update_stats())
@@ -150,6 +171,31 @@ class OptimizerPhase:
             self.weights.suspects.discard(p.name)
         self.phases.pending.append(Judged(record))
         return record
+
+
+def _skips_inside(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a GradScaler that found Inf/NaN gradients calls this fused optimizer's step
+    anyway, for its kernel to skip the update (``AdamW(fused=True)``, the Hugging Face
+    Trainer's default): one read of the flag, only under a scaler."""
+    found_inf = getattr(optimizer, "found_inf", None)
+    return isinstance(found_inf, torch.Tensor) and bool(found_inf.item())
+
+
+def _after_first_call(closure: Callable[[], Any], then: Callable[[], None], args: Any,
+                      kwargs: Any) -> tuple[Any, Any]:  # fmt: skip
+    """The step's arguments with ``closure`` replaced by one that calls ``then()`` after its
+    first call returned (LBFGS calls it again after changing the weights)."""
+    pending = [then]
+
+    def closure_then() -> Any:
+        result = closure()
+        if pending:
+            pending.pop()()
+        return result
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure_then}
+    return (args[0], closure_then, *args[2:]), kwargs
 
 
 def _drop_gradients(optimizer: torch.optim.Optimizer) -> None:

@@ -104,14 +104,17 @@ class ParamWatch:
             return [p for key, p in self.params.items() if key in mine or key not in held]
         return [p for key, p in self.params.items() if key in mine]
 
-    def before_step(self, owned: list[Param], wanted: Sequence[Stat], every: bool) -> None:
+    def before_step(self, owned: list[Param], wanted: Sequence[Stat], every: bool,
+                    fused: bool = False) -> None:  # fmt: skip
         """Note the versions of the parameters about to be stepped, and copy those whose update
-        must be measured exactly (``every``: all of them, within the budget)."""
+        must be measured exactly (``every``: all of them, within the budget). A fused optimizer
+        (``AdamW(fused=True)``, the Hugging Face Trainer's default) writes without bumping a
+        parameter's version: there a version tells nothing (-1 never matches)."""
         self.versions = {}
         self.snapshots = {}
         stepped = [p for p in owned if p.param.requires_grad and p.param.grad is not None]
         for p in stepped:
-            self.versions[p.name] = p.param._version
+            self.versions[p.name] = -1 if fused else p.param._version
         every = every and any(s.name in SNAPSHOT_STATS for s in wanted)
         budget = self.update_budget
         start = self._offset % len(stepped) if stepped else 0

@@ -5,6 +5,11 @@ model (tensordbg attaches to it as ``attach()`` would), the first optimizer that
 and a scalar on which ``.backward()`` is called is observed as the loss. The global module hook
 is removed as soon as the model is found, so the rest of the run pays only for the model's own
 hooks.
+
+A script that trains with a framework's trainer (Hugging Face ``Trainer``, Lightning ``Trainer``)
+is watched through that framework's callback instead: each trainer the script makes gets one (see
+:mod:`.frameworks`), which attaches at train begin with the trainer's model, optimizers and
+GradScaler, and the global hooks stand down.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tensordbg.api import attach, attached_to
 from tensordbg.engine.session import Session
+from tensordbg.integrations.frameworks import TrainerPatches, TrainingWatch
 from tensordbg.rules import Rule
 
 
@@ -33,6 +39,10 @@ class ScriptRun:
         self.profiling: Any = None  # the ProfileHandle of --profile
         self.attach_args = attach_args
         self.session: Session | None = None
+        """The session the global hooks made (none when a framework's trainer is used)."""
+        self.framework_sessions: list[Session] = []
+        """The sessions of the framework callbacks, one per training."""
+        self._trainers = TrainerPatches(self._framework_callback, self._stand_down)
         self._module_hook: Any = None
         self._optimizer_hook: Any = None
         self._backward = torch.Tensor.backward
@@ -49,8 +59,21 @@ class ScriptRun:
             return original(tensor, *args, **kwargs)
 
         torch.Tensor.backward = backward  # type: ignore[method-assign]
+        self._trainers.install()
+
+    @property
+    def sessions(self) -> list[Session]:
+        """Every session this run made."""
+        return ([self.session] if self.session is not None else []) + self.framework_sessions
+
+    def hit(self) -> bool:
+        """Whether anything hit, in any session."""
+        return any(s.hits for s in self.sessions)
 
     def remove(self) -> None:
+        self._trainers.remove()
+        for session in self.framework_sessions:
+            session.detach()
         torch.Tensor.backward = self._backward  # type: ignore[method-assign]
         for handle in (self._module_hook, self._optimizer_hook):
             if handle is not None:
@@ -58,6 +81,32 @@ class ScriptRun:
         self._module_hook = self._optimizer_hook = None
         if self.session is not None:
             self.session.detach()
+
+    def _stand_down(self) -> None:
+        """A framework's trainer was made: its callback watches from train begin on."""
+        if self._module_hook is not None:
+            self._module_hook.remove()
+            self._module_hook = None
+        if self.session is not None:
+            self.session.detach()  # the model was called before the trainer was made
+
+    def _framework_callback(self, callback_class: type[TrainingWatch]) -> TrainingWatch:
+        args = {"rules": self.rules, "replaceable": True, "summary_at_exit": False}
+        callback = callback_class(**args, **self.attach_args)
+        callback.on_attach = self._framework_attached
+        return callback
+
+    def _framework_attached(self, session: Session) -> None:
+        self.framework_sessions.append(session)
+        model = session.model
+        if model is not None:
+            print(
+                f"tensordbg: watching {type(model).__name__} "
+                f"({sum(p.numel() for p in model.parameters()):,} parameters) through its "
+                f"trainer, run {session.run_id}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _on_module(self, module: torch.nn.Module, args: tuple) -> None:
         if self.session is not None or not any(p.requires_grad for p in module.parameters()):
@@ -106,21 +155,22 @@ def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = 
     run.install()
     try:
         runpy.run_path(script, run_name="__main__")
-        return 1 if run.session is not None and run.session.hits else 0
+        return 1 if run.hit() else 0
     except SystemExit as e:
         code = e.code
         code = code if isinstance(code, int) else (0 if code is None else 1)
-        return 1 if code == 0 and run.session is not None and run.session.hits else code
+        return 1 if code == 0 and run.hit() else code
     except KeyboardInterrupt:
-        session = run.session
+        session = run.sessions[-1] if run.sessions else None
         where = f" at step {session.step}, {session.phase}" if session is not None else ""
         paused = session is not None and session.controller.state == "paused"
         print(f"tensordbg run: interrupted (Ctrl-C){where}"
               + (" while paused" if paused else ""), file=sys.stderr)  # fmt: skip
         return 130
     finally:
-        if run.session is not None and run.session.hits:
-            print(run.session.summary(), file=sys.stderr, flush=True)
+        for session in run.sessions:
+            if session.hits:
+                print(session.summary(), file=sys.stderr, flush=True)
         run.remove()
         sys.argv, sys.path[:] = saved_argv, saved_path
         if run.profile_steps:
