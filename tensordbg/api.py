@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from tensordbg.distributed.identity import RankIdentity
+from tensordbg.distributed.models import unwrap
 from tensordbg.engine.session import (
     DEFAULT_RETAIN,
     DEFAULT_UPDATE_BUDGET,
@@ -19,7 +21,7 @@ from tensordbg.engine.session import (
     attached_to,
 )
 from tensordbg.hit import Hit, WatchpointHit
-from tensordbg.rules import Rule
+from tensordbg.rules import RankDivergence, Rule, default_rules
 
 
 def attach(
@@ -87,6 +89,10 @@ def attach(
             over instead of refusing (``tensordbg run`` attaches this way, so a script that
             attaches tensordbg itself keeps its own settings).
     """
+    model, _ = unwrap(model)  # DistributedDataParallel: paths as in the user's model
+    identity = RankIdentity.from_environment()
+    if rules is None and identity.distributed:
+        rules = [*default_rules(), RankDivergence()]
     existing = attached_to(model)
     if existing is not None and existing.replaceable:
         existing.detach()
@@ -105,12 +111,14 @@ def attach(
         retain_bytes=retain_bytes,
         update_budget=update_budget,
         max_skipped_steps=max_skipped_steps,
-        run_id=run_id,
-        rank=rank,
+        run_id=run_id or identity.run_id,
+        rank=identity.rank if rank is None else rank,
     )
     session.replaceable = replaceable
     session.summary_at_exit = summary_at_exit
     try:
+        if identity.distributed:
+            _link_ranks(session, identity)
         if server:
             _start_server(session, remote, ui_timeout)
         session.check_parameters()
@@ -125,6 +133,34 @@ def attach(
             ) from None
         raise
     return session
+
+
+def _link_ranks(session: Session, identity: RankIdentity) -> None:
+    """One rank of several: pause and stop with the others through the job's store, and
+    exchange the fingerprints of RankDivergence."""
+    from tensordbg.distributed.coordination import RankLink, launcher_store
+    from tensordbg.distributed.fingerprints import Fingerprints
+
+    try:
+        store = launcher_store()
+    except Exception as e:  # no store: this rank is watched alone
+        store, reason = None, str(e)
+    else:
+        reason = "no MASTER_ADDR/MASTER_PORT and no initialised process group"
+    if store is None:
+        warnings.warn(
+            f"tensordbg: rank {identity.rank} of {identity.world_size} cannot reach the job's "
+            f"store ({reason}): its hits are recorded but do not pause or stop the other ranks",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return
+    link = RankLink(session, store, identity.with_run_id(session.run_id))
+    session.ranks = link
+    fingerprints = Fingerprints(session, link.store, identity.rank)
+    session.handles.callback(
+        session.bus.subscribe(fingerprints.on_step_end, events={"step_end"}), "fingerprints"
+    )
 
 
 def _start_server(session: Session, remote: bool | str, ui_timeout: float | None) -> None:
