@@ -55,6 +55,7 @@ class Hit(TypedDict):
     ref: int
     call: int
     summary: Summary
+    rank: NotRequired[int]  # the rank that found it (0 for one process; absent in old dumps)
 
 
 class History(TypedDict):
@@ -90,6 +91,7 @@ class Info(TypedDict):
     capabilities: list[str]  # the requests the source serves; filled in by dispatch()
     started: NotRequired[float]  # time.time() when the source started serving
     running_rule: NotRequired[RunningRule | None]  # a rule check under way on the training thread
+    world_size: NotRequired[int]  # ranks in the job (torchrun's WORLD_SIZE); 1 for one process
 
 
 class RunningRule(TypedDict):
