@@ -96,9 +96,9 @@ def test_a_jobs_ranks_are_one_entry_of_the_session_list() -> None:
     assert [s["rank"] for s in job_sessions("job7", lambda: sessions)] == [0, 1]
 
 
-def test_the_ui_opens_a_job_once_and_r_moves_to_the_next_rank(private_runtime_dir) -> None:
+def test_the_ui_opens_a_job_once_and_shift_r_moves_to_the_next_rank(private_runtime_dir) -> None:
     """Two ranks of one job serve their sessions: ``tensordbg tui`` opens the job (rank 0, no
-    list to choose from), ``r`` inspects rank 1, F8 shows both ranks."""
+    list to choose from), ``R`` inspects rank 1, F8 shows both ranks."""
     servers = [Server(FakeRank(r), run_id="job7", rank=r, script="train.py") for r in (0, 1)]
     for server in servers:
         server.start()

@@ -69,7 +69,7 @@ class TensorDbgApp(App[int]):
         Binding("q", "detach", "Detach & quit"),
         Binding("slash", "search", "Search"),
         Binding("f8", "ranks", "Ranks", show=False),
-        Binding("r", "next_rank", "Next rank", show=False),
+        Binding("R", "next_rank", "Next rank", show=False),
         *(Binding(str(d), f"count({d})", show=False) for d in range(10)),
         # One key per tab, named in the tab titles.
         *(Binding(tab.key, f"tab('{tab.pane}')", tab.title, show=False) for tab in TABS),
@@ -287,7 +287,7 @@ class TensorDbgApp(App[int]):
     # --- the ranks of a job (tensordbg.tui.screens.ranks) ------------------------------------
 
     def action_next_rank(self) -> None:
-        """Inspect the next rank of this job (r)."""
+        """Inspect the next rank of this job (R)."""
         ranks = [int(s.rank) for s in self._job()]
         if len(ranks) > 1:
             here = int(self.info.get("rank", 0))

@@ -3,7 +3,7 @@ one list, and one tensor's statistics on every rank side by side.
 
 Each rank serves its own session; this screen reads them all through one client per rank, which
 the app opens (:func:`job_sessions`) and closes when the screen goes. Enter on a rank (or on a
-hit) inspects that rank in the main screen; ``r`` there moves to the next rank.
+hit) inspects that rank in the main screen; ``R`` (shift+r) there moves to the next rank.
 """
 
 from __future__ import annotations
