@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from tensordbg.distributed.identity import RankIdentity
-from tensordbg.distributed.models import unwrap
+from tensordbg.distributed.models import unwrap, watch_local_shards
 from tensordbg.engine.session import (
     DEFAULT_RETAIN,
     DEFAULT_UPDATE_BUDGET,
@@ -117,6 +117,11 @@ def attach(
     session.replaceable = replaceable
     session.summary_at_exit = summary_at_exit
     try:
+        session.sharded = watch_local_shards(session)
+        if session.sharded:
+            print(f"tensordbg: {len(session.sharded)} parameters are sharded (DTensor, FSDP2): "
+                  "their values are checked on this rank's local shard; their gradients and "
+                  "updates are not watched", file=sys.stderr, flush=True)  # fmt: skip
         if identity.distributed:
             _link_ranks(session, identity)
         if server:

@@ -160,3 +160,32 @@ def test_a_ddp_model_is_watched_as_the_users_model(one_rank_group):
             model[0].weight[0, 0] = float("nan")
         ddp(torch.randn(2, 3))
     assert session.hits[0].module == "0" and session.hits[0].rank == 0
+
+
+def test_fsdp2_parameters_are_checked_on_the_local_shard_without_a_collective(one_rank_group,
+                                                                              capsys):  # fmt: skip
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    group = dist.distributed_c10d._get_default_group()
+
+    def steps(n: int) -> int:
+        before = group._get_sequence_number_for_group()
+        for _ in range(n):
+            model(torch.randn(2, 3)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return group._get_sequence_number_for_group() - before
+
+    bare = steps(2)
+    with tensordbg.attach(model, optimizer=opt, on_hit="record", server=False) as session:
+        assert "4 parameters are sharded" in capsys.readouterr().err
+        assert steps(2) == bare  # not one collective more than the training's own
+        with torch.no_grad():
+            model[0].weight.to_local()[0, 0] = float("nan")
+        steps(1)
+    assert [(h.rule, h.tensor, h.kind) for h in session.hits][:1] == [("NaN", "0.weight",
+                                                                       "param")]  # fmt: skip

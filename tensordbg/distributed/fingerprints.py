@@ -65,7 +65,9 @@ class Fingerprints:
     def _norms(self) -> list[float]:
         if self._names is None:
             # Replicated parameters only: FSDP2 shards differ by design.
-            params = [p for p in self.session.weights.params.values() if not is_dtensor(p.param)]
+            sharded = set(getattr(self.session, "sharded", ()))
+            params = [p for p in self.session.weights.params.values()
+                      if p.name not in sharded and not is_dtensor(p.param)]  # fmt: skip
             self._names = [p.name for p in params]
             self._params = [p.param for p in params]
             self._digest = hashlib.sha256("\n".join(self._names).encode()).hexdigest()[:16]

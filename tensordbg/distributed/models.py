@@ -44,3 +44,16 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """The rank's own part of a ``DTensor`` (the tensor itself otherwise); reading it runs no
     collective."""
     return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def watch_local_shards(session: Any) -> list[str]:
+    """Make the session read each ``DTensor`` parameter through this rank's local shard (a view:
+    the optimizer's in-place updates show in it); returns their names. Their gradients are not
+    watched: FSDP2 sets them after its reduce-scatter, outside the hooks autograd offers."""
+    sharded = []
+    with torch.no_grad():
+        for p in session.weights.params.values():
+            if is_dtensor(p.param):
+                p.param = p.param.to_local()
+                sharded.append(p.name)
+    return sharded

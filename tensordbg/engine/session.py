@@ -78,6 +78,8 @@ class Session(Pipeline, OptimizerPhase):
 
     passthrough: tuple[type[BaseException], ...] = (WatchpointHit,)
     ranks: Any = None
+    sharded: tuple[str, ...] | list[str] = ()
+    """Parameters read through this rank's local shard (FSDP2 ``DTensor``s; set by ``attach``)."""
     """The link to the other ranks of a job (:class:`tensordbg.distributed.RankLink`), set by
     ``attach`` under a launcher with several ranks; None for one process."""
     replaceable = False
