@@ -4,10 +4,10 @@
         SCENARIO OUT_DIR
 
 Each rank writes ``OUT_DIR/rank<N>.json``: its hits, its session's identity, what it saw.
-Scenarios: ``nan`` (an evaluation forward of rank 1 makes a NaN in module ``1`` at step 3; hits
-recorded), ``pause`` (the same, pausing; the test drives it through the UI's client), ``raise``
-(the NaN is in rank 1's training forward), ``drift`` (rank 1's ``3.weight`` is changed by hand
-at step 4), ``bare`` (no tensordbg).
+Scenarios: ``nan`` (rank 1's training forward makes a NaN in module ``1`` at step 3; hits
+recorded), ``raise`` (the same, raising), ``pause`` (an evaluation forward of rank 1 makes it, so
+the training itself stays healthy; the test drives the pause through the UI's client), ``drift``
+(rank 1's ``3.weight`` is changed by hand at step 4), ``bare`` (no tensordbg).
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ def main(scenario: str, out: Path) -> None:
     generator = torch.Generator().manual_seed(rank)
     for step in range(STEPS.get(scenario, 6)):
         poison = model[1]
-        poison.armed = scenario == "raise" and rank == 1 and step == 3
-        if scenario in ("nan", "pause") and rank == 1 and step == 3:
+        poison.armed = scenario in ("nan", "raise") and rank == 1 and step == 3
+        if scenario == "pause" and rank == 1 and step == 3:
             poison.armed = True  # an evaluation forward on rank 1 only makes a NaN
             with torch.no_grad():
                 ddp(torch.randn(16, 4, generator=generator))

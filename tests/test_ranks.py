@@ -84,7 +84,14 @@ def test_a_nan_on_rank_1_only_is_a_hit_on_rank_1_at_its_module_and_step(job):
     assert (origin["rule"], origin["module"], origin["kind"], origin["step"], origin["rank"]) == (
         "NaN", "1", "output", 3, 1,
     )  # fmt: skip
-    assert rank0["hits"] == []  # no false alarm, and RankDivergence silent on healthy DDP
+    # Rank 0's own forward and backward were clean; DDP's all-reduce then carried rank 1's NaN
+    # into its gradients and weights: those hits are passed on, naming rank 1, not new origins.
+    assert rank0["hits"] and all(h["rank"] == 0 and not h["origin"] for h in rank0["hits"])
+    first = rank0["hits"][0]
+    assert first["step"] == 3 and first["kind"] in ("grad", "param")
+    assert "It came from rank 1 (NaN at 1.output)" in first["message"]
+    # Both ranks' weights are NaN alike: RankDivergence does not call that a drift.
+    assert not [h for r in (rank0, rank1) for h in r["hits"] if h["rule"] == "RankDivergence"]
     # Named as in the user's model, without DistributedDataParallel's "module." prefix.
     assert rank0["params"] == ["0.bias", "0.weight", "1.lin.bias", "1.lin.weight", "3.bias",
                                "3.weight"]  # fmt: skip
@@ -147,3 +154,5 @@ def test_every_rank_pauses_together_and_continue_resumes_them_all(job, private_r
             c.close()
     assert j.process.returncode == 0, output
     assert j.rank(0)["paused_steps"] == [3] and j.rank(1)["paused_steps"] == [3]
+    # A healthy DDP training otherwise: its weights stay identical on both ranks.
+    assert not [h for n in (0, 1) for h in j.rank(n)["hits"] if h["rule"] == "RankDivergence"]

@@ -120,6 +120,8 @@ class RankLink:
         self._at_safe_point = False
         self._paused_gen = 0
         self._said_abort = False
+        self._published = -1  # the last step this rank published an origin for
+        self._origins: tuple[int, dict[str, Any] | None] = (-1, None)  # (step, other's origin)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, args=(poll,), daemon=True,
@@ -187,6 +189,34 @@ class RankLink:
             self._paused_gen = 0
         with self._store_errors():
             self._resume_all(request.gen)
+
+    def attribute(self, hit: Hit) -> None:
+        """Say where an origin hit came from across ranks (called as each hit is logged). A hit
+        at its origin in a rank's own forward or backward is published for the step; a rank whose
+        gradients, parameters or updates go bad in a step where another rank published one got
+        it through the gradient all-reduce: its hit is "passed on", naming that rank. (Best
+        effort: a backward origin judged only at the end of the other rank's backward may be
+        published too late to be seen.)"""
+        if self.closed or not hit.origin:
+            return
+        key = f"origin/{hit.step}"
+        with self._store_errors():
+            if hit.kind not in ("grad", "param", "update"):
+                if self._published != hit.step:
+                    self._published = hit.step
+                    mine = json.dumps({"rank": self.rank, "rule": hit.rule, "tensor": hit.tensor})
+                    self.store.compare_set(key, "", mine)
+                return
+            if self._origins[0] != hit.step:
+                found = self.store.check([key])
+                self._origins = (hit.step, json.loads(self.store.get(key)) if found else None)
+            other = self._origins[1]
+            if other and other["rank"] != self.rank:
+                hit.origin = False
+                hit.message += (
+                    f" It came from rank {other['rank']} ({other['rule']} at {other['tensor']}): "
+                    "the gradient all-reduce carried it to every rank."
+                )
 
     def close(self) -> None:
         """Detached: stop watching the store (a pause this rank was in is left to the others)."""

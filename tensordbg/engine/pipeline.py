@@ -412,6 +412,8 @@ class Pipeline(Pausing):
         self._add_hit(hit, active)
 
     def _add_hit(self, hit: Hit, active: ActiveRule | None) -> None:
+        if self.ranks is not None:
+            self.ranks.attribute(hit)  # a bad gradient another rank's NaN made is passed on
         repeated = self.hitlog.repeated(hit)
         if not self.hitlog.add(hit, active):
             return
