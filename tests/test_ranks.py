@@ -117,13 +117,14 @@ def test_rank_divergence_reports_the_rank_whose_weights_drifted(job):
 def test_raise_on_one_rank_ends_the_whole_job_with_one_line_from_the_others(job):
     j = job("raise")
     output = j.wait(timeout=60)
-    elapsed = time.monotonic() - j.started
+    ended = time.time()
     assert j.process.returncode != 0
     assert "WatchpointHit" in output  # rank 1's own error
     assert "tensordbg: rank 1 stopped the job: NaN at step 3 in 1.output; rank 0 stops too" in (
         output
     )
-    assert elapsed < 60  # the job's start is most of it; the stop itself is seconds
+    # From rank 1's raise to the end of the whole job (both ranks and the launcher).
+    assert ended - float((j.out / "raised").read_text()) < 30
 
 
 def test_every_rank_pauses_together_and_continue_resumes_them_all(job, private_runtime_dir):

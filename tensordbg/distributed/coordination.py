@@ -142,8 +142,8 @@ class RankLink:
                 self._pending = (reason, hit)
             return True
         self._pending = (reason, hit)
-        request = self._new_request("pause", reason, hit)
         with self._store_errors():
+            request = self._new_request("pause", reason, hit)
             current = self._read()
             if current is not None and current.gen > self.served:
                 return True  # another rank's pause is pending: this rank stops with it
