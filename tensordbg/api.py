@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from tensordbg.distributed.identity import RankIdentity
+from tensordbg.distributed.models import unwrap, watch_local_shards
 from tensordbg.engine.session import (
     DEFAULT_RETAIN,
     DEFAULT_UPDATE_BUDGET,
@@ -20,7 +22,7 @@ from tensordbg.engine.session import (
     attached_to,
 )
 from tensordbg.hit import Hit, WatchpointHit
-from tensordbg.rules import Rule
+from tensordbg.rules import RankDivergence, Rule, default_rules
 
 
 def attach(
@@ -104,6 +106,10 @@ def attach(
         raise ValueError("on_hit='dump' writes hits into a dump: give dump_dir= too")
     if dump_dir is None and (dump_every is not None or dump_tensors or dump_max_bytes):
         raise ValueError("dump_every, dump_tensors and dump_max_bytes need dump_dir= too")
+    model, _ = unwrap(model)  # DistributedDataParallel: paths as in the user's model
+    identity = RankIdentity.from_environment()
+    if rules is None and identity.distributed:
+        rules = [*default_rules(), RankDivergence()]
     existing = attached_to(model)
     if existing is not None and existing.replaceable:
         existing.detach()
@@ -122,8 +128,8 @@ def attach(
         retain_bytes=retain_bytes,
         update_budget=update_budget,
         max_skipped_steps=max_skipped_steps,
-        run_id=run_id,
-        rank=rank,
+        run_id=run_id or identity.run_id,
+        rank=identity.rank if rank is None else rank,
     )
     session.replaceable = replaceable
     session.summary_at_exit = summary_at_exit
@@ -134,6 +140,13 @@ def attach(
             patterns = (dump_tensors,) if isinstance(dump_tensors, str) else tuple(dump_tensors)
             session.dumps = DumpRecorder(session, os.fspath(dump_dir), dump_every, patterns,
                                          dump_max_bytes)  # fmt: skip
+        session.sharded = watch_local_shards(session)
+        if session.sharded:
+            print(f"tensordbg: {len(session.sharded)} parameters are sharded (DTensor, FSDP2): "
+                  "their values are checked on this rank's local shard; their gradients and "
+                  "updates are not watched", file=sys.stderr, flush=True)  # fmt: skip
+        if identity.distributed:
+            _link_ranks(session, identity)
         if server:
             _start_server(session, remote, ui_timeout)
         session.check_parameters()
@@ -181,6 +194,34 @@ def profile(
         session.detach()
         raise
     return session
+
+
+def _link_ranks(session: Session, identity: RankIdentity) -> None:
+    """One rank of several: pause and stop with the others through the job's store, and
+    exchange the fingerprints of RankDivergence."""
+    from tensordbg.distributed.coordination import RankLink, launcher_store
+    from tensordbg.distributed.fingerprints import Fingerprints
+
+    try:
+        store = launcher_store()
+    except Exception as e:  # no store: this rank is watched alone
+        store, reason = None, str(e)
+    else:
+        reason = "no MASTER_ADDR/MASTER_PORT and no initialised process group"
+    if store is None:
+        warnings.warn(
+            f"tensordbg: rank {identity.rank} of {identity.world_size} cannot reach the job's "
+            f"store ({reason}): its hits are recorded but do not pause or stop the other ranks",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return
+    link = RankLink(session, store, identity.with_run_id(session.run_id))
+    session.ranks = link
+    fingerprints = Fingerprints(session, link.store, identity.rank)
+    session.handles.callback(
+        session.bus.subscribe(fingerprints.on_step_end, events={"step_end"}), "fingerprints"
+    )
 
 
 def _start_server(session: Session, remote: bool | str, ui_timeout: float | None) -> None:

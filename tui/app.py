@@ -33,6 +33,7 @@ from tensordbg.tui.remote import (
 )
 from tensordbg.tui.screens.main import TABS, MainScreen
 from tensordbg.tui.screens.profile_steps import ProfileStepsScreen
+from tensordbg.tui.screens.ranks import RanksScreen, group_jobs, job_sessions
 from tensordbg.tui.screens.session_picker import SessionPicker, session_field
 
 # Which control actions make sense in which state of the training.
@@ -75,6 +76,8 @@ class TensorDbgApp(App[int]):
         Binding("q", "detach", "Detach & quit"),
         Binding("slash", "search", "Search"),
         Binding("P", "profile", "Profile N steps"),
+        Binding("f9", "ranks", "Ranks", show=False),
+        Binding("R", "next_rank", "Next rank", show=False),
         *(Binding(str(d), f"count({d})", show=False) for d in range(10)),
         # One key per tab, named in the tab titles.
         *(Binding(tab.key, f"tab('{tab.pane}')", tab.title, show=False) for tab in TABS),
@@ -108,12 +111,16 @@ class TensorDbgApp(App[int]):
         self.crash_file = crash_file or CrashFile()
         """Where the details of the errors the UI survived go; ``run_tui`` prints its path."""
         self.main = MainScreen()
+        self.info: dict[str, Any] = {}
+        """The session's info from its hello reply (which run, which rank)."""
+        self._switch_path: str | None = None
 
     def get_default_screen(self) -> Screen:
         return self.main
 
     def on_ready(self) -> None:
         # Ready: the main screen is composed and on screen, so the widgets can be fed.
+        self._sessions = group_jobs(self._sessions)  # a torchrun job is one entry
         if len(self._sessions) > 1:
             self.push_screen(SessionPicker(self._sessions), self._keep_connected)
         else:
@@ -190,6 +197,9 @@ class TensorDbgApp(App[int]):
             with contextlib.suppress(Exception):
                 await client.close()
             client = None
+            if self._switch_path is not None:  # another rank of the job: connect to it now
+                path, self._switch_path = self._switch_path, None
+                continue
             self.main.show_connection_lost(
                 reason, self.state, reconnecting=self._connect is not None
             )
@@ -199,7 +209,7 @@ class TensorDbgApp(App[int]):
             await asyncio.sleep(self._reconnect_delay)
 
     def _greeted(self, welcome: Welcome) -> None:
-        info = welcome["info"]
+        info = self.info = dict(welcome["info"])
         self.crash_file.session = (
             f"run {info['run_id']} of {info['script']} (rank {info['rank']}, pid {info['pid']}, "
             f"torch {info['torch']}, {'live' if info['live'] else 'recorded'}, serves "
@@ -248,10 +258,10 @@ class TensorDbgApp(App[int]):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in ("replay_step", "refuse_control"):
             return self.screen is self.main and self.remote.serves("goto")
-        if action in ("control", "count", "tab", "search", "detach", "profile"):
+        if action in ("control", "count", "tab", "search", "detach", "profile", "ranks", "next_rank"):
             if self.screen is not self.main:  # a dialog or the session list: its keys only
                 return False
-            if action in ("tab", "search", "detach"):
+            if action in ("tab", "search", "detach", "ranks", "next_rank"):
                 return True
             if action == "profile":  # a training to profile (or to say why it cannot be)
                 return self.state in ("running", "paused")
@@ -299,6 +309,53 @@ class TensorDbgApp(App[int]):
 
     def action_search(self) -> None:
         self.main.focus_search()
+
+    # --- the ranks of a job (tensordbg.tui.screens.ranks) ------------------------------------
+
+    def action_next_rank(self) -> None:
+        """Inspect the next rank of this job (R)."""
+        ranks = [int(s.rank) for s in self._job()]
+        if len(ranks) > 1:
+            here = int(self.info.get("rank", 0))
+            self._switch_to_rank(next((r for r in ranks if r > here), ranks[0]))
+
+    def action_ranks(self) -> None:
+        """The job's ranks side by side (F9)."""
+        self._open_ranks()
+
+    def _job(self) -> list[Any]:
+        if self._connect is None or "run_id" not in self.info:
+            return []  # a client handed in: no other rank to reach
+        return job_sessions(self.info["run_id"])
+
+    def _switch_to_rank(self, rank: int) -> None:
+        path = next((str(s.path) for s in self._job() if int(s.rank) == rank), None)
+        if path is None or rank == self.info.get("rank"):
+            return
+        self.main.log_entry(f"inspecting rank {rank}")
+        self._switch_path = path
+        self._lost_reason = f"switching to rank {rank}"
+        self._lost.set()
+
+    @work(group="ranks", exclusive=True)
+    async def _open_ranks(self) -> None:
+        from tensordbg.transport.client import Client
+
+        job = self._job()
+        if len(job) < 2:
+            self.notify("This training runs on one rank.", title="Ranks", markup=False)
+            return
+        clients = {int(s.rank): await Client.connect(str(s.path), timeout=5.0) for s in job}
+
+        async def closed(rank: int | None) -> None:
+            for client in clients.values():
+                with contextlib.suppress(Exception):
+                    await client.close()
+            if rank is not None:
+                self._switch_to_rank(rank)
+
+        screen = RanksScreen(self.info["run_id"], clients, int(self.info.get("rank", 0)))
+        self.push_screen(screen, closed)
 
     def action_detach(self) -> None:
         self._detach_and_exit()

@@ -61,6 +61,8 @@ class OptimizerPhase:
         try:
             if self.phases.busy() or self._forward_open:
                 self._end_phase()
+            if self.ranks is not None and optimizer is self.optimizers[0]:
+                self.ranks.safe_point()  # the step's collectives are done: ranks stop here
             if self._skip_requested:
                 _drop_gradients(optimizer)
             self.amp.stepped = True

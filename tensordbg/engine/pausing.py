@@ -27,6 +27,8 @@ class Pausing:
             for hit in pausing:
                 self.on_hit(hit)
         elif self.on_hit == "raise":
+            if self.ranks is not None:
+                self.ranks.abort(first)  # the other ranks stop too, instead of hanging
             raise WatchpointHit(first)
         elif self.on_hit == "skip":
             self._skip_automatically(first)
@@ -50,6 +52,8 @@ class Pausing:
     def _block(self, reason: str, hit: Hit | None) -> None:
         if self._detach_requested() or self.forked():
             return
+        if self.ranks is not None and self.ranks.defer(reason, hit):
+            return  # every rank pauses together at its next safe point (distributed/)
         _print_pause(self, reason, hit)
         self.publish()
         self.bus.publish("pause", {"state": "paused", "step": self.step, "reason": reason})
@@ -70,6 +74,8 @@ class Pausing:
         if self.phase == "optimizer" and not self._stepping:
             return
         if self._skips_in_row >= self.amp.max_skipped_steps:
+            if self.ranks is not None:
+                self.ranks.abort(hit)
             raise WatchpointHit(
                 hit,
                 f"{hit.message} tensordbg skipped {self._skips_in_row} updates in a row "

@@ -62,6 +62,8 @@ class Pipeline(Pausing):
             self._say_what_is_not_watched()
             self._finish_step()
             self._boundary(completed_step=True)
+            if self.ranks is not None:
+                self.ranks.safe_point()
         self._root_forwards += 1
         self._start_phase("forward")
         self._forward_open = True
@@ -410,6 +412,8 @@ class Pipeline(Pausing):
         self._add_hit(hit, active)
 
     def _add_hit(self, hit: Hit, active: ActiveRule | None) -> None:
+        if self.ranks is not None:
+            self.ranks.attribute(hit)  # a bad gradient another rank's NaN made is passed on
         repeated = self.hitlog.repeated(hit)
         if not self.hitlog.add(hit, active):
             return

@@ -77,6 +77,11 @@ class Session(Pipeline, OptimizerPhase):
     """
 
     passthrough: tuple[type[BaseException], ...] = (WatchpointHit,)
+    ranks: Any = None
+    sharded: tuple[str, ...] | list[str] = ()
+    """Parameters read through this rank's local shard (FSDP2 ``DTensor``s; set by ``attach``)."""
+    """The link to the other ranks of a job (:class:`tensordbg.distributed.RankLink`), set by
+    ``attach`` under a launcher with several ranks; None for one process."""
     replaceable = False
     _exiting = False
     summary_at_exit = False
@@ -130,6 +135,7 @@ class Session(Pipeline, OptimizerPhase):
         self.control = ControlPlane(self.controller)
         self.ruleset = RuleSet(default_rules() if rules is None else rules, self.log)
         self.hitlog = HitLog(self.log)
+        self.hitlog.rank = self.rank
         self.phases = PhaseQueue(self.retain_bytes)
         self.metrics = StepMetrics()
         self.weights = ParamWatch(model, int(update_budget))

@@ -56,6 +56,7 @@ class Hit(TypedDict):
     ref: int
     call: int
     summary: Summary
+    rank: NotRequired[int]  # the rank that found it (0 for one process; absent in old dumps)
 
 
 class History(TypedDict):
@@ -103,6 +104,7 @@ class Info(TypedDict):
     started: NotRequired[float]  # time.time() when the source started serving
     running_rule: NotRequired[RunningRule | None]  # a rule check under way on the training thread
     replay: NotRequired[Replay]  # a recorded run only
+    world_size: NotRequired[int]  # ranks in the job (torchrun's WORLD_SIZE); 1 for one process
 
 
 class RunningRule(TypedDict):
