@@ -563,7 +563,8 @@ def test_every_rule_lists_its_thresholds_and_documents_its_defaults(name):
 
 def test_thresholds_keep_their_type_and_unknown_names_are_refused():
     rule = ExplodingGradient()
-    assert rule.params() == {"max_norm": 1e6, "growth": 20.0, "window": 50, "warmup": 10}
+    assert rule.params() == {"max_norm": 1e6, "growth": 20.0, "window": 50, "warmup": 10,
+                             "persist": 2}  # fmt: skip
     rule.set_params(window="30", max_norm=5)
     assert rule.window == 30 and isinstance(rule.max_norm, float)
     with pytest.raises(ValueError, match="ExplodingGradient has no threshold 'limit'"):
