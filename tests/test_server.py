@@ -249,6 +249,9 @@ def test_every_request_is_served(server, source, connect):
         "add_rule": {"name": "TensorRange", "match": "net.*"},
         "recheck": {},
         "control": {"action": "step", "n": 2},
+        "profile": {"steps": 2},
+        "profile_report": {},
+        "gpu": {"since": 0.0},
     }
     assert set(asked) == EVERY_REQUEST  # all a running training serves
     got = {method: client.call(method, **params) for method, params in asked.items()}

@@ -258,7 +258,16 @@ class TensorDbgApp(App[int]):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in ("replay_step", "refuse_control"):
             return self.screen is self.main and self.remote.serves("goto")
-        if action in ("control", "count", "tab", "search", "detach", "profile", "ranks", "next_rank"):
+        if action in (
+            "control",
+            "count",
+            "tab",
+            "search",
+            "detach",
+            "profile",
+            "ranks",
+            "next_rank",
+        ):
             if self.screen is not self.main:  # a dialog or the session list: its keys only
                 return False
             if action in ("tab", "search", "detach", "ranks", "next_rank"):
