@@ -244,10 +244,11 @@ def test_time_paused_on_a_hit_is_left_out_of_the_steps():
     report = handle.wait(60)
     assert any(h.rule == "NaN" for h in training.session.hits)
     assert report.steps == [1, 2, 3, 4]
-    assert report.paused_seconds == pytest.approx(0.4, abs=0.15)
+    assert 0.35 < report.paused_seconds < 2.0  # the timer resumes it after 0.4 s (or later)
     paused_row = next(r for r in report.breakdown if r["step"] == 3)
     others = [r["total"] for r in report.breakdown if r["step"] != 3]
-    assert paused_row["total"] < 1.5 * max(others)  # the 0.4 s pause is not in the step
+    assert paused_row["total"] < report.paused_seconds  # the pause is not in the step
+    assert paused_row["total"] < 3 * max(others)
     assert "StepOutlier" not in {a["rule"] for a in report.advice}
     training.session.detach()
     assert not torch.autograd.profiler._is_profiler_enabled
