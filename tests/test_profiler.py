@@ -244,10 +244,11 @@ def test_time_paused_on_a_hit_is_left_out_of_the_steps():
     report = handle.wait(60)
     assert any(h.rule == "NaN" for h in training.session.hits)
     assert report.steps == [1, 2, 3, 4]
-    assert report.paused_seconds == pytest.approx(0.4, abs=0.15)
+    assert 0.35 < report.paused_seconds < 2.0  # the timer resumes it after 0.4 s (or later)
     paused_row = next(r for r in report.breakdown if r["step"] == 3)
     others = [r["total"] for r in report.breakdown if r["step"] != 3]
-    assert paused_row["total"] < 1.5 * max(others)  # the 0.4 s pause is not in the step
+    assert paused_row["total"] < report.paused_seconds  # the pause is not in the step
+    assert paused_row["total"] < 3 * max(others)
     assert "StepOutlier" not in {a["rule"] for a in report.advice}
     training.session.detach()
     assert not torch.autograd.profiler._is_profiler_enabled
@@ -313,3 +314,22 @@ def test_tensordbg_profile_is_a_session_that_only_profiles():
     report = session.profiling.wait(30)
     session.detach()
     assert session.hits == [] and report.steps == [1, 2]
+
+
+def test_operators_by_input_shape_and_their_flops_agree_with_key_averages():
+    model = Busy(compute=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = tensordbg.attach(model, optimizer=opt, server=False, on_hit="record")
+    handle = session.profile(2, record_shapes=True)
+    for batch in (4, 4, 8, 4):  # two shapes of input
+        nn.functional.mse_loss(model(torch.ones(batch, 16)), torch.zeros(batch, 2)).backward()
+        opt.step()
+    report = handle.wait(30)
+    session.detach()
+    averages = handle.torch_profile.key_averages(group_by_input_shape=True)
+    expected = {(r.key, str(r.input_shapes)): r for r in averages if r.key == "aten::addmm"}
+    rows = [op for op in report.operators if op["name"] == "aten::addmm"]
+    assert len(rows) == len(expected) >= 2
+    for op in rows:
+        row = expected[("aten::addmm", op["input_shapes"])]
+        assert op["calls"] == row.count and op["flops"] == row.flops > 0

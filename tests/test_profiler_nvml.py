@@ -178,12 +178,14 @@ def test_the_sampler_reads_at_its_rate_into_a_bounded_ring_with_xid_and_ecc_even
     assert later["samples"] == []
 
 
-def test_the_sampler_costs_little_of_a_core_at_ten_hertz():
-    fake = FakeNvml()
-    sampler = GpuSampler(rate=10, nvml=fake)
-    started = time.process_time()
-    sampler.start()
-    time.sleep(0.5)
-    sampler.stop()
-    # A generous bound on a loaded machine; benchmarks/profile.py measures it properly.
-    assert time.process_time() - started < 0.1
+def test_a_sample_costs_far_less_than_a_tenth_of_a_second_of_cpu():
+    sampler = GpuSampler(rate=10, nvml=FakeNvml())
+    assert sampler.start()
+    sampler.stop()  # sampled by hand below, on this thread, to time it alone
+    sampler._handles, sampler._initialized = ["gpu0"], True
+    started = time.thread_time()
+    for _ in range(100):
+        sampler.sample_once()
+    per_sample = (time.thread_time() - started) / 100
+    # Under 1 % of a core at 10 Hz is 1 ms a sample (benchmarks/profile.py measures it).
+    assert per_sample < 1e-3

@@ -267,6 +267,8 @@ def test_every_request_is_served(server, source, connect):
     assert len(got["histogram"]["counts"]) == 8
     assert got["provenance"]["inputs"][0]["name"] == "net.1.output"
     assert [r["name"] for r in got["rules"]["rules"]] == ["NaN", "VanishingGradient"]
+    assert got["profile"] == {"pending": True, "steps": 2}
+    assert got["profile_report"] is None and got["gpu"]["available"] is False
     assert got["set_rule"]["params"] == {"threshold": 1e-6}
     assert got["add_rule"]["match"] == ["net.*"]
     assert got["recheck"][0]["rule"] == "NaN"
