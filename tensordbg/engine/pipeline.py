@@ -303,8 +303,7 @@ class Pipeline(Pausing):
             self._judge_norms(together)
 
     def _prepare(self, record: Record, tensor: torch.Tensor) -> bool:
-        """What :meth:`collect` does before measuring: the record's rules and statistics, its
-        place in the phase, and whether it is kept. Whether there is anything to measure."""
+        """:meth:`collect` up to measuring; whether there is anything to measure."""
         applicable = self.ruleset.applicable(record.stats, self.interval > 1
                                              and self.step % self.interval != 0)  # fmt: skip
         record.rule_ids = applicable.rule_ids

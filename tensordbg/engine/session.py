@@ -77,11 +77,8 @@ class Session(Pipeline, OptimizerPhase):
     """
 
     passthrough: tuple[type[BaseException], ...] = (WatchpointHit,)
-    ranks: Any = None
-    sharded: tuple[str, ...] | list[str] = ()
-    """Parameters read through this rank's local shard (FSDP2 ``DTensor``s; set by ``attach``)."""
-    """The link to the other ranks of a job (:class:`tensordbg.distributed.RankLink`), set by
-    ``attach`` under a launcher with several ranks; None for one process."""
+    ranks: Any = None  # the link to the other ranks of a job (distributed.RankLink), or None
+    sharded: tuple[str, ...] | list[str] = ()  # parameters read through this rank's shard
     replaceable = False
     _exiting = False
     summary_at_exit = False
@@ -123,10 +120,8 @@ class Session(Pipeline, OptimizerPhase):
         self.detached = False
         self.triggered = False
         """Deferred mode: the phase showed a problem, so everything it kept is screened."""
-        self.server: Any = None
-        self.dumps: Any = None
-        """What writes this session's dump (``attach(dump_dir=...)``), if anything."""
-        """What serves this session to the UI, set by ``attach`` (the engine never makes one)."""
+        self.server: Any = None  # what serves it to the UI, set by attach (never the engine)
+        self.dumps: Any = None  # what writes its dump (attach(dump_dir=...)), if anything
 
         self.handles = HandleGroup()
         self.bus = EventBus()
