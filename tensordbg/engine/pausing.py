@@ -42,6 +42,8 @@ class Pausing:
         and pause if asked to (or when the steps to run are done)."""
         if self.control.pending:
             self.control.apply()
+        if completed_step and self.ranks is not None and not self.optimizers:
+            self.ranks.safe_point()  # no optimizer watched: a step ends at a root forward
         control = self.controller
         if not (control.pause_requested or (completed_step and control.mode == STEP)):
             return

@@ -62,8 +62,6 @@ class Pipeline(Pausing):
             self._say_what_is_not_watched()
             self._finish_step()
             self._boundary(completed_step=True)
-            if self.ranks is not None:
-                self.ranks.safe_point()
         self._root_forwards += 1
         self._start_phase("forward")
         self._forward_open = True
