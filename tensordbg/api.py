@@ -23,6 +23,7 @@ from tensordbg.engine.session import (
 )
 from tensordbg.hit import Hit, WatchpointHit
 from tensordbg.rules import RankDivergence, Rule, default_rules
+from tensordbg.tracebacks import install_excepthook
 
 
 def attach(
@@ -133,6 +134,8 @@ def attach(
     )
     session.replaceable = replaceable
     session.summary_at_exit = summary_at_exit
+    if on_hit == "raise":  # an uncaught hit shows the user's frames only (tracebacks.py)
+        session.handles.callback(install_excepthook(), "excepthook")
     try:
         if dump_dir is not None:
             from tensordbg.dump.subscriber import DumpRecorder

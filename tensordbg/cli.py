@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -438,12 +439,16 @@ def _demo(args: argparse.Namespace) -> int:
         # (and reconnected to) for ever.
         code = run_tui(run_id=run_id, wait=120.0, alive=lambda: training.poll() is None)
     finally:
-        try:
-            training.wait(timeout=60)
-        except subprocess.TimeoutExpired:
+        # The demo's training is the demo's: quitting the UI ends it at once (Ctrl-C, then
+        # harder), rather than leaving the person before a silent terminal until it ends.
+        if training.poll() is None:
             stopped = True
-            training.terminate()
-            training.wait(timeout=10)
+            training.send_signal(signal.SIGINT)
+            try:
+                training.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                training.terminate()
+                training.wait(timeout=10)
         log.close()
     with open(log.name) as f:
         tail = f.read().strip().splitlines()[-8:]

@@ -105,22 +105,25 @@ def train(
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     session = tensordbg.attach(model, optimizer=optimizer, on_hit=on_hit, server=server)
     bad_losses = 0
-    for step, tokens in enumerate(batches(steps, bad_step)):
-        logits = model(tokens[:, :-1])
-        target = tokens[:, 1:]
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1), ignore_index=PAD)
-        session.observe("loss", loss)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        value = loss.item()
-        if step % 10 == 0:
-            print(f"step {step:3d}  loss {value:.4f}", flush=True)
-        bad_losses = 0 if math.isfinite(value) else bad_losses + 1
-        if bad_losses == 3:  # what a careful training script does: stop a diverged run
-            print(f"step {step:3d}  the loss has been NaN for 3 steps: stopping", flush=True)
-            break
-        time.sleep(0.05)  # slow enough to watch in the UI
+    try:
+        for step, tokens in enumerate(batches(steps, bad_step)):
+            logits = model(tokens[:, :-1])
+            target = tokens[:, 1:]
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1), ignore_index=PAD)
+            session.observe("loss", loss)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            value = loss.item()
+            if step % 10 == 0:
+                print(f"step {step:3d}  loss {value:.4f}", flush=True)
+            bad_losses = 0 if math.isfinite(value) else bad_losses + 1
+            if bad_losses == 3:  # what a careful training script does: stop a diverged run
+                print(f"step {step:3d}  the loss has been NaN for 3 steps: stopping", flush=True)
+                break
+            time.sleep(0.05)  # slow enough to watch in the UI
+    except KeyboardInterrupt:  # `tensordbg demo` stops its training when the UI quits
+        print(f"step {session.step:3d}  stopped: the UI was closed", flush=True)
     session.detach()
     return session
 

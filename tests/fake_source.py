@@ -331,6 +331,9 @@ class FakeSource:
         if enabled is not None:
             rule["enabled"] = enabled
         for key, value in (params or {}).items():
+            if key == "exclude":
+                rule["exclude"] = list(value)
+                continue
             if key not in rule["params"]:
                 raise SourceError(f"{rule['name']} has no threshold {key!r}")
             rule["params"][key] = value

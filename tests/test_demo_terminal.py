@@ -60,13 +60,31 @@ def test_the_demo_pauses_at_the_broken_attention_and_lets_a_person_inspect_it():
         terminal.press("Enter")  # open its tensor
         # The tensor's title (the hit's detail on the Hits tab shows the same statistics)
         terminal.wait_for("blocks.0.attn.output  ref ", "tensor[16,31,64] float32", "NaN×1984")
-        terminal.press("[")  # edit the slice: it opens with "[" typed
-        terminal.wait_for("▊  [ ")
-        terminal.press("3]", "Enter")  # the sequence that was all padding
+        # The sequence that was all padding, typed in one go: "[" opens the slice box and the
+        # rest is text in it (once, "3" became a count prefix).
+        terminal.press("[3]", "Enter")
         terminal.wait_for("tensor[31,64] float32 n=1984 NaN×1984!")
         terminal.press("F5")
-        terminal.wait_for("produced by blocks.0.attn", "self.attn(self.ln1(x), keep)")
+        # The line inside the attention's forward, the softmax that made the NaN just above.
+        terminal.wait_for(
+            "produced by blocks.0.attn", "→ 47         return self.proj(", "F.softmax"
+        )
         terminal.press("q")  # detach and quit: the training runs to its end
         terminal.wait_for("1 at their origin", "step 25 forward: [NaN] blocks.0.attn.output")
+    finally:
+        terminal.close()
+
+
+@pytest.mark.timeout(300)
+def test_q_in_the_demo_gives_the_terminal_back_at_once():
+    """The demo's training would run for minutes: q stops it and the prompt is back at once,
+    saying so, rather than after the training's end."""
+    terminal = Terminal(f"{sys.executable} -m tensordbg.cli demo --steps 100000 --bad-step 99999")
+    try:
+        terminal.wait_for("RUNNING", "Run F1", timeout=120)
+        terminal.press("q")
+        quit_at = time.monotonic()
+        terminal.wait_for("stopped: the UI was closed", "the training's output:", timeout=30)
+        assert time.monotonic() - quit_at < 8  # under load; about 1.5 s on a quiet machine
     finally:
         terminal.close()

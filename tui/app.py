@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fnmatch
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.reactive import reactive
 from textual.screen import Screen
+from textual.widgets import Input
 
 from tensordbg.sources.contract import SchemaError, Welcome
 from tensordbg.tui.errors import CrashFile, work
@@ -73,8 +75,9 @@ class TensorDbgApp(App[int]):
         Binding("n", "replay_step(1)", "Next dumped step"),
         Binding("p", "replay_step(-1)", "Previous dumped step"),
         Binding("c,s,k", "refuse_control", show=False),
+        Binding("i", "ignore", "Ignore rule on tensor"),
         Binding("q", "detach", "Detach & quit"),
-        Binding("slash", "search", "Search"),
+        Binding("slash", "search", "Search/filter"),
         Binding("P", "profile", "Profile N steps"),
         Binding("f9", "ranks", "Ranks", show=False),
         Binding("R", "next_rank", "Next rank", show=False),
@@ -264,18 +267,21 @@ class TensorDbgApp(App[int]):
             "tab",
             "search",
             "detach",
+            "ignore",
             "profile",
             "ranks",
             "next_rank",
         ):
             if self.screen is not self.main:  # a dialog or the session list: its keys only
                 return False
+            if action == "ignore":  # on the hit the training is paused at, or the one chosen
+                return self.state == "paused" and self.main.hit_to_ignore() is not None
             if action in ("tab", "search", "detach", "ranks", "next_rank"):
                 return True
             if action == "profile":  # a training to profile (or to say why it cannot be)
                 return self.state in ("running", "paused")
-            if action == "count":
-                return self.state == "paused"
+            if action == "count":  # digits typed into a text box are text
+                return self.state == "paused" and not isinstance(self.focused, Input)
             return parameters[0] in CONTROLS.get(self.state, ())
         return True
 
@@ -308,6 +314,34 @@ class TensorDbgApp(App[int]):
         # The state itself comes from the state events, which arrive in order: this reply may
         # be older than them (the training resumed and hit again before the reply was sent).
         self.main.log_entry(f"control {action} (n={n}): {reply['state']} at step {reply['step']}")
+
+    def action_ignore(self) -> None:
+        hit = self.main.hit_to_ignore()
+        if hit is not None and self.served("set_rule"):
+            self._ignore(hit)
+
+    @work(group="control", exclusive=True)
+    async def _ignore(self, hit: dict[str, Any]) -> None:
+        """Like pdb's ``ignore``: the hit's rule stops judging the hit's tensor (its exclude
+        list gains the tensor's name), so ``c`` no longer stops on it; the Rules tab shows the
+        exclusion and can take it back."""
+        try:
+            rules = (await self.remote.rules())["rules"]
+        except RequestFailed:
+            return
+        rule = _rule_of(hit, rules)
+        if rule is None:
+            self.main.log_entry(f"no rule {hit['rule']!r} judges {hit['tensor']} now", "warning")
+            return
+        exclude = [*rule.get("exclude", []), hit["tensor"]]
+        try:
+            await self.remote.set_rule(rule["id"], params={"exclude": exclude})
+        except RequestFailed:
+            return  # the Log tab says why
+        said = f"{hit['rule']} now ignores {hit['tensor']}; c continues without stopping there"
+        self.main.log_entry(said)
+        self.notify(said, title="Rule changed", markup=False)
+        self.main.rule_panel.reload()
 
     def action_tab(self, pane: str) -> None:
         self.main.show_tab(pane)
@@ -422,10 +456,18 @@ class TensorDbgApp(App[int]):
         for action, title, help in COMMANDS:
             if drivable and action in CONTROLS.get(self.state, ()):
                 yield SystemCommand(title, help, lambda a=action: self.action_control(a))
+        if self.check_action("ignore", ()):
+            yield SystemCommand(
+                "Ignore this rule on this tensor",
+                "The hit's rule stops judging its tensor, so c does not stop there again (i)",
+                self.action_ignore,
+            )
         yield SystemCommand(
             "Detach and quit", "Let the training run on, and quit (q)", self.action_detach
         )
-        yield SystemCommand("Search modules", "Filter the model tree (/)", self.action_search)
+        yield SystemCommand(
+            "Search", "Filter the hits on the Hits tab, else the model tree (/)", self.action_search
+        )
         for tab in TABS:
             yield SystemCommand(
                 f"Show {tab.title}",
@@ -451,3 +493,15 @@ class TensorDbgApp(App[int]):
                 "Judge the current step again with the rules as they are now",
                 self.main.recheck,
             )
+
+
+def _rule_of(hit: dict[str, Any], rules: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The rule that made ``hit``: of the rules with its name, the first enabled one whose
+    patterns select its tensor."""
+    named = [r for r in rules if r["name"] == hit["rule"] and r.get("enabled", True)]
+    for rule in named:
+        name = hit["tensor"]
+        selected = any(fnmatch.fnmatchcase(name, p) for p in rule.get("match", ["*"]))
+        if selected and not any(fnmatch.fnmatchcase(name, p) for p in rule.get("exclude", [])):
+            return rule
+    return named[0] if named else None

@@ -41,10 +41,11 @@ class StepMetrics:
                 self._grad_seen = True
 
     def observed(self, stats: TensorStats) -> None:
-        """An observed scalar named like ``loss`` feeds the loss curve."""
+        """An observed scalar named like ``loss`` feeds the loss curve; a NaN loss too, so
+        the step's loss says NaN rather than being left out."""
         if "loss" in stats.name.lower() and stats.numel == 1:
             value = stats.values.get(MEAN)
-            if value is not None and math.isfinite(value):
+            if value is not None:
                 self._loss.append(value)
 
     def finish(self, step: int) -> dict[str, float | int | None]:

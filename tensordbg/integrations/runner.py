@@ -27,7 +27,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from tensordbg.api import attach, attached_to
 from tensordbg.engine.session import Session
 from tensordbg.integrations.frameworks import TrainerPatches, TrainingWatch
+from tensordbg.hit import WatchpointHit
 from tensordbg.rules import Rule
+from tensordbg.tracebacks import format_user_traceback
 
 
 class ScriptRun:
@@ -160,6 +162,9 @@ def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = 
         code = e.code
         code = code if isinstance(code, int) else (0 if code is None else 1)
         return 1 if code == 0 and run.hit() else code
+    except WatchpointHit as e:  # on_hit="raise": the user's frames, and the summary last
+        print(format_user_traceback(e), end="", file=sys.stderr, flush=True)
+        return 1
     except KeyboardInterrupt:
         session = run.sessions[-1] if run.sessions else None
         where = f" at step {session.step}, {session.phase}" if session is not None else ""

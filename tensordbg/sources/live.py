@@ -114,6 +114,12 @@ class LiveSource(LiveProfiling):
         for _, (_, stats) in snapshot.latest.items():
             if stats.module or stats.kind in ("input", "output", "grad_output", "grad_input"):
                 latest.setdefault(stats.module, {}).setdefault(stats.kind, _brief(stats))
+        # A module that returned a child's output as its own (attention returning its output
+        # projection's) has that output too: its row is not empty, and names the same tensor.
+        for record in snapshot.records:
+            if record.stats.kind == "output":
+                for call in record.passed_up:
+                    latest.setdefault(call.path, {})["output"] = _brief(record.stats)
         hits: dict[str, int] = {}
         for hit in list(s.hits):
             hits[hit.module] = hits.get(hit.module, 0) + 1
@@ -158,10 +164,18 @@ class LiveSource(LiveProfiling):
             raise SourceError(f"there is no rule {id}")
         edited = copy.deepcopy(active.rule)
         if params:
+            thresholds = dict(params)
+            # ``exclude`` (tensor name patterns) is a selection, not a threshold: "ignore this
+            # rule on this tensor" is ``params={"exclude": [*rule["exclude"], name]}``.
+            exclude = thresholds.pop("exclude", None)
             try:
-                edited.set_params(**params)
+                edited.set_params(**thresholds)
             except (ValueError, TypeError) as e:
                 raise SourceError(str(e)) from None
+            if exclude is not None:
+                if not isinstance(exclude, list) or not all(isinstance(p, str) for p in exclude):
+                    raise SourceError("exclude is a list of tensor name patterns")
+                edited.exclude = tuple(exclude)
 
         def apply() -> dict[str, Any]:
             if params:

@@ -26,7 +26,10 @@ def provenance(
         chosen = next((c for c in forward.passed_up if c.path == module and c.index == call), None)
         if chosen is not None:  # made by this module's own code, returned by a submodule
             returned_by, producer = producer, chosen
-    site = producer or (forward.consumers[0] if forward.consumers else None)
+    # The innermost user line known to have made the value: for a value made by a module's
+    # own code and returned through a submodule, the line in that module's forward that called
+    # the submodule (the code just above it made the value), not the line that called the module.
+    site = returned_by or producer or (forward.consumers[0] if forward.consumers else None)
     owner = session.params_by_name.get(record.param)
     name = record.stats.name
     if returned_by is not None and producer is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -39,4 +40,40 @@ def describe_event(event: str, payload: dict[str, Any]) -> str:
         return f"{payload.get('state')} at step {payload.get('step')}{reason}"
     if event == "log":
         return str(payload.get("message", payload))
-    return " ".join(f"{k}={v}" for k, v in payload.items())
+    if event == "status":
+        return _status(payload)
+    return ", ".join(f"{k.replace('_', ' ')} {_value(v)}" for k, v in payload.items())
+
+
+def _status(payload: dict[str, Any]) -> str:
+    """``step 25 done: loss 0.3051, gradient norm 0.3033, 12.14 steps/s; now running at step
+    26 (forward), 2 hits``."""
+    now = (
+        f"{payload.get('state')} at step {payload.get('step')} ({payload.get('phase')}), "
+        f"{payload.get('hits_total')} hits"
+    )
+    last = payload.get("last")
+    if not last:
+        return now
+    names = (
+        ("loss", "loss ", ""),
+        ("grad_norm", "gradient norm ", ""),
+        ("steps_per_sec", "", " steps/s"),
+    )
+    numbers = ", ".join(
+        f"{before}{_value(last[key])}{after}"
+        for key, before, after in names
+        if last.get(key) is not None
+    )
+    return f"step {last.get('step')} done: {numbers or 'no numbers'}; now {now}"
+
+
+def _value(value: Any) -> str:
+    """A number as a person reads it: 4 significant digits, NaN as the grid writes it."""
+    if isinstance(value, bool) or not isinstance(value, float):
+        if isinstance(value, dict):
+            return "{" + ", ".join(f"{k} {_value(v)}" for k, v in value.items()) + "}"
+        return str(value)
+    if math.isnan(value):
+        return "NaN"
+    return f"{value:.4g}"

@@ -13,12 +13,15 @@ from tensordbg.tui.errors import work
 
 HEIGHT = 8  # rows of bars
 EIGHTHS = " ▁▂▃▄▅▆▇█"
+NON_FINITE = (("nan", "NaN"), ("posinf", "+Inf"), ("neginf", "-Inf"))
 
 
 def draw(hist: dict[str, Any], height: int = HEIGHT) -> Text:
     """Bars of ``hist["counts"]`` (one column a bin), the range under them, then NaN/Inf counts."""
     counts = hist["counts"]
     peak = max(counts, default=0)
+    if not peak:  # no finite value: there is nothing to draw, and no range ("nan … nan")
+        return _no_finite_values(hist)
     text = Text()
     text.append(f"peak {peak:,} per bin\n", style="dim")
     # Each bin's height in eighths of a row; a non-empty bin shows at least one eighth.
@@ -29,11 +32,24 @@ def draw(hist: dict[str, Any], height: int = HEIGHT) -> Text:
     lo, hi = f"{hist['min']:.4g}", f"{hist['max']:.4g}"
     gap = max(1, len(counts) - len(lo) - len(hi))
     text.append(f"{lo}{' ' * gap}{hi}\n", style="dim")
-    for key, label in (("nan", "NaN"), ("posinf", "+Inf"), ("neginf", "-Inf")):
+    for key, label in NON_FINITE:
         n = hist.get(key, 0)
         text.append(f"{label} {n:,}", style="bold red" if n else "dim")
         text.append("   ")
     return text
+
+
+def _no_finite_values(hist: dict[str, Any]) -> Text:
+    """``All 1,984 values are NaN.`` or ``No finite value: NaN 12   +Inf 4``."""
+    counts = {label: hist.get(key, 0) for key, label in NON_FINITE}
+    present = {label: n for label, n in counts.items() if n}
+    if len(present) == 1:
+        ((label, n),) = present.items()
+        return Text(f"All {n:,} values are {label}: no finite value to draw.", style="bold red")
+    if present:
+        listed = "   ".join(f"{label} {n:,}" for label, n in present.items())
+        return Text(f"No finite value to draw: {listed}.", style="bold red")
+    return Text("No values: the slice is empty.", style="dim")
 
 
 class HistogramView(Static):

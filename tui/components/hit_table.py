@@ -1,17 +1,33 @@
 """The Hits tab: every hit in execution order, origin hits first within their step; Enter opens
-the hit's tensor in the Tensor tab."""
+the hit's tensor in the Tensor tab, ``/`` filters the hits.
+
+A Line-API widget, as the model tree is: it draws only the rows on screen, so a long run's tens
+of thousands of hits cost the UI what its visible rows cost (Textual's DataTable laid out every
+row: 30,000 hits kept a core busy).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import bisect
+from typing import Any, ClassVar
 
-from rich.text import Text
-from textual import on
+from rich.segment import Segment
+from rich.style import Style
+from textual import events
+from textual.binding import Binding, BindingType
+from textual.events import Click
+from textual.geometry import Region, Size
 from textual.message import Message
-from textual.widgets import DataTable
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
 
-from tensordbg.tui.components.table import Table
+from tensordbg.tui.components.module_table import strip_style
+from tensordbg.tui.components.typed_ahead import keys_in_order, search
 from tensordbg.tui.messages import OpenTensor
+
+GAP = 2
+COLUMNS = ("step", "phase", "rule", "tensor", "where", "message")
+WHERE = {True: "● origin", False: "↳ passed on"}
 
 
 def execution_order(hit: dict[str, Any]) -> tuple[int, bool, int]:
@@ -19,8 +35,35 @@ def execution_order(hit: dict[str, Any]) -> tuple[int, bool, int]:
     return (hit["step"], not hit["origin"], hit["id"])
 
 
-class HitTable(Table):
-    """One row per hit, keyed by the hit's id."""
+def _cells(hit: dict[str, Any]) -> tuple[str, ...]:
+    return (
+        str(hit["step"]),
+        hit["phase"],
+        hit["rule"],
+        hit["tensor"],
+        WHERE[bool(hit["origin"])],
+        hit["message"],
+    )
+
+
+class HitTable(ScrollView, can_focus=True):
+    """One row per hit, in :func:`execution_order`; :meth:`set_filter` narrows the rows."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("up", "move(-1)", "Up", show=False),
+        Binding("down", "move(1)", "Down", show=False),
+        Binding("pageup", "page(-1)", "Page up", show=False),
+        Binding("pagedown", "page(1)", "Page down", show=False),
+        Binding("home", "move(-1_000_000_000)", "First hit", show=False),
+        Binding("end", "move(1_000_000_000)", "Last hit", show=False),
+        Binding("enter", "select", "Open", show=False),
+    ]
+    COMPONENT_CLASSES: ClassVar[set[str]] = {
+        "hit-table--header",
+        "hit-table--cursor",
+        "hit-table--origin",
+        "hit-table--dim",
+    }
 
     class Highlighted(Message):
         """The cursor is on ``hit`` (None when there are no hits)."""
@@ -30,114 +73,237 @@ class HitTable(Table):
             self.hit = hit
 
     def __init__(self) -> None:
-        super().__init__(id="hit-table", cursor_type="row", zebra_stripes=True)
+        super().__init__(id="hit-table")
         self._drawable = False  # set on mount; is_mounted is still False in on_mount
         self._hits: dict[int, dict[str, Any]] = {}
-        self._select: int | None = None  # a hit to put the cursor on once drawn
-        self._stale = True  # the rows are not (yet) the hits: a full draw is due
-        self._last: tuple[int, bool, int] | None = None  # the order of the last row
+        self._order: list[tuple[int, bool, int]] = []  # execution_order of every hit, sorted
+        self._shown: list[tuple[int, bool, int]] | None = None  # the filtered rows, or all
+        self._query = ""
+        self._widths = [len(c) for c in COLUMNS]
+        self.cursor = 0
+        self._palette: dict[object, Any] = {}
+        self._highlighted: int | None = None  # the hit id last announced
 
     def on_mount(self) -> None:
         self._drawable = True
-        self.add_column("step", key="step")
-        self.add_column("phase", key="phase")
-        self.add_column("rule", key="rule")
-        self.add_column("tensor", key="tensor")
-        self.add_column("where", key="where")
-        self.add_column("message", key="message")
-        self._draw()
-        self.post_message(self.Highlighted(self.current))
+        self._changed(keep=None)
+
+    # --- data --------------------------------------------------------------------------------
 
     @property
     def next_id(self) -> int:
         """The id to ask ``hits(since=...)`` for, to learn only new hits."""
         return max(self._hits, default=-1) + 1
 
-    def set_hits(self, hits: list[dict[str, Any]]) -> None:
-        """All the hits, at once (a welcome, a reload): drawn now, in this frame."""
-        self._hits = {h["id"]: h for h in hits}
-        self._stale = True
-        self._draw()
+    @property
+    def known(self) -> int:
+        """How many hits the table holds, filtered out or not."""
+        return len(self._hits)
 
-    def merge(self, hits: list[dict[str, Any]]) -> None:
-        """Add hits. The training pushes them one by one, maybe thousands: new hits that sort
-        after the last row are appended, anything else draws every row again, once a refresh."""
-        if not hits:
-            return
-        batch = {h["id"]: h for h in hits}
-        new = sorted(batch.values(), key=execution_order)
-        appendable = (
-            not self._stale
-            and batch.keys().isdisjoint(self._hits)
-            and (self._last is None or execution_order(new[0]) > self._last)
-        )
-        self._hits.update(batch)
-        if appendable:
-            for hit in new:
-                self._add(hit)
-            return
-        current = self.current
-        if current is not None and self._select is None:
-            self._select = current["id"]  # the cursor stays on its hit
-        self._draw_soon()
+    @property
+    def rows(self) -> list[tuple[int, bool, int]]:
+        return self._order if self._shown is None else self._shown
 
-    def select_hit(self, hit_id: int) -> None:
-        self._select = hit_id
-        if not self._stale:  # else the coming draw moves the cursor
-            self._move_to_select()
+    @property
+    def row_count(self) -> int:
+        return len(self.rows)
 
-    def _draw_soon(self) -> None:
-        """Draw every row again after the next refresh, once however often asked until then
-        (before mount the table is stale already, and on_mount draws)."""
-        if not self._stale:
-            self._stale = True
-            self.call_after_refresh(self._draw)
-
-    def _draw(self) -> None:
-        if not (self._drawable and self._stale):  # not mounted yet, or drawn since asked
-            return
-        self._stale = False
-        self.clear()
-        self._last = None
-        for hit in sorted(self._hits.values(), key=execution_order):
-            self._add(hit)
-        self._move_to_select()
-
-    def _add(self, hit: dict[str, Any]) -> None:
-        origin = hit["origin"]
-        where = Text("● origin", style="bold red") if origin else Text("↳ passed on", style="dim")
-        self.add_row(
-            str(hit["step"]),
-            hit["phase"],
-            Text(hit["rule"], style="bold"),
-            hit["tensor"],
-            where,
-            hit["message"],
-            key=str(hit["id"]),
-        )
-        self._last = execution_order(hit)
-
-    def _move_to_select(self) -> None:
-        if self._select in self._hits:
-            self.move_cursor(row=self.get_row_index(str(self._select)))
-        self._select = None
+    @property
+    def ids(self) -> list[int]:
+        """The ids of the hits shown, top to bottom."""
+        return [key[2] for key in self.rows]
 
     @property
     def current(self) -> dict[str, Any] | None:
-        if not self._hits or not self.row_count:
-            return None
-        key = self.coordinate_to_cell_key((self.cursor_row, 0)).row_key
-        return self._hits.get(int(key.value or 0))
+        rows = self.rows
+        return self._hits[rows[self.cursor][2]] if 0 <= self.cursor < len(rows) else None
 
-    @on(DataTable.RowHighlighted)
-    def _highlighted(self, event: DataTable.RowHighlighted) -> None:
-        event.stop()
-        self.post_message(self.Highlighted(self.current))
+    def set_hits(self, hits: list[dict[str, Any]]) -> None:
+        """All the hits, at once (a welcome, a reload)."""
+        keep = self.current
+        self._hits = {}
+        self._order = []
+        self._widths = [len(c) for c in COLUMNS]
+        self._insert(hits)
+        self._refilter()
+        self._changed(keep=keep["id"] if keep else None)
 
-    @on(DataTable.RowSelected)
-    def _open(self, event: DataTable.RowSelected) -> None:
-        event.stop()
-        hit = self._hits[int(event.row_key.value or 0)]
-        self.post_message(
-            OpenTensor(hit["ref"], hit["tensor"], module=hit.get("module"), call=hit.get("call", 0))
+    def merge(self, hits: list[dict[str, Any]]) -> None:
+        """Add hits (pushed one by one, maybe thousands): each costs a sorted insert, and the
+        screen is drawn once a frame, only its visible rows. The cursor stays on its hit."""
+        if not hits:
+            return
+        keep = self.current
+        self._insert(hits)
+        self._changed(keep=keep["id"] if keep else None)
+
+    def select_hit(self, hit_id: int) -> None:
+        """Put the cursor on hit ``hit_id`` (clearing a filter that hides it)."""
+        hit = self._hits.get(hit_id)
+        if hit is None:
+            return
+        if self._shown is not None and not self._matches(hit):
+            self.set_filter("")
+        self._go(bisect.bisect_left(self.rows, execution_order(hit)), force=True)
+
+    def set_filter(self, query: str) -> None:
+        """Show only the hits whose step, rule, tensor, module or message contain ``query``."""
+        keep = self.current
+        self._query = query.strip().lower()
+        self._refilter()
+        self._changed(keep=keep["id"] if keep else None)
+
+    def _insert(self, hits: list[dict[str, Any]]) -> None:
+        for hit in hits:
+            key = execution_order(hit)
+            old = self._hits.get(hit["id"])
+            if old is not None:  # a hit sent again (a reconnection): replaced in place
+                del self._order[bisect.bisect_left(self._order, execution_order(old))]
+                if self._shown is not None and self._matches(old):
+                    del self._shown[bisect.bisect_left(self._shown, execution_order(old))]
+            self._hits[hit["id"]] = hit
+            if not self._order or key > self._order[-1]:
+                self._order.append(key)  # the usual case: after the last row
+            else:
+                bisect.insort(self._order, key)
+            if self._shown is not None and self._matches(hit):
+                bisect.insort(self._shown, key)
+            for i, cell in enumerate(_cells(hit)[:-1]):
+                if len(cell) > self._widths[i]:
+                    self._widths[i] = min(len(cell), 60)
+
+    def _matches(self, hit: dict[str, Any]) -> bool:
+        q = self._query
+        return any(
+            q in str(hit.get(field, "")).lower()
+            for field in ("step", "rule", "tensor", "module", "message", "phase")
         )
+
+    def _refilter(self) -> None:
+        if not self._query:
+            self._shown = None
+        else:
+            self._shown = [k for k in self._order if self._matches(self._hits[k[2]])]
+
+    def _changed(self, keep: int | None) -> None:
+        """The rows changed: the cursor goes back to the hit it was on, the screen is drawn."""
+        if (
+            keep is not None
+            and keep in self._hits
+            and (self._shown is None or self._matches(self._hits[keep]))
+        ):
+            self.cursor = bisect.bisect_left(self.rows, execution_order(self._hits[keep]))
+        self.cursor = max(0, min(self.cursor, len(self.rows) - 1))
+        if not self._drawable:  # hits can arrive before the tab is mounted
+            return
+        width = sum(self._widths) + GAP * len(self._widths) + 40
+        self.virtual_size = Size(width, len(self.rows) + 1)
+        self._scroll_to_cursor()
+        self.refresh()
+        self._announce()
+
+    def on_key(self, event: events.Key) -> None:
+        keys_in_order(self, event, {"slash": search(self)})  # "/word" typed fast: all in the box
+
+    # --- keys --------------------------------------------------------------------------------
+
+    def action_move(self, delta: int) -> None:
+        self._go(self.cursor + delta)
+
+    def action_page(self, direction: int) -> None:
+        self._go(self.cursor + direction * max(self.size.height - 2, 1))
+
+    def action_select(self) -> None:
+        hit = self.current
+        if hit is not None:
+            self.post_message(
+                OpenTensor(
+                    hit["ref"], hit["tensor"], module=hit.get("module"), call=hit.get("call", 0)
+                )
+            )
+
+    def _go(self, row: int, force: bool = False) -> None:
+        if not self.rows:
+            return
+        row = max(0, min(row, len(self.rows) - 1))
+        if row == self.cursor and not force:
+            return
+        self.cursor = row
+        if self._drawable:
+            self._scroll_to_cursor()
+            self.refresh()
+            self._announce()
+
+    def _scroll_to_cursor(self) -> None:
+        top, visible = round(self.scroll_y), max(self.size.height - 1, 1)
+        if self.cursor < top:
+            self.scroll_to(y=self.cursor, animate=False, immediate=True)
+        elif self.cursor >= top + visible:
+            self.scroll_to(y=self.cursor - visible + 1, animate=False, immediate=True)
+
+    def _announce(self) -> None:
+        hit = self.current
+        hit_id = None if hit is None else hit["id"]
+        if hit_id != self._highlighted or hit is None:
+            self._highlighted = hit_id
+            self.post_message(self.Highlighted(hit))
+
+    def on_click(self, event: Click) -> None:
+        offset = event.get_content_offset(self)
+        if offset is None or offset.y == 0:
+            return
+        row = round(self.scroll_y) + offset.y - 1
+        if row == self.cursor and event.chain > 1:
+            self.action_select()
+        self._go(row)
+
+    # --- drawing -----------------------------------------------------------------------------
+
+    def render_lines(self, crop: Region) -> list[Strip]:
+        # The styles, once a frame rather than once a line (looking them up is the costly part).
+        base = self.rich_style
+        cursor = base + self.get_component_rich_style("hit-table--cursor")
+        self._palette = {
+            False: self._row_styles(base),
+            True: self._row_styles(cursor),
+            "header": base + self.get_component_rich_style("hit-table--header"),
+        }
+        return super().render_lines(crop)
+
+    def _row_styles(self, base: Style) -> tuple[Style, Style, Style]:
+        dim = base + self.get_component_rich_style("hit-table--dim", partial=True)
+        origin = base + self.get_component_rich_style("hit-table--origin", partial=True)
+        return base, dim, origin
+
+    def render_line(self, y: int) -> Strip:
+        width = self.size.width
+        if y == 0:
+            style = self._palette["header"]
+            strip = self._strip(COLUMNS, [style] * len(COLUMNS), style)
+        else:
+            n = round(self.scroll_y) + y - 1
+            rows = self.rows
+            if n >= len(rows):
+                return Strip.blank(width, self.rich_style)
+            hit = self._hits[rows[n][2]]
+            base, dim, origin = self._palette[n == self.cursor]
+            where = origin if hit["origin"] else dim
+            styles = [base, dim, base + Style(bold=True), base, where, base]
+            strip = self._strip(_cells(hit), styles, base)
+        x = round(self.scroll_x)
+        if strip.cell_length > x + width:  # cut on the right: say so
+            cut = strip.crop(x, x + width - 1)
+            return Strip([*cut, Segment("…", strip_style(cut))])
+        return strip.crop(x, x + width).extend_cell_length(width, strip_style(strip))
+
+    def _strip(self, cells: tuple[str, ...], styles: list[Style], base: Style) -> Strip:
+        segments = []
+        for i, (text, style) in enumerate(zip(cells, styles, strict=True)):
+            if i == len(cells) - 1:  # the message: the rest of the line (HitDetail has it all)
+                segments.append(Segment(text, style))
+                break
+            w = self._widths[i]
+            cell = text[: w - 1] + "…" if len(text) > w else text.ljust(w)
+            segments.append(Segment(cell, style))
+            segments.append(Segment(" " * GAP, base))
+        return Strip(segments)

@@ -41,19 +41,22 @@ class ModuleBrowser(Vertical):
         yield self.tensors_title
         yield self.tensor_table
 
-    def set_modules(self, modules: list[dict[str, Any]]) -> None:
-        self.table.set_modules(modules)
+    def set_modules(self, modules: list[dict[str, Any]], step: int | None = None) -> None:
+        self.table.set_modules(modules, step)
 
     def set_tensors(self, tensors: list[dict[str, Any]]) -> None:
         self._by_module = defaultdict(list)
         for t in tensors:
             self._by_module[t["module"]].append(t)
             for path in t.get("passed_up", ()):  # also the output of the modules it went up to
-                self._by_module[path].append(t)
+                # Named as that module's output, as its hits name it, with the child's name too.
+                as_own = f"{path}.{t['kind']}" if path else t["kind"]
+                self._by_module[path].append(dict(t, name=as_own, same_as=t["name"]))
         self._show_tensors(self.table.current)
 
     def focus_search(self) -> None:
-        self.search.focus()
+        # Now, not after the keys already queued: they are the search's.
+        self.screen.set_focus(self.search)
 
     @on(Input.Changed, "#module-search")
     def _search(self, event: Input.Changed) -> None:

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 
 from rich.segment import Segment
 from rich.style import Style
+from textual import events
 from textual.binding import Binding, BindingType
 from textual.events import Click
 from textual.geometry import Region, Size
@@ -18,8 +19,10 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from tensordbg.statistics import describe
+from tensordbg.tui.components.typed_ahead import keys_in_order, search
 
 GAP = 2
+STALE = "step "  # statistics from an earlier step start "step 24: ..." and are drawn dim
 
 
 def brief(summary: dict[str, Any] | None) -> str:
@@ -84,12 +87,16 @@ class ModuleTable(ScrollView, can_focus=True):
         self._widths: list[int] = []
         self._kinds: list[str] = []
         self.cursor = 0
+        self._step: int | None = None
         self._palette: dict[object, Any] = {}
 
     # --- data --------------------------------------------------------------------------------
 
-    def set_modules(self, modules: list[dict[str, Any]]) -> None:
+    def set_modules(self, modules: list[dict[str, Any]], step: int | None = None) -> None:
+        """The model tree; ``step`` is the training's step now: statistics from an earlier
+        one (a module that has not run yet this step) are marked with their step."""
         current = self.current
+        self._step = step
         self._modules = modules
         self._keys = [f"{m['path']} {m['type']}".lower() for m in modules]
         kinds = {k for m in modules for k in (m.get("stats") or {})}
@@ -125,8 +132,15 @@ class ModuleTable(ScrollView, can_focus=True):
             m["type"],
             count(m.get("params", 0)),
             hits,
-            *(brief(stats.get(k)) for k in self._kinds),
+            *(self._brief(stats.get(k)) for k in self._kinds),
         )
+
+    def _brief(self, summary: dict[str, Any] | None) -> str:
+        text = brief(summary)
+        step = (summary or {}).get("step")
+        if text and step is not None and self._step is not None and step < self._step:
+            text = f"{STALE}{step}: {text}"
+        return text
 
     def _row(self, i: int) -> tuple[str, ...]:
         name = self._paths[i] if self._query else self._tree_names[i]
@@ -168,6 +182,9 @@ class ModuleTable(ScrollView, can_focus=True):
 
     def _headers(self) -> tuple[str, ...]:
         return ("module", "type", "params", "hits", *self._kinds)
+
+    def on_key(self, event: events.Key) -> None:
+        keys_in_order(self, event, {"slash": search(self)})  # "/word" typed fast: all in the box
 
     # --- keys --------------------------------------------------------------------------------
 
@@ -242,7 +259,10 @@ class ModuleTable(ScrollView, can_focus=True):
         base, dim, hit = self._palette[cursor]
         first = hit if self._modules[i].get("hits") else base
         # A summary ends "NaN×2!" or "Inf×1!" when the module's output was not finite.
-        stats = [hit if "!" in cell else base for cell in self._cells[i][3:]]
+        stats = [
+            dim if cell.startswith(STALE) else hit if "!" in cell else base
+            for cell in self._cells[i][3:]
+        ]
         return [first, dim, dim, hit, *stats], base
 
     def _strip(self, cells: tuple[str, ...], styles: list[Style], base: Style) -> Strip:

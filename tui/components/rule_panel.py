@@ -14,6 +14,7 @@ from textual.containers import Vertical
 from textual.widgets import DataTable, Static
 
 from tensordbg.sources.contract import Rule
+from tensordbg.statistics.registry import KINDS
 from tensordbg.tui.components.table import Table
 from tensordbg.tui.errors import work
 from tensordbg.tui.messages import HitsFound
@@ -28,6 +29,17 @@ ACTIONS = {"paused": ("toggle", "edit", "add", "recheck"), "running": ("toggle",
 
 def thresholds(params: dict[str, Any]) -> str:
     return "  ".join(f"{k}={v!r}" for k, v in params.items()) or "–"
+
+
+def kinds(names: list[str]) -> str:
+    """``all``, ``all but update``, or the kinds of tensor a rule watches: the full list of
+    seven takes the width the other columns need."""
+    missing = sorted(set(KINDS) - set(names))
+    if not missing:
+        return "all"
+    if len(missing) <= 2:
+        return f"all but {', '.join(missing)}"
+    return ", ".join(names)
 
 
 class RulePanel(Vertical):
@@ -54,8 +66,9 @@ class RulePanel(Vertical):
 
     def on_mount(self) -> None:
         self._drawable = True
+        # The short and telling columns first: what is cut on a narrow terminal is the tail.
         self.table.add_columns(
-            "on", "rule", "hits", "thresholds", "match", "kinds", "disabled because"
+            "on", "rule", "hits", "disabled because", "thresholds", "match", "kinds"
         )
         self._draw()
 
@@ -87,11 +100,11 @@ class RulePanel(Vertical):
                 on,
                 Text(rule["name"], style="bold" if rule["enabled"] else "dim"),
                 str(rule.get("hits", 0)),  # before the long columns: seen on a narrow terminal
+                Text(rule.get("disabled_reason") or "", style="yellow"),
                 thresholds(rule.get("params") or {}),
                 ", ".join(rule.get("match") or [])
                 + "".join(f" !{x}" for x in rule.get("exclude") or []),
-                ", ".join(rule.get("kinds") or []),
-                Text(rule.get("disabled_reason") or "", style="yellow"),
+                kinds(rule.get("kinds") or []),
                 key=str(rule["id"]),
             )
         table.move_cursor(row=min(row, max(len(self._rules) - 1, 0)))

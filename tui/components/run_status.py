@@ -29,6 +29,7 @@ class RunStatus(VerticalScroll):
     def __init__(self) -> None:
         super().__init__(id="run-status")
         self._drawable = False  # set on mount; is_mounted is still False in on_mount
+        self._draw_due = False
         self._info: dict[str, Any] = {}
         self._history: dict[str, list[Any]] = {k: [] for k in SERIES}
         self._state = "connecting"
@@ -37,28 +38,29 @@ class RunStatus(VerticalScroll):
     def compose(self) -> ComposeResult:
         yield Static(id="run-state")
         yield Static(id="run-numbers")
-        yield Label("Loss", classes="spark-label")
+        yield Label("Loss", id="loss-label", classes="spark-label")
         yield Sparkline([], id="loss-spark", summary_function=_mean)
-        yield Label("Gradient norm", classes="spark-label")
+        yield Label("Gradient norm", id="grad-label", classes="spark-label")
         yield Sparkline([], id="grad-spark", summary_function=_mean)
         yield Static(id="run-session")
 
     def on_mount(self) -> None:
         self._drawable = True
-        self._draw()
+        self._draw_now()
 
     def show_info(self, info: dict[str, Any]) -> None:
         self._info = dict(info)
         history = info.get("history") or {}
         self._history = {k: list(history.get(k, []))[-HISTORY:] for k in SERIES}
         self._state = info.get("state", self._state)
-        self._draw()
+        self._draw_now()
 
     def add_status(self, status: dict[str, Any]) -> None:
         """A ``status`` event: one more step's numbers."""
-        for key in ("phase", "hits_total"):
-            if key in status:
-                self._info[key] = status[key]
+        if "phase" in status:
+            self._info["phase"] = status["phase"]
+        if "hits_total" in status:  # hits pushed since the status was sent are counted already
+            self._info["hits_total"] = max(status["hits_total"], self._info.get("hits_total", 0))
         if "step" in status:
             self._info["step"] = status["step"]
         last = status.get("last")
@@ -73,9 +75,25 @@ class RunStatus(VerticalScroll):
                         self._history[key][-1] = last[key]
         self._draw()
 
-    def add_hit(self, hit: dict[str, Any]) -> None:
-        self._info["hits_total"] = self._info.get("hits_total", 0) + 1
+    def add_hit(self, known: int) -> None:
+        """A ``hit`` event; ``known`` is how many hits the Hits tab holds: the count shown is
+        never below it, and the same whatever order hits and status events arrive in (adding
+        one a hit event counted some twice)."""
+        self._info["hits_total"] = max(self._info.get("hits_total", 0), known)
         self._draw()
+
+    @property
+    def paused_at(self) -> dict[str, Any] | None:
+        """The hit the training is paused at, when it is paused at one."""
+        return self._info.get("paused_at") if self._state == "paused" else None
+
+    def state_event(self, event: dict[str, Any]) -> None:
+        """A ``state`` event: the training's state, step and (paused) reason, now. What an
+        earlier pause said (its hit, "stepped") is gone with it; the info request that
+        follows a pause brings the new hit."""
+        self._info["step"] = event["step"]
+        self._info["pause_reason"] = event.get("reason", "") if event["state"] == "paused" else ""
+        self._info["paused_at"] = None
 
     def show_state(self, state: str) -> None:
         if state != "disconnected":
@@ -83,17 +101,29 @@ class RunStatus(VerticalScroll):
         elif self._state != "disconnected":
             self._last_connected_state = self._state
         self._state = state
-        self._draw()
+        self._draw_now()
 
     # --- drawing -----------------------------------------------------------------------------
 
     def _draw(self) -> None:
+        """Draw after the next refresh, once however many events asked until then: a flood of
+        hits and status events would otherwise lay out the whole tab for each."""
+        if self._drawable and not self._draw_due:
+            self._draw_due = True
+            self.call_after_refresh(self._draw_now)
+
+    def _draw_now(self) -> None:
+        self._draw_due = False
         if not self._drawable:  # data can arrive before the widget is mounted
             return
         self.query_one("#run-state", Static).update(self._state_line())
         self.query_one("#run-numbers", Static).update(self._numbers())
-        self.query_one("#loss-spark", Sparkline).data = _finite(self._history["loss"])
-        self.query_one("#grad-spark", Sparkline).data = _finite(self._history["grad_norm"])
+        for key, name, title in (("loss", "loss", "Loss"), ("grad_norm", "grad", "Gradient norm")):
+            values = self._history[key]
+            self.query_one(f"#{name}-spark", Sparkline).data = _finite(values)
+            self.query_one(f"#{name}-label", Label).update(
+                _curve_title(title, self._history["step"], values)
+            )
         self.query_one("#run-session", Static).update(self._session())
 
     def _state_line(self) -> Text:
@@ -137,8 +167,8 @@ class RunStatus(VerticalScroll):
         """The latest known value, with its step when that is not the current one."""
         steps, values = self._history["step"], self._history[key]
         for step, value in zip(reversed(steps), reversed(values), strict=False):
-            if value is not None:
-                text = f"{value:.4g}"
+            if value is not None:  # a NaN is a value: the loss went NaN, it is said so
+                text = _number(value)
                 return text if step == self._info.get("step") else f"{text} (step {step})"
         return "–"
 
@@ -170,6 +200,40 @@ class RunStatus(VerticalScroll):
             text.append("\nread-only ", style="dim")
             text.append("a recorded run: it cannot be continued, stepped or paused")
         return text
+
+
+def _number(value: float) -> str:
+    return f"{value:.4g}" if math.isfinite(value) else {"nan": "NaN"}.get(str(value), str(value))
+
+
+def _curve_title(title: str, steps: list[Any], values: list[Any]) -> Text:
+    """``Loss  0.31 … 4.26 over steps 0–28  NaN at steps 26–28, not drawn``: the curve's scale,
+    and the points it cannot draw (a sparkline drops them without a trace)."""
+    text = Text(title, style="bold")
+    finite = _finite(values)
+    if finite:
+        text.append(f"  {min(finite):.4g} … {max(finite):.4g}")
+    if steps:
+        text.append(f" over steps {steps[0]}–{steps[-1]}", style="dim")
+    bad = [s for s, v in zip(steps, values, strict=False) if v is not None and not math.isfinite(v)]
+    if bad:
+        where = f"step {bad[0]}" if len(bad) == 1 else f"steps {_ranges(bad)}"
+        text.append(f"  non-finite at {where}, not drawn", style="bold red")
+    return text
+
+
+def _ranges(steps: list[int]) -> str:
+    """``3, 7–9, 12``."""
+    out: list[str] = []
+    start = prev = steps[0]
+    for s in [*steps[1:], None]:
+        if s is not None and s == prev + 1:
+            prev = s
+            continue
+        out.append(str(start) if start == prev else f"{start}–{prev}")
+        if s is not None:
+            start = prev = s
+    return ", ".join(out)
 
 
 def _finite(values: list[Any]) -> list[float]:

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import ClassVar
 
 import numpy as np
 from rich.segment import Segment
 from rich.style import Style
-from textual import on
+from textual import events, on
 from textual.binding import Binding, BindingType
 from textual.geometry import Size
 from textual.message import Message
@@ -25,6 +26,7 @@ from textual.strip import Strip
 
 from tensordbg.sources.slicing import grid_shape
 from tensordbg.transport.wire import WireArray
+from tensordbg.tui.components.typed_ahead import keys_in_order, search
 from tensordbg.tui.errors import work
 from tensordbg.tui.remote import RequestFailed, remote_of
 
@@ -58,7 +60,7 @@ def format_block(values: np.ndarray) -> list[BlockRow]:
                 else None
             )
         else:
-            text = "".join(f"{v!s:>{width}.{width}} " for v in row)
+            text = "".join(_other_cell(v, width) for v in row)
             kinds = None
         rows.append((text, kinds))
     return rows
@@ -69,7 +71,21 @@ def _float_cell(v: float, width: int) -> str:
         return "NaN".rjust(width) + " "
     if math.isinf(v):
         return ("+Inf" if v > 0 else "-Inf").rjust(width) + " "
-    return f"{v:>{width}.4g} "
+    for digits in (4, 3, 2, 1):  # fewer digits before a number is cut
+        text = f"{v:.{digits}g}"
+        if len(text) <= width:
+            return f"{text:>{width}} "
+    return text[: width - 1] + "… "  # unreachable for float64, kept as the rule: never cut
+
+
+def _other_cell(v: object, width: int) -> str:
+    """An integer or bool, whole; an integer too long for the cell in scientific notation."""
+    text = str(v)
+    if len(text) > width and isinstance(v, int):
+        text = f"{v:.3e}"
+    if len(text) > width:
+        text = text[: width - 1] + "…"
+    return f"{text:>{width}} "
 
 
 class TensorGrid(ScrollView, can_focus=True):
@@ -115,6 +131,8 @@ class TensorGrid(ScrollView, can_focus=True):
         self._wanted: set[tuple[int, int]] = set()
         self._failed: set[tuple[int, int]] = set()
         self.message = "Open a tensor from the Hits or Modules tab."
+        self.open_slice: Callable[[], object] | None = None
+        """What ``[`` does on the grid: the Tensor tab focuses its slice box (set by it)."""
 
     # --- what to show ------------------------------------------------------------------------
 
@@ -157,6 +175,12 @@ class TensorGrid(ScrollView, can_focus=True):
             return str(row) if lead else ""
         return ",".join(map(str, np.unravel_index(row, lead)))
 
+    def on_key(self, event: events.Key) -> None:
+        opens = {"slash": search(self)}
+        if self.open_slice is not None:
+            opens["left_square_bracket"] = self.open_slice
+        keys_in_order(self, event, opens)  # "[3]" typed fast: "[" opens the box, "3]" in it
+
     # --- keys --------------------------------------------------------------------------------
 
     def action_columns(self, n: int) -> None:
@@ -174,7 +198,8 @@ class TensorGrid(ScrollView, can_focus=True):
 
     def _visible_columns(self) -> tuple[int, int]:
         c0 = round(self.scroll_x) // CELL
-        n = max(1, -(-(self.size.width - self._label_width) // CELL))
+        # Whole columns only: a column cut by the edge would show part of a number.
+        n = max(1, (self.size.width - self._label_width) // CELL)
         return c0, min(self._cols, c0 + n)
 
     def render_line(self, y: int) -> Strip:
@@ -194,6 +219,8 @@ class TensorGrid(ScrollView, can_focus=True):
                 return Strip.blank(width, base)
             label = self._row_label(row).rjust(self._label_width - 1) + " "
             segments = [Segment(label, index), *self._cells(row, c0, c1, base)]
+        if c1 < self._cols:  # more columns to the right: say so where the next would start
+            segments.append(Segment("…", index))
         return Strip(segments).extend_cell_length(width, base).crop(0, width)
 
     def _cells(self, row: int, c0: int, c1: int, base: Style) -> list[Segment]:

@@ -41,7 +41,9 @@ class TensorInspector(Vertical):
         yield Static("", id="slice-error")
         yield Static("", id="tensor-summary")
         with Horizontal(id="tensor-body"):
-            yield TensorGrid()
+            grid = TensorGrid()
+            grid.open_slice = self.action_edit_slice  # "[" on the grid, in order with what follows
+            yield grid
             with Vertical(id="tensor-side"):
                 yield StatsCompare()
                 yield HistogramView()
@@ -55,7 +57,9 @@ class TensorInspector(Vertical):
 
     def action_edit_slice(self) -> None:
         box = self.query_one(SliceInput)
-        box.focus()
+        # Focused now, not after the keys already queued (widget.focus() waits for them): a
+        # fast "[3]" would send "3" to the grid, where it is a count prefix.
+        self.screen.set_focus(box)
         if not box.value:
             box.insert_text_at_cursor("[")
 

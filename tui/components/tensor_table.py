@@ -44,8 +44,9 @@ class TensorTable(Table):
             style = "bold red" if "!" in line else ""
             if not t.get("retained", True):
                 style, line = "dim", f"{line}  (not retained)"
+            name = f"{t['name']} = {t['same_as']}" if t.get("same_as") else t["name"]
             self.add_row(
-                t["kind"], str(t["call"]), t["name"], Text(line, style=style), key=str(t["ref"])
+                t["kind"], str(t["call"]), name, Text(line, style=style), key=str(t["ref"])
             )
 
     @on(DataTable.RowSelected)

@@ -9,17 +9,18 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from textual import on
+from textual import events, on
 from textual.app import ComposeResult
 from textual.lazy import Lazy
 from textual.screen import Screen
 from textual.widget import Widget
-from textual.widgets import DataTable, Footer, Header, TabbedContent, TabPane, Tabs, Tree
+from textual.widgets import DataTable, Footer, Header, Input, TabbedContent, TabPane, Tabs, Tree
 
 from tensordbg.sources.contract import Info, Welcome
 from tensordbg.tui.components.connection_banner import ConnectionBanner
 from tensordbg.tui.components.event_log import EventLog
 from tensordbg.tui.components.hit_detail import HitDetail
+from tensordbg.tui.components.hit_filter import HitFilter
 from tensordbg.tui.components.hit_table import HitTable
 from tensordbg.tui.components.module_browser import ModuleBrowser
 from tensordbg.tui.components.module_table import ModuleTable
@@ -86,6 +87,7 @@ class MainScreen(Screen):
         # The screen keeps its widgets: data may arrive before a lazily mounted tab is mounted.
         self.banner = ConnectionBanner()
         self.run_status = RunStatus()
+        self.hit_filter = HitFilter()
         self.hit_table = HitTable()
         self.hit_detail = HitDetail()
         self.module_browser = ModuleBrowser()
@@ -97,6 +99,7 @@ class MainScreen(Screen):
         self._welcomed = False
         self._state = "connecting"
         self._count = 0
+        self._step: int | None = None
         self._lost_text = ""  # the banner's sentence while the connection is down
         self._focus_switch: bool | None = None  # set by show_tab for the switch it makes
         self._replay_text = ""  # a recorded run: the dumped step shown, for the sub-title
@@ -107,7 +110,7 @@ class MainScreen(Screen):
         # Tabs that open hidden are mounted after the first screen is up (a faster start).
         content: dict[str, list[Widget]] = {
             "run": [self.run_status],
-            "hits": [self.hit_table, self.hit_detail],
+            "hits": [self.hit_filter, self.hit_table, self.hit_detail],
             "modules": [Later(self.module_browser)],
             "tensor": [Later(self.tensor_inspector)],
             "provenance": [Later(self.provenance_view)],
@@ -130,6 +133,10 @@ class MainScreen(Screen):
         self.banner.clear()
         self._lost_text = ""
         self.app.title = f"tensordbg · {info.get('script', '?')} · run {info.get('run_id', '?')}"
+        # The header says the state first, so a narrow terminal cuts the script, not the state.
+        script = str(info.get("script", "?")).replace("\\", "/").rsplit("/", 1)[-1]
+        self.sub_title = f"{script} · run {info.get('run_id', '?')}"
+        self._step = info.get("step")
         self._show_replay(info)
         self.run_status.show_info(info)
         table = self.hit_table
@@ -141,6 +148,7 @@ class MainScreen(Screen):
         )
         self._state = info.get("state", "running")
         self.app.state = self._state  # type: ignore[attr-defined]
+        self._show_title()
         paused_at = info.get("paused_at")
         if not self._welcomed and paused_at:
             # Opened on a paused training: start where it paused, on the hit, ready for Enter.
@@ -156,13 +164,18 @@ class MainScreen(Screen):
         self.event_log.write_event(event, payload)
         if event == "status":
             self.run_status.add_status(payload)
+            self._step = payload.get("step", self._step)
+            self._show_title()
             if payload.get("state"):
                 self.app.state = payload["state"]  # type: ignore[attr-defined]
         elif event == "hit":
             self.hit_table.merge([payload])
-            self.run_status.add_hit(payload)
+            self.run_status.add_hit(self.hit_table.known)
         elif event == "state":
+            self.run_status.state_event(payload)
+            self._step = payload["step"]
             self.app.state = payload["state"]  # type: ignore[attr-defined]
+            self._show_title()
         elif event == "profile":
             self.profiler_view.profile_event(payload)
 
@@ -190,13 +203,13 @@ class MainScreen(Screen):
         else:
             self.banner.show(f"{text} · n / p: next / previous dumped step", "replay")
         self._replay_text = f"step {info['step']} ({replay['index'] + 1}/{replay['steps']})"
-        self._show_sub_title()
+        self._show_title()
 
     def show_state(self, state: str) -> None:
         """The training's state changed (the app's ``state`` reactive)."""
         before, self._state = self._state, state
         self.run_status.show_state(state)
-        self._show_sub_title()
+        self._show_title()
         if state == "paused" and before not in ("paused", "connecting", "disconnected"):
             self._refresh_paused()
 
@@ -234,12 +247,21 @@ class MainScreen(Screen):
     def show_count(self, count: int) -> None:
         """The count typed before a key (``5s`` steps five times)."""
         self._count = count
-        self._show_sub_title()
+        self._show_title()
 
-    def _show_sub_title(self) -> None:
-        count = f"  ·  count {self._count}" if self._count else ""
-        step = f"  ·  {self._replay_text}" if self._replay_text else ""
-        self.sub_title = f"{self._state.upper()}{step}{count}"
+    def _show_title(self) -> None:
+        step = "" if self._step is None else f" at step {self._step}"
+        if self._replay_text:  # a recorded run: the dumped step shown, of how many
+            step = f" · {self._replay_text}"
+        count = f" · count {self._count}" if self._count else ""
+        self.title = f"{self._state.upper()}{step}{count}"
+
+    def hit_to_ignore(self) -> dict[str, Any] | None:
+        """The hit ``i`` acts on: the one under the cursor on the Hits tab, else the hit the
+        training is paused at."""
+        if self.query_one(TabbedContent).active == "hits" and self.hit_table.current:
+            return self.hit_table.current
+        return self.run_status.paused_at
 
     def log_entry(self, text: str, level: str = "info") -> None:
         self.event_log.write_entry(text, level)
@@ -261,6 +283,10 @@ class MainScreen(Screen):
         tabs.active = pane
 
     def focus_search(self) -> None:
+        """``/``: on the Hits tab, filter the hits; elsewhere, search the model tree."""
+        if self.query_one(TabbedContent).active == "hits":
+            self.hit_filter.open()
+            return
         self.show_tab("modules", focus=False)
         self.module_browser.focus_search()
 
@@ -279,7 +305,7 @@ class MainScreen(Screen):
         remote = remote_of(self)
         try:
             modules = await remote.modules()
-            self.module_browser.set_modules(modules)
+            self.module_browser.set_modules(modules, self._step)
             tensors = await remote.tensors()
             self.module_browser.set_tensors(tensors)
             self.rule_panel.reload()
@@ -295,6 +321,8 @@ class MainScreen(Screen):
         try:
             info = await remote.info()
             self.run_status.show_info(info)
+            self._step = info.get("step", self._step)
+            self._show_title()
             table = self.hit_table
             hits = await remote.hits(since=table.next_id)
             table.merge(hits)
@@ -317,6 +345,14 @@ class MainScreen(Screen):
         self.show_tab("tensor")
         self.tensor_inspector.open(message.ref, message.name, message.text)
         self.provenance_view.load(message.ref, message.module, message.call)
+
+    @on(Input.Changed, "#hit-filter")
+    def _filter_hits(self, event: Input.Changed) -> None:
+        self.hit_table.set_filter(event.value)
+
+    @on(Input.Submitted, "#hit-filter")
+    def _filter_done(self) -> None:
+        self.hit_filter.action_leave()
 
     @on(HitTable.Highlighted)
     @reported
@@ -356,6 +392,16 @@ class MainScreen(Screen):
         if target is None:
             return None
         return next(iter(self.query_one(f"#{pane}").query(target)), None)
+
+    def on_key(self, event: events.Key) -> None:
+        # "/" is handled here, in order with the keys typed after it ("/late" typed fast): the
+        # app's binding would see it only after they went by. Those keys reach the widget that
+        # had the focus, which hands them on (tensordbg.tui.components.typed_ahead).
+        searchable = not isinstance(self.focused, Input) and self.app.check_action("search", ())
+        if event.key == "slash" and searchable:
+            event.stop()
+            event.prevent_default()
+            self.focus_search()
 
     @on(HitsFound)
     @reported

@@ -12,6 +12,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static
 
+from tensordbg.tui.components.dialog_body import DialogBody
 from tensordbg.tui.components.param_inputs import ParamInputs
 
 
@@ -29,22 +30,25 @@ class RuleAddScreen(ModalScreen[dict[str, Any] | None]):
         first = next(iter(self.available.values()), None)
         with Vertical(classes="dialog"):
             yield Label("Add a rule", classes="dialog-title")
-            yield Select(
-                [(name, name) for name in self.available],
-                value=first["name"] if first else Select.NULL,
-                allow_blank=first is None,
-                id="rule-choice",
-            )
-            yield Static(
-                first.get("doc", "") if first else "No rules to add.", classes="dialog-doc"
-            )
-            yield Label("on tensors matching (a glob on the tensor name)")
-            yield Input("*", id="rule-match")
-            yield ParamInputs(first["params"] if first else {})
-            yield Static("", classes="dialog-error")
+            # The body scrolls; the buttons stay on screen whatever the terminal's height.
+            with DialogBody():
+                yield from self._body(first)
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Add", variant="primary", id="save")
                 yield Button("Cancel", id="cancel")
+
+    def _body(self, first: dict[str, Any] | None) -> ComposeResult:
+        yield Select(
+            [(name, name) for name in self.available],
+            value=first["name"] if first else Select.NULL,
+            allow_blank=first is None,
+            id="rule-choice",
+        )
+        yield Static(first.get("doc", "") if first else "No rules to add.", classes="dialog-doc")
+        yield Label("on tensors matching (a glob on the tensor name)")
+        yield Input("*", id="rule-match")
+        yield ParamInputs(first["params"] if first else {})
+        yield Static("", classes="dialog-error")
 
     @on(Select.Changed, "#rule-choice")
     async def _chosen(self, event: Select.Changed) -> None:
@@ -53,7 +57,7 @@ class RuleAddScreen(ModalScreen[dict[str, Any] | None]):
             return
         self.query_one(".dialog-doc", Static).update(rule.get("doc", ""))
         await self.query_one(ParamInputs).remove()
-        await self.query_one(".dialog", Vertical).mount(
+        await self.query_one(DialogBody).mount(
             ParamInputs(rule["params"]), before=self.query_one(".dialog-error")
         )
 

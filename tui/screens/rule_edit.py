@@ -12,6 +12,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
+from tensordbg.tui.components.dialog_body import DialogBody
 from tensordbg.tui.components.param_inputs import ParamInputs
 
 
@@ -30,10 +31,11 @@ class RuleEditScreen(ModalScreen[dict[str, Any] | None]):
                 f"Thresholds of {self.rule['name']} (rule {self.rule['id']})",
                 classes="dialog-title",
             )
-            if self.rule.get("doc"):
-                yield Static(self.rule["doc"], classes="dialog-doc")
-            yield ParamInputs(self.rule.get("params") or {})
-            yield Static("", classes="dialog-error")
+            with DialogBody():  # the buttons stay on screen
+                if self.rule.get("doc"):
+                    yield Static(self.rule["doc"], classes="dialog-doc")
+                yield ParamInputs(self.rule.get("params") or {})
+                yield Static("", classes="dialog-error")
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Save", variant="primary", id="save")
                 yield Button("Cancel", id="cancel")

@@ -1,0 +1,63 @@
+"""The traceback of a :class:`~tensordbg.hit.WatchpointHit` as a person wants it: their own
+frames only. The hit is raised from inside a module hook, so Python's traceback would run
+through PyTorch's ``Module.__call__`` and tensordbg's pipeline, forty lines that push the line
+that matters off the screen.
+
+``tensordbg run`` prints it this way; ``attach(on_hit="raise")`` installs :func:`excepthook`
+while the session is attached, for a ``WatchpointHit`` that nobody catches (other exceptions go
+to the hook that was there before). ``TENSORDBG_FULL_TRACEBACK=1`` keeps every frame.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+_PACKAGE = str(Path(__file__).resolve().parent)
+_HIDDEN = (_PACKAGE + os.sep, os.sep + "torch" + os.sep, os.sep + "runpy.py")
+
+
+def _hidden(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return any(part in path for part in _HIDDEN) or filename.startswith("<frozen ")
+
+
+def format_user_traceback(error: BaseException) -> str:
+    """``Traceback (most recent call last):`` with the frames outside tensordbg, PyTorch and
+    runpy, then the exception's own line; every frame when none would be left."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if os.environ.get("TENSORDBG_FULL_TRACEBACK") != "1":
+        users = [f for f in frames if not _hidden(f.filename)]
+        frames = traceback.StackSummary.from_list(users) if users else frames
+    lines = ["Traceback (most recent call last; tensordbg's and PyTorch's frames left out):\n"]
+    lines += traceback.format_list(frames)
+    lines += traceback.format_exception_only(type(error), error)
+    return "".join(lines)
+
+
+def install_excepthook() -> Callable[[], None]:
+    """Print an uncaught WatchpointHit with :func:`format_user_traceback`; returns the undo."""
+    from tensordbg.hit import WatchpointHit
+
+    previous = sys.excepthook
+
+    def excepthook(
+        kind: type[BaseException], error: BaseException, tb: TracebackType | None
+    ) -> Any:
+        if isinstance(error, WatchpointHit):
+            print(format_user_traceback(error), end="", file=sys.stderr, flush=True)
+            return None
+        return previous(kind, error, tb)
+
+    sys.excepthook = excepthook
+
+    def undo() -> None:
+        if sys.excepthook is excepthook:
+            sys.excepthook = previous
+
+    return undo

@@ -1,0 +1,493 @@
+"""What a person new to tensordbg meets in the UI, driven as they would: keys typed fast, small
+terminals, a training that goes NaN, thousands of hits. Each test is one thing the first trial got
+wrong (issue 9)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from fake_source import FakeSource
+from rich.console import Console
+from rich.text import Text
+from test_tui import SIZE, open_tensor, until
+from textual import events
+from textual.pilot import Pilot
+from textual.widgets import Label, Static, TabbedContent
+
+import tensordbg
+from tensordbg.sources.live import LiveSource
+from tensordbg.transport.client import LocalClient
+from tensordbg.tui.app import TensorDbgApp
+from tensordbg.tui.components.event_log import describe_event
+from tensordbg.tui.components.histogram_view import draw
+from tensordbg.tui.components.hit_table import HitTable
+from tensordbg.tui.components.run_status import RunStatus
+from tensordbg.tui.components.slice_input import SliceInput
+from tensordbg.tui.components.tensor_grid import CELL, TensorGrid, format_block
+from tensordbg.tui.screens.rule_add import RuleAddScreen
+
+
+async def type_at_once(pilot: Pilot, text: str) -> None:
+    """Keys as a terminal sends a fast typist's (or a paste's): all queued before the first is
+    handled, as tmux's send-keys does (``pilot.press`` waits for each key to be handled)."""
+    driver = pilot.app._driver
+    assert driver is not None
+    for char in text:
+        key = events.Key(_KEYS.get(char, char), char)
+        key.set_sender(pilot.app)
+        driver.send_message(key)
+    await asyncio.sleep(0.05)
+    await pilot.pause(0.05)
+
+
+_KEYS = {
+    "/": "slash",
+    "\r": "enter",
+    " ": "space",
+    "[": "left_square_bracket",
+    "]": "right_square_bracket",
+    ":": "colon",
+    ",": "comma",
+}
+
+
+def test_a_slice_typed_fast_goes_to_the_slice_box_not_to_the_count() -> None:
+    """``[3]`` and Enter typed fast on the grid: ``[`` opens the slice box, the rest is text in
+    it (not a count prefix for ``s``), and Enter applies the slice."""
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(FakeSource()))
+        async with app.run_test(size=SIZE) as pilot:
+            grid = await open_tensor(pilot, 3, "net.2.output", TensorGrid)
+            await until(pilot, lambda: app.focused is grid)
+            await type_at_once(pilot, "[3]\r")  # and Enter, all in one burst
+            box = app.query_one(SliceInput)
+            assert box.value == "[3]"
+            assert "count" not in app.main.title
+            inspector = app.main.tensor_inspector
+            await until(pilot, lambda: inspector.text == "[3]")
+
+    asyncio.run(flow())
+
+
+def screen_text(app: TensorDbgApp) -> str:
+    """The screen as a person sees it, line by line."""
+    console = Console(width=app.size.width, height=app.size.height, record=True, file=io.StringIO())
+    for strip in app.screen._compositor.render_strips():
+        console.print(Text("".join(segment.text for segment in strip)), soft_wrap=True)
+    return console.export_text()
+
+
+def state_line(app: TensorDbgApp) -> str:
+    return str(app.query_one("#run-state", Static).content)
+
+
+def test_the_state_shown_is_the_state_the_training_is_in_now() -> None:
+    """Paused by ``p``, then running on: the Run tab and the header say RUNNING
+    at the new step, not the reason nor the hit of an earlier pause."""
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "paused" and "on a hit" in state_line(app))
+            assert app.main.title == "PAUSED at step 3"
+            source.state, source.paused_at, source.step = "paused", None, 4
+            source.emit("state", {"state": "running", "step": 3})
+            source.emit("state", {"state": "paused", "step": 4, "reason": "pause"})
+            await until(pilot, lambda: "step 4" in state_line(app))
+            assert "(pause)" in state_line(app) and "on a hit" not in state_line(app)
+            source.state, source.step = "running", 5
+            source.emit("state", {"state": "running", "step": 5})
+            await until(pilot, lambda: app.state == "running")
+            line = state_line(app)
+            assert "RUNNING" in line and "at step 5" in line and "pause" not in line
+            assert app.main.title == "RUNNING at step 5"
+
+    asyncio.run(flow())
+
+
+def test_at_80_by_24_the_header_shows_the_state_whole() -> None:
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(FakeSource()))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.state == "paused")
+            await pilot.pause(0.1)
+            assert "PAUSED at step 3" in screen_text(app).splitlines()[0]
+
+    asyncio.run(flow())
+
+
+def test_a_nan_loss_is_shown_as_nan_and_the_curves_say_which_steps_they_cannot_draw() -> None:
+    """The loss went NaN at step 4: the Run tab says NaN (not the last finite loss), the curve's
+    title gives its scale and names the steps it could not draw; hits count the same as the
+    Hits tab however events interleave."""
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "paused")
+            run = app.query_one(RunStatus)
+            for step, loss in ((4, math.nan), (5, math.nan)):
+                last = {"step": step, "loss": loss, "grad_norm": 0.5, "steps_per_sec": 9.0}
+                status = {"state": "paused", "step": step + 1, "phase": "forward"}
+                source.emit("status", {**status, "hits_total": 2, "last": last})
+            numbers = app.query_one("#run-numbers", Static)
+            await until(
+                pilot, lambda: "NaN (step 5)" in str(list(numbers.content.columns[1].cells))
+            )
+            label = str(app.query_one("#loss-label", Label).content)
+            assert "1.9 … 2.3" in label and "non-finite at steps 4–5, not drawn" in label
+            hit = dict(source.hits()[0], id=2, step=5, message="a later NaN")
+            source.emit("hit", hit)
+            source.emit("status", {**status, "hits_total": 3, "last": None})
+            await until(pilot, lambda: app.query_one(HitTable).row_count == 3)
+            await pilot.pause(0.05)
+            assert run._info["hits_total"] == 3
+
+    asyncio.run(flow())
+
+
+def test_the_loss_of_a_step_whose_loss_was_nan_is_nan() -> None:
+    """What the Run tab is sent: a NaN loss is the step's loss, not left out."""
+    model = torch.nn.Linear(2, 1)
+    session = tensordbg.attach(model, on_hit="record", server=False, summary_at_exit=False)
+    try:
+        for loss in (1.0, math.nan, 2.0):
+            model(torch.ones(1, 2)).sum().backward()
+            session.observe("loss", torch.tensor(loss))
+    finally:
+        session.detach()
+    losses = [loss for _, loss, _, _ in session.metrics.history]
+    assert losses[0] == 1.0 and math.isnan(losses[1])
+
+
+def test_a_histogram_of_only_nan_says_so_rather_than_nan_to_nan() -> None:
+    nan = float("nan")
+    all_nan = {"counts": [0] * 8, "min": nan, "max": nan, "nan": 1984, "posinf": 0, "neginf": 0}
+    assert draw(all_nan).plain == "All 1,984 values are NaN: no finite value to draw."
+    mixed = dict(all_nan, nan=3, posinf=2)
+    assert draw(mixed).plain == "No finite value to draw: NaN 3   +Inf 2."
+    assert "nan" not in draw(mixed).plain
+
+
+def test_the_log_writes_numbers_for_people_not_dicts_and_17_digits() -> None:
+    last = {"step": 25, "loss": 0.30512345678901234, "grad_norm": math.nan, "steps_per_sec": 12.1}
+    status = {"state": "running", "step": 26, "phase": "forward", "hits_total": 2, "last": last}
+    line = describe_event("status", status)
+    assert line == (
+        "step 25 done: loss 0.3051, gradient norm NaN, 12.1 steps/s; "
+        "now running at step 26 (forward), 2 hits"
+    )
+    assert "{" not in line
+    assert describe_event("custom", {"ratio": 1 / 3, "where": {"x": 2.0000000001}}) == (
+        "ratio 0.3333, where {x 2}"
+    )
+
+
+def test_slash_on_the_hits_tab_filters_the_hits_and_end_goes_to_the_last_hit() -> None:
+    """``/`` typed fast with a word filters the hits (not the model tree); Escape gives the keys
+    back with the filter kept; End goes to the last hit, Home to the first."""
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            hits = app.query_one(HitTable)
+            await until(pilot, lambda: app.state == "paused" and hits.row_count == 2)
+            passed_on = source.hits()[1]
+            for i in range(300):
+                source.emit("hit", dict(passed_on, id=2 + i, step=4 + i, message=f"late {i}"))
+            await until(pilot, lambda: hits.row_count == 302)
+            await until(pilot, lambda: app.focused is hits)
+            await pilot.press("end")
+            assert hits.current is not None and hits.current["id"] == 301
+            assert hits.scroll_x == 0 and hits.scroll_y > 0
+            await pilot.press("home")
+            assert hits.current is not None and hits.current["id"] == 0
+
+            await type_at_once(pilot, "/late 29")
+            assert app.query_one(TabbedContent).active == "hits"
+            assert app.main.hit_filter.value == "late 29"
+            assert hits.ids == [31, *range(292, 302)]  # "late 29", "late 290".."late 299"
+            await pilot.press("escape")
+            assert app.focused is hits and hits.row_count == 11
+            await pilot.press("enter")
+            await until(pilot, lambda: app.main.tensor_inspector.ref == passed_on["ref"])
+
+    asyncio.run(flow())
+
+
+def test_grid_cells_never_cut_a_number_silently() -> None:
+    """Numbers too long for a cell lose digits of precision, never digits of magnitude."""
+    floats = format_block(np.array([[-1.2345e100, 123456.789, -0.000123456]]))[0][0]
+    cells = [floats[i : i + CELL].strip() for i in range(0, len(floats), CELL)]
+    assert cells == ["-1.23e+100", "1.235e+05", "-0.0001235"]
+    ints = format_block(np.array([[12345678901234, -5]], dtype=np.int64))[0][0]
+    assert ints[:CELL].strip() == "1.235e+13" and ints[CELL:].strip() == "-5"
+    assert len(floats) == 3 * CELL and len(ints) == 2 * CELL
+
+
+def test_a_column_cut_by_the_edge_of_the_grid_is_not_drawn_and_an_ellipsis_says_more_follow() -> (
+    None
+):
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(FakeSource()))
+        async with app.run_test(size=(80, 24)) as pilot:
+            grid = await open_tensor(pilot, 5, "big", TensorGrid)  # 1000 x 1000
+            await until(pilot, lambda: grid.cell_text(0, 1) not in (None, "·"))
+            line = grid.render_line(1).text.rstrip()
+            assert line.endswith("…")
+            values = line[:-1].split()[1:]  # the row label first
+            c0, c1 = grid._visible_columns()
+            assert [grid.cell_text(0, c) for c in range(c0, c1)] == values
+
+    asyncio.run(flow())
+
+
+def test_i_ignores_the_rule_of_the_hit_on_its_tensor() -> None:
+    """Paused on a NaN at net.2.output: i adds the tensor to the NaN rule's exclusions through
+    set_rule (the palette offers it too), and says so."""
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "paused" and app.main.hit_table.current)
+            titles = [c.title for c in app.get_system_commands(app.screen)]
+            assert "Ignore this rule on this tensor" in titles
+            await pilot.press("i")
+            await until(pilot, lambda: source._rules[0]["exclude"] == ["net.2.output"])
+            assert source._rules[1]["exclude"] == []
+            source.state = "running"
+            source.emit("state", {"state": "running", "step": 3})
+            await until(pilot, lambda: app.state == "running")
+            assert "i" not in [
+                b.binding.key
+                for b in app.screen.active_bindings.values()
+                if b.enabled and b.node is app
+            ]
+
+    asyncio.run(flow())
+
+
+def test_a_rule_told_to_ignore_a_tensor_stops_hitting_it_in_the_training() -> None:
+    """The live side of i: a network that makes NaN every step hits once a step until the NaN
+    rule excludes that tensor, then not at all there."""
+
+    class Broken(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * torch.tensor(float("nan"))
+
+    model = Broken()
+    session = tensordbg.attach(model, on_hit="record", server=False, summary_at_exit=False)
+    source = LiveSource(session)
+    try:
+        model(torch.ones(2, 4))
+        hit = next(h for h in source.hits() if h["rule"] == "NaN" and h["origin"])
+        rule = next(r for r in source.rules()["rules"] if r["name"] == "NaN")
+        source.set_rule(rule["id"], params={"exclude": [*rule["exclude"], hit["tensor"]]})
+        before = len(session.hits)
+        model(torch.ones(2, 4))
+        model(torch.ones(2, 4))
+        again = [h for h in source.hits(since=before) if h["tensor"] == hit["tensor"]]
+        assert again == [] and rule["name"] == "NaN"
+        assert (
+            hit["tensor"]
+            in next(r for r in source.rules()["rules"] if r["id"] == rule["id"])["exclude"]
+        )
+    finally:
+        session.detach()
+
+
+BROKEN_SCRIPT = """
+import torch
+{attach}
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.log(self.lin(x) - 100.0)  # the user's line that makes NaN
+
+model = Net()
+{session}
+for step in range(3):
+    model(torch.ones(2, 4)).sum().backward()
+print("trained")
+"""
+
+
+@pytest.mark.parametrize("how", ["run", "attach"])
+def test_on_hit_raise_shows_the_users_frames_and_the_summary_last(tmp_path: Path, how: str):
+    attach = "import tensordbg" if how == "attach" else ""
+    session = 'tensordbg.attach(model, on_hit="raise", server=False)' if how == "attach" else ""
+    script = tmp_path / "train.py"
+    script.write_text(BROKEN_SCRIPT.format(attach=attach, session=session))
+    if how == "run":
+        command = [sys.executable, "-m", "tensordbg.cli", "run", "--on-hit", "raise", str(script)]
+    else:
+        command = [sys.executable, str(script)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    err = done.stderr
+    assert "Traceback" in err and "WatchpointHit" in err
+    frames = [line for line in err.splitlines() if line.startswith('  File "')]
+    assert frames and all("train.py" in line for line in frames), err
+    assert "model(torch.ones(2, 4)).sum().backward()" in err  # the user's call
+    assert err.index("WatchpointHit:") < err.index("tensordbg: 1 hit, 1 at their origin"), err
+
+
+def test_the_add_rule_dialog_keeps_its_buttons_on_screen_at_80_by_24() -> None:
+    """A rule with many thresholds and a long description: the dialog's body scrolls, Add and
+    Cancel stay on screen."""
+    source = FakeSource()
+    many = {f"threshold_{i}": float(i) for i in range(8)}
+    rules = source.rules()
+    source.rules = lambda: {  # type: ignore[method-assign]
+        **rules,
+        "available": [{"name": "TensorRange", "doc": "Bounds. " * 60, "params": many}],
+    }
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.state == "paused")
+            await pilot.press("f6")
+            await until(pilot, lambda: app.main.rule_panel.current is not None)
+            await pilot.press("a")
+            await until(pilot, lambda: isinstance(app.screen, RuleAddScreen))
+            await pilot.pause(0.1)
+            for button in ("#save", "#cancel"):
+                region = app.screen.query_one(button).region
+                assert region.height > 0 and region.y >= 0 and region.bottom <= 24, region
+
+    asyncio.run(flow())
+
+
+def test_the_rules_tab_fits_160_columns_with_every_column_whole() -> None:
+    """A rule watching every kind of tensor and disabled with a reason: at 160 columns the
+    reason is on screen (it came last and was cut) and the kinds say "all"."""
+    source = FakeSource()
+    kinds = ["grad", "grad_input", "grad_output", "input", "observed", "output", "param", "update"]
+    source._rules[0].update(kinds=kinds, disabled_reason="needs an optimizer")
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=(160, 48)) as pilot:
+            await until(pilot, lambda: app.state == "paused")
+            await pilot.press("f6")
+            await until(pilot, lambda: app.main.rule_panel.current is not None)
+            await pilot.pause(0.2)
+            text = screen_text(app)
+            assert "needs an optimizer" in text and "grad_input" not in text
+            assert " all " in text
+
+    asyncio.run(flow())
+
+
+class StaleSource(FakeSource):
+    """Paused mid-forward at step 3: net.2 has not run yet this step, its output is step 2's."""
+
+    def modules(self) -> list[Any]:
+        out = super().modules()
+        for m in out:
+            for summary in m["stats"].values():
+                summary["step"] = 2 if m["path"] == "net.2" else 3
+        return out
+
+
+def test_modules_mark_statistics_from_an_earlier_step_and_name_a_passed_up_output_as_hits_do() -> (
+    None
+):
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(StaleSource()))
+        async with app.run_test(size=SIZE) as pilot:
+            table = app.main.module_browser.table
+            await until(pilot, lambda: table.row_count == 6)
+            await pilot.press("f3")
+            await until(pilot, lambda: app.focused is table)
+            await pilot.pause(0.1)
+            rows = {
+                table.render_line(y).text.split()[0]: table.render_line(y).text for y in range(1, 7)
+            }
+            assert "step 2: n=" in rows["2"]  # net.2, last seen at step 2
+            assert "step" not in rows["0"].split("Linear")[1]  # net.0 ran this step
+            await type_at_once(pilot, "/Sequential")
+            await until(pilot, lambda: table.row_count == 1)
+            tensors = app.main.module_browser.tensor_table
+            await until(pilot, lambda: tensors.row_count == 1)
+            await pilot.pause(0.1)
+            assert "net.output = net.2.output" in tensors.render_line(1).text
+
+    asyncio.run(flow())
+
+
+def test_a_module_that_returns_its_childs_output_shows_it_as_its_own() -> None:
+    """The demo's attention returns its output projection's output: the attention's row in the
+    Modules tab has that output's statistics (it was empty)."""
+
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(torch.softmax(x, dim=-1))
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), Attention())
+    session = tensordbg.attach(model, on_hit="record", server=False, summary_at_exit=False)
+    try:
+        model(torch.ones(2, 4))
+        modules = {m["path"]: m for m in LiveSource(session).modules()}
+    finally:
+        session.detach()
+    assert modules["1"]["stats"]["output"]["numel"] == 8
+    assert modules["1"]["stats"]["output"] == modules["1.proj"]["stats"]["output"]
+
+
+class Masked(torch.nn.Module):
+    """Attention-like: its own code makes the NaN (a softmax over a fully masked row) and its
+    output projection returns it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        scores = x.masked_fill(~keep, float("-inf"))
+        weights = torch.softmax(scores, dim=-1)  # 0/0 on a row with nothing kept
+        return self.proj(weights)
+
+
+def test_provenance_of_a_value_made_inside_a_modules_forward_shows_the_line_inside_it() -> None:
+    model = Masked()
+    session = tensordbg.attach(model, on_hit="record", server=False, summary_at_exit=False)
+    source = LiveSource(session)
+    try:
+        keep = torch.tensor([[True, True, False, False], [False, False, False, False]])
+        model(torch.ones(2, 4), keep)
+        hit = next(h for h in source.hits() if h["origin"])
+        prov = source.provenance(hit["ref"], hit["module"], hit["call"])
+    finally:
+        session.detach()
+    assert prov["source"]["function"] == "forward"
+    listing = dict(prov["source"]["context"])
+    assert "return self.proj(weights)" in listing[prov["source"]["line"]]
+    assert any("torch.softmax(scores" in text for text in listing.values())
