@@ -26,8 +26,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tensordbg.api import attach, attached_to
 from tensordbg.engine.session import Session
-from tensordbg.integrations.frameworks import TrainerPatches, TrainingWatch
 from tensordbg.hit import WatchpointHit
+from tensordbg.integrations.frameworks import TrainerPatches, TrainingWatch
 from tensordbg.rules import Rule
 from tensordbg.tracebacks import format_user_traceback
 
