@@ -4,6 +4,8 @@
                                                      # seq 128, batch 8, AdamW
     python benchmarks/overhead.py --device cuda      # GPT-2 small in bf16 (d=768, 12 layers,
                                                      # seq 1024, batch 8)
+    python benchmarks/overhead.py --ranks 2          # a DDP step of 2 ranks (gloo, CPU),
+                                                     # attached vs bare, and the store's cost
 
 Three copies of the same model train side by side in one process; each round runs one step of
 each, in a rotating order, so that the machine's noise falls on all three alike. The medians
@@ -139,11 +141,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--also",
         nargs="*",
-        default=["deferred"],
+        default=["eager"],
         choices=("eager", "batched", "deferred"),
-        help="modes to measure besides the default one (default: deferred)",
+        help="modes to measure besides the default one (default: eager, which screens every "
+        "tensor where it is made)",
+    )
+    parser.add_argument(
+        "--ranks", type=int, default=None, help="a DDP step of N ranks (CPU), attached vs bare"
     )
     args = parser.parse_args(argv)
+    if args.ranks is not None:
+        return ranks_main(args)
     device = args.device
     name = args.model or ("gpt2-small" if device == "cuda" else "encoder-256")
     rounds = args.rounds or (40 if device == "cpu" else 50)
@@ -192,6 +200,68 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: sync {session.mode}, {session.step} steps, {len(session.hits)} hits")
         session.detach()
     return 0
+
+
+def ranks_main(args: argparse.Namespace) -> int:
+    """``--ranks N``: N processes (torch.multiprocessing, gloo on the CPU, one thread each) train
+    the same model under DistributedDataParallel; each round runs one step of a bare DDP copy
+    and one of an attached DDP copy, in turns. Rank 0 prints the medians, their ratio, and what
+    one read of the job's store costs (each rank reads it once a step)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    name = args.model or "encoder-256"
+    rounds = args.rounds or 20
+    mp.spawn(_rank_worker, args=(args.ranks, port, name, rounds, args.warmup), nprocs=args.ranks)
+    return 0
+
+
+def _rank_worker(rank: int, world: int, port: int, name: str, rounds: int, warmup: int) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world))  # fmt: skip
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    vocab, seq, dim, layers, heads, batch = CONFIGS[name]
+    torch.manual_seed(0)
+    base = GPT(vocab, seq, dim, layers, heads)
+    ddp = nn.parallel.DistributedDataParallel
+    runners = [Runner("bare", ddp(base), "cpu", None),
+               Runner("attached", ddp(copy.deepcopy(base)), "cpu", None)]  # fmt: skip
+    session = runners[1].session = tensordbg.attach(
+        runners[1].model, optimizer=runners[1].optimizer, on_hit="record", server=False
+    )
+    g = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, vocab, (batch, seq + 1), generator=g) for _ in range(4)]
+    for i in range(warmup + rounds):
+        for runner in runners if i % 2 else runners[::-1]:
+            elapsed = runner.step(batches[i % len(batches)])
+            if i >= warmup:
+                runner.times.append(elapsed)
+    reads = []
+    for _ in range(200):
+        start = time.perf_counter()
+        session.ranks._read()
+        reads.append(time.perf_counter() - start)
+    if rank == 0:
+        bare, attached = (statistics.median(r.times) for r in runners)
+        ratios = sorted(a / b for a, b in zip(runners[1].times, runners[0].times, strict=True))
+        q1, q3 = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
+        print(f"tensordbg overhead, {world} ranks of DDP (gloo, CPU, 1 thread each): {name}, "
+              f"{rounds} rounds; machine: {machine()}")  # fmt: skip
+        print(f"bare      {bare * 1e3:8.1f} ms")
+        print(f"attached  {attached * 1e3:8.1f} ms  {statistics.median(ratios):.3f}x "
+              f"(IQR {q1:.3f}-{q3:.3f})")  # fmt: skip
+        read = statistics.median(reads) * 1e6
+        print(f"one read of the job's store (once a step): {read:.0f} us, median of 200; "
+              f"{len(session.hits)} hits; RankDivergence every 10 steps")  # fmt: skip
+    session.detach()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ group (see :mod:`tensordbg.rules.base`).
 from tensordbg.rules.activations import DeadActivation, SaturatedActivation
 from tensordbg.rules.base import Finding, Refine, Rule
 from tensordbg.rules.catalog import BUILTIN, available_rules, builtin_rules, default_rules
+from tensordbg.rules.distributed import RankDivergence
 from tensordbg.rules.gradients import ExplodingGradient, VanishingGradient
 from tensordbg.rules.loss import LossNotDecreasing
 from tensordbg.rules.numeric import AllZero, NaN, Overflow, TensorRange
@@ -30,6 +31,7 @@ __all__ = [
     "NaN",
     "Overflow",
     "PoorInitialization",
+    "RankDivergence",
     "Refine",
     "Rule",
     "SaturatedActivation",

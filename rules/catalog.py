@@ -8,6 +8,7 @@ from importlib.metadata import entry_points
 
 from tensordbg.rules.activations import DeadActivation, SaturatedActivation
 from tensordbg.rules.base import ENTRY_POINT_GROUP, Rule
+from tensordbg.rules.distributed import RankDivergence
 from tensordbg.rules.gradients import ExplodingGradient, VanishingGradient
 from tensordbg.rules.loss import LossNotDecreasing
 from tensordbg.rules.numeric import AllZero, NaN, Overflow, TensorRange
@@ -26,6 +27,7 @@ BUILTIN = (
     "PoorInitialization",
     "LossNotDecreasing",
     "TensorRange",
+    "RankDivergence",
 )
 
 
@@ -43,7 +45,7 @@ _BUILTIN_CLASSES: dict[str, type[Rule]] = {
     cls.__name__: cls
     for cls in (NaN, Overflow, ExplodingGradient, VanishingGradient, WeightNotChanging,
                 WeightUpdateRatio, DeadActivation, SaturatedActivation, AllZero,
-                PoorInitialization, LossNotDecreasing, TensorRange)
+                PoorInitialization, LossNotDecreasing, TensorRange, RankDivergence)
 }  # fmt: skip
 
 

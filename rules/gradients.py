@@ -80,6 +80,13 @@ class ExplodingGradient(Rule):
     when it is ``growth`` (20) times the median of its last ``window`` (50) finite norms: a norm
     growing x1.5 per step from 1 is caught near 300, long before float32 overflows.
 
+    Growth must persist: it fires on the second step in a row above ``growth`` times the median
+    (``persist`` = 2), or at once past ``growth`` squared. A healthy run has one-step spikes (a
+    hard batch: x20-x40 for one step past step 45 of a small transformer, back the next step),
+    and a gradient that is really exploding is still above the bar a step later, far from any
+    overflow (train_diverging.py: the growth verdict comes one step after the learning rate
+    jumped, at a norm below 1e3; NaN and Inf fire when they first appear, ``max_norm`` at once).
+
     Growth counts only for a gradient that has reached the model's typical size, the median
     root-mean-square of the other gradients at their last step before this one: a gradient
     that grows while still below it is catching up, not exploding. The query and key
@@ -89,7 +96,8 @@ class ExplodingGradient(Rule):
     1e-13). When all gradients blow up at once, each passes the size the model had the step
     before. A gradient judged alone is compared with its own history only.
 
-    Example: ``ExplodingGradient(growth=10.0, match="decoder.*")`` is stricter on the decoder.
+    Example: ``ExplodingGradient(growth=10.0, match="decoder.*")`` is stricter on the decoder;
+    ``ExplodingGradient(persist=1)`` fires on the first step above the bar.
     """
 
     kinds = frozenset({"grad"})
@@ -102,6 +110,7 @@ class ExplodingGradient(Rule):
         growth: float = 20.0,
         window: int = 50,
         warmup: int = 10,
+        persist: int = 2,
         **selection: Any,
     ):
         super().__init__(**selection)
@@ -109,6 +118,7 @@ class ExplodingGradient(Rule):
         self.growth = growth
         self.window = window
         self.warmup = warmup
+        self.persist = persist
 
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
         if t.nonfinite:
@@ -135,12 +145,18 @@ class ExplodingGradient(Rule):
         if norm > self.max_norm:
             return self._too_large(t, norm)
         # Over a median of zero (a gradient that was exactly zero so far) growth means nothing.
+        streaks: dict[str, int] = state.setdefault("above", {})
         if median is None or median <= 0 or not norm > self.growth * median:
+            streaks.pop(t.name, None)
             return None
         typical = typical_scale(state, t.name, before=t.step)
         if scale is not None and typical is not None and scale < typical:
+            streaks.pop(t.name, None)
             return None  # catching up with the model's gradients, not exploding
         ratio = norm / median
+        streaks[t.name] = streaks.get(t.name, 0) + 1
+        if streaks[t.name] < self.persist and ratio < self.growth**2:
+            return None  # one step above the bar: a spike, unless it is far above
         return Finding(
             ratio,
             self.growth,
@@ -184,8 +200,13 @@ class VanishingGradient(Rule):
       before its module's weight on its first step waits a step for it, unless its gradient is
       exactly zero.
 
-    An exactly zero gradient is reported at once: the parameter receives nothing (a dead or
-    detached branch, a saturated unit). Frozen parameters are never judged.
+    An exactly zero gradient on the first step must persist ``persist`` (2) judged steps: a zero
+    by construction at initialisation is lifted by the first update (torchvision's
+    ``zero_init_residual=True`` sets the last BatchNorm scale of each residual block to 0, so
+    the convolution before it gets an exactly zero gradient on step 0 only); a dead or detached
+    branch is still dead a step later. Past the first step an exactly zero gradient is reported
+    at once: the parameter receives nothing (a dead or detached branch, a saturated unit).
+    Frozen parameters are never judged.
 
     Example: ``VanishingGradient(threshold=1e-9)`` uses MindInsight's stricter bound.
     """
@@ -196,11 +217,17 @@ class VanishingGradient(Rule):
     needs = (L2,)
 
     def __init__(
-        self, *, threshold: float = THRESHOLD, relative: float = RELATIVE, **selection: Any
+        self,
+        *,
+        threshold: float = THRESHOLD,
+        relative: float = RELATIVE,
+        persist: int = 2,
+        **selection: Any,
     ):
         super().__init__(**selection)
         self.threshold = threshold
         self.relative = relative
+        self.persist = persist
 
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | Refine | None:
         # Noted before a refinement too: the same value again when check is called back.
@@ -225,7 +252,9 @@ class VanishingGradient(Rule):
         bias = param.startswith("bias")
         if not bias:
             weights.setdefault(t.module, {})[param] = not vanishing
+        streaks: dict[str, int] = state.setdefault("low", {})
         if mean is None or not vanishing:
+            streaks.pop(t.name, None)
             return None
         if bias:
             known = [ok for name, ok in weights.get(t.module, {}).items() if name != param]
@@ -233,6 +262,9 @@ class VanishingGradient(Rule):
                 return None  # a shift cancelled downstream, while the module's weight learns
             if not known and first and mean > 0:
                 return None  # its module's weight comes later in this pass: wait a step for it
+        streaks[t.name] = streaks.get(t.name, 0) + 1
+        if mean == 0 and t.step == 0 and streaks[t.name] < self.persist:
+            return None  # a zero at initialisation, which the first update may lift
         return Finding(mean, self.threshold, self._message(t, mean, typical, bias))
 
     def _nonzero_mean(self, t: TensorStats) -> float | Refine | None:

@@ -19,23 +19,32 @@ from typing import TYPE_CHECKING, Any
 from tensordbg.hit import Hit, WatchpointHit
 
 __version__ = "0.1.0"
-__all__ = ["Hit", "Session", "WatchpointHit", "__version__", "attach", "rules"]
+__all__ = ["Hit", "Session", "WatchpointHit", "__version__", "attach", "load", "profile", "rules"]
 
 if TYPE_CHECKING:
     from tensordbg import rules
-    from tensordbg.api import attach
+    from tensordbg.api import attach, profile
+    from tensordbg.dump import load
     from tensordbg.engine.session import Session
 
 
 def __getattr__(name: str) -> Any:
     if name == "attach":
-        from tensordbg.api import attach
+        from tensordbg.api import attach, profile
 
         return attach
+    if name == "profile":
+        from tensordbg.api import profile
+
+        return profile
     if name == "Session":
         from tensordbg.engine.session import Session
 
         return Session
+    if name == "load":
+        from tensordbg.dump import load
+
+        return load
     if name == "rules":
         import tensordbg.rules
 

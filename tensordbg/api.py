@@ -5,6 +5,7 @@ never imports the transport or the UI.
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -12,6 +13,8 @@ from typing import Any
 
 import torch
 
+from tensordbg.distributed.identity import RankIdentity
+from tensordbg.distributed.models import unwrap, watch_local_shards
 from tensordbg.engine.session import (
     DEFAULT_RETAIN,
     DEFAULT_UPDATE_BUDGET,
@@ -19,7 +22,7 @@ from tensordbg.engine.session import (
     attached_to,
 )
 from tensordbg.hit import Hit, WatchpointHit
-from tensordbg.rules import Rule
+from tensordbg.rules import RankDivergence, Rule, default_rules
 from tensordbg.tracebacks import install_excepthook
 
 
@@ -44,6 +47,10 @@ def attach(
     rank: int | None = None,
     replaceable: bool = False,
     summary_at_exit: bool = True,
+    dump_dir: str | os.PathLike[str] | None = None,
+    dump_every: int | None = None,
+    dump_tensors: str | Sequence[str] = (),
+    dump_max_bytes: int | None = None,
 ) -> Session:
     """Watch a model's training with watchpoint rules.
 
@@ -59,15 +66,18 @@ def attach(
         rules: watchpoint rules; None means ``tensordbg.rules.DEFAULT``.
         on_hit: ``"pause"`` blocks the training until resumed from the UI (``tensordbg tui``) or
             ``session.controller``; ``"raise"`` raises :class:`WatchpointHit`; ``"record"`` only
-            appends to ``session.hits``; ``"skip"`` skips the update of a step that hit before
+            appends to ``session.hits``; ``"dump"`` records it and writes its step into
+            ``dump_dir``; ``"skip"`` skips the update of a step that hit before
             its optimizer step (see ``Session.skip_step``), and raises :class:`WatchpointHit`
             after ``max_skipped_steps`` skipped updates in a row; a callable is called with
             each hit.
         scaler: a ``torch.amp.GradScaler``: gradient statistics are unscaled, and a step it skips
             for non-finite gradients is recorded in ``session.skipped_steps``, not as a hit,
             unless ``max_skipped_steps`` are skipped in a row.
-        sync: ``"auto"`` (eager on CPU, batched on CUDA), ``"eager"``, ``"batched"`` or
-            ``"deferred"`` (the cheapest; see the module docstring).
+        sync: ``"auto"`` (deferred on CPU, batched on CUDA), ``"eager"`` (screens every tensor
+            where it is made, pauses in the hook), ``"batched"`` or ``"deferred"`` (screens the
+            outputs, loss, gradients and parameters; the rest only when those show a problem);
+            see :mod:`tensordbg.engine.modes`.
         interval: statistics beyond the NaN/Inf screen (norms, means, updates) every N steps.
         retain_bytes: memory for keeping the current phase's tensors for inspection (batched
             and deferred modes; eager mode keeps hits' tensors and the last few it saw, and
@@ -80,12 +90,27 @@ def attach(
             e.g. ``"0.0.0.0:5555"`` (every client still needs the key in the connection file).
         ui_timeout: seconds a paused training waits after the UI went away before it resumes
             with blocking watchpoints disarmed; None waits for ever.
+        dump_dir: write a dump there (see the README's "Dumps"; open it with
+            ``tensordbg.load``): every step with a hit, statistics and values; with
+            ``on_hit="dump"`` that is all a hit does.
+        dump_every: also write every N-th step: the statistics of every watched tensor, and the
+            values of those whose names match ``dump_tensors`` (glob patterns, e.g.
+            ``"*.weight.grad"``).
+        dump_max_bytes: bound the dump's size: the oldest steps without hits go first.
         summary_at_exit: when the program exits with the session still attached and hits
             recorded, print ``session.summary()`` on stderr (as ``tensordbg run`` does).
         replaceable: a later ``attach`` of the same model detaches this session and takes
             over instead of refusing (``tensordbg run`` attaches this way, so a script that
             attaches tensordbg itself keeps its own settings).
     """
+    if on_hit == "dump" and dump_dir is None:
+        raise ValueError("on_hit='dump' writes hits into a dump: give dump_dir= too")
+    if dump_dir is None and (dump_every is not None or dump_tensors or dump_max_bytes):
+        raise ValueError("dump_every, dump_tensors and dump_max_bytes need dump_dir= too")
+    model, _ = unwrap(model)  # DistributedDataParallel: paths as in the user's model
+    identity = RankIdentity.from_environment()
+    if rules is None and identity.distributed:
+        rules = [*default_rules(), RankDivergence()]
     existing = attached_to(model)
     if existing is not None and existing.replaceable:
         existing.detach()
@@ -104,14 +129,27 @@ def attach(
         retain_bytes=retain_bytes,
         update_budget=update_budget,
         max_skipped_steps=max_skipped_steps,
-        run_id=run_id,
-        rank=rank,
+        run_id=run_id or identity.run_id,
+        rank=identity.rank if rank is None else rank,
     )
     session.replaceable = replaceable
     session.summary_at_exit = summary_at_exit
     if on_hit == "raise":  # an uncaught hit shows the user's frames only (tracebacks.py)
         session.handles.callback(install_excepthook(), "excepthook")
     try:
+        if dump_dir is not None:
+            from tensordbg.dump.subscriber import DumpRecorder
+
+            patterns = (dump_tensors,) if isinstance(dump_tensors, str) else tuple(dump_tensors)
+            session.dumps = DumpRecorder(session, os.fspath(dump_dir), dump_every, patterns,
+                                         dump_max_bytes)  # fmt: skip
+        session.sharded = watch_local_shards(session)
+        if session.sharded:
+            print(f"tensordbg: {len(session.sharded)} parameters are sharded (DTensor, FSDP2): "
+                  "their values are checked on this rank's local shard; their gradients and "
+                  "updates are not watched", file=sys.stderr, flush=True)  # fmt: skip
+        if identity.distributed:
+            _link_ranks(session, identity)
         if server:
             _start_server(session, remote, ui_timeout)
         session.check_parameters()
@@ -126,6 +164,67 @@ def attach(
             ) from None
         raise
     return session
+
+
+def profile(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    steps: int = 5,
+    *,
+    record_shapes: bool = False,
+    profile_memory: bool = True,
+    with_stack: bool = False,
+    directory: str | None = None,
+    **attach_args: Any,
+) -> Session:
+    """A session that only profiles: no watchpoint rules, nothing pauses; the next ``steps``
+    steps (after one warm-up) are profiled, and the UI's profiler tabs show the report.
+
+    >>> session = tensordbg.profile(model, opt, steps=5)
+    >>> train(model, opt)                             # a few more than 5 steps
+    >>> print(session.profiling.wait(60).text())      # the ProfileHandle's report
+    >>> session.detach()
+
+    ``attach_args`` are :func:`attach`'s (``server``, ``run_id``...); see
+    :meth:`Session.profile` for the rest.
+    """
+    attach_args.setdefault("summary_at_exit", False)
+    session = attach(model, optimizer, rules=[], on_hit="record", **attach_args)
+    try:
+        session.profile(steps, record_shapes=record_shapes, profile_memory=profile_memory,
+                        with_stack=with_stack, directory=directory)  # fmt: skip
+    except BaseException:
+        session.detach()
+        raise
+    return session
+
+
+def _link_ranks(session: Session, identity: RankIdentity) -> None:
+    """One rank of several: pause and stop with the others through the job's store, and
+    exchange the fingerprints of RankDivergence."""
+    from tensordbg.distributed.coordination import RankLink, launcher_store
+    from tensordbg.distributed.fingerprints import Fingerprints
+
+    try:
+        store = launcher_store()
+    except Exception as e:  # no store: this rank is watched alone
+        store, reason = None, str(e)
+    else:
+        reason = "no MASTER_ADDR/MASTER_PORT and no initialised process group"
+    if store is None:
+        warnings.warn(
+            f"tensordbg: rank {identity.rank} of {identity.world_size} cannot reach the job's "
+            f"store ({reason}): its hits are recorded but do not pause or stop the other ranks",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return
+    link = RankLink(session, store, identity.with_run_id(session.run_id))
+    session.ranks = link
+    fingerprints = Fingerprints(session, link.store, identity.rank)
+    session.handles.callback(
+        session.bus.subscribe(fingerprints.on_step_end, events={"step_end"}), "fingerprints"
+    )
 
 
 def _start_server(session: Session, remote: bool | str, ui_timeout: float | None) -> None:
@@ -164,4 +263,4 @@ def _start_server(session: Session, remote: bool | str, ui_timeout: float | None
         )
 
 
-__all__ = ["attach", "attached_to"]
+__all__ = ["attach", "attached_to", "profile"]

@@ -1,4 +1,5 @@
-"""The ``tensordbg`` command: ``demo``, ``run``, ``tui``.
+"""The ``tensordbg`` command: ``demo``, ``run``, ``tui``, and over dumps ``replay``, ``check``,
+``diff``.
 
 This module imports neither torch nor the UI until a command needs them, so ``--help`` is quick.
 """
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tensordbg import __version__
@@ -38,16 +39,40 @@ EXAMPLES = {
           tensordbg run train.py --epochs 3
           tensordbg run --rules default,DeadActivation --on-hit record train.py
           tensordbg run --include 'encoder.*' --sync batched train.py
+          tensordbg run --profile 5 train.py      profile 5 steps; summary and advice at the end
 
         The script runs as __main__ with its own arguments; the first module with trainable
-        parameters it calls is watched, with the first optimizer that steps it. Open the UI
-        with `tensordbg tui` in another terminal.
+        parameters it calls is watched, with the first optimizer that steps it. A Hugging Face
+        or Lightning Trainer gets tensordbg's callback instead. Open the UI with
+        `tensordbg tui` in another terminal.
         """,
     "tui": """
         examples:
           tensordbg tui                               the only running session, or a list
           tensordbg tui /run/user/1000/tensordbg/3f2a1c9e-0.json
           tensordbg tui --run-id 3f2a1c9e --wait 30   wait for a training that is starting
+        """,
+    "replay": """
+        examples:
+          tensordbg replay runs/dbg             the UI over a dump; n / p: next / previous step
+          tensordbg replay runs/dbg --rank 1 --step 120
+        """,
+    "check": """
+        examples:
+          tensordbg check runs/dbg                          the run's own rules, a table
+          tensordbg check runs/dbg --rules default,DeadActivation --json
+          tensordbg check runs/dbg --rule "TensorRange(match='*.attn.*', max_gt=1e4)"
+
+        Exit status: 0 clean, 1 a rule hits (or, with --strict, could not judge a tensor),
+        2 the dump cannot be read.
+        """,
+    "diff": """
+        examples:
+          tensordbg diff runs/eager runs/compiled
+          tensordbg diff runs/a runs/b --rtol 1e-3 --atol 1e-6 --json
+          tensordbg diff runs/ddp runs/ddp --ranks 0,1     rank 0 against rank 1
+
+        Exit status: 0 the runs agree, 1 they differ, 2 a dump cannot be read.
         """,
 }
 
@@ -86,10 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--on-hit",
-        choices=("pause", "raise", "record"),
+        choices=("pause", "raise", "record", "dump"),
         default="pause",
         help="what a hit does: pause the training for the UI (default), raise WatchpointHit, "
-        "or only record it",
+        "only record it, or record it and write its step into --dump-dir",
     )
     run.add_argument(
         "--sync",
@@ -97,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="when statistics reach the host: eager (at each tensor), batched (once a phase), "
         "deferred (the cheapest: the rest only when outputs, loss or gradients show a problem), "
-        "auto (default: eager on the CPU, batched on CUDA)",
+        "auto (default: deferred on the CPU, batched on CUDA)",
     )
     run.add_argument(
         "--include",
@@ -139,6 +164,34 @@ def build_parser() -> argparse.ArgumentParser:
         type=_listen,
         help="with --remote: where to listen, e.g. 0.0.0.0:5555 (implies --remote)",
     )
+    run.add_argument(
+        "--dump-dir",
+        metavar="DIR",
+        help="write a dump there: every step with a hit (open it with tensordbg replay, or "
+        "tensordbg.load in Python)",
+    )
+    run.add_argument(
+        "--dump-every",
+        type=_interval,
+        metavar="N",
+        help="with --dump-dir: also write every N-th step (statistics of every watched tensor)",
+    )
+    run.add_argument(
+        "--dump-tensors",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="with --dump-every: the values of the tensors whose names match, e.g. "
+        "'*.weight.grad' (repeatable)",
+    )
+    run.add_argument(
+        "--profile",
+        type=_profile_steps,
+        default=0,
+        metavar="N",
+        help="profile N training steps (after the first step and one warm-up step) with "
+        "torch.profiler; the summary, the advice and where the trace is are printed at the end",
+    )
     run.add_argument("script", nargs="?", help="the training script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     run.set_defaults(handler=_run)
@@ -148,6 +201,46 @@ def build_parser() -> argparse.ArgumentParser:
     tui.add_argument("--run-id", help="the run to open (waits for it with --wait)")
     tui.add_argument("--wait", type=float, default=0.0, help="seconds to wait for --run-id")
     tui.set_defaults(handler=_tui)
+
+    replay = _command(commands, "replay", "open the terminal UI on a dump of a recorded run")
+    replay.add_argument("dump", help="the dump's directory (attach(dump_dir=...))")
+    replay.add_argument("--rank", type=int, default=None, help="the rank to show (default: first)")
+    replay.add_argument("--step", type=int, default=None, help="the dumped step to open at")
+    replay.set_defaults(handler=_offline("replay"))
+
+    check = _command(commands, "check", "judge a dump with rules again, offline")
+    check.add_argument("dump", help="the dump's directory")
+    check.add_argument(
+        "--rules",
+        default=None,
+        help="comma-separated rule names ('default' is the default set); without it and "
+        "--rule, the rules the run was recorded with",
+    )
+    check.add_argument(
+        "--rule",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="a rule with its arguments, as for tensordbg run (repeatable)",
+    )
+    check.add_argument("--json", action="store_true", help="print the report as JSON")
+    check.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 1 also when a rule could not judge a tensor (a statistic it needs was not "
+        "dumped, nor the values to compute it)",
+    )
+    check.set_defaults(handler=_offline("check"))
+
+    diff = _command(commands, "diff", "find where two dumped runs parted")
+    diff.add_argument("a", help="the first dump's directory")
+    diff.add_argument("b", help="the second dump's directory")
+    diff.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance (1e-5)")
+    diff.add_argument("--atol", type=float, default=1e-8, help="absolute tolerance (1e-8)")
+    diff.add_argument("--ranks", type=_ranks, default=(0, 0), metavar="RA,RB",
+                      help="compare rank RA of A with rank RB of B (default 0,0)")  # fmt: skip
+    diff.add_argument("--json", action="store_true", help="print the report as JSON")
+    diff.set_defaults(handler=_offline("diff"))
     return parser
 
 
@@ -243,6 +336,16 @@ def _listen(text: str) -> str:
     return text
 
 
+def _profile_steps(text: str) -> int:
+    try:
+        steps = int(text)
+    except ValueError:
+        steps = 0
+    if not 1 <= steps <= 1000:
+        raise argparse.ArgumentTypeError(f"a number of steps from 1 to 1000, not {text!r}")
+    return steps
+
+
 def _run(args: argparse.Namespace) -> int:
     from tensordbg.integrations.runner import run_script
     from tensordbg.rules import default_rules
@@ -252,6 +355,14 @@ def _run(args: argparse.Namespace) -> int:
               "(see tensordbg run --help)", file=sys.stderr)  # fmt: skip
         return 2
 
+    if args.dump_dir is None and (args.dump_every or args.dump_tensors or args.on_hit == "dump"):
+        print("tensordbg run: --dump-every, --dump-tensors and --on-hit dump write into a dump: "
+              "give --dump-dir DIR too", file=sys.stderr)  # fmt: skip
+        return 2
+    dumps = {}
+    if args.dump_dir is not None:
+        dumps = {"dump_dir": args.dump_dir, "dump_every": args.dump_every,
+                 "dump_tensors": args.dump_tensors}  # fmt: skip
     rules = _rules(args.rules)
     if args.rule:
         rules = [*(default_rules() if rules is None else rules), *map(_rule, args.rule)]
@@ -268,6 +379,8 @@ def _run(args: argparse.Namespace) -> int:
         exclude=args.exclude,
         interval=args.interval,
         remote=args.listen or args.remote,
+        **dumps,
+        profile_steps=args.profile,
     )
 
 
@@ -275,6 +388,28 @@ def _tui(args: argparse.Namespace) -> int:
     from tensordbg.tui import run_tui
 
     return run_tui(args.connection, run_id=args.run_id, wait=args.wait)
+
+
+def _ranks(text: str) -> tuple[int, int]:
+    try:
+        ranks = [int(r) for r in text.split(",")]
+    except ValueError:
+        ranks = []
+    if len(ranks) not in (1, 2) or min(ranks) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give two ranks as RA,RB (or one for both)")
+    return (ranks[0], ranks[-1])
+
+
+def _offline(name: str) -> Callable[[argparse.Namespace], int]:
+    """The handler of ``replay``, ``check`` or ``diff`` (tensordbg.offline.commands), imported
+    when the command runs."""
+
+    def handler(args: argparse.Namespace) -> int:
+        from tensordbg.offline import commands
+
+        return int(getattr(commands, name)(args, rules=_rules, rule=_rule))
+
+    return handler
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -6,6 +6,11 @@ padding, the attention mask hides every key of that sequence's rows, the softmax
 divides 0 by 0, and NaN spreads through the whole network. tensordbg pauses at the attention
 module that produced it, not at the loss or the layers downstream.
 
+In the UI, ``P`` profiles the next steps of the training (5 unless changed): the Profile tab
+(``F8``, then ``F8`` again for each of its views) shows where the time and memory went and what
+to change. From Python the same is ``session.profile(steps=5)``; from the shell, ``tensordbg run
+--profile 5 train.py``.
+
 Run it on its own with ``python -m tensordbg.demo --no-ui`` to see the hits as text.
 """
 
@@ -127,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tensordbg.demo",
         description="The training behind `tensordbg demo`: a tiny GPT whose attention turns "
-        "NaN when a batch holds a sequence of padding only.",
+        "NaN when a batch holds a sequence of padding only. In the UI, P profiles the next "
+        "steps and F8 shows the profile.",
     )
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--bad-step", type=int, default=25)

@@ -45,6 +45,8 @@ class Hit:
     summary: dict[str, Any] = field(default_factory=dict)
     """The tensor's shape and dtype, and its one-glance statistics
     (``tensordbg.statistics.Summary``) when they were computed (for hits at their origin)."""
+    rank: int = 0
+    """The rank of the process that found it (``RANK`` of a ``torchrun`` job; 0 alone)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

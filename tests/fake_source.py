@@ -50,9 +50,22 @@ class FakeSource:
     """
 
     def __init__(
-        self, big: int = 1000, modules: int = 0, capabilities: frozenset[str] = EVERY_REQUEST
+        self,
+        big: int = 1000,
+        modules: int = 0,
+        capabilities: frozenset[str] = EVERY_REQUEST,
+        report: dict[str, Any] | None = None,
+        gpus: int = 0,
     ):
         self.capabilities = capabilities
+        # Profiling: the stored report (a ProfileReport's dict), the steps asked for, and
+        # ``gpus`` fake devices whose NVML samples ``gpu()`` serves (none: NVML unavailable).
+        self.stored_profile = report
+        """What ``profile_report`` answers (a test sets a report dict)."""
+        self.profiles: list[int] = []
+        self.gpus = gpus
+        self.gpu_requests: list[float] = []
+        self._gpu_clock = 0.0
         rng = np.random.default_rng(0)
         x = rng.standard_normal((8, 16)).astype(np.float32)
         h0 = rng.standard_normal((8, 32)).astype(np.float32)
@@ -354,6 +367,49 @@ class FakeSource:
         self.emit("state", {"state": self.state, "step": self.step})
         return {"state": self.state, "step": self.step}
 
+    def profile(self, steps: int = 5) -> dict[str, Any]:
+        # As a live training: armed now, "running" comes at the next step (run_profile).
+        if steps < 1:
+            raise SourceError("steps is a number of training steps, at least 1")
+        self.profiles.append(steps)
+        return {"pending": True, "steps": steps}
+
+    def profile_report(self) -> dict[str, Any] | None:
+        return self.stored_profile
+
+    def gpu(self, since: float = 0.0) -> dict[str, Any]:
+        self.gpu_requests.append(since)
+        if not self.gpus:
+            return {
+                "available": False,
+                "reason": "NVML unavailable: libnvidia-ml.so.1 not found (no NVIDIA driver)",
+                "devices": [],
+                "samples": [],
+                "events": [],
+            }
+        self._gpu_clock += 1.0  # one new sample a device each request
+        t = self._gpu_clock
+        samples = [
+            {"t": t, "device": d, "util": 40.0 + 10 * d + t % 7, "mem_util": 20.0,
+             "memory_used": (8 + d) << 30, "power_w": 210.5, "temp_c": 61.0,
+             "sm_clock_mhz": 1980.0, "mem_clock_mhz": 2619.0, "pcie_tx_kbs": 1200.0,
+             "pcie_rx_kbs": 53000.0}
+            for d in range(self.gpus)
+        ]  # fmt: skip
+        events = [
+            {"t": t, "device": 0, "kind": "xid", "detail": "Xid 79: GPU has fallen off the bus"}
+        ]
+        return {
+            "available": True,
+            "reason": None,
+            "devices": [
+                {"index": d, "name": "NVIDIA H100 80GB HBM3", "memory_total": 80 << 30}
+                for d in range(self.gpus)
+            ],
+            "samples": [x for x in samples if x["t"] > since],
+            "events": events if t == 2.0 else [],  # one XID on the second sample
+        }
+
     def subscribe(self, callback: EventCallback) -> Callable[[], None]:
         with self._lock:
             self._subscribers.append(callback)
@@ -377,6 +433,18 @@ class FakeSource:
         self.emit("hit", hit)
         self.emit("state", {"state": "paused", "step": self.step})
         return hit
+
+    def run_profile(self, report: dict[str, Any], steps: int = 5) -> None:
+        """The training profiles ``steps`` steps (the ``profile`` events a live training sends
+        when the profile starts and ends), then holds ``report``."""
+        first = self.step + 1
+        message = f"profiling steps {first}..{self.step + steps} after the warm-up step {self.step}"
+        self.emit("profile", {"state": "running", "step": self.step, "steps": steps,
+                              "message": message})  # fmt: skip
+        self.step += steps + 1
+        self.stored_profile = report
+        self.emit("profile", {"state": "done", "step": self.step, "steps": steps,
+                              "message": f"{steps} steps profiled"})  # fmt: skip
 
     def emit(self, event: str, payload: dict[str, Any]) -> None:
         with self._lock:

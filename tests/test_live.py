@@ -216,3 +216,44 @@ def test_continue_leaves_the_rule_it_paused_on_for_that_phase_and_next_stops_at_
         assert (third.rule, third.step, third.module) == ("NaN", 2, "")
         step0 = [(h.tensor, h.origin) for h in session.hits if h.step == 0]
         assert step0 == [(f"{m}.weight.grad", True) for m in ("out", "mid", "inp")]
+
+
+def test_a_rule_that_hangs_is_named_to_the_ui_while_the_training_waits_on_it():
+    import threading
+
+    from tensordbg.rules import Rule
+    from tensordbg.statistics import FINITE
+
+    release, entered = threading.Event(), threading.Event()
+
+    class Slow(Rule):
+        """Waits on the test: a rule that hangs."""
+
+        kinds = frozenset({"output"})
+        needs = (FINITE,)
+
+        def check(self, t, state):
+            if t.module == "fc2":
+                entered.set()
+                release.wait(30)
+            return None
+
+    model = torch.nn.Sequential()
+    model.add_module("fc1", torch.nn.Linear(4, 4))
+    model.add_module("fc2", torch.nn.Linear(4, 2))
+    session = tensordbg.attach(model, rules=[Slow()], server=False, on_hit="record",
+                               sync="eager")  # fmt: skip
+    source = LiveSource(session)
+    assert source.info()["running_rule"] is None
+    worker = threading.Thread(target=lambda: model(torch.randn(3, 4)).sum().backward())
+    worker.start()
+    try:
+        assert entered.wait(30)
+        running = source.info()["running_rule"]
+        assert running["rule"] == "Slow" and running["tensor"] == "fc2.output"
+        assert running["seconds"] >= 0
+    finally:
+        release.set()
+        worker.join(30)
+        session.detach()
+    assert source.info()["running_rule"] is None

@@ -221,6 +221,21 @@ def test_exploding_gradient_is_quiet_on_a_healthy_noisy_sequence():
     assert all(judge(rule, grad(n), state, step=i, **GRAD) is None for i, n in enumerate(norms))
 
 
+def test_a_one_step_spike_is_not_an_explosion_but_two_steps_or_a_huge_jump_are():
+    def first_hit(norms: list[float], rule: ExplodingGradient) -> int | None:
+        state: dict = {}
+        for step, n in enumerate(norms):
+            if judge(rule, grad(n), state, step=step, **GRAD) is not None:
+                return step
+        return None
+
+    steady = [1.0] * 20
+    assert first_hit([*steady, 30.0, 1.0, 1.0, 1.0], ExplodingGradient()) is None  # a hard batch
+    assert first_hit([*steady, 30.0, 35.0], ExplodingGradient()) == 21  # still up a step later
+    assert first_hit([*steady, 500.0], ExplodingGradient()) == 20  # past growth**2: at once
+    assert first_hit([*steady, 30.0], ExplodingGradient(persist=1)) == 20
+
+
 def test_exploding_gradient_keeps_one_history_per_tensor():
     rule, state = ExplodingGradient(), {}
     small = {**GRAD, "name": "a.weight.grad"}
@@ -249,7 +264,9 @@ def test_vanishing_gradient_of_a_trainable_parameter():
     found = judge(VanishingGradient(), np.full(10, 1e-9), trainable=True, **GRAD)
     assert (found.value, found.threshold) == (pytest.approx(1e-9), 1e-7)
     assert "layers.1.fc.weight.grad has mean |grad| 1e-09, below 1e-07" in found.message
-    zero = judge(VanishingGradient(), np.zeros(10), trainable=True, **GRAD)
+    # An exactly zero gradient waits a step only on step 0 (a zero at initialisation).
+    assert judge(VanishingGradient(), np.zeros(10), trainable=True, step=0, **GRAD) is None
+    zero = judge(VanishingGradient(), np.zeros(10), trainable=True, step=1, **GRAD)
     assert zero.value == 0.0 and "receives no gradient at all" in zero.message
 
 
@@ -546,7 +563,8 @@ def test_every_rule_lists_its_thresholds_and_documents_its_defaults(name):
 
 def test_thresholds_keep_their_type_and_unknown_names_are_refused():
     rule = ExplodingGradient()
-    assert rule.params() == {"max_norm": 1e6, "growth": 20.0, "window": 50, "warmup": 10}
+    assert rule.params() == {"max_norm": 1e6, "growth": 20.0, "window": 50, "warmup": 10,
+                             "persist": 2}  # fmt: skip
     rule.set_params(window="30", max_norm=5)
     assert rule.window == 30 and isinstance(rule.max_norm, float)
     with pytest.raises(ValueError, match="ExplodingGradient has no threshold 'limit'"):

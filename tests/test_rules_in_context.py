@@ -52,7 +52,7 @@ def test_an_embedding_is_judged_over_the_rows_that_got_a_gradient():
 
 
 def test_a_table_without_any_gradient_receives_nothing():
-    found = grad(VanishingGradient(), np.zeros((20_000, 8)), {}, "encoder.weight")
+    found = grad(VanishingGradient(), np.zeros((20_000, 8)), {}, "encoder.weight", step=1)
     assert found is not None and found.value == 0.0
     assert "receives no gradient at all" in found.message
 
@@ -61,7 +61,7 @@ def test_a_zero_norm_is_enough_to_tell_a_gradient_receives_nothing():
     """Without the tensor (batched checks on a GPU, past the retention budget) no statistic
     can be added: a norm of zero already says every element is zero."""
     t = stats_from_numpy(np.zeros(64), (L2,), name="fc.weight.grad", module="fc", kind="grad",
-                         trainable=True)  # fmt: skip
+                         trainable=True, step=1)  # fmt: skip
     found = VanishingGradient().check(t, {})
     assert isinstance(found, Finding) and found.value == 0.0
 
@@ -105,29 +105,30 @@ def test_a_bias_whose_weight_learns_is_cancelled_downstream_not_vanishing():
 
 def test_a_bias_whose_weight_gets_nothing_either_is_reported_with_it():
     rule, state = VanishingGradient(), {}
-    model_of(rule, state, size=1e-3)
-    assert grad(rule, np.zeros(64), state, "fc.weight") is not None
-    assert grad(rule, np.zeros(8), state, "fc.bias") is not None
+    model_of(rule, state, size=1e-3, step=1)
+    assert grad(rule, np.zeros(64), state, "fc.weight", step=1) is not None
+    assert grad(rule, np.zeros(8), state, "fc.bias", step=1) is not None
 
 
 def test_a_bias_judged_before_its_weight_waits_for_it_unless_it_is_exactly_zero():
     rule, state = VanishingGradient(), {}
-    model_of(rule, state, size=1e-3)
-    # Step 0: a tiny bias comes first (a Linear's bias gradient does); its weight gets nothing.
-    assert grad(rule, np.full(8, 1e-13), state, "fc.bias") is None
-    assert grad(rule, np.zeros(64), state, "fc.weight") is not None
-    # Step 1: with its weight known to get nothing, the bias is reported.
     model_of(rule, state, size=1e-3, step=1)
-    assert grad(rule, np.full(8, 1e-13), state, "fc.bias", step=1) is not None
+    # Step 1: a tiny bias comes first (a Linear's bias gradient does); its weight gets nothing.
+    assert grad(rule, np.full(8, 1e-13), state, "fc.bias", step=1) is None
+    assert grad(rule, np.zeros(64), state, "fc.weight", step=1) is not None
+    # Step 2: with its weight known to get nothing, the bias is reported.
+    model_of(rule, state, size=1e-3, step=2)
+    assert grad(rule, np.full(8, 1e-13), state, "fc.bias", step=2) is not None
     # An exactly zero bias does not wait: nothing reaches it.
-    assert grad(rule, np.zeros(8), state, "head.bias") is not None
+    assert grad(rule, np.zeros(8), state, "head.bias", step=2) is not None
 
 
 def test_advice_on_attention_key_biases_is_given_for_attention_modules_only():
-    attention = grad(VanishingGradient(), np.zeros(8), {}, f"{KEY}.bias")
+    attention = grad(VanishingGradient(), np.zeros(8), {}, f"{KEY}.bias", step=1)
     assert attention is not None and "attention key bias" in attention.message
     assert f"exclude='{KEY}.bias.grad'" in attention.message
-    conv = grad(VanishingGradient(), np.zeros(8), {}, "layer1.0.conv1.bias", module_type="Conv2d")
+    conv = grad(VanishingGradient(), np.zeros(8), {}, "layer1.0.conv1.bias", step=1,
+                module_type="Conv2d")  # fmt: skip
     assert conv is not None
     assert "key" not in conv.message and "attention" not in conv.message
 

@@ -125,7 +125,7 @@ def test_vanishing_gradient_behind_a_saturated_layer(watch):
         model[0].bias.fill_(40.0)  # sigmoid(40) == 1.0 in float32: a zero derivative
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     session = watch(model, optimizer=optimizer, on_hit="record", rules=[VanishingGradient()])
-    steps(model, optimizer, session, 1)
+    steps(model, optimizer, session, 2)  # an exactly zero gradient on step 0 waits a step
     assert {h.tensor for h in hits_of(session, "VanishingGradient")} == {
         "0.weight.grad",
         "0.bias.grad",
@@ -231,3 +231,33 @@ def test_a_rule_from_the_entry_point_group_runs_in_a_session(watch, monkeypatch)
         model(torch.full((1, 8), 1e3))
     session.flush()
     assert [h.rule for h in session.hits] == ["Over100"]
+
+
+def test_a_residual_branch_zero_initialised_is_not_a_vanishing_gradient(watch):
+    """torchvision's zero_init_residual=True: each block's last BatchNorm scale starts at 0, so
+    the convolution before it gets an exactly zero gradient on step 0, and learns from step 1."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+            self.bn = nn.BatchNorm2d(4)
+            nn.init.zeros_(self.bn.weight)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(x + self.bn(self.conv(x)))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), Block(), Block(), nn.Flatten(),
+                          nn.Linear(4 * 8 * 8, 2))  # fmt: skip
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    session = watch(model, optimizer=optimizer, on_hit="record")
+    for _ in range(8):
+        x = torch.randn(16, 3, 8, 8)
+        loss = nn.functional.cross_entropy(model(x), (x.mean((1, 2, 3)) > 0).long())
+        session.observe("loss", loss)
+        loss.backward()
+        assert model[1].conv.weight.grad.abs().sum() > 0 or session.step == 0
+        optimizer.step()
+        optimizer.zero_grad()
+    assert [h.tensor for h in session.hits] == []

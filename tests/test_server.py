@@ -24,7 +24,7 @@ from fake_source import FakeSource
 from test_hostile_client import RawClient
 
 import tensordbg.transport.client
-from tensordbg.sources.contract import METHODS
+from tensordbg.sources.contract import EVERY_REQUEST
 from tensordbg.transport.client import (
     Client,
     ConnectionLost,
@@ -249,8 +249,11 @@ def test_every_request_is_served(server, source, connect):
         "add_rule": {"name": "TensorRange", "match": "net.*"},
         "recheck": {},
         "control": {"action": "step", "n": 2},
+        "profile": {"steps": 2},
+        "profile_report": {},
+        "gpu": {"since": 0.0},
     }
-    assert set(asked) == set(METHODS)
+    assert set(asked) == EVERY_REQUEST  # all a running training serves
     got = {method: client.call(method, **params) for method, params in asked.items()}
 
     assert got["info"]["run_id"] == "fake0001"
@@ -264,6 +267,8 @@ def test_every_request_is_served(server, source, connect):
     assert len(got["histogram"]["counts"]) == 8
     assert got["provenance"]["inputs"][0]["name"] == "net.1.output"
     assert [r["name"] for r in got["rules"]["rules"]] == ["NaN", "VanishingGradient"]
+    assert got["profile"] == {"pending": True, "steps": 2}
+    assert got["profile_report"] is None and got["gpu"]["available"] is False
     assert got["set_rule"]["params"] == {"threshold": 1e-6}
     assert got["add_rule"]["match"] == ["net.*"]
     assert got["recheck"][0]["rule"] == "NaN"

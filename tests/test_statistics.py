@@ -471,3 +471,60 @@ def test_the_norm_of_a_finite_float32_tensor_past_1e19_is_finite():
     expected = float(np.linalg.norm(t.double().numpy()))
     assert host_stats(t, (L2,))[0] == pytest.approx(expected, rel=1e-6)  # eager and deferred
     assert device_stats(t, (L2,)).tolist()[0] == pytest.approx(expected, rel=1e-6)  # batched
+
+
+# --- statistics of a large slice, streamed --------------------------------------------------------
+
+
+class _PeakAllocation(TorchDispatchMode):
+    """The largest new storage an operation allocates while the mode is on (bytes; views of
+    an input allocate nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            a.untyped_storage().data_ptr()
+            for a in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(a, torch.Tensor)
+        }
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.peak = max(self.peak, t.untyped_storage().nbytes())  # a new allocation
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_streamed_summary_and_histogram_agree_with_one_pass_over_the_tensor(dtype):
+    from tensordbg.statistics.streamed import streamed_histogram, streamed_summary
+    from tensordbg.statistics.torch_kernels import summarize
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(37, 11, 13, generator=g) * 3 + 1).to(dtype)
+    x[3, 4, 5], x[20, 1, 2], x[36, 10, 12] = math.nan, math.inf, -math.inf
+    x[7] = 0
+    view = x[:, 2:9, ::2]  # strided: never copied whole
+    whole, streamed = summarize(view), streamed_summary(view, size=50)
+    assert (streamed.numel, streamed.nan, streamed.posinf, streamed.neginf, streamed.zeros) == (
+        whole.numel, whole.nan, whole.posinf, whole.neginf, whole.zeros)  # fmt: skip
+    for field in ("min", "max", "mean", "std", "abs_mean", "l2"):
+        assert getattr(streamed, field) == pytest.approx(getattr(whole, field), rel=1e-5), field
+    finite = view[torch.isfinite(view)].float()
+    expected = torch.histc(finite, bins=16, min=-5, max=7).to(torch.int64).tolist()
+    assert streamed_histogram(view, 16, -5.0, 7.0, size=50) == expected
+
+
+def test_statistics_of_a_large_slice_allocate_a_chunk_not_the_slice():
+    from tensordbg.statistics.streamed import streamed_histogram, streamed_summary
+
+    x = torch.randn(64, 1024, 64)  # 16 MiB
+    with _PeakAllocation() as mode:
+        summary = streamed_summary(x, size=1 << 16)
+        streamed_histogram(x, 64, summary.min, summary.max, size=1 << 16)
+    # A float64 copy of one chunk (512 KiB) is the largest temporary, not the 16 MiB view
+    # (one pass would make a float copy, a mask and a masked copy of all of it).
+    assert mode.peak <= (1 << 16) * 8
+    assert summary.numel == x.numel()

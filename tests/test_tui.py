@@ -122,7 +122,7 @@ def test_from_the_origin_hit_to_its_values_and_back_to_training() -> None:
             await mounted(pilot)
             assert active_tab(app) == "hits"
             assert hits.current is not None and hits.current["origin"]
-            assert sorted(footer_keys(app)) == sorted(["c", "n", "s", "k", "i", "q", "slash"])
+            assert sorted(footer_keys(app)) == sorted(["c", "n", "s", "k", "q", "slash", "P", "i"])
 
             await pilot.press("enter")
             inspector = app.main.tensor_inspector
@@ -178,7 +178,7 @@ def test_from_the_origin_hit_to_its_values_and_back_to_training() -> None:
             await pilot.press("c")
             await until(pilot, lambda: app.state == "running")
             assert source.controls == [("continue", 1)]
-            assert sorted(footer_keys(app)) == sorted(["p", "q", "slash"])
+            assert sorted(footer_keys(app)) == sorted(["p", "q", "slash", "P"])
             assert "RUNNING" in text_of(app.query_one("#run-state", Static))
 
             await pilot.press("q")
@@ -594,7 +594,7 @@ def test_the_session_picker_hands_the_chosen_file_to_the_connection() -> None:
             assert type(app.screen).__name__ == "SessionPicker"
             await pilot.press("down", "enter")
             await until(pilot, lambda: app.state == "paused")
-            assert sorted(footer_keys(app)) == sorted(["c", "n", "s", "k", "i", "q", "slash"])
+            assert sorted(footer_keys(app)) == sorted(["c", "n", "s", "k", "q", "slash", "P", "i"])
         assert picked == ["/tmp/run1-0.json"]
 
 

@@ -84,3 +84,55 @@ def test_rules_tab(snap_compare) -> None:
         pilot.app.main.show_tab("rules")
 
     assert snap_compare(app(), terminal_size=SIZE, run_before=run_before)
+
+
+def test_replay_of_a_dump(snap_compare, tmp_path) -> None:
+    """tensordbg replay: the banner says which run and when, the footer offers n / p."""
+    from dumps import write_dump
+
+    from tensordbg.dump import load
+    from tensordbg.sources.replay import ReplaySource
+
+    source = ReplaySource(load(write_dump(tmp_path / "run")))
+
+    async def run_before(pilot: Pilot) -> None:
+        app = pilot.app
+        await until(pilot, lambda: app.state == "replay")
+        await until(pilot, lambda: app.main.hit_table.row_count == 1)
+        await until(pilot, lambda: all(w.is_mounted for w in app.main.query("TabPane > *")))
+        for box in app.query(Input):
+            box.cursor_blink = False
+
+    app = TensorDbgApp(LocalClient(source))
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def profiled_app() -> TensorDbgApp:
+    from profile_fixtures import cpu_report
+
+    return TensorDbgApp(LocalClient(FakeSource(report=cpu_report())))
+
+
+async def profile_view(pilot: Pilot, view: str) -> None:
+    """The Profile tab on ``view``, its report drawn."""
+    await paused(pilot)
+    app = pilot.app
+    app._show_profile_view(view)
+    profiler = app.main.profiler_view
+    await until(pilot, lambda: profiler.report is not None and profiler.active_view == view)
+    await pilot.pause(0.1)
+
+
+def test_profile_overview(snap_compare) -> None:
+    async def run_before(pilot: Pilot) -> None:
+        await profile_view(pilot, "overview")
+
+    assert snap_compare(profiled_app(), terminal_size=SIZE, run_before=run_before)
+
+
+def test_profile_operators(snap_compare) -> None:
+    async def run_before(pilot: Pilot) -> None:
+        await profile_view(pilot, "operators")
+        await pilot.press("g")  # by operator and input shape
+
+    assert snap_compare(profiled_app(), terminal_size=SIZE, run_before=run_before)

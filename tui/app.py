@@ -24,6 +24,7 @@ from textual.widgets import Input
 
 from tensordbg.sources.contract import SchemaError, Welcome
 from tensordbg.tui.errors import CrashFile, work
+from tensordbg.tui.profiler.view import DEFAULT_STEPS, VIEWS
 from tensordbg.tui.remote import (
     ClientFactory,
     DebugClient,
@@ -33,6 +34,8 @@ from tensordbg.tui.remote import (
     TrainingExited,
 )
 from tensordbg.tui.screens.main import TABS, MainScreen
+from tensordbg.tui.screens.profile_steps import ProfileStepsScreen
+from tensordbg.tui.screens.ranks import RanksScreen, group_jobs, job_sessions
 from tensordbg.tui.screens.session_picker import SessionPicker, session_field
 
 # Which control actions make sense in which state of the training.
@@ -67,9 +70,17 @@ class TensorDbgApp(App[int]):
         Binding("s", "control('step')", "Step"),
         Binding("p", "control('pause')", "Pause"),
         Binding("k", "control('skip')", "Skip"),
+        # A recorded run (tensordbg replay): n and p move between its dumped steps, and the
+        # keys that drive a training say why they do nothing (see check_action).
+        Binding("n", "replay_step(1)", "Next dumped step"),
+        Binding("p", "replay_step(-1)", "Previous dumped step"),
+        Binding("c,s,k", "refuse_control", show=False),
         Binding("i", "ignore", "Ignore rule on tensor"),
         Binding("q", "detach", "Detach & quit"),
         Binding("slash", "search", "Search/filter"),
+        Binding("P", "profile", "Profile N steps"),
+        Binding("f9", "ranks", "Ranks", show=False),
+        Binding("R", "next_rank", "Next rank", show=False),
         *(Binding(str(d), f"count({d})", show=False) for d in range(10)),
         # One key per tab, named in the tab titles.
         *(Binding(tab.key, f"tab('{tab.pane}')", tab.title, show=False) for tab in TABS),
@@ -103,12 +114,16 @@ class TensorDbgApp(App[int]):
         self.crash_file = crash_file or CrashFile()
         """Where the details of the errors the UI survived go; ``run_tui`` prints its path."""
         self.main = MainScreen()
+        self.info: dict[str, Any] = {}
+        """The session's info from its hello reply (which run, which rank)."""
+        self._switch_path: str | None = None
 
     def get_default_screen(self) -> Screen:
         return self.main
 
     def on_ready(self) -> None:
         # Ready: the main screen is composed and on screen, so the widgets can be fed.
+        self._sessions = group_jobs(self._sessions)  # a torchrun job is one entry
         if len(self._sessions) > 1:
             self.push_screen(SessionPicker(self._sessions), self._keep_connected)
         else:
@@ -185,6 +200,9 @@ class TensorDbgApp(App[int]):
             with contextlib.suppress(Exception):
                 await client.close()
             client = None
+            if self._switch_path is not None:  # another rank of the job: connect to it now
+                path, self._switch_path = self._switch_path, None
+                continue
             self.main.show_connection_lost(
                 reason, self.state, reconnecting=self._connect is not None
             )
@@ -194,7 +212,7 @@ class TensorDbgApp(App[int]):
             await asyncio.sleep(self._reconnect_delay)
 
     def _greeted(self, welcome: Welcome) -> None:
-        info = welcome["info"]
+        info = self.info = dict(welcome["info"])
         self.crash_file.session = (
             f"run {info['run_id']} of {info['script']} (rank {info['rank']}, pid {info['pid']}, "
             f"torch {info['torch']}, {'live' if info['live'] else 'recorded'}, serves "
@@ -241,13 +259,27 @@ class TensorDbgApp(App[int]):
     # --- keys ------------------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action in ("control", "count", "tab", "search", "detach", "ignore"):
+        if action in ("replay_step", "refuse_control"):
+            return self.screen is self.main and self.remote.serves("goto")
+        if action in (
+            "control",
+            "count",
+            "tab",
+            "search",
+            "detach",
+            "ignore",
+            "profile",
+            "ranks",
+            "next_rank",
+        ):
             if self.screen is not self.main:  # a dialog or the session list: its keys only
                 return False
             if action == "ignore":  # on the hit the training is paused at, or the one chosen
                 return self.state == "paused" and self.main.hit_to_ignore() is not None
-            if action in ("tab", "search", "detach"):
+            if action in ("tab", "search", "detach", "ranks", "next_rank"):
                 return True
+            if action == "profile":  # a training to profile (or to say why it cannot be)
+                return self.state in ("running", "paused")
             if action == "count":  # digits typed into a text box are text
                 return self.state == "paused" and not isinstance(self.focused, Input)
             return parameters[0] in CONTROLS.get(self.state, ())
@@ -258,6 +290,20 @@ class TensorDbgApp(App[int]):
         self.main.show_count(0)
         if self.served("control"):  # else the person is told why the key does nothing
             self._control(action, n)
+
+    def action_replay_step(self, move: int) -> None:
+        self._replay_step(move)
+
+    def action_refuse_control(self) -> None:
+        self.served("control")  # a recorded run: the person is told it cannot be driven
+
+    @work(group="control", exclusive=True)
+    async def _replay_step(self, move: int) -> None:
+        try:
+            info = await self.remote.goto(move=move)
+        except RequestFailed:
+            return  # the Log tab says why
+        self.main.show_replay_step(info)
 
     @work(group="control", exclusive=True)
     async def _control(self, action: str, n: int) -> None:
@@ -307,8 +353,70 @@ class TensorDbgApp(App[int]):
     def action_search(self) -> None:
         self.main.focus_search()
 
+    # --- the ranks of a job (tensordbg.tui.screens.ranks) ------------------------------------
+
+    def action_next_rank(self) -> None:
+        """Inspect the next rank of this job (R)."""
+        ranks = [int(s.rank) for s in self._job()]
+        if len(ranks) > 1:
+            here = int(self.info.get("rank", 0))
+            self._switch_to_rank(next((r for r in ranks if r > here), ranks[0]))
+
+    def action_ranks(self) -> None:
+        """The job's ranks side by side (F9)."""
+        self._open_ranks()
+
+    def _job(self) -> list[Any]:
+        if self._connect is None or "run_id" not in self.info:
+            return []  # a client handed in: no other rank to reach
+        return job_sessions(self.info["run_id"])
+
+    def _switch_to_rank(self, rank: int) -> None:
+        path = next((str(s.path) for s in self._job() if int(s.rank) == rank), None)
+        if path is None or rank == self.info.get("rank"):
+            return
+        self.main.log_entry(f"inspecting rank {rank}")
+        self._switch_path = path
+        self._lost_reason = f"switching to rank {rank}"
+        self._lost.set()
+
+    @work(group="ranks", exclusive=True)
+    async def _open_ranks(self) -> None:
+        from tensordbg.transport.client import Client
+
+        job = self._job()
+        if len(job) < 2:
+            self.notify("This training runs on one rank.", title="Ranks", markup=False)
+            return
+        clients = {int(s.rank): await Client.connect(str(s.path), timeout=5.0) for s in job}
+
+        async def closed(rank: int | None) -> None:
+            for client in clients.values():
+                with contextlib.suppress(Exception):
+                    await client.close()
+            if rank is not None:
+                self._switch_to_rank(rank)
+
+        screen = RanksScreen(self.info["run_id"], clients, int(self.info.get("rank", 0)))
+        self.push_screen(screen, closed)
+
     def action_detach(self) -> None:
         self._detach_and_exit()
+
+    def action_profile(self) -> None:
+        """Ask how many steps, then profile them (the Profile tab follows it)."""
+        view = self.main.profiler_view
+        if not self.remote.serves("profile"):
+            self.notify(view.how_to_profile(), title="Cannot profile", severity="warning")
+            self.main.show_tab("profile")
+            return
+
+        def chosen(steps: int | None) -> None:
+            if steps is not None:
+                self.main.show_tab("profile")
+                view.start(steps)
+
+        self.push_screen(ProfileStepsScreen(DEFAULT_STEPS), chosen)
 
     async def action_quit(self) -> None:
         # Every way out (ctrl+q, the palette) detaches as q does: a paused training would
@@ -327,6 +435,14 @@ class TensorDbgApp(App[int]):
             with contextlib.suppress(Exception):
                 await client.close()
         self.exit(0)
+
+    def _show_profile_view(self, view: str) -> None:
+        self.main.show_tab("profile", focus=False)
+        profiler = self.main.profiler_view
+        if profiler.is_mounted:
+            profiler.show_view(view)
+        else:  # its tab is still mounting
+            self.call_after_refresh(self._show_profile_view, view)
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         # Textual's own "Quit" is "Detach and quit" here, offered once under the clearer title.
@@ -357,6 +473,18 @@ class TensorDbgApp(App[int]):
                 f"Show {tab.title}",
                 f"Switch to the {tab.title} tab ({tab.key.upper()})",
                 lambda p=tab.pane: self.main.show_tab(p),
+            )
+        yield SystemCommand(
+            "Profile the next N steps",
+            "Run torch.profiler around the next steps; the Profile tab shows where the time "
+            "and memory went (P)",
+            self.action_profile,
+        )
+        for view in VIEWS:
+            yield SystemCommand(
+                f"Show Profile: {view.title}",
+                f"Switch to the {view.title} view of the Profile tab (F8, then F8 again)",
+                lambda v=view.key: self._show_profile_view(v),
             )
         # A recheck judges the step the training is paused in.
         if self.state == "paused" and self.remote.serves("recheck"):

@@ -24,10 +24,13 @@ from tensordbg.sources.contract import (
     EVERY_REQUEST,
     REPLIES,
     Control,
+    Gpu,
     Histogram,
     Hit,
     Info,
     Module,
+    ProfilePending,
+    ProfileReport,
     Provenance,
     Rule,
     Rules,
@@ -177,6 +180,23 @@ class Remote:
 
     async def control(self, action: str, n: int = 1) -> Control:
         return await self._request("control", action=action, n=n)
+
+    async def goto(self, step: int | None = None, move: int = 0) -> Info:
+        """A recorded run: show another dumped step (``move=1`` the next)."""
+        return await self._request("goto", step=step, move=move)
+
+    async def profile(self, steps: int) -> ProfilePending:
+        """Profile the next ``steps`` steps; ``{"pending": True, "steps": N}`` at once, the
+        ``profile`` event follows it and ``profile_report()`` has the report when it is done."""
+        return await self._request("profile", steps=steps)
+
+    async def profile_report(self) -> ProfileReport | None:
+        """The latest finished profile report (a ProfileReport's dict), or None."""
+        return await self._request("profile_report")
+
+    async def gpu(self, since: float = 0.0) -> Gpu:
+        """NVML samples newer than ``since``, the devices, and error events."""
+        return await self._request("gpu", since=since)
 
     async def _request(self, method: str, **params: Any) -> Any:
         """One request, its reply checked against ``REPLIES[method]``; a failure not reported

@@ -10,10 +10,15 @@ Events:
 - ``phase_end``: a phase (forward, backward, optimizer) was judged: :class:`PhaseEnd`.
 - ``step_end``: a training step completed: :class:`StepEnd`.
 - ``hit``: a watchpoint fired: the :class:`~tensordbg.hit.Hit` as a dict.
+- ``halt``: the training is about to stop on a hit (``on_hit`` "raise" or "pause"), in the middle
+  of a phase perhaps: :class:`PhaseEnd` with the phase's records so far (dumps write the step
+  before it stops, so the evidence survives a crash).
 - ``pause`` / ``resume``: the training stopped (a hit, a request, a step) / went on: :class:`State`.
 - ``detach``: the session was detached; nothing follows: :class:`State`.
 - ``state``, ``status``, ``log``: the UI's own feed (every state change; :class:`Status` after each
   step; a line for the Log tab: :class:`LogLine`).
+- ``profile``: a profile (:mod:`tensordbg.profiler`) started, ended, failed or was cancelled:
+  ``{"state", "step", "steps", "message"}`` (its end comes from the summary's thread).
 
 In process::
 
@@ -32,7 +37,19 @@ from importlib.metadata import entry_points
 from typing import Any, TypedDict
 
 EVENTS = frozenset(
-    {"phase_end", "step_end", "hit", "pause", "resume", "detach", "state", "status", "log"}
+    {
+        "phase_end",
+        "step_end",
+        "hit",
+        "halt",
+        "pause",
+        "resume",
+        "detach",
+        "state",
+        "status",
+        "log",
+        "profile",
+    }
 )
 ENTRY_POINT_GROUP = "tensordbg.extensions"
 

@@ -35,6 +35,8 @@ class HitLog:
         self.first_origin: dict[int, str] = {}
         """The first tensor named the origin of each condition this step (for messages)."""
         self._log = log
+        self.rank = 0
+        """The session's rank: every hit logged carries it."""
 
     def add(self, hit: Hit, active: ActiveRule | None) -> bool:
         """Log a hit; False when the cap drops it (a hit not at its origin past ``max_hits``)."""
@@ -48,6 +50,7 @@ class HitLog:
                 )
             return False
         hit.id = len(self.hits)
+        hit.rank = self.rank
         self.hits.append(hit)
         if active is not None:
             active.hits += 1

@@ -18,6 +18,7 @@ import copy
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import Any
 
 from tensordbg.engine.records import NONFINITE, Record
@@ -78,6 +79,9 @@ class RuleSet:
         self._applicable: dict[Any, Applicable] = {}
         self._quiet_grads: dict[str, bool] = {}
         self._updates: tuple[Stat, ...] | bool | None = False  # False: not computed yet
+        self.running: tuple[ActiveRule, TensorStats | None, float] | None = None
+        """The rule check under way (rule, tensor, start), read by other threads: a rule that
+        hangs blocks the training, and a person must be able to see which one it is."""
         for rule in rules:
             self.add(rule)
 
@@ -194,6 +198,18 @@ class RuleSet:
 
     # --- judging -------------------------------------------------------------------------------
 
+    def running_rule(self) -> dict[str, Any] | None:
+        """The rule check under way, as the UI shows it (any thread may ask)."""
+        running = self.running
+        if running is None:
+            return None
+        active, stats, start = running
+        return {
+            "rule": active.rule.name,
+            "tensor": stats.name if stats is not None else "(the whole phase)",
+            "seconds": round(perf_counter() - start, 3),
+        }
+
     def judge(self, record: Record, measure: Measure | None) -> None:
         """Run the per-tensor rules that apply to a record on its statistics; ``measure``
         computes statistics a rule asks for (None: the tensor is gone, no more can be had)."""
@@ -208,6 +224,7 @@ class RuleSet:
         for active in loud + quiet if nonfinite is not False else loud:
             if not active.enabled:
                 continue
+            self.running = (active, stats, perf_counter())
             try:
                 finding = active.rule.check(stats, active.state)
                 if isinstance(finding, Refine):
@@ -215,6 +232,8 @@ class RuleSet:
             except Exception as e:
                 self.disable(active, e)
                 continue
+            finally:
+                self.running = None
             if finding is not None:
                 record.findings[active.id] = finding
         if nonfinite:
@@ -247,11 +266,14 @@ class RuleSet:
             mine = [r for r in records if active.id in r.rule_ids and not r.hidden]
             if not mine:
                 continue
+            self.running = (active, None, perf_counter())
             try:
                 verdicts = active.rule.check_phase([r.stats for r in mine], active.state)
             except Exception as e:
                 self.disable(active, e)
                 continue
+            finally:
+                self.running = None
             by_stats = {id(r.stats): r for r in mine}
             for stats, finding in verdicts:
                 record = by_stats.get(id(stats))

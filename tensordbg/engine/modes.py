@@ -12,7 +12,10 @@
   cheapest: for whole runs. A NaN masked before it reaches an output, the loss or a gradient
   goes unseen.
 
-``"auto"`` (the default) is eager on the CPU and batched on CUDA. Nothing outside this module
+``"auto"`` (the default) is deferred on the CPU and batched on CUDA: the cheapest modes that name
+the same origins (the origin suite runs in every mode). Eager is the mode that screens every
+tensor where it is made: choose it to see a NaN that the model masks before any output, loss or
+gradient shows it. Nothing outside this module
 asks which mode runs: the session asks the strategy.
 """
 
@@ -144,5 +147,5 @@ def choose(sync: str, device: torch.device) -> SyncMode:
     if sync not in SYNC:
         raise ValueError(f"sync is one of {', '.join(SYNC)}, not {sync!r}")
     if sync == "auto":
-        sync = "batched" if device.type == "cuda" else "eager"
+        sync = "batched" if device.type == "cuda" else "deferred"
     return MODES[sync]()

@@ -6,18 +6,25 @@ after it. Parameter bookkeeping itself (who owns what, copies, ranges) is in :mo
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 
-from tensordbg.engine.params import Param
+from tensordbg.engine.params import Digest, Param
 from tensordbg.engine.phases import Judged
 from tensordbg.engine.records import Record
 from tensordbg.statistics import MAX, MIN, Stat
+from tensordbg.statistics.batch import norms_of
 from tensordbg.statistics.torch_kernels import host_stats, update_stats, watchable
 
 # A parameter's range before and after a step tells cheaply that the step changed it.
 RANGE = (MIN, MAX)
+# Parameters whose digest is their norm (one pass over all of them): float32 and float64.
+NORMED = frozenset({torch.float32, torch.float64})
+SKIPPED_INSIDE: list[Param] = []
+"""What a step that a fused optimizer skips in its kernel owns: nothing."""
 
 
 class OptimizerPhase:
@@ -32,7 +39,21 @@ class OptimizerPhase:
         self._check_parameters(list(self.weights.params.values()), None)
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any,
-                     kwargs: Any) -> None:  # fmt: skip
+                     kwargs: Any) -> tuple[Any, Any] | None:  # fmt: skip
+        """The optimizer's step pre-hook. A step given a closure runs the forward and backward
+        inside it (Lightning, LBFGS): the gradients are final only once the closure returned."""
+        if self.broken or self._detach_requested():
+            return None
+        if _skips_inside(optimizer):  # as if the scaler had not called it (see amp.py)
+            self._stepping[optimizer] = SKIPPED_INSIDE
+            return None
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._gradients_final(optimizer)
+            return None
+        return _after_first_call(closure, partial(self._gradients_final, optimizer), args, kwargs)
+
+    def _gradients_final(self, optimizer: torch.optim.Optimizer) -> None:
         """Gradients are final: judge what is pending (a gradient hit pauses before the update
         lands), note parameter versions and copy those whose update must be measured exactly."""
         if self.broken or self._detach_requested():
@@ -40,6 +61,8 @@ class OptimizerPhase:
         try:
             if self.phases.busy() or self._forward_open:
                 self._end_phase()
+            if self.ranks is not None and optimizer is self.optimizers[0]:
+                self.ranks.safe_point()  # the step's collectives are done: ranks stop here
             if self._skip_requested:
                 _drop_gradients(optimizer)
             self.amp.stepped = True
@@ -52,7 +75,8 @@ class OptimizerPhase:
                 self.weights.versions, self.weights.snapshots = {}, {}
                 return
             every = self.step % self.interval == 0
-            self.weights.before_step(owned, wanted, every)
+            fused = any(g.get("fused") for g in optimizer.param_groups)
+            self.weights.before_step(owned, wanted, every, fused)
         except Exception as e:
             self.fault(e)
 
@@ -62,6 +86,8 @@ class OptimizerPhase:
             return
         try:
             owned = self._stepping.pop(optimizer, None)
+            if owned is SKIPPED_INSIDE:
+                return
             if owned is None:
                 owned = self.weights.owned(optimizer, self.optimizers)
             self._check_parameters(owned, self.ruleset.update_stats())
@@ -75,7 +101,9 @@ class OptimizerPhase:
                           updates: tuple[Stat, ...] | None) -> None:  # fmt: skip
         """Parameters after an optimizer step (and at attach): their values and, for those the
         step updated, the update against their values before it (batched: one transfer)."""
-        ranges: dict[str, tuple[float | None, float | None]] = {}
+        ranges: dict[str, Digest] = {}
+        quiet: list[Param] = []  # finite and a digest from one norm each, all at once
+        loud: list[Param] = []
         for p in owned:
             if not watchable(p.param):
                 continue
@@ -85,15 +113,30 @@ class OptimizerPhase:
                 silent = self._quiet_params[p.name] = self.ruleset.applicable(probe).silent
             if silent and not self.sync.on_device:
                 # The common case, without a record: its rules speak only of NaN and Inf, and
-                # its range (needed anyway to tell that the step changed it) says it is finite.
+                # its digest (needed anyway to tell that the step changed it) says it is finite.
+                (quiet if p.param.dtype in NORMED else loud).append(p)
+            else:
+                loud.append(p)
+        norms = norms_of([p.param.detach() for p in quiet])
+        for p, norm in zip(quiet, norms, strict=True):
+            if math.isfinite(norm):
+                ranges[p.name] = Digest.of_norm(norm, p.param.numel())
+                self.origins.param_clean(p.name)  # finite again, if it was not
+            else:
+                loud.append(p)
+        for p in loud:
+            silent = self._quiet_params[p.name]
+            if silent and not self.sync.on_device and p.param.dtype not in NORMED:
                 lo, hi = host_stats(p.param, RANGE)
                 if math.isfinite(lo) and math.isfinite(hi):
-                    ranges[p.name] = (lo, hi)
-                    self.origins.param_clean(p.name)  # finite again, if it was not
+                    ranges[p.name] = Digest.of_range(lo, hi)
+                    self.origins.param_clean(p.name)
                     continue
             record = p.record("param", p.name, self.step)
             self.collect(record, p.param.detach(), extra=RANGE if updates else ())
-            ranges[p.name] = (record.stats.values.get(MIN), record.stats.values.get(MAX))
+            ranges[p.name] = Digest.of_range(
+                record.stats.values.get(MIN), record.stats.values.get(MAX)
+            )
         pending_range: list[Record] = []
         if updates is not None:
             for p in owned:
@@ -103,7 +146,7 @@ class OptimizerPhase:
                         pending_range.append(record)
         self.phases.fetch()
         if self.sync.on_device:  # the ranges arrived with the transfer
-            ranges = {r.param: (r.stats.values.get(MIN), r.stats.values.get(MAX))
+            ranges = {r.param: Digest.of_range(r.stats.values.get(MIN), r.stats.values.get(MAX))
                       for r in self.phases.records if r.stats.kind == "param"}  # fmt: skip
         self.weights.resolve_by_range(pending_range, ranges, updates or ())
         self.weights.remember_ranges(ranges)
@@ -130,6 +173,31 @@ class OptimizerPhase:
             self.weights.suspects.discard(p.name)
         self.phases.pending.append(Judged(record))
         return record
+
+
+def _skips_inside(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a GradScaler that found Inf/NaN gradients calls this fused optimizer's step
+    anyway, for its kernel to skip the update (``AdamW(fused=True)``, the Hugging Face
+    Trainer's default): one read of the flag, only under a scaler."""
+    found_inf = getattr(optimizer, "found_inf", None)
+    return isinstance(found_inf, torch.Tensor) and bool(found_inf.item())
+
+
+def _after_first_call(closure: Callable[[], Any], then: Callable[[], None], args: Any,
+                      kwargs: Any) -> tuple[Any, Any]:  # fmt: skip
+    """The step's arguments with ``closure`` replaced by one that calls ``then()`` after its
+    first call returned (LBFGS calls it again after changing the weights)."""
+    pending = [then]
+
+    def closure_then() -> Any:
+        result = closure()
+        if pending:
+            pending.pop()()
+        return result
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure_then}
+    return (args[0], closure_then, *args[2:]), kwargs
 
 
 def _drop_gradients(optimizer: torch.optim.Optimizer) -> None:

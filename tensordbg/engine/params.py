@@ -1,8 +1,9 @@
 """Parameters and their updates: which optimizer steps which parameter, what a step changed.
 
 Telling whether a step changed a parameter must cost almost nothing on the common path. A
-parameter's minimum and maximum are read anyway (they say it is finite); when either moved by
-more than the tolerance, some element did too, so it changed. Otherwise it may not have changed:
+parameter's :class:`Digest` is read anyway (it says the parameter is finite): the norms of all
+float32/float64 parameters in one pass, the range of the others; when it moved by more than the
+tolerance allows, some element did too, so the step changed it. Otherwise it may not have changed:
 it is copied before the next step (within ``update_budget``) and compared exactly then. Rules that
 measure updates (``update_abs_mean``) get a copy of every parameter, the budget rotating over a
 model larger than it.
@@ -10,6 +11,7 @@ model larger than it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,6 +22,40 @@ from tensordbg.statistics import Stat
 
 # Update statistics that need a copy of the parameter from before the step.
 SNAPSHOT_STATS = frozenset({"update_abs_mean", "prev_abs_mean"})
+
+
+@dataclass(frozen=True)
+class Digest:
+    """What tells cheaply that a step changed a parameter: its range (minimum, maximum), or its
+    norm (float32 and float64 parameters: one pass over all of them). A digest that moved by more
+    than the tolerance proves that an element did: an element moves by at most
+    ``atol + rtol * |x|`` unless it changed, so the range by at most that much, and the norm by
+    at most ``atol * sqrt(n) + rtol * norm`` (the triangle inequality)."""
+
+    kind: str
+    values: tuple[float | None, ...]
+    numel: int = 1
+
+    @classmethod
+    def of_range(cls, lo: float | None, hi: float | None) -> Digest:
+        return cls("range", (lo, hi))
+
+    @classmethod
+    def of_norm(cls, norm: float, numel: int) -> Digest:
+        return cls("norm", (norm,), numel)
+
+    @property
+    def complete(self) -> bool:
+        return all(v is not None for v in self.values)
+
+    def moved_from(self, before: Digest, rtol: float, atol: float) -> bool:
+        if before.kind != self.kind:
+            return False
+        slack = atol * math.sqrt(self.numel) if self.kind == "norm" else atol
+        return any(
+            a is not None and b is not None and abs(a - b) > slack + rtol * abs(b)
+            for a, b in zip(self.values, before.values, strict=True)
+        )
 
 
 @dataclass(eq=False)
@@ -49,8 +85,8 @@ class ParamWatch:
             owner_type = type(model.get_submodule(owner)).__name__
             self.params[id(param)] = Param(name, param, owner, owner_type)
         self.by_name = {p.name: p for p in self.params.values()}
-        self.digests: dict[str, tuple[float, float]] = {}
-        """Each parameter's range after the last step."""
+        self.digests: dict[str, Digest] = {}
+        """Each parameter's digest after the last step."""
         self.suspects: set[str] = set()
         """Parameters whose change could not be told by their range: copied before next step."""
         self.snapshots: dict[str, torch.Tensor] = {}
@@ -68,14 +104,17 @@ class ParamWatch:
             return [p for key, p in self.params.items() if key in mine or key not in held]
         return [p for key, p in self.params.items() if key in mine]
 
-    def before_step(self, owned: list[Param], wanted: Sequence[Stat], every: bool) -> None:
+    def before_step(self, owned: list[Param], wanted: Sequence[Stat], every: bool,
+                    fused: bool = False) -> None:  # fmt: skip
         """Note the versions of the parameters about to be stepped, and copy those whose update
-        must be measured exactly (``every``: all of them, within the budget)."""
+        must be measured exactly (``every``: all of them, within the budget). A fused optimizer
+        (``AdamW(fused=True)``, the Hugging Face Trainer's default) writes without bumping a
+        parameter's version: there a version tells nothing (-1 never matches)."""
         self.versions = {}
         self.snapshots = {}
         stepped = [p for p in owned if p.param.requires_grad and p.param.grad is not None]
         for p in stepped:
-            self.versions[p.name] = p.param._version
+            self.versions[p.name] = -1 if fused else p.param._version
         every = every and any(s.name in SNAPSHOT_STATS for s in wanted)
         budget = self.update_budget
         start = self._offset % len(stepped) if stepped else 0
@@ -98,13 +137,10 @@ class ParamWatch:
         return self.snapshots.get(p.name)
 
     def resolve_by_range(
-        self,
-        records: list[Record],
-        ranges: dict[str, tuple[float | None, float | None]],
-        wanted: Sequence[Stat],
+        self, records: list[Record], ranges: dict[str, Digest], wanted: Sequence[Stat]
     ) -> None:
-        """Updates measured without a copy: a moved minimum or maximum says it changed (the
-        statistic ``update_unchanged`` is 0); else the parameter becomes a suspect."""
+        """Updates measured without a copy: a digest that moved says it changed (the statistic
+        ``update_unchanged`` is 0); else the parameter becomes a suspect."""
         unchanged = next((s for s in wanted if s.name == "update_unchanged"), None)
         for record in records:
             name = record.param
@@ -112,19 +148,16 @@ class ParamWatch:
             moved = False
             if unchanged is not None and before is not None and after is not None:
                 rtol, atol = unchanged.params
-                moved = any(
-                    a is not None and abs(a - b) > atol + rtol * abs(b)
-                    for a, b in zip(after, before, strict=True)
-                )
+                moved = after.moved_from(before, rtol, atol)
             if moved:
                 record.stats.values = {unchanged: 0.0}
             else:
                 self.suspects.add(name)
 
-    def remember_ranges(self, ranges: dict[str, tuple[float | None, float | None]]) -> None:
-        for name, (lo, hi) in ranges.items():
-            if lo is not None and hi is not None:
-                self.digests[name] = (lo, hi)
+    def remember_ranges(self, ranges: dict[str, Digest]) -> None:
+        for name, digest in ranges.items():
+            if digest.complete:
+                self.digests[name] = digest
 
     def clear(self) -> None:
         """Let go of every parameter and copy (at detach)."""

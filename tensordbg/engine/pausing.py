@@ -20,10 +20,15 @@ class Pausing:
             return
         pausing, self._pausing = self._pausing, []
         first = next((h for h in pausing if h.origin), pausing[0])
+        if self.on_hit in ("raise", "pause") and self.bus.wants("halt"):
+            self.bus.publish("halt", {"step": self.step, "phase": self.phase,
+                                      "records": list(self.phases.records)})  # fmt: skip
         if callable(self.on_hit):
             for hit in pausing:
                 self.on_hit(hit)
         elif self.on_hit == "raise":
+            if self.ranks is not None:
+                self.ranks.abort(first)  # the other ranks stop too, instead of hanging
             raise WatchpointHit(first)
         elif self.on_hit == "skip":
             self._skip_automatically(first)
@@ -37,6 +42,8 @@ class Pausing:
         and pause if asked to (or when the steps to run are done)."""
         if self.control.pending:
             self.control.apply()
+        if completed_step and self.ranks is not None and not self.optimizers:
+            self.ranks.safe_point()  # no optimizer watched: a step ends at a root forward
         control = self.controller
         if not (control.pause_requested or (completed_step and control.mode == STEP)):
             return
@@ -47,6 +54,8 @@ class Pausing:
     def _block(self, reason: str, hit: Hit | None) -> None:
         if self._detach_requested() or self.forked():
             return
+        if self.ranks is not None and self.ranks.defer(reason, hit):
+            return  # every rank pauses together at its next safe point (distributed/)
         _print_pause(self, reason, hit)
         self.publish()
         self.bus.publish("pause", {"state": "paused", "step": self.step, "reason": reason})
@@ -67,6 +76,8 @@ class Pausing:
         if self.phase == "optimizer" and not self._stepping:
             return
         if self._skips_in_row >= self.amp.max_skipped_steps:
+            if self.ranks is not None:
+                self.ranks.abort(hit)
             raise WatchpointHit(
                 hit,
                 f"{hit.message} tensordbg skipped {self._skips_in_row} updates in a row "

@@ -12,6 +12,7 @@ hooks talk to, the :class:`~tensordbg.engine.capture.Sink`).
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from collections.abc import Sequence
@@ -41,7 +42,8 @@ from tensordbg.engine.records import (
     param_grad_record,
 )
 from tensordbg.hit import Hit
-from tensordbg.statistics import Stat, TensorStats
+from tensordbg.statistics import FINITE, L2, Stat, TensorStats
+from tensordbg.statistics.batch import norm_only, norms_of
 from tensordbg.statistics.torch_kernels import SCREEN, host_stats, watchable
 
 
@@ -271,12 +273,14 @@ class Pipeline(Pausing):
         """Deferred mode: turn the gradients the hooks only noted into records, in their place
         in execution order, in one warm loop. Parameter gradients always (at the end of a
         pass: what they show decides about the rest); activation gradients too once the pass
-        showed a problem."""
+        showed a problem. Gradients whose rules ask only whether they are finite and their
+        norm are measured together (:func:`norms_of`: one pass over all of them)."""
         notes = (ParamGradNote, ActGradNote) if gradients_of_activations else (ParamGradNote,)
         pending = self.phases.pending
         if not any(type(e) in notes for e in pending):
             return
         self.phases.pending = []
+        together: list[tuple[Record, torch.Tensor]] = []
         for event in pending:
             if type(event) not in notes:
                 self.phases.pending.append(event)
@@ -284,10 +288,45 @@ class Pipeline(Pausing):
             if type(event) is ParamGradNote:
                 record = param_grad_record(event.name, event.owner, event.owner_type,
                                                   event.grad, self.step)  # fmt: skip
+                if self._prepare(record, event.grad) and norm_only(record, event.grad):
+                    together.append((record, event.grad))
+                    self.phases.pending.append(Judged(record))
+                    self.phases.pending.append(Gradient(record))
+                    continue
             else:
                 record = grad_record(event.forward, event.grad, self.step)
             self.collect(record, event.grad)
             self.phases.pending.append(Gradient(record))
+        if together:
+            self._judge_norms(together)
+
+    def _prepare(self, record: Record, tensor: torch.Tensor) -> bool:
+        """:meth:`collect` up to measuring; whether there is anything to measure."""
+        applicable = self.ruleset.applicable(record.stats, self.interval > 1
+                                             and self.step % self.interval != 0)  # fmt: skip
+        record.rule_ids = applicable.rule_ids
+        record.checks = applicable.checks
+        record.wanted = applicable.wanted
+        self.phases.register(record)
+        self.sync.retain(self, record, tensor)
+        return bool(applicable.wanted)
+
+    def _judge_norms(self, together: list[tuple[Record, torch.Tensor]]) -> None:
+        """Screen and judge records that want only ``finite`` and ``l2``, from one norm each."""
+        norms = norms_of([t for _, t in together])
+        for (record, tensor), norm in zip(together, norms, strict=True):
+            if math.isfinite(norm):
+                found = {FINITE: 1.0, L2: norm}
+                values = [found[s] for s in record.wanted]
+                if self.amp.scales(record.stats):
+                    values = self.amp.unscale(record.wanted, values)
+                record.stats.values = dict(zip(record.wanted, values, strict=True))
+                record.lazy = False
+            else:  # a NaN or Inf, or squares past the dtype's range: measured exactly
+                self.screen(record, tensor)
+            self.judge(record, tensor)
+            if record.findings or record.conditions:
+                self.triggered = True
 
     def _settle(self) -> None:
         """Screen what a deferred phase kept, judge everything pending in execution order, and
@@ -300,10 +339,15 @@ class Pipeline(Pausing):
         self._pause_if_needed()
 
     def _drain(self) -> None:
-        """Handle what the hooks saw, in execution order."""
+        """Handle what the hooks saw, in execution order, pausing at each hit that asks for it
+        there (as eager mode pauses in the hook), and nothing more once detached."""
         pending, self.phases.pending = self.phases.pending, []
         for event in pending:
+            if self.detached:
+                return
             self._handle(event)
+            if self._pausing:
+                self._pause_if_needed()
 
     def _start_phase(self, phase: str) -> None:
         self.phases.start(phase)
@@ -365,6 +409,8 @@ class Pipeline(Pausing):
         self._add_hit(hit, active)
 
     def _add_hit(self, hit: Hit, active: ActiveRule | None) -> None:
+        if self.ranks is not None:
+            self.ranks.attribute(hit)  # a bad gradient another rank's NaN made is passed on
         repeated = self.hitlog.repeated(hit)
         if not self.hitlog.add(hit, active):
             return

@@ -51,7 +51,7 @@ from tensordbg.rules import Rule, default_rules
 from tensordbg.statistics import MEAN, TensorStats
 from tensordbg.statistics.torch_kernels import watchable
 
-ON_HIT = ("pause", "raise", "record", "skip")
+ON_HIT = ("pause", "raise", "record", "skip", "dump")
 DEFAULT_RETAIN = 256 * 2**20
 DEFAULT_UPDATE_BUDGET = 512 * 2**20
 
@@ -77,6 +77,8 @@ class Session(Pipeline, OptimizerPhase):
     """
 
     passthrough: tuple[type[BaseException], ...] = (WatchpointHit,)
+    ranks: Any = None  # the link to the other ranks of a job (distributed.RankLink), or None
+    sharded: tuple[str, ...] | list[str] = ()  # parameters read through this rank's shard
     replaceable = False
     _exiting = False
     summary_at_exit = False
@@ -118,8 +120,8 @@ class Session(Pipeline, OptimizerPhase):
         self.detached = False
         self.triggered = False
         """Deferred mode: the phase showed a problem, so everything it kept is screened."""
-        self.server: Any = None
-        """What serves this session to the UI, set by ``attach`` (the engine never makes one)."""
+        self.server: Any = None  # what serves it to the UI, set by attach (never the engine)
+        self.dumps: Any = None  # what writes its dump (attach(dump_dir=...)), if anything
 
         self.handles = HandleGroup()
         self.bus = EventBus()
@@ -128,6 +130,7 @@ class Session(Pipeline, OptimizerPhase):
         self.control = ControlPlane(self.controller)
         self.ruleset = RuleSet(default_rules() if rules is None else rules, self.log)
         self.hitlog = HitLog(self.log)
+        self.hitlog.rank = self.rank
         self.phases = PhaseQueue(self.retain_bytes)
         self.metrics = StepMetrics()
         self.weights = ParamWatch(model, int(update_budget))
@@ -366,6 +369,27 @@ class Session(Pipeline, OptimizerPhase):
 
     def __exit__(self, *exc: object) -> None:
         self.detach()
+
+    def profile(self, steps: int = 5, **options: Any) -> Any:
+        """Profile the next ``steps`` training steps, after one warm-up step, while the
+        training runs; returns a :class:`~tensordbg.profiler.ProfileHandle` at once (its
+        ``report`` is None until they are done). ``options``: ``record_shapes``,
+        ``profile_memory`` (True), ``with_flops`` (True), ``with_stack``, ``directory`` (where the
+        trace goes). See :mod:`tensordbg.profiler.capture`.
+
+        >>> handle = session.profile(steps=5)
+        >>> ...                                  # the training runs its steps
+        >>> print(handle.wait(60).text())
+        """
+        from tensordbg.profiler.capture import profiler_of
+
+        return profiler_of(self).start(steps, **options)
+
+    @property
+    def profiling(self) -> Any:
+        """The last profile asked for (a :class:`~tensordbg.profiler.ProfileHandle`), or None."""
+        profiler = self.__dict__.get("_profiler")
+        return profiler.handle if profiler is not None else None
 
     def subscribe(self, callback: Callable[[str, Any], None]) -> Callable[[], None]:
         """Call ``callback(event, payload)`` on every event of the bus (see

@@ -5,6 +5,11 @@ model (tensordbg attaches to it as ``attach()`` would), the first optimizer that
 and a scalar on which ``.backward()`` is called is observed as the loss. The global module hook
 is removed as soon as the model is found, so the rest of the run pays only for the model's own
 hooks.
+
+A script that trains with a framework's trainer (Hugging Face ``Trainer``, Lightning ``Trainer``)
+is watched through that framework's callback instead: each trainer the script makes gets one (see
+:mod:`.frameworks`), which attaches at train begin with the trainer's model, optimizers and
+GradScaler, and the global hooks stand down.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from tensordbg.api import attach, attached_to
 from tensordbg.engine.session import Session
 from tensordbg.hit import WatchpointHit
+from tensordbg.integrations.frameworks import TrainerPatches, TrainingWatch
 from tensordbg.rules import Rule
 from tensordbg.tracebacks import format_user_traceback
 
@@ -29,10 +35,16 @@ from tensordbg.tracebacks import format_user_traceback
 class ScriptRun:
     """Finds the model, the optimizer and the loss of a script as it runs."""
 
-    def __init__(self, rules: Sequence[Rule] | None, **attach_args: Any):
+    def __init__(self, rules: Sequence[Rule] | None, profile_steps: int = 0, **attach_args: Any):
         self.rules = rules
+        self.profile_steps = profile_steps
+        self.profiling: Any = None  # the ProfileHandle of --profile
         self.attach_args = attach_args
         self.session: Session | None = None
+        """The session the global hooks made (none when a framework's trainer is used)."""
+        self.framework_sessions: list[Session] = []
+        """The sessions of the framework callbacks, one per training."""
+        self._trainers = TrainerPatches(self._framework_callback, self._stand_down)
         self._module_hook: Any = None
         self._optimizer_hook: Any = None
         self._backward = torch.Tensor.backward
@@ -49,8 +61,21 @@ class ScriptRun:
             return original(tensor, *args, **kwargs)
 
         torch.Tensor.backward = backward  # type: ignore[method-assign]
+        self._trainers.install()
+
+    @property
+    def sessions(self) -> list[Session]:
+        """Every session this run made."""
+        return ([self.session] if self.session is not None else []) + self.framework_sessions
+
+    def hit(self) -> bool:
+        """Whether anything hit, in any session."""
+        return any(s.hits for s in self.sessions)
 
     def remove(self) -> None:
+        self._trainers.remove()
+        for session in self.framework_sessions:
+            session.detach()
         torch.Tensor.backward = self._backward  # type: ignore[method-assign]
         for handle in (self._module_hook, self._optimizer_hook):
             if handle is not None:
@@ -58,6 +83,32 @@ class ScriptRun:
         self._module_hook = self._optimizer_hook = None
         if self.session is not None:
             self.session.detach()
+
+    def _stand_down(self) -> None:
+        """A framework's trainer was made: its callback watches from train begin on."""
+        if self._module_hook is not None:
+            self._module_hook.remove()
+            self._module_hook = None
+        if self.session is not None:
+            self.session.detach()  # the model was called before the trainer was made
+
+    def _framework_callback(self, callback_class: type[TrainingWatch]) -> TrainingWatch:
+        args = {"rules": self.rules, "replaceable": True, "summary_at_exit": False}
+        callback = callback_class(**args, **self.attach_args)
+        callback.on_attach = self._framework_attached
+        return callback
+
+    def _framework_attached(self, session: Session) -> None:
+        self.framework_sessions.append(session)
+        model = session.model
+        if model is not None:
+            print(
+                f"tensordbg: watching {type(model).__name__} "
+                f"({sum(p.numel() for p in model.parameters()):,} parameters) through its "
+                f"trainer, run {session.run_id}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _on_module(self, module: torch.nn.Module, args: tuple) -> None:
         if self.session is not None or not any(p.requires_grad for p in module.parameters()):
@@ -70,6 +121,8 @@ class ScriptRun:
         self.session = attach(module, rules=self.rules, replaceable=True, **self.attach_args)
         # This very call began before the model's own hooks existed: enter it by hand.
         self.session.capture.on_enter(module, args, {})
+        if self.profile_steps:
+            self.profiling = self.session.profile(self.profile_steps)
         print(
             f"tensordbg: watching {type(module).__name__} "
             f"({sum(p.numel() for p in module.parameters()):,} parameters), "
@@ -87,7 +140,7 @@ class ScriptRun:
 
 
 def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = None,
-               **attach_args: Any) -> int:  # fmt: skip
+               profile_steps: int = 0, **attach_args: Any) -> int:  # fmt: skip
     """Run ``script`` as ``__main__`` with ``args``, watched by tensordbg; returns its exit code,
     or 1 when the script exited 0 but a watchpoint hit (as a linter does: a CI job that runs a
     short training under ``tensordbg run --on-hit record`` fails when something hit).
@@ -97,30 +150,47 @@ def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = 
     if not os.path.isfile(script):
         print(f"tensordbg run: no such script: {script}", file=sys.stderr)
         return 2
-    run = ScriptRun(rules, **attach_args)
+    run = ScriptRun(rules, profile_steps, **attach_args)
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     run.install()
     try:
         runpy.run_path(script, run_name="__main__")
-        return 1 if run.session is not None and run.session.hits else 0
+        return 1 if run.hit() else 0
     except SystemExit as e:
         code = e.code
         code = code if isinstance(code, int) else (0 if code is None else 1)
-        return 1 if code == 0 and run.session is not None and run.session.hits else code
+        return 1 if code == 0 and run.hit() else code
     except WatchpointHit as e:  # on_hit="raise": the user's frames, and the summary last
         print(format_user_traceback(e), end="", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
-        session = run.session
+        session = run.sessions[-1] if run.sessions else None
         where = f" at step {session.step}, {session.phase}" if session is not None else ""
         paused = session is not None and session.controller.state == "paused"
         print(f"tensordbg run: interrupted (Ctrl-C){where}"
               + (" while paused" if paused else ""), file=sys.stderr)  # fmt: skip
         return 130
     finally:
-        if run.session is not None and run.session.hits:
-            print(run.session.summary(), file=sys.stderr, flush=True)
+        for session in run.sessions:
+            if session.hits:
+                print(session.summary(), file=sys.stderr, flush=True)
         run.remove()
         sys.argv, sys.path[:] = saved_argv, saved_path
+        if run.profile_steps:
+            _print_profile(run)
+
+
+def _print_profile(run: ScriptRun) -> None:
+    """``--profile``: the report (the steps done, when the script ended first), or why none."""
+    handle = run.profiling
+    if handle is None:
+        print("tensordbg run --profile: no model was found, nothing was profiled", file=sys.stderr)
+        return
+    report = handle.wait(120)
+    if report is None:
+        why = handle.message or f"the profile is {handle.state}"
+        print(f"tensordbg run --profile: no report ({why})", file=sys.stderr, flush=True)
+        return
+    print(report.text(), file=sys.stderr, flush=True)

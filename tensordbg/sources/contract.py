@@ -36,23 +36,35 @@ from tensordbg.sources.checking import SchemaError as SchemaError
 from tensordbg.sources.checking import check as check
 from tensordbg.sources.checking import conforms as conforms
 from tensordbg.sources.schema import EVENTS as EVENTS
+from tensordbg.sources.schema import Advice as Advice
 
 # The schema's names, re-exported: the contract is where a reader looks for them.
 from tensordbg.sources.schema import ArrayData as ArrayData
 from tensordbg.sources.schema import AvailableRule as AvailableRule
+from tensordbg.sources.schema import BreakdownRow as BreakdownRow
 from tensordbg.sources.schema import CallSite as CallSite
 from tensordbg.sources.schema import Control as Control
+from tensordbg.sources.schema import Gpu as Gpu
+from tensordbg.sources.schema import GpuDevice as GpuDevice
+from tensordbg.sources.schema import GpuEvent as GpuEvent
+from tensordbg.sources.schema import GpuSample as GpuSample
 from tensordbg.sources.schema import Histogram as Histogram
 from tensordbg.sources.schema import History as History
 from tensordbg.sources.schema import Hit as Hit
 from tensordbg.sources.schema import Info as Info
 from tensordbg.sources.schema import LogEvent as LogEvent
 from tensordbg.sources.schema import Module as Module
+from tensordbg.sources.schema import OperatorRow as OperatorRow
 from tensordbg.sources.schema import Previous as Previous
+from tensordbg.sources.schema import ProfileEvent as ProfileEvent
+from tensordbg.sources.schema import ProfilePending as ProfilePending
+from tensordbg.sources.schema import ProfileReport as ProfileReport
 from tensordbg.sources.schema import Provenance as Provenance
 from tensordbg.sources.schema import ProvenanceInput as ProvenanceInput
+from tensordbg.sources.schema import Replay as Replay
 from tensordbg.sources.schema import Rule as Rule
 from tensordbg.sources.schema import Rules as Rules
+from tensordbg.sources.schema import RunningRule as RunningRule
 from tensordbg.sources.schema import Slice as Slice
 from tensordbg.sources.schema import SourceLine as SourceLine
 from tensordbg.sources.schema import StateEvent as StateEvent
@@ -164,6 +176,29 @@ class Source(Protocol):
         possible), ``detach`` (remove the debugger and let the training run)."""
         ...
 
+    def goto(self, step: int | None = None, move: int = 0) -> Info:
+        """A recorded run only: show the dumped step ``step``, or the one ``move`` places from
+        the shown one (1 the next, -1 the previous); returns the new :meth:`info`. A broken
+        step is shown as broken (``info["replay"]["broken"]``), never an error."""
+        ...
+
+    def profile(self, steps: int = 5) -> ProfilePending:
+        """Profile the next ``steps`` training steps, after one warm-up step (``torch.profiler``
+        in the training process, started by the training thread at its next step boundary). The
+        ``profile`` event says when the report is ready; raw traces never cross the wire."""
+        ...
+
+    def profile_report(self) -> ProfileReport | None:
+        """The latest finished profile report (None before one); a recorded run serves the one
+        it stored."""
+        ...
+
+    def gpu(self, since: float = 0.0) -> Gpu:
+        """NVML samples of the training's GPUs newer than ``since`` (a ``time.time()``), from a
+        bounded ring a background sampler fills; ``available`` false with a ``reason`` where
+        there is no NVML."""
+        ...
+
     def subscribe(self, callback: EventCallback) -> Callable[[], None]:
         """Call ``callback`` on every pushed event; returns a function that unsubscribes."""
         ...
@@ -185,10 +220,24 @@ METHODS = (
     "add_rule",
     "recheck",
     "control",
+    "goto",
+    "profile",
+    "profile_report",
+    "gpu",
 )
-EVERY_REQUEST = frozenset(METHODS)
-READ_ONLY = frozenset(METHODS) - {"set_rule", "add_rule", "recheck", "control"}
-"""What a recorded run (a dump, a replay) can serve: it can be read, not driven nor re-judged."""
+RECORDED_ONLY = frozenset({"goto"})
+"""Requests only a recorded run serves: moving between its dumped steps."""
+EVERY_REQUEST = frozenset(METHODS) - RECORDED_ONLY
+"""What a running training serves (everything but moving between recorded steps)."""
+READ_ONLY = EVERY_REQUEST - {"set_rule", "add_rule", "recheck", "control", "profile", "gpu"}
+"""What a recorded run can serve at least: it can be read, not driven nor re-judged (nor
+profiled: it serves the profile report it stored)."""
+REPLAY = READ_ONLY | RECORDED_ONLY
+"""What a replay of a dump serves (``tensordbg.sources.replay.ReplaySource``): READ_ONLY, and
+moving between the dumped steps."""
+PROFILING = frozenset({"profile", "profile_report", "gpu"})
+"""The optional capabilities of profiling: ``profile`` needs ``control`` (it drives the
+training); ``gpu`` needs a training process to sample in."""
 NEEDED = frozenset({"info", "hits"})  # the hello reply is made of them
 
 _SIGNATURES = {m: inspect.signature(getattr(Source, m)) for m in METHODS}
@@ -201,18 +250,21 @@ _CANNOT = {
     "set_rule": "change a rule",
     "add_rule": "add a rule",
     "recheck": "judge a step again",
+    "goto": "move to another recorded step",
+    "profile": "profile the training",
+    "gpu": "sample the GPUs (NVML)",
 }
 
 
 def capabilities_of(source: object) -> frozenset[str]:
-    """The requests ``source`` serves: its ``capabilities``, or every request when it declares
-    none. A declaration naming unknown requests, or lacking ``info`` or ``hits``, is a bug in the
-    source: TypeError."""
+    """The requests ``source`` serves: its ``capabilities``, or every request of a running
+    training (:data:`EVERY_REQUEST`) when it declares none. A declaration naming unknown
+    requests, or lacking ``info`` or ``hits``, is a bug in the source: TypeError."""
     declared = getattr(source, "capabilities", None)
     if declared is None:
         return EVERY_REQUEST
     serves = frozenset(declared)
-    if not NEEDED <= serves <= EVERY_REQUEST:
+    if not NEEDED <= serves <= frozenset(METHODS):
         raise TypeError(
             f"{type(source).__name__}.capabilities must name requests of METHODS, info and hits "
             f"among them, not {sorted(serves)}"
@@ -227,6 +279,8 @@ def refusal(method: str, serves: Collection[str]) -> str:
     'this session is a recorded run, not a running training: it cannot drive the training ...'
     """
     what = _CANNOT.get(method, f"answer {method!r}")
+    if method in RECORDED_ONLY and "control" in serves:
+        return f"this session is a running training, not a recorded run: it cannot {what}"
     if "control" not in serves:
         return f"this session is a recorded run, not a running training: it cannot {what}"
     return f"this session cannot {what}"
@@ -249,6 +303,6 @@ def dispatch(source: Source, method: str, params: dict[str, Any]) -> Any:
         if not conforms(value, _HINTS[method][name]):
             raise SourceError(f"parameter {name!r} of {method!r} cannot be {value!r}")
     reply = getattr(source, method)(**params)
-    if method == "info":
+    if REPLIES[method] is Info:  # info, and goto's reply
         reply = {**reply, "capabilities": sorted(serves)}
     return reply

@@ -28,6 +28,7 @@ from tensordbg.engine.session import Session
 from tensordbg.rules import Rule, available_rules
 from tensordbg.sources import contract
 from tensordbg.sources.contract import EventCallback, SourceError
+from tensordbg.sources.profiling import LiveProfiling
 from tensordbg.sources.provenance import brief as _brief
 from tensordbg.sources.provenance import provenance
 from tensordbg.sources.slicing import (
@@ -40,7 +41,8 @@ from tensordbg.sources.slicing import (
     window_of,
 )
 from tensordbg.statistics import Summary
-from tensordbg.statistics.torch_kernels import dtype_name, summarize
+from tensordbg.statistics.streamed import streamed_histogram, streamed_summary
+from tensordbg.statistics.torch_kernels import dtype_name
 from tensordbg.transport.wire import DTYPES, MAX_REPLY_BYTES, WireArray
 
 MAX_BINS = 1024
@@ -51,7 +53,7 @@ _WIRE_VIEW = {"bfloat16": torch.int16, "float8_e4m3fn": torch.uint8, "float8_e4m
               "float8_e5m2": torch.uint8, "float8_e5m2fnuz": torch.uint8}  # fmt: skip
 
 
-class LiveSource:
+class LiveSource(LiveProfiling):
     """Serves a :class:`~tensordbg.engine.session.Session` to the UI.
 
     >>> server = Server(LiveSource(session), run_id=session.run_id, rank=session.rank)
@@ -95,6 +97,8 @@ class LiveSource:
             "hits_total": len(s.hits),
             "retain_bytes": s.retain_bytes,
             "started": self.started,
+            "running_rule": s.ruleset.running_rule(),
+            "world_size": s.ranks.identity.world_size if s.ranks is not None else 1,
             "history": {
                 "step": [h[0] for h in history],
                 "loss": [h[1] for h in history],
@@ -273,7 +277,7 @@ class LiveSource:
 
         def work() -> dict[str, Any]:
             index, view = self._view(record, text)
-            summary = summarize(view) if view.numel() else Summary(numel=0)
+            summary = streamed_summary(view) if view.numel() else Summary(numel=0)
             dtype = dtype_name(view.dtype)
             step = record.stats.step
             previous = None
@@ -353,21 +357,20 @@ class LiveSource:
                 raise SourceError(f"histogram bounds {lo:g}..{hi:g} are too far apart to bin")
 
         def work() -> dict[str, Any]:
+            # Two streamed passes (the range, then the counts): what the training allocates
+            # for it is a chunk's worth, however large the slice (CHUNK_ELEMENTS).
             index, view = self._view(record, text)
-            x = view.detach()
-            x = x.float() if x.dtype not in (torch.float32, torch.float64) else x
-            summary = summarize(x)
-            if summary.nonfinite:
-                x = x[torch.isfinite(x)]
+            summary = streamed_summary(view) if view.numel() else Summary(numel=0)
             low = summary.min if lo is None else lo
             high = summary.max if hi is None else hi
-            if x.numel() == 0 or not (math.isfinite(low) and math.isfinite(high)):
+            finite = summary.numel - summary.nonfinite
+            if finite == 0 or not (math.isfinite(low) and math.isfinite(high)):
                 counts = [0] * bins
                 edges = [0.0] * (bins + 1)
             else:
                 if high <= low:
                     low, high = low - 0.5, high + 0.5
-                counts = torch.histc(x, bins=bins, min=low, max=high).to(torch.int64).tolist()
+                counts = streamed_histogram(view, bins, low, high)
                 edges = torch.linspace(low, high, bins + 1, dtype=torch.float64).tolist()
             return {
                 "ref": ref,

@@ -12,7 +12,8 @@ if sys.version_info >= (3, 11):
 else:  # typing's TypedDict learnt NotRequired in 3.11
     from typing_extensions import NotRequired, TypedDict
 
-TrainingState = Literal["running", "paused", "detached", "finished"]
+TrainingState = Literal["running", "paused", "detached", "finished", "replay"]
+"""``replay``: a recorded run (a dump), shown one dumped step at a time."""
 
 
 class Summary(TypedDict, total=False):
@@ -55,6 +56,7 @@ class Hit(TypedDict):
     ref: int
     call: int
     summary: Summary
+    rank: NotRequired[int]  # the rank that found it (0 for one process; absent in old dumps)
 
 
 class History(TypedDict):
@@ -64,6 +66,17 @@ class History(TypedDict):
     loss: list[float | None]
     grad_norm: list[float | None]
     steps_per_sec: list[float | None]
+
+
+class Replay(TypedDict):
+    """Where a replay stands: which dump, recorded when, and which of its steps is shown."""
+
+    path: str  # the dump's directory
+    recorded: str  # when the run was recorded (ISO 8601), "" when the dump does not say
+    complete: bool  # False for a run that was killed or ran out of disk midway
+    steps: int  # dumped steps of this rank, broken ones included
+    index: int  # the position of the shown step among them, from 0
+    broken: str  # why the shown step cannot be read; "" when it can
 
 
 class Info(TypedDict):
@@ -89,6 +102,18 @@ class Info(TypedDict):
     history: History
     capabilities: list[str]  # the requests the source serves; filled in by dispatch()
     started: NotRequired[float]  # time.time() when the source started serving
+    running_rule: NotRequired[RunningRule | None]  # a rule check under way on the training thread
+    replay: NotRequired[Replay]  # a recorded run only
+    world_size: NotRequired[int]  # ranks in the job (torchrun's WORLD_SIZE); 1 for one process
+
+
+class RunningRule(TypedDict):
+    """The rule check the training thread is in, when a person asks (a hanging rule blocks the
+    training: this says which)."""
+
+    rule: str
+    tensor: str
+    seconds: float  # how long it has run
 
 
 class Module(TypedDict):
@@ -290,10 +315,169 @@ class LogEvent(TypedDict):
     step: int
 
 
+# --- profiling (tensordbg.profiler): the report, the request that starts one, GPU samples -------
+
+
+class ProfilePending(TypedDict):
+    """The reply to ``profile``: the next ``steps`` steps will be profiled (after one warm-up)."""
+
+    pending: bool
+    steps: int
+
+
+class BreakdownRow(TypedDict, total=False):
+    """One profiled step: seconds per category (they add up to ``total``); ``kernel``, ``memcpy``,
+    ``memset``, ``communication`` and ``runtime`` only on a GPU."""
+
+    step: int
+    DataLoader: float
+    forward: float
+    backward: float
+    optimizer: float
+    other: float
+    total: float
+    kernel: float
+    memcpy: float
+    memset: float
+    communication: float
+    runtime: float
+
+
+class OperatorRow(TypedDict):
+    name: str
+    calls: int
+    self_cpu: float
+    total_cpu: float
+    self_device: float
+    total_device: float
+    input_shapes: str | None
+    flops: int | None
+
+
+class KernelRow(TypedDict):
+    name: str
+    calls: int
+    total: float
+    mean: float
+    max: float
+    tensor_core: bool | None
+
+
+class MemoryOperator(TypedDict):
+    name: str
+    bytes: int
+    calls: int
+
+
+class ProfileMemory(TypedDict):
+    curve: list[list[float | int | None]]  # [t, allocated, reserved]
+    peak_allocated: int
+    peak_reserved: int | None
+    limit: int | None
+    top_operators: list[MemoryOperator]
+
+
+class TimelineLane(TypedDict):
+    name: str
+    spans: list[list[float | str]]  # [start, duration, name]
+
+
+class Timeline(TypedDict):
+    start: float
+    end: float
+    lanes: list[TimelineLane]
+
+
+class Outlier(TypedDict):
+    step: int
+    total: float
+    median: float
+    ratio: float
+
+
+class Advice(TypedDict):
+    rule: str
+    evidence: str  # the measured number against the threshold, in words
+    message: str  # the change to try
+    value: float
+    threshold: float
+
+
+class ProfileReport(TypedDict):
+    """:meth:`tensordbg.profiler.report.ProfileReport.to_dict` (see there for the fields)."""
+
+    version: int
+    device: str
+    steps: list[int]
+    breakdown: list[BreakdownRow]
+    operators: list[OperatorRow]
+    kernels: list[KernelRow]
+    kernels_note: str | None
+    memory: ProfileMemory
+    timeline: Timeline
+    outliers: list[Outlier]
+    advice: list[Advice]
+    trace: str | None
+    memory_snapshot: str | None
+    paused_seconds: float
+    gpu_summary: dict[str, Any] | None
+    host: dict[str, Any]
+    message: str
+
+
+class GpuDevice(TypedDict):
+    index: int
+    name: str
+    memory_total: int | None
+
+
+class GpuSample(TypedDict):
+    """One NVML reading of one device; a field the device does not report is None."""
+
+    t: float  # time.time()
+    device: int
+    util: float | None  # % of the time a kernel ran
+    mem_util: float | None
+    memory_used: int | None
+    power_w: float | None
+    temp_c: float | None
+    sm_clock_mhz: float | None
+    mem_clock_mhz: float | None
+    pcie_tx_kbs: float | None
+    pcie_rx_kbs: float | None
+
+
+class GpuEvent(TypedDict):
+    t: float
+    device: int
+    kind: Literal["xid", "ecc", "lost"]
+    detail: str
+
+
+class Gpu(TypedDict):
+    """The reply to ``gpu``: NVML samples newer than ``since``, from the training's sampler."""
+
+    available: bool
+    reason: str | None  # why not, when not: "NVML unavailable: <reason>"
+    devices: list[GpuDevice]
+    samples: list[GpuSample]
+    events: list[GpuEvent]
+
+
+class ProfileEvent(TypedDict):
+    """Pushed when a profile starts, ends, fails or is cancelled."""
+
+    state: Literal["running", "done", "failed", "cancelled"]
+    step: int
+    steps: int
+    message: str
+
+
 EVENTS: dict[str, Any] = {
     "status": StatusEvent,
     "hit": Hit,
     "state": StateEvent,
     "log": LogEvent,
+    "profile": ProfileEvent,
 }
 """The events a source pushes, and their payloads."""

@@ -1,9 +1,15 @@
-"""A phase's statistics, waiting on the device for one transfer to the host."""
+"""Statistics of many tensors at once: a phase's, waiting on the device for one transfer to the
+host (:class:`StatsBatch`); the norms of many tensors in one pass (:func:`norms_of`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 from torch import Tensor
+
+_F64 = torch.float64
 
 
 class StatsBatch:
@@ -42,3 +48,25 @@ class StatsBatch:
                 result[i] = flat[offset : offset + size]
                 offset += size
         return result
+
+
+# Statistics a norm of the whole tensor gives at once: finite (the norm is) and the norm.
+_NORM_STATS = frozenset({"finite", "l2"})
+
+
+def norm_only(record: Any, tensor: Tensor) -> bool:
+    """Whether a record's statistics all come from the tensor's norm (:func:`norms_of`)."""
+    return (
+        tensor.dtype in (torch.float32, _F64)
+        and tensor.layout is torch.strided
+        and all(s.name in _NORM_STATS for s in record.wanted)
+    )
+
+
+def norms_of(tensors: Sequence[Tensor]) -> list[float]:
+    """The L2 norms of float32/float64 tensors as Python floats, in one pass over all of them
+    (one read of the host). A norm that is not finite may be squares past the dtype's range:
+    the caller measures that tensor exactly."""
+    if not tensors:
+        return []
+    return torch.stack([n.to(_F64) for n in torch._foreach_norm(list(tensors))]).tolist()

@@ -16,7 +16,7 @@ from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import DataTable, Footer, Header, Input, TabbedContent, TabPane, Tabs, Tree
 
-from tensordbg.sources.contract import Welcome
+from tensordbg.sources.contract import Info, Welcome
 from tensordbg.tui.components.connection_banner import ConnectionBanner
 from tensordbg.tui.components.event_log import EventLog
 from tensordbg.tui.components.hit_detail import HitDetail
@@ -31,6 +31,7 @@ from tensordbg.tui.components.tensor_grid import TensorGrid
 from tensordbg.tui.components.tensor_inspector import TensorInspector
 from tensordbg.tui.errors import reported, work
 from tensordbg.tui.messages import HitsFound, OpenTensor
+from tensordbg.tui.profiler.view import ProfilerView
 from tensordbg.tui.remote import RequestFailed, remote_of
 
 
@@ -49,6 +50,7 @@ TABS = (
     Tab("provenance", "Provenance", "f5", Tree),
     Tab("rules", "Rules", "f6", DataTable),
     Tab("log", "Log", "f7", EventLog),
+    Tab("profile", "Profile", "f8", ProfilerView),
 )
 """The tabs in order: the app's keys, the tab titles, the palette's entries and the widget that
 gets the keys on each tab all come from here."""
@@ -93,12 +95,14 @@ class MainScreen(Screen):
         self.provenance_view = ProvenanceView()
         self.rule_panel = RulePanel()
         self.event_log = EventLog()
+        self.profiler_view = ProfilerView()
         self._welcomed = False
         self._state = "connecting"
         self._count = 0
         self._step: int | None = None
         self._lost_text = ""  # the banner's sentence while the connection is down
         self._focus_switch: bool | None = None  # set by show_tab for the switch it makes
+        self._replay_text = ""  # a recorded run: the dumped step shown, for the sub-title
 
     def compose(self) -> ComposeResult:
         yield Header(icon="◆")
@@ -112,6 +116,7 @@ class MainScreen(Screen):
             "provenance": [Later(self.provenance_view)],
             "rules": [Later(self.rule_panel)],
             "log": [Later(self.event_log)],
+            "profile": [Later(self.profiler_view)],
         }
         with TabbedContent(initial=TABS[0].pane):
             for tab in TABS:
@@ -132,6 +137,7 @@ class MainScreen(Screen):
         script = str(info.get("script", "?")).replace("\\", "/").rsplit("/", 1)[-1]
         self.sub_title = f"{script} · run {info.get('run_id', '?')}"
         self._step = info.get("step")
+        self._show_replay(info)
         self.run_status.show_info(info)
         table = self.hit_table
         table.set_hits(hits)
@@ -151,6 +157,7 @@ class MainScreen(Screen):
             table.focus()
         self._welcomed = True
         self.reload()
+        self.profiler_view.connected()
 
     @reported
     def server_event(self, event: str, payload: Any) -> None:
@@ -169,6 +176,34 @@ class MainScreen(Screen):
             self._step = payload["step"]
             self.app.state = payload["state"]  # type: ignore[attr-defined]
             self._show_title()
+        elif event == "profile":
+            self.profiler_view.profile_event(payload)
+
+    def show_replay_step(self, info: Info) -> None:
+        """A recorded run moved to another dumped step (n / p): its tensors and statistics."""
+        self.run_status.show_info(info)
+        self._show_replay(info)
+        self.log_entry(f"replay: step {info['step']}")
+        self.reload()
+
+    def _show_replay(self, info: Info) -> None:
+        """The banner of a recorded run: which run, recorded when, which step, and whether that
+        step can be read."""
+        replay = info.get("replay")
+        if replay is None:
+            self._replay_text = ""
+            return
+        recorded = f" recorded {replay['recorded']}" if replay["recorded"] else ""
+        where = f"step {info['step']} ({replay['index'] + 1} of {replay['steps']} dumped)"
+        text = f"Replay of run {info['run_id']} ({info['script']}){recorded} · {where}"
+        if not replay["complete"]:
+            text += " · the run stopped before its dump was closed"
+        if replay["broken"]:
+            self.banner.show(f"{text} · this step is broken: {replay['broken']}", "lost")
+        else:
+            self.banner.show(f"{text} · n / p: next / previous dumped step", "replay")
+        self._replay_text = f"step {info['step']} ({replay['index'] + 1}/{replay['steps']})"
+        self._show_title()
 
     def show_state(self, state: str) -> None:
         """The training's state changed (the app's ``state`` reactive)."""
@@ -216,6 +251,8 @@ class MainScreen(Screen):
 
     def _show_title(self) -> None:
         step = "" if self._step is None else f" at step {self._step}"
+        if self._replay_text:  # a recorded run: the dumped step shown, of how many
+            step = f" · {self._replay_text}"
         count = f" · count {self._count}" if self._count else ""
         self.title = f"{self._state.upper()}{step}{count}"
 

@@ -1,0 +1,381 @@
+"""The session side of dumps: :class:`DumpRecorder`, a subscriber on the session's bus that
+turns what the engine saw into steps on disk (``attach(dump_dir=...)``).
+
+What a dumped step holds. Every dumped step lists each watched tensor of the step with the
+statistics the engine computed for it (no new ones: the periodic dump adds no host
+synchronization). Values are what the engine still holds when a phase ends (within
+``retain_bytes`` in batched and deferred modes; in eager mode, the hits' tensors, the last few
+seen and those the training keeps alive, such as activations saved for the backward pass):
+
+- a step with a hit: the values of the phase that hit and of the later phases of that step (the
+  earlier phases' tensors were let go before anyone knew), each with its provenance;
+- every ``dump_every``-th step: the values of the tensors whose names match ``dump_tensors``.
+
+Copies are bounded: at most ``retain_bytes`` of values per step, and a few steps queued. The
+training thread only copies tensors to the host; a background thread writes. When it falls
+behind, periodic steps are dropped (said once); steps with hits never are. When the training
+is about to stop on a hit (``on_hit="raise"`` or ``"pause"``) the step so far is written before
+it stops, so the evidence survives a crash or a kill. A failed write (a full disk) is said once,
+marks the dump incomplete, and the training goes on without dumps.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import queue
+import sys
+import threading
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from tensordbg.dump.writer import DumpWriter
+from tensordbg.statistics import TensorStats
+
+QUEUE_STEPS = 4
+"""Steps waiting for the writer at most (each within ``retain_bytes`` of values)."""
+
+# torch dtypes numpy cannot hold, as the integer type of the same width and the ml_dtypes view.
+_VIEWS = {
+    torch.bfloat16: (torch.int16, ml_dtypes.bfloat16),
+    torch.float8_e4m3fn: (torch.uint8, ml_dtypes.float8_e4m3fn),
+    torch.float8_e5m2: (torch.uint8, ml_dtypes.float8_e5m2),
+}
+
+
+@dataclass(slots=True)
+class _StepBuffer:
+    """What one step gathered so far (statistics of small objects; values copied to host)."""
+
+    step: int
+    stats: list[TensorStats] = field(default_factory=list)
+    seen: set[int] = field(default_factory=set)
+    values: dict[str, torch.Tensor] = field(default_factory=dict)
+    provenance: dict[int, Any] = field(default_factory=dict)
+    hits: list[dict[str, Any]] = field(default_factory=list)
+    value_bytes: int = 0
+    values_from_hits: bool = False
+
+
+@dataclass(slots=True)
+class _Job:
+    step: int
+    stats: list[TensorStats]
+    values: dict[str, torch.Tensor]
+    provenance: dict[int, Any]
+    hits: list[dict[str, Any]]
+    modules: list[dict[str, Any]] | None
+    numbers: dict[str, Any] | None
+    done: threading.Event | None = None
+
+
+class DumpRecorder:
+    """Writes a session's hit steps and periodic steps into ``dump_dir``.
+
+    >>> session = tensordbg.attach(model, opt, dump_dir="runs/dbg", dump_every=100,
+    ...                            dump_tensors=["*.weight.grad"])
+    """
+
+    def __init__(
+        self,
+        session: Any,
+        dump_dir: str,
+        every: int | None = None,
+        tensors: Sequence[str] = (),
+        max_bytes: int | None = None,
+    ):
+        if every is not None and every < 1:
+            raise ValueError("dump_every is a number of steps, at least 1 (or None: hits only)")
+        self.session = session
+        self.every = every
+        self.patterns = tuple(tensors)
+        self.value_budget = max(int(session.retain_bytes), 1)
+        self.dropped: list[int] = []
+        """Periodic steps not written because the writer fell behind."""
+        self.failed: str | None = None
+        try:
+            self.writer = DumpWriter(dump_dir, _run_meta(session), rank=session.rank,
+                                     max_bytes=max_bytes)  # fmt: skip
+        except OSError as e:
+            raise ValueError(f"tensordbg cannot write a dump in {dump_dir}: {e}") from None
+        self._buffer = _StepBuffer(session.step)
+        self._modules_written = False
+        self._said_behind = False
+        self._said_budget = False
+        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=QUEUE_STEPS)
+        self._thread = threading.Thread(target=self._write_loop, name="tensordbg-dump",
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
+        self._unsubscribe = session.bus.subscribe(
+            self._on_event, {"phase_end", "hit", "step_end", "halt", "detach"}
+        )
+
+    # --- the training thread -----------------------------------------------------------------
+
+    def _on_event(self, event: str, payload: Any) -> None:
+        if event == "phase_end":
+            self._phase(payload["step"], payload["records"])
+        elif event == "hit":
+            # A hit the GradScaler held past its step's end joins the step now open (it keeps
+            # its own step number), so the step already written is not replaced.
+            step = max(payload.get("step", self.session.step), self._buffer.step)
+            self._at(step).hits.append(dict(payload))
+        elif event == "step_end":
+            self._finish(payload["step"], dict(payload))
+        elif event == "halt":
+            self._halt(payload["step"], payload["records"])
+        elif event == "detach":
+            self.close()
+
+    def _at(self, step: int) -> _StepBuffer:
+        if step != self._buffer.step:
+            self._finish(self._buffer.step, None)
+            self._buffer = _StepBuffer(step)
+        return self._buffer
+
+    def _periodic(self, step: int) -> bool:
+        return self.every is not None and step % self.every == 0
+
+    def _phase(self, step: int, records: list[Any], halting: bool = False) -> None:
+        """A phase ended (or stops on a hit): note its statistics; copy the values the step
+        will need."""
+        buffer = self._at(step)
+        hit_step = bool(buffer.hits) or halting
+        if not (hit_step or self._periodic(step)):
+            return  # nothing of this step is written unless a later phase hits: keep nothing
+        copy_all = hit_step and self.failed is None
+        for record in records:
+            if record.hidden or id(record.stats) in buffer.seen:
+                continue
+            buffer.seen.add(id(record.stats))
+            if record.lazy and not record.stats.values:
+                # Deferred mode leaves a clean phase's activations unscreened; a dumped step
+                # holds statistics of every watched tensor, so it screens them (its own cost).
+                tensor = record.held()
+                if tensor is not None:
+                    self.session.screen(record, tensor)
+            buffer.stats.append(record.stats)
+            if self.failed is not None:
+                continue
+            name = record.stats.name
+            if copy_all or (self.patterns and _matches(name, self.patterns)):
+                self._copy(buffer, record, with_provenance=copy_all)
+        buffer.values_from_hits |= copy_all
+
+    def _copy(self, buffer: _StepBuffer, record: Any, with_provenance: bool) -> None:
+        tensor = record.held()
+        if tensor is None or tensor.layout != torch.strided:
+            return
+        nbytes = tensor.numel() * tensor.element_size()
+        if buffer.value_bytes + nbytes > self.value_budget:
+            if not self._said_budget:
+                self._said_budget = True
+                budget = self.value_budget // 2**20
+                self._say(f"step {buffer.step}: values past retain_bytes={budget} MiB were not "
+                          "dumped (their statistics were)")  # fmt: skip
+            return
+        # The device-to-host copy: the one cost the training thread pays for values.
+        buffer.values[record.stats.name] = tensor.detach().to("cpu", copy=True)
+        buffer.value_bytes += nbytes
+        if with_provenance:
+            try:
+                from tensordbg.sources.provenance import provenance
+
+                buffer.provenance[id(record.stats)] = provenance(self.session, record)
+            except Exception:  # provenance is a courtesy; the values matter
+                pass
+
+    def _halt(self, step: int, records: list[Any]) -> None:
+        """The training is about to stop on a hit: write the step so far, and wait for it."""
+        buffer = self._at(step)
+        if self.failed is not None:
+            return
+        self._phase(step, records, halting=True)
+        done = threading.Event()
+        self._submit(self._job(buffer, None, done), keep=True)
+        done.wait(timeout=60)
+
+    def _finish(self, step: int, numbers: dict[str, Any] | None) -> None:
+        """A step ended: hand it to the writer if it is to be written."""
+        buffer = self._buffer if self._buffer.step == step else _StepBuffer(step)
+        self._buffer = _StepBuffer(step + 1)
+        if self.failed is not None or not (buffer.hits or self._periodic(step)):
+            return
+        self._submit(self._job(buffer, numbers, None), keep=bool(buffer.hits))
+
+    def _job(self, buffer: _StepBuffer, numbers: dict[str, Any] | None,
+             done: threading.Event | None) -> _Job:  # fmt: skip
+        modules = None
+        if not self._modules_written:
+            self._modules_written = True
+            modules = _modules(self.session)
+        return _Job(buffer.step, list(buffer.stats), dict(buffer.values), dict(buffer.provenance),
+                    [dict(h) for h in buffer.hits], modules, numbers, done)  # fmt: skip
+
+    def _submit(self, job: _Job, keep: bool) -> None:
+        if keep:
+            self._queue.put(job)  # a hit step waits for room: it is never dropped
+            return
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            self.dropped.append(job.step)
+            if job.modules is not None:
+                self._modules_written = False
+            if not self._said_behind:
+                self._said_behind = True
+                self._say(f"the dump writer fell behind at step {job.step}: periodic steps are "
+                          "dropped until it catches up (steps with hits never are)")  # fmt: skip
+
+    def close(self) -> None:
+        """Write what is pending (a step with hits that did not end), then finish the dump."""
+        if self._thread is None:
+            return
+        self._unsubscribe()
+        buffer = self._buffer
+        if buffer.hits and self.failed is None:
+            self._phase(buffer.step, list(self.session.phases.records), halting=True)
+            self._submit(self._job(buffer, None, None), keep=True)
+        self._queue.put(None)
+        self._thread.join(timeout=120)
+        self._thread = None  # type: ignore[assignment]
+        if self.dropped:
+            reason = f"the writer fell behind and dropped periodic steps {_steps(self.dropped)}"
+            self.writer.close(complete=False, reason=self.failed or reason)
+        else:
+            self.writer.close(complete=self.failed is None)
+
+    # --- the writer thread -------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                if self.failed is None:
+                    self._write(job)
+            except Exception as e:
+                self.failed = f"writing step {job.step} failed ({e}); later steps are missing"
+                self.writer.fail(self.failed)
+                self._say(f"{self.failed}. The training goes on without dumps.")
+            finally:
+                if job.done is not None:
+                    job.done.set()
+
+    def _write(self, job: _Job) -> None:
+        entries = []
+        for stats in job.stats:
+            entry = _entry(stats)
+            prov = job.provenance.get(id(stats))
+            if prov is not None:
+                entry["provenance"] = prov
+            entries.append(entry)
+        values = {name: _numpy(t) for name, t in job.values.items()}
+        self.writer.write_step(job.step, self.writer.rank, entries, values, job.hits,
+                               modules=job.modules, numbers=job.numbers)  # fmt: skip
+
+    def _say(self, message: str) -> None:
+        warnings.warn(f"tensordbg: {message}", RuntimeWarning, stacklevel=2)
+        log = getattr(self.session, "log", None)
+        if log is not None and threading.current_thread() is not self._thread:
+            log(message, "warning")
+
+
+def _matches(name: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A host tensor as numpy, bit for bit (bfloat16 and float8 through ml_dtypes)."""
+    view = _VIEWS.get(tensor.dtype)
+    tensor = tensor.contiguous()
+    if view is not None:
+        return tensor.view(view[0]).numpy().view(view[1])
+    return tensor.numpy()
+
+
+def _entry(stats: TensorStats) -> dict[str, Any]:
+    values: dict[str, float | int] = {}
+    for stat, value in stats.values.items():
+        try:
+            values[str(stat)] = float(value)
+        except (TypeError, ValueError):
+            continue
+    if stats.summary is not None:
+        for key, value in stats.summary.as_dict().items():
+            values.setdefault(key, value)
+    return {
+        "name": stats.name,
+        "module": stats.module,
+        "phase": stats.phase,
+        "kind": stats.kind,
+        "shape": list(stats.shape),
+        "dtype": stats.dtype,
+        "stats": values,
+        "module_type": stats.module_type,
+        "call": stats.call,
+        "trainable": stats.trainable,
+    }
+
+
+def _modules(session: Any) -> list[dict[str, Any]]:
+    model = session.model
+    if model is None:
+        return []
+    calls = session.published.calls
+    return [
+        {
+            "path": path,
+            "type": type(module).__name__,
+            "depth": path.count(".") + 1 if path else 0,
+            "params": sum(p.numel() for p in module.parameters()),
+            "hits": 0,
+            "calls": calls.get(path, 0),
+            "stats": {},
+        }
+        for path, module in model.named_modules()
+    ]
+
+
+def _run_meta(session: Any) -> dict[str, Any]:
+    rules = []
+    for active in list(session.rules):
+        rule = active.rule
+        try:
+            params = {k: _plain(v) for k, v in rule.params().items()}
+        except Exception:
+            params = {}
+        rules.append({"id": active.id, "name": rule.name, "enabled": active.enabled,
+                      "params": params, "match": list(rule.match),
+                      "exclude": list(rule.exclude), "kinds": sorted(rule.kinds)})  # fmt: skip
+    return {
+        "run_id": session.run_id,
+        "torch_version": torch.__version__,
+        "device": str(session.device),
+        "argv": list(sys.argv),
+        "sync": session.mode,
+        "interval": session.interval,
+        "rules": rules,
+    }
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return value
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return str(value)
+
+
+def _steps(steps: list[int]) -> str:
+    shown = ", ".join(str(s) for s in steps[:10])
+    return shown + (f" and {len(steps) - 10} more" if len(steps) > 10 else "")

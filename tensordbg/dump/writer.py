@@ -1,0 +1,283 @@
+"""Writing a dump: :class:`DumpWriter`, numpy-level (no torch), so tests and offline tools can
+build dumps too. The session's subscriber (:mod:`tensordbg.dump.subscriber`) calls it from its
+background thread. The layout is described in :mod:`tensordbg.dump.format`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import secrets
+import shutil
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tensordbg.dump import format as fmt
+
+NOT_FINISHED = "the run did not finish (it was killed, or is still running)"
+
+
+@dataclass(slots=True)
+class _Written:
+    """What the writer remembers of a step it wrote, to bound the dump's size."""
+
+    file: str | None
+    nbytes: int
+    line_bytes: int
+    keep: bool
+
+
+class DumpWriter:
+    """Writes one rank's steps into a run directory.
+
+    >>> writer = DumpWriter("runs/dbg", {"run_id": "a1b2", "argv": ["train.py"]})
+    >>> writer.write_step(12, 0, [{"name": "fc.output", "module": "fc", "phase": "forward",
+    ...     "kind": "output", "shape": [4, 8], "dtype": "float32", "stats": {"l2": 3.1}}],
+    ...     {"fc.output": np.zeros((4, 8), np.float32)}, hits=[])
+    >>> writer.close()
+
+    ``entries`` are the step's watched tensors in execution order (``name``, ``module``,
+    ``phase``, ``kind``, ``shape``, ``dtype``, ``stats`` and optionally ``provenance``,
+    ``module_type``, ``call``); ``values`` maps some of their names to numpy arrays (bfloat16 and
+    float8 as ``ml_dtypes`` arrays). A step with hits is never evicted under ``max_bytes``; the
+    oldest other steps are. Writing the same step again replaces it. Errors (a full disk) raise
+    ``OSError``: the caller decides; :meth:`fail` marks the dump incomplete.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        meta: Mapping[str, Any] | None = None,
+        *,
+        rank: int = 0,
+        max_bytes: int | None = None,
+    ):
+        self.root = Path(path)
+        self.rank = int(rank)
+        self.max_bytes = max_bytes
+        self.meta: dict[str, Any] = {
+            "format_version": fmt.FORMAT_VERSION,
+            "run_id": secrets.token_hex(4),
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch_version": None,
+            "device": None,
+            "argv": [],
+            "rules": [],
+            **(meta or {}),
+            "complete": False,
+            "reason_incomplete": NOT_FINISHED,
+        }
+        self.meta["format_version"] = fmt.FORMAT_VERSION
+        self.evicted: list[tuple[int, int]] = []
+        self.closed = False
+        self._dirs: dict[int, Path] = {}
+        self._written: dict[tuple[int, int], _Written] = {}
+        self._index_bytes: dict[int, int] = {}
+        self._said_full = False
+        self._dir(self.rank)
+
+    # --- public ------------------------------------------------------------------------------
+
+    def write_step(
+        self,
+        step: int,
+        rank: int,
+        entries: Sequence[Mapping[str, Any]],
+        values: Mapping[str, np.ndarray],
+        hits: Sequence[Mapping[str, Any]],
+        modules: Sequence[Mapping[str, Any]] | None = None,
+        numbers: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Write one step of one rank: its values (if any) as one safetensors file, then one
+        line of the index naming it. ``numbers`` are the step's loss, gradient norm and rate
+        (the bus's ``step_end``)."""
+        directory = self._dir(rank)
+        if modules is not None:
+            self._append(rank, {"type": "modules", "modules": list(modules)})
+        # A name seen twice in a step (a parameter checked in two phases) has its value, which
+        # is the latest, stored with its last entry.
+        last = {str(e["name"]): order for order, e in enumerate(entries)}
+        arrays: dict[str, np.ndarray] = {}
+        out_entries = []
+        for order, entry in enumerate(entries):
+            record = {k: _plain(v) for k, v in entry.items()}
+            record.setdefault("order", order)
+            record["shape"] = [int(d) for d in record.get("shape", ())]
+            name = str(record["name"])
+            if name in values and last[name] == order:
+                array = arrays[name] = np.asarray(values[name])
+                record.update(key=name, shape=list(array.shape), dtype=fmt.dtype_name(array.dtype))
+            out_entries.append(record)
+        for name, array in values.items():
+            if name not in last:  # a value with no entry still gets one
+                array = arrays[name] = np.asarray(array)
+                out_entries.append({"name": name, "order": len(out_entries), "key": name,
+                                    "shape": list(array.shape),
+                                    "dtype": fmt.dtype_name(array.dtype), "stats": {}})  # fmt: skip
+        line: dict[str, Any] = {"type": "step", "step": int(step), "rank": int(rank)}
+        previous = self._written.get((step, rank))
+        file_name = None
+        if arrays:
+            file_name = fmt.step_file(step, rank)
+            if previous is not None and previous.file == file_name:
+                file_name = file_name.replace(
+                    ".safetensors", f"-{secrets.token_hex(2)}.safetensors"
+                )
+            header, offsets = fmt.safetensors_header(arrays)
+            chunks: list[bytes | memoryview] = [header]
+            crcs: dict[str, int] = {}
+            for key, array in arrays.items():
+                data = fmt.array_bytes(array)
+                crcs[key] = zlib.crc32(data)
+                chunks.append(data)
+            # The file's checksum is its header's and each tensor's (one pass over the bytes).
+            nbytes, _ = fmt.write_atomic(directory / file_name, chunks, checksum=False)
+            for record in out_entries:
+                key = record.get("key")
+                if key is not None:
+                    record["offsets"] = offsets[key]
+                    record["crc"] = crcs[key]
+            line.update(file=file_name, nbytes=nbytes, header_crc=zlib.crc32(header),
+                        data_start=len(header))  # fmt: skip
+        else:
+            nbytes = 0
+            line.update(file=None, nbytes=0)
+        line["entries"] = out_entries
+        line["hits"] = [{k: _plain(v) for k, v in h.items()} for h in hits]
+        if numbers is not None:
+            line["numbers"] = _plain(dict(numbers))
+        line_bytes = self._append(rank, line)
+        keep = bool(hits) or bool(previous and previous.keep)
+        self._written[(step, rank)] = _Written(file_name, nbytes, line_bytes, keep)
+        if previous is not None and previous.file and previous.file != file_name:
+            _unlink(directory / previous.file)
+        if self.max_bytes is not None and self.total_bytes() > self.max_bytes:
+            self._evict()
+
+    def total_bytes(self) -> int:
+        """The dump's size on disk, as written by this writer (files and index)."""
+        return sum(w.nbytes for w in self._written.values()) + sum(self._index_bytes.values())
+
+    def fail(self, reason: str) -> None:
+        """Mark the dump incomplete, saying why (when even that can be written)."""
+        self.meta["complete"] = False
+        self.meta["reason_incomplete"] = reason
+        with contextlib.suppress(OSError):  # meta.json already says the run did not finish
+            self._write_meta()
+
+    def close(self, complete: bool = True, reason: str | None = None) -> None:
+        """Finish the dump: ``complete`` unless a write failed (see :meth:`fail`)."""
+        if self.closed:
+            return
+        self.closed = True
+        if complete and self.meta.get("reason_incomplete") in (None, NOT_FINISHED):
+            self.meta["complete"] = True
+            self.meta["reason_incomplete"] = None
+        elif reason:
+            self.meta["complete"] = False
+            self.meta["reason_incomplete"] = reason
+        with contextlib.suppress(OSError):
+            self._write_meta()
+
+    # --- inside ------------------------------------------------------------------------------
+
+    def _dir(self, rank: int) -> Path:
+        directory = self._dirs.get(rank)
+        if directory is not None:
+            return directory
+        directory = fmt.rank_dir(self.root, rank)
+        if (directory / fmt.META).exists():
+            # A dump of an earlier run in the same place: this run replaces it, whole.
+            shutil.rmtree(directory)
+        elif directory.exists():
+            raise FileExistsError(f"{directory} exists and is not a tensordbg dump")
+        directory.mkdir(parents=True)
+        fmt.fsync_dir(directory.parent)
+        self._dirs[rank] = directory
+        self._index_bytes[rank] = 0
+        self._write_meta(rank)
+        (directory / fmt.INDEX).touch()
+        return directory
+
+    def _write_meta(self, rank: int | None = None) -> None:
+        ranks = [rank] if rank is not None else list(self._dirs)
+        for r in ranks:
+            text = fmt.json.dumps({**self.meta, "rank": r}, indent=1, allow_nan=True)
+            fmt.write_atomic(fmt.rank_dir(self.root, r) / fmt.META, [text.encode()])
+
+    def _append(self, rank: int, record: dict[str, Any]) -> int:
+        line = fmt.index_line(record)
+        path = self._dirs[rank] / fmt.INDEX
+        with open(path, "ab") as f:
+            start = f.tell()
+            try:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
+            except BaseException:
+                f.truncate(start)  # never leave a half line for the next one to follow
+                raise
+        self._index_bytes[rank] += len(line)
+        return len(line)
+
+    def _evict(self) -> None:
+        """Remove the oldest steps without hits until the dump is back under 90 % of
+        ``max_bytes`` (room for a few steps, so that the index is not rewritten every step)."""
+        assert self.max_bytes is not None
+        target = self.max_bytes * 0.9
+        total = self.total_bytes()
+        gone: list[tuple[int, int]] = []
+        for key in sorted(self._written):
+            if total <= target:
+                break
+            written = self._written[key]
+            if written.keep:
+                continue
+            total -= written.nbytes + written.line_bytes
+            gone.append(key)
+        if not gone:
+            return
+        for rank in {r for _, r in gone}:
+            self._rewrite_index(rank, {s for s, r in gone if r == rank})
+        for step, rank in gone:
+            written = self._written.pop((step, rank))
+            if written.file:
+                _unlink(self._dirs[rank] / written.file)
+            self.evicted.append((step, rank))
+
+    def _rewrite_index(self, rank: int, steps: set[int]) -> None:
+        path = self._dirs[rank] / fmt.INDEX
+        kept = []
+        with open(path, "rb") as f:
+            for line in f:
+                try:
+                    record = fmt.parse_index_line(line)
+                except ValueError:
+                    continue
+                if record.get("type") == "step" and record.get("step") in steps:
+                    continue
+                kept.append(line)
+        size, _ = fmt.write_atomic(path, kept)
+        self._index_bytes[rank] = size
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+def _plain(value: Any) -> Any:
+    """What JSON can hold: numpy scalars become Python numbers, tuples lists."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value

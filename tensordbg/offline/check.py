@@ -1,0 +1,377 @@
+"""``tensordbg check``: the rules judged again, offline, on a dump.
+
+The same rule code as a live training judges the dumped statistics, through the engine's rule
+set (:class:`tensordbg.engine.judge.RuleSet`): steps in order, tensors in execution order within
+a step, phase-wide rules at the end of each phase, each rule with its memory across steps. A
+statistic a rule needs that the dump does not hold is computed from the tensor's dumped value
+when there is one; when there is none, that rule cannot judge that tensor, and the report says
+so (``unjudged``) instead of counting it as passed.
+
+>>> report = check_dump(tensordbg.load("runs/dbg"), rules=[NaN(), Overflow()])
+>>> report.findings[0].tensor, report.exit_code
+('blocks.0.attn.output', 1)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tensordbg.engine.judge import RuleSet
+from tensordbg.engine.records import Record
+from tensordbg.rules import Rule, available_rules, default_rules
+from tensordbg.statistics import REGISTRY, Stat, TensorStats, compute_numpy
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(slots=True)
+class Finding:
+    """One rule that fired on one dumped tensor."""
+
+    step: int
+    rank: int
+    phase: str
+    order: int
+    tensor: str
+    module: str
+    kind: str
+    rule: str
+    value: float
+    threshold: float | None
+    message: str
+
+
+@dataclass(slots=True)
+class Unjudged:
+    """A rule that could not judge some tensors: the dump holds neither the statistics it needs
+    nor the values to compute them from."""
+
+    rule: str
+    missing: list[str]
+    tensors: int
+    first_tensor: str
+    first_step: int
+
+
+@dataclass(slots=True)
+class CheckReport:
+    """What ``tensordbg check`` found; :meth:`as_json` is its documented JSON schema."""
+
+    path: str
+    run_id: str
+    rules: list[str]
+    ranks: list[int]
+    steps: int
+    tensors: int
+    findings: list[Finding] = field(default_factory=list)
+    unjudged: list[Unjudged] = field(default_factory=list)
+    broken: list[dict[str, Any]] = field(default_factory=list)
+    complete: bool = True
+    notes: list[str] = field(default_factory=list)  # rules of the run that were not checked
+
+    @property
+    def exit_code(self) -> int:
+        """0 when no rule fired, 1 when one did."""
+        return 1 if self.findings else 0
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA_VERSION,
+            "dump": self.path,
+            "run_id": self.run_id,
+            "rules": self.rules,
+            "ranks": self.ranks,
+            "steps": self.steps,
+            "tensors": self.tensors,
+            "complete": self.complete,
+            "clean": not self.findings,
+            "findings": [_jsonable(asdict(f)) for f in self.findings],
+            "unjudged": [asdict(u) for u in self.unjudged],
+            "broken": self.broken,
+            "notes": self.notes,
+        }
+
+    def table(self, limit: int = 50) -> str:
+        """The report for a person: the findings in execution order (the first is where a
+        problem surfaced), what could not be judged, and the broken steps."""
+        lines = []
+        for f in self.findings[:limit]:
+            rank = f" rank {f.rank}" if len(self.ranks) > 1 else ""
+            lines.append(f"step {f.step}{rank} {f.phase:<9} {f.rule:<18} {f.tensor}")
+            lines.append(f"    {f.message}")
+        if len(self.findings) > limit:
+            lines.append(f"... and {len(self.findings) - limit} more findings (--json lists all)")
+        for u in self.unjudged:
+            lines.append(
+                f"{u.rule} could not judge {u.tensors} tensor{'s' * (u.tensors != 1)}: the dump "
+                f"holds no {', '.join(u.missing)} for them nor their values (first: "
+                f"{u.first_tensor} at step {u.first_step})"
+            )
+        for b in self.broken:
+            lines.append(f"step {b['step']} of rank {b['rank']} was not checked: {b['reason']}")
+        lines.extend(self.notes)
+        if not self.complete:
+            lines.append("the dump is incomplete: the run stopped before it was closed")
+        n = len(self.findings)
+        verdict = f"{n} finding{'s' * (n != 1)}" if n else "clean"
+        names = ", ".join(r.split("(")[0] for r in self.rules) or "no rules"
+        lines.append(
+            f"{verdict}: {names} over {self.tensors} tensors of {self.steps} steps in {self.path}"
+        )
+        return "\n".join(lines)
+
+
+def check_dump(
+    dump: Any, rules: Sequence[Rule] | None = None, ranks: Iterable[int] | None = None
+) -> CheckReport:
+    """Judge every dumped step of ``ranks`` (all by default) with ``rules`` (the run's own, as
+    its metadata names them, else the default rules)."""
+    notes: list[str] = []
+    chosen = list(rules) if rules is not None else recorded_rules(dump.meta, notes)
+    ranks = sorted(dump.ranks if ranks is None else ranks)
+    report = CheckReport(
+        path=str(dump.path),
+        run_id=str(dump.meta.get("run_id", "")),
+        rules=[repr(r) for r in chosen],
+        ranks=ranks,
+        steps=0,
+        tensors=0,
+        complete=bool(dump.meta.get("complete", True)),
+        notes=notes,
+    )
+    unjudged: dict[tuple[str, tuple[str, ...]], Unjudged] = {}
+    for rank in ranks:
+        # Each rank is its own training: its own rules' memory.
+        ruleset = RuleSet(chosen, log=lambda message, level: None)
+        for (step, r), reason in sorted(dump.broken.items()):
+            if r == rank:
+                report.broken.append({"step": step, "rank": rank, "reason": reason})
+        broken_steps = {s for s, r in dump.broken if r == rank}
+        for step in dump.steps(rank):
+            if step in broken_steps:
+                continue
+            try:
+                entries = dump.tensors(step, rank=rank)
+            except Exception as e:  # DumpError: a step that broke since it was listed
+                report.broken.append({"step": step, "rank": rank, "reason": str(e)})
+                continue
+            report.steps += 1
+            report.tensors += len(entries)
+            _judge_step(dump, ruleset, step, rank, entries, report, unjudged)
+    report.unjudged = list(unjudged.values())
+    return report
+
+
+def recorded_rules(meta: dict[str, Any], notes: list[str] | None = None) -> list[Rule]:
+    """The rules a dump's metadata names, with their thresholds and selections, else the
+    default rules. A rule that cannot be rebuilt here (not installed, thresholds it no longer
+    takes) is left out, with a sentence in ``notes``."""
+    recorded = meta.get("rules")
+    if not recorded:
+        return default_rules()
+    available = available_rules()
+    out = []
+    for spec in recorded:
+        spec = spec if isinstance(spec, dict) else {"name": str(spec)}
+        name = str(spec.get("name", ""))
+        if spec.get("enabled") is False:
+            continue
+        cls = available.get(name)
+        if cls is None:
+            _note(notes, f"the run's rule {name} is not installed here: it was not checked")
+            continue
+        selection = {k: spec[k] for k in ("match", "exclude", "kinds") if spec.get(k)}
+        params = {k: _number(v) for k, v in (spec.get("params") or {}).items() if v is not None}
+        try:
+            out.append(cls(**selection, **params))
+        except (TypeError, ValueError) as e:
+            _note(notes, f"the run's rule {name} cannot be rebuilt here ({e}): it was not checked")
+    return out or default_rules()
+
+
+def _note(notes: list[str] | None, text: str) -> None:
+    if notes is not None:
+        notes.append(text)
+
+
+def parse_stat(name: str) -> Stat | None:
+    """A dumped statistic's name as the rules ask for it: ``"l2"`` or
+    ``"in_range_frac(-1, 0)"``; None for a name the registry does not know."""
+    head, sep, rest = name.partition("(")
+    if head not in REGISTRY:
+        return None
+    if not sep:
+        return Stat(head)
+    try:
+        params = tuple(float(p) for p in rest.rstrip(")").split(",") if p.strip())
+    except ValueError:
+        return None
+    return Stat(head, params)
+
+
+# --- one step -----------------------------------------------------------------------------
+
+
+def _judge_step(
+    dump: Any,
+    ruleset: RuleSet,
+    step: int,
+    rank: int,
+    entries: Sequence[Any],
+    report: CheckReport,
+    unjudged: dict[tuple[str, tuple[str, ...]], Unjudged],
+) -> None:
+    phase: str | None = None
+    records: list[Record] = []
+    for entry in entries:
+        if entry.phase != phase:
+            _end_phase(ruleset, records, rank, report)
+            phase, records = entry.phase, []
+        stats = TensorStats(
+            name=entry.name,
+            module=entry.module,
+            kind=entry.kind,
+            phase=entry.phase,
+            step=step,
+            shape=tuple(entry.shape),
+            dtype=entry.dtype,
+            values=_values(entry.stats),
+            module_type=getattr(entry, "module_type", ""),
+            call=getattr(entry, "call", 0),
+            trainable=getattr(entry, "trainable", entry.kind in ("param", "grad", "update")),
+        )
+        record = Record(stats, None, 0, 0)
+        applicable = ruleset.applicable(stats)
+        if not applicable.rule_ids:
+            continue
+        value = _Value(dump, entry, step, rank) if entry.has_value else None
+        judged = []
+        for group in applicable.checks:
+            kept = []
+            for active in group:
+                missing = [s for s in active.rule.stats_for(stats) if s not in stats.values]
+                if missing and value is not None and value.fill(stats, missing):
+                    missing = []
+                if missing:
+                    _note_unjudged(unjudged, active.rule.name, missing, entry.name, step)
+                else:
+                    kept.append(active)
+            judged.append(tuple(kept))
+        record.rule_ids = applicable.rule_ids
+        record.checks = tuple(judged)
+        ruleset.judge(record, value.measure if value is not None else None)
+        for rule_id, finding in record.findings.items():
+            report.findings.append(_finding(ruleset, rule_id, finding, entry, step, rank))
+        records.append(record)
+    _end_phase(ruleset, records, rank, report)
+
+
+def _end_phase(ruleset: RuleSet, records: list[Record], rank: int, report: CheckReport) -> None:
+    for record, rule_id, finding in ruleset.judge_phase(records):
+        s = record.stats
+        report.findings.append(
+            Finding(
+                s.step,
+                rank,
+                s.phase,
+                -1,
+                s.name,
+                s.module,
+                s.kind,
+                _rule_name(ruleset, rule_id),
+                float(finding.value),
+                _threshold(finding.threshold),
+                finding.message,
+            )
+        )
+
+
+class _Value:
+    """A dumped tensor's value, memory-mapped on first use, for statistics the index lacks."""
+
+    def __init__(self, dump: Any, entry: Any, step: int, rank: int):
+        self.dump, self.entry, self.step, self.rank = dump, entry, step, rank
+        self._array: Any = None
+
+    def array(self) -> Any:
+        if self._array is None:
+            self._array = self.dump.tensor(self.entry.name, rank=self.rank).value(self.step)
+        return self._array
+
+    def fill(self, stats: TensorStats, missing: Sequence[Stat]) -> bool:
+        """Compute ``missing`` from the value; False when they need what a dump never holds
+        (the parameter before the step) or the value cannot be read."""
+        if any(REGISTRY[s.name].needs_prev for s in missing):
+            return False
+        try:
+            stats.values.update(compute_numpy(self.array(), missing))
+        except Exception:
+            return False
+        return True
+
+    def measure(self, stats: TensorStats, wanted: Sequence[Stat]) -> list[float]:
+        computed = compute_numpy(self.array(), wanted)
+        return [computed[s] for s in wanted]
+
+
+def _values(dumped: dict[str, Any]) -> dict[Stat, float]:
+    out = {}
+    for name, value in dumped.items():
+        stat = _parsed.get(name, _UNSEEN)
+        if stat is _UNSEEN:  # a few names recur on every tensor: each is parsed once
+            stat = _parsed[name] = parse_stat(name)
+        if stat is not None and isinstance(value, (int, float)):
+            out[stat] = float(value)
+    return out
+
+
+_parsed: dict[str, Stat | None] = {}
+_UNSEEN: Any = object()
+
+
+def _note_unjudged(
+    unjudged: dict[tuple[str, tuple[str, ...]], Unjudged],
+    rule: str,
+    missing: Sequence[Stat],
+    tensor: str,
+    step: int,
+) -> None:
+    key = (rule, tuple(str(s) for s in missing))
+    found = unjudged.get(key)
+    if found is None:
+        unjudged[key] = Unjudged(rule, list(key[1]), 1, tensor, step)
+    else:
+        found.tensors += 1
+
+
+def _finding(ruleset: RuleSet, rule_id: int, finding: Any, entry: Any, step: int,
+             rank: int) -> Finding:  # fmt: skip
+    return Finding(step, rank, entry.phase, entry.order, entry.name, entry.module, entry.kind,
+                   _rule_name(ruleset, rule_id), float(finding.value),
+                   _threshold(finding.threshold), finding.message)  # fmt: skip
+
+
+def _rule_name(ruleset: RuleSet, rule_id: int) -> str:
+    active = ruleset.get(rule_id)
+    return active.rule.name if active is not None else "?"
+
+
+def _threshold(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _number(value: Any) -> Any:
+    if isinstance(value, str) and value in ("inf", "-inf", "nan"):
+        return float(value)
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
+    """Non-finite numbers as strings: JSON has no NaN or Infinity."""
+    return {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in row.items()}  # fmt: skip

@@ -1,0 +1,267 @@
+"""``tensordbg diff``: where two runs parted.
+
+Two dumps of the same model (before and after a change, eager against ``torch.compile``, two
+ranks, two library versions) are walked together, step by step and within a step in execution
+order; the first tensor whose statistics (or values, where both dumps hold them) differ beyond
+``atol + rtol * |b|`` is named, with what differs. The statistics come from the two indexes,
+which cost no tensor read; values are read only for tensors before that first difference
+(identical bytes are recognised without converting them), so a diff costs about as much as
+listing the two dumps.
+
+>>> report = diff_dumps(tensordbg.load("runs/eager"), tensordbg.load("runs/compiled"))
+>>> report.first.tensor, report.first.step
+('blocks.3.mlp.output', 120)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+CHUNK = 1 << 22  # elements compared at a time: memory stays bounded on huge tensors
+
+
+@dataclass(slots=True)
+class StatDifference:
+    stat: str
+    a: float
+    b: float
+
+
+@dataclass(slots=True)
+class ValueDifference:
+    elements: int  # how many elements differ beyond the tolerance
+    numel: int
+    first_index: list[int]
+    a: float
+    b: float
+    max_abs_diff: float
+
+
+@dataclass(slots=True)
+class Difference:
+    """The first place the two runs differ."""
+
+    step: int
+    phase: str
+    tensor: str
+    module: str
+    kind: str
+    what: str  # "only in a", "only in b", "shape", "dtype", "statistics" or "values"
+    stats: list[StatDifference] = field(default_factory=list)
+    values: ValueDifference | None = None
+    a_shape: list[int] | None = None
+    b_shape: list[int] | None = None
+
+    def sentence(self) -> str:
+        where = f"step {self.step}, {self.phase}, {self.tensor}"
+        if self.what in ("only in a", "only in b"):
+            side = "A" if self.what == "only in a" else "B"
+            return f"{where}: dumped only in {side}"
+        if self.what == "shape":
+            return f"{where}: shape {self.a_shape} in A, {self.b_shape} in B"
+        if self.what == "dtype":
+            return f"{where}: its dtype differs"
+        parts = [f"{s.stat} {_g(s.a)} in A, {_g(s.b)} in B" for s in self.stats[:4]]
+        if self.values is not None:
+            v = self.values
+            parts.append(
+                f"{v.elements} of {v.numel} values differ, the first at {v.first_index}: "
+                f"{_g(v.a)} in A, {_g(v.b)} in B (largest difference {_g(v.max_abs_diff)})"
+            )
+        return f"{where}: {'; '.join(parts)}"
+
+
+@dataclass(slots=True)
+class DiffReport:
+    """What ``tensordbg diff`` found; :meth:`as_json` is its documented JSON schema."""
+
+    a: str
+    b: str
+    ranks: tuple[int, int]
+    rtol: float
+    atol: float
+    steps: int = 0  # steps compared
+    tensors: int = 0  # tensors compared (statistics)
+    values: int = 0  # tensors whose values were compared
+    first: Difference | None = None
+    later: int = 0  # tensors after the first difference whose statistics differ too
+    only_in_a: list[int] = field(default_factory=list)  # steps
+    only_in_b: list[int] = field(default_factory=list)
+    broken: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        """0 when the runs agree on every step both dumped, 1 when they differ (or share no
+        step to compare)."""
+        return 1 if self.first is not None or not self.steps else 0
+
+    def as_json(self) -> dict[str, Any]:
+        return _jsonable(
+            {
+                "schema": SCHEMA_VERSION,
+                "a": self.a,
+                "b": self.b,
+                "ranks": list(self.ranks),
+                "rtol": self.rtol,
+                "atol": self.atol,
+                "agree": self.exit_code == 0,
+                "steps": self.steps,
+                "tensors": self.tensors,
+                "values": self.values,
+                "first": None
+                if self.first is None
+                else {**asdict(self.first), "sentence": self.first.sentence()},
+                "later": self.later,
+                "only_in_a": self.only_in_a,
+                "only_in_b": self.only_in_b,
+                "broken": self.broken,
+            }
+        )
+
+    def text(self) -> str:
+        lines = []
+        if self.first is not None:
+            lines.append(f"The runs part at {self.first.sentence()}.")
+            if self.later:
+                lines.append(f"After it, the statistics of {self.later} more tensors differ.")
+        elif not self.steps:
+            lines.append("The two dumps have no readable step in common: nothing to compare.")
+        else:
+            lines.append(
+                f"The runs agree: {self.tensors} tensors of {self.steps} steps within "
+                f"rtol={self.rtol:g}, atol={self.atol:g} ({self.values} compared by value)."
+            )
+        for side, steps in (("A", self.only_in_a), ("B", self.only_in_b)):
+            if steps:
+                lines.append(f"Steps dumped only in {side} (not compared): {_steps(steps)}")
+        for b in self.broken:
+            lines.append(f"Not compared: {b['reason']}")
+        return "\n".join(lines)
+
+
+def diff_dumps(
+    a: Any, b: Any, *, rtol: float = 1e-5, atol: float = 1e-8, ranks: Sequence[int] = (0, 0)
+) -> DiffReport:
+    """Compare rank ``ranks[0]`` of dump ``a`` with rank ``ranks[1]`` of dump ``b``."""
+    rank_a, rank_b = ranks
+    report = DiffReport(str(a.path), str(b.path), (rank_a, rank_b), rtol, atol)
+    steps_a, steps_b = set(a.steps(rank_a)), set(b.steps(rank_b))
+    report.only_in_a = sorted(steps_a - steps_b)
+    report.only_in_b = sorted(steps_b - steps_a)
+    for step in sorted(steps_a & steps_b):
+        try:
+            entries_a = a.tensors(step, rank=rank_a)
+            entries_b = {e.name: e for e in b.tensors(step, rank=rank_b)}
+        except Exception as e:  # DumpError: one side's step cannot be read
+            report.broken.append({"step": step, "reason": str(e)})
+            continue
+        report.steps += 1
+        names_a = {e.name for e in entries_a}
+        walk = [(e, entries_b.get(e.name)) for e in entries_a]
+        walk += [(None, e) for name, e in entries_b.items() if name not in names_a]
+        for entry_a, entry_b in walk:
+            report.tensors += 1
+            difference = _compare(a, b, report, step, entry_a, entry_b, values=report.first is None)
+            if difference is not None:
+                if report.first is None:
+                    report.first = difference
+                else:
+                    report.later += 1
+    return report
+
+
+def _compare(
+    a: Any, b: Any, report: DiffReport, step: int, ea: Any, eb: Any, values: bool
+) -> Difference | None:
+    either = ea if ea is not None else eb
+
+    def difference(what: str, **more: Any) -> Difference:
+        return Difference(step, either.phase, either.name, either.module, either.kind, what,
+                          **more)  # fmt: skip
+
+    if ea is None or eb is None:
+        return difference("only in b" if ea is None else "only in a")
+    if tuple(ea.shape) != tuple(eb.shape):
+        return difference("shape", a_shape=list(ea.shape), b_shape=list(eb.shape))
+    if ea.dtype != eb.dtype:
+        return difference("dtype", a_shape=list(ea.shape), b_shape=list(eb.shape))
+    stats = [
+        StatDifference(name, float(ea.stats[name]), float(eb.stats[name]))
+        for name in ea.stats
+        if name in eb.stats and not _close(ea.stats[name], eb.stats[name], report)
+    ]
+    value = None
+    if values and ea.has_value and eb.has_value:
+        # Before the first difference every value is compared; at it, the values say where.
+        report.values += 1
+        value = _compare_values(
+            a.tensor(ea.name, rank=report.ranks[0]).value(step),
+            b.tensor(eb.name, rank=report.ranks[1]).value(step),
+            report,
+        )
+    if stats or value is not None:
+        return difference("statistics" if stats else "values", stats=stats, values=value)
+    return None
+
+
+def _close(x: Any, y: Any, report: DiffReport) -> bool:
+    x, y = float(x), float(y)
+    if x == y or (math.isnan(x) and math.isnan(y)):
+        return True
+    return abs(x - y) <= report.atol + report.rtol * abs(y)
+
+
+def _compare_values(x: np.ndarray, y: np.ndarray, report: DiffReport) -> ValueDifference | None:
+    if x.shape != y.shape:
+        return None  # the shapes were compared already
+    if x.dtype == y.dtype and np.array_equal(_bytes(x), _bytes(y)):
+        return None  # the same bits: no conversion needed
+    fx, fy = x.reshape(-1), y.reshape(-1)
+    count, first, worst = 0, -1, 0.0
+    for start in range(0, fx.size, CHUNK):
+        cx = np.asarray(fx[start : start + CHUNK], dtype=np.float64)
+        cy = np.asarray(fy[start : start + CHUNK], dtype=np.float64)
+        with np.errstate(all="ignore"):
+            close = np.isclose(cx, cy, rtol=report.rtol, atol=report.atol, equal_nan=True)
+            gaps = np.abs(cx - cy)
+        bad = ~close
+        n = int(np.count_nonzero(bad))
+        if n:
+            if first < 0:
+                first = start + int(np.argmax(bad))
+            worst = max(worst, float(np.nanmax(np.where(bad, gaps, 0.0))))
+            count += n
+    if not count:
+        return None
+    index = [int(i) for i in np.unravel_index(first, x.shape)] if x.ndim else []
+    return ValueDifference(count, int(fx.size), index, float(fx[first]), float(fy[first]), worst)
+
+
+def _bytes(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+
+
+def _g(x: float) -> str:
+    return f"{x:.6g}"
+
+
+def _steps(steps: list[int]) -> str:
+    shown = ", ".join(map(str, steps[:10]))
+    return shown + (f" and {len(steps) - 10} more" if len(steps) > 10 else "")
+
+
+def _jsonable(value: Any) -> Any:
+    """Non-finite numbers as strings: JSON has no NaN or Infinity."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value

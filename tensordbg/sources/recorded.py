@@ -1,0 +1,85 @@
+"""What a dump recorded (provenance, the rule configuration), as the plain data of the Source
+schema; and the rules a recorded run can be checked with. numpy-free, torch-free."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+from tensordbg.rules import Rule, available_rules
+from tensordbg.sources import contract
+
+
+def call_site(value: Any) -> contract.CallSite | None:
+    if not isinstance(value, dict):
+        return None
+    return {"module": str(value.get("module", "")), "type": str(value.get("type", "")),
+            "call": int(value.get("call", 0))}  # fmt: skip
+
+
+def source_line(value: Any) -> contract.SourceLine | None:
+    if not isinstance(value, dict) or "file" not in value:
+        return None
+    return {
+        "file": str(value["file"]),
+        "line": int(value.get("line", 0)),
+        "function": str(value.get("function", "")),
+        "context": [[int(c[0]), str(c[1])] for c in value.get("context") or [] if len(c) == 2],
+    }
+
+
+def _listed(value: Any) -> list[Any]:
+    return [value] if isinstance(value, str) else list(value or [])
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def _doc(cls: type[Rule]) -> str:
+    doc = inspect.getdoc(cls) or cls.__name__
+    return doc.strip().splitlines()[0]
+
+
+def _default_params(cls: type[Rule]) -> dict[str, Any]:
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    out = {}
+    for name, p in inspect.signature(cls.__init__).parameters.items():
+        if name in ("self", "match", "exclude", "kinds") or p.kind not in named:
+            continue
+        out[name] = _plain(None if p.default is inspect.Parameter.empty else p.default)
+    return out
+
+
+def available() -> list[contract.AvailableRule]:
+    """Every installed rule with its default thresholds, as the Rules tab lists them."""
+    return [{"name": name, "doc": _doc(cls), "params": _default_params(cls)}
+            for name, cls in available_rules().items()]  # fmt: skip
+
+
+def rule_dicts(recorded: Any, hits: dict[str, int]) -> list[contract.Rule]:
+    """The rules a dump's metadata names, as the schema's rules (read only)."""
+    out = []
+    for i, spec in enumerate(recorded if isinstance(recorded, list) else []):
+        spec = spec if isinstance(spec, dict) else {"name": str(spec)}
+        name = str(spec.get("name", "?"))
+        out.append(
+            {
+                "id": i,
+                "name": name,
+                "enabled": bool(spec.get("enabled", True)),
+                "doc": str(spec.get("doc", "")),
+                "params": {str(k): _plain(v) for k, v in (spec.get("params") or {}).items()},
+                "match": [str(m) for m in _listed(spec.get("match", ["*"]))],
+                "exclude": [str(m) for m in _listed(spec.get("exclude", []))],
+                "kinds": [str(m) for m in _listed(spec.get("kinds", []))],
+                "disabled_reason": None,
+                "hits": hits.get(name, 0),
+            }
+        )
+    return out

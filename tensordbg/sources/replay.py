@@ -1,0 +1,475 @@
+"""A dump as a :class:`~tensordbg.sources.contract.Source`: the UI over a recorded run.
+
+A replay is read, never driven: it serves :data:`~tensordbg.sources.contract.REPLAY` (no
+``control``, no rule edits) and shows one dumped step at a time; :meth:`ReplaySource.goto` moves
+between them. Statistics come from the dump's index; values, slices and histograms from the
+memory-mapped safetensors file, so a slice of a huge tensor reads only that slice. A step whose
+file is broken is shown as broken (``info["replay"]["broken"]``), and every other step stays
+readable. numpy only: this module never imports torch.
+
+>>> source = ReplaySource(tensordbg.load("runs/dbg"))
+>>> source.goto(move=1)["step"]
+13
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from tensordbg.sources import contract, recorded
+from tensordbg.sources.contract import EventCallback, SourceError
+from tensordbg.sources.slicing import (
+    SliceError,
+    apply_index,
+    clamp_window,
+    format_index,
+    grid_shape,
+    parse_index,
+    window_of,
+)
+from tensordbg.statistics import describe, summarize_numpy
+from tensordbg.transport.wire import DTYPES, MAX_REPLY_BYTES, WireArray
+
+MAX_BINS = 1024
+HISTORY = 500  # steps of loss and gradient norm shown on the Run tab
+_ACTIVATIONS = ("input", "output", "grad_output", "grad_input")
+
+
+class ReplaySource:
+    """Serves one rank of a :class:`tensordbg.dump.Dump` to the UI, one dumped step at a time.
+
+    It opens at the step of the dump's first hit at its origin (else its first step). A ``ref``
+    names one tensor at one step for the whole replay, so a hit found at step 12 still opens
+    its own tensor while step 40 is shown.
+
+    >>> app = TensorDbgApp(LocalClient(ReplaySource(tensordbg.load("runs/dbg"))))
+    """
+
+    capabilities = contract.REPLAY  # read and moved through, never driven nor re-judged
+
+    def __init__(self, dump: Any, rank: int | None = None):
+        self.dump = dump
+        ranks = list(dump.ranks) or [0]
+        if rank is not None and rank not in ranks:
+            raise SourceError(f"the dump {dump.path} has no rank {rank}; it has {ranks}")
+        self.rank = ranks[0] if rank is None else rank
+        # Steps the dump could not read, by step; (-1, rank) is a line naming no step.
+        self._broken = {s: str(why) for (s, r), why in dump.broken.items() if r == self.rank}
+        self.steps: list[int] = sorted(set(dump.steps(self.rank)) | set(self._broken) - {-1})
+        self._hits = [_hit_dict(h) for h in dump.hits]
+        self._refs: dict[tuple[int, str], int] = {}
+        self._ref_keys: list[tuple[int, str]] = []
+        self._entries: dict[int, dict[str, Any]] = {}  # step -> {name: entry}, read on demand
+        for i, hit in enumerate(self._hits):
+            hit["id"] = i
+            hit["ref"] = self._ref(hit["step"], hit["tensor"])
+        first = next((h for h in self._hits if h["origin"]), self._hits[0] if self._hits else None)
+        self.paused_at = first
+        self.index = 0
+        if first is not None and first["step"] in self.steps:
+            self.index = self.steps.index(first["step"])
+        self._history: dict[str, list[Any]] | None = None
+
+    # --- where the replay stands -----------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        return self.steps[self.index] if self.steps else 0
+
+    def broken(self, step: int | None = None) -> str:
+        """Why ``step`` (the shown one by default) cannot be read; "" when it can."""
+        step = self.step if step is None else step
+        return self._broken.get(step, "")
+
+    def goto(self, step: int | None = None, move: int = 0) -> contract.Info:
+        if not self.steps:
+            raise SourceError("this dump holds no step")
+        if step is not None:
+            if step not in self.steps:
+                near = min(self.steps, key=lambda s: abs(s - step))
+                raise SourceError(f"step {step} was not dumped; the nearest dumped step is {near}")
+            index = self.steps.index(step)
+        else:
+            index = self.index
+        self.index = min(max(index + move, 0), len(self.steps) - 1)
+        return self.info()
+
+    # --- the Source ------------------------------------------------------------------------
+
+    def info(self) -> contract.Info:
+        meta = self.dump.meta
+        argv = meta.get("argv") or []
+        modules = self.dump.modules
+        on_hit = meta.get("on_hit", "")
+        return {
+            "run_id": str(meta.get("run_id", "")),
+            "rank": self.rank,
+            "pid": int(meta.get("pid", 0) or 0),
+            "script": str(argv[0]) if argv else os.path.basename(str(self.dump.path)),
+            "model": str(modules[0].get("type", "")) if modules else "",
+            "device": str(meta.get("device", "")),
+            "torch": str(meta.get("torch_version", "")),
+            "live": False,
+            "state": "replay",
+            "step": self.step,
+            "phase": "",
+            "on_hit": on_hit if isinstance(on_hit, str) else "",
+            "sync": str(meta.get("sync", "")),
+            "paused_at": self.paused_at,
+            "pause_reason": "",
+            "hits_total": len(self._hits),
+            "retain_bytes": 0,
+            "history": self.history(),
+            "replay": {
+                "path": str(self.dump.path),
+                "recorded": str(meta.get("created", "")),
+                "complete": bool(meta.get("complete", True)),
+                "steps": len(self.steps),
+                "index": self.index,
+                "broken": self.broken(),
+            },
+        }
+
+    def history(self) -> contract.History:
+        """The loss (an observed tensor's mean) and the gradient norm (from the parameter
+        gradients' L2 norms, when every one was dumped) of the last dumped steps."""
+        if self._history is None:
+            out: dict[str, list[Any]] = {"step": [], "loss": [], "grad_norm": [],
+                                         "steps_per_sec": []}  # fmt: skip
+            numbers = getattr(self.dump, "numbers", None)
+            for step in self.steps[-HISTORY:]:
+                measured = _recorded_numbers(numbers, step, self.rank)
+                if measured:  # what the training measured itself
+                    for key in ("loss", "grad_norm", "steps_per_sec"):
+                        out[key].append(_num(measured.get(key)))
+                    out["step"].append(step)
+                    continue
+                entries = self._step_entries(step, quiet=True)
+                loss = next((_num(e.stats.get("mean")) for e in entries.values()
+                             if e.kind == "observed"), None)  # fmt: skip
+                norms = [_num(e.stats.get("l2")) for e in entries.values() if e.kind == "grad"]
+                grad_norm = None
+                if norms and all(n is not None for n in norms):
+                    grad_norm = math.sqrt(sum(n * n for n in norms))  # type: ignore[operator]
+                for key, value in (("step", step), ("loss", loss), ("grad_norm", grad_norm),
+                                   ("steps_per_sec", None)):  # fmt: skip
+                    out[key].append(value)
+            self._history = out
+        return self._history  # type: ignore[return-value]
+
+    def modules(self) -> list[contract.Module]:
+        entries = self._step_entries(self.step, quiet=True)
+        latest: dict[str, dict[str, Any]] = {}
+        calls: dict[str, int] = {}
+        for entry in entries.values():
+            if entry.module or entry.kind in _ACTIVATIONS:
+                latest.setdefault(entry.module, {}).setdefault(entry.kind, _summary(entry, self))
+            if entry.kind == "output":
+                calls[entry.module] = calls.get(entry.module, 0) + 1
+        hits: dict[str, int] = {}
+        for hit in self._hits:
+            hits[hit["module"]] = hits.get(hit["module"], 0) + 1
+        out = []
+        for module in self.dump.modules:
+            path = str(module.get("path", ""))
+            out.append(
+                {
+                    "path": path,
+                    "type": str(module.get("type", "")),
+                    "depth": int(module.get("depth", path.count(".") + 1 if path else 0)),
+                    "params": int(module.get("params", 0)),
+                    "hits": hits.get(path, 0),
+                    "calls": calls.get(path, 0),
+                    "stats": latest.get(path, {}),
+                }
+            )
+        return out
+
+    def profile_report(self) -> dict[str, Any] | None:
+        """The profile report the run stored with its dump (``meta["profile"]``), if any: a
+        recorded run cannot be profiled again."""
+        report = self.dump.meta.get("profile")
+        return report if isinstance(report, dict) else None
+
+    def hits(self, since: int = 0) -> list[contract.Hit]:
+        return [h for h in self._hits[max(0, since) :]]
+
+    def tensors(self) -> list[contract.Tensor]:
+        step = self.step
+        return [
+            {
+                "ref": self._ref(step, name),
+                "name": name,
+                "module": entry.module,
+                "kind": entry.kind,
+                "call": _call_of(name),
+                "shape": list(entry.shape),
+                "dtype": entry.dtype,
+                "retained": bool(entry.has_value),
+                "summary": _summary(entry, self, step),
+                "passed_up": [],
+            }
+            for name, entry in self._step_entries(step, quiet=True).items()
+        ]
+
+    def stats(self, ref: int, text: str = "") -> contract.Stats:
+        step, entry = self._entry(ref)
+        if entry.has_value:
+            index, view = self._view(step, entry, text)
+            summary: dict[str, Any] = summarize_numpy(view).as_dict() if view.size else {"numel": 0}
+            shape, line = list(view.shape), summarize_numpy(view).line(view.shape, entry.dtype)
+        elif text.strip() not in ("", "[]"):
+            raise SourceError(self._no_value(step, entry))
+        else:
+            index, shape = "", list(entry.shape)
+            summary = _summary(entry, self, step)
+            line = describe(summary, shape, entry.dtype)
+        return {
+            "ref": ref,
+            "name": entry.name,
+            "step": step,
+            "index": index,
+            "shape": shape,
+            "dtype": entry.dtype,
+            "summary": {k: v for k, v in summary.items() if k not in ("shape", "dtype", "step")},
+            "line": line,
+            "previous": self._previous(step, entry) if not index else None,
+        }
+
+    def slice(
+        self, ref: int, text: str = "", window: list[list[int]] | None = None
+    ) -> contract.Slice:
+        step, entry = self._entry(ref)
+        if entry.dtype not in DTYPES:
+            raise SourceError(f"tensors of dtype {entry.dtype} cannot be shown yet")
+        index, view = self._view(step, entry, text)
+        try:
+            rows, cols = clamp_window(view.shape, window, MAX_REPLY_BYTES // view.itemsize)
+        except SliceError as e:
+            raise SourceError(str(e)) from None
+        block = np.ascontiguousarray(window_of(view, rows, cols))
+        grid_rows, grid_cols = grid_shape(tuple(view.shape))
+        storage = np.dtype(DTYPES[entry.dtype].storage)
+        return {
+            "ref": ref,
+            "index": index,
+            "shape": list(view.shape),
+            "rows": grid_rows,
+            "cols": grid_cols,
+            "window": [list(rows), list(cols)],
+            "dtype": entry.dtype,
+            "data": WireArray(entry.dtype, tuple(block.shape), block.view(storage)),
+        }
+
+    def histogram(
+        self,
+        ref: int,
+        text: str = "",
+        bins: int = 64,
+        lo: float | None = None,
+        hi: float | None = None,
+    ) -> contract.Histogram:
+        if not 1 <= bins <= MAX_BINS:
+            raise SourceError(f"bins is between 1 and {MAX_BINS}")
+        for name, bound in (("lo", lo), ("hi", hi)):
+            if bound is not None and not math.isfinite(bound):
+                raise SourceError(f"histogram bound {name}={bound} is not a finite number")
+        if lo is not None and hi is not None and lo > hi:
+            raise SourceError(f"histogram bounds: lo={lo:g} is above hi={hi:g}")
+        step, entry = self._entry(ref)
+        index, view = self._view(step, entry, text)
+        x = np.asarray(view, dtype=np.float64).ravel()
+        finite = np.isfinite(x)
+        values = x[finite] if not finite.all() else x
+        low = float(values.min()) if lo is None and values.size else (lo or 0.0)
+        high = float(values.max()) if hi is None and values.size else (hi or 0.0)
+        if values.size == 0:
+            counts, edges = [0] * bins, [0.0] * (bins + 1)
+        else:
+            if high <= low:
+                low, high = low - 0.5, high + 0.5
+            hist, bin_edges = np.histogram(values, bins=bins, range=(low, high))
+            counts, edges = hist.tolist(), bin_edges.tolist()
+        return {
+            "ref": ref,
+            "index": index,
+            "edges": edges,
+            "counts": counts,
+            "nan": int(np.count_nonzero(np.isnan(x))),
+            "posinf": int(np.count_nonzero(np.isposinf(x))),
+            "neginf": int(np.count_nonzero(np.isneginf(x))),
+            "min": low,
+            "max": high,
+        }
+
+    def provenance(self, ref: int, module: str | None = None, call: int = 0) -> contract.Provenance:
+        """What the dump recorded of where the tensor came from: its producer and inputs (as
+        refs of the same step when they were dumped), consumers, the user's line and stack."""
+        step, entry = self._entry(ref)
+        made = entry.provenance if isinstance(entry.provenance, dict) else {}
+        types = {str(m.get("path", "")): str(m.get("type", "")) for m in self.dump.modules}
+        producer = made.get("producer")
+        if not isinstance(producer, dict):
+            producer = {"module": entry.module, "type": types.get(entry.module, ""), "call": 0}
+        entries = self._step_entries(step, quiet=True)
+        inputs = []
+        for item in made.get("inputs") or []:
+            if not isinstance(item, dict):
+                continue
+            name = str(item.get("name", ""))
+            source = entries.get(name)
+            inputs.append(
+                {
+                    "ref": self._ref(step, name) if source is not None else None,
+                    "name": name,
+                    "module": str(item.get("module", "")),
+                    "shape": [int(d) for d in item.get("shape", [])],
+                    "dtype": str(item.get("dtype", "")),
+                    "line": str(item.get("line", "")),
+                    "nonfinite": item.get("nonfinite")
+                    if isinstance(item.get("nonfinite"), bool)
+                    else None,
+                }
+            )
+        return {
+            "ref": ref,
+            "name": entry.name,
+            "kind": entry.kind,
+            "producer": recorded.call_site(producer),
+            "returned_by": recorded.call_site(made.get("returned_by")),
+            "inputs": inputs,
+            "consumers": [c for c in map(recorded.call_site, made.get("consumers") or []) if c],
+            "source": recorded.source_line(made.get("source")),
+            "stack": [
+                [str(f[0]), int(f[1]), str(f[2])]
+                for f in made.get("stack") or []
+                if isinstance(f, (list, tuple)) and len(f) == 3
+            ],
+        }
+
+    def rules(self) -> contract.Rules:
+        """The rules the run was recorded with (as the dump's metadata says), and the rules
+        ``tensordbg check --rules`` can judge it with."""
+        hits: dict[str, int] = {}
+        for hit in self._hits:
+            hits[hit["rule"]] = hits.get(hit["rule"], 0) + 1
+        return {
+            "rules": recorded.rule_dicts(self.dump.meta.get("rules") or [], hits),
+            "available": recorded.available(),
+        }
+
+    def subscribe(self, callback: EventCallback) -> Callable[[], None]:
+        # A recording pushes nothing: it changes only when the person moves (goto's reply).
+        return lambda: None
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _ref(self, step: int, name: str) -> int:
+        key = (step, name)
+        ref = self._refs.get(key)
+        if ref is None:
+            ref = self._refs[key] = len(self._ref_keys)
+            self._ref_keys.append(key)
+        return ref
+
+    def _step_entries(self, step: int, quiet: bool = False) -> dict[str, Any]:
+        """The tensors of a dumped step by name, in execution order; a broken step has none
+        (``quiet``) or raises SourceError with the dump's sentence."""
+        entries = self._entries.get(step)
+        if entries is None:
+            try:
+                listed = [] if self.broken(step) else self.dump.tensors(step, rank=self.rank)
+            except Exception as e:  # the dump's own sentence (DumpError) for a broken file
+                self._broken[step] = str(e)
+                listed = []
+            entries = self._entries[step] = {e.name: e for e in listed}
+        if not entries and not quiet and self.broken(step):
+            raise SourceError(f"step {step} cannot be read: {self.broken(step)}")
+        return entries
+
+    def _entry(self, ref: int) -> tuple[int, Any]:
+        if not 0 <= ref < len(self._ref_keys):
+            raise SourceError(f"there is no tensor {ref} in this replay")
+        step, name = self._ref_keys[ref]
+        entry = self._step_entries(step).get(name)
+        if entry is None:
+            raise SourceError(f"{name} was not dumped at step {step}")
+        return step, entry
+
+    def _no_value(self, step: int, entry: Any) -> str:
+        return (
+            f"only the statistics of {entry.name} were dumped at step {step}, not its values: "
+            "dump them with dump_tensors=[pattern] to slice them"
+        )
+
+    def _view(self, step: int, entry: Any, text: str) -> tuple[str, np.ndarray]:
+        if not entry.has_value:
+            raise SourceError(self._no_value(step, entry))
+        try:
+            value = self.dump.tensor(entry.name, rank=self.rank).value(step)
+        except Exception as e:  # DumpError: a file cut or changed since the index was read
+            raise SourceError(str(e)) from None
+        try:
+            index = parse_index(text)
+            return format_index(index), np.asarray(apply_index(value, index))
+        except SliceError as e:
+            raise SourceError(str(e)) from None
+
+    def _previous(self, step: int, entry: Any) -> contract.Previous | None:
+        """The same tensor at the dumped step before, from the index."""
+        at = self.steps.index(step) if step in self.steps else 0
+        for before in reversed(self.steps[:at]):
+            other = self._step_entries(before, quiet=True).get(entry.name)
+            if other is not None:
+                return {"step": before, "summary": _summary(other, self, before, bare=True)}
+        return None
+
+
+# --- plain data --------------------------------------------------------------------------
+
+
+def _summary(entry: Any, source: ReplaySource, step: int | None = None,
+             bare: bool = False) -> dict[str, Any]:  # fmt: skip
+    """The dumped statistics as a Summary: those without parameters, with the shape."""
+    out: dict[str, Any] = {"numel": math.prod(entry.shape)}
+    for name, value in entry.stats.items():
+        if "(" not in name and isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = int(value) if name == "numel" else float(value)
+    if not bare:
+        out["shape"] = list(entry.shape)
+        out["dtype"] = entry.dtype
+        out["step"] = source.step if step is None else step
+    return out
+
+
+def _hit_dict(hit: Any) -> dict[str, Any]:
+    out = hit.as_dict() if hasattr(hit, "as_dict") else dict(hit)
+    out["summary"] = {k: v for k, v in (out.get("summary") or {}).items() if v is not None}
+    return out
+
+
+def _recorded_numbers(numbers: Any, step: int, rank: int) -> dict[str, Any]:
+    """The loss, gradient norm and rate the training recorded at ``step``, if it did."""
+    if numbers is None:
+        return {}
+    try:
+        return dict(numbers(step, rank=rank) or {})
+    except Exception:  # a broken step: it has no numbers
+        return {}
+
+
+def _call_of(name: str) -> int:
+    """The call index a tensor's name carries (``block#1.output``), 0 without one."""
+    head = name.split(".output")[0].split(".input")[0]
+    _, sep, tail = head.rpartition("#")
+    digits = tail.split(".")[0]
+    return int(digits) if sep and digits.isdigit() else 0
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None

@@ -1,0 +1,133 @@
+"""Synthetic dumps for the offline tools' tests, written with the torch-free DumpWriter.
+
+``write_dump(path)`` records a three-layer network for a few steps: the batch, each layer's
+output, the loss, two parameter gradients and two parameters, with the statistics the engine
+computes and, where asked, the values. A NaN can be planted in ``net.2.output`` at one step,
+and one element of any tensor changed, so a test knows exactly what a tool must find.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tensordbg.dump.writer import DumpWriter
+from tensordbg.statistics import (
+    ABS_MEAN,
+    FINITE,
+    L2,
+    MAX,
+    MEAN,
+    MIN,
+    NAN,
+    NEGINF,
+    POSINF,
+    ZERO_FRAC,
+    compute_numpy,
+)
+
+STATS = (FINITE, MIN, MAX, NAN, POSINF, NEGINF, MEAN, ABS_MEAN, L2, ZERO_FRAC)
+MODULES = [
+    {"path": "", "type": "Net", "depth": 0, "params": 676},
+    {"path": "net", "type": "Sequential", "depth": 1, "params": 676},
+    {"path": "net.0", "type": "Linear", "depth": 2, "params": 544},
+    {"path": "net.1", "type": "ReLU", "depth": 2, "params": 0},
+    {"path": "net.2", "type": "Linear", "depth": 2, "params": 132},
+]
+RULES = [{"name": "NaN"}, {"name": "Overflow"}, {"name": "ExplodingGradient"}]
+
+
+def step_tensors(step: int, nan_at: int | None = None) -> list[tuple[dict[str, Any], np.ndarray]]:
+    """The watched tensors of one step in execution order: (entry without stats, value)."""
+    rng = np.random.default_rng(1000 + step)
+    x = rng.standard_normal((8, 16)).astype(np.float32)
+    w0 = rng.standard_normal((32, 16)).astype(np.float32) * 0.25
+    w2 = rng.standard_normal((4, 32)).astype(np.float32) * 0.25
+    h0 = x @ w0.T
+    h1 = np.maximum(h0, 0)
+    h2 = h1 @ w2.T
+    if step == nan_at:
+        h2[1, 2] = np.nan
+    loss = np.array(np.mean(h2**2), dtype=np.float32)
+    g2 = rng.standard_normal((4, 32)).astype(np.float32) * 0.1
+    g0 = rng.standard_normal((32, 16)).astype(np.float32) * 0.1
+
+    def entry(name: str, module: str, kind: str, phase: str, mtype: str) -> dict[str, Any]:
+        return {"name": name, "module": module, "kind": kind, "phase": phase,
+                "module_type": mtype}  # fmt: skip
+
+    return [
+        (entry("input[0]", "", "input", "forward", "Net"), x),
+        (entry("net.0.output", "net.0", "output", "forward", "Linear"), h0),
+        (entry("net.1.output", "net.1", "output", "forward", "ReLU"), h1),
+        (entry("net.2.output", "net.2", "output", "forward", "Linear"), h2),
+        (entry("loss", "", "observed", "forward", ""), loss),
+        (entry("net.2.weight.grad", "net.2", "grad", "backward", "Linear"), g2),
+        (entry("net.0.weight.grad", "net.0", "grad", "backward", "Linear"), g0),
+        (entry("net.0.weight", "net.0", "param", "optimizer", "Linear"), w0),
+        (entry("net.2.weight", "net.2", "param", "optimizer", "Linear"), w2),
+    ]
+
+
+def write_dump(
+    path: Path,
+    steps: Iterable[int] = range(6),
+    *,
+    nan_at: int | None = 3,
+    values: bool | Iterable[int] = True,
+    change: tuple[int, str, tuple[int, ...], float] | None = None,
+    stats: tuple[Any, ...] = STATS,
+    run_id: str = "replay01",
+    rules: list[dict[str, Any]] | None = None,
+) -> Path:
+    """A dump of ``steps`` at ``path``; ``values`` keeps values (of every step, or of those
+    listed); ``change=(step, name, index, delta)`` adds ``delta`` to one element."""
+    writer = DumpWriter(
+        path,
+        {
+            "run_id": run_id,
+            "argv": ["train.py", "--epochs", "1"],
+            "torch_version": "2.13.0",
+            "device": "cpu",
+            "rules": RULES if rules is None else rules,
+            "created": "2026-11-24T10:30:00+00:00",
+        },
+    )
+    keep = set(steps) if values is True else set() if values is False else set(values)
+    for n, step in enumerate(steps):
+        entries, arrays, hits = [], {}, []
+        for entry, value in step_tensors(step, nan_at):
+            if change is not None and change[0] == step and change[1] == entry["name"]:
+                value = value.copy()
+                value[change[2]] += change[3]
+            computed = compute_numpy(value, stats)
+            entry.update(shape=list(value.shape), dtype=str(value.dtype),
+                         stats={str(s): v for s, v in computed.items()})  # fmt: skip
+            entries.append(entry)
+            if step in keep:
+                arrays[entry["name"]] = value
+        if step == nan_at:
+            hits.append(
+                {
+                    "rule": "NaN",
+                    "tensor": "net.2.output",
+                    "module": "net.2",
+                    "kind": "output",
+                    "step": step,
+                    "phase": "forward",
+                    "origin": True,
+                    "value": 1.0,
+                    "threshold": 0.0,
+                    "message": f"net.2.output holds 1 NaN at step {step}.",
+                    "id": 0,
+                    "ref": 7,
+                    "call": 0,
+                    "summary": {"shape": [8, 4]},
+                }
+            )
+        writer.write_step(step, 0, entries, arrays, hits, modules=MODULES if n == 0 else None)
+    writer.close()
+    return path

@@ -1,0 +1,142 @@
+"""``tensordbg check``: the rules judged again on a dump, as a linter: the same verdicts as the
+live training, a rule that cannot judge says so, exit 0 / 1 / 2, a table or JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from dumps import STATS, write_dump
+from torch import nn
+
+import tensordbg
+from tensordbg.cli import main
+from tensordbg.dump import load
+from tensordbg.offline.check import check_dump, parse_stat
+from tensordbg.rules import NaN, TensorRange, VanishingGradient
+from tensordbg.statistics import MAX, MIN, in_range_frac
+
+
+def test_a_planted_nan_is_found_where_it_was_made_and_where_it_went(tmp_path: Path) -> None:
+    report = check_dump(load(write_dump(tmp_path / "run", nan_at=3)))
+    found = [(f.step, f.rule, f.tensor) for f in report.findings]
+    assert found == [(3, "NaN", "net.2.output"), (3, "NaN", "loss")]  # in execution order
+    assert report.exit_code == 1 and report.steps == 6 and report.tensors == 54
+    assert report.unjudged == []
+    clean = check_dump(load(write_dump(tmp_path / "clean", nan_at=None)))
+    assert clean.findings == [] and clean.exit_code == 0
+
+
+def test_check_agrees_with_the_live_verdicts_of_the_same_run(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rules = [NaN(), TensorRange(match="2", kinds=["output"], max_gt=0.5)]
+    session = tensordbg.attach(model, opt, rules=rules, on_hit="record", server=False,
+                               sync="eager", dump_dir=tmp_path, dump_every=1,
+                               summary_at_exit=False)  # fmt: skip
+    torch.manual_seed(1)
+    for step in range(6):
+        x = torch.randn(16, 4) * (1 + step)
+        if step == 4:
+            x[3, 1] = float("nan")
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    live = {(h.step, h.rule, h.tensor) for h in session.hits}
+    session.detach()
+    assert {rule for _, rule, _ in live} == {"NaN", "TensorRange"}  # both rules hit live
+
+    report = check_dump(load(tmp_path))  # the rules the run was recorded with
+    offline = {(f.step, f.rule, f.tensor) for f in report.findings}
+    assert offline == live
+    assert report.unjudged == []
+
+
+def test_a_rule_that_needs_what_the_dump_lacks_says_so_instead_of_passing(tmp_path: Path) -> None:
+    bare = load(write_dump(tmp_path / "bare", stats=(MIN, MAX), values=False, nan_at=None))
+    report = check_dump(bare, rules=[VanishingGradient()])
+    assert report.findings == [] and len(report.unjudged) == 1
+    unjudged = report.unjudged[0]
+    assert unjudged.rule == "VanishingGradient" and unjudged.tensors == 12  # 2 grads x 6 steps
+    assert "VanishingGradient could not judge 12 tensors: the dump holds no l2" in report.table()
+    # With the values dumped, the statistic is computed from them and the rule judges.
+    full = load(write_dump(tmp_path / "full", stats=(MIN, MAX), values=True, nan_at=None))
+    assert check_dump(full, rules=[VanishingGradient()]).unjudged == []
+
+
+def test_dumped_statistic_names_read_back_as_the_rules_ask_for_them() -> None:
+    assert parse_stat("l2") == STATS[8]
+    assert parse_stat(str(in_range_frac(-1, 0.5))) == in_range_frac(-1, 0.5)
+    assert parse_stat("numel") is None and parse_stat("in_range_frac(a, b)") is None
+
+
+# --- the command ---------------------------------------------------------------------------
+
+
+def test_the_command_exits_0_clean_1_on_a_hit_2_when_unreadable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["check", str(write_dump(tmp_path / "clean", nan_at=None))]) == 0
+    assert "clean: NaN, Overflow, ExplodingGradient over 54 tensors" in capsys.readouterr().out
+    hit = str(write_dump(tmp_path / "hit", nan_at=2))
+    assert main(["check", hit]) == 1
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split() == ["step", "2", "forward", "NaN", "net.2.output"]
+    assert main(["check", str(tmp_path)]) == 2  # the parent: not a dump
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a tensordbg dump" in err
+    assert main(["check", hit, "--rules", "Overflow"]) == 0
+    capsys.readouterr()
+    bare = str(write_dump(tmp_path / "bare", stats=(MIN, MAX), values=False, nan_at=None))
+    assert main(["check", bare, "--rules", "VanishingGradient"]) == 0
+    assert main(["check", bare, "--rules", "VanishingGradient", "--strict"]) == 1
+
+
+def test_the_json_report_follows_its_schema(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dump = str(write_dump(tmp_path / "run", nan_at=3))
+    assert main(["check", dump, "--json", "--rule", "TensorRange(max_gt=1e9)"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    keys = "schema dump run_id rules ranks steps tensors complete clean findings unjudged"
+    assert set(report) == {*keys.split(), "broken", "notes"}
+    assert report["schema"] == 1 and report["clean"] is False and report["run_id"] == "replay01"
+    assert report["rules"][-1].startswith("TensorRange(")
+    first = report["findings"][0]
+    assert set(first) == {"step", "rank", "phase", "order", "tensor", "module", "kind", "rule",
+                          "value", "threshold", "message"}  # fmt: skip
+    assert (first["step"], first["tensor"], first["order"]) == (3, "net.2.output", 3)
+
+
+def test_a_broken_step_is_reported_and_the_others_are_checked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dump = write_dump(tmp_path / "run", nan_at=3)
+    step_file = dump / "rank-0" / "step-00000003.safetensors"
+    step_file.write_bytes(step_file.read_bytes()[:-10])
+    report = check_dump(load(dump))
+    assert report.steps == 5 and report.findings == []
+    assert report.broken[0]["step"] == 3 and "truncated" in report.broken[0]["reason"]
+    assert main(["check", str(dump)]) == 0
+    assert f"step 3 of rank 0 was not checked: {step_file} is truncated" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("damage", ["no index", "wrong version", "not json"])
+def test_an_unreadable_dump_is_one_sentence_naming_the_file_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str
+) -> None:
+    dump = write_dump(tmp_path / "run")
+    meta = dump / "rank-0" / "meta.json"
+    if damage == "no index":
+        (dump / "rank-0" / "index.jsonl").unlink()
+    elif damage == "wrong version":
+        meta.write_text(meta.read_text().replace('"format_version": 1', '"format_version": 99'))
+    else:
+        meta.write_text("{not json")
+    for command in (["check", str(dump)], ["diff", str(dump), str(dump)], ["replay", str(dump)]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err and str(dump / "rank-0") in err

@@ -1,0 +1,75 @@
+"""``tensordbg diff``: the first tensor, in execution order, where two dumped runs part."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from dumps import write_dump
+
+from tensordbg.cli import main
+from tensordbg.dump import load
+from tensordbg.offline.diff import diff_dumps
+
+
+def test_two_identical_seeded_runs_agree(tmp_path: Path) -> None:
+    a, b = write_dump(tmp_path / "a"), write_dump(tmp_path / "b")
+    report = diff_dumps(load(a), load(b))
+    assert report.first is None and report.exit_code == 0
+    assert (report.steps, report.tensors, report.values) == (6, 54, 54)
+
+
+def test_a_planted_one_element_change_is_found_at_its_tensor_and_step(tmp_path: Path) -> None:
+    a = write_dump(tmp_path / "a", nan_at=None)
+    b = write_dump(tmp_path / "b", nan_at=None, change=(4, "net.0.weight.grad", (7, 3), 1e-3))
+    report = diff_dumps(load(a), load(b))
+    first = report.first
+    assert (first.step, first.tensor, first.phase) == (4, "net.0.weight.grad", "backward")
+    assert first.values.elements == 1 and first.values.first_index == [7, 3]
+    assert first.values.b - first.values.a == pytest.approx(1e-3, rel=1e-3)
+    assert report.exit_code == 1
+
+
+def test_statistics_alone_find_the_change_when_no_values_were_dumped(tmp_path: Path) -> None:
+    a = write_dump(tmp_path / "a", values=False)
+    b = write_dump(tmp_path / "b", values=False, change=(2, "net.1.output", (0, 0), 5.0))
+    report = diff_dumps(load(a), load(b))
+    assert (report.first.step, report.first.tensor, report.first.what) == (
+        2, "net.1.output", "statistics")  # fmt: skip
+    assert {"max", "l2"} <= {s.stat for s in report.first.stats} and report.values == 0
+    assert "step 2, forward, net.1.output: " in report.text()
+
+
+def test_values_find_what_statistics_cannot_see(tmp_path: Path) -> None:
+    """Two elements swapped: every statistic is the same, the values are not."""
+    a = write_dump(tmp_path / "a", nan_at=None)
+    rows = load(a).tensor("input[0]").value(1)
+    delta = float(rows[0, 1]) - float(rows[0, 0])
+    b = tmp_path / "b"
+    write_dump(b, nan_at=None, change=(1, "input[0]", (0, 0), delta))
+    report = diff_dumps(load(a), load(b), rtol=1e-3)
+    assert report.first is not None and report.first.tensor == "input[0]"
+    # Statistics only, the tiny shift hides within the tolerance.
+    c, d = write_dump(tmp_path / "c", values=False), tmp_path / "d"
+    write_dump(d, values=False, change=(1, "input[0]", (0, 0), 1e-7))
+    assert diff_dumps(load(c), load(d)).first is None
+
+
+def test_the_command_exits_0_1_2_and_speaks_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = str(write_dump(tmp_path / "a")), str(write_dump(tmp_path / "b"))
+    c = str(write_dump(tmp_path / "c", change=(0, "loss", (), 0.5)))
+    assert main(["diff", a, b]) == 0
+    assert capsys.readouterr().out.startswith("The runs agree: 54 tensors of 6 steps")
+    assert main(["diff", a, c, "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["agree"] is False and report["first"]["tensor"] == "loss"
+    assert report["first"]["step"] == 0 and "sentence" in report["first"]
+    assert main(["diff", a, c, "--atol", "1"]) == 0  # within tolerance
+    capsys.readouterr()
+    assert main(["diff", a, str(tmp_path / "missing")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert main(["diff", a, b, "--ranks", "0,1"]) == 2
+    assert "has no rank 1" in capsys.readouterr().err

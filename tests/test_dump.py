@@ -1,0 +1,349 @@
+"""Dumps, the reading and writing sides at the numpy level: round trips bit for bit, the reader
+without torch, corruption named in one sentence with the other steps still readable, eviction,
+and atomicity under SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors
+
+import tensordbg
+from tensordbg.dump import DumpError, load
+from tensordbg.dump import format as fmt
+from tensordbg.dump.writer import DumpWriter
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bits(array: np.ndarray) -> bytes:
+    return np.ascontiguousarray(array).tobytes()
+
+
+def _values(seed: int = 0) -> dict[str, np.ndarray]:
+    """One tensor of every dtype the engine captures, with the awkward values in it."""
+    rng = np.random.default_rng(seed)
+    f32 = rng.standard_normal((3, 5)).astype(np.float32)
+    f32[0, 0], f32[1, 1], f32[2, 2] = np.nan, np.inf, -0.0
+    return {
+        "fc.output": f32,
+        "fc.weight.grad": rng.standard_normal((4, 2)).astype(np.float16),
+        "attn.output": np.array([1.5, np.nan, -np.inf, 3e38], dtype=ml_dtypes.bfloat16),
+        "fp8.e4m3": np.array([448, -0.5, np.nan, 0], dtype=ml_dtypes.float8_e4m3fn),
+        "fp8.e5m2": np.array([57344, -np.inf, 1e-5], dtype=ml_dtypes.float8_e5m2),
+        "double": np.array([np.pi], dtype=np.float64),
+        "ids": np.arange(-3, 3, dtype=np.int64).reshape(2, 3),
+        "small": np.array([1, -1], dtype=np.int8),
+        "mask": np.array([[True, False]]),
+        "scalar": np.array(2.5, dtype=np.float32),
+        "empty": np.zeros((0, 4), dtype=np.float32),
+    }
+
+
+def _entries(values: dict[str, np.ndarray], phase: str = "forward") -> list[dict]:
+    return [
+        {"name": name, "module": name.rsplit(".", 1)[0], "phase": phase, "kind": "output",
+         "shape": list(v.shape), "dtype": fmt.dtype_name(v.dtype), "stats": {"l2": 1.0}}
+        for name, v in values.items()
+    ]  # fmt: skip
+
+
+def _hit(step: int, tensor: str = "fc.output") -> dict:
+    return {"rule": "NaN", "tensor": tensor, "module": "fc", "kind": "output", "step": step,
+            "phase": "forward", "origin": True, "value": 1.0, "threshold": None,
+            "message": f"NaN in {tensor} at step {step}", "id": step, "ref": 0, "call": 0,
+            "summary": {"shape": [3, 5], "nan": 1}, "rank": 0}  # fmt: skip
+
+
+def _write(path: Path, steps=(0, 1, 2), values=None, **kwargs) -> DumpWriter:
+    values = _values() if values is None else values
+    writer = DumpWriter(path, {"run_id": "r1", "argv": ["train.py"]}, **kwargs)
+    for step in steps:
+        writer.write_step(step, 0, _entries(values), values, [])
+    writer.close()
+    return writer
+
+
+# --- round trips ------------------------------------------------------------------------------
+
+
+def test_every_dtype_round_trips_bit_for_bit_without_widening(tmp_path):
+    values = _values()
+    _write(tmp_path, steps=(7,), values=values)
+    dump = tensordbg.load(tmp_path)
+    assert dump.steps() == [7] and dump.meta["complete"] and dump.meta["run_id"] == "r1"
+    for name, expected in values.items():
+        got = dump.tensor(name).value(7)
+        assert got.dtype == expected.dtype, name  # bfloat16 stays bfloat16, fp8 stays fp8
+        assert got.shape == expected.shape, name
+        assert _bits(got) == _bits(expected), name
+
+
+def test_entries_list_in_execution_order_with_their_statistics(tmp_path):
+    values = _values()
+    _write(tmp_path, steps=(0,), values=values)
+    entries = load(tmp_path).tensors(0)
+    assert [e.name for e in entries] == list(values)
+    assert [e.order for e in entries] == list(range(len(values)))
+    first = entries[0]
+    assert (first.module, first.phase, first.kind, first.shape, first.dtype) == (
+        "fc", "forward", "output", (3, 5), "float32")  # fmt: skip
+    assert first.stats == {"l2": 1.0} and first.has_value
+
+
+def test_statistics_only_steps_write_no_tensor_file_and_say_why_a_value_is_absent(tmp_path):
+    writer = DumpWriter(tmp_path, {})
+    stats = {"min": float("nan"), "l2": 2.0}
+    entries = [{"name": "fc.output", "module": "fc", "phase": "forward", "kind": "output",
+                "shape": [3], "dtype": "float32", "stats": stats}]  # fmt: skip
+    writer.write_step(10, 0, entries, {}, [])
+    writer.close()
+    assert not list((tmp_path / "rank-0").glob("*.safetensors"))
+    tensor = load(tmp_path).tensor("fc.output")
+    assert tensor.steps() == [10]
+    stats = tensor.stats(10)
+    assert stats["l2"] == 2.0 and np.isnan(stats["min"])
+    with pytest.raises(DumpError, match=r"statistics of fc\.output but not its value"):
+        tensor.value(10)
+
+
+def test_plain_safetensors_reads_the_files(tmp_path):
+    values = _values()
+    _write(tmp_path, steps=(3,), values=values)
+    path = tmp_path / "rank-0" / "step-00000003.safetensors"
+    with safetensors.safe_open(str(path), framework="np") as f:
+        assert set(f.keys()) == set(values)
+        assert _bits(f.get_tensor("fc.output")) == _bits(values["fc.output"])
+        assert f.get_slice("ids")[1:2].tolist() == [[0, 1, 2]]
+    torch = pytest.importorskip("torch")
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        bf16 = f.get_tensor("attn.output")
+        assert bf16.dtype == torch.bfloat16
+        assert bf16.view(torch.int16).numpy().tobytes() == _bits(values["attn.output"])
+        assert f.get_tensor("fp8.e4m3").dtype == torch.float8_e4m3fn
+
+
+def test_hits_and_modules_and_meta_come_back(tmp_path):
+    writer = DumpWriter(tmp_path, {"run_id": "r2", "torch_version": "2.13.0", "device": "cpu"})
+    modules = [{"path": "", "type": "Net", "depth": 0, "params": 10, "hits": 1, "calls": 1,
+                "stats": {}}]  # fmt: skip
+    writer.write_step(4, 0, _entries(_values()), {}, [_hit(4)], modules=modules)
+    writer.close()
+    dump = load(tmp_path)
+    (hit,) = dump.hits
+    assert isinstance(hit, tensordbg.Hit)
+    assert hit.as_dict() == _hit(4)
+    assert dump.modules == modules
+    assert dump.meta["torch_version"] == "2.13.0" and dump.meta["format_version"] == 1
+
+
+def test_writing_a_step_again_replaces_it(tmp_path):
+    values = _values()
+    writer = DumpWriter(tmp_path, {})
+    writer.write_step(5, 0, _entries(values)[:1], {"fc.output": values["fc.output"]}, [_hit(5)])
+    later = {"fc.output": values["fc.output"] * 2}
+    writer.write_step(5, 0, _entries(values)[:2], later, [_hit(5)])
+    writer.close()
+    dump = load(tmp_path)
+    assert dump.steps() == [5] and len(dump.tensors(5)) == 2
+    assert _bits(dump.tensor("fc.output").value(5)) == _bits(later["fc.output"])
+    assert len(list((tmp_path / "rank-0").glob("*.safetensors"))) == 1
+
+
+def test_a_slice_of_a_large_tensor_is_memory_mapped(tmp_path):
+    big = np.arange(4 * 2**20, dtype=np.float32).reshape(2048, 2048)
+    writer = DumpWriter(tmp_path, {})
+    writer.write_step(0, 0, _entries({"big": big}), {"big": big}, [])
+    writer.close()
+    value = load(tmp_path).tensor("big").value(0)
+    assert not value.flags.writeable and not value.flags.owndata
+    assert value[1000, 5:8].tolist() == [2048000 + 5, 2048000 + 6, 2048000 + 7]
+
+
+def test_a_second_run_in_the_same_directory_replaces_the_first(tmp_path):
+    _write(tmp_path, steps=(0, 1, 2))
+    _write(tmp_path, steps=(9,))
+    assert load(tmp_path).steps() == [9]
+
+
+# --- the reader imports no torch ----------------------------------------------------------------
+
+
+def test_the_reader_works_with_torch_unimportable(tmp_path):
+    _write(tmp_path, steps=(0, 1))
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["torch"] = None  # any import of torch now fails
+        import tensordbg
+        dump = tensordbg.load({str(tmp_path)!r})
+        value = dump.tensor("attn.output").value(1)
+        print(dump.steps(), value.dtype, len(dump.tensors(0)))
+        assert not any(m == "torch" or m.startswith("torch.") for m in sys.modules
+                       if sys.modules[m] is not None)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[0, 1] bfloat16 11"
+
+
+# --- corruption: one sentence naming the file, the rest readable ----------------------------------
+
+
+def test_a_cut_file_breaks_only_its_step(tmp_path):
+    _write(tmp_path)
+    path = tmp_path / "rank-0" / "step-00000001.safetensors"
+    path.write_bytes(path.read_bytes()[:100])
+    dump = load(tmp_path)
+    assert dump.steps() == [0, 1, 2]
+    assert "step-00000001.safetensors is truncated (100 of" in dump.broken[(1, 0)]
+    with pytest.raises(DumpError, match=r"step-00000001.safetensors is truncated"):
+        dump.tensor("fc.output").value(1)
+    assert _bits(dump.tensor("fc.output").value(2)) == _bits(_values()["fc.output"])
+
+
+def test_flipped_bytes_fail_the_checksum(tmp_path):
+    _write(tmp_path)
+    path = tmp_path / "rank-0" / "step-00000002.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF  # in the bytes of "scalar" (the last tensor, "empty", has none)
+    path.write_bytes(bytes(data))
+    dump = load(tmp_path)
+    assert dump.verify() == {
+        (2, 0): f"{path} fails its checksum at scalar: its bytes changed after writing"
+    }
+    with pytest.raises(DumpError, match=r"step-00000002\.safetensors fails its checksum"):
+        load(tmp_path).tensor("scalar").value(2)  # checked when read, without verify()
+    assert load(tmp_path).tensor("scalar").value(1) == 2.5
+
+
+def test_flipped_bytes_in_the_header_fail_at_first_read(tmp_path):
+    _write(tmp_path)
+    path = tmp_path / "rank-0" / "step-00000000.safetensors"
+    data = bytearray(path.read_bytes())
+    data[20] ^= 0x01
+    path.write_bytes(bytes(data))
+    dump = load(tmp_path)
+    with pytest.raises(DumpError, match=r"step-00000000\.safetensors fails its checksum in its"):
+        dump.tensor("ids").value(0)
+    assert dump.tensor("ids").value(1).shape == (2, 3)
+
+
+def test_a_damaged_index_line_breaks_only_its_step(tmp_path):
+    _write(tmp_path)
+    index = tmp_path / "rank-0" / "index.jsonl"
+    lines = index.read_bytes().splitlines(keepends=True)
+    lines[1] = lines[1].replace(b'"l2":1.0', b'"l2":9.0', 1)
+    index.write_bytes(b"".join(lines))
+    dump = load(tmp_path)
+    assert dump.steps() == [0, 2]
+    assert dump.broken == {(1, 0): f"{index} line 2: the line fails its checksum"}
+    with pytest.raises(DumpError, match="line 2: the line fails its checksum"):
+        dump.tensors(1)
+
+
+def test_a_missing_index_is_named(tmp_path):
+    _write(tmp_path)
+    (tmp_path / "rank-0" / "index.jsonl").unlink()
+    with pytest.raises(DumpError) as e:
+        load(tmp_path)
+    assert str(e.value) == (
+        f"{tmp_path / 'rank-0' / 'index.jsonl'} is missing: the dump has no index of its steps"
+    )
+
+
+def test_an_unknown_format_version_is_named(tmp_path):
+    _write(tmp_path)
+    meta_path = tmp_path / "rank-0" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["format_version"] = 99
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(DumpError, match=r"meta.json has format version 99; this tensordbg reads"):
+        load(tmp_path)
+
+
+def test_a_directory_that_is_not_a_dump(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(DumpError, match=r"is not a tensordbg dump \(it holds no rank-N/meta.json"):
+        load(tmp_path)
+    with pytest.raises(DumpError, match="is not a directory"):
+        load(tmp_path / "notes.txt")
+
+
+def test_a_missing_step_file_is_broken_and_named(tmp_path):
+    _write(tmp_path)
+    (tmp_path / "rank-0" / "step-00000000.safetensors").unlink()
+    dump = load(tmp_path)
+    assert dump.broken[(0, 0)].endswith("step-00000000.safetensors is missing")
+    assert dump.tensor("mask").value(1).tolist() == [[True, False]]
+
+
+# --- eviction -------------------------------------------------------------------------------------
+
+
+def test_eviction_keeps_steps_with_hits_and_drops_the_oldest_others(tmp_path):
+    value = np.zeros(25_000, dtype=np.float32)  # 100 kB a step
+    writer = DumpWriter(tmp_path, {}, max_bytes=450_000)
+    for step in range(12):
+        hits = [_hit(step)] if step in (1, 6) else []
+        writer.write_step(step, 0, _entries({"x": value}), {"x": value}, hits)
+    writer.close()
+    dump = load(tmp_path)
+    steps = dump.steps()
+    assert 1 in steps and 6 in steps  # steps with hits stay
+    assert steps[-1] == 11 and 0 not in steps and 2 not in steps  # the oldest others went
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "rank-0").iterdir())
+    assert on_disk <= 450_000 + 4096  # meta.json beside it
+    assert len(list((tmp_path / "rank-0").glob("*.safetensors"))) == len(steps)
+    assert not dump.broken
+    assert [h.step for h in dump.hits] == [1, 6]
+
+
+# --- atomicity --------------------------------------------------------------------------------
+
+
+def test_a_writer_killed_midway_leaves_the_earlier_steps_readable(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import sys, numpy as np
+        from tensordbg.dump.writer import DumpWriter
+        writer = DumpWriter({str(tmp_path)!r}, {{"run_id": "killed"}})
+        value = np.ones(2_000_000, dtype=np.float32)  # 8 MB a step: the kill lands mid-write
+        step = 0
+        while True:
+            writer.write_step(step, 0, [{{"name": "x", "shape": [2_000_000],
+                              "dtype": "float32", "stats": {{}}}}], {{"x": value * step}}, [])
+            if step == 2:
+                print("ready", flush=True)
+            step += 1
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, cwd=ROOT)
+    assert proc.stdout.readline().strip() == b"ready"
+    time.sleep(0.3)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    dump = load(tmp_path)
+    assert dump.meta["complete"] is False
+    assert "did not finish" in dump.meta["reason_incomplete"]
+    steps = dump.steps()
+    assert steps == list(range(len(steps))) and len(steps) >= 3
+    assert not dump.broken
+    assert dump.verify() == {}
+    for step in steps:
+        assert dump.tensor("x").value(step)[-1] == step
+    listed = {f"step-{s:08d}.safetensors" for s in steps}
+    visible = {p.name for p in (tmp_path / "rank-0").glob("*.safetensors")}
+    assert visible <= listed | {f"step-{steps[-1] + 1:08d}.safetensors"}  # renamed, not indexed

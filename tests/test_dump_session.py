@@ -1,0 +1,202 @@
+"""Dumps written by an attached training: hits read back with the fields they had live, the
+step that hit holds its values, periodic steps, on_hit="raise" writes before raising, a failed
+write leaves the training running and the dump marked incomplete."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import tensordbg
+from tensordbg.dump import DumpError
+from tensordbg.dump import writer as dump_writer
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _train(model, opt, steps: int, bad_step: int = -1, on_step=None) -> None:
+    torch.manual_seed(1)
+    for step in range(steps):
+        x = torch.randn(16, 4)
+        if step == bad_step:
+            x[3, 1] = float("nan")
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if on_step is not None:
+            on_step(step)
+
+
+@pytest.mark.parametrize("sync", ["eager", "batched", "deferred"])
+def test_a_planted_nan_is_dumped_with_its_hits_and_values(tmp_path, sync):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = tensordbg.attach(model, opt, on_hit="dump", server=False, sync=sync,
+                               dump_dir=tmp_path, summary_at_exit=False)  # fmt: skip
+    _train(model, opt, steps=5, bad_step=3)
+    live = [h.as_dict() for h in session.hits]
+    session.detach()
+    hit_steps = sorted({h["step"] for h in live})
+    assert hit_steps[0] == 3  # and later steps, once the NaN reached the weights
+
+    dump = tensordbg.load(tmp_path)
+    assert dump.meta["complete"] and dump.meta["torch_version"] == torch.__version__
+    assert dump.meta["sync"] == sync and any(r["name"] == "NaN" for r in dump.meta["rules"])
+    assert dump.steps() == hit_steps  # hits only: no dump_every
+    assert [h.as_dict() for h in dump.hits] == live
+    entries = dump.tensors(3)
+    assert [e.order for e in entries] == sorted(e.order for e in entries)
+    assert {"forward", "backward"} <= {e.phase for e in entries}
+    origin = next(h for h in dump.hits if h.origin and h.step == 3)
+    assert origin.tensor in {e.name for e in entries}
+    value = dump.tensor(origin.tensor).value(3)
+    assert np.isnan(value).any()  # the bad value itself, as it was
+    assert dump.modules[0]["type"] == "Sequential"
+    assert [m["path"] for m in dump.modules] == ["", "0", "1", "2"]
+
+
+def test_periodic_steps_hold_statistics_and_the_chosen_values(tmp_path):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = tensordbg.attach(model, opt, on_hit="record", server=False, dump_dir=tmp_path,
+                               dump_every=2, dump_tensors=["*.weight.grad"],
+                               summary_at_exit=False)  # fmt: skip
+    _train(model, opt, steps=5)
+    session.detach()
+    dump = tensordbg.load(tmp_path)
+    assert dump.steps() == [0, 2, 4]
+    for step in (0, 2, 4):
+        with_values = {e.name for e in dump.tensors(step) if e.has_value}
+        assert with_values == {"0.weight.grad", "2.weight.grad"}
+        out = next(e for e in dump.tensors(step) if e.name == "0.output")
+        assert out.stats and not out.has_value
+        assert dump.numbers(step)["step"] == step and "grad_norm" in dump.numbers(step)
+    grad = dump.tensor("2.weight.grad")
+    assert grad.value(4).shape == (2, 8) and grad.value(4).dtype == np.float32
+    assert grad.stats(4)  # the engine's statistics of it
+
+
+def test_bfloat16_values_are_dumped_as_bfloat16(tmp_path):
+    model = _model().to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = tensordbg.attach(model, opt, on_hit="record", server=False, dump_dir=tmp_path,
+                               dump_every=1, dump_tensors=["2.output"],
+                               summary_at_exit=False)  # fmt: skip
+    captured = []
+    model[2].register_forward_hook(lambda m, i, o: captured.append(o.detach().clone()))
+    x = torch.randn(3, 4, dtype=torch.bfloat16)
+    model(x).float().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    session.detach()
+    value = tensordbg.load(tmp_path).tensor("2.output").value(0)
+    assert str(value.dtype) == "bfloat16"
+    assert value.tobytes() == captured[0].view(torch.int16).numpy().tobytes()
+
+
+def test_on_hit_raise_writes_the_step_before_raising(tmp_path):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = tensordbg.attach(model, opt, on_hit="raise", server=False, dump_dir=tmp_path,
+                               summary_at_exit=False)  # fmt: skip
+    with pytest.raises(tensordbg.WatchpointHit) as raised:
+        _train(model, opt, steps=5, bad_step=2)
+    # Read before detaching: what a crash right after the raise would leave.
+    dump = tensordbg.load(tmp_path)
+    assert dump.steps() == [2]
+    assert raised.value.hit.as_dict() in [h.as_dict() for h in dump.hits]
+    assert np.isnan(dump.tensor(raised.value.hit.tensor).value(2)).any()
+    session.detach()
+
+
+def test_a_failed_write_keeps_the_training_running_and_marks_the_dump_incomplete(
+    tmp_path, monkeypatch
+):
+    real = dump_writer.fmt.write_atomic
+    calls = []
+
+    def failing(path, chunks, **how):
+        if path.name.endswith(".safetensors"):
+            calls.append(path)
+            raise OSError(28, "No space left on device")
+        return real(path, chunks, **how)
+
+    monkeypatch.setattr(dump_writer.fmt, "write_atomic", failing)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = tensordbg.attach(model, opt, on_hit="record", server=False, dump_dir=tmp_path,
+                               dump_every=1, dump_tensors=["*"], summary_at_exit=False)  # fmt: skip
+    with pytest.warns(RuntimeWarning, match="No space left on device") as said:
+        _train(model, opt, steps=6)
+        session.detach()
+    assert session.step == 6  # the training went on
+    told = [str(w.message) for w in said if "No space left" in str(w.message)]
+    assert len(told) == 1, told  # said once (a loaded machine may add "fell behind")
+    assert len(calls) == 1  # and no more writes tried
+    dump = tensordbg.load(tmp_path)
+    assert dump.meta["complete"] is False
+    assert "No space left on device" in dump.meta["reason_incomplete"]
+    assert dump.steps() == []
+
+
+def test_dump_arguments_are_checked(tmp_path):
+    model = _model()
+    with pytest.raises(ValueError, match="on_hit='dump' writes hits into a dump: give dump_dir"):
+        tensordbg.attach(model, on_hit="dump", server=False)
+    with pytest.raises(ValueError, match="need dump_dir"):
+        tensordbg.attach(model, dump_every=3, server=False)
+    with pytest.raises(DumpError):
+        tensordbg.load(tmp_path)
+
+
+RUN_SCRIPT = """
+import sys
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+for step in range(6):
+    x = torch.randn(16, 4)
+    if step == 3:
+        x[0, 0] = float("nan")  # a bad batch
+    loss = model(x).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+"""
+
+
+def test_tensordbg_run_writes_a_dump_without_changing_the_script(tmp_path):
+    (tmp_path / "train.py").write_text(RUN_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, "-m", "tensordbg.cli", "run", "--on-hit", "dump", "--dump-dir", "dbg",
+         "--dump-every", "2", "--dump-tensors", "*.weight", "train.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr  # a watchpoint hit, as with --on-hit record
+    dump = tensordbg.load(tmp_path / "dbg")
+    assert dump.meta["complete"] and dump.meta["argv"][0] == "train.py"
+    assert dump.hits and dump.hits[0].step == 3
+    assert {0, 2, 3, 4} <= set(dump.steps())
+    assert dump.tensor("loss").steps() == dump.steps()  # the loss the runner observes
+
+
+def test_tensordbg_run_says_dump_flags_need_a_dump_dir(tmp_path):
+    (tmp_path / "train.py").write_text(RUN_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, "-m", "tensordbg.cli", "run", "--dump-every", "2", "train.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "give --dump-dir DIR too" in done.stderr and "Traceback" not in done.stderr

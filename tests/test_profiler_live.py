@@ -1,0 +1,142 @@
+"""Profiling from the UI's side of the wire (a real server and client) and from the command line
+(``tensordbg run --profile``)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import tensordbg
+from tensordbg.sources.checking import check
+from tensordbg.sources.contract import REPLIES
+from tensordbg.sources.live import LiveSource
+from tensordbg.sources.schema import EVENTS
+from tensordbg.transport.client import RemoteError
+from tensordbg.transport.server import Server
+from tensordbg.transport.sync_client import SyncClient
+
+
+class Training:
+    """A small training in its own thread (the training thread), stepping until stopped."""
+
+    def __init__(self):
+        self.model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
+        self.session = None
+        self.ready = threading.Event()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._train, daemon=True)
+        self.thread.start()
+        assert self.ready.wait(30)
+
+    def _train(self) -> None:
+        self.session = tensordbg.attach(self.model, optimizer=self.opt, server=False,
+                                        on_hit="record")  # fmt: skip
+        self.ready.set()
+        x, y = torch.ones(4, 8), torch.zeros(4, 1)
+        while not self.stop.is_set():
+            nn.functional.mse_loss(self.model(x), y).backward()
+            self.opt.step()
+            self.opt.zero_grad()
+            time.sleep(0.01)
+        self.session.detach()
+
+
+def test_a_ui_profiles_the_running_training_and_reads_the_report_and_the_gpu():
+    training = Training()
+    session = training.session
+    server = Server(LiveSource(session), run_id=session.run_id, rank=0)
+    server.start()
+    try:
+        with SyncClient(server.info.path) as client:
+            assert client.call("profile_report") is None
+            assert "profile" in client.welcome["info"]["capabilities"]
+            with pytest.raises(RemoteError, match="from 1 to 1000"):
+                client.call("profile", steps=0)
+            reply = client.call("profile", steps=2)
+            check(reply, REPLIES["profile"], name="profile", strict=True)
+            assert reply == {"pending": True, "steps": 2}
+            states = []
+            for event, payload in client.events(timeout=30):
+                if event == "profile":
+                    check(payload, EVENTS["profile"], name="profile event", strict=True)
+                    states.append(payload["state"])
+                    if payload["state"] != "running":
+                        break
+            assert states == ["running", "done"]
+            report = client.call("profile_report")
+            check(report, REPLIES["profile_report"], name="profile_report", strict=True)
+            assert len(report["steps"]) == 2 and report["device"] == "cpu"
+            assert report["trace"] and not any("traceEvents" in str(v) for v in report.values())
+            gpu = client.call("gpu", since=0.0)
+            check(gpu, REPLIES["gpu"], name="gpu", strict=True)
+            if not gpu["available"]:
+                assert gpu["reason"].startswith("NVML unavailable: ")
+    finally:
+        training.stop.set()
+        training.thread.join(30)
+        server.stop()
+    assert not torch.autograd.profiler._is_profiler_enabled
+
+
+SCRIPT = """
+import sys, torch
+from torch import nn
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 8),
+                                   torch.randn(64, 1)), batch_size=4)
+for step, (x, y) in enumerate(data):
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    if step + 1 == int(sys.argv[1]):
+        break
+print("trained")
+"""
+
+
+def tensordbg_run(tmp_path: Path, profile: str, steps: str) -> subprocess.CompletedProcess:
+    """``tensordbg run --profile PROFILE train.py STEPS``, with its temp directory in tmp_path."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp_path)}
+    command = [sys.executable, "-m", "tensordbg.cli", "run", "--profile", profile, str(script),
+               steps]  # fmt: skip
+    return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                          env=env)  # fmt: skip
+
+
+def test_tensordbg_run_profile_prints_the_summary_the_advice_and_the_trace(tmp_path: Path):
+    done = tensordbg_run(tmp_path, "3", "10")
+    assert done.returncode == 0, done.stderr
+    assert "trained" in done.stdout
+    err = done.stderr
+    assert "tensordbg profile: 3 steps (2..4) on cpu" in err
+    assert "top operators" in err and "aten::addmm" in err
+    assert "advice:" in err
+    trace = next(line.split()[1] for line in err.splitlines() if line.strip().startswith("trace:"))
+    assert trace.startswith(str(tmp_path))
+    with gzip.open(trace, "rt") as f:
+        assert any(e.get("name") == "tensordbg: forward" for e in json.load(f)["traceEvents"])
+
+
+def test_tensordbg_run_profile_of_a_short_script_reports_the_steps_it_had(tmp_path: Path):
+    done = tensordbg_run(tmp_path, "10", "5")
+    assert done.returncode == 0, done.stderr
+    assert "tensordbg profile: 3 steps (2..4)" in done.stderr
+    assert "3 of 10 profiled steps" in done.stderr
+    bad = subprocess.run([sys.executable, "-m", "tensordbg.cli", "run", "--profile", "0", "x.py"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "a number of steps from 1 to 1000" in bad.stderr
+    assert "Traceback" not in bad.stderr

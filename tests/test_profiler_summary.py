@@ -1,0 +1,240 @@
+"""The summary and the advisor on plain data: a made-up CUDA trace (this machine has no GPU)
+shows the priority rule, the kernels table and the GPU numbers; made-up reports show that each
+rule speaks with its number and only past its threshold; advisor plugins load from entry points."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from tensordbg.profiler import advisor
+from tensordbg.profiler.advisor import AdviceRule, advise
+from tensordbg.profiler.capture import _memory_history
+from tensordbg.profiler.report import ProfileReport
+from tensordbg.profiler.summary import summarize, tensor_core
+from tensordbg.profiler.trace import Capture, nest_steps
+
+
+def span(name, ts, dur, cat="user_annotation", pid=1, tid=10, **args):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": pid, "tid": tid,
+            "args": args}  # fmt: skip
+
+
+def memory(ts, allocated, reserved):
+    return {"ph": "i", "cat": "cpu_instant_event", "name": "[memory]", "ts": ts, "pid": 1,
+            "tid": 10, "args": {"Device Type": 1, "Total Allocated": allocated,
+                                "Total Reserved": reserved, "Bytes": 1}}  # fmt: skip
+
+
+def kernel(name, ts, dur, correlation=0):
+    return span(name, ts, dur, cat="kernel", pid=0, tid=7, correlation=correlation)
+
+
+MIB = 2**20
+# Two steps of 1000 us. Step 1: loading 0-200, an H2D copy 100-250, forward 200-500 with a
+# launch 250-260, kernels 300-600 (fp32 SGEMM) and 600-700 (bf16 tensor-op), backward 500-900,
+# optimizer 900-980, an all-reduce 950-1000. Step 2: paused 1200-1500, nothing else.
+EVENTS = [
+    span("ProfilerStep#1", 0, 1000),
+    span("ProfilerStep#2", 1000, 1000),
+    span("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", 0, 200),
+    span(
+        "Memcpy HtoD (Pageable -> Device)", 100, 150, cat="gpu_memcpy", pid=0, tid=7, bytes=4 * MIB
+    ),
+    span("tensordbg: forward", 200, 300),
+    span("cudaLaunchKernel", 250, 10, cat="cuda_runtime", correlation=1),
+    kernel("ampere_sgemm_128x64_nn", 300, 300, correlation=1),
+    kernel("sm80_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x32", 600, 100),
+    span("tensordbg: backward", 500, 400),
+    span("tensordbg: optimizer", 900, 80),
+    kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 950, 50),
+    span("tensordbg: paused", 1200, 300),
+    memory(100, 10 * MIB, 20 * MIB),
+    memory(600, 30 * MIB, 40 * MIB),
+    memory(1600, 5 * MIB, 40 * MIB),
+    memory(2500, 99 * MIB, 99 * MIB),  # after the last step: not in the report
+]
+AVERAGES = [
+    {"name": "aten::mm", "calls": 2, "self_cpu": 20e-6, "total_cpu": 25e-6, "self_device": 400e-6,
+     "total_device": 400e-6, "input_shapes": None, "flops": 10**9, "self_cpu_memory": 0,
+     "self_device_memory": 8 * MIB, "annotation": False},
+    {"name": "ProfilerStep*", "calls": 2, "self_cpu": 1e-3, "total_cpu": 2e-3, "self_device": 0.0,
+     "total_device": 0.0, "input_shapes": None, "flops": None, "self_cpu_memory": 0,
+     "self_device_memory": 0, "annotation": True},
+]  # fmt: skip
+
+
+@pytest.fixture
+def cuda_report() -> ProfileReport:
+    capture = Capture(EVENTS, AVERAGES, steps=[7, 8], device="cuda:0", main_thread=10,
+                      memory_limit=80 * MIB)  # fmt: skip
+    report = summarize(capture)
+    report.advice = advise(report)
+    return report
+
+
+def test_each_instant_of_a_step_counts_once_by_the_priority_rule(cuda_report):
+    first, second = cuda_report.breakdown
+    us = {k: round(v * 1e6, 6) for k, v in first.items() if k != "step"}
+    assert us == {"kernel": 400, "memcpy": 150, "memset": 0, "communication": 50, "runtime": 10,
+                  "DataLoader": 100, "forward": 40, "backward": 200, "optimizer": 50,
+                  "other": 0, "total": 1000}  # fmt: skip
+    assert second["total"] == pytest.approx(700e-6) and second["other"] == pytest.approx(700e-6)
+    assert cuda_report.paused_seconds == pytest.approx(300e-6)
+    assert cuda_report.steps == [7, 8]
+
+
+def test_kernels_memory_and_gpu_numbers_of_a_cuda_trace(cuda_report):
+    kernels = {k["name"]: k for k in cuda_report.kernels}
+    assert kernels["ampere_sgemm_128x64_nn"]["tensor_core"] is False
+    assert kernels["sm80_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x32"]["tensor_core"]
+    assert kernels["Memcpy HtoD (Pageable -> Device)"]["tensor_core"] is None
+    assert cuda_report.kernels_note is None
+    mem = cuda_report.memory
+    assert mem["peak_allocated"] == 30 * MIB and mem["peak_reserved"] == 40 * MIB
+    assert mem["limit"] == 80 * MIB and len(mem["curve"]) == 3
+    assert mem["top_operators"] == [{"name": "aten::mm", "bytes": 8 * MIB, "calls": 2}]
+    gpu = cuda_report.gpu_summary
+    assert gpu["utilization"] == pytest.approx(450 / 1700)  # kernels 300-700, 950-1000
+    assert gpu["tensor_core_share"] == pytest.approx(100 / 450)
+    assert gpu["h2d_bytes"] == 4 * MIB
+    lanes = {lane["name"] for lane in cuda_report.timeline["lanes"]}
+    assert lanes == {"thread 10 (main)", "stream 7"}
+    assert [op["name"] for op in cuda_report.operators] == ["aten::mm"]
+
+
+def test_a_cuda_report_gets_the_gpu_advice_with_its_numbers(cuda_report):
+    advice = {a["rule"]: a for a in cuda_report.advice}
+    low = advice["LowGpuUtilization"]
+    assert low["value"] == pytest.approx(450 / 1700) and low["threshold"] == 0.5
+    assert "26.5 %" in low["evidence"]
+    assert advice["DataLoaderShare"]["value"] == pytest.approx(100 / 1700)
+    assert "HostToDeviceCopies" not in advice  # 150 us of 1700: 8.8 %, under 10 %
+    assert "Communication" not in advice  # 50 us of 1700: under 10 %
+    assert "TensorCores" not in advice  # 22 % of the kernel time is on Tensor Cores
+    for item in cuda_report.advice:
+        assert isinstance(item["value"], float) and isinstance(item["threshold"], float)
+        assert item["evidence"] and item["message"]
+
+
+def report_with(**fields) -> ProfileReport:
+    base = {"device": "cuda:0", "steps": [1, 2, 3],
+            "breakdown": [{"step": s, "kernel": 0.01, "other": 0.0, "total": 0.01}
+                          for s in (1, 2, 3)]}  # fmt: skip
+    return ProfileReport(**{**base, **fields})
+
+
+@pytest.mark.parametrize(
+    ("fields", "rule", "value"),
+    [
+        ({"gpu_summary": {"tensor_core_share": 0.0, "eligible_time": 0.05, "utilization": 0.9}},
+         "TensorCores", 0.0),
+        ({"memory": {"peak_reserved": 75 << 30, "peak_allocated": 70 << 30, "limit": 80 << 30}},
+         "MemoryNearLimit", 75 / 80),
+        ({"gpu_summary": {"kernels": 400, "short_kernels": 300, "utilization": 0.9}},
+         "LaunchBound", 0.75),
+        ({"device": "cpu", "host": {"threads": 1, "cores": 8}}, "CpuThreads", 1 / 8),
+        ({"gpu_summary": {"h2d_time": 0.004, "step_time": 0.01, "h2d_bytes": 64 << 20}},
+         "HostToDeviceCopies", 0.4),
+        ({"gpu_summary": {"utilization": 0.05}, "host": {"cpu_utilization": 0.98}}, "CpuBound",
+         0.98),
+        ({"outliers": [{"step": 2, "total": 0.03, "median": 0.01, "ratio": 3.0}]}, "StepOutlier",
+         3.0),
+    ],
+)  # fmt: skip
+def test_each_rule_speaks_past_its_threshold_with_the_number(fields, rule, value):
+    found = {a["rule"]: a for a in advise(report_with(**fields))}
+    assert found[rule]["value"] == pytest.approx(value)
+    assert found[rule]["evidence"] and found[rule]["message"]
+
+
+def test_no_number_no_advice():
+    assert advise(report_with()) == []
+    assert advise(ProfileReport()) == []  # an empty report: nothing to say
+
+
+def test_advisor_rules_are_plugins_and_a_broken_one_is_skipped(monkeypatch):
+    class SlowMedian(AdviceRule):
+        name, threshold = "SlowMedian", 0.005
+
+        def check(self, report):
+            median = sorted(report.step_times)[1]
+            if median > self.threshold:
+                return self.advise(median, f"median step {median * 1e3:.0f} ms", "Look deeper.")
+            return None
+
+    class Broken(AdviceRule):
+        name = "Broken"
+
+        def check(self, report):
+            raise ZeroDivisionError("oops")
+
+    class Point:
+        def __init__(self, name, loaded):
+            self.name, self.value, self.loaded = name, f"pkg:{name}", loaded
+
+        def load(self):
+            if isinstance(self.loaded, Exception):
+                raise self.loaded
+            return self.loaded
+
+    points = [Point("slow", SlowMedian), Point("broken", Broken), Point("gone", ImportError("x")),
+              Point("odd", object)]  # fmt: skip
+    monkeypatch.setattr(advisor, "entry_points", lambda group: points)
+    monkeypatch.setattr(advisor, "_installed", None)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        found = advise(report_with())
+    assert [a["rule"] for a in found] == ["SlowMedian"]
+    assert found[0]["evidence"] == "median step 10 ms"
+    text = " ".join(str(w.message) for w in said)
+    assert "gone" in text and "odd" in text and "Broken raised ZeroDivisionError" in text
+
+
+def test_tensor_core_kernels_are_told_by_name():
+    assert tensor_core(
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1"
+    )
+    assert tensor_core("volta_h884gemm_64x64_ldg8_nn")
+    assert not tensor_core("ampere_sgemm_128x64_nn")
+    assert not tensor_core("void at::native::vectorized_elementwise_kernel<4, add>")
+
+
+class FakeCudaMemory:
+    def __init__(self, fail_dump=False):
+        self.calls, self.fail_dump = [], fail_dump
+
+    def _record_memory_history(self, enabled="all", max_entries=0):
+        self.calls.append(("record", enabled, max_entries))
+
+    def _dump_snapshot(self, path):
+        if self.fail_dump:
+            raise RuntimeError("no history")
+        self.calls.append(("dump", path))
+
+
+def test_the_cuda_memory_snapshot_is_recorded_dumped_and_switched_off(tmp_path):
+    fake = FakeCudaMemory()
+    assert _memory_history(True, memory=fake) is None
+    path = tmp_path / "memory-snapshot.pickle"
+    assert _memory_history(False, path, memory=fake) == str(path)
+    assert fake.calls == [("record", "all", 100_000), ("dump", str(path)), ("record", None, 0)]
+    failing = FakeCudaMemory(fail_dump=True)
+    assert _memory_history(False, path, memory=failing) is None
+    assert failing.calls == [("record", None, 0)]  # switched off all the same
+
+
+def test_step_boundaries_move_out_of_the_optimizer_step_they_fall_in():
+    events = [
+        span("ProfilerStep#1", 0, 1000),
+        span("ProfilerStep#2", 1000, 1000),
+        span("Optimizer.step#SGD.step", 900, 150),  # the boundary at 1000 falls inside it
+        span("tensordbg: optimizer", 910, 80),
+        span("aten::add_", 1010, 20, cat="cpu_op"),
+        span("Optimizer.step#SGD.step", 1950, 100),
+        span("elsewhere", 990, 100, tid=99),  # another thread: not in the way
+    ]
+    first, second = nest_steps(events)[:2]
+    assert (first["ts"], first["dur"]) == (0, 1050)
+    assert (second["ts"], second["dur"]) == (1050, 1000)

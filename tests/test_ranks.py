@@ -1,0 +1,159 @@
+"""Several ranks: a 2-rank DDP job under ``torchrun`` (gloo, CPU), one session per rank.
+
+Each test launches ``tests/ranks_job.py`` (a tiny DDP training) with ``torchrun --standalone
+--nproc-per-node 2`` and reads what each rank wrote. The launcher picks a free port itself
+(``--standalone``), and every job is killed, with its whole process group, if it outlives
+its deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tensordbg.transport.connection import find_sessions
+from tensordbg.transport.sync_client import SyncClient
+
+pytestmark = pytest.mark.slow
+
+JOB = Path(__file__).with_name("ranks_job.py")
+DEADLINE = 90.0
+
+
+class Job:
+    """A running ``torchrun`` job of ``ranks_job.py``."""
+
+    def __init__(self, scenario: str, out: Path):
+        self.out = out
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.started = time.monotonic()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+             "2", str(JOB), scenario, str(out)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            start_new_session=True,
+        )  # fmt: skip
+
+    def wait(self, timeout: float = DEADLINE) -> str:
+        try:
+            output, _ = self.process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            output, _ = self.process.communicate()
+            raise AssertionError(f"the job did not end within {timeout} s:\n{output}") from None
+        return output
+
+    def rank(self, n: int) -> dict:
+        return json.loads((self.out / f"rank{n}.json").read_text())
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Iterator[type[Job]]:
+    jobs: list[Job] = []
+
+    def start(scenario: str) -> Job:
+        jobs.append(Job(scenario, tmp_path))
+        return jobs[-1]
+
+    yield start  # type: ignore[misc]
+    for j in jobs:
+        j.kill()
+
+
+def test_a_nan_on_rank_1_only_is_a_hit_on_rank_1_at_its_module_and_step(job):
+    j = job("nan")
+    output = j.wait()
+    assert j.process.returncode == 0, output
+    rank0, rank1 = j.rank(0), j.rank(1)
+    # One job, one session per rank, named by torchrun's run id and the launcher's RANK.
+    assert rank0["run_id"] == rank1["run_id"] and rank0["run_id"]
+    assert (rank0["session_rank"], rank1["session_rank"]) == (0, 1)
+    origin = next(h for h in rank1["hits"] if h["origin"])
+    assert (origin["rule"], origin["module"], origin["kind"], origin["step"], origin["rank"]) == (
+        "NaN", "1", "output", 3, 1,
+    )  # fmt: skip
+    # Rank 0's own forward and backward were clean; DDP's all-reduce then carried rank 1's NaN
+    # into its gradients and weights: those hits are passed on, naming rank 1, not new origins.
+    assert rank0["hits"] and all(h["rank"] == 0 and not h["origin"] for h in rank0["hits"])
+    first = rank0["hits"][0]
+    assert first["step"] == 3 and first["kind"] in ("grad", "param")
+    assert "It came from rank 1 (NaN at 1.output)" in first["message"]
+    # Both ranks' weights are NaN alike: RankDivergence does not call that a drift.
+    assert not [h for r in (rank0, rank1) for h in r["hits"] if h["rule"] == "RankDivergence"]
+    # Named as in the user's model, without DistributedDataParallel's "module." prefix.
+    assert rank0["params"] == ["0.bias", "0.weight", "1.lin.bias", "1.lin.weight", "3.bias",
+                               "3.weight"]  # fmt: skip
+    # tensordbg ran no collective of its own (DDP's are not Python-level calls).
+    assert rank0["collectives"] == {} and rank1["collectives"] == {}
+
+
+def test_rank_divergence_reports_the_rank_whose_weights_drifted(job):
+    j = job("drift")
+    output = j.wait()
+    assert j.process.returncode == 0, output
+    rank0, rank1 = j.rank(0), j.rank(1)
+    drift = [h for h in rank1["hits"] if h["rule"] == "RankDivergence"]
+    assert drift and drift[0]["tensor"] == "3.weight" and drift[0]["rank"] == 1
+    assert "differs between ranks" in drift[0]["message"]
+    # Checked every 2 steps on the fingerprints of the check before: planted at step 4 (before
+    # its update), published at step 6, compared at step 8.
+    assert drift[0]["step"] in (4, 6)
+    assert {h["tensor"] for h in drift} == {"3.weight"}
+    assert not [h for h in rank0["hits"] if h["rule"] == "RankDivergence"]
+
+
+def test_raise_on_one_rank_ends_the_whole_job_with_one_line_from_the_others(job):
+    j = job("raise")
+    output = j.wait(timeout=60)
+    ended = time.time()
+    assert j.process.returncode != 0
+    assert "WatchpointHit" in output  # rank 1's own error
+    assert "tensordbg: rank 1 stopped the job: NaN at step 3 in 1.output; rank 0 stops too" in (
+        output
+    )
+    # From rank 1's raise to the end of the whole job (both ranks and the launcher).
+    assert ended - float((j.out / "raised").read_text()) < 30
+
+
+def test_every_rank_pauses_together_and_continue_resumes_them_all(job, private_runtime_dir):
+    j = job("pause")
+    deadline = time.monotonic() + DEADLINE
+    sessions: list = []
+    while len(sessions) < 2:
+        assert time.monotonic() < deadline and j.process.poll() is None, "no sessions"
+        sessions = sorted(find_sessions(private_runtime_dir), key=lambda s: s.rank)
+        time.sleep(0.2)
+    assert sessions[0].run_id == sessions[1].run_id
+    assert [s.name for s in sessions] == [f"{sessions[0].run_id}-0", f"{sessions[0].run_id}-1"]
+    clients = [SyncClient(str(s.path)) for s in sessions]
+    try:
+        infos: list = []
+        while not infos or any(i["state"] != "paused" for i in infos):
+            assert time.monotonic() < deadline, f"not all paused: {infos}"
+            time.sleep(0.2)
+            infos = [c.call("info") for c in clients]
+        # Both at the optimizer step of step 3, where no rank waits inside an all-reduce.
+        assert [i["step"] for i in infos] == [3, 3]
+        assert infos[1]["paused_at"]["rule"] == "NaN" and infos[1]["paused_at"]["rank"] == 1
+        assert "rank 1 paused the job" in infos[0]["pause_reason"]
+        clients[0].call("control", action="continue")  # continue on rank 0 resumes rank 1 too
+        output = j.wait()
+    finally:
+        for c in clients:
+            c.close()
+    assert j.process.returncode == 0, output
+    assert j.rank(0)["paused_steps"] == [3] and j.rank(1)["paused_steps"] == [3]
+    # A healthy DDP training otherwise: its weights stay identical on both ranks.
+    assert not [h for n in (0, 1) for h in j.rank(n)["hits"] if h["rule"] == "RankDivergence"]

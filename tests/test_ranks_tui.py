@@ -1,0 +1,133 @@
+"""The ranks of a job in the UI: one entry per job, every rank's state and hits, one tensor across
+ranks, and the rank to inspect chosen with one key. Driven headless with fake ranks."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fake_source import FakeSource
+from textual.app import App
+from textual.widgets import DataTable
+
+from tensordbg.transport.client import LocalClient
+from tensordbg.transport.server import Server
+from tensordbg.tui.launch import session_app
+from tensordbg.tui.screens.ranks import RanksScreen, group_jobs, job_sessions
+
+
+class FakeRank(FakeSource):
+    """A rank of a 2-rank job: rank 1 paused on its NaN hits, rank 0 running without hits."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+        if rank == 0:
+            self._hits = []
+            self.state, self.paused_at = "running", None
+
+    def info(self) -> Any:
+        return {**super().info(), "rank": self.rank, "run_id": "job7"}
+
+    def hits(self, since: int = 0) -> list[Any]:
+        return [h | {"rank": self.rank} for h in super().hits(since)]
+
+
+class Host(App[None]):
+    def __init__(self, screen: RanksScreen):
+        super().__init__()
+        self.ranks_screen = screen
+        self.chosen: list[int | None] = []
+
+    def on_mount(self) -> None:
+        self.push_screen(self.ranks_screen, self.chosen.append)
+
+
+def rows(table: DataTable) -> list[list[str]]:
+    return [[str(c) for c in table.get_row_at(i)] for i in range(table.row_count)]
+
+
+def test_every_ranks_state_and_hits_in_one_list_and_a_tensor_across_ranks() -> None:
+    async def flow() -> None:
+        clients = {0: LocalClient(FakeRank(0)), 1: LocalClient(FakeRank(1))}
+        app = Host(RanksScreen("job7", clients, current=0, every=0.2))
+        async with app.run_test(size=(120, 40)) as pilot:
+            screen = app.ranks_screen
+            for _ in range(50):
+                await pilot.pause(0.05)
+                if screen.query_one("#ranks-hits", DataTable).row_count == 2:
+                    break
+            states = rows(screen.query_one("#ranks-table", DataTable))
+            assert [r[:4] for r in states] == [["0 *", "running", "3", "0"],
+                                               ["1", "paused", "3", "2"]]  # fmt: skip
+            hits = rows(screen.query_one("#ranks-hits", DataTable))
+            assert [(r[0], r[3], r[5]) for r in hits] == [("1", "NaN", "origin"),
+                                                          ("1", "NaN", "passed on")]  # fmt: skip
+            await pilot.press("0")  # rank 0's hits only: none
+            assert screen.query_one("#ranks-hits", DataTable).row_count == 0
+            await pilot.press("a")
+            assert screen.query_one("#ranks-hits", DataTable).row_count == 2
+            # The highlighted hit's tensor on both ranks, side by side.
+            compare = screen.query_one("#ranks-compare", DataTable)
+            for _ in range(50):
+                await pilot.pause(0.05)
+                if compare.row_count:
+                    break
+            table = {r[0]: r[1:] for r in rows(compare)}
+            assert table["nan"][1] == "2" and table["numel"][0] == table["numel"][1]
+            await pilot.press("enter")  # inspect the rank of that hit
+            await pilot.pause(0.1)
+            assert app.chosen == [1]
+
+    asyncio.run(flow())
+
+
+def test_a_jobs_ranks_are_one_entry_of_the_session_list() -> None:
+    sessions = [
+        {"run_id": "job7", "rank": 1, "path": "/r/job7-1.json", "script": "train.py"},
+        {"run_id": "job7", "rank": 0, "path": "/r/job7-0.json", "script": "train.py"},
+        {"run_id": "solo", "rank": 0, "path": "/r/solo-0.json", "script": "other.py"},
+    ]
+    jobs = group_jobs(sessions)
+    assert [(j["run_id"], j["rank"], j["path"]) for j in jobs] == [
+        ("job7", "0-1", "/r/job7-0.json"),
+        ("solo", 0, "/r/solo-0.json"),
+    ]
+    assert [s["rank"] for s in job_sessions("job7", lambda: sessions)] == [0, 1]
+
+
+def test_the_ui_opens_a_job_once_and_shift_r_moves_to_the_next_rank(private_runtime_dir) -> None:
+    """Two ranks of one job serve their sessions: ``tensordbg tui`` opens the job (rank 0, no
+    list to choose from), ``R`` inspects rank 1, F9 shows both ranks."""
+    servers = [Server(FakeRank(r), run_id="job7", rank=r, script="train.py") for r in (0, 1)]
+    for server in servers:
+        server.start()
+    app = session_app()
+    assert app is not None
+
+    async def until(pilot: Any, condition: Any, timeout: float = 20.0) -> None:
+        for _ in range(int(timeout / 0.05)):
+            if condition():
+                return
+            await pilot.pause(0.05)
+        raise AssertionError("condition not met")
+
+    async def flow() -> None:
+        async with app.run_test(size=(120, 40)) as pilot:
+            await until(pilot, lambda: app.info.get("rank") == 0 and app.state == "running")
+            app.action_next_rank()
+            await until(pilot, lambda: app.info.get("rank") == 1 and app.state == "paused")
+            app.action_ranks()
+            await until(pilot, lambda: isinstance(app.screen, RanksScreen))
+            table = app.screen.query_one("#ranks-table", DataTable)
+            await until(pilot, lambda: table.row_count == 2)
+            assert rows(table)[1][0] == "1 *"  # the rank being inspected
+            app.screen.dismiss(0)
+            await until(pilot, lambda: app.info.get("rank") == 0)
+            app.exit()
+
+    try:
+        asyncio.run(flow())
+    finally:
+        for server in servers:
+            server.stop()

@@ -1,0 +1,168 @@
+"""``tensordbg replay``: a dump served as a Source, and the same UI over it.
+
+The dumps come from ``dumps.write_dump``: a three-layer network whose ``net.2.output`` holds a
+NaN at step 3, the step the dump's one hit names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from dumps import write_dump
+from test_tui import SIZE, until
+from textual.widgets import Footer
+
+from tensordbg.cli import main
+from tensordbg.dump import load
+from tensordbg.dump.writer import DumpWriter
+from tensordbg.sources.contract import REPLAY, SourceError, dispatch, refusal
+from tensordbg.sources.replay import ReplaySource
+from tensordbg.transport.client import LocalClient
+from tensordbg.tui.app import TensorDbgApp
+from tensordbg.tui.components.connection_banner import ConnectionBanner
+from tensordbg.tui.components.tensor_grid import TensorGrid
+
+
+@pytest.fixture
+def dump(tmp_path: Path) -> Path:
+    return write_dump(tmp_path / "run", values=[1, 2, 3])  # 0, 4, 5: statistics only
+
+
+def ref_of(source: ReplaySource, name: str) -> int:
+    return next(t["ref"] for t in source.tensors() if t["name"] == name)
+
+
+def test_a_replay_opens_at_its_first_hit_and_says_it_is_a_recording(dump: Path) -> None:
+    source = ReplaySource(load(dump))
+    info = dispatch(source, "info", {})
+    assert info["live"] is False and info["state"] == "replay"
+    assert info["step"] == 3 and info["paused_at"]["tensor"] == "net.2.output"
+    assert info["replay"] == {"path": str(dump), "recorded": "2026-11-24T10:30:00+00:00",
+                              "complete": True, "steps": 6, "index": 3, "broken": ""}  # fmt: skip
+    assert info["run_id"] == "replay01" and info["script"] == "train.py"
+    assert info["capabilities"] == sorted(REPLAY)
+    with pytest.raises(SourceError) as refused:
+        dispatch(source, "control", {"action": "continue"})
+    assert str(refused.value) == refusal("control", REPLAY)
+
+
+def test_moving_between_dumped_steps_changes_the_tensors_shown(dump: Path) -> None:
+    source = ReplaySource(load(dump))
+    at_3 = {t["name"]: t["summary"]["mean"] for t in source.tensors()}
+    assert source.goto(move=1)["step"] == 4
+    at_4 = {t["name"]: t["summary"]["mean"] for t in source.tensors()}
+    assert at_3.keys() == at_4.keys() and at_3["input[0]"] != at_4["input[0]"]
+    assert source.goto(move=10)["step"] == 5  # the last: it stays there
+    assert source.goto(move=-99)["step"] == 0
+    assert source.goto(step=2)["replay"]["index"] == 2
+    with pytest.raises(SourceError, match="step 7 was not dumped; the nearest dumped step is 5"):
+        source.goto(step=7)
+
+
+def test_a_hit_opens_its_own_step_while_another_is_shown(dump: Path) -> None:
+    source = ReplaySource(load(dump))
+    hit = source.hits()[0]
+    source.goto(step=1)
+    stats = source.stats(hit["ref"])
+    assert stats["step"] == 3 and stats["name"] == "net.2.output"
+    assert stats["summary"]["nan"] == 1
+    assert stats["previous"]["step"] == 2  # the same tensor at the dumped step before
+
+
+def test_slices_read_the_dumped_values_and_statistics_only_steps_say_so(dump: Path) -> None:
+    source = ReplaySource(load(dump))
+    ref = ref_of(source, "net.2.output")
+    expected = load(dump).tensor("net.2.output").value(3)
+    part = source.slice(ref, "[1]", window=[[0, 1], [0, 4]])
+    np.testing.assert_array_equal(part["data"].to_numpy()[0], expected[1])
+    assert source.stats(ref, "[1]")["summary"]["nan"] == 1
+    histogram = source.histogram(ref, bins=4)
+    assert sum(histogram["counts"]) == 31 and histogram["nan"] == 1
+    source.goto(step=4)
+    bare = ref_of(source, "net.2.output")
+    assert source.stats(bare)["summary"]["l2"] > 0  # from the index
+    with pytest.raises(SourceError, match=r"only the statistics of net\.2\.output were dumped"):
+        source.slice(bare, "[1]")
+
+
+def test_bfloat16_values_come_back_bit_for_bit(tmp_path: Path) -> None:
+    value = (np.arange(12, dtype=np.float32).reshape(3, 4) / 7).astype(ml_dtypes.bfloat16)
+    writer = DumpWriter(tmp_path / "bf", {"run_id": "bf16"})
+    entry = {"name": "fc.output", "module": "fc", "phase": "forward", "kind": "output",
+             "shape": [3, 4], "dtype": "bfloat16", "stats": {"l2": 1.0}}  # fmt: skip
+    writer.write_step(0, 0, [entry], {"fc.output": value}, [])
+    writer.close()
+    source = ReplaySource(load(tmp_path / "bf"))
+    part = source.slice(ref_of(source, "fc.output"))
+    assert part["dtype"] == "bfloat16"
+    back = part["data"].to_numpy()
+    assert back.dtype == ml_dtypes.bfloat16 and back.tobytes() == value.tobytes()
+
+
+def test_a_broken_step_is_shown_as_broken_and_the_others_stay_readable(dump: Path) -> None:
+    step_file = dump / "rank-0" / "step-00000002.safetensors"
+    step_file.write_bytes(step_file.read_bytes()[:100])  # cut short
+    source = ReplaySource(load(dump))
+    info = source.goto(step=2)
+    assert "truncated" in info["replay"]["broken"] and str(step_file) in info["replay"]["broken"]
+    assert source.tensors() == [] and source.modules()[2]["stats"] == {}
+    assert source.goto(move=1)["replay"]["broken"] == ""
+    assert len(source.tensors()) == 9
+
+
+def test_replay_of_what_is_not_a_dump_is_one_sentence_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["replay", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(tmp_path) in err and "Traceback" not in err
+
+
+# --- the UI ------------------------------------------------------------------------------
+
+
+def test_the_ui_says_replay_and_moves_between_steps_with_n_and_p(dump: Path) -> None:
+    source = ReplaySource(load(dump))
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            banner = app.query_one(ConnectionBanner)
+            await until(pilot, lambda: app.state == "replay")
+            text = str(banner.content)
+            assert "Replay of run replay01 (train.py) recorded 2026-11-24T10:30:00+00:00" in text
+            assert "step 3 (4 of 6 dumped)" in text
+            shown = app.active_bindings.items()
+            footer = {k: b.binding.description for k, b in shown if b.binding.show and k in "npcsk"}
+            assert footer == {"n": "Next dumped step", "p": "Previous dumped step"}
+            await pilot.press("n")
+            await until(pilot, lambda: "step 4 (5 of 6" in str(banner.content))
+            assert "step 4" in app.screen.sub_title
+            await pilot.press("p", "p")
+            await until(pilot, lambda: source.step == 2 and "step 2 (3 of 6" in str(banner.content))
+            tensors = app.main.module_browser
+            await until(pilot, lambda: tensors.table.row_count == 5)
+            await pilot.press("c")  # a recording cannot be driven: it says so
+            await until(pilot, lambda: any("recorded run" in str(n.message)
+                                           for n in app._notifications))  # fmt: skip
+            assert app.query(Footer)
+
+    asyncio.run(flow())
+
+
+def test_a_hit_of_the_replay_opens_its_dumped_values(dump: Path) -> None:
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(ReplaySource(load(dump))))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "replay")
+            await until(pilot, lambda: app.main.hit_table.row_count == 1)
+            await pilot.press("enter")  # the NaN hit, under the cursor
+            grid = app.query_one(TensorGrid)
+            await until(pilot, lambda: grid.rows == 8 and grid.cell_text(1, 2))
+            assert "nan" in grid.cell_text(1, 2).lower()
+
+    asyncio.run(flow())

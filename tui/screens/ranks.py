@@ -1,0 +1,206 @@
+"""The ranks of one job (``torchrun``): which run and which are paused, the hits of every rank in
+one list, and one tensor's statistics on every rank side by side.
+
+Each rank serves its own session; this screen reads them all through one client per rank, which
+the app opens (:func:`job_sessions`) and closes when the screen goes. Enter on a rank (or on a
+hit) inspects that rank in the main screen; ``R`` (shift+r) there moves to the next rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Vertical
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Label
+
+from tensordbg.tui.components.table import Table
+from tensordbg.tui.errors import reported, work
+
+COMPARED = ("numel", "nan", "posinf", "neginf", "min", "max", "mean", "std", "l2")
+
+
+def job_sessions(run_id: str, find: Callable[[], list[Any]] | None = None) -> list[Any]:
+    """The live sessions of one job, by rank (connection files ``<run_id>-<rank>.json``)."""
+    if find is None:
+        from tensordbg.transport.connection import find_sessions as find
+    return sorted((s for s in find() if _field(s, "run_id") == run_id),
+                  key=lambda s: _field(s, "rank"))  # fmt: skip
+
+
+def group_jobs(sessions: list[Any]) -> list[Any]:
+    """One entry per job for the session picker: a job's lowest rank, its ``rank`` column
+    saying which ranks run (``"0-3"``)."""
+    jobs: dict[Any, list[Any]] = {}
+    for s in sessions:
+        jobs.setdefault(_field(s, "run_id"), []).append(s)
+    out = []
+    for ranks in jobs.values():
+        ranks.sort(key=lambda s: _field(s, "rank"))
+        first = ranks[0]
+        if len(ranks) == 1:
+            out.append(first)
+            continue
+        fields = ("script", "run_id", "pid", "host", "started", "path")
+        entry = {name: _field(first, name) for name in fields}
+        entry["rank"] = f"{_field(first, 'rank')}-{_field(ranks[-1], 'rank')}"
+        out.append(entry)
+    return out
+
+
+def _field(session: Any, name: str) -> Any:
+    return session.get(name) if isinstance(session, dict) else getattr(session, name, None)
+
+
+class RanksScreen(Screen[int | None]):
+    """Dismissed with the rank to inspect, or None (Esc)."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "dismiss(None)", "Back"),
+        Binding("a", "only(-1)", "All ranks"),
+        *(Binding(str(d), f"only({d})", show=False) for d in range(10)),
+    ]
+
+    def __init__(self, run_id: str, clients: Mapping[int, Any], current: int = 0,
+                 every: float = 1.0) -> None:  # fmt: skip
+        super().__init__()
+        self.run_id = run_id
+        self.clients = dict(sorted(clients.items()))
+        self.current = current
+        self.every = every
+        self.infos: dict[int, dict[str, Any] | None] = {}
+        self.hits: dict[int, list[dict[str, Any]]] = {r: [] for r in self.clients}
+        self.only: int | None = None
+        """The rank whose hits are listed; None lists every rank's."""
+        self._listed: list[dict[str, Any]] = []
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="ranks-screen"):
+            yield Label(f"run {self.run_id}: {len(self.clients)} ranks (Enter inspects one)",
+                        classes="dialog-title")  # fmt: skip
+            yield Table(id="ranks-table", cursor_type="row")
+            yield Label("Hits of every rank (0-9: one rank, a: all)", id="ranks-hits-title")
+            yield Table(id="ranks-hits", cursor_type="row")
+            yield Label("", id="ranks-compare-title")
+            yield Table(id="ranks-compare", cursor_type="none")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#ranks-table", DataTable).add_columns(
+            "rank", "state", "step", "hits", "why it is paused"
+        )
+        self.query_one("#ranks-hits", DataTable).add_columns(
+            "rank", "step", "phase", "rule", "tensor", "where"
+        )
+        self.query_one("#ranks-compare", DataTable).add_columns(
+            "statistic", *(f"rank {r}" for r in self.clients)
+        )
+        self.refresh_ranks()
+        self.set_interval(self.every, self.refresh_ranks)
+        self.query_one("#ranks-hits", DataTable).focus()
+
+    @work(group="ranks-refresh", exclusive=True)
+    async def refresh_ranks(self) -> None:
+        """Ask every rank where it is and for its new hits (a rank that is gone says so)."""
+        changed = False
+        for rank, client in self.clients.items():
+            try:
+                self.infos[rank] = await client.call("info")
+                new = await client.call("hits", since=len(self.hits[rank]))
+            except Exception:
+                self.infos[rank] = None
+                continue
+            if new:
+                self.hits[rank].extend(new)
+                changed = True
+        self._show_ranks()
+        if changed or not self._listed:
+            self._show_hits()
+
+    def _show_ranks(self) -> None:
+        table = self.query_one("#ranks-table", DataTable)
+        row = table.cursor_row
+        table.clear()
+        for rank in self.clients:
+            info = self.infos.get(rank)
+            mark = " *" if rank == self.current else ""
+            if info is None:
+                table.add_row(f"{rank}{mark}", "gone", "", "", "", key=str(rank))
+                continue
+            table.add_row(f"{rank}{mark}", info["state"], str(info["step"]),
+                          str(info["hits_total"]), info.get("pause_reason", "")[:80],
+                          key=str(rank))  # fmt: skip
+        table.move_cursor(row=min(row, len(self.clients) - 1))
+
+    def _show_hits(self) -> None:
+        table = self.query_one("#ranks-hits", DataTable)
+        table.clear()
+        ranks = self.clients if self.only is None else [self.only]
+        merged = [h | {"rank": r} for r in ranks for h in self.hits.get(r, [])]
+        merged.sort(key=lambda h: (h["step"], h["id"], h["rank"]))
+        self._listed = merged
+        for i, h in enumerate(merged):
+            table.add_row(str(h["rank"]), str(h["step"]), h["phase"], h["rule"], h["tensor"],
+                          "origin" if h["origin"] else "passed on", key=str(i))  # fmt: skip
+        shown = "every rank" if self.only is None else f"rank {self.only}"
+        self.query_one("#ranks-hits-title", Label).update(
+            f"Hits of {shown}: {len(merged)} (0-9: one rank, a: all)"
+        )
+
+    def action_only(self, rank: int) -> None:
+        self.only = None if rank < 0 or rank not in self.clients else rank
+        self._show_hits()
+
+    @on(DataTable.RowHighlighted, "#ranks-hits")
+    @reported
+    def _highlighted(self, event: DataTable.RowHighlighted) -> None:
+        if event.row_key.value is not None and int(event.row_key.value) < len(self._listed):
+            self.compare(self._listed[int(event.row_key.value)])
+
+    @work(group="ranks-compare", exclusive=True)
+    async def compare(self, hit: dict[str, Any]) -> None:
+        """The hit's tensor on every rank: that rank's own hit on it when it has one, else the
+        latest statistics of the module's tensor of that kind."""
+        columns: dict[int, dict[str, Any]] = {}
+        for rank, client in self.clients.items():
+            same = [h for h in self.hits.get(rank, []) if h["tensor"] == hit["tensor"]]
+            if same and same[-1].get("summary"):
+                columns[rank] = same[-1]["summary"]
+                continue
+            try:
+                modules = await client.call("modules")
+            except Exception:
+                continue
+            for m in modules:
+                if m["path"] == hit["module"] and hit["kind"] in m["stats"]:
+                    columns[rank] = m["stats"][hit["kind"]]
+        table = self.query_one("#ranks-compare", DataTable)
+        table.clear()
+        for name in COMPARED:
+            table.add_row(name, *(_number(columns.get(r, {}).get(name)) for r in self.clients))
+        self.query_one("#ranks-compare-title", Label).update(
+            f"{hit['tensor']} on every rank (step {hit['step']} on rank {hit['rank']})"
+        )
+
+    @on(DataTable.RowSelected)
+    @reported
+    def _selected(self, event: DataTable.RowSelected) -> None:
+        key = event.row_key.value
+        if key is None:
+            return
+        if event.data_table.id == "ranks-table":
+            self.dismiss(int(key))
+        elif event.data_table.id == "ranks-hits" and int(key) < len(self._listed):
+            self.dismiss(int(self._listed[int(key)]["rank"]))
+
+
+def _number(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and not value.is_integer():
+        return f"{value:.6g}"
+    return str(int(value)) if isinstance(value, float) else str(value)
