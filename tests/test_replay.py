@@ -141,7 +141,7 @@ def test_the_ui_says_replay_and_moves_between_steps_with_n_and_p(dump: Path) -> 
             assert footer == {"n": "Next dumped step", "p": "Previous dumped step"}
             await pilot.press("n")
             await until(pilot, lambda: "step 4 (5 of 6" in str(banner.content))
-            assert "step 4" in app.screen.sub_title
+            assert "step 4" in app.screen.title  # the header: the state first, then the step
             await pilot.press("p", "p")
             await until(pilot, lambda: source.step == 2 and "step 2 (3 of 6" in str(banner.content))
             tensors = app.main.module_browser

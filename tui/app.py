@@ -3,9 +3,8 @@
 >>> from tensordbg.transport.client import LocalClient
 >>> TensorDbgApp(LocalClient(source)).run()
 
-The app owns the connection (:meth:`TensorDbgApp._keep_connected`), the debugger's keys and the
-errors it survives (:meth:`TensorDbgApp.report_error`); the
-:class:`~tensordbg.tui.screens.main.MainScreen` lays out the tabs and routes data to the widgets.
+The app owns the connection (``_keep_connected``), the debugger's keys and the errors it survives
+(``report_error``); the ``MainScreen`` lays out the tabs and routes data to the widgets.
 """
 
 from __future__ import annotations
@@ -52,6 +51,10 @@ COMMANDS = (
         "state stay as they are, as a GradScaler skips an overflow (k)",
     ),
 )
+
+# Keys of the main screen (a dialog or the session list has its own keys only).
+_MAIN_ACTIONS = frozenset({"control", "count", "tab", "search", "detach", "ignore", "profile",
+                           "ranks", "next_rank"})  # fmt: skip
 
 
 class TensorDbgApp(App[int]):
@@ -261,17 +264,7 @@ class TensorDbgApp(App[int]):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in ("replay_step", "refuse_control"):
             return self.screen is self.main and self.remote.serves("goto")
-        if action in (
-            "control",
-            "count",
-            "tab",
-            "search",
-            "detach",
-            "ignore",
-            "profile",
-            "ranks",
-            "next_rank",
-        ):
+        if action in _MAIN_ACTIONS:
             if self.screen is not self.main:  # a dialog or the session list: its keys only
                 return False
             if action == "ignore":  # on the hit the training is paused at, or the one chosen

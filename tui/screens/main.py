@@ -283,9 +283,14 @@ class MainScreen(Screen):
         tabs.active = pane
 
     def focus_search(self) -> None:
-        """``/``: on the Hits tab, filter the hits; elsewhere, search the model tree."""
-        if self.query_one(TabbedContent).active == "hits":
+        """``/``: on the Hits tab, filter the hits; on the profile's operators, search them;
+        elsewhere, search the model tree."""
+        active = self.query_one(TabbedContent).active
+        if active == "hits":
             self.hit_filter.open()
+            return
+        if active == "profile" and self.profiler_view.active_view == "operators":
+            self.query_one("#profile-operators").action_search()  # type: ignore[attr-defined]
             return
         self.show_tab("modules", focus=False)
         self.module_browser.focus_search()
