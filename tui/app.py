@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fnmatch
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -311,30 +310,7 @@ class TensorDbgApp(App[int]):
     def action_ignore(self) -> None:
         hit = self.main.hit_to_ignore()
         if hit is not None and self.served("set_rule"):
-            self._ignore(hit)
-
-    @work(group="control", exclusive=True)
-    async def _ignore(self, hit: dict[str, Any]) -> None:
-        """Like pdb's ``ignore``: the hit's rule stops judging the hit's tensor (its exclude
-        list gains the tensor's name), so ``c`` no longer stops on it; the Rules tab shows the
-        exclusion and can take it back."""
-        try:
-            rules = (await self.remote.rules())["rules"]
-        except RequestFailed:
-            return
-        rule = _rule_of(hit, rules)
-        if rule is None:
-            self.main.log_entry(f"no rule {hit['rule']!r} judges {hit['tensor']} now", "warning")
-            return
-        exclude = [*rule.get("exclude", []), hit["tensor"]]
-        try:
-            await self.remote.set_rule(rule["id"], params={"exclude": exclude})
-        except RequestFailed:
-            return  # the Log tab says why
-        said = f"{hit['rule']} now ignores {hit['tensor']}; c continues without stopping there"
-        self.main.log_entry(said)
-        self.notify(said, title="Rule changed", markup=False)
-        self.main.rule_panel.reload()
+            self.main.rule_panel.ignore(hit)
 
     def action_tab(self, pane: str) -> None:
         self.main.show_tab(pane)
@@ -486,15 +462,3 @@ class TensorDbgApp(App[int]):
                 "Judge the current step again with the rules as they are now",
                 self.main.recheck,
             )
-
-
-def _rule_of(hit: dict[str, Any], rules: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The rule that made ``hit``: of the rules with its name, the first enabled one whose
-    patterns select its tensor."""
-    named = [r for r in rules if r["name"] == hit["rule"] and r.get("enabled", True)]
-    for rule in named:
-        name = hit["tensor"]
-        selected = any(fnmatch.fnmatchcase(name, p) for p in rule.get("match", ["*"]))
-        if selected and not any(fnmatch.fnmatchcase(name, p) for p in rule.get("exclude", [])):
-            return rule
-    return named[0] if named else None

@@ -3,6 +3,7 @@ added with a, and the current step judged again with r."""
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
@@ -109,6 +110,30 @@ class RulePanel(Vertical):
             )
         table.move_cursor(row=min(row, max(len(self._rules) - 1, 0)))
 
+    @work(group="rules-ignore", exclusive=True)
+    async def ignore(self, hit: dict[str, Any]) -> None:
+        """Like pdb's ``ignore``: the hit's rule stops judging the hit's tensor (its exclude
+        list gains the tensor's name), so ``c`` no longer stops on it; the table shows the
+        exclusion, and editing the rule can take it back."""
+        remote = remote_of(self)
+        try:
+            rules = (await remote.rules())["rules"]
+        except RequestFailed:
+            return  # the Log tab says why
+        rule = _rule_of(hit, rules)
+        if rule is None:
+            self.app.notify(f"No rule {hit['rule']!r} judges {hit['tensor']} now.", markup=False)
+            return
+        exclude = [*rule.get("exclude", []), hit["tensor"]]
+        try:
+            await remote.set_rule(rule["id"], params={"exclude": exclude})
+        except RequestFailed:
+            return
+        said = f"{hit['rule']} now ignores {hit['tensor']}; c continues without stopping there"
+        self._say(said)
+        self.app.notify(said, title="Rule changed", markup=False)
+        self.reload()
+
     def _say(self, text: str, error: bool = False) -> None:
         self.result.update(Text(text, style="bold red" if error else ""))
 
@@ -199,3 +224,15 @@ class RulePanel(Vertical):
             self._say("\n".join(lines))
             self.post_message(HitsFound(hits))
         self.reload()
+
+
+def _rule_of(hit: dict[str, Any], rules: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The rule that made ``hit``: of the enabled rules with its name, the first whose
+    patterns select its tensor."""
+    named = [r for r in rules if r["name"] == hit["rule"] and r.get("enabled", True)]
+    name = hit["tensor"]
+    for rule in named:
+        selected = any(fnmatch.fnmatchcase(name, p) for p in rule.get("match", ["*"]))
+        if selected and not any(fnmatch.fnmatchcase(name, p) for p in rule.get("exclude", [])):
+            return rule
+    return named[0] if named else None
