@@ -187,5 +187,5 @@ def test_a_sample_costs_far_less_than_a_tenth_of_a_second_of_cpu():
     for _ in range(100):
         sampler.sample_once()
     per_sample = (time.thread_time() - started) / 100
-    # Under 1 % of a core at 10 Hz is 1 ms a sample (benchmarks/profile.py measures it).
+    # Under 1 % of a core at 10 Hz is 1 ms a sample (benchmarks/profiling.py measures it).
     assert per_sample < 1e-3

@@ -1,8 +1,8 @@
 """What profiling costs: a profiled step against a bare one, the summary of 5 steps, the NVML
 sampler.
 
-    python benchmarks/profile.py                 # CPU, overhead.py's encoder-256 model
-    python benchmarks/profile.py --device cuda   # its GPT-2 small in bf16
+    python benchmarks/profiling.py                 # CPU, overhead.py's encoder-256 model
+    python benchmarks/profiling.py --device cuda   # its GPT-2 small in bf16
 
 1. Steps: three copies of the same model train side by side in one process, one step of each
    per round in a rotating order (so the machine's noise falls on all alike): bare, attached by
