@@ -71,21 +71,9 @@ class Pipeline(Pausing):
     def collect(self, record: Record, tensor: torch.Tensor, extra: tuple[Stat, ...] = ()) -> None:
         """A tensor was seen: register it, keep it for inspection, and have the sync mode
         compute what the rules need of it."""
-        stats = record.stats
-        screen_only = self.interval > 1 and self.step % self.interval != 0
-        applicable = self.ruleset.applicable(stats, screen_only)
-        wanted = applicable.wanted
-        if record.hidden:
-            extra = SCREEN  # the origin of a non-finite value is traced through every input
-        if extra:
-            wanted = tuple(dict.fromkeys(wanted + extra))
-        record.rule_ids = applicable.rule_ids
-        record.checks = applicable.checks
-        record.wanted = wanted
-        self.phases.register(record)
-        kept = self.sync.retain(self, record, tensor)
-        if wanted:
-            self.sync.collect(self, record, tensor, applicable.silent, kept)
+        kept, silent = self._prepare(record, tensor, extra)
+        if record.wanted:
+            self.sync.collect(self, record, tensor, silent, kept)
 
     def collect_input(self, call: Call, record: Record, tensor: torch.Tensor) -> None:
         """An input made by code between modules. Eager mode screens it only if the call's
@@ -288,28 +276,35 @@ class Pipeline(Pausing):
             if type(event) is ParamGradNote:
                 record = param_grad_record(event.name, event.owner, event.owner_type,
                                                   event.grad, self.step)  # fmt: skip
-                if self._prepare(record, event.grad) and norm_only(record, event.grad):
-                    together.append((record, event.grad))
-                    self.phases.pending.append(Judged(record))
-                    self.phases.pending.append(Gradient(record))
-                    continue
             else:
                 record = grad_record(event.forward, event.grad, self.step)
-            self.collect(record, event.grad)
+            kept, silent = self._prepare(record, event.grad)
+            if record.wanted and norm_only(record, event.grad):
+                together.append((record, event.grad))  # measured below, all at once
+                self.phases.pending.append(Judged(record))
+            elif record.wanted:
+                self.sync.collect(self, record, event.grad, silent, kept)
             self.phases.pending.append(Gradient(record))
         if together:
             self._judge_norms(together)
 
-    def _prepare(self, record: Record, tensor: torch.Tensor) -> bool:
-        """:meth:`collect` up to measuring; whether there is anything to measure."""
-        applicable = self.ruleset.applicable(record.stats, self.interval > 1
-                                             and self.step % self.interval != 0)  # fmt: skip
+    def _prepare(
+        self, record: Record, tensor: torch.Tensor, extra: tuple[Stat, ...] = ()
+    ) -> tuple[bool, bool]:
+        """:meth:`collect` up to measuring: the record's rules and statistics, its place in the
+        phase. Whether it is kept, and whether its rules speak only of NaN and Inf."""
+        screen_only = self.interval > 1 and self.step % self.interval != 0
+        applicable = self.ruleset.applicable(record.stats, screen_only)
+        wanted = applicable.wanted
+        if record.hidden:
+            extra = SCREEN  # the origin of a non-finite value is traced through every input
+        if extra:
+            wanted = tuple(dict.fromkeys(wanted + extra))
         record.rule_ids = applicable.rule_ids
         record.checks = applicable.checks
-        record.wanted = applicable.wanted
+        record.wanted = wanted
         self.phases.register(record)
-        self.sync.retain(self, record, tensor)
-        return bool(applicable.wanted)
+        return self.sync.retain(self, record, tensor), applicable.silent
 
     def _judge_norms(self, together: list[tuple[Record, torch.Tensor]]) -> None:
         """Screen and judge records that want only ``finite`` and ``l2``, from one norm each."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import math
 import os
 import sys
@@ -26,7 +25,7 @@ from tensordbg.engine.judge import ActiveRule
 from tensordbg.engine.records import Record
 from tensordbg.engine.session import Session
 from tensordbg.rules import Rule, available_rules
-from tensordbg.sources import contract
+from tensordbg.sources import contract, recorded
 from tensordbg.sources.contract import EventCallback, SourceError
 from tensordbg.sources.profiling import LiveProfiling
 from tensordbg.sources.provenance import brief as _brief
@@ -34,10 +33,10 @@ from tensordbg.sources.provenance import provenance
 from tensordbg.sources.slicing import (
     SliceError,
     apply_index,
-    clamp_window,
+    check_histogram,
     format_index,
-    grid_shape,
     parse_index,
+    slice_frame,
     window_of,
 )
 from tensordbg.statistics import Summary
@@ -45,7 +44,6 @@ from tensordbg.statistics.streamed import streamed_histogram, streamed_summary
 from tensordbg.statistics.torch_kernels import dtype_name
 from tensordbg.transport.wire import DTYPES, MAX_REPLY_BYTES, WireArray
 
-MAX_BINS = 1024
 # A slice may make as many values as its tensor holds, and at least this many.
 MIN_SLICE_BOUND = 2**20
 # Words that carry each dtype on the wire, as torch dtypes to .view() the tensor as.
@@ -147,10 +145,8 @@ class LiveSource(LiveProfiling):
         return [_listing(r) for r in self.session.snapshot().records]
 
     def rules(self) -> contract.Rules:
-        available = []
-        for name, cls in available_rules().items():
-            available.append({"name": name, "doc": _doc(cls), "params": _default_params(cls)})
-        return {"rules": [_rule_dict(a) for a in self.session.rules], "available": available}
+        rules = [_rule_dict(a) for a in self.session.rules]
+        return {"rules": rules, "available": recorded.available()}
 
     def set_rule(
         self, id: int, enabled: bool | None = None, params: dict[str, Any] | None = None
@@ -316,23 +312,14 @@ class LiveSource(LiveProfiling):
             dtype = dtype_name(view.dtype)
             if dtype not in DTYPES:
                 raise SourceError(f"tensors of dtype {dtype} cannot be shown yet")
-            itemsize = max(1, view.element_size())
             try:
-                rows, cols = clamp_window(tuple(view.shape), window, MAX_REPLY_BYTES // itemsize)
+                frame = slice_frame(tuple(view.shape), window,
+                                    MAX_REPLY_BYTES // max(1, view.element_size()))  # fmt: skip
             except SliceError as e:
                 raise SourceError(str(e)) from None
-            block = window_of(view, rows, cols).detach().to("cpu").contiguous()
-            grid_rows, grid_cols = grid_shape(tuple(view.shape))
-            return {
-                "ref": ref,
-                "index": index,
-                "shape": list(view.shape),
-                "rows": grid_rows,
-                "cols": grid_cols,
-                "window": [list(rows), list(cols)],
-                "dtype": dtype,
-                "data": _wire(block, dtype),
-            }
+            block = window_of(view, *frame["window"]).detach().to("cpu").contiguous()
+            return {"ref": ref, "index": index, **frame, "dtype": dtype,
+                    "data": _wire(block, dtype)}  # fmt: skip
 
         return self._on_training_thread(work)
 
@@ -345,16 +332,10 @@ class LiveSource(LiveProfiling):
         hi: float | None = None,
     ) -> contract.Histogram:
         record = self._record(ref)
-        if not 1 <= bins <= MAX_BINS:
-            raise SourceError(f"bins is between 1 and {MAX_BINS}")
-        for name, bound in (("lo", lo), ("hi", hi)):
-            if bound is not None and not math.isfinite(bound):
-                raise SourceError(f"histogram bound {name}={bound} is not a finite number")
-        if lo is not None and hi is not None:
-            if lo > hi:
-                raise SourceError(f"histogram bounds: lo={lo:g} is above hi={hi:g}")
-            if not math.isfinite(hi - lo):
-                raise SourceError(f"histogram bounds {lo:g}..{hi:g} are too far apart to bin")
+        try:
+            check_histogram(bins, lo, hi)
+        except SliceError as e:
+            raise SourceError(str(e)) from None
 
         def work() -> dict[str, Any]:
             # Two streamed passes (the range, then the counts): what the training allocates
@@ -460,33 +441,10 @@ def _rule_dict(active: Any) -> dict[str, Any]:
         "name": rule.name,
         "enabled": active.enabled,
         "doc": rule.describe(),
-        "params": {k: _plain(v) for k, v in rule.params().items()},
+        "params": {k: recorded.plain(v) for k, v in rule.params().items()},
         "match": list(rule.match),
         "exclude": list(rule.exclude),
         "kinds": sorted(rule.kinds),
         "disabled_reason": active.disabled_reason,
         "hits": active.hits,
     }
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return value
-
-
-def _doc(cls: type[Rule]) -> str:
-    doc = inspect.getdoc(cls) or cls.__name__
-    return doc.strip().splitlines()[0]
-
-
-def _default_params(cls: type[Rule]) -> dict[str, Any]:
-    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    out = {}
-    for name, p in inspect.signature(cls.__init__).parameters.items():
-        if name in ("self", "match", "exclude", "kinds") or p.kind not in named:
-            continue
-        out[name] = _plain(None if p.default is inspect.Parameter.empty else p.default)
-    return out

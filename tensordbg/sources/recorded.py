@@ -1,5 +1,6 @@
 """What a dump recorded (provenance, the rule configuration), as the plain data of the Source
-schema; and the rules a recorded run can be checked with. numpy-free, torch-free."""
+schema; and the installed rules as the Rules tab lists them (live and replayed sources alike).
+numpy-free, torch-free."""
 
 from __future__ import annotations
 
@@ -33,9 +34,10 @@ def _listed(value: Any) -> list[Any]:
     return [value] if isinstance(value, str) else list(value or [])
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
+    """A value msgpack carries and the UI shows: sequences as lists, inf and nan as text."""
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
@@ -52,7 +54,7 @@ def _default_params(cls: type[Rule]) -> dict[str, Any]:
     for name, p in inspect.signature(cls.__init__).parameters.items():
         if name in ("self", "match", "exclude", "kinds") or p.kind not in named:
             continue
-        out[name] = _plain(None if p.default is inspect.Parameter.empty else p.default)
+        out[name] = plain(None if p.default is inspect.Parameter.empty else p.default)
     return out
 
 
@@ -74,7 +76,7 @@ def rule_dicts(recorded: Any, hits: dict[str, int]) -> list[contract.Rule]:
                 "name": name,
                 "enabled": bool(spec.get("enabled", True)),
                 "doc": str(spec.get("doc", "")),
-                "params": {str(k): _plain(v) for k, v in (spec.get("params") or {}).items()},
+                "params": {str(k): plain(v) for k, v in (spec.get("params") or {}).items()},
                 "match": [str(m) for m in _listed(spec.get("match", ["*"]))],
                 "exclude": [str(m) for m in _listed(spec.get("exclude", []))],
                 "kinds": [str(m) for m in _listed(spec.get("kinds", []))],

@@ -26,16 +26,15 @@ from tensordbg.sources.contract import EventCallback, SourceError
 from tensordbg.sources.slicing import (
     SliceError,
     apply_index,
-    clamp_window,
+    check_histogram,
     format_index,
-    grid_shape,
     parse_index,
+    slice_frame,
     window_of,
 )
 from tensordbg.statistics import describe, summarize_numpy
 from tensordbg.transport.wire import DTYPES, MAX_REPLY_BYTES, WireArray
 
-MAX_BINS = 1024
 HISTORY = 500  # steps of loss and gradient norm shown on the Run tab
 _ACTIVATIONS = ("input", "output", "grad_output", "grad_input")
 
@@ -249,22 +248,13 @@ class ReplaySource:
             raise SourceError(f"tensors of dtype {entry.dtype} cannot be shown yet")
         index, view = self._view(step, entry, text)
         try:
-            rows, cols = clamp_window(view.shape, window, MAX_REPLY_BYTES // view.itemsize)
+            frame = slice_frame(tuple(view.shape), window, MAX_REPLY_BYTES // view.itemsize)
         except SliceError as e:
             raise SourceError(str(e)) from None
-        block = np.ascontiguousarray(window_of(view, rows, cols))
-        grid_rows, grid_cols = grid_shape(tuple(view.shape))
+        block = np.ascontiguousarray(window_of(view, *frame["window"]))
         storage = np.dtype(DTYPES[entry.dtype].storage)
-        return {
-            "ref": ref,
-            "index": index,
-            "shape": list(view.shape),
-            "rows": grid_rows,
-            "cols": grid_cols,
-            "window": [list(rows), list(cols)],
-            "dtype": entry.dtype,
-            "data": WireArray(entry.dtype, tuple(block.shape), block.view(storage)),
-        }
+        data = WireArray(entry.dtype, tuple(block.shape), block.view(storage))
+        return {"ref": ref, "index": index, **frame, "dtype": entry.dtype, "data": data}
 
     def histogram(
         self,
@@ -274,13 +264,10 @@ class ReplaySource:
         lo: float | None = None,
         hi: float | None = None,
     ) -> contract.Histogram:
-        if not 1 <= bins <= MAX_BINS:
-            raise SourceError(f"bins is between 1 and {MAX_BINS}")
-        for name, bound in (("lo", lo), ("hi", hi)):
-            if bound is not None and not math.isfinite(bound):
-                raise SourceError(f"histogram bound {name}={bound} is not a finite number")
-        if lo is not None and hi is not None and lo > hi:
-            raise SourceError(f"histogram bounds: lo={lo:g} is above hi={hi:g}")
+        try:
+            check_histogram(bins, lo, hi)
+        except SliceError as e:
+            raise SourceError(str(e)) from None
         step, entry = self._entry(ref)
         index, view = self._view(step, entry, text)
         x = np.asarray(view, dtype=np.float64).ravel()

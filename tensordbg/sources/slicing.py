@@ -218,3 +218,33 @@ def window_of(x: Any, rows: tuple[int, int], cols: tuple[int, int]) -> Any:
     grid_rows, grid_cols = grid_shape(tuple(x.shape))
     flat = x.reshape(grid_rows, grid_cols)
     return flat[rows[0] : rows[1], cols[0] : cols[1]]
+
+
+MAX_BINS = 1024
+"""The most bins a histogram request may ask for."""
+
+
+def check_histogram(bins: int, lo: float | None, hi: float | None) -> None:
+    """Refuse a histogram request every source would refuse, before any work: a bin count out
+    of range, bounds that are not finite numbers, reversed, or too far apart to bin."""
+    if not 1 <= bins <= MAX_BINS:
+        raise SliceError(f"bins is between 1 and {MAX_BINS}")
+    for name, bound in (("lo", lo), ("hi", hi)):
+        if bound is not None and not math.isfinite(bound):
+            raise SliceError(f"histogram bound {name}={bound} is not a finite number")
+    if lo is not None and hi is not None:
+        if lo > hi:
+            raise SliceError(f"histogram bounds: lo={lo:g} is above hi={hi:g}")
+        if not math.isfinite(hi - lo):
+            raise SliceError(f"histogram bounds {lo:g}..{hi:g} are too far apart to bin")
+
+
+def slice_frame(
+    shape: tuple[int, ...], window: list[list[int]] | None, max_elements: int
+) -> dict[str, Any]:
+    """The part of a slice reply that does not depend on where the values live: the grid the
+    result is viewed as, and the window of it sent (at most ``max_elements`` values)."""
+    rows, cols = clamp_window(shape, window, max_elements)
+    grid_rows, grid_cols = grid_shape(shape)
+    return {"shape": list(shape), "rows": grid_rows, "cols": grid_cols,
+            "window": [list(rows), list(cols)]}  # fmt: skip

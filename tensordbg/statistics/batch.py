@@ -69,4 +69,4 @@ def norms_of(tensors: Sequence[Tensor]) -> list[float]:
     the caller measures that tensor exactly."""
     if not tensors:
         return []
-    return torch.stack([n.to(_F64) for n in torch._foreach_norm(list(tensors))]).tolist()
+    return torch.stack(torch._foreach_norm(list(tensors))).tolist()  # float64 if any is

@@ -15,17 +15,14 @@ from rich.segment import Segment
 from rich.style import Style
 from textual import events
 from textual.binding import Binding, BindingType
-from textual.events import Click
 from textual.geometry import Region, Size
 from textual.message import Message
-from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from tensordbg.tui.components.module_table import strip_style
+from tensordbg.tui.components.line_table import GAP, MOVES, LineTable, strip_style
 from tensordbg.tui.components.typed_ahead import keys_in_order, search
 from tensordbg.tui.messages import OpenTensor
 
-GAP = 2
 COLUMNS = ("step", "phase", "rule", "tensor", "where", "message")
 WHERE = {True: "● origin", False: "↳ passed on"}
 
@@ -46,18 +43,10 @@ def _cells(hit: dict[str, Any]) -> tuple[str, ...]:
     )
 
 
-class HitTable(ScrollView, can_focus=True):
+class HitTable(LineTable):
     """One row per hit, in :func:`execution_order`; :meth:`set_filter` narrows the rows."""
 
-    BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("up", "move(-1)", "Up", show=False),
-        Binding("down", "move(1)", "Down", show=False),
-        Binding("pageup", "page(-1)", "Page up", show=False),
-        Binding("pagedown", "page(1)", "Page down", show=False),
-        Binding("home", "move(-1_000_000_000)", "First hit", show=False),
-        Binding("end", "move(1_000_000_000)", "Last hit", show=False),
-        Binding("enter", "select", "Open", show=False),
-    ]
+    BINDINGS: ClassVar[list[BindingType]] = [*MOVES, Binding("enter", "select", "Open", show=False)]
     COMPONENT_CLASSES: ClassVar[set[str]] = {
         "hit-table--header",
         "hit-table--cursor",
@@ -80,7 +69,6 @@ class HitTable(ScrollView, can_focus=True):
         self._shown: list[tuple[int, bool, int]] | None = None  # the filtered rows, or all
         self._query = ""
         self._widths = [len(c) for c in COLUMNS]
-        self.cursor = 0
         self._palette: dict[object, Any] = {}
         self._highlighted: int | None = None  # the hit id last announced
 
@@ -198,7 +186,7 @@ class HitTable(ScrollView, can_focus=True):
             return
         width = sum(self._widths) + GAP * len(self._widths) + 40
         self.virtual_size = Size(width, len(self.rows) + 1)
-        self._scroll_to_cursor()
+        self.scroll_to_cursor()
         self.refresh()
         self._announce()
 
@@ -206,12 +194,6 @@ class HitTable(ScrollView, can_focus=True):
         keys_in_order(self, event, {"slash": search(self)})  # "/word" typed fast: all in the box
 
     # --- keys --------------------------------------------------------------------------------
-
-    def action_move(self, delta: int) -> None:
-        self._go(self.cursor + delta)
-
-    def action_page(self, direction: int) -> None:
-        self._go(self.cursor + direction * max(self.size.height - 2, 1))
 
     def action_select(self) -> None:
         hit = self.current
@@ -222,24 +204,11 @@ class HitTable(ScrollView, can_focus=True):
                 )
             )
 
-    def _go(self, row: int, force: bool = False) -> None:
-        if not self.rows:
-            return
-        row = max(0, min(row, len(self.rows) - 1))
-        if row == self.cursor and not force:
-            return
-        self.cursor = row
+    def _moved(self, before: int) -> None:
         if self._drawable:
-            self._scroll_to_cursor()
+            self.scroll_to_cursor()
             self.refresh()
             self._announce()
-
-    def _scroll_to_cursor(self) -> None:
-        top, visible = round(self.scroll_y), max(self.size.height - 1, 1)
-        if self.cursor < top:
-            self.scroll_to(y=self.cursor, animate=False, immediate=True)
-        elif self.cursor >= top + visible:
-            self.scroll_to(y=self.cursor - visible + 1, animate=False, immediate=True)
 
     def _announce(self) -> None:
         hit = self.current
@@ -248,32 +217,19 @@ class HitTable(ScrollView, can_focus=True):
             self._highlighted = hit_id
             self.post_message(self.Highlighted(hit))
 
-    def on_click(self, event: Click) -> None:
-        offset = event.get_content_offset(self)
-        if offset is None or offset.y == 0:
-            return
-        row = round(self.scroll_y) + offset.y - 1
-        if row == self.cursor and event.chain > 1:
-            self.action_select()
-        self._go(row)
-
     # --- drawing -----------------------------------------------------------------------------
 
     def render_lines(self, crop: Region) -> list[Strip]:
         # The styles, once a frame rather than once a line (looking them up is the costly part).
         base = self.rich_style
         cursor = base + self.get_component_rich_style("hit-table--cursor")
+        rows = ("hit-table--dim", "hit-table--origin")
         self._palette = {
-            False: self._row_styles(base),
-            True: self._row_styles(cursor),
+            False: self.styled(base, *rows),
+            True: self.styled(cursor, *rows),
             "header": base + self.get_component_rich_style("hit-table--header"),
         }
         return super().render_lines(crop)
-
-    def _row_styles(self, base: Style) -> tuple[Style, Style, Style]:
-        dim = base + self.get_component_rich_style("hit-table--dim", partial=True)
-        origin = base + self.get_component_rich_style("hit-table--origin", partial=True)
-        return base, dim, origin
 
     def render_line(self, y: int) -> Strip:
         width = self.size.width
@@ -297,13 +253,6 @@ class HitTable(ScrollView, can_focus=True):
         return strip.crop(x, x + width).extend_cell_length(width, strip_style(strip))
 
     def _strip(self, cells: tuple[str, ...], styles: list[Style], base: Style) -> Strip:
-        segments = []
-        for i, (text, style) in enumerate(zip(cells, styles, strict=True)):
-            if i == len(cells) - 1:  # the message: the rest of the line (HitDetail has it all)
-                segments.append(Segment(text, style))
-                break
-            w = self._widths[i]
-            cell = text[: w - 1] + "…" if len(text) > w else text.ljust(w)
-            segments.append(Segment(cell, style))
-            segments.append(Segment(" " * GAP, base))
-        return Strip(segments)
+        # The message takes the rest of the line (HitDetail has it all).
+        row = self.cells(cells[:-1], self._widths, styles[:-1], base)
+        return Strip([*row, Segment(cells[-1], styles[-1])])

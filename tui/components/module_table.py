@@ -8,20 +8,17 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from rich.segment import Segment
 from rich.style import Style
 from textual import events
 from textual.binding import Binding, BindingType
-from textual.events import Click
 from textual.geometry import Region, Size
 from textual.message import Message
-from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from tensordbg.statistics import describe
+from tensordbg.tui.components.line_table import GAP, MOVES, LineTable
 from tensordbg.tui.components.typed_ahead import keys_in_order, search
 
-GAP = 2
 STALE = "step "  # statistics from an earlier step start "step 24: ..." and are drawn dim
 
 
@@ -41,18 +38,10 @@ def count(n: int) -> str:
     return str(n)
 
 
-class ModuleTable(ScrollView, can_focus=True):
+class ModuleTable(LineTable):
     """Modules in ``named_modules()`` order, indented by depth; filtered by :meth:`set_filter`."""
 
-    BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("up", "move(-1)", "Up", show=False),
-        Binding("down", "move(1)", "Down", show=False),
-        Binding("pageup", "page(-1)", "Page up", show=False),
-        Binding("pagedown", "page(1)", "Page down", show=False),
-        Binding("home", "move(-1_000_000_000)", "First", show=False),
-        Binding("end", "move(1_000_000_000)", "Last", show=False),
-        Binding("enter", "select", "Tensors"),
-    ]
+    BINDINGS: ClassVar[list[BindingType]] = [*MOVES, Binding("enter", "select", "Tensors")]
     COMPONENT_CLASSES: ClassVar[set[str]] = {
         "module-table--header",
         "module-table--cursor",
@@ -86,7 +75,6 @@ class ModuleTable(ScrollView, can_focus=True):
         self._query = ""
         self._widths: list[int] = []
         self._kinds: list[str] = []
-        self.cursor = 0
         self._step: int | None = None
         self._palette: dict[object, Any] = {}
 
@@ -188,40 +176,13 @@ class ModuleTable(ScrollView, can_focus=True):
 
     # --- keys --------------------------------------------------------------------------------
 
-    def action_move(self, delta: int) -> None:
-        self._go(self.cursor + delta)
-
-    def action_page(self, direction: int) -> None:
-        self._go(self.cursor + direction * max(self.size.height - 2, 1))
-
     def action_select(self) -> None:
         if self.current is not None:
             self.post_message(self.Selected(self.current))
 
-    def _go(self, row: int) -> None:
-        if not self._rows:
-            return
-        row = max(0, min(row, len(self._rows) - 1))
-        if row == self.cursor:
-            return
-        before, self.cursor = self.cursor, row
-        top, visible = round(self.scroll_y), max(self.size.height - 1, 1)
-        if row < top:
-            self.scroll_to(y=row, animate=False, immediate=True)
-        elif row >= top + visible:
-            self.scroll_to(y=row - visible + 1, animate=False, immediate=True)
-        self.refresh_line(before + 1)
-        self.refresh_line(row + 1)
+    def _moved(self, before: int) -> None:
+        super()._moved(before)
         self.post_message(self.Highlighted(self.current))
-
-    def on_click(self, event: Click) -> None:
-        offset = event.get_content_offset(self)
-        if offset is None or offset.y == 0:
-            return
-        row = round(self.scroll_y) + offset.y - 1
-        if row == self.cursor and event.chain > 1:
-            self.action_select()
-        self._go(row)
 
     # --- drawing -----------------------------------------------------------------------------
 
@@ -229,31 +190,24 @@ class ModuleTable(ScrollView, can_focus=True):
         # The styles, once a frame rather than once a line (looking them up is the costly part).
         base = self.rich_style
         cursor = base + self.get_component_rich_style("module-table--cursor")
+        rows = ("module-table--dim", "module-table--hit")
         self._palette = {
-            False: self._row_styles(base),
-            True: self._row_styles(cursor),
+            False: self.styled(base, *rows),
+            True: self.styled(cursor, *rows),
             "header": base + self.get_component_rich_style("module-table--header"),
         }
         return super().render_lines(crop)
 
-    def _row_styles(self, base: Style) -> tuple[Style, Style, Style]:
-        dim = base + self.get_component_rich_style("module-table--dim", partial=True)
-        hit = base + self.get_component_rich_style("module-table--hit", partial=True)
-        return base, dim, hit
-
     def render_line(self, y: int) -> Strip:
-        width = self.size.width
         if y == 0:
             style = self._palette["header"]
-            strip = self._strip(self._headers(), [style] * len(self._widths), style)
-        else:
-            n = round(self.scroll_y) + y - 1
-            if n >= len(self._rows):
-                return Strip.blank(width, self.rich_style)
-            i = self._rows[n]
-            strip = self._strip(self._row(i), *self._styles(i, n == self.cursor))
-        x = round(self.scroll_x)
-        return strip.crop(x, x + width).extend_cell_length(width, strip_style(strip))
+            return self.fit(self.cells(self._headers(), self._widths, [style] * len(self._widths),
+                                       style))  # fmt: skip
+        n = round(self.scroll_y) + y - 1
+        if n >= len(self._rows):
+            return Strip.blank(self.size.width, self.rich_style)
+        i = self._rows[n]
+        return self.fit(self.cells(self._row(i), self._widths, *self._styles(i, n == self.cursor)))
 
     def _styles(self, i: int, cursor: bool) -> tuple[list[Style], Style]:
         base, dim, hit = self._palette[cursor]
@@ -264,17 +218,3 @@ class ModuleTable(ScrollView, can_focus=True):
             for cell in self._cells[i][3:]
         ]
         return [first, dim, dim, hit, *stats], base
-
-    def _strip(self, cells: tuple[str, ...], styles: list[Style], base: Style) -> Strip:
-        segments = []
-        for text, w, style in zip(cells, self._widths, styles, strict=False):
-            cell = text[: w - 1] + "…" if len(text) > w else text.ljust(w)
-            segments.append(Segment(cell, style))
-            segments.append(Segment(" " * GAP, base))
-        return Strip(segments)
-
-
-def strip_style(strip: Strip) -> Style | None:
-    """The style to pad a row with: its last segment's, so a cursor bar spans the width."""
-    segments = list(strip)
-    return segments[-1].style if segments else None

@@ -11,16 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple
 
-from rich.segment import Segment
 from rich.style import Style
 from textual.binding import Binding, BindingType
-from textual.events import Click
 from textual.geometry import Region, Size
 from textual.message import Message
-from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-GAP = 2
+from tensordbg.tui.components.line_table import GAP, MOVES, LineTable
+
 MAX_NAME = 70  # columns the name may take
 
 
@@ -31,17 +29,12 @@ class Column(NamedTuple):
     numeric: bool = True  # right-aligned, sorted largest first
 
 
-class RowTable(ScrollView, can_focus=True):
+class RowTable(LineTable):
     """Rows of dicts under ``columns``; the first column is the row's name (left-aligned, and
     what :meth:`set_filter` searches)."""
 
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("up", "move(-1)", "Up", show=False),
-        Binding("down", "move(1)", "Down", show=False),
-        Binding("pageup", "page(-1)", "Page up", show=False),
-        Binding("pagedown", "page(1)", "Page down", show=False),
-        Binding("home", "move(-1_000_000_000)", "First", show=False),
-        Binding("end", "move(1_000_000_000)", "Last", show=False),
+        *MOVES,
         Binding("o", "sort_next", "Sort by next column"),
         Binding("O", "reverse", "Reverse order"),
     ]
@@ -65,7 +58,6 @@ class RowTable(ScrollView, can_focus=True):
         self._shown: list[int] = []  # indices into _rows, filtered and sorted
         self._query = ""
         self._widths: list[int] = []
-        self.cursor = 0
         self._palette: dict[str, Style] = {}
 
     # --- data --------------------------------------------------------------------------------
@@ -137,12 +129,6 @@ class RowTable(ScrollView, can_focus=True):
 
     # --- keys --------------------------------------------------------------------------------
 
-    def action_move(self, delta: int) -> None:
-        self._go(self.cursor + delta)
-
-    def action_page(self, direction: int) -> None:
-        self._go(self.cursor + direction * max(self.size.height - 2, 1))
-
     def action_sort_next(self) -> None:
         keys = [c.key for c in self.columns]
         self.sort_by(keys[(keys.index(self.sort_key) + 1) % len(keys)])
@@ -150,32 +136,13 @@ class RowTable(ScrollView, can_focus=True):
     def action_reverse(self) -> None:
         self.sort_by(self.sort_key, not self.descending)
 
-    def _go(self, row: int) -> None:
-        if not self._shown:
-            return
-        row = max(0, min(row, len(self._shown) - 1))
-        before, self.cursor = self.cursor, row
-        top, visible = round(self.scroll_y), max(self.size.height - 1, 1)
-        if row < top:
-            self.scroll_to(y=row, animate=False, immediate=True)
-        elif row >= top + visible:
-            self.scroll_to(y=row - visible + 1, animate=False, immediate=True)
-        self.refresh_line(before + 1)  # virtual lines: the heading is line 0
-        self.refresh_line(row + 1)
-
-    def on_click(self, event: Click) -> None:
-        offset = event.get_content_offset(self)
-        if offset is None:
-            return
-        if offset.y == 0:  # a heading: sort by its column
-            x = offset.x + round(self.scroll_x)
-            for column, width in zip(self.columns, self._widths, strict=True):
-                if x < width + GAP:
-                    self.sort_by(column.key)
-                    return
-                x -= width + GAP
-            return
-        self._go(round(self.scroll_y) + offset.y - 1)
+    def _heading_clicked(self, x: int) -> None:
+        """Sort by the column clicked."""
+        for column, width in zip(self.columns, self._widths, strict=True):
+            if x < width + GAP:
+                self.sort_by(column.key)
+                return
+            x -= width + GAP
 
     # --- drawing -----------------------------------------------------------------------------
 
@@ -211,23 +178,11 @@ class RowTable(ScrollView, can_focus=True):
             style = self._palette["cursor" if n == self.cursor and self.has_focus else "base"]
             cells = list(self._cells[self._shown[n]])
             strip = self._strip(cells, [style] * len(cells), style)
-        x = round(self.scroll_x)
-        segments = list(strip)
-        pad = segments[-1].style if segments else None
-        return strip.crop(x, x + width).extend_cell_length(width, pad)
+        return self.fit(strip)
 
     def _strip(self, cells: list[str], styles: list[Style], base: Style) -> Strip:
-        segments = []
-        for text, width, style, column in zip(
-            cells, self._widths, styles, self.columns, strict=True
-        ):
-            if len(text) > width:
-                cell = text[: width - 1] + "…"
-            else:
-                cell = text.rjust(width) if column.numeric else text.ljust(width)
-            segments.append(Segment(cell, style))
-            segments.append(Segment(" " * GAP, base))
-        return Strip(segments)
+        right = [c.numeric for c in self.columns]
+        return self.cells(cells, self._widths, styles, base, right)
 
     def on_focus(self) -> None:
         self.refresh()
