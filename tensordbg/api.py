@@ -26,6 +26,33 @@ from tensordbg.rules import RankDivergence, Rule, default_rules
 from tensordbg.tracebacks import install_excepthook
 
 
+class CommandLine:
+    """What ``tensordbg run`` was told on its command line, while it runs a script. A script
+    that attaches tensordbg itself gets those settings too (the person chose them for this run:
+    ``--dump-dir`` must write a dump whoever attaches), and the run learns of the sessions the
+    script made (their hits decide its exit code and its summary)."""
+
+    KEYS = ("rules", "on_hit", "sync", "include", "exclude", "interval", "dump_dir",
+            "dump_every", "dump_tensors")  # fmt: skip
+
+    def __init__(self) -> None:
+        self.settings: dict[str, Any] = {}
+        self.flags = ""
+        self.sessions: list[Session] = []
+
+    def over(self, given: dict[str, Any]) -> dict[str, Any]:
+        """``given`` (a script's own attach arguments) with the command line's settings over
+        them, said once."""
+        if self.flags:
+            print(f"tensordbg run: the script attaches tensordbg itself; {self.flags} from the "
+                  "command line apply to it", file=sys.stderr, flush=True)  # fmt: skip
+            self.flags = ""
+        return {**given, **self.settings}
+
+
+COMMAND_LINE = CommandLine()
+
+
 def attach(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
@@ -103,6 +130,15 @@ def attach(
             over instead of refusing (``tensordbg run`` attaches this way, so a script that
             attaches tensordbg itself keeps its own settings).
     """
+    by_command_line = bool(COMMAND_LINE.settings) and not replaceable
+    if by_command_line:
+        given = {"rules": rules, "on_hit": on_hit, "sync": sync, "include": include,
+                 "exclude": exclude, "interval": interval, "dump_dir": dump_dir,
+                 "dump_every": dump_every, "dump_tensors": dump_tensors}  # fmt: skip
+        given = COMMAND_LINE.over(given)
+        rules, on_hit, sync, include, exclude, interval = (given[k] for k in CommandLine.KEYS[:6])
+        dump_dir, dump_every, dump_tensors = (given[k] for k in CommandLine.KEYS[6:])
+        summary_at_exit = False  # tensordbg run prints it
     if on_hit == "dump" and dump_dir is None:
         raise ValueError("on_hit='dump' writes hits into a dump: give dump_dir= too")
     if dump_dir is None and (dump_every is not None or dump_tensors or dump_max_bytes):
@@ -153,6 +189,8 @@ def attach(
         if server:
             _start_server(session, remote, ui_timeout)
         session.check_parameters()
+        if by_command_line:
+            COMMAND_LINE.sessions.append(session)
     except BaseException as e:
         # All or nothing: what attach installed goes before the error reaches the user.
         session.detach()

@@ -29,6 +29,17 @@ def test_a_planted_nan_is_found_where_it_was_made_and_where_it_went(tmp_path: Pa
     assert clean.findings == [] and clean.exit_code == 0
 
 
+def test_a_dump_of_the_hit_steps_only_says_that_history_rules_saw_only_those() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        report = check_dump(load(write_dump(Path(tmp) / "run", steps=[3, 4, 5])))
+    assert any("3 of steps 0-5 were not dumped" in note for note in report.notes)
+    with tempfile.TemporaryDirectory() as tmp:
+        every = check_dump(load(write_dump(Path(tmp) / "run")))
+    assert not any("were not dumped" in note for note in every.notes)
+
+
 def test_check_agrees_with_the_live_verdicts_of_the_same_run(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tensordbg.cli import build_parser
+from tensordbg.dump import load as tensordbg_load
 
 SCRIPT = textwrap.dedent(
     """
@@ -105,6 +106,18 @@ def test_run_leaves_a_script_that_attaches_itself_to_its_own_session(tmp_path: P
     assert "steps 6" in done.stdout  # the script's session watched every step
     assert "origins [('input[0]', 3, 'forward')]" in done.stdout
     assert "sessions 1" in done.stdout  # and it is the only one
+
+
+def test_the_command_lines_dump_and_on_hit_apply_to_a_script_that_attaches_itself(tmp_path: Path):
+    """The person asked for a dump on the command line: a script that attaches tensordbg itself
+    (with on_hit="record" here) writes it all the same, and hears which flags applied."""
+    script = tmp_path / "train.py"
+    script.write_text(SELF_ATTACHING)
+    done = tensordbg("run", "--dump-dir", "dump", str(script), cwd=tmp_path, timeout=60)
+    assert done.returncode == 3, done.stderr
+    assert "--dump-dir dump from the command line apply to it" in done.stderr
+    assert "origins [('input[0]', 3, 'forward')]" in done.stdout
+    assert tensordbg_load(tmp_path / "dump").steps()[0] == 3  # the first step that hit
 
 
 def test_run_with_raise_stops_the_script_at_the_first_origin_hit(script: Path):

@@ -14,6 +14,7 @@ GradScaler, and the global hooks stand down.
 
 from __future__ import annotations
 
+import inspect
 import os
 import runpy
 import sys
@@ -24,7 +25,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from tensordbg.api import attach, attached_to
+from tensordbg.api import COMMAND_LINE, CommandLine, attach, attached_to
 from tensordbg.engine.session import Session
 from tensordbg.hit import WatchpointHit
 from tensordbg.integrations.frameworks import TrainerPatches, TrainingWatch
@@ -48,8 +49,14 @@ class ScriptRun:
         self._module_hook: Any = None
         self._optimizer_hook: Any = None
         self._backward = torch.Tensor.backward
+        self.chosen = _chosen(rules, attach_args)
+        """The settings the command line changed from attach's defaults: a script that attaches
+        tensordbg itself gets them too (``COMMAND_LINE``)."""
 
     def install(self) -> None:
+        COMMAND_LINE.settings = self.chosen
+        COMMAND_LINE.flags = ", ".join(_flag(k, v) for k, v in self.chosen.items())
+        COMMAND_LINE.sessions = []
         self._module_hook = register_module_forward_pre_hook(self._on_module)
         self._optimizer_hook = register_optimizer_step_pre_hook(self._on_optimizer)
         run = self
@@ -65,14 +72,16 @@ class ScriptRun:
 
     @property
     def sessions(self) -> list[Session]:
-        """Every session this run made."""
-        return ([self.session] if self.session is not None else []) + self.framework_sessions
+        """Every session this run made, or the script made under it."""
+        own = [self.session] if self.session is not None else []
+        return own + self.framework_sessions + COMMAND_LINE.sessions
 
     def hit(self) -> bool:
         """Whether anything hit, in any session."""
         return any(s.hits for s in self.sessions)
 
     def remove(self) -> None:
+        COMMAND_LINE.settings, COMMAND_LINE.flags, COMMAND_LINE.sessions = {}, "", []
         self._trainers.remove()
         for session in self.framework_sessions:
             session.detach()
@@ -115,8 +124,10 @@ class ScriptRun:
             return
         self._module_hook.remove()
         self._module_hook = None
-        if attached_to(module) is not None:  # the script attaches tensordbg itself: let it
-            print("tensordbg run: the script attaches tensordbg itself", file=sys.stderr)
+        own = attached_to(module)
+        if own is not None:  # the script attached tensordbg itself (with the command line's
+            if self.profile_steps:  # settings over its own: attach() says which)
+                self.profiling = own.profile(self.profile_steps)
             return
         self.session = attach(module, rules=self.rules, replaceable=True, **self.attach_args)
         # This very call began before the model's own hooks existed: enter it by hand.
@@ -194,3 +205,26 @@ def _print_profile(run: ScriptRun) -> None:
         print(f"tensordbg run --profile: no report ({why})", file=sys.stderr, flush=True)
         return
     print(report.text(), file=sys.stderr, flush=True)
+
+
+def _chosen(rules: Sequence[Rule] | None, attach_args: dict[str, Any]) -> dict[str, Any]:
+    """The settings among :attr:`CommandLine.KEYS` that differ from ``attach``'s defaults."""
+    defaults = inspect.signature(attach).parameters
+    chosen: dict[str, Any] = {} if rules is None else {"rules": rules}
+    for key in CommandLine.KEYS[1:]:
+        value, default = attach_args.get(key, defaults[key].default), defaults[key].default
+        if value != default and not (_empty(value) and _empty(default)):
+            chosen[key] = value
+    return chosen
+
+
+def _empty(value: Any) -> bool:
+    return value is None or (isinstance(value, (tuple, list)) and not value)
+
+
+def _flag(key: str, value: Any) -> str:
+    if key == "rules":
+        value = ",".join(type(r).__name__ for r in value) or "''"
+    elif isinstance(value, (tuple, list)):
+        value = " ".join(map(str, value))
+    return f"--{key.replace('_', '-')} {value}"

@@ -150,7 +150,14 @@ def check_dump(
             if r == rank:
                 report.broken.append({"step": step, "rank": rank, "reason": reason})
         broken_steps = {s for s, r in dump.broken if r == rank}
-        for step in dump.steps(rank):
+        steps = dump.steps(rank)
+        if steps and len(steps) < steps[-1] + 1:
+            missing = steps[-1] + 1 - len(steps)
+            _note(notes, f"rank {rank}: {missing} of steps 0-{steps[-1]} were not dumped "
+                  "(without dump_every=1 a dump holds the steps with hits): rules that compare a "
+                  "tensor with its earlier steps (ExplodingGradient's growth, WeightNotChanging, "
+                  "LossNotDecreasing) saw only the dumped ones")  # fmt: skip
+        for step in steps:
             if step in broken_steps:
                 continue
             try:
