@@ -6,6 +6,8 @@
                                                      # seq 1024, batch 8)
     python benchmarks/overhead.py --ranks 2          # a DDP step of 2 ranks (gloo, CPU),
                                                      # attached vs bare, and the store's cost
+    python benchmarks/overhead.py --capabilities     # what each capability of the default
+                                                     # mode adds, one after another
 
 Three copies of the same model train side by side in one process; each round runs one step of
 each, in a rotating order, so that the machine's noise falls on all three alike. The medians
@@ -149,6 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--ranks", type=int, default=None, help="a DDP step of N ranks (CPU), attached vs bare"
     )
+    parser.add_argument(
+        "--capabilities",
+        action="store_true",
+        help="the default mode built up one capability at a time: guards (model output, loss), "
+        "+ forward origin (module hooks), + backward origin (activation gradients), + gradient "
+        "and weight checks (the default)",
+    )
     args = parser.parse_args(argv)
     if args.ranks is not None:
         return ranks_main(args)
@@ -162,14 +171,18 @@ def main(argv: list[str] | None = None) -> int:
     base = GPT(vocab, seq, dim, layers, heads).to(device)
     runners = [Runner("bare", base, device, dtype)]
     sessions = {}
-    for mode in ["auto", *args.also]:
-        runner = Runner("attached" if mode == "auto" else mode, copy.deepcopy(base), device, dtype)
+    variants = CAPABILITIES if args.capabilities else [(m, m, 4) for m in ["auto", *args.also]]
+    for label, mode, capabilities in variants:
+        name = "attached" if label == "auto" else label
+        runner = Runner(name, copy.deepcopy(base), device, dtype)
         runner.session = tensordbg.attach(
-            runner.model, optimizer=runner.optimizer, on_hit="record", server=False, sync=mode
-        )
+            runner.model, optimizer=runner.optimizer, on_hit="record", server=False, sync=mode,
+            include=["-"] if capabilities < 2 else (),
+        )  # fmt: skip
+        _switch_off(runner.session, capabilities)
         sessions[runner.name] = runner.session
         runners.append(runner)
-    if not args.no_anomaly:
+    if not args.no_anomaly and not args.capabilities:
         runners.append(Runner("anomaly", copy.deepcopy(base), device, dtype))
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, vocab, (batch, seq + 1), generator=g).to(device) for _ in range(4)]
@@ -200,6 +213,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: sync {session.mode}, {session.step} steps, {len(session.hits)} hits")
         session.detach()
     return 0
+
+
+# The default mode built up one capability at a time: (label, sync, how many capabilities on).
+CAPABILITIES = [
+    ("guards", "auto", 1),  # the model's output and the loss (the root's hooks only)
+    ("+fwd origin", "auto", 2),  # every module's call and output: the forward origin
+    ("+bwd origin", "auto", 3),  # activation gradients: the origin of a backward-only NaN
+    ("+grad/weight", "auto", 4),  # parameter gradients and weights: the default, whole
+]
+
+
+def _switch_off(session: tensordbg.Session, capabilities: int) -> None:
+    """Switch the capabilities after the first ``capabilities`` off, through the session's
+    internals: a measurement of where the cost goes, not a way to run tensordbg."""
+    if capabilities < 3:
+        session.capture._hook_grad = lambda *args: None
+    if capabilities < 4:
+        session.param_grad = lambda *args: None
+        session._check_parameters = lambda *args: None
 
 
 def ranks_main(args: argparse.Namespace) -> int:

@@ -776,3 +776,82 @@ def test_a_detach_from_another_thread_mid_step_stops_everything_there(watch):
     assert session.detached
     assert [h.tensor for h in session.hits] == ["input[0]"]
     assert all(not m._forward_hooks for m in model.modules())
+
+
+class _InPlaceBlock(nn.Module):
+    """A block with an in-place activation, a module called twice and a tensor keyword."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = nn.ReLU(inplace=True)
+        self.shared = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> dict:
+        h = self.shared(self.act(self.fc(x)))
+        h = self.shared(h * scale)
+        return {"out": h, "aux": (h.sum(),)}
+
+
+class _Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_InPlaceBlock() for _ in range(2))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.full((4,), 0.5)
+        for block in self.blocks:
+            x = block(x, scale=scale)["out"]
+        return self.head(x)
+
+
+def _what_the_forward_recorded(session) -> list[tuple]:
+    return [
+        (r.stats.name, r.version, r.hidden, r.grad_hooked,
+         r.producer.path if r.producer else None, [c.path for c in r.consumers],
+         [c.path for c in r.passed_up])
+        for r in session.phases.records
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("retain_bytes", [256 * 2**20, 64])
+def test_noted_module_calls_are_replayed_into_the_records_the_hooks_would_have_made(
+    watch, monkeypatch, retain_bytes
+):
+    """Deferred mode only notes a forward's module calls in its hooks and turns them into calls
+    and records when the root returns (or when the noted tensors pass the budget: 64 bytes
+    replays at nearly every hook). The records must be those the hooks make one by one:
+    versions of in-place ops, calls of a shared module, inputs made between modules."""
+    recorded = []
+    for noted in (True, False):
+        torch.manual_seed(0)
+        model = _Nested()
+        session = watch(model, sync="deferred", retain_bytes=retain_bytes, rules=[NaN()])
+        if not noted:
+            monkeypatch.setattr(session, "logs_forward", frozenset)
+        assert bool(session.logs_forward()) is noted
+        x = torch.randn(3, 4)
+        out = model(x)
+        recorded.append((_what_the_forward_recorded(session), out.detach()))
+        out.sum().backward()
+        session.detach()
+    (logged, out_logged), (direct, out_direct) = recorded
+    assert logged == direct
+    assert torch.equal(out_logged, out_direct)
+    names = [name for name, *_ in logged]
+    assert "blocks.0.fc.output" in names and "blocks.0.act.output" in names  # one per version
+    assert "blocks.1.shared#1.output" in names
+
+
+def test_float16_activations_are_handled_in_their_hooks_where_their_range_rules_speak(watch):
+    """The Overflow rule reads a float16 activation's range: the forward is not only noted
+    then, and the module that came near the float16 maximum is named."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).half()
+    session = watch(model, sync="deferred", on_hit="record")
+    assert torch.float16 not in session.logs_forward()
+    with torch.no_grad():
+        model[1].weight.fill_(1.0)
+        model[1].bias.fill_(60000.0)
+    model(torch.ones(2, 4, dtype=torch.float16))
+    assert any(h.module == "1" and h.rule == "Overflow" for h in session.hits)

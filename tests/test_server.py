@@ -647,3 +647,30 @@ def test_a_listening_address_is_host_and_port(text, address):
 def test_a_bad_listening_address_is_refused(text):
     with pytest.raises(ValueError, match="HOST or HOST:PORT"):
         listen_address(text)
+
+
+def test_a_client_dropped_without_close_lets_go_of_its_socket_and_never_hangs_the_collector(
+    server, runtime
+):
+    """A UI that crashes or ends its loop without closing its client leaves the client in a
+    reference cycle. Collecting it must close its socket and end its context; left to pyzmq's
+    finalizers in the collector's order, the context could wait for ever for a socket it no
+    longer knew (a whole test run hung in an unrelated test's garbage collection)."""
+    import gc
+    import weakref
+
+    dropped: list[tuple] = []
+
+    async def drop() -> None:
+        client = await Client.connect(server.info.path)
+        assert await client.call("ping") == {}
+        dropped.append((weakref.ref(client), client._socket, client._context))
+        client._self = client  # a cycle, as the UI's tasks and callbacks make
+
+    asyncio.run(drop())
+    ref, socket, context = dropped.pop()
+    collector = threading.Thread(target=gc.collect, daemon=True)
+    collector.start()
+    collector.join(DEADLINE)
+    assert not collector.is_alive(), "collecting a dropped client hung"
+    assert ref() is None and socket.closed and context.closed

@@ -503,3 +503,53 @@ def test_run_help_lists_the_rules_by_name() -> None:
     text = " ".join(done.stdout.split())
     assert done.returncode == 0
     assert "NaN," in text and "TensorRange" in text and "WeightUpdateRatio" in text
+
+
+def test_a_training_held_by_a_rule_that_hangs_says_which_rule_in_the_run_tab(monkeypatch) -> None:
+    """A training that has gone quiet is asked what it does: the Run tab names the rule check
+    under way and its tensor, and stops naming it once the training speaks again (issue 8)."""
+    import threading
+
+    from tensordbg.rules import Rule
+    from tensordbg.statistics import FINITE
+    from tensordbg.tui.screens import main
+
+    monkeypatch.setattr(main, "QUIET_AFTER", 0.5)
+    release, entered = threading.Event(), threading.Event()
+
+    class Slow(Rule):
+        """Waits on the test: a rule that hangs."""
+
+        kinds = frozenset({"output"})
+        needs = (FINITE,)
+
+        def check(self, t, state):
+            if t.module == "fc2" and not release.is_set():
+                entered.set()
+                release.wait(30)
+            return None
+
+    model = torch.nn.Sequential()
+    model.add_module("fc1", torch.nn.Linear(4, 4))
+    model.add_module("fc2", torch.nn.Linear(4, 2))
+    session = tensordbg.attach(model, rules=[Slow()], server=False, on_hit="record",
+                               sync="eager", summary_at_exit=False)  # fmt: skip
+    worker = threading.Thread(target=lambda: model(torch.randn(3, 4)).sum().backward())
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(LiveSource(session)))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "running")
+            worker.start()
+            assert entered.wait(30)
+            await until(pilot, lambda: "in rule Slow on fc2.output" in state_line(app))
+            release.set()
+            worker.join(30)
+            model(torch.randn(3, 4))  # the training speaks again: a new step's status
+            await until(pilot, lambda: "in rule" not in state_line(app))
+
+    try:
+        asyncio.run(flow())
+    finally:
+        release.set()
+        session.detach()

@@ -15,10 +15,14 @@ What is hooked, and why this way (see reference.md, "Hook pitfalls"):
 - Optimizer: step pre- and post-hooks (in the session).
 
 Everything a hook learns becomes a :class:`~records.Record` handed to a :class:`Sink` (the
-session), which computes the statistics and judges them. Every hook is registered through the
-session's :class:`~handles.HandleGroup`, so detaching removes them all at once. A forward
-that runs again inside backward (activation checkpointing recomputes it) is skipped, so
-nothing is counted twice.
+session), which computes the statistics and judges them. Where the session allows it (deferred
+mode, while the phase shows no problem) the hooks of the root's children only note what they
+saw, and the calls and records are made when the root returns, in one warm loop: a hook runs cold
+between the model's kernels, and the same bookkeeping costs several times more there.
+
+Every hook is registered through the session's :class:`~handles.HandleGroup`, so detaching
+removes them all at once. A forward that runs again inside backward (activation checkpointing
+recomputes it) is skipped, so nothing is counted twice.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from typing import Any, Protocol
 
 import torch
 
-from tensordbg.engine.handles import HandleGroup
+from tensordbg.engine.handles import HandleGroup, Unhooked
 from tensordbg.engine.records import Call, Record, new_record
 from tensordbg.statistics.torch_kernels import watchable
 
@@ -66,35 +70,12 @@ class Sink(Protocol):
     def enter(self, call: Call) -> None: ...
     def exit(self, call: Call) -> None: ...
     def end_forward(self, root: Call) -> None: ...
+    def logs_forward(self) -> frozenset[torch.dtype]: ...
+    def log_budget(self) -> int: ...
+    def boundary_wanted(self) -> bool: ...
     def activation_grad(self, forward: Record, grad: torch.Tensor) -> None: ...
     def param_grad(self, name: str, owner: str, owner_type: str, grad: torch.Tensor) -> None: ...
     def fault(self, error: Exception) -> None: ...
-
-
-class Unhooked:
-    """A hooked module's ``__reduce_ex__``: pickling or deep-copying the module (``torch.save``,
-    ``copy.deepcopy``, an EMA or "best model" copy) gives it without tensordbg's hooks, as if it
-    had never been attached. The session's own state never leaves the process this way."""
-
-    _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
-                   "_forward_hooks_with_kwargs", "_forward_hooks_always_called")  # fmt: skip
-
-    def __init__(self, module: torch.nn.Module, hook_ids: set[int]):
-        self._module = weakref.ref(module)
-        self._ids = frozenset(hook_ids)
-
-    def __call__(self, protocol: int) -> tuple[Any, ...]:
-        module = self._module()
-        if module is None:
-            raise TypeError("this module is gone")
-        reduced = type(module).__reduce_ex__(module, protocol)
-        state = dict(reduced[2])
-        state.pop("__reduce_ex__", None)
-        for name in self._HOOK_DICTS:
-            hooks = state.get(name)
-            if hooks and not self._ids.isdisjoint(hooks):
-                state[name] = type(hooks)((k, v) for k, v in hooks.items() if k not in self._ids)
-        return (reduced[0], reduced[1], state, *reduced[3:])
 
 
 def tensor_leaves(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
@@ -133,6 +114,26 @@ def _collect(obj: Any, prefix: str, depth: int, out: list[tuple[str, torch.Tenso
 
 def _key(key: Any) -> str:
     return f".{key}" if isinstance(key, str) and key.isidentifier() else f"[{key!r}]"
+
+
+Seen = tuple[str, torch.Tensor, int, Any]
+"""A tensor as a forward hook saw it: its path in the value, itself, its version, and how to hook
+its gradient (the autograd node that made it and its output number; None for a leaf that needs a
+gradient; False when it needs none)."""
+
+
+def _as_seen(leaves: list[tuple[str, torch.Tensor]]) -> list[Seen]:
+    seen: list[Seen] = []
+    for suffix, t in leaves:
+        if not watchable(t):
+            continue
+        if t.requires_grad:
+            node = t.grad_fn
+            grad = None if node is None else (node, t.output_nr)
+        else:
+            grad = False
+        seen.append((suffix, t, t._version, grad))
+    return seen
 
 
 _INTERNAL_CODE: dict[CodeType, bool] = {}
@@ -194,6 +195,12 @@ class Capture:
         self._counts: dict[int, int] = {}
         self._seen: dict[int, Record] = {}
         self._skipping = 0
+        self._open = 0  # module calls entered and not yet returned, as the hooks count them
+        # The forward log: module calls only noted by the hooks, replayed when the root returns.
+        self._log: list[tuple[int | None, list[Seen], tuple[CodeType, int] | None]] | None = None
+        self._log_bytes = 0
+        self._log_dtypes: frozenset[torch.dtype] = frozenset()
+        self._log_room = 0
 
     # --- installation ----------------------------------------------------------------------
 
@@ -235,6 +242,8 @@ class Capture:
         self.root = None
         self._counts.clear()
         self._skipping = 0
+        self._log = None
+        self._log_bytes = 0
 
     def new_step(self) -> None:
         """A step ended: forget its calls (nothing is kept across steps)."""
@@ -252,52 +261,21 @@ class Capture:
         if not session.active:
             return
         try:
-            if self._skipping or (not self.stack and in_backward()):
+            if self._skipping or (not self._open and in_backward()):
                 # A forward recomputed during backward (activation checkpointing): skip it all.
                 self._skipping += 1
                 return
-            key = id(module)
-            is_root = not self.stack
-            if is_root:
-                session.begin_forward()
-                self.reset()
-            index = self._counts.get(key, 0)
-            self._counts[key] = index + 1
-            parent = self.stack[-1] if self.stack else None
-            call = Call(
-                path=self.paths[key],
-                module_type=self.types[key],
-                index=index,
-                parent=parent,
-                depth=0 if parent is None else parent.depth + 1,
-                params=self.direct_params[key],
-                site=user_site(sys._getframe(1)),
-            )
-            if parent is not None:
-                parent.children.append(call)
-            else:
-                self.root = call
-            self.calls_by_path.setdefault(call.path, []).append(call)
-            self._root_calls.append(call)
-            self.stack.append(call)
+            site = user_site(sys._getframe(1))
             leaves = tensor_leaves(args, "")
             if kwargs:
                 leaves += tensor_leaves(kwargs, "")
-            for suffix, t in leaves:
-                if not watchable(t):
-                    continue
-                record = self._known(t)
-                if record is None:
-                    record = self._new_record(t, call, "input", suffix, hidden=not is_root)
-                    self._remember(t, record)
-                    if is_root:
-                        session.collect(record, t)
-                    else:
-                        session.collect_input(call, record, t)
-                record.consumers.append(call)
-                call.inputs.append((suffix, record))
-                self._hook_grad(t, record)
-            session.enter(call)
+            seen = _as_seen(leaves)
+            self._open += 1
+            if self._log is not None and self._open > 1:
+                self._log.append((id(module), seen, site))
+                self._logged(seen)
+                return
+            self._enter(id(module), seen, site, is_root=self._open == 1)
         except Exception as e:
             session.fault(e)
 
@@ -309,38 +287,122 @@ class Capture:
         if self._skipping:
             self._skipping -= 1
             return
-        if not self.stack:
+        if not self._open:
             return
-        call = self.stack.pop()
+        self._open -= 1
         try:
-            if output is not None:
-                for suffix, t in tensor_leaves(output, ""):
-                    if not watchable(t):
-                        continue
-                    record = self._known(t)
-                    if record is None:
-                        record = self._new_record(t, call, "output", suffix)
-                        record.producer = call
-                        self._remember(t, record)
-                        session.collect(record, t)
-                    elif record.producer is not None and record.producer is not call:
-                        record.passed_up.append(call)
-                    call.outputs.append((suffix, record))
-                    self._hook_grad(t, record)
-            session.exit(call)
-            if not self.stack:
-                session.end_forward(call)
+            seen = _as_seen(tensor_leaves(output, "")) if output is not None else []
+            if self._log is not None:
+                if self._open:
+                    self._log.append((None, seen, None))
+                    self._logged(seen)
+                    return
+                self.replay(resume=False)
+            self._exit(seen)
         except Exception as e:
             session.fault(e)
 
+    def _logged(self, seen: list[Seen]) -> None:
+        """Count what the forward log holds. Replay it when a tensor its rules must see at once
+        comes (a float16 activation, for the range rules), when it passes the phase's budget,
+        or when the training must stop at the next boundary (a pause, a change of rules)."""
+        for entry in seen:
+            t = entry[1]
+            if t.dtype not in self._log_dtypes:
+                self.replay(resume=False)  # the rest of this forward is handled in its hooks
+                return
+            self._log_bytes += t.numel() * t.element_size()
+        if self._log_bytes > self._log_room or self.session.boundary_wanted():
+            self.replay()
+
+    def replay(self, resume: bool = True) -> None:
+        """Turn the module calls the hooks only noted into calls and records, in their order, in
+        one warm loop (see :meth:`Sink.logs_forward`); ``resume``: note again after it."""
+        log, self._log = self._log, None
+        self._log_bytes = 0
+        for key, seen, site in log or ():
+            if key is None:
+                self._exit(seen)
+            else:
+                self._enter(key, seen, site)
+        if resume and self.stack:
+            self._start_log()
+
+    def _start_log(self) -> None:
+        self._log_dtypes = self.session.logs_forward()
+        self._log = [] if self._log_dtypes else None
+        self._log_room = self.session.log_budget()
+
+    def _enter(self, key: int, seen: list[Seen], site: tuple[CodeType, int] | None,
+               is_root: bool = False) -> None:  # fmt: skip
+        session = self.session
+        if is_root:
+            session.begin_forward()
+            self.reset()
+        index = self._counts.get(key, 0)
+        self._counts[key] = index + 1
+        parent = self.stack[-1] if self.stack else None
+        call = Call(
+            path=self.paths[key],
+            module_type=self.types[key],
+            index=index,
+            parent=parent,
+            depth=0 if parent is None else parent.depth + 1,
+            params=self.direct_params[key],
+            site=site,
+        )
+        if parent is not None:
+            parent.children.append(call)
+        else:
+            self.root = call
+        self.calls_by_path.setdefault(call.path, []).append(call)
+        self._root_calls.append(call)
+        self.stack.append(call)
+        for suffix, t, version, node in seen:
+            record = self._known(t, version)
+            if record is None:
+                record = self._new_record(t, version, call, "input", suffix, hidden=not is_root)
+                self._remember(t, record)
+                if is_root:
+                    session.collect(record, t)
+                else:
+                    session.collect_input(call, record, t)
+            record.consumers.append(call)
+            call.inputs.append((suffix, record))
+            self._hook_grad(t, node, record)
+        session.enter(call)
+        if is_root:
+            self._start_log()  # the root's children may be noted, and replayed when it returns
+
+    def _exit(self, seen: list[Seen]) -> None:
+        if not self.stack:
+            return
+        session = self.session
+        call = self.stack.pop()
+        for suffix, t, version, node in seen:
+            record = self._known(t, version)
+            if record is None:
+                record = self._new_record(t, version, call, "output", suffix)
+                record.producer = call
+                self._remember(t, record)
+                session.collect(record, t)
+            elif record.producer is not None and record.producer is not call:
+                record.passed_up.append(call)
+            call.outputs.append((suffix, record))
+            self._hook_grad(t, node, record)
+        session.exit(call)
+        if not self.stack:
+            self._log = None
+            session.end_forward(call)
+
     # --- records --------------------------------------------------------------------------------
 
-    def _known(self, t: torch.Tensor) -> Record | None:
+    def _known(self, t: torch.Tensor, version: int) -> Record | None:
         """The record of this very tensor at this very version, if it was seen in this forward."""
         record = self._seen.get(id(t))
         if record is None or record.weak is None or record.weak() is not t:
             return None
-        if record.version != t._version:
+        if record.version != version:
             return None
         return record
 
@@ -348,26 +410,29 @@ class Capture:
         record.weak = weakref.ref(t)
         self._seen[id(t)] = record
 
-    def _new_record(
-        self, t: torch.Tensor, call: Call, kind: str, suffix: str, hidden: bool = False
-    ) -> Record:
-        return new_record(t, call.tensor_name(kind, suffix), kind, "forward", self.session.step,
-                          module=call.path, module_type=call.module_type, call=call.index,
-                          suffix=suffix, hidden=hidden)  # fmt: skip
+    def _new_record(self, t: torch.Tensor, version: int, call: Call, kind: str, suffix: str,
+                    hidden: bool = False) -> Record:  # fmt: skip
+        record = new_record(t, call.tensor_name(kind, suffix), kind, "forward", self.session.step,
+                            module=call.path, module_type=call.module_type, call=call.index,
+                            suffix=suffix, hidden=hidden)  # fmt: skip
+        record.version = version  # as the hook saw it (a noted call is replayed later)
+        return record
 
     # --- backward -------------------------------------------------------------------------------
 
-    def _hook_grad(self, t: torch.Tensor, record: Record) -> None:
-        if record.grad_hooked or not t.requires_grad or not torch.is_grad_enabled():
+    def _hook_grad(self, t: torch.Tensor, node: Any, record: Record) -> None:
+        """Hook the gradient of ``t`` as the forward hook saw it: ``node`` is the autograd node
+        that made that version and its output number (None: a leaf; False: no gradient)."""
+        if record.grad_hooked or node is False or not torch.is_grad_enabled():
             return
         record.grad_hooked = True
-        node = t.grad_fn
         if node is None:  # a leaf: only a tensor hook sees its gradient
             t.register_hook(partial(self._on_grad, record))
         else:
+            node, output_nr = node
             # A pre-hook on the node that made this value: the gradient of this very version,
             # as Tensor.register_hook gives it, for a fifth of its cost (it runs every forward).
-            node.register_prehook(partial(self._on_node_grad, record, t.output_nr))
+            node.register_prehook(partial(self._on_node_grad, record, output_nr))
 
     def _on_node_grad(self, forward: Record, index: int, grads: tuple) -> None:
         grad = grads[index] if index < len(grads) else None

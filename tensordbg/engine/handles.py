@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    import torch
 
 _MISSING = object()
 
@@ -88,3 +92,29 @@ class HandleGroup:
             if self.closed:
                 raise RuntimeError("this session is detached: nothing more can be installed")
             self._undo.append((what, fn))
+
+
+class Unhooked:
+    """A hooked module's ``__reduce_ex__``: pickling or deep-copying the module (``torch.save``,
+    ``copy.deepcopy``, an EMA or "best model" copy) gives it without tensordbg's hooks, as if it
+    had never been attached. The session's own state never leaves the process this way."""
+
+    _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                   "_forward_hooks_with_kwargs", "_forward_hooks_always_called")  # fmt: skip
+
+    def __init__(self, module: torch.nn.Module, hook_ids: set[int]):
+        self._module = weakref.ref(module)
+        self._ids = frozenset(hook_ids)
+
+    def __call__(self, protocol: int) -> tuple[Any, ...]:
+        module = self._module()
+        if module is None:
+            raise TypeError("this module is gone")
+        reduced = type(module).__reduce_ex__(module, protocol)
+        state = dict(reduced[2])
+        state.pop("__reduce_ex__", None)
+        for name in self._HOOK_DICTS:
+            hooks = state.get(name)
+            if hooks and not self._ids.isdisjoint(hooks):
+                state[name] = type(hooks)((k, v) for k, v in hooks.items() if k not in self._ids)
+        return (reduced[0], reduced[1], state, *reduced[3:])

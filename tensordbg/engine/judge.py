@@ -178,6 +178,21 @@ class RuleSet:
             self._quiet_grads[dtype] = quiet
         return quiet
 
+    def activations_quiet(self, dtype: str) -> bool:
+        """Whether every rule that could look at a module's input or output of this dtype is
+        silent while it is finite (cached until the rules change)."""
+        key = f"activations {dtype}"
+        quiet = self._quiet_grads.get(key)
+        if quiet is None:
+            quiet = True
+            for kind in ("output", "input"):
+                probe = TensorStats("probe", "probe", kind, "forward", 0, (1,), dtype)
+                for active in self.active:
+                    if active.enabled and kind in active.rule.kinds:
+                        quiet = quiet and silent_when_finite(active, probe)
+            self._quiet_grads[key] = quiet
+        return quiet
+
     def update_stats(self) -> tuple[Stat, ...] | None:
         """The statistics rules on ``update`` records need, or None when no rule looks at
         updates (cached until the rules change)."""

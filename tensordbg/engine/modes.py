@@ -65,6 +65,11 @@ class SyncMode:
         """Whether a gradient is only noted (read at the end of the pass if at all)."""
         return False
 
+    def notes_forward(self, triggered: bool) -> bool:
+        """Whether the module calls of a root forward may be noted by the hooks and registered
+        when the root returns (see :meth:`Pipeline.logs_forward`)."""
+        return False
+
     def why_not_kept(self, retain_bytes: int) -> str:
         return f"the phase's tensors passed retain_bytes={retain_bytes // 2**20} MiB"
 
@@ -135,6 +140,9 @@ class Deferred(SyncMode):
         return triggered
 
     def notes_gradients(self, triggered: bool) -> bool:
+        return not triggered
+
+    def notes_forward(self, triggered: bool) -> bool:
         return not triggered
 
 

@@ -6,6 +6,7 @@ after it. Parameter bookkeeping itself (who owns what, copies, ranges) is in :mo
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -156,6 +157,29 @@ class OptimizerPhase:
         self._pause_if_needed()
         self.phases.release()
         self.weights.snapshots = {}
+
+    def _say_what_is_not_watched(self) -> None:
+        """No optimizer is watched, yet the model trains (its parameters get gradients or
+        change): the weights are updated by hand or by an optimizer tensordbg was not given. Say
+        once, in the first steps, what that leaves unwatched."""
+        if self._said_no_optimizer or self.step > 3:
+            return
+        params = list(self.weights.params.values())
+        versions = [p.param._version for p in params]
+        trained = any(p.param.grad is not None for p in params) or (
+            self._param_versions is not None and versions != self._param_versions
+        )
+        self._param_versions = versions
+        if not trained:
+            return  # evaluation only, so far: nothing is missing
+        self._said_no_optimizer = True
+        message = (
+            "no optimizer is watched: a step is one call of the model, and weight updates are "
+            "not checked (WeightNotChanging, update statistics) because tensordbg cannot tell "
+            "when they happen; pass optimizer= to attach() to watch them"
+        )
+        self.log(message, "warning")
+        print(f"tensordbg: {message}", file=sys.stderr, flush=True)
 
     def _update_record(self, p: Param, wanted: tuple[Stat, ...]) -> Record:
         record = p.record("update", f"{p.name}.update", self.step)

@@ -13,7 +13,6 @@ hooks talk to, the :class:`~tensordbg.engine.capture.Sink`).
 from __future__ import annotations
 
 import math
-import sys
 import threading
 from collections.abc import Sequence
 from functools import partial
@@ -44,7 +43,10 @@ from tensordbg.engine.records import (
 from tensordbg.hit import Hit
 from tensordbg.statistics import FINITE, L2, Stat, TensorStats
 from tensordbg.statistics.batch import norm_only, norms_of
-from tensordbg.statistics.torch_kernels import SCREEN, host_stats, watchable
+from tensordbg.statistics.torch_kernels import SCREEN, dtype_name, host_stats, watchable
+
+# Activations that a forward log may hold (see Pipeline.logs_forward).
+NOTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 class Pipeline(Pausing):
@@ -120,6 +122,27 @@ class Pipeline(Pausing):
         backward_expected = torch.is_grad_enabled() and any(r.grad_hooked for _, r in root.outputs)
         if not backward_expected:
             self._end_phase()
+
+    def logs_forward(self) -> frozenset[torch.dtype]:
+        """The dtypes of activations the hooks may only note, the module calls of a root
+        forward being replayed in one warm loop when it returns (deferred mode, until the phase
+        shows a problem, for activations whose rules speak only of NaN and Inf): nothing a hook
+        would do before then can change what is found. A hook runs cold (the model's own work
+        evicts it from the caches): per-tensor bookkeeping costs several times more there than
+        in a loop."""
+        if not self.sync.notes_forward(self.triggered):
+            return frozenset()
+        return frozenset(d for d in NOTED_DTYPES if self.ruleset.activations_quiet(dtype_name(d)))
+
+    def log_budget(self) -> int:
+        """How many bytes of noted tensors the forward log may hold: what the phase may still
+        keep (``retain_bytes``)."""
+        return self.phases.retain_bytes - self.phases.retained
+
+    def boundary_wanted(self) -> bool:
+        """Whether another thread waits for the training to reach a boundary (a pause request,
+        a rule change): then the forward log is replayed at once."""
+        return bool(self.control.pending or self.controller.pause_requested)
 
     def begin_backward(self) -> None:
         """Called by every backward hook: the first one of a pass ends the forward phase and
@@ -430,29 +453,6 @@ class Pipeline(Pausing):
         self.publish()
         self.bus.publish("step_end", numbers)
         self.bus.publish("status", self.status())
-
-    def _say_what_is_not_watched(self) -> None:
-        """No optimizer is watched, yet the model trains (its parameters get gradients or
-        change): the weights are updated by hand or by an optimizer tensordbg was not given. Say
-        once, in the first steps, what that leaves unwatched."""
-        if self._said_no_optimizer or self.step > 3:
-            return
-        params = list(self.weights.params.values())
-        versions = [p.param._version for p in params]
-        trained = any(p.param.grad is not None for p in params) or (
-            self._param_versions is not None and versions != self._param_versions
-        )
-        self._param_versions = versions
-        if not trained:
-            return  # evaluation only, so far: nothing is missing
-        self._said_no_optimizer = True
-        message = (
-            "no optimizer is watched: a step is one call of the model, and weight updates are "
-            "not checked (WeightNotChanging, update statistics) because tensordbg cannot tell "
-            "when they happen; pass optimizer= to attach() to watch them"
-        )
-        self.log(message, "warning")
-        print(f"tensordbg: {message}", file=sys.stderr, flush=True)
 
     def publish(self) -> None:
         """Publish what readers on other threads may see (:class:`~.phases.Snapshot`)."""

@@ -25,6 +25,7 @@ import contextlib
 import itertools
 import logging
 import os
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -168,6 +169,11 @@ class Client:
             self._socket.curve_publickey = info.client_public_key.encode("ascii")
             self._socket.curve_secretkey = info.client_secret_key.encode("ascii")
         self._socket.connect(info.endpoint)
+        # A client dropped without close() (its app crashed, its loop ended) still lets go of its
+        # socket, then its context, in that order. Left to the garbage collector, the context
+        # can be finalized first, after the socket's entry in its registry is gone, and then
+        # waits for that socket for ever (pyzmq's Context.__del__ calls term()).
+        self._let_go = weakref.finalize(self, _let_go, self._socket, self._context)
         self._loop = asyncio.get_running_loop()
         self._last_heard = self._loop.time()
         self._tasks: list[asyncio.Task[None]] = [asyncio.create_task(self._read())]
@@ -238,8 +244,7 @@ class Client:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._socket.close(linger=0)
-        self._context.term()
+        self._let_go()
 
     async def __aenter__(self) -> Client:
         return self
@@ -440,3 +445,8 @@ class _EventBuffer:
             self._ready.clear()
             if not self._items and not self._closed:
                 await self._ready.wait()
+
+
+def _let_go(socket: zmq.Socket[Any], context: zmq.Context[Any]) -> None:
+    socket.close(linger=0)
+    context.term()

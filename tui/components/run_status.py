@@ -95,6 +95,14 @@ class RunStatus(VerticalScroll):
         self._info["pause_reason"] = event.get("reason", "") if event["state"] == "paused" else ""
         self._info["paused_at"] = None
 
+    def show_running_rule(self, running: dict[str, Any] | None) -> None:
+        """What the training, silent for a while, is doing: a rule check under way (None: it
+        is not in one, or it spoke since)."""
+        if running == self._info.get("running_rule"):
+            return
+        self._info["running_rule"] = running
+        self._draw()
+
     def show_state(self, state: str) -> None:
         if state != "disconnected":
             self._last_connected_state = state
@@ -145,6 +153,13 @@ class RunStatus(VerticalScroll):
             line.append(f"\n{hit.get('message', '')}")
         elif state == "paused" and info.get("pause_reason"):
             line.append(f"  ({info['pause_reason']})")
+        running = info.get("running_rule") if state == "running" else None
+        if running:
+            line.append("\nin rule ", style="bold")
+            line.append(f"{running['rule']}", style="bold yellow")
+            line.append(f" on {running['tensor']} for {running['seconds']:.0f} s: the training "
+                        "waits for it (space in the Rules tab switches it off from the next "
+                        "check; Ctrl-C in the training stops it)")  # fmt: skip
         return line
 
     def _numbers(self) -> Table:

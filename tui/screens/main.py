@@ -7,6 +7,7 @@ report back with messages. What routes the training's data survives its own erro
 
 from __future__ import annotations
 
+import time
 from typing import Any, NamedTuple
 
 from textual import events, on
@@ -79,6 +80,11 @@ class Later(Lazy):
         self.call_after_refresh(mount)
 
 
+# A running training that has sent nothing for this long is asked what it is doing: a rule that
+# hangs (a slow custom check) holds the training, and the Run tab says which one.
+QUIET_AFTER = 3.0
+
+
 class MainScreen(Screen):
     """Run, Hits, Modules, Tensor, Provenance, Rules and Log tabs under one connection banner."""
 
@@ -103,6 +109,7 @@ class MainScreen(Screen):
         self._lost_text = ""  # the banner's sentence while the connection is down
         self._focus_switch: bool | None = None  # set by show_tab for the switch it makes
         self._replay_text = ""  # a recorded run: the dumped step shown, for the sub-title
+        self._heard = time.monotonic()  # when the training last sent an event
 
     def compose(self) -> ComposeResult:
         yield Header(icon="◆")
@@ -161,6 +168,8 @@ class MainScreen(Screen):
 
     @reported
     def server_event(self, event: str, payload: Any) -> None:
+        self._heard = time.monotonic()
+        self.run_status.show_running_rule(None)
         self.event_log.write_event(event, payload)
         if event == "status":
             self.run_status.add_status(payload)
@@ -209,6 +218,9 @@ class MainScreen(Screen):
         """The training's state changed (the app's ``state`` reactive)."""
         before, self._state = self._state, state
         self.run_status.show_state(state)
+        if state != "running":
+            self.run_status.show_running_rule(None)
+        self._heard = time.monotonic()
         self._show_title()
         if state == "paused" and before not in ("paused", "connecting", "disconnected"):
             self._refresh_paused()
@@ -300,6 +312,21 @@ class MainScreen(Screen):
         self.rule_panel.action_recheck()
 
     # --- data --------------------------------------------------------------------------------
+
+    def _ask_if_quiet(self) -> None:
+        """Every second: a running training silent for QUIET_AFTER seconds is asked whether a
+        rule check holds it."""
+        if self._state == "running" and time.monotonic() - self._heard > QUIET_AFTER:
+            self._ask_running_rule()
+
+    @work(group="quiet", exclusive=True)
+    async def _ask_running_rule(self) -> None:
+        try:
+            info = await remote_of(self).info()
+        except RequestFailed:
+            return
+        if info.get("state") == "running" and self._state == "running":
+            self.run_status.show_running_rule(info.get("running_rule"))
 
     @work(group="reload", exclusive=True)
     async def reload(self) -> None:
@@ -397,6 +424,9 @@ class MainScreen(Screen):
         if target is None:
             return None
         return next(iter(self.query_one(f"#{pane}").query(target)), None)
+
+    def on_mount(self) -> None:
+        self.set_interval(1.0, self._ask_if_quiet)
 
     def on_key(self, event: events.Key) -> None:
         # "/" is handled here, in order with the keys typed after it ("/late" typed fast): the
