@@ -855,3 +855,60 @@ def test_float16_activations_are_handled_in_their_hooks_where_their_range_rules_
         model[1].bias.fill_(60000.0)
     model(torch.ones(2, 4, dtype=torch.float16))
     assert any(h.module == "1" and h.rule == "Overflow" for h in session.hits)
+
+
+def test_an_update_is_recorded_when_it_is_news_and_weight_not_changing_sees_every_streak(watch):
+    """WeightNotChanging asks of an update only whether it changed the parameter: a parameter
+    that keeps changing is recorded once, and again at each step it did not change and at the
+    first step it changes again; the rule still fires once per streak, at the right step. (The
+    first step at learning rate 0, step 4, is not measured: nothing told to copy the parameter
+    before it. Steps 5, 6 and 7 are, each: the rule's third step comes at step 7.)"""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=optimizer, on_hit="record", rules=[WeightNotChanging()])
+    made = []
+    for step in range(12):
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0 if 4 <= step < 10 else 0.1
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        made.append(sorted(r.param for r in session.phases.records if r.stats.kind == "update"))
+    both = ["bias", "weight"]
+    assert made == [both, [], [], [], *[both] * 6, both, []]
+    assert sorted((h.step, h.tensor) for h in session.hits) == [
+        (7, "bias.update"), (7, "weight.update")
+    ]  # fmt: skip
+
+
+def test_deferred_keeps_the_bad_activation_gradient_and_says_why_a_clean_one_is_not_kept(watch):
+    """Deferred mode reads each activation gradient in its hook and keeps only those that are
+    not finite (holding them all until the pass ends made every step fault in fresh memory):
+    at the hit, the origin's gradient can be inspected, a clean one says why it cannot."""
+    from tensordbg.sources.contract import SourceError
+    from tensordbg.sources.live import LiveSource
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), SqrtOfSquare(), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.zero_()
+    seen = []
+
+    def at_hit(hit):
+        if not hit.origin:
+            return
+        source = LiveSource(session)
+        clean = next(r for r in session.phases.records if r.stats.name == "1.grad_output")
+        assert clean.stats.values and not clean.conditions
+        with pytest.raises(SourceError, match="keep it only when it is not finite"):
+            source.stats(clean.stats.ref, "")
+        seen.append(source.stats(hit.ref, "")["line"])
+
+    session = watch(model, on_hit=at_hit, rules=[NaN()], sync="deferred")
+    model(torch.randn(3, 4)).sum().backward()
+    [origin] = origins(session)
+    assert origin.module == "1" and origin.phase == "backward"
+    [line] = seen
+    assert "nan" in line.lower()

@@ -7,10 +7,12 @@
   optimizer step) and come to the host in one transfer: one synchronization per phase. Hits are
   the same; the pause comes at the end of the phase.
 - :class:`Deferred`: the model's outputs, the observed loss, every gradient and every parameter
-  are screened each step; the other tensors of a phase are kept (within ``retain_bytes``) and
-  screened only when those show a problem, in execution order, so the same origin is named. The
-  cheapest: for whole runs. A NaN masked before it reaches an output, the loss or a gradient
-  goes unseen.
+  are screened each step; the other tensors of the forward are kept (within ``retain_bytes``)
+  and screened only when those show a problem, in execution order, so the same origin is
+  named. Activation gradients are screened in their hooks, while still in the cache, and kept
+  only when not finite (holding a pass's gradients until it ends cost more than reading them).
+  The cheapest: for whole runs. A NaN masked before it reaches an output, the loss or a
+  gradient goes unseen.
 
 ``"auto"`` (the default) is deferred on the CPU and batched on CUDA: the cheapest modes that name
 the same origins (the origin suite runs in every mode). Eager is the mode that screens every
@@ -70,7 +72,7 @@ class SyncMode:
         when the root returns (see :meth:`Pipeline.logs_forward`)."""
         return False
 
-    def why_not_kept(self, retain_bytes: int) -> str:
+    def why_not_kept(self, record: Record, retain_bytes: int) -> str:
         return f"the phase's tensors passed retain_bytes={retain_bytes // 2**20} MiB"
 
 
@@ -92,7 +94,7 @@ class Eager(SyncMode):
     def judges_in_hooks(self, triggered: bool) -> bool:
         return True
 
-    def why_not_kept(self, retain_bytes: int) -> str:
+    def why_not_kept(self, record: Record, retain_bytes: int) -> str:
         return (
             "eager checks keep only hits and the last few tensors; this one passed and the "
             "training has freed it"
@@ -144,6 +146,14 @@ class Deferred(SyncMode):
 
     def notes_forward(self, triggered: bool) -> bool:
         return not triggered
+
+    def why_not_kept(self, record: Record, retain_bytes: int) -> str:
+        if record.stats.kind in ("grad_output", "grad_input"):
+            return (
+                "deferred checks read an activation gradient in its hook and keep it only when "
+                "it is not finite; this one was finite"
+            )
+        return super().why_not_kept(record, retain_bytes)
 
 
 MODES: dict[str, type[SyncMode]] = {m.name: m for m in (Eager, Batched, Deferred)}

@@ -139,10 +139,13 @@ class OptimizerPhase:
                 record.stats.values.get(MIN), record.stats.values.get(MAX)
             )
         pending_range: list[Record] = []
+        made: list[Record] = []
         if updates is not None:
+            moving = self.weights.moving(owned, ranges, updates)
             for p in owned:
-                if p.name in self.weights.versions and watchable(p.param):
+                if p.name in self.weights.versions and p.name not in moving and watchable(p.param):
                     record = self._update_record(p, updates)
+                    made.append(record)
                     if record.slot < 0 and not record.stats.values:
                         pending_range.append(record)
         self.phases.fetch()
@@ -150,6 +153,7 @@ class OptimizerPhase:
             ranges = {r.param: Digest.of_range(r.stats.values.get(MIN), r.stats.values.get(MAX))
                       for r in self.phases.records if r.stats.kind == "param"}  # fmt: skip
         self.weights.resolve_by_range(pending_range, ranges, updates or ())
+        self.weights.settle(made, updates or ())
         self.weights.remember_ranges(ranges)
         self._drain()
         self._judge_phase()
@@ -194,7 +198,6 @@ class OptimizerPhase:
             else:
                 record.stats.values = dict.fromkeys(wanted, math.nan)
                 record.slot = self.phases.batch.add(vector)
-            self.weights.suspects.discard(p.name)
         self.phases.pending.append(Judged(record))
         return record
 

@@ -7,6 +7,12 @@ tolerance allows, some element did too, so the step changed it. Otherwise it may
 it is copied before the next step (within ``update_budget``) and compared exactly then. Rules that
 measure updates (``update_abs_mean``) get a copy of every parameter, the budget rotating over a
 model larger than it.
+
+When the rules ask of an update only whether it changed the parameter (``update_unchanged``, as
+WeightNotChanging does), a parameter that keeps changing is news only once: its update record is
+made when it did not change, or may not have, and on the first step it changed again; not on
+every step it changes as before (:meth:`ParamWatch.moving`). A rule on these records sees every
+transition between changing and not changing.
 """
 
 from __future__ import annotations
@@ -91,6 +97,8 @@ class ParamWatch:
         """Parameters whose change could not be told by their range: copied before next step."""
         self.snapshots: dict[str, torch.Tensor] = {}
         self.versions: dict[str, int] = {}
+        self.unsettled: set[str] | None = None
+        """Parameters whose latest update record did not say "changed" (None: none made yet)."""
         self._offset = 0
 
     def owned(
@@ -153,6 +161,41 @@ class ParamWatch:
                 record.stats.values = {unchanged: 0.0}
             else:
                 self.suspects.add(name)
+
+    def moving(self, owned: list[Param], ranges: dict[str, Digest],
+               wanted: Sequence[Stat]) -> set[str]:  # fmt: skip
+        """Parameters whose update needs no record this step: the rules ask only whether it
+        changed, the step wrote the parameter and its digest moved past the tolerance (so it
+        changed), as it did at its latest record."""
+        if self.unsettled is None or len(wanted) != 1 or wanted[0].name != "update_unchanged":
+            return set()
+        rtol, atol = wanted[0].params
+        moving = set()
+        for p in owned:
+            name = p.name
+            version = self.versions.get(name)
+            if name in self.unsettled or version is None or p.param._version == version:
+                continue
+            before, after = self.digests.get(name), ranges.get(name)
+            if before is not None and after is not None and after.moved_from(before, rtol, atol):
+                moving.add(name)
+        return moving
+
+    def settle(self, records: list[Record], wanted: Sequence[Stat]) -> None:
+        """Note which parameters' update records of this step said "changed". A suspect stays
+        one (copied before each step, compared exactly) until it changes: a parameter that
+        stopped changing is measured on every step of its streak, not every other one."""
+        unchanged = next((s for s in wanted if s.name == "update_unchanged"), None)
+        if unchanged is None:
+            return
+        if self.unsettled is None:
+            self.unsettled = set()
+        for record in records:
+            if record.stats.values.get(unchanged) == 0.0:
+                self.unsettled.discard(record.param)
+                self.suspects.discard(record.param)
+            else:
+                self.unsettled.add(record.param)
 
     def remember_ranges(self, ranges: dict[str, Digest]) -> None:
         for name, digest in ranges.items():

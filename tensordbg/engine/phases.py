@@ -66,10 +66,13 @@ class ParamGradNote:
 
 @dataclass(slots=True)
 class ActGradNote:
-    """Deferred mode: an activation's gradient, noted but not read yet."""
+    """Deferred mode: an activation's gradient, screened in its hook and found finite, and not
+    kept (holding a pass's activation gradients until it ends costs more than reading each one
+    while it is still in the cache: the allocator cannot reuse their memory)."""
 
     forward: Record
-    grad: torch.Tensor
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 Event = Judged | Enter | Exit | Gradient | ParamGradNote | ActGradNote

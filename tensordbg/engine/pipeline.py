@@ -165,11 +165,12 @@ class Pipeline(Pausing):
         if (
             self.sync.notes_gradients(self.triggered)
             and not is_model_output(forward)
-            and self.ruleset.grads_quiet(str(grad.dtype).removeprefix("torch."))
-            and self.phases.take(grad.numel() * grad.element_size())
+            and self.ruleset.grads_quiet(dtype_name(grad.dtype))
         ):
-            self.phases.pending.append(ActGradNote(forward, grad))
-            return
+            if host_stats(grad, SCREEN)[0] == 1.0:  # read now, while it is in the cache
+                self.phases.pending.append(ActGradNote(forward, tuple(grad.shape), grad.dtype))
+                return
+            self.triggered = True  # not finite: the pass is read from here on
         record = grad_record(forward, grad, self.step)
         self.collect(record, grad)
         self._process(Gradient(record))
@@ -296,11 +297,16 @@ class Pipeline(Pausing):
             if type(event) not in notes:
                 self.phases.pending.append(event)
                 continue
-            if type(event) is ParamGradNote:
-                record = param_grad_record(event.name, event.owner, event.owner_type,
-                                                  event.grad, self.step)  # fmt: skip
-            else:
-                record = grad_record(event.forward, event.grad, self.step)
+            if type(event) is ActGradNote:  # screened in its hook: finite, and not kept
+                like = (event.shape, event.dtype)
+                record = grad_record(event.forward, None, self.step, like)
+                self._prepare(record, None)
+                record.stats.values = {FINITE: 1.0}
+                record.judged = True  # its rules speak only of NaN and Inf (grads_quiet)
+                self.phases.pending += (Judged(record), Gradient(record))
+                continue
+            record = param_grad_record(event.name, event.owner, event.owner_type, event.grad,
+                                       self.step)  # fmt: skip
             kept, silent = self._prepare(record, event.grad)
             if record.wanted and norm_only(record, event.grad):
                 together.append((record, event.grad))  # measured below, all at once
@@ -312,7 +318,7 @@ class Pipeline(Pausing):
             self._judge_norms(together)
 
     def _prepare(
-        self, record: Record, tensor: torch.Tensor, extra: tuple[Stat, ...] = ()
+        self, record: Record, tensor: torch.Tensor | None, extra: tuple[Stat, ...] = ()
     ) -> tuple[bool, bool]:
         """:meth:`collect` up to measuring: the record's rules and statistics, its place in the
         phase. Whether it is kept, and whether its rules speak only of NaN and Inf."""
@@ -327,7 +333,8 @@ class Pipeline(Pausing):
         record.checks = applicable.checks
         record.wanted = wanted
         self.phases.register(record)
-        return self.sync.retain(self, record, tensor), applicable.silent
+        kept = tensor is not None and self.sync.retain(self, record, tensor)
+        return kept, applicable.silent
 
     def _judge_norms(self, together: list[tuple[Record, torch.Tensor]]) -> None:
         """Screen and judge records that want only ``finite`` and ``l2``, from one norm each."""

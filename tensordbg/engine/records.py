@@ -135,13 +135,18 @@ def new_record(
     return Record(stats, None, tensor._version, tensor.numel() * tensor.element_size(), **fields)
 
 
-def grad_record(forward: Record, grad: torch.Tensor, step: int) -> Record:
+def grad_record(forward: Record, grad: torch.Tensor | None, step: int,
+                like: tuple[tuple[int, ...], torch.dtype] | None = None) -> Record:  # fmt: skip
     """The record of the gradient of a forward tensor: the gradient of its producer's output
-    (``grad_output``), or of the input of the call that took it (``grad_input``)."""
+    (``grad_output``), or of the input of the call that took it (``grad_input``). ``like``: the
+    shape and dtype of a gradient that was not kept (``grad`` is None)."""
     call = forward.producer
     kind = "grad_output" if call is not None else "grad_input"
     if call is None and forward.consumers:
         call = forward.consumers[0]
+    if grad is None:
+        assert like is not None
+        grad = torch.empty(like[0], dtype=like[1], device="meta")
     return new_record(
         grad,
         call.tensor_name(kind, forward.suffix) if call else f"{kind}{forward.suffix}",

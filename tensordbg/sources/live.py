@@ -384,7 +384,7 @@ class LiveSource(LiveProfiling):
                 "the training is paused in"
             )
         if need_tensor and record.held() is None:
-            why = self.session.sync.why_not_kept(self.session.retain_bytes)
+            why = self.session.sync.why_not_kept(record, self.session.retain_bytes)
             raise SourceError(
                 f"{record.stats.name} was not kept ({why}); its statistics are in the list"
             )
