@@ -137,8 +137,11 @@ def test_the_ui_says_replay_and_moves_between_steps_with_n_and_p(dump: Path) -> 
             assert "Replay of run replay01 (train.py) recorded 2026-11-24T10:30:00+00:00" in text
             assert "step 3 (4 of 6 dumped)" in text
             shown = app.active_bindings.items()
-            footer = {k: b.binding.description for k, b in shown if b.binding.show and k in "npcsk"}
-            assert footer == {"n": "Next dumped step", "p": "Previous dumped step"}
+            footer = {
+                k: b.binding.description for k, b in shown if b.binding.show and k in "npcskq"
+            }
+            # q quits: a recording has no training to detach from
+            assert footer == {"n": "Next dumped step", "p": "Previous dumped step", "q": "Quit"}
             await pilot.press("n")
             await until(pilot, lambda: "step 4 (5 of 6" in str(banner.content))
             assert "step 4" in app.screen.title  # the header: the state first, then the step

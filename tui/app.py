@@ -79,6 +79,7 @@ class TensorDbgApp(App[int]):
         Binding("c,s,k", "refuse_control", show=False),
         Binding("i", "ignore", "Ignore rule on tensor"),
         Binding("q", "detach", "Detach & quit"),
+        Binding("q", "leave_replay", "Quit"),  # a recorded run: there is nothing to detach
         Binding("slash", "search", "Search/filter"),
         Binding("P", "profile", "Profile N steps"),
         Binding("f9", "ranks", "Ranks", show=False),
@@ -261,8 +262,10 @@ class TensorDbgApp(App[int]):
     # --- keys ------------------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action in ("replay_step", "refuse_control"):
+        if action in ("replay_step", "refuse_control", "leave_replay"):
             return self.screen is self.main and self.remote.serves("goto")
+        if action == "detach" and self.screen is self.main and self.remote.serves("goto"):
+            return False  # q quits a recorded run (leave_replay)
         if action in _MAIN_ACTIONS:
             if self.screen is not self.main:  # a dialog or the session list: its keys only
                 return False
@@ -372,6 +375,9 @@ class TensorDbgApp(App[int]):
     def action_detach(self) -> None:
         self._detach_and_exit()
 
+    def action_leave_replay(self) -> None:
+        self._detach_and_exit()  # a recorded run's source has nothing to detach: it closes
+
     def action_profile(self) -> None:
         """Ask how many steps, then profile them (the Profile tab follows it)."""
         view = self.main.profiler_view
@@ -431,9 +437,12 @@ class TensorDbgApp(App[int]):
                 "The hit's rule stops judging its tensor, so c does not stop there again (i)",
                 self.action_ignore,
             )
-        yield SystemCommand(
-            "Detach and quit", "Let the training run on, and quit (q)", self.action_detach
-        )
+        if self.remote.serves("goto"):  # a recorded run
+            yield SystemCommand("Quit", "Close this recorded run (q)", self.action_leave_replay)
+        else:
+            yield SystemCommand(
+                "Detach and quit", "Let the training run on, and quit (q)", self.action_detach
+            )
         yield SystemCommand(
             "Search", "Filter the hits on the Hits tab, else the model tree (/)", self.action_search
         )
