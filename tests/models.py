@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any, NamedTuple
 
 import torch
@@ -75,3 +76,33 @@ def gpt_step(model, optimizer, tokens, session=None) -> torch.Tensor:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.detach().clone()
+
+
+def hanging_rule(module: str) -> tuple[Any, threading.Event, threading.Event]:
+    """A rule that hangs on ``module``'s output until ``release`` is set (then never again),
+    and ``entered``, set when it starts waiting; with :func:`two_linears`."""
+    from tensordbg.rules import Rule
+    from tensordbg.statistics import FINITE
+
+    release, entered = threading.Event(), threading.Event()
+
+    class Slow(Rule):
+        """Waits on the test: a rule that hangs."""
+
+        kinds = frozenset({"output"})
+        needs = (FINITE,)
+
+        def check(self, t, state):
+            if t.module == module and not release.is_set():
+                entered.set()
+                release.wait(30)
+            return None
+
+    return Slow(), release, entered
+
+
+def two_linears() -> nn.Sequential:
+    model = nn.Sequential()
+    model.add_module("fc1", nn.Linear(4, 4))
+    model.add_module("fc2", nn.Linear(4, 2))
+    return model

@@ -221,28 +221,11 @@ def test_continue_leaves_the_rule_it_paused_on_for_that_phase_and_next_stops_at_
 def test_a_rule_that_hangs_is_named_to_the_ui_while_the_training_waits_on_it():
     import threading
 
-    from tensordbg.rules import Rule
-    from tensordbg.statistics import FINITE
+    from models import hanging_rule, two_linears
 
-    release, entered = threading.Event(), threading.Event()
-
-    class Slow(Rule):
-        """Waits on the test: a rule that hangs."""
-
-        kinds = frozenset({"output"})
-        needs = (FINITE,)
-
-        def check(self, t, state):
-            if t.module == "fc2":
-                entered.set()
-                release.wait(30)
-            return None
-
-    model = torch.nn.Sequential()
-    model.add_module("fc1", torch.nn.Linear(4, 4))
-    model.add_module("fc2", torch.nn.Linear(4, 2))
-    session = tensordbg.attach(model, rules=[Slow()], server=False, on_hit="record",
-                               sync="eager")  # fmt: skip
+    slow, release, entered = hanging_rule("fc2")
+    model = two_linears()
+    session = tensordbg.attach(model, rules=[slow], server=False, on_hit="record", sync="eager")
     source = LiveSource(session)
     assert source.info()["running_rule"] is None
     worker = threading.Thread(target=lambda: model(torch.randn(3, 4)).sum().backward())

@@ -510,29 +510,14 @@ def test_a_training_held_by_a_rule_that_hangs_says_which_rule_in_the_run_tab(mon
     under way and its tensor, and stops naming it once the training speaks again (issue 8)."""
     import threading
 
-    from tensordbg.rules import Rule
-    from tensordbg.statistics import FINITE
+    from models import hanging_rule, two_linears
+
     from tensordbg.tui.screens import main
 
     monkeypatch.setattr(main, "QUIET_AFTER", 0.5)
-    release, entered = threading.Event(), threading.Event()
-
-    class Slow(Rule):
-        """Waits on the test: a rule that hangs."""
-
-        kinds = frozenset({"output"})
-        needs = (FINITE,)
-
-        def check(self, t, state):
-            if t.module == "fc2" and not release.is_set():
-                entered.set()
-                release.wait(30)
-            return None
-
-    model = torch.nn.Sequential()
-    model.add_module("fc1", torch.nn.Linear(4, 4))
-    model.add_module("fc2", torch.nn.Linear(4, 2))
-    session = tensordbg.attach(model, rules=[Slow()], server=False, on_hit="record",
+    slow, release, entered = hanging_rule("fc2")
+    model = two_linears()
+    session = tensordbg.attach(model, rules=[slow], server=False, on_hit="record",
                                sync="eager", summary_at_exit=False)  # fmt: skip
     worker = threading.Thread(target=lambda: model(torch.randn(3, 4)).sum().backward())
 

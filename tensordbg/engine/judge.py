@@ -77,7 +77,7 @@ class RuleSet:
         self._next_id = 0
         self._log = log
         self._applicable: dict[Any, Applicable] = {}
-        self._quiet_grads: dict[str, bool] = {}
+        self._quiet_kinds: dict[tuple[tuple[str, ...], str], bool] = {}
         self._updates: tuple[Stat, ...] | bool | None = False  # False: not computed yet
         self.running: tuple[ActiveRule, TensorStats | None, float] | None = None
         """The rule check under way (rule, tensor, start), read by other threads: a rule that
@@ -104,7 +104,7 @@ class RuleSet:
     def changed(self) -> None:
         """Forget which rules apply to which tensor (after a rule was added, edited, toggled)."""
         self._applicable = {}
-        self._quiet_grads = {}
+        self._quiet_kinds = {}
         self._updates = False
 
     def disable(self, active: ActiveRule, error: BaseException) -> None:
@@ -167,30 +167,26 @@ class RuleSet:
     def grads_quiet(self, dtype: str) -> bool:
         """Whether every rule that could look at an activation gradient of this dtype is silent
         while it is finite (then a clean deferred pass need not read it)."""
-        quiet = self._quiet_grads.get(dtype)
-        if quiet is None:
-            quiet = True
-            for kind in ("grad_output", "grad_input"):
-                probe = TensorStats("probe", "probe", kind, "backward", 0, (1,), dtype)
-                for active in self.active:
-                    if active.enabled and kind in active.rule.kinds:
-                        quiet = quiet and silent_when_finite(active, probe)
-            self._quiet_grads[dtype] = quiet
-        return quiet
+        return self._quiet(("grad_output", "grad_input"), "backward", dtype)
 
     def activations_quiet(self, dtype: str) -> bool:
         """Whether every rule that could look at a module's input or output of this dtype is
-        silent while it is finite (cached until the rules change)."""
-        key = f"activations {dtype}"
-        quiet = self._quiet_grads.get(key)
+        silent while it is finite (then a deferred forward may only note it)."""
+        return self._quiet(("output", "input"), "forward", dtype)
+
+    def _quiet(self, kinds: tuple[str, ...], phase: str, dtype: str) -> bool:
+        """Whether the rules on tensors of these kinds and this dtype are all silent while it
+        is finite (cached until the rules change)."""
+        key = (kinds, dtype)
+        quiet = self._quiet_kinds.get(key)
         if quiet is None:
             quiet = True
-            for kind in ("output", "input"):
-                probe = TensorStats("probe", "probe", kind, "forward", 0, (1,), dtype)
+            for kind in kinds:
+                probe = TensorStats("probe", "probe", kind, phase, 0, (1,), dtype)
                 for active in self.active:
                     if active.enabled and kind in active.rule.kinds:
                         quiet = quiet and silent_when_finite(active, probe)
-            self._quiet_grads[key] = quiet
+            self._quiet_kinds[key] = quiet
         return quiet
 
     def update_stats(self) -> tuple[Stat, ...] | None:
