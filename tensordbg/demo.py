@@ -124,7 +124,7 @@ def train(
             time.sleep(0.05)  # slow enough to watch in the UI
     except KeyboardInterrupt:  # `tensordbg demo` stops its training when the UI quits
         print(f"step {session.step:3d}  stopped: the UI was closed", flush=True)
-    session.detach()
+    session.detach(finished=True)
     return session
 
 

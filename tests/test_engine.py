@@ -912,3 +912,16 @@ def test_deferred_keeps_the_bad_activation_gradient_and_says_why_a_clean_one_is_
     assert origin.module == "1" and origin.phase == "backward"
     [line] = seen
     assert "nan" in line.lower()
+
+
+@pytest.mark.parametrize("finished", [False, True])
+def test_a_ui_is_told_whether_the_training_finished_or_goes_on_unwatched(watch, finished):
+    """detach() from the UI's q lets the training go on unwatched; the end of the script (the
+    runner, the demo, interpreter exit) is ``finished``: a UI said DETACHED for both."""
+    model = mlp()
+    session = watch(model)
+    heard = []
+    session.bus.subscribe(lambda event, payload: heard.append(payload["state"]), events={"state"})
+    model(torch.randn(2, 4))
+    session.detach(finished=finished)
+    assert heard[-1] == ("finished" if finished else "detached")

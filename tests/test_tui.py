@@ -949,3 +949,61 @@ def test_the_comparison_writes_non_finite_statistics_as_the_grid_does() -> None:
     assert [fmt(v) for v in (math.nan, math.inf, -math.inf, 0.5, 3, None)] == [
         "NaN", "+Inf", "-Inf", "0.5", "3", "–"
     ]  # fmt: skip
+
+
+def test_a_ui_on_a_training_that_ended_says_it_exited_and_stops_reconnecting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``tensordbg tui`` on a training whose script ends: the UI says FINISHED, then that its
+    session has ended (its connection file is gone), once, and stops trying to reconnect (it
+    repeated "cannot read connection file" every second)."""
+    monkeypatch.setenv("TENSORDBG_RUNTIME_DIR", str(tmp_path))
+    source = FakeSource()
+    server = Server(source, run_id="end1", rank=0, script="train.py")
+    server.start()
+    app = session_app(run_id="end1", wait=10.0)
+    assert app is not None
+
+    async def flow() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "paused")
+            source.state = "finished"
+            source.emit("state", {"state": "finished", "step": 3})
+            source.emit("detach", {"state": "detached", "step": 3})
+            await until(pilot, lambda: app.state == "finished")
+            assert app.main.title.startswith("FINISHED")
+            await asyncio.to_thread(server.stop)
+            banner = app.query_one(ConnectionBanner)
+            await until(pilot, lambda: "has ended" in text_of(banner))
+            # This process (the training's, here) lives on: the session ended, nothing more.
+            assert f"The session of run end1 (pid {os.getpid()}) has ended" in text_of(banner)
+            assert text_of(banner).endswith("Press q to quit.")
+            assert app.main.title.startswith("FINISHED")  # the header says how it ended
+            log = app.main.event_log
+            errors = len(log.lines)
+            await pilot.pause(2.5)
+            assert len(log.lines) == errors  # no attempt after it: nothing more is written
+
+    try:
+        asyncio.run(flow())
+    finally:
+        server.stop()
+
+
+def test_a_session_whose_process_is_gone_has_exited_and_one_whose_file_is_gone_has_ended(
+    tmp_path: Path,
+) -> None:
+    from tensordbg.tui.launch import exited
+
+    file = tmp_path / "run9-0.json"
+    file.write_text("{}")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    alive = ConnectionInfo(run_id="run9", rank=0, pid=os.getpid(), host=socket.gethostname(),
+                           script="train.py", started=0.0, endpoint="ipc:///nowhere",
+                           transport="ipc", key="00" * 32, path=file)  # fmt: skip
+    assert exited(None) == "" and exited(alive) == ""
+    gone = ConnectionInfo(**{**alive.__dict__, "pid": dead.pid})
+    assert exited(gone) == f"the training of run run9 (pid {dead.pid}) has exited"
+    file.unlink()
+    assert exited(alive).startswith(f"the session of run run9 (pid {os.getpid()}) has ended")

@@ -209,7 +209,8 @@ class TensorDbgApp(App[int]):
             self.main.show_connection_lost(
                 reason, self.state, reconnecting=self._connect is not None
             )
-            self.state = "disconnected"
+            if self.state not in ("finished", "detached"):  # the header keeps saying how it ended
+                self.state = "disconnected"
             if self._connect is None:
                 return
             await asyncio.sleep(self._reconnect_delay)
@@ -251,6 +252,8 @@ class TensorDbgApp(App[int]):
             self.report_error(e, f"the {event!r} event", f"payload: {payload!r}"[:4000])
             return
         self.main.server_event(event, payload)
+        if event == "detach":  # the session ends and its server stops: nothing more will come
+            self._connection_lost("the session ended")
 
     def _connection_lost(self, reason: str) -> None:
         self._lost_reason = reason

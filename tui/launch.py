@@ -101,13 +101,42 @@ def session_app(
         if not sessions:
             return None
 
+    reached: dict[str, Any] = {}  # connection file -> the session it led to, once reached
+
     async def connect(picked: str | None) -> Client:
         path = picked or conn
         if path is None and run_id is not None:
+            gone = exited(reached.get(run_id))
+            if gone:
+                raise TrainingExited(gone)
             path = await wait_for_run(run_id, wait, alive=alive)
-        return await Client.connect(path, timeout=5.0)
+        try:
+            client = await Client.connect(path, timeout=5.0)
+        except Exception:
+            gone = exited(reached.get(str(path)))
+            if gone:  # reconnecting cannot succeed: the app says so and stops trying
+                raise TrainingExited(gone) from None
+            raise
+        reached[str(path)] = reached[client.info.run_id] = client.info
+        return client
 
     return TensorDbgApp(connect, sessions=sessions)
+
+
+def exited(info: Any) -> str:
+    """Why a session reached before cannot be reached again, if it has ended: its process is
+    gone, or its connection file is (a session removes it as it ends: its training exited, or
+    detached tensordbg and goes on unwatched)."""
+    from tensordbg.transport.connection import process_exists
+
+    if info is None:
+        return ""
+    run = f"run {info.run_id} (pid {info.pid})"
+    if info.host == socket.gethostname() and not process_exists(info.pid):
+        return f"the training of {run} has exited"
+    if info.path is not None and not info.path.exists():
+        return f"the session of {run} has ended: its training exited or goes on unwatched"
+    return ""
 
 
 async def wait_for_run(

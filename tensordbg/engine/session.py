@@ -338,10 +338,14 @@ class Session(Pipeline, OptimizerPhase):
         self._pausing = []  # already paused: what a recheck finds is shown, not paused on
         return found
 
-    def detach(self) -> None:
+    def detach(self, *, finished: bool = False) -> None:
         """Remove every hook tensordbg installed, free every tensor it held, stop its server and
         let a paused training go on. Safe to call twice. From another thread while the training
-        runs, it is done by the training thread at its next hook (as the UI's ``q`` is)."""
+        runs, it is done by the training thread at its next hook (as the UI's ``q`` is).
+        ``finished``: the training is over (its loop or script ended), and a UI says so rather
+        than that it goes on unwatched."""
+        if finished:
+            self._exiting = True
         if self.detached:
             return
         training = self.controller.training_thread
@@ -495,5 +499,4 @@ def _detach_at_exit(ref: weakref.ref[Session]) -> None:
     if session is not None:
         if session.summary_at_exit and session.hits and not session.detached:
             print(session.summary(), file=sys.stderr, flush=True)
-        session._exiting = True
-        session.detach()
+        session.detach(finished=True)

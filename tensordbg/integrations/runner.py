@@ -84,14 +84,14 @@ class ScriptRun:
         COMMAND_LINE.settings, COMMAND_LINE.flags, COMMAND_LINE.sessions = {}, "", []
         self._trainers.remove()
         for session in self.framework_sessions:
-            session.detach()
+            session.detach(finished=True)
         torch.Tensor.backward = self._backward  # type: ignore[method-assign]
         for handle in (self._module_hook, self._optimizer_hook):
             if handle is not None:
                 handle.remove()
         self._module_hook = self._optimizer_hook = None
         if self.session is not None:
-            self.session.detach()
+            self.session.detach(finished=True)  # the script ended
 
     def _stand_down(self) -> None:
         """A framework's trainer was made: its callback watches from train begin on."""

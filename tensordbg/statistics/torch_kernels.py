@@ -486,6 +486,12 @@ def summary_from(values: Sequence[float]) -> Summary:
     data = dict(zip(_SUMMARY_FIELDS, values, strict=True))
     for key in ("numel", "nan", "posinf", "neginf", "zeros"):
         data[key] = int(data[key])
+    if (
+        data["posinf"] + data["neginf"]
+        and data["numel"] == data["nan"] + data["posinf"] + (data["neginf"])
+    ):  # nothing finite: the range is the infinities there are, not NaN
+        data["min"] = -math.inf if data["neginf"] else math.inf
+        data["max"] = math.inf if data["posinf"] else -math.inf
     return Summary(**data)
 
 
