@@ -507,7 +507,8 @@ def test_run_help_lists_the_rules_by_name() -> None:
 
 def test_a_training_held_by_a_rule_that_hangs_says_which_rule_in_the_run_tab(monkeypatch) -> None:
     """A training that has gone quiet is asked what it does: the Run tab names the rule check
-    under way and its tensor, and stops naming it once the training speaks again (issue 8)."""
+    under way and its tensor, and stops naming it once the training speaks again (issue 8).
+    Switched off meanwhile, the rule says the change waits for the training's next hook."""
     import threading
 
     from models import hanging_rule, two_linears
@@ -528,10 +529,17 @@ def test_a_training_held_by_a_rule_that_hangs_says_which_rule_in_the_run_tab(mon
             worker.start()
             assert entered.wait(30)
             await until(pilot, lambda: "in rule Slow on fc2.output" in state_line(app))
+            # Switched off while it hangs: accepted, made at the training's next hook.
+            panel = app.main.rule_panel
+            await until(pilot, lambda: panel.table.row_count == 1)
+            panel.action_toggle()
+            switch = lambda: str(panel.table.get_row_at(0)[0])  # noqa: E731
+            await until(pilot, lambda: switch() == "✗ (next hook)")
             release.set()
             worker.join(30)
             model(torch.randn(3, 4))  # the training speaks again: a new step's status
             await until(pilot, lambda: "in rule" not in state_line(app))
+            await until(pilot, lambda: switch() == "✗")  # made: the mark is gone
 
     try:
         asyncio.run(flow())

@@ -67,21 +67,23 @@ class TensorDbgApp(App[int]):
     CSS_PATH = "app.tcss"
     TITLE = "tensordbg"
     BINDINGS: list[Binding | tuple[str, str] | tuple[str, str, str]] = [  # noqa: RUF012
+        # In the order the footer shows them: what a person needs first comes first, so that a
+        # narrow terminal cuts the rarer keys, never q.
         Binding("c", "control('continue')", "Continue"),
         Binding("n", "control('next')", "Next hit"),
         Binding("s", "control('step')", "Step"),
         Binding("p", "control('pause')", "Pause"),
-        Binding("k", "control('skip')", "Skip"),
         # A recorded run (tensordbg replay): n and p move between its dumped steps, and the
         # keys that drive a training say why they do nothing (see check_action).
         Binding("n", "replay_step(1)", "Next dumped step"),
         Binding("p", "replay_step(-1)", "Previous dumped step"),
         Binding("c,s,k", "refuse_control", show=False),
-        Binding("i", "ignore", "Ignore rule on tensor"),
         Binding("q", "detach", "Detach & quit"),
         Binding("q", "leave_replay", "Quit"),  # a recorded run: there is nothing to detach
-        Binding("slash", "search", "Search/filter"),
-        Binding("P", "profile", "Profile N steps"),
+        Binding("k", "control('skip')", "Skip"),
+        Binding("i", "ignore", "Ignore rule"),
+        Binding("slash", "search", "Search"),
+        Binding("P", "profile", "Profile"),
         Binding("f9", "ranks", "Ranks", show=False),
         Binding("R", "next_rank", "Next rank", show=False),
         *(Binding(str(d), f"count({d})", show=False) for d in range(10)),

@@ -342,10 +342,8 @@ class Session(Pipeline, OptimizerPhase):
         """Remove every hook tensordbg installed, free every tensor it held, stop its server and
         let a paused training go on. Safe to call twice. From another thread while the training
         runs, it is done by the training thread at its next hook (as the UI's ``q`` is).
-        ``finished``: the training is over (its loop or script ended), and a UI says so rather
-        than that it goes on unwatched."""
-        if finished:
-            self._exiting = True
+        ``finished``: the training is over, not going on unwatched (a UI says which)."""
+        self._exiting |= finished
         if self.detached:
             return
         training = self.controller.training_thread

@@ -57,6 +57,9 @@ class RulePanel(Vertical):
         super().__init__(id="rule-panel")
         self._drawable = False  # set on mount; is_mounted is still False in on_mount
         self._rules: list[dict[str, Any]] = []
+        # Changes the training has accepted but not made yet (it makes them at its next hook:
+        # a training held by a slow rule makes them once that check returns), by rule id.
+        self._pending: dict[int, dict[str, Any]] = {}
         self._available: list[dict[str, Any]] = []
         self.table: DataTable[Any] = Table(id="rule-table", cursor_type="row")
         self.result = Static("", id="rule-result")
@@ -86,8 +89,22 @@ class RulePanel(Vertical):
         except RequestFailed as e:
             self._say(f"Could not read the rules: {e.message}", error=True)
             return
-        self._rules, self._available = reply["rules"], reply["available"]
+        rules, self._available = reply["rules"], reply["available"]
+        for i, rule in enumerate(rules):
+            pending = self._pending.get(rule["id"])
+            if pending is None:
+                continue
+            if _same(rule, pending):
+                del self._pending[rule["id"]]  # made
+            else:
+                rules[i] = pending  # shown as it will be, marked as waiting for the training
+        self._rules = rules
         self._draw()
+
+    def training_moved(self) -> None:
+        """The training spoke (a step's status): changes waiting for it are made by now."""
+        if self._pending:
+            self.reload()
 
     def _draw(self) -> None:
         if not self._drawable:  # data can arrive before the widget is mounted
@@ -97,6 +114,8 @@ class RulePanel(Vertical):
         table.clear()
         for rule in self._rules:
             on = Text("✓", style="bold green") if rule["enabled"] else Text("✗", style="bold red")
+            if rule["id"] in self._pending:
+                on.append(" (next hook)", style="yellow")
             table.add_row(
                 on,
                 Text(rule["name"], style="bold" if rule["enabled"] else "dim"),
@@ -196,11 +215,15 @@ class RulePanel(Vertical):
     async def _change(self, what: str, request: Callable[[Remote], Awaitable[Rule]]) -> None:
         """Send a change of the rules (``request`` makes it), then show them as they are."""
         try:
-            await request(remote_of(self))
+            reply = await request(remote_of(self))
         except RequestFailed as e:
             self._say(f"{what}: refused: {e.message}", error=True)
             return
-        self._say(f"{what}.")
+        if reply.get("pending"):
+            self._pending[reply["id"]] = dict(reply)
+            self._say(f"{what}: made when the training reaches its next hook.")
+        else:
+            self._say(f"{what}.")
         self.reload()
 
     @work(group="rule-change")
@@ -236,3 +259,9 @@ def _rule_of(hit: dict[str, Any], rules: list[dict[str, Any]]) -> dict[str, Any]
         if selected and not any(fnmatch.fnmatchcase(name, p) for p in rule.get("exclude", [])):
             return rule
     return named[0] if named else None
+
+
+def _same(rule: dict[str, Any], pending: dict[str, Any]) -> bool:
+    """Whether the training has made a pending change: the rule reads as the reply said."""
+    keys = ("enabled", "params", "match", "exclude")
+    return all(rule.get(k) == pending.get(k) for k in keys)

@@ -201,8 +201,11 @@ class RunStatus(VerticalScroll):
             ("sync", "sync"),
         )
         text = Text()
+        recorded = "control" not in info.get("capabilities", ("control",))
         for label, key in fields:
-            if key in info:
+            if recorded and key in ("pid", "on_hit"):
+                continue  # a recording has no process, and nothing hits in it any more
+            if key in info and info[key] not in ("", None):
                 text.append(f"{label} ", style="dim")
                 text.append(f"{info[key]}   ")
         if info.get("sync") == "eager":

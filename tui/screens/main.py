@@ -173,6 +173,7 @@ class MainScreen(Screen):
         self.event_log.write_event(event, payload)
         if event == "status":
             self.run_status.add_status(payload)
+            self.rule_panel.training_moved()
             self._step = payload.get("step", self._step)
             self._show_title()
             if payload.get("state"):
