@@ -62,7 +62,7 @@ _KEYS = {
 
 def test_a_slice_typed_fast_goes_to_the_slice_box_not_to_the_count() -> None:
     """``[3]`` and Enter typed fast on the grid: ``[`` opens the slice box, the rest is text in
-    it (not a count prefix for ``s``), and Enter applies the slice."""
+    it (not a count prefix for ``s``), and Enter applies the slice and leaves the box."""
 
     async def flow() -> None:
         app = TensorDbgApp(LocalClient(FakeSource()))
@@ -75,6 +75,10 @@ def test_a_slice_typed_fast_goes_to_the_slice_box_not_to_the_count() -> None:
             assert "count" not in app.main.title
             inspector = app.main.tensor_inspector
             await until(pilot, lambda: inspector.text == "[3]")
+            # Applied, the keys drive the debugger again: c continues, it is not typed.
+            assert app.focused is grid
+            await pilot.press("c")
+            assert box.value == "[3]"
 
     asyncio.run(flow())
 

@@ -79,6 +79,8 @@ class TensorInspector(Vertical):
             self._show_error("Open a tensor first: Enter on a hit or on a module's tensor.")
         else:
             self.load(event.value)
+            # Applied: the keys are the debugger's again (c typed into the box, before).
+            self.screen.set_focus(self.query_one(TensorGrid))
 
     def _show_error(self, message: str) -> None:
         self.query_one("#slice-error", Static).update(Text(message, style="bold red"))
