@@ -550,3 +550,30 @@ def test_a_training_held_by_a_rule_that_hangs_says_which_rule_in_the_run_tab(mon
     finally:
         release.set()
         session.detach()
+
+
+def test_the_log_keeps_what_happened_not_a_line_per_step() -> None:
+    """Steps' numbers are the Run tab's: the log writing a line a step drowned the hits, the
+    pauses and the warnings in it."""
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "paused")
+            written: list[str] = []
+            write = app.main.event_log.write_event
+            app.main.event_log.write_event = lambda e, p: (written.append(e), write(e, p))
+            for step in range(5):
+                last = {"step": step, "loss": 1.0, "grad_norm": 1.0, "steps_per_sec": 9.0}
+                source.emit("status", {"state": "running", "step": step + 1, "phase": "forward",
+                                       "hits_total": 2, "last": last})  # fmt: skip
+            source.emit("log", {"message": "a warning of the training", "level": "warning",
+                                "step": 5})  # fmt: skip
+            await until(pilot, lambda: written)
+            await pilot.pause(0.2)
+            assert written == ["log"]  # not one "status" line a step
+            numbers = app.main.run_status.query_one("#run-numbers", Static)
+            await until(pilot, lambda: "5" in str(numbers.content))  # the Run tab has them
+
+    asyncio.run(flow())

@@ -170,7 +170,8 @@ class MainScreen(Screen):
     def server_event(self, event: str, payload: Any) -> None:
         self._heard = time.monotonic()
         self.run_status.show_running_rule(None)
-        self.event_log.write_event(event, payload)
+        if event != "status":  # a line a step drowned the rest: the Run tab has the numbers
+            self.event_log.write_event(event, payload)
         if event == "status":
             self.run_status.add_status(payload)
             self.rule_panel.training_moved()
