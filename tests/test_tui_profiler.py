@@ -73,6 +73,7 @@ def test_without_a_profile_every_view_says_how_to_get_one() -> None:
     async def flow(app: TensorDbgApp, pilot: Pilot) -> None:
         profiler = await on_view(pilot, "overview")
         assert "No profile yet." in text_of(profiler.status)
+        assert "Press P" not in text_of(profiler.status)  # the view says it: once is enough
         for view in VIEWS:
             if view.key == "gpu":  # live samples, not a report
                 continue

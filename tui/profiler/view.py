@@ -218,9 +218,8 @@ class ProfilerView(Vertical, can_focus=True):
             text.append(f"Profile of {span} on {report.get('device', '?')}", style="bold")
             if self.live:
                 text.append("  ·  P profiles again", style="dim")
-        else:
-            text.append("No profile yet. ", style="bold")
-            text.append(self.how_to_profile())
+        else:  # each view below says how to get one: said once here would be said twice
+            text.append("No profile yet.", style="bold")
         text.append("  ·  F8: next view", style="dim")
         self.status.update(text)
 
