@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import signal
 import sys
+import threading
 import time
 
 import torch
@@ -124,6 +126,11 @@ def train(
             time.sleep(0.05)  # slow enough to watch in the UI
     except KeyboardInterrupt:  # `tensordbg demo` stops its training when the UI quits
         print(f"step {session.step:3d}  stopped: the UI was closed", flush=True)
+    if threading.current_thread() is threading.main_thread():
+        # The Ctrl-C that `tensordbg demo` sends when its UI quits stops the loop; one that
+        # comes after the loop ended by itself (the loss went NaN) would interrupt the summary
+        # or the interpreter's exit with a traceback.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     session.detach(finished=True)
     return session
 

@@ -67,7 +67,7 @@ def test_the_demo_pauses_at_the_broken_attention_and_lets_a_person_inspect_it():
         terminal.press("F5")
         # The line inside the attention's forward, the softmax that made the NaN just above.
         terminal.wait_for(
-            "produced by blocks.0.attn", "→ 52         return self.proj(", "F.softmax"
+            "produced by blocks.0.attn", "→ 54         return self.proj(", "F.softmax"
         )
         terminal.press("q")  # detach and quit: the training runs to its end
         terminal.wait_for("1 at their origin", "step 25 forward: [NaN] blocks.0.attn.output")
