@@ -151,3 +151,19 @@ def test_an_unreadable_dump_is_one_sentence_naming_the_file_and_exit_2(
         assert main(command) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "Traceback" not in err and str(dump / "rank-0") in err
+
+
+def test_a_rule_on_updates_that_a_dump_cannot_judge_is_said_in_words() -> None:
+    """An update is measured against the parameter before the step, which no dump holds: the
+    sentence says that, not only the statistic's name (a person read it as jargon)."""
+    from tensordbg.offline.check import CheckReport, Unjudged
+
+    report = CheckReport("runs/x", "run1", ["WeightNotChanging"], [0], 6, 60)
+    missing = ["update_unchanged(1e-05, 1e-08)"]
+    report.unjudged.append(Unjudged("WeightNotChanging", missing, 60, "fc.weight.update", 2))
+    line = next(line for line in report.table().splitlines() if "could not judge" in line)
+    assert line.startswith(
+        "WeightNotChanging could not judge 60 tensors: it asks how the optimizer"
+    )
+    assert "measured against the parameter before the step" in line
+    assert line.endswith("(first: fc.weight.update at step 2)")

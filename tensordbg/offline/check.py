@@ -105,11 +105,20 @@ class CheckReport:
         if len(self.findings) > limit:
             lines.append(f"... and {len(self.findings) - limit} more findings (--json lists all)")
         for u in self.unjudged:
-            lines.append(
-                f"{u.rule} could not judge {u.tensors} tensor{'s' * (u.tensors != 1)}: the dump "
-                f"holds no {', '.join(u.missing)} for them nor their values (first: "
-                f"{u.first_tensor} at step {u.first_step})"
-            )
+            tensors = f"{u.tensors} tensor{'s' * (u.tensors != 1)}"
+            first = f"(first: {u.first_tensor} at step {u.first_step})"
+            if all(m.startswith(("update_", "prev_")) for m in u.missing):
+                # Measured against the parameter before the step, which a dump never holds.
+                lines.append(
+                    f"{u.rule} could not judge {tensors}: it asks how the optimizer step changed "
+                    f"them ({', '.join(u.missing)}), which is measured against the parameter "
+                    f"before the step, and the dump holds no such measure for them {first}"
+                )
+            else:
+                lines.append(
+                    f"{u.rule} could not judge {tensors}: the dump holds no "
+                    f"{', '.join(u.missing)} for them nor their values {first}"
+                )
         for b in self.broken:
             lines.append(f"step {b['step']} of rank {b['rank']} was not checked: {b['reason']}")
         lines.extend(self.notes)
