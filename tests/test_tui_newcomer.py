@@ -577,3 +577,26 @@ def test_the_log_keeps_what_happened_not_a_line_per_step() -> None:
             await until(pilot, lambda: "5" in str(numbers.content))  # the Run tab has them
 
     asyncio.run(flow())
+
+
+def test_at_80_by_24_the_histogram_can_be_scrolled_to_beside_the_grid() -> None:
+    """The statistics and the histogram share a column beside the grid; at 80x24 the
+    histogram fell below the screen with no way to reach it. The column scrolls now."""
+    from tensordbg.tui.components.histogram_view import HistogramView
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(FakeSource()))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await open_tensor(pilot, 3, "net.2.output", TensorGrid)
+            side = app.query_one("#tensor-side")
+            histogram = app.query_one(HistogramView)
+            await pilot.pause(0.3)
+            screen = app.screen.region
+            if not screen.contains_region(histogram.region):
+                assert side.max_scroll_y > 0  # below the screen, but it can be reached
+                side.scroll_end(animate=False)
+                await pilot.pause(0.2)
+            assert histogram.region.height > 0
+            assert screen.y + screen.height >= histogram.region.y + 3  # its top rows are shown
+
+    asyncio.run(flow())

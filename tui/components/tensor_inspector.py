@@ -9,7 +9,7 @@ from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Input, Static
 
 from tensordbg.tui.components.histogram_view import HistogramView
@@ -44,7 +44,7 @@ class TensorInspector(Vertical):
             grid = TensorGrid()
             grid.open_slice = self.action_edit_slice  # "[" on the grid, in order with what follows
             yield grid
-            with Vertical(id="tensor-side"):
+            with VerticalScroll(id="tensor-side"):  # a short terminal scrolls to the histogram
                 yield StatsCompare()
                 yield HistogramView()
 
