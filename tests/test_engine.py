@@ -845,16 +845,20 @@ def test_noted_module_calls_are_replayed_into_the_records_the_hooks_would_have_m
 
 
 def test_float16_activations_are_handled_in_their_hooks_where_their_range_rules_speak(watch):
-    """The Overflow rule reads a float16 activation's range: the forward is not only noted
-    then, and the module that came near the float16 maximum is named."""
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).half()
-    session = watch(model, sync="deferred", on_hit="record")
-    assert torch.float16 not in session.logs_forward()
+    """The Overflow rule reads a float16 activation's range: a deferred forward is not only
+    noted then, so the hit comes in the hook of the module that came near the float16 maximum,
+    before the next module runs (noted, it would come when the root returned)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Identity()).half()
+    ran: list[str] = []
+    model[2].register_forward_pre_hook(lambda module, args: ran.append("2"))
+    at_hit: list[list[str]] = []
+    session = watch(model, sync="deferred", on_hit=lambda hit: at_hit.append(list(ran)))
     with torch.no_grad():
         model[1].weight.fill_(1.0)
         model[1].bias.fill_(60000.0)
     model(torch.ones(2, 4, dtype=torch.float16))
     assert any(h.module == "1" and h.rule == "Overflow" for h in session.hits)
+    assert at_hit and at_hit[0] == []  # module 2 had not run yet
 
 
 def test_an_update_is_recorded_when_it_is_news_and_weight_not_changing_sees_every_streak(watch):

@@ -66,13 +66,16 @@ class ParamGradNote:
 
 @dataclass(slots=True)
 class ActGradNote:
-    """Deferred mode: an activation's gradient, screened in its hook and found finite, and not
-    kept (holding a pass's activation gradients until it ends costs more than reading each one
-    while it is still in the cache: the allocator cannot reuse their memory)."""
+    """Deferred mode: an activation's gradient. On the host it is screened in its hook and, found
+    finite, not kept (holding a pass's activation gradients until it ends costs more than
+    reading each one while it is still in the cache: the allocator cannot reuse their memory).
+    On a device it is kept (``grad``) and read only if the pass shows a problem: a read in the
+    hook would synchronize once per tensor."""
 
     forward: Record
-    shape: tuple[int, ...]
+    shape: torch.Size
     dtype: torch.dtype
+    grad: torch.Tensor | None
 
 
 Event = Judged | Enter | Exit | Gradient | ParamGradNote | ActGradNote

@@ -45,8 +45,7 @@ from tensordbg.statistics import FINITE, L2, Stat, TensorStats
 from tensordbg.statistics.batch import norm_only, norms_of
 from tensordbg.statistics.torch_kernels import SCREEN, dtype_name, host_stats, watchable
 
-# Activations that a forward log may hold (see Pipeline.logs_forward).
-NOTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+NOTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # logs_forward
 
 
 class Pipeline(Pausing):
@@ -124,24 +123,19 @@ class Pipeline(Pausing):
             self._end_phase()
 
     def logs_forward(self) -> frozenset[torch.dtype]:
-        """The dtypes of activations the hooks may only note, the module calls of a root
-        forward being replayed in one warm loop when it returns (deferred mode, until the phase
-        shows a problem, for activations whose rules speak only of NaN and Inf): nothing a hook
-        would do before then can change what is found. A hook runs cold (the model's own work
-        evicts it from the caches): per-tensor bookkeeping costs several times more there than
-        in a loop."""
+        """The dtypes of activations whose module calls the hooks may only note, to be replayed
+        when the root returns (see capture.py): deferred mode until the phase shows a problem,
+        for dtypes whose rules on activations speak only of NaN and Inf."""
         if not self.sync.notes_forward(self.triggered):
             return frozenset()
         return frozenset(d for d in NOTED_DTYPES if self.ruleset.activations_quiet(dtype_name(d)))
 
     def log_budget(self) -> int:
-        """How many bytes of noted tensors the forward log may hold: what the phase may still
-        keep (``retain_bytes``)."""
+        """The bytes the forward log may hold: what the phase may still keep (retain_bytes)."""
         return self.phases.retain_bytes - self.phases.retained
 
     def boundary_wanted(self) -> bool:
-        """Whether another thread waits for the training to reach a boundary (a pause request,
-        a rule change): then the forward log is replayed at once."""
+        """Whether another thread waits for a boundary (a pause, a rule change)."""
         return bool(self.control.pending or self.controller.pause_requested)
 
     def begin_backward(self) -> None:
@@ -167,10 +161,14 @@ class Pipeline(Pausing):
             and not is_model_output(forward)
             and self.ruleset.grads_quiet(dtype_name(grad.dtype))
         ):
-            if host_stats(grad, SCREEN)[0] == 1.0:  # read now, while it is in the cache
-                self.phases.pending.append(ActGradNote(forward, tuple(grad.shape), grad.dtype))
+            if grad.device.type == "cpu":  # read now, while it is in the cache
+                if host_stats(grad, SCREEN)[0] == 1.0:
+                    self.phases.pending.append(ActGradNote(forward, grad.shape, grad.dtype, None))
+                    return
+                self.triggered = True  # not finite: the pass is read from here on
+            elif self.phases.take(grad.numel() * grad.element_size()):  # a read would sync: kept
+                self.phases.pending.append(ActGradNote(forward, grad.shape, grad.dtype, grad))
                 return
-            self.triggered = True  # not finite: the pass is read from here on
         record = grad_record(forward, grad, self.step)
         self.collect(record, grad)
         self._process(Gradient(record))
@@ -297,16 +295,18 @@ class Pipeline(Pausing):
             if type(event) not in notes:
                 self.phases.pending.append(event)
                 continue
-            if type(event) is ActGradNote:  # screened in its hook: finite, and not kept
-                like = (event.shape, event.dtype)
-                record = grad_record(event.forward, None, self.step, like)
+            if type(event) is ParamGradNote:
+                record = param_grad_record(event.name, event.owner, event.owner_type,
+                                           event.grad, self.step)  # fmt: skip
+            elif event.grad is not None:  # kept on its device, read now
+                record = grad_record(event.forward, event.grad, self.step)
+            else:  # screened in its hook: finite, and not kept
+                record = grad_record(event.forward, None, self.step, (event.shape, event.dtype))
                 self._prepare(record, None)
                 record.stats.values = {FINITE: 1.0}
                 record.judged = True  # its rules speak only of NaN and Inf (grads_quiet)
                 self.phases.pending += (Judged(record), Gradient(record))
                 continue
-            record = param_grad_record(event.name, event.owner, event.owner_type, event.grad,
-                                       self.step)  # fmt: skip
             kept, silent = self._prepare(record, event.grad)
             if record.wanted and norm_only(record, event.grad):
                 together.append((record, event.grad))  # measured below, all at once

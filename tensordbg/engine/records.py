@@ -136,7 +136,7 @@ def new_record(
 
 
 def grad_record(forward: Record, grad: torch.Tensor | None, step: int,
-                like: tuple[tuple[int, ...], torch.dtype] | None = None) -> Record:  # fmt: skip
+                like: tuple[torch.Size, torch.dtype] | None = None) -> Record:  # fmt: skip
     """The record of the gradient of a forward tensor: the gradient of its producer's output
     (``grad_output``), or of the input of the call that took it (``grad_input``). ``like``: the
     shape and dtype of a gradient that was not kept (``grad`` is None)."""
