@@ -283,7 +283,9 @@ def _start_server(session: Session, remote: bool | str, ui_timeout: float | None
             port=port,
             on_clients=source.on_clients,
         )
-        server.start()
+        # Stopped by the session's detach, at exit too: after its last words ("finished"), which
+        # the server's own exit handler, run first, would have cut off.
+        server.start(stop_at_exit=False)
         session.server = server
         session.handles.callback(server.stop, "the UI server")
     except Exception as e:  # the debugger must never stop a training over its UI

@@ -674,3 +674,48 @@ def test_a_client_dropped_without_close_lets_go_of_its_socket_and_never_hangs_th
     collector.join(DEADLINE)
     assert not collector.is_alive(), "collecting a dropped client hung"
     assert ref() is None and socket.closed and context.closed
+
+
+LAST_WORDS_SCRIPT = """
+import time, torch, tensordbg
+model = torch.nn.Linear(2, 2)
+session = tensordbg.attach(model)
+deadline = time.monotonic() + 60
+while session.server.clients == 0 and time.monotonic() < deadline:
+    time.sleep(0.02)
+model(torch.ones(1, 2))
+"""  # then the script ends: the session's last words, and the process exits
+
+
+def test_a_ui_hears_that_the_training_finished_when_its_script_ends(runtime, tmp_path):
+    """The session's last word (its state "finished") is posted as the script ends, just before
+    its server stops and the process exits: it reaches the UI, which says at once how the
+    training ended (the server's own exit handler stopped it first, and its socket dropped what
+    was queued: the UI said RUNNING, then after a silence DISCONNECTED)."""
+    script = tmp_path / "train.py"
+    script.write_text(LAST_WORDS_SCRIPT)
+    env = {**os.environ, "TENSORDBG_RUNTIME_DIR": str(runtime), "TENSORDBG_RUN_ID": "last1"}
+    training = subprocess.Popen([sys.executable, str(script)], env=env)
+    try:
+        wait_until(lambda: find_sessions(runtime), timeout=60)
+        [conn] = find_sessions(runtime)
+
+        async def listen() -> list[str]:
+            heard: list[str] = []
+            client = await Client.connect(conn.path, timeout=30)
+            try:
+                async with asyncio.timeout(DEADLINE):
+                    async for event, payload in client.events():
+                        heard.append(payload.get("state", "") if event == "state" else event)
+                        if heard[-1] == "finished":
+                            break
+            except ConnectionLost:
+                pass
+            finally:
+                await client.close()
+            return heard
+
+        heard = asyncio.run(listen())
+        assert heard and heard[-1] == "finished", heard
+    finally:
+        training.wait(60)

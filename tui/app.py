@@ -254,8 +254,9 @@ class TensorDbgApp(App[int]):
             self.report_error(e, f"the {event!r} event", f"payload: {payload!r}"[:4000])
             return
         self.main.server_event(event, payload)
-        if event == "detach":  # the session ends and its server stops: nothing more will come
-            self._connection_lost("the session ended")
+        if event == "state" and payload.get("state") == "finished":
+            # The session's last word: its server stops now, nothing more will come.
+            self._connection_lost("the training finished")
 
     def _connection_lost(self, reason: str) -> None:
         self._lost_reason = reason

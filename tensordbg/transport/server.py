@@ -94,6 +94,10 @@ def listen_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+# How long a stopping server's socket may still deliver the events posted before the stop.
+LAST_WORDS_MS = 200
+
+
 class Server:
     """Serves ``source`` to UIs on an ipc socket in the user's runtime directory (or, with
     ``remote=True``, on tcp with CURVE encryption and a single allowed client key).
@@ -167,8 +171,9 @@ class Server:
 
     # --- lifecycle ---------------------------------------------------------------------------
 
-    def start(self, timeout: float = 10.0) -> ConnectionInfo:
+    def start(self, timeout: float = 10.0, *, stop_at_exit: bool = True) -> ConnectionInfo:
         """Bind, write the connection file and start serving; returns what the file holds.
+        ``stop_at_exit=False``: the owner stops it at exit (a session, after its last words).
 
         Raises :class:`~ConnectionFileError` or ``zmq.ZMQError`` when the
         session cannot be served (the message says why)."""
@@ -202,7 +207,8 @@ class Server:
         )
         self._worker_thread.start()
         self._unsubscribe = self.source.subscribe(self._loop.post_event)
-        atexit.register(self.stop)  # a training that ends without stop() leaves no files behind
+        if stop_at_exit:  # a training that ends without stop() leaves no files behind
+            atexit.register(self.stop)
         return self.info
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -279,7 +285,7 @@ class Server:
             self._loop.run(router, self.shared)
         finally:
             if router is not None:
-                router.close(linger=0)
+                router.close(linger=LAST_WORDS_MS)  # the last events, to clients still there
             if authenticator is not None:
                 authenticator.stop()
             self._loop.wakeup.close_reader()

@@ -218,6 +218,13 @@ class SocketLoop:
                 # pause a moment, and keep serving.
                 self.failures.log("the server loop", e)
                 self._stopping.wait(0.1)
+        # What was posted before stop() still goes out: a session's last words (its state
+        # "finished", its detach) are how a UI learns that it ended, not from a silence.
+        try:
+            self._send_outbox(router)
+            self._send_events(router)
+        except Exception as e:
+            self.failures.log("the server loop", e)
 
     def _poll_timeout_ms(self) -> int:
         now = time.monotonic()
