@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -60,7 +59,7 @@ def _unreachable(conn: str | None, run_id: str | None, wait: float) -> str | Non
     from tensordbg.transport.connection import (
         ConnectionFileError,
         find_sessions,
-        process_exists,
+        is_live,
         read_connection_file,
     )
 
@@ -69,7 +68,7 @@ def _unreachable(conn: str | None, run_id: str | None, wait: float) -> str | Non
             info = read_connection_file(conn)
         except ConnectionFileError as e:
             return str(e)
-        if info.host == socket.gethostname() and not process_exists(info.pid):
+        if not is_live(info):
             return f"that training is no longer running (pid {info.pid}, {conn})"
         return None
     if run_id is not None:
@@ -127,12 +126,12 @@ def exited(info: Any) -> str:
     """Why a session reached before cannot be reached again, if it has ended: its process is
     gone, or its connection file is (a session removes it as it ends: its training exited, or
     detached tensordbg and goes on unwatched)."""
-    from tensordbg.transport.connection import process_exists
+    from tensordbg.transport.connection import is_live
 
     if info is None:
         return ""
     run = f"run {info.run_id} (pid {info.pid})"
-    if info.host == socket.gethostname() and not process_exists(info.pid):
+    if not is_live(info):
         return f"the training of {run} has exited"
     if info.path is not None and not info.path.exists():
         return f"the session of {run} has ended: its training exited or goes on unwatched"

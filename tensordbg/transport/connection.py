@@ -154,7 +154,7 @@ def claim_session_name(directory: Path, run_id: str, rank: int) -> None:
         if path.exists() or path.is_symlink():
             path.unlink()
         return
-    if _is_live(other) and other.pid != os.getpid():
+    if is_live(other) and other.pid != os.getpid():
         raise ConnectionFileError(
             f"a session named {other.name} is already running (pid {other.pid}, {path}): give "
             "this run another run id or rank"
@@ -234,7 +234,7 @@ def find_sessions(directory: str | os.PathLike[str] | None = None) -> list[Conne
             info = read_connection_file(file)
         except ConnectionFileError:
             continue
-        if _is_live(info):
+        if is_live(info):
             live.append(info)
         else:
             remove_session_files(info)
@@ -333,7 +333,7 @@ def _check_private_dir(path: Path) -> None:
         )
 
 
-def _is_live(info: ConnectionInfo) -> bool:
+def is_live(info: ConnectionInfo) -> bool:
     """Whether the session's process still runs; a session on another host cannot be checked
     from here and counts as live."""
     return info.host != socket.gethostname() or process_exists(info.pid)
