@@ -174,6 +174,9 @@ class Client:
         # can be finalized first, after the socket's entry in its registry is gone, and then
         # waits for that socket for ever (pyzmq's Context.__del__ calls term()).
         self._let_go = weakref.finalize(self, _let_go, self._socket, self._context)
+        # Not at interpreter exit: a daemon thread's loop may still be sending on that socket,
+        # and each send it had under way would end in a logged "Future exception" traceback.
+        self._let_go.atexit = False
         self._loop = asyncio.get_running_loop()
         self._last_heard = self._loop.time()
         self._tasks: list[asyncio.Task[None]] = [asyncio.create_task(self._read())]
