@@ -7,7 +7,9 @@ Each rank writes ``OUT_DIR/rank<N>.json``: its hits, its session's identity, wha
 Scenarios: ``nan`` (rank 1's training forward makes a NaN in module ``1`` at step 3; hits
 recorded), ``raise`` (the same, raising), ``pause`` (an evaluation forward of rank 1 makes it, so
 the training itself stays healthy; the test drives the pause through the UI's client), ``drift``
-(rank 1's ``3.weight`` is changed by hand at step 4), ``bare`` (no tensordbg).
+(rank 1's ``3.weight`` is changed by hand at step 4), ``dump`` (as ``nan``, both ranks fed the
+same data and writing every step into one dump directory, ``OUT_DIR/dump``), ``bare`` (no
+tensordbg).
 """
 
 from __future__ import annotations
@@ -73,15 +75,17 @@ def main(scenario: str, out: Path) -> None:
     if scenario != "bare":
         on_hit = {"raise": "raise", "pause": "pause"}.get(scenario, "record")
         rules = [NaN(), RankDivergence(every=2)]
+        dumps = {"dump_dir": out / "dump", "dump_every": 1, "dump_tensors": ["3.weight"]}
         session = tensordbg.attach(ddp, optimizer=opt, rules=rules, on_hit=on_hit,
-                                   server=scenario == "pause", summary_at_exit=False)  # fmt: skip
+                                   server=scenario == "pause", summary_at_exit=False,
+                                   **(dumps if scenario == "dump" else {}))  # fmt: skip
     paused_steps: list[int] = []
     if session is not None:
         session.bus.subscribe(lambda e, p: paused_steps.append(p["step"]), events={"pause"})
-    generator = torch.Generator().manual_seed(rank)
+    generator = torch.Generator().manual_seed(0 if scenario == "dump" else rank)
     for step in range(STEPS.get(scenario, 6)):
         poison = model[1]
-        poison.armed = scenario in ("nan", "raise") and rank == 1 and step == 3
+        poison.armed = scenario in ("nan", "raise", "dump") and rank == 1 and step == 3
         if scenario == "pause" and rank == 1 and step == 3:
             poison.armed = True  # an evaluation forward on rank 1 only makes a NaN
             with torch.no_grad():

@@ -95,7 +95,10 @@ def test_the_command_exits_0_clean_1_on_a_hit_2_when_unreadable(
     hit = str(write_dump(tmp_path / "hit", nan_at=2))
     assert main(["check", hit]) == 1
     out = capsys.readouterr().out
-    assert out.splitlines()[0].split() == ["step", "2", "forward", "NaN", "net.2.output"]
+    # The first finding is where the NaN arose, as the run's own hit said.
+    assert out.splitlines()[0].split() == ["step", "2", "forward", "NaN", "net.2.output", "<-",
+                                           "origin"]  # fmt: skip
+    assert "it arose at net.2.output, step 2 (NaN)" in out
     assert main(["check", str(tmp_path)]) == 2  # the parent: not a dump
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is not a tensordbg dump" in err
@@ -118,7 +121,7 @@ def test_the_json_report_follows_its_schema(
     assert report["rules"][-1].startswith("TensorRange(")
     first = report["findings"][0]
     assert set(first) == {"step", "rank", "phase", "order", "tensor", "module", "kind", "rule",
-                          "value", "threshold", "message"}  # fmt: skip
+                          "value", "threshold", "message", "origin"}  # fmt: skip
     assert (first["step"], first["tensor"], first["order"]) == (3, "net.2.output", 3)
 
 

@@ -17,8 +17,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+import tensordbg
+from tensordbg.sources.replay import ReplaySource
 from tensordbg.transport.connection import find_sessions
 from tensordbg.transport.sync_client import SyncClient
 
@@ -157,3 +160,48 @@ def test_every_rank_pauses_together_and_continue_resumes_them_all(job, private_r
     assert j.rank(0)["paused_steps"] == [3] and j.rank(1)["paused_steps"] == [3]
     # A healthy DDP training otherwise: its weights stay identical on both ranks.
     assert not [h for n in (0, 1) for h in j.rank(n)["hits"] if h["rule"] == "RankDivergence"]
+
+
+def test_a_multi_rank_dump_holds_every_rank_and_replays_checks_and_diffs(job):
+    j = job("dump")
+    output = j.wait()
+    assert j.process.returncode == 0, output
+    dump_dir = j.out / "dump"
+    dump = tensordbg.load(dump_dir)
+    # One run directory, a part per rank, every step of both (dump_every=1).
+    assert dump.ranks == [0, 1] and all(dump.steps(r) == list(range(6)) for r in (0, 1))
+    origin = next(h for h in dump.hits if h.origin)
+    assert (origin.rank, origin.step, origin.tensor) == (1, 3, "1.output")
+    # dump_tensors=["3.weight"]: its value on every step, the step's update included.
+    weight = dump.tensor("3.weight", rank=1)
+    assert weight.steps() == list(range(6))
+    assert np.isfinite(weight.value(2)).all() and np.isnan(weight.value(3)).all()
+    assert {e.name: e.trainable for e in dump.tensors(0, rank=0)}["3.weight"] is True
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "tensordbg.cli", *args], capture_output=True,
+                              text=True, timeout=DEADLINE)  # fmt: skip
+
+    checked = cli("check", str(dump_dir), "--json")
+    assert checked.returncode == 1, checked.stderr
+    report = json.loads(checked.stdout)
+    assert report["ranks"] == [0, 1]
+    first = {r: min((f["step"], f["order"]) for f in report["findings"] if f["rank"] == r)
+             for r in (0, 1)}  # fmt: skip
+    assert first[0][0] == 3 and first[1][0] == 3
+    origin_finding = next(f for f in report["findings"] if f["rank"] == 1 and f["step"] == 3)
+    assert origin_finding["tensor"] == "1.output" and origin_finding["origin"] is True
+    assert [f["tensor"] for f in report["findings"] if f["origin"]] == ["1.output"]
+    table = cli("check", str(dump_dir)).stdout
+    assert "step 3 rank 1 forward   NaN                1.output  <- origin" in table
+    assert "it arose at 1.output, step 3 of rank 1 (NaN)" in table
+    # Both ranks got the same data: they part where rank 1's own module made the NaN.
+    parted = cli("diff", str(dump_dir), str(dump_dir), "--ranks", "0,1")
+    assert parted.returncode == 1, parted.stderr
+    assert "The runs part at step 3, forward, 1.output: dumped only in B" in parted.stdout
+    same = cli("diff", str(dump_dir), str(dump_dir), "--ranks", "1,1")
+    assert same.returncode == 0 and "The runs agree" in same.stdout, same.stdout
+    # The replay UI serves either rank.
+    for rank in (0, 1):
+        source = ReplaySource(dump, rank=rank)
+        assert source.info()["rank"] == rank

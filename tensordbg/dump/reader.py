@@ -32,6 +32,8 @@ from tensordbg.hit import Hit
 VERIFY_ON_READ = 64 * 2**20
 
 _HIT_FIELDS = {f.name for f in fields(Hit)}
+# Dumps written before entries said whether they are trainable: what held for them.
+_TRAINABLE_KINDS = ("param", "grad", "update")
 
 
 class DumpError(Exception):
@@ -56,6 +58,9 @@ class TensorEntry:
     rank: int = 0
     module_type: str = ""
     call: int = 0
+    trainable: bool = False
+    """Whether the tensor is (or is the gradient or update of) a parameter that requires grad:
+    rules such as VanishingGradient judge only those."""
 
 
 class DumpedTensor:
@@ -134,6 +139,7 @@ class _Step:
                     rank=self.rank,
                     module_type=str(e.get("module_type", "")),
                     call=int(e.get("call", 0)),
+                    trainable=bool(e.get("trainable", e.get("kind") in _TRAINABLE_KINDS)),
                 )
             )
         entries.sort(key=lambda e: e.order)

@@ -139,7 +139,9 @@ class DumpRecorder:
             self._buffer = _StepBuffer(step)
         return self._buffer
 
-    def _periodic(self, step: int) -> bool:
+    def periodic(self, step: int) -> bool:
+        """Whether ``step`` is written whatever happens (``dump_every``): its records must all
+        be made, statistics of every watched tensor."""
         return self.every is not None and step % self.every == 0
 
     def _phase(self, step: int, records: list[Any], halting: bool = False) -> None:
@@ -147,7 +149,7 @@ class DumpRecorder:
         will need."""
         buffer = self._at(step)
         hit_step = bool(buffer.hits) or halting
-        if not (hit_step or self._periodic(step)):
+        if not (hit_step or self.periodic(step)):
             return  # nothing of this step is written unless a later phase hits: keep nothing
         copy_all = hit_step and self.failed is None
         for record in records:
@@ -205,7 +207,7 @@ class DumpRecorder:
         """A step ended: hand it to the writer if it is to be written."""
         buffer = self._buffer if self._buffer.step == step else _StepBuffer(step)
         self._buffer = _StepBuffer(step + 1)
-        if self.failed is not None or not (buffer.hits or self._periodic(step)):
+        if self.failed is not None or not (buffer.hits or self.periodic(step)):
             return
         self._submit(self._job(buffer, numbers, None), keep=bool(buffer.hits))
 

@@ -37,7 +37,7 @@ class OptimizerPhase:
         if not self.active:
             return
         self._start_phase("optimizer")
-        self._check_parameters(list(self.weights.params.values()), None)
+        self._check_parameters(list(self.weights.params.values()), None, after_step=False)
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any,
                      kwargs: Any) -> tuple[Any, Any] | None:  # fmt: skip
@@ -98,13 +98,16 @@ class OptimizerPhase:
         except Exception as e:
             self.fault(e)
 
-    def _check_parameters(self, owned: list[Param],
-                          updates: tuple[Stat, ...] | None) -> None:  # fmt: skip
+    def _check_parameters(self, owned: list[Param], updates: tuple[Stat, ...] | None,
+                          after_step: bool = True) -> None:  # fmt: skip
         """Parameters after an optimizer step (and at attach): their values and, for those the
         step updated, the update against their values before it (batched: one transfer)."""
         ranges: dict[str, Digest] = {}
         quiet: list[Param] = []  # finite and a digest from one norm each, all at once
         loud: list[Param] = []
+        # A step that is dumped whatever happens holds a record of every parameter after its
+        # update (not of the check at attach, which comes before step 0).
+        recorded = after_step and self.dumps is not None and self.dumps.periodic(self.step)
         for p in owned:
             if not watchable(p.param):
                 continue
@@ -112,7 +115,7 @@ class OptimizerPhase:
             if silent is None:
                 probe = p.record("param", p.name, self.step).stats
                 silent = self._quiet_params[p.name] = self.ruleset.applicable(probe).silent
-            if silent and not self.sync.on_device:
+            if silent and not self.sync.on_device and not recorded:
                 # The common case, without a record: its rules speak only of NaN and Inf, and
                 # its digest (needed anyway to tell that the step changed it) says it is finite.
                 (quiet if p.param.dtype in NORMED else loud).append(p)
@@ -127,7 +130,7 @@ class OptimizerPhase:
                 loud.append(p)
         for p in loud:
             silent = self._quiet_params[p.name]
-            if silent and not self.sync.on_device and p.param.dtype not in NORMED:
+            if silent and not self.sync.on_device and not recorded and p.param.dtype not in NORMED:
                 lo, hi = host_stats(p.param, RANGE)
                 if math.isfinite(lo) and math.isfinite(hi):
                     ranges[p.name] = Digest.of_range(lo, hi)

@@ -42,6 +42,9 @@ class Finding:
     value: float
     threshold: float | None
     message: str
+    origin: bool = False
+    """Whether the run named this tensor where the problem arose (a hit at its origin), not
+    a place it only reached."""
 
 
 @dataclass(slots=True)
@@ -100,7 +103,8 @@ class CheckReport:
         lines = []
         for f in self.findings[:limit]:
             rank = f" rank {f.rank}" if len(self.ranks) > 1 else ""
-            lines.append(f"step {f.step}{rank} {f.phase:<9} {f.rule:<18} {f.tensor}")
+            origin = "  <- origin" if f.origin else ""
+            lines.append(f"step {f.step}{rank} {f.phase:<9} {f.rule:<18} {f.tensor}{origin}")
             lines.append(f"    {f.message}")
         if len(self.findings) > limit:
             lines.append(f"... and {len(self.findings) - limit} more findings (--json lists all)")
@@ -130,6 +134,13 @@ class CheckReport:
         lines.append(
             f"{verdict}: {names} over {self.tensors} tensors of {self.steps} steps in {self.path}"
         )
+        origins = [f for f in self.findings if f.origin]
+        if origins:
+            first = min(origins, key=lambda f: (f.step, f.rank, f.order))
+            rank = f" of rank {first.rank}" if len(self.ranks) > 1 else ""
+            spread = len(self.findings) - len(origins)
+            lines.append(f"it arose at {first.tensor}, step {first.step}{rank} ({first.rule}); "
+                         f"{spread} findings are where it spread")  # fmt: skip
         return "\n".join(lines)
 
 
@@ -178,7 +189,20 @@ def check_dump(
             report.tensors += len(entries)
             _judge_step(dump, ruleset, step, rank, entries, report, unjudged)
     report.unjudged = list(unjudged.values())
+    _mark_origins(report, dump)
     return report
+
+
+def _mark_origins(report: CheckReport, dump: Any) -> None:
+    """Mark the findings on tensors the run itself named origins (the dump's hits): offline,
+    without the call tree, no rule can tell where a NaN arose from where it spread."""
+    try:
+        hits = dump.hits
+    except Exception:  # an unreadable hit list is reported by the steps it breaks
+        return
+    origins = {(h.step, h.rank, h.tensor) for h in hits if h.origin}
+    for f in report.findings:
+        f.origin = (f.step, f.rank, f.tensor) in origins
 
 
 def recorded_rules(meta: dict[str, Any], notes: list[str] | None = None) -> list[Rule]:
@@ -255,9 +279,9 @@ def _judge_step(
             shape=tuple(entry.shape),
             dtype=entry.dtype,
             values=_values(entry.stats),
-            module_type=getattr(entry, "module_type", ""),
-            call=getattr(entry, "call", 0),
-            trainable=getattr(entry, "trainable", entry.kind in ("param", "grad", "update")),
+            module_type=entry.module_type,
+            call=entry.call,
+            trainable=entry.trainable,
         )
         record = Record(stats, None, 0, 0)
         applicable = ruleset.applicable(stats)

@@ -162,10 +162,7 @@ def diff_dumps(
             report.broken.append({"step": step, "reason": str(e)})
             continue
         report.steps += 1
-        names_a = {e.name for e in entries_a}
-        walk = [(e, entries_b.get(e.name)) for e in entries_a]
-        walk += [(None, e) for name, e in entries_b.items() if name not in names_a]
-        for entry_a, entry_b in walk:
+        for entry_a, entry_b in _in_order(entries_a, entries_b):
             report.tensors += 1
             difference = _compare(a, b, report, step, entry_a, entry_b, values=report.first is None)
             if difference is not None:
@@ -174,6 +171,24 @@ def diff_dumps(
                 else:
                     report.later += 1
     return report
+
+
+def _in_order(entries_a: list[Any], entries_b: dict[str, Any]) -> list[tuple[Any, Any]]:
+    """The tensors of one step of both dumps as pairs, in execution order: A's order, with
+    each tensor only B holds in its place in B's order (a value one run made that the other
+    did not, as where one rank's module made a NaN of its own, comes before what followed)."""
+    names_a = {e.name for e in entries_a}
+    only_b = sorted((e for e in entries_b.values() if e.name not in names_a), key=lambda e: e.order)
+    walk: list[tuple[Any, Any]] = []
+    i = 0
+    for entry_a in entries_a:
+        entry_b = entries_b.get(entry_a.name)
+        while entry_b is not None and i < len(only_b) and only_b[i].order < entry_b.order:
+            walk.append((None, only_b[i]))
+            i += 1
+        walk.append((entry_a, entry_b))
+    walk += [(None, e) for e in only_b[i:]]
+    return walk
 
 
 def _compare(
