@@ -170,6 +170,9 @@ def attach(
     )
     session.replaceable = replaceable
     session.summary_at_exit = summary_at_exit
+    if session.capture.unmatched:
+        session.log(session.capture.unmatched, "warning")
+        print(f"tensordbg: {session.capture.unmatched}", file=sys.stderr, flush=True)
     if on_hit == "raise":  # an uncaught hit shows the user's frames only (tracebacks.py)
         session.handles.callback(install_excepthook(), "excepthook")
     try:

@@ -241,3 +241,15 @@ def test_a_script_that_attaches_and_exits_with_hits_prints_the_summary(tmp_path:
                           timeout=120, cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "at their origin." in done.stderr and "input[0]" in done.stderr
+
+
+def test_a_selection_that_leaves_no_module_watched_says_so_and_names_the_modules(script: Path):
+    done = tensordbg("run", "--on-hit", "record", "--include", "decoder.*", str(script), "5",
+                     cwd=script.parent)  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "include=['decoder.*'] leaves no module of Sequential watched" in done.stderr
+    assert "its modules are named '0', '1', '2'" in done.stderr
+    assert "[NaN] input[0]" in done.stderr  # the model's own input is still watched
+    matched = tensordbg("run", "--on-hit", "record", "--include", "2", str(script), "5",
+                        cwd=script.parent)  # fmt: skip
+    assert "leaves no module" not in matched.stderr and "[NaN] input[0]" in matched.stderr

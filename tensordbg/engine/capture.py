@@ -187,6 +187,8 @@ class Capture:
             self.direct_params[id(module)] = tuple(
                 f"{path}.{n}" if path else n for n, _ in module.named_parameters(recurse=False)
             )
+        self.unmatched = _unmatched(model, self.paths, include, exclude)
+        """A sentence when include/exclude leave no module below the root watched."""
         self.stack: list[Call] = []
         self.root: Call | None = None
         self.calls_by_path: dict[str, list[Call]] = {}
@@ -449,6 +451,21 @@ class Capture:
         except Exception as e:
             session.fault(e)
         return None
+
+
+def _unmatched(model: torch.nn.Module, paths: dict[int, str], include: tuple[str, ...],
+               exclude: tuple[str, ...]) -> str | None:  # fmt: skip
+    """What to say when the selection leaves only the root watched, though it has modules."""
+    names = [path for path, _ in model.named_modules() if path]
+    if not (include or exclude) or not names or len(paths) > 1:
+        return None
+    given = " with ".join(f"{what}={list(patterns)}" for what, patterns in
+                          (("include", include), ("exclude", exclude)) if patterns)  # fmt: skip
+    return (
+        f"{given} leaves no module of {type(model).__name__} watched: only its own inputs "
+        f"and outputs, the gradients and the parameters are; its modules are named "
+        f"{', '.join(repr(n) for n in names[:4])}{', ...' * (len(names) > 4)}"
+    )
 
 
 def _selected(path: str, include: tuple[str, ...], exclude: tuple[str, ...]) -> bool:
