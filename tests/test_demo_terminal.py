@@ -65,10 +65,11 @@ def test_the_demo_pauses_at_the_broken_attention_and_lets_a_person_inspect_it():
         terminal.press("[3]", "Enter")
         terminal.wait_for("tensor[31,64] float32 n=1984 NaN×1984!")
         terminal.press("F5")
-        # The line inside the attention's forward, the softmax that made the NaN just above.
+        # The line inside the attention's forward: the softmax that made the NaN.
         terminal.wait_for(
-            "produced by blocks.0.attn", "→ 54         return self.proj(", "F.softmax"
-        )
+            "produced by blocks.0.attn", "→ 53         weights = F.softmax(scores, dim=-1)",
+            "made by torch.nn.functional.softmax",
+        )  # fmt: skip
         terminal.press("q")  # detach and quit: the training runs to its end
         terminal.wait_for("1 at their origin", "step 25 forward: [NaN] blocks.0.attn.output")
     finally:

@@ -493,8 +493,12 @@ def test_provenance_of_a_value_made_inside_a_modules_forward_shows_the_line_insi
         session.detach()
     assert prov["source"]["function"] == "forward"
     listing = dict(prov["source"]["context"])
-    assert "return self.proj(weights)" in listing[prov["source"]["line"]]
-    assert any("torch.softmax(scores" in text for text in listing.values())
+    # The innermost user line: the softmax that made the NaN, not the return below it.
+    assert "weights = torch.softmax(scores" in listing[prov["source"]["line"]]
+    assert any("return self.proj(weights)" in text for text in listing.values())
+    assert prov["operation"]["op"] == "torch.softmax"
+    assert prov["stack"][-1][1] == prov["source"]["line"]
+    assert "the first NaN came from torch.softmax" in hit["message"]
 
 
 def test_run_help_lists_the_rules_by_name() -> None:

@@ -33,7 +33,6 @@ import weakref
 from collections.abc import Callable, Mapping
 from fnmatch import fnmatchcase
 from functools import partial
-from pathlib import Path
 from types import CodeType
 from typing import Any, Protocol
 
@@ -41,18 +40,12 @@ import torch
 
 from tensordbg.engine.handles import HandleGroup, Unhooked
 from tensordbg.engine.records import Call, Record, new_record
+from tensordbg.engine.sites import user_site
 from tensordbg.statistics.torch_kernels import watchable
 
 MAX_NESTING = 6
 _PURE_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
 MAX_LEAVES = 256
-
-_TORCH_DIR = str(Path(torch.__file__).parent)
-# tensordbg's own code on the path from a hook to the user's code: the engine and the
-# integrations that call the model for the user (not the demo: that is user code).
-_PACKAGE = Path(__file__).parent.parent
-_OWN_DIRS = tuple(str(_PACKAGE / name) + "/" for name in ("engine", "integrations"))
-_OWN_FILES = frozenset({str(_PACKAGE / "api.py")})
 
 
 class Sink(Protocol):
@@ -136,24 +129,6 @@ def _as_seen(leaves: list[tuple[str, torch.Tensor]]) -> list[Seen]:
     return seen
 
 
-_INTERNAL_CODE: dict[CodeType, bool] = {}
-
-
-def user_site(frame: Any) -> tuple[CodeType, int] | None:
-    """The first frame outside torch and tensordbg: the user's line that called the module."""
-    while frame is not None:
-        code = frame.f_code
-        internal = _INTERNAL_CODE.get(code)
-        if internal is None:  # decided once per code object: this runs on every module call
-            filename = code.co_filename
-            internal = filename.startswith((_TORCH_DIR, *_OWN_DIRS)) or filename in _OWN_FILES
-            _INTERNAL_CODE[code] = internal
-        if not internal:
-            return code, frame.f_lineno
-        frame = frame.f_back
-    return None
-
-
 def in_backward() -> bool:
     """True while the autograd engine runs a backward pass on this thread (a checkpointed
     forward being recomputed, for instance)."""
@@ -197,9 +172,11 @@ class Capture:
         self._counts: dict[int, int] = {}
         self._seen: dict[int, Record] = {}
         self._skipping = 0
+        self.suspended = False  # True while a forward runs again (pinpoint.py): hooks are off
         self._open = 0  # module calls entered and not yet returned, as the hooks count them
         # The forward log: module calls only noted by the hooks, replayed when the root returns.
-        self._log: list[tuple[int | None, list[Seen], tuple[CodeType, int] | None]] | None = None
+        self._log: list[tuple[int | None, list[Seen], tuple[CodeType, int] | None, Any]] | None
+        self._log = None
         self._log_bytes = 0
         self._log_dtypes: frozenset[torch.dtype] = frozenset()
         self._log_room = 0
@@ -260,7 +237,7 @@ class Capture:
     @torch.compiler.disable
     def on_enter(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         session = self.session
-        if not session.active:
+        if not session.active or self.suspended:
             return
         try:
             if self._skipping or (not self._open and in_backward()):
@@ -273,18 +250,19 @@ class Capture:
                 leaves += tensor_leaves(kwargs, "")
             seen = _as_seen(leaves)
             self._open += 1
+            invocation = (module, args, kwargs, seen)
             if self._log is not None and self._open > 1:
-                self._log.append((id(module), seen, site))
+                self._log.append((id(module), seen, site, invocation))
                 self._logged(seen)
                 return
-            self._enter(id(module), seen, site, is_root=self._open == 1)
+            self._enter(id(module), seen, site, invocation, is_root=self._open == 1)
         except Exception as e:
             session.fault(e)
 
     @torch.compiler.disable
     def _on_exit(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         session = self.session
-        if not session.active:
+        if not session.active or self.suspended:
             return
         if self._skipping:
             self._skipping -= 1
@@ -296,7 +274,7 @@ class Capture:
             seen = _as_seen(tensor_leaves(output, "")) if output is not None else []
             if self._log is not None:
                 if self._open:
-                    self._log.append((None, seen, None))
+                    self._log.append((None, seen, None, None))
                     self._logged(seen)
                     return
                 self.replay(resume=False)
@@ -322,13 +300,19 @@ class Capture:
         one warm loop (see :meth:`Sink.logs_forward`); ``resume``: note again after it."""
         log, self._log = self._log, None
         self._log_bytes = 0
-        for key, seen, site in log or ():
+        for key, seen, site, invocation in log or ():
             if key is None:
                 self._exit(seen)
             else:
-                self._enter(key, seen, site)
+                self._enter(key, seen, site, invocation)
         if resume and self.stack:
             self._start_log()
+
+    def forget_invocations(self) -> None:
+        """Let go of the arguments of this step's module calls (the forward phase ended)."""
+        for calls in self.calls_by_path.values():
+            for call in calls:
+                call.invocation = None
 
     def _start_log(self) -> None:
         self._log_dtypes = self.session.logs_forward()
@@ -336,7 +320,7 @@ class Capture:
         self._log_room = self.session.log_budget()
 
     def _enter(self, key: int, seen: list[Seen], site: tuple[CodeType, int] | None,
-               is_root: bool = False) -> None:  # fmt: skip
+               invocation: Any = None, is_root: bool = False) -> None:  # fmt: skip
         session = self.session
         if is_root:
             session.begin_forward()
@@ -352,6 +336,7 @@ class Capture:
             depth=0 if parent is None else parent.depth + 1,
             params=self.direct_params[key],
             site=site,
+            invocation=invocation,
         )
         if parent is not None:
             parent.children.append(call)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from tensordbg.engine import origin
+from tensordbg.engine import origin, pinpoint
 from tensordbg.engine.judge import ActiveRule
 from tensordbg.engine.pausing import Pausing
 from tensordbg.engine.phases import (
@@ -78,8 +78,7 @@ class Pipeline(Pausing):
 
     def collect_input(self, call: Call, record: Record, tensor: torch.Tensor) -> None:
         """An input made by code between modules. Eager mode screens it only if the call's
-        output turns out bad (that is when it matters: to tell who made the value); the other
-        modes treat it as any other tensor of the phase."""
+        output turns out bad (then it tells who made the value); other modes collect it."""
         if not self.sync.screens_inputs_later:
             self.collect(record, tensor)
             return
@@ -201,7 +200,7 @@ class Pipeline(Pausing):
 
     def judge(self, record: Record, tensor: torch.Tensor | None) -> None:
         """Run the per-tensor rules that apply to a record on its statistics."""
-        measure = None if tensor is None else partial(_measure_tensor, self, tensor)
+        measure = None if tensor is None else partial(_measure, self.measure, tensor)
         self.ruleset.judge(record, measure)
         if record.findings and tensor is not None and record.tensor is None:
             record.tensor = tensor  # a hit's own tensor is always kept for inspection
@@ -375,6 +374,8 @@ class Pipeline(Pausing):
                 self._pause_if_needed()
 
     def _start_phase(self, phase: str) -> None:
+        if self.phase == "forward":
+            self.capture.forget_invocations()
         self.phases.start(phase)
         self.amp.new_phase()
         self.triggered = False
@@ -428,6 +429,7 @@ class Pipeline(Pausing):
         condition = origin.condition_of(record, verdict.rule_id)
         hit = self.hitlog.make(record, active, verdict.finding, verdict.origin, condition,
                                verdict.call, verdict.kind, verdict.name)  # fmt: skip
+        pinpoint.name_in_hit(self, hit, verdict, record)
         if self.amp.scales(record.stats) and record.stats.nonfinite:
             self.amp.held.append((hit, active))  # the scaler may skip this step: see amp.py
             return
@@ -494,7 +496,5 @@ class Pipeline(Pausing):
                                    "reason": self.controller.reason})  # fmt: skip
 
 
-def _measure_tensor(
-    session: Pipeline, tensor: torch.Tensor, stats: TensorStats, wanted: Sequence[Stat]
-) -> list[float]:
-    return session.measure(stats, tensor, wanted)
+def _measure(measure: Any, tensor: torch.Tensor, stats: TensorStats, wanted: Any) -> list[float]:
+    return measure(stats, tensor, wanted)

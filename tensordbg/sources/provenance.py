@@ -59,6 +59,13 @@ def provenance(
     if site is not None:
         out["source"] = _source(site)
         out["stack"] = _stack(site)
+    operation = producer.operation if producer is not None else None
+    if operation is not None and operation["file"]:
+        # The line inside the producer's forward that made the first NaN/Inf (pinpoint.py):
+        # the innermost user line, below the one that called the module.
+        out["operation"] = operation
+        out["source"] = _lines(operation["file"], operation["line"], operation["function"])
+        out["stack"].append([operation["file"], operation["line"], operation["function"]])
     return out
 
 
@@ -109,13 +116,16 @@ def _source(call: Call) -> dict[str, Any] | None:
     if call.site is None:
         return None
     code, line = call.site
-    filename = code.co_filename
+    return _lines(code.co_filename, line, code.co_name)
+
+
+def _lines(filename: str, line: int, function: str) -> dict[str, Any]:
     lines = range(max(1, line - CONTEXT_LINES), line + CONTEXT_LINES + 1)
     context = [[n, linecache.getline(filename, n).rstrip("\n")] for n in lines]
     return {
         "file": filename,
         "line": line,
-        "function": code.co_name,
+        "function": function,
         "context": [c for c in context if c[1] or c[0] <= line],
     }
 

@@ -238,6 +238,19 @@ class Provenance(TypedDict):
     consumers: list[CallSite]
     source: SourceLine | None
     stack: list[list[str | int]]  # [file, line, function], innermost last
+    # The operation inside the producer's forward that made the first NaN/Inf, when a forward
+    # hit at its origin named it; ``source`` is then its line.
+    operation: NotRequired[Operation]
+
+
+class Operation(TypedDict):
+    """An operation inside a module's forward, and the user's line that ran it."""
+
+    op: str  # e.g. "torch.softmax", "Tensor.log"
+    file: str
+    line: int
+    function: str
+    code: str  # the line's text
 
 
 class Rule(TypedDict):

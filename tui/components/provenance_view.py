@@ -82,6 +82,12 @@ class ProvenanceView(VerticalScroll):
                 label.append("  by its own code, returned through ", style="dim")
                 label.append(returned_by["module"], style="bold")
             tree.root.add_leaf(label)
+            operation = prov.get("operation")
+            if operation:  # named by running the producer's forward again (engine/pinpoint.py)
+                made = Text("first non-finite value made by ", style="dim")
+                made.append(operation["op"], style="bold")
+                made.append(f"  line {operation['line']}: {operation['code']}")
+                tree.root.add_leaf(made)
         else:
             tree.root.add_leaf(Text("produced outside any module", style="dim"))
         inputs = tree.root.add(f"inputs ({len(prov.get('inputs', []))})", expand=True)

@@ -1,0 +1,179 @@
+"""The operation that made a NaN or Inf inside a module's forward, and the user's line of it.
+
+The hooks see module calls, not operations: a hit at its origin names the module whose inputs
+and parameters were clean and whose output was not, and the line that called it. The line that
+made the value is inside that module's ``forward`` (a ``softmax`` over a row that a mask left
+all ``-inf``, a ``log`` of a zero). To name it, tensordbg runs that forward once more, on the
+same inputs, without gradients, under a ``TorchFunctionMode`` that looks at each operation's
+result and stops at the first that holds a NaN (for a NaN hit) or an Inf (otherwise).
+
+What the re-run may not change, it does not: the random number generators are forked (a
+dropout draws without moving the training's stream), the module's buffers are restored
+(BatchNorm's running statistics), tensors are handed over as copies (an in-place operation on
+an input stays in the copy), and tensordbg's own hooks are off. It runs once per step at most,
+only on a step with a forward hit at its origin, and only while the inputs are unchanged since
+the call (their versions say so). Code with effects of its own (a counter, a cache on the
+module) would see a second call: ``session.pinpoint = False`` turns the re-run off.
+
+A dropout mask is drawn anew, so a NaN that depends on which elements it drops may not come
+again; then nothing is named, and the hit says so.
+"""
+
+from __future__ import annotations
+
+import io
+import linecache
+import os
+import sys
+import tokenize
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+from tensordbg.engine.records import Call
+from tensordbg.engine.sites import user_site
+
+
+class _Found(Exception):
+    """Raised inside the re-run at the first bad result: nothing after it needs to run."""
+
+
+class FirstBad(TorchFunctionMode):
+    """Stops a forward at the first operation whose floating-point result holds a NaN
+    (``nan=True``) or an Inf, noting the operation and the innermost user line."""
+
+    def __init__(self, nan: bool):
+        super().__init__()
+        self.nan = nan
+        self.found: dict[str, Any] | None = None
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        if self.found is None and _holds_bad(result, self.nan):
+            self.found = _where(func, sys._getframe(1))
+            raise _Found
+        return result
+
+
+def name_in_hit(session: Any, hit: Any, verdict: Any, record: Any) -> None:
+    """For a forward hit at its origin on a NaN or Inf made by a module's own code: name the
+    operation (once per step) in the hit's message and the call's provenance."""
+    stats = record.stats
+    if not (verdict.origin and stats.phase == "forward" and stats.nonfinite):
+        return
+    call = verdict.call or record.producer
+    if call is None or session.step == getattr(session, "_pinpointed_step", None):
+        return
+    session._pinpointed_step = session.step
+    tensor = record.held()
+    found = name_operation(session, call, tensor)
+    if found is not None:
+        call.operation = found
+        hit.message += sentence(call, found, bool(torch.isnan(tensor).any()))
+
+
+def name_operation(session: Any, call: Call, tensor: torch.Tensor | None) -> dict[str, Any] | None:
+    """The operation inside ``call``'s forward that made the first NaN (or Inf) of its output,
+    as ``{"op", "file", "line", "function", "code"}``; None when it cannot be named (the call's
+    inputs changed since, the module is compiled, the re-run made no such value)."""
+    invocation = call.invocation
+    if invocation is None or tensor is None or not getattr(session, "pinpoint", True):
+        return None
+    module, args, kwargs, seen = invocation
+    if any(t._version != version for _, t, version, _ in seen):
+        return None  # changed in place since the call: a re-run would not see the same values
+    if type(module).__name__ == "OptimizedModule":
+        return None  # torch.compile's: its forward is a graph, not lines
+    nan = bool(torch.isnan(tensor).any())
+    watch = FirstBad(nan)
+    devices = sorted({t.device.index for _, t, _, _ in seen if t.device.type == "cuda"})
+    with _quiet(session), _buffers_kept(module), torch.random.fork_rng(devices=devices):
+        try:
+            with torch.no_grad(), watch:
+                module.forward(*tree_map(_copy, args), **tree_map(_copy, kwargs))
+        except _Found:
+            pass
+        except Exception:  # the re-run is a courtesy: whatever it raises, the hit stands
+            return None
+    return watch.found
+
+
+def sentence(call: Call, found: dict[str, Any] | None, nan: bool) -> str:
+    """What the hit says of the operation, when one was named."""
+    what = "NaN" if nan else "Inf"
+    where = call.path or "the model"
+    if found is None:
+        return ""
+    place = f" at {os.path.basename(found['file'])}:{found['line']}" if found["file"] else ""
+    code = f" ({found['code']})" if found["code"] else ""
+    return f" Inside {where}'s forward the first {what} came from {found['op']}{place}{code}."
+
+
+def _holds_bad(result: Any, nan: bool) -> bool:
+    if not isinstance(result, torch.Tensor):
+        if isinstance(result, (tuple, list)):
+            return any(_holds_bad(r, nan) for r in result)
+        return False
+    if not result.is_floating_point() or result.layout != torch.strided or not result.numel():
+        return False
+    if nan:
+        return bool(torch.isnan(result).any())
+    return bool(torch.isinf(result).any())
+
+
+def _where(func: Any, frame: Any) -> dict[str, Any]:
+    site = user_site(frame)
+    name = getattr(func, "__qualname__", "") or getattr(func, "__name__", "") or repr(func)
+    name = name.replace("_VariableFunctionsClass.", "")  # torch.softmax and its kin
+    if name.startswith(("TensorBase.", "Tensor.")):
+        op = "Tensor." + name.split(".", 1)[1]
+    else:
+        owner = getattr(func, "__module__", None) or "torch"
+        owner = owner.replace("torch._C._nn", "torch.nn.functional")
+        op = f"{owner}.{name}"
+    if site is None:
+        return {"op": op, "file": "", "line": 0, "function": "", "code": ""}
+    code, line = site
+    text = _without_comment(linecache.getline(code.co_filename, line).strip())
+    return {"op": op, "file": code.co_filename, "line": line, "function": code.co_name,
+            "code": text}  # fmt: skip
+
+
+def _without_comment(line: str) -> str:
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(line).readline))
+    except (tokenize.TokenError, SyntaxError):  # a line of a longer statement
+        return line
+    comment = next((t for t in tokens if t.type == tokenize.COMMENT), None)
+    return line[: comment.start[1]].rstrip() if comment is not None else line
+
+
+def _copy(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+@contextmanager
+def _quiet(session: Any):
+    """tensordbg's own hooks do nothing while the forward runs again."""
+    capture = session.capture
+    capture.suspended = True
+    try:
+        yield
+    finally:
+        capture.suspended = False
+
+
+@contextmanager
+def _buffers_kept(module: torch.nn.Module):
+    """The module's buffers as they were before (BatchNorm updates its running statistics in
+    a forward)."""
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, before in saved:
+                buffer.copy_(before)

@@ -1,0 +1,37 @@
+"""Where in the user's code something happens: the first frame outside torch and tensordbg.
+
+A module call is named by the line that called it (capture.py); an operation that made a NaN by
+the line that ran it (pinpoint.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import CodeType
+from typing import Any
+
+import torch
+
+_TORCH_DIR = str(Path(torch.__file__).parent)
+# tensordbg's own code on the path from a hook to the user's code: the engine and the
+# integrations that call the model for the user (not the demo: that is user code).
+_PACKAGE = Path(__file__).parent.parent
+_OWN_DIRS = tuple(str(_PACKAGE / name) + "/" for name in ("engine", "integrations"))
+_OWN_FILES = frozenset({str(_PACKAGE / "api.py")})
+
+_INTERNAL_CODE: dict[CodeType, bool] = {}
+
+
+def user_site(frame: Any) -> tuple[CodeType, int] | None:
+    """The first frame outside torch and tensordbg: the user's line that called the module."""
+    while frame is not None:
+        code = frame.f_code
+        internal = _INTERNAL_CODE.get(code)
+        if internal is None:  # decided once per code object: this runs on every module call
+            filename = code.co_filename
+            internal = filename.startswith((_TORCH_DIR, *_OWN_DIRS)) or filename in _OWN_FILES
+            _INTERNAL_CODE[code] = internal
+        if not internal:
+            return code, frame.f_lineno
+        frame = frame.f_back
+    return None

@@ -1,0 +1,153 @@
+"""The operation inside a module's forward that made a NaN or Inf, named by running that forward
+again (tensordbg/engine/pinpoint.py), without changing any number of the training."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+import tensordbg
+from tensordbg.sources.live import LiveSource
+
+
+class Attention(nn.Module):
+    """A mask that hides a whole row makes softmax divide 0 by 0; dropout and BatchNorm give the
+    re-run something to disturb."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4)
+        self.drop = nn.Dropout(0.2)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.norm(x))  # draws from the random stream before the NaN
+        scores = x @ x.transpose(-1, -2)
+        scores = scores.masked_fill(mask, float("-inf"))  # -inf, on purpose
+        weights = scores.softmax(-1)  # NaN where a row was all -inf
+        return self.proj(weights @ x)
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.attn = Attention()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.attn(self.inp(x), mask)
+
+
+SOFTMAX_LINE = next(
+    i for i, line in enumerate(inspect.getsource(Attention).splitlines())
+    if "scores.softmax" in line
+) + inspect.getsourcelines(Attention)[1]  # fmt: skip
+
+
+def batch(bad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    mask = torch.zeros(2, 4, 4, dtype=torch.bool)
+    if bad:
+        mask[0, 1, :] = True  # row 1 of sample 0 sees nothing
+    return torch.randn(2, 4, 8), mask
+
+
+@pytest.mark.parametrize("sync", ["eager", "deferred", "batched"])
+def test_the_softmax_that_made_the_nan_is_named_with_its_line_in_every_mode(sync: str) -> None:
+    torch.manual_seed(0)
+    model = Model()
+    session = tensordbg.attach(model, on_hit="record", server=False, sync=sync,
+                               summary_at_exit=False)  # fmt: skip
+    try:
+        with torch.no_grad():  # each forward is a phase of its own
+            model(*batch())
+            model(*batch(bad=True))
+        origin = next(h for h in session.hits if h.origin)
+        prov = LiveSource(session).provenance(origin.ref, origin.module, origin.call)
+    finally:
+        session.detach()
+    assert origin.tensor == "attn.output"
+    assert (
+        f"Inside attn's forward the first NaN came from Tensor.softmax at test_pinpoint.py:"
+        f"{SOFTMAX_LINE} (weights = scores.softmax(-1))." in origin.message
+    )  # the masked_fill's -inf came first, but the hit is a NaN
+    assert prov["source"]["line"] == SOFTMAX_LINE and prov["operation"]["op"] == "Tensor.softmax"
+
+
+def test_an_inf_is_traced_to_the_operation_that_made_it() -> None:
+    class Log(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            shifted = x - x.max()
+            return torch.log(shifted.clamp(min=0))  # log(0) = -inf
+
+    model = nn.Sequential(nn.Linear(4, 4), Log(), nn.Linear(4, 2))
+    session = tensordbg.attach(model, on_hit="record", server=False, summary_at_exit=False)
+    try:
+        model(torch.randn(3, 4))
+    finally:
+        session.detach()
+    origin = next(h for h in session.hits if h.origin)
+    assert origin.tensor == "1.output"
+    assert "the first Inf came from torch.log at test_pinpoint.py:" in origin.message
+
+
+def run(pinpoint: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor, str]:
+    """Four training steps with an evaluation forward that makes a NaN at step 2."""
+    torch.manual_seed(0)
+    model = Model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = tensordbg.attach(model, optimizer=opt, on_hit="record", server=False,
+                               summary_at_exit=False)  # fmt: skip
+    session.pinpoint = pinpoint
+    try:
+        for step in range(4):
+            if step == 2:
+                with torch.no_grad():
+                    model(*batch(bad=True))  # in training mode: dropout draws, BatchNorm counts
+            model(*batch()).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        session.detach()
+    message = next(h.message for h in session.hits if h.origin)
+    return dict(model.state_dict()), torch.get_rng_state(), message
+
+
+def test_running_the_forward_again_changes_no_number_of_the_training() -> None:
+    named, rng, message = run(pinpoint=True)
+    plain, plain_rng, plain_message = run(pinpoint=False)
+    assert "the first NaN came from Tensor.softmax" in message
+    assert "came from" not in plain_message
+    # Weights, BatchNorm's running statistics and its batch count, and the random stream.
+    assert named.keys() == plain.keys()
+    for key, value in named.items():
+        assert torch.equal(value, plain[key]), key
+    assert torch.equal(rng, plain_rng)
+
+
+def test_inputs_changed_in_place_since_the_call_are_not_run_again() -> None:
+    class Parent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(8, 8)
+            self.attn = Attention()
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            h = self.inp(x)
+            out = self.attn(h, mask)
+            h.mul_(2)  # the attention's input is not what it saw any more
+            return out
+
+    torch.manual_seed(0)
+    model = Parent()
+    session = tensordbg.attach(model, on_hit="record", server=False, sync="deferred",
+                               summary_at_exit=False)  # fmt: skip
+    try:
+        with torch.no_grad():
+            model(*batch(bad=True))
+    finally:
+        session.detach()
+    origin = next(h for h in session.hits if h.origin)
+    assert origin.tensor == "attn.output" and "came from" not in origin.message
