@@ -18,7 +18,7 @@ import torch
 from fake_source import FakeSource
 from rich.console import Console
 from rich.text import Text
-from test_tui import SIZE, open_tensor, until
+from test_tui import SIZE, mounted, open_tensor, paused_on_the_two_hits, until
 from textual import events
 from textual.pilot import Pilot
 from textual.widgets import Label, Static, TabbedContent
@@ -158,6 +158,50 @@ def test_a_nan_loss_is_shown_as_nan_and_the_curves_say_which_steps_they_cannot_d
             await until(pilot, lambda: app.query_one(HitTable).row_count == 3)
             await pilot.pause(0.05)
             assert run._info["hits_total"] == 3
+
+    asyncio.run(flow())
+
+
+NOISE = [2.3001, 2.3002, 2.3000, math.nan, 2.3001, math.inf]
+
+
+@pytest.mark.parametrize(
+    ("loss", "scale"),
+    [
+        (NOISE * 5, "Loss  2.3000 … 2.3002, flat within 0.1% over steps 0–29  10 non-finite"),
+        ([2.3] * 30, "Loss  2.3 throughout over steps 0–29"),
+        ([2.3], "Loss  2.3 over steps 0–0"),
+    ],
+    ids=["noise", "constant", "one-point"],
+)
+def test_a_loss_that_does_not_move_is_drawn_flat_and_its_title_gives_the_scale(
+    loss: list[float], scale: str
+) -> None:
+    """A loss stuck at 2.3 give or take 0.0002 (or exactly, or one step of it) is drawn as a
+    level line at half the curve's height, not its noise stretched into full-height bars, nor
+    along the bottom as if there were no data; the title has the digits that tell its ends apart
+    and counts the non-finite points it leaves out."""
+    source = FakeSource()
+    ones = [1.0] * len(loss)
+    history = {
+        "step": list(range(len(loss))),
+        "loss": loss,
+        "grad_norm": ones,
+        "steps_per_sec": ones,
+    }
+    source.info = lambda: {**FakeSource.info(source), "history": history}  # type: ignore[method-assign]
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await paused_on_the_two_hits(pilot)  # the Hits tab has come forward
+            await mounted(pilot)
+            app.main.show_tab("run")
+            spark = app.query_one("#loss-spark")
+            await until(pilot, lambda: spark.size.height == 4)
+            rows = [spark.render_line(y).text for y in range(4)]
+            assert rows == [" " * spark.size.width] * 2 + ["█" * spark.size.width] * 2
+            assert str(app.query_one("#loss-label", Label).content).startswith(scale)
 
     asyncio.run(flow())
 

@@ -4,15 +4,18 @@ speed, with loss and gradient-norm sparklines from ``info()["history"]`` and ``s
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from rich.table import Table
 from rich.text import Text
-from textual.app import ComposeResult
+from textual.app import ComposeResult, RenderResult
 from textual.containers import VerticalScroll
+from textual.renderables.sparkline import Sparkline as SparklineRenderable
 from textual.widgets import Label, Sparkline, Static
 
 HISTORY = 500  # steps kept for the sparklines
+FLAT = 1e-3  # a curve whose spread is within this fraction of its magnitude is drawn flat
 SERIES = ("step", "loss", "grad_norm", "steps_per_sec")
 STATE_STYLES = {
     "paused": "bold black on yellow",
@@ -21,6 +24,20 @@ STATE_STYLES = {
     "finished": "bold white on blue",
     "detached": "bold white on blue",
 }
+
+
+class LevelSparkline(Sparkline):
+    """A sparkline that draws a flat series (``_flat``) as a level line at half height.
+
+    Textual scales a series to its own minimum and maximum: the rounding noise of a loss that
+    does not move fills the whole height, a constant one lies along the bottom as if there were
+    no data, and a single point fills the box."""
+
+    def render(self) -> RenderResult:
+        drawn = super().render()
+        if isinstance(drawn, SparklineRenderable) and self.data and _flat(self.data):
+            drawn.data, drawn.summary_function = [0.0, 1.0], lambda _: 0.5  # each column 0.5 of 0–1
+        return drawn
 
 
 class RunStatus(VerticalScroll):
@@ -39,9 +56,9 @@ class RunStatus(VerticalScroll):
         yield Static(id="run-state")
         yield Static(id="run-numbers")
         yield Label("Loss", id="loss-label", classes="spark-label")
-        yield Sparkline([], id="loss-spark", summary_function=_mean)
+        yield LevelSparkline([], id="loss-spark", summary_function=_mean)
         yield Label("Gradient norm", id="grad-label", classes="spark-label")
-        yield Sparkline([], id="grad-spark", summary_function=_mean)
+        yield LevelSparkline([], id="grad-spark", summary_function=_mean)
         yield Static(id="run-session")
 
     def on_mount(self) -> None:
@@ -225,19 +242,38 @@ def _number(value: float) -> str:
 
 
 def _curve_title(title: str, steps: list[Any], values: list[Any]) -> Text:
-    """``Loss  0.31 … 4.26 over steps 0–28  NaN at steps 26–28, not drawn``: the curve's scale,
-    and the points it cannot draw (a sparkline drops them without a trace)."""
+    """``Loss  0.31 … 4.26 over steps 0–28  3 non-finite at steps 26–28, not drawn``: the
+    curve's scale, and the points it cannot draw (a sparkline drops them without a trace)."""
     text = Text(title, style="bold")
     finite = _finite(values)
     if finite:
-        text.append(f"  {min(finite):.4g} … {max(finite):.4g}")
+        text.append(f"  {_scale(finite)}")
     if steps:
         text.append(f" over steps {steps[0]}–{steps[-1]}", style="dim")
     bad = [s for s, v in zip(steps, values, strict=False) if v is not None and not math.isfinite(v)]
     if bad:
         where = f"step {bad[0]}" if len(bad) == 1 else f"steps {_ranges(bad)}"
-        text.append(f"  non-finite at {where}, not drawn", style="bold red")
+        text.append(f"  {len(bad)} non-finite at {where}, not drawn", style="bold red")
     return text
+
+
+def _scale(values: list[float]) -> str:
+    """``0.31 … 4.26``; with the digits it takes to tell the ends apart where four do not, and
+    said when the curve is drawn flat: ``2.3000 … 2.3002, flat within 0.1%``, ``2.3 throughout``."""
+    low, high = min(values), max(values)
+    if low == high:
+        return _number(low) if len(values) == 1 else f"{_number(low)} throughout"
+    digits = next(d for d in range(4, 18) if f"{low:.{d}g}" != f"{high:.{d}g}")
+    form = ".4g" if digits == 4 else f"#.{digits}g"  # trailing zeros are significant then
+    span = f"{low:{form}} … {high:{form}}"
+    return f"{span}, flat within {FLAT:.1%}" if _flat(values) else span
+
+
+def _flat(values: Sequence[float]) -> bool:
+    """Whether the values spread over no more than ``FLAT`` of their magnitude: a level with
+    noise on it, which scaled to its own extent would look like wild swings."""
+    low, high = min(values), max(values)
+    return high - low <= FLAT * max(abs(low), abs(high))
 
 
 def _ranges(steps: list[int]) -> str:
