@@ -541,6 +541,10 @@ def test_provenance_of_a_value_made_inside_a_modules_forward_shows_the_line_insi
     assert "weights = torch.softmax(scores" in listing[prov["source"]["line"]]
     assert any("return self.proj(weights)" in text for text in listing.values())
     assert prov["operation"]["op"] == "torch.softmax"
+    # The bool mask that hid the second row, which no rule judges, is listed with a summary.
+    mask = next(i for i in prov["inputs"] if i["dtype"] == "bool")
+    assert mask["name"] == "input[1]" and mask["ref"] is None and mask["shape"] == [2, 4]
+    assert mask["line"] == "bool mask: 2 of 8 True; 1 of 2 rows all False"
     assert prov["stack"][-1][1] == prov["source"]["line"]
     assert "the first NaN came from torch.softmax" in hit["message"]
 

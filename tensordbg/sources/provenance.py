@@ -6,6 +6,9 @@ from __future__ import annotations
 import linecache
 from typing import Any
 
+import torch
+
+from tensordbg.engine.capture import tensor_leaves
 from tensordbg.engine.records import Call, Record
 from tensordbg.sources import contract
 from tensordbg.statistics import TensorStats
@@ -47,7 +50,7 @@ def provenance(
         "stack": [],
     }
     if producer is not None:
-        out["inputs"] = [_input_dict(r) for _, r in producer.inputs]
+        out["inputs"] = [_input_dict(r) for _, r in producer.inputs] + _unjudged(producer)
     elif owner is not None:
         calls = session.capture.calls_by_path.get(owner.owner, [])
         out["producer"] = {"module": owner.owner, "type": owner.owner_type, "call": 0}
@@ -101,6 +104,40 @@ def _input_dict(record: Record) -> dict[str, Any]:
         "line": stats.line() if stats.summary else _range_line(stats),
         "nonfinite": stats.nonfinite,
     }
+
+
+def _unjudged(call: Call) -> list[dict[str, Any]]:
+    """The call's inputs that no rule judges (bool masks, integer indices), described from its
+    arguments while the step's forward phase keeps them: a mask that hides a whole row is often
+    what made the NaN."""
+    if call.invocation is None:
+        return []
+    _, args, kwargs, _ = call.invocation
+    leaves = tensor_leaves(args, "") + (tensor_leaves(kwargs, "") if kwargs else [])
+    out = []
+    for suffix, t in leaves:
+        if t.is_floating_point() or t.is_complex() or t.layout != torch.strided:
+            continue
+        out.append({"ref": None, "name": call.tensor_name("input", suffix), "module": "",
+                    "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                    "line": _describe_unjudged(t), "nonfinite": None})  # fmt: skip
+    return out
+
+
+def _describe_unjudged(t: torch.Tensor) -> str:
+    """``bool mask: 12 of 16 True; 1 of 4 rows all False`` or ``int64 in [0, 2047]``."""
+    n = t.numel()
+    if not n:
+        return f"{str(t.dtype).removeprefix('torch.')}, empty"
+    if t.dtype == torch.bool:
+        line = f"bool mask: {int(t.sum()):,} of {n:,} True"
+        if t.dim() >= 2:
+            rows = t.shape[:-1].numel()
+            empty = int((~t).all(-1).sum())
+            line += f"; {empty:,} of {rows:,} rows all False"
+        return line
+    lo, hi = int(t.min()), int(t.max())
+    return f"{str(t.dtype).removeprefix('torch.')} in [{lo}, {hi}]"
 
 
 def _range_line(stats: TensorStats) -> str:

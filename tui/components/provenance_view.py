@@ -94,7 +94,8 @@ class ProvenanceView(VerticalScroll):
         for item in prov.get("inputs", []):
             label = finiteness(item.get("nonfinite"))
             label.append(f"  {item['name']}  ", style="bold")
-            label.append(f"← {item['module'] or '(model)'}  ", style="dim")
+            came = item["module"] or ("(model)" if item.get("ref") is not None else "not judged")
+            label.append(f"← {came}  ", style="dim")
             label.append(item.get("line") or f"tensor{item['shape']} {item['dtype']}")
             inputs.add_leaf(label, data=item)
         consumers = tree.root.add(f"consumers ({len(prov.get('consumers', []))})", expand=True)
