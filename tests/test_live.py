@@ -240,3 +240,15 @@ def test_a_rule_that_hangs_is_named_to_the_ui_while_the_training_waits_on_it():
         worker.join(30)
         session.detach()
     assert source.info()["running_rule"] is None
+
+
+def test_the_module_tree_gives_each_output_its_range_while_paused(paused):
+    """Deferred mode screens a clean activation only as finite; paused, the Modules tab shows
+    the range of every output still kept, so a blow-up is visible there."""
+    training, source = paused
+    assert training.session.mode == "deferred"
+    modules = {m["path"]: m for m in source.modules()}
+    mid, act = modules["mid"]["stats"]["output"], modules["act"]["stats"]["output"]
+    assert mid["step"] == act["step"] == 3
+    assert mid["min"] < 0 < mid["max"] and mid["numel"] == 16 * 32
+    assert -0.2 < act["min"] < 0 < act["max"]  # GELU's outputs stay above -0.17

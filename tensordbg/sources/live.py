@@ -107,6 +107,9 @@ class LiveSource(LiveProfiling):
 
     def modules(self) -> list[contract.Module]:
         s = self.session
+        if s.controller.state == "paused":
+            with contextlib.suppress(SourceError):  # resumed meanwhile: what is known is shown
+                self._on_training_thread(self._measure_kept)
         snapshot = s.snapshot()  # never the dicts the training thread is filling
         latest: dict[str, dict[str, dict[str, Any]]] = {}
         for _, (_, stats) in snapshot.latest.items():
@@ -137,6 +140,18 @@ class LiveSource(LiveProfiling):
                 }
             )
         return out
+
+    def _measure_kept(self) -> None:
+        """While paused: the full statistics (the range among them) of the phase's tensors
+        that are still kept and were only screened (deferred mode measures a clean activation
+        only as finite), so the Modules tab shows where values grow."""
+        for record in self.session.snapshot().records:
+            stats = record.stats
+            if stats.summary is None and not record.hidden:
+                tensor = record.held()
+                if (tensor is not None and tensor._version == record.version
+                        and tensor.layout == torch.strided and tensor.numel()):  # fmt: skip
+                    stats.summary = streamed_summary(tensor.detach())
 
     def hits(self, since: int = 0) -> list[contract.Hit]:
         return [h.as_dict() for h in list(self.session.hits)[max(0, since) :]]
