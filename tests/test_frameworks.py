@@ -504,3 +504,64 @@ def test_lightning_ddp_two_processes_each_rank_has_its_session_and_rank_1_names_
     assert origin == [2, "net.0", "output", True]
     # Rank 0's own forward made nothing; the NaN reached it through DDP's gradient all-reduce.
     assert not [h for h in ranks[0]["hits"] if h[2] == "output"]
+
+
+HF_TORCHRUN_SCRIPT = """
+    import json, os
+    import torch
+    import transformers
+    from tensordbg.integrations.hf import TensordbgCallback
+
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    calls = [0]
+
+    def poison(module, args, output):  # rank 1's third training forward of h.1.mlp.c_fc
+        calls[0] += 1
+        if rank == 1 and calls[0] == 3:
+            output = output.clone()
+            output.view(-1)[0] = float("nan")
+            return output
+
+    model.transformer.h[1].mlp.c_fc.register_forward_hook(poison)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (32, 16), generator=g)
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = transformers.TrainingArguments(
+        output_dir=OUT, per_device_train_batch_size=2, max_steps=4, learning_rate=1e-3,
+        report_to=[], save_strategy="no", use_cpu=True, ddp_backend="gloo", disable_tqdm=True)
+    callback = TensordbgCallback(on_hit="record", server=False, summary_at_exit=False)
+    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+    session = callback.session
+    hits = [[h.step, h.module, h.kind, h.origin] for h in session.hits]
+    with open(f"{OUT}/rank{rank}.json", "w") as f:
+        json.dump({"rank": session.rank, "run_id": session.run_id, "steps": session.step,
+                   "hits": hits}, f)
+"""
+
+
+@pytest.mark.slow
+def test_hf_trainer_under_torchrun_has_a_session_per_rank_and_rank_1_names_its_module(tmp_path):
+    """The Trainer launched by ``torchrun --nproc-per-node 2`` (gloo, CPU): one session per
+    rank of one job; rank 1's planted NaN is its hit at the module and step; rank 0 only
+    receives it through DDP's gradient all-reduce."""
+    import json
+    import os
+
+    path = tmp_path / "train_hf.py"
+    path.write_text(f"OUT = {str(tmp_path)!r}\n" + textwrap.dedent(HF_TORCHRUN_SCRIPT))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(path)], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["run_id"] == ranks[1]["run_id"]
+    assert [r["steps"] for r in ranks] == [4, 4]
+    origin = next(h for h in ranks[1]["hits"] if h[3])
+    assert origin == [2, "transformer.h.1.mlp.c_fc", "output", True]
+    # Rank 0's own forward of step 2 was clean; what it received later is passed on.
+    assert not [h for h in ranks[0]["hits"] if h[0] <= 2 and h[2] == "output"]
+    assert ranks[0]["hits"] and not [h for h in ranks[0]["hits"] if h[3]], ranks[0]["hits"][:3]
