@@ -151,3 +151,34 @@ def test_inputs_changed_in_place_since_the_call_are_not_run_again() -> None:
         session.detach()
     origin = next(h for h in session.hits if h.origin)
     assert origin.tensor == "attn.output" and "came from" not in origin.message
+
+
+def test_in_a_job_of_several_ranks_a_forward_that_talks_to_them_is_not_run_again(tmp_path):
+    """Run again on one rank, a forward with a collective in it (SyncBatchNorm's all-gather of
+    batch statistics) would wait for the other ranks for ever: it is not run again."""
+    import torch.distributed as dist
+
+    class SyncBatchNorm(nn.Identity):  # named as torch's: only its name marks it
+        pass
+
+    class Synced(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = SyncBatchNorm()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.log(self.norm(x) - x)  # log(0) = -inf
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(4, 4), Synced(), nn.Linear(4, 2))
+        session = tensordbg.attach(model, on_hit="record", server=False, summary_at_exit=False)
+        try:
+            model(torch.randn(3, 4))
+        finally:
+            session.detach()
+    finally:
+        dist.destroy_process_group()
+    origin = next(h for h in session.hits if h.origin)
+    assert origin.tensor == "1.output" and "came from" not in origin.message

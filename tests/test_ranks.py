@@ -93,6 +93,10 @@ def test_a_nan_on_rank_1_only_is_a_hit_on_rank_1_at_its_module_and_step(job):
     first = rank0["hits"][0]
     assert first["step"] == 3 and first["kind"] in ("grad", "param")
     assert "It came from rank 1 (NaN at 1.output)" in first["message"]
+    # Rank 1 ran its module's forward again alone (no collective in it) and named the product.
+    assert (
+        "Inside 1's forward the first NaN came from Tensor.mul at ranks_job.py" in origin["message"]
+    )
     # Both ranks' weights are NaN alike: RankDivergence does not call that a drift.
     assert not [h for r in (rank0, rank1) for h in r["hits"] if h["rule"] == "RankDivergence"]
     # Named as in the user's model, without DistributedDataParallel's "module." prefix.

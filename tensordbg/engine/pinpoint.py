@@ -12,7 +12,9 @@ dropout draws without moving the training's stream), the module's buffers are re
 (BatchNorm's running statistics), tensors are handed over as copies (an in-place operation on
 an input stays in the copy), and tensordbg's own hooks are off. It runs once per step at most,
 only on a step with a forward hit at its origin, and only while the inputs are unchanged since
-the call (their versions say so). Code with effects of its own (a counter, a cache on the
+the call (their versions say so). In a job of several ranks a module whose forward talks to the
+other ranks (DDP, FSDP, SyncBatchNorm, DTensor parameters) is not run again: that rank alone
+would wait in the collective. Code with effects of its own (a counter, a cache on the
 module) would see a second call: ``session.pinpoint = False`` turns the re-run off.
 
 A dropout mask is drawn anew, so a NaN that depends on which elements it drops may not come
@@ -87,6 +89,8 @@ def name_operation(session: Any, call: Call, tensor: torch.Tensor | None) -> dic
         return None  # changed in place since the call: a re-run would not see the same values
     if type(module).__name__ == "OptimizedModule":
         return None  # torch.compile's: its forward is a graph, not lines
+    if _collective(module):
+        return None  # one rank alone would wait in it for ever
     nan = bool(torch.isnan(tensor).any())
     watch = FirstBad(nan)
     devices = sorted({t.device.index for _, t, _, _ in seen if t.device.type == "cuda"})
@@ -110,6 +114,21 @@ def sentence(call: Call, found: dict[str, Any] | None, nan: bool) -> str:
     place = f" at {os.path.basename(found['file'])}:{found['line']}" if found["file"] else ""
     code = f" ({found['code']})" if found["code"] else ""
     return f" Inside {where}'s forward the first {what} came from {found['op']}{place}{code}."
+
+
+# Modules whose forward talks to the other ranks (a broadcast of buffers, an all-gather of
+# parameters or of batch statistics): a forward run again on one rank would wait for ever.
+_COLLECTIVE = ("DistributedDataParallel", "FullyShardedDataParallel", "SyncBatchNorm")
+
+
+def _collective(module: torch.nn.Module) -> bool:
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    for m in module.modules():
+        name = type(m).__name__
+        if name in _COLLECTIVE or name.startswith("FSDP"):  # FSDP2 renames the classes
+            return True
+    return any(type(p).__name__ == "DTensor" for p in module.parameters())
 
 
 def _holds_bad(result: Any, nan: bool) -> bool:
