@@ -47,6 +47,10 @@ class Hit:
     (``tensordbg.statistics.Summary``) when they were computed (for hits at their origin)."""
     rank: int = 0
     """The rank of the process that found it (``RANK`` of a ``torchrun`` job; 0 alone)."""
+    stored_as: str = ""
+    """The name the tensor itself is listed (and dumped) under when the hit names the module
+    call whose own code made it rather than the submodule that returned it (``attn.output``,
+    listed as ``attn.proj.output``); "" when it is ``tensor``."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -4,6 +4,7 @@ write leaves the training running and the dump marked incomplete."""
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 
@@ -200,3 +201,61 @@ def test_tensordbg_run_says_dump_flags_need_a_dump_dir(tmp_path):
     )  # fmt: skip
     assert done.returncode == 2
     assert "give --dump-dir DIR too" in done.stderr and "Traceback" not in done.stderr
+
+
+class MaskedAttention(nn.Module):
+    """Its own code makes the NaN (a softmax over a row its mask hides entirely) and its output
+    projection returns it: the hit names the attention, the tensor is the projection's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        weights = torch.softmax(x.masked_fill(~keep, float("-inf")), dim=-1)
+        return self.proj(weights)
+
+
+class Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.attn = MaskedAttention()
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return self.attn(self.inp(x), keep)
+
+
+def test_a_hit_named_after_the_call_that_made_it_keeps_its_origin_in_the_dump(tmp_path):
+    from tensordbg.offline.check import check_dump
+    from tensordbg.sources.replay import ReplaySource
+
+    torch.manual_seed(0)
+    model = Masked()
+    session = tensordbg.attach(model, on_hit="record", server=False, summary_at_exit=False,
+                               dump_dir=tmp_path)  # fmt: skip
+    keep = torch.tensor([[True, True, False, False], [False, False, False, False]])
+    with torch.no_grad():
+        model(torch.randn(2, 4), keep)
+    session.detach()
+    origin = next(h for h in session.hits if h.origin)
+    assert (origin.tensor, origin.stored_as) == ("attn.output", "attn.proj.output")
+    dump = tensordbg.load(tmp_path)
+    # check marks the dumped tensor the hit stands for, and says where the NaN arose.
+    report = check_dump(dump)
+    assert [f.tensor for f in report.findings if f.origin] == ["attn.proj.output"]
+    # The replay opens the hit's tensor, and its provenance is the attention's: the softmax
+    # line and the mask that hid the second row.
+    source = ReplaySource(dump)
+    hit = next(h for h in source.hits() if h["origin"])
+    assert source.stats(hit["ref"])["summary"]["nan"] == 4
+    prov = source.provenance(hit["ref"])
+    assert prov["producer"]["module"] == "attn"
+    assert (
+        prov["operation"]["op"] == "torch.softmax" and "torch.softmax(" in prov["operation"]["code"]
+    )
+    # The line that called the projection and the softmax line are one frame of one forward.
+    assert [f[1] for f in prov["stack"][-2:]] == [
+        inspect.getsourcelines(Masked.forward)[1] + 1, prov["operation"]["line"]]  # fmt: skip
+    mask = next(i for i in prov["inputs"] if i["dtype"] == "bool")
+    assert mask["line"] == "bool mask: 2 of 8 True; 1 of 2 rows all False"

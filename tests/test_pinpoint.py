@@ -182,3 +182,27 @@ def test_in_a_job_of_several_ranks_a_forward_that_talks_to_them_is_not_run_again
         dist.destroy_process_group()
     origin = next(h for h in session.hits if h.origin)
     assert origin.tensor == "1.output" and "came from" not in origin.message
+
+
+def test_an_operation_handed_a_value_that_was_bad_already_is_not_named() -> None:
+    """A buffer that is NaN already (a running statistic gone bad) makes the product NaN; the
+    product did not make the NaN, so no operation is named for it."""
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("scale", torch.ones(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.scale
+
+    model = nn.Sequential(nn.Linear(4, 4), Scaled())
+    model[1].scale[0] = float("nan")
+    session = tensordbg.attach(model, on_hit="record", server=False, summary_at_exit=False)
+    try:
+        with torch.no_grad():
+            model(torch.randn(3, 4))
+    finally:
+        session.detach()
+    origin = next(h for h in session.hits if h.origin)
+    assert origin.tensor == "1.output" and "came from" not in origin.message

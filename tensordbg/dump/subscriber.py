@@ -189,7 +189,12 @@ class DumpRecorder:
             try:
                 from tensordbg.sources.provenance import provenance
 
-                buffer.provenance[id(record.stats)] = provenance(self.session, record)
+                # A hit that names the call whose own code made the value (the attention, not
+                # its output projection) gets that call's provenance: its line, its mask.
+                maker = next((h for h in buffer.hits if h.get("stored_as") == record.stats.name
+                              and h.get("ref") == record.stats.ref), None)  # fmt: skip
+                where = (maker["module"], maker["call"]) if maker is not None else (None, 0)
+                buffer.provenance[id(record.stats)] = provenance(self.session, record, *where)
             except Exception:  # provenance is a courtesy; the values matter
                 pass
 

@@ -126,6 +126,7 @@ class HitLog:
             ref=stats.ref,
             call=module.index if module is not None else stats.call,
             summary=_summary(record),
+            stored_as=stats.name if name and name != stats.name else "",
         )
         if is_origin and condition is not None:
             self.first_origin.setdefault(condition, hit.tensor)

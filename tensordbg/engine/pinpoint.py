@@ -53,9 +53,14 @@ class FirstBad(TorchFunctionMode):
         self.found: dict[str, Any] | None = None
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        result = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
         if self.found is None and _holds_bad(result, self.nan):
-            self.found = _where(func, sys._getframe(1))
+            # An operation that was handed the bad value (a weight that was NaN already) did
+            # not make it: nothing is named.
+            given = [*args, *kwargs.values()]
+            if not any(_holds_bad(a, self.nan) for a in given):
+                self.found = _where(func, sys._getframe(1))
             raise _Found
         return result
 
@@ -154,11 +159,11 @@ def _where(func: Any, frame: Any) -> dict[str, Any]:
         owner = owner.replace("torch._C._nn", "torch.nn.functional")
         op = f"{owner}.{name}"
     if site is None:
-        return {"op": op, "file": "", "line": 0, "function": "", "code": ""}
+        return {"op": op, "file": "", "line": 0, "function": "", "code": "", "first_line": 0}
     code, line = site
     text = _without_comment(linecache.getline(code.co_filename, line).strip())
     return {"op": op, "file": code.co_filename, "line": line, "function": code.co_name,
-            "code": text}  # fmt: skip
+            "code": text, "first_line": code.co_firstlineno}  # fmt: skip
 
 
 def _without_comment(line: str) -> str:

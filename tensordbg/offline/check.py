@@ -200,7 +200,8 @@ def _mark_origins(report: CheckReport, dump: Any) -> None:
         hits = dump.hits
     except Exception:  # an unreadable hit list is reported by the steps it breaks
         return
-    origins = {(h.step, h.rank, h.tensor) for h in hits if h.origin}
+    # A hit may name the call whose own code made the value; its record has its own name.
+    origins = {(h.step, h.rank, h.stored_as or h.tensor) for h in hits if h.origin}
     for f in report.findings:
         f.origin = (f.step, f.rank, f.tensor) in origins
 

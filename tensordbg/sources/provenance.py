@@ -68,7 +68,14 @@ def provenance(
         # the innermost user line, below the one that called the module.
         out["operation"] = operation
         out["source"] = _lines(operation["file"], operation["line"], operation["function"])
-        out["stack"].append([operation["file"], operation["line"], operation["function"]])
+        frame = [operation["file"], operation["line"], operation["function"]]
+        code = site.site[0] if site is not None and site.site is not None else None
+        same = code is not None and (code.co_filename, code.co_firstlineno) == (
+            operation["file"], operation["first_line"])  # fmt: skip
+        if same and out["stack"]:
+            out["stack"][-1] = frame  # the same forward, a line further up: one frame
+        else:
+            out["stack"].append(frame)
     return out
 
 

@@ -66,7 +66,7 @@ class ReplaySource:
         self._entries: dict[int, dict[str, Any]] = {}  # step -> {name: entry}, read on demand
         for i, hit in enumerate(self._hits):
             hit["id"] = i
-            hit["ref"] = self._ref(hit["step"], hit["tensor"])
+            hit["ref"] = self._ref(hit["step"], hit.get("stored_as") or hit["tensor"])
         first = next((h for h in self._hits if h["origin"]), self._hits[0] if self._hits else None)
         self.paused_at = first
         self.index = 0
@@ -332,6 +332,7 @@ class ReplaySource:
             "inputs": inputs,
             "consumers": [c for c in map(recorded.call_site, made.get("consumers") or []) if c],
             "source": recorded.source_line(made.get("source")),
+            **_operation(made.get("operation")),
             "stack": [
                 [str(f[0]), int(f[1]), str(f[2])]
                 for f in made.get("stack") or []
@@ -460,3 +461,16 @@ def _call_of(name: str) -> int:
 
 def _num(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def _operation(value: Any) -> dict[str, Any]:
+    """The dumped operation that made a hit's first NaN/Inf, checked field by field (a dump is
+    data from disk): ``{"operation": {...}}``, or nothing."""
+    if not isinstance(value, dict):
+        return {}
+    try:
+        fields = {key: str(value.get(key, "")) for key in ("op", "file", "function", "code")}
+        lines = {key: int(value.get(key, 0)) for key in ("line", "first_line")}
+        return {"operation": {**fields, **lines}}
+    except (TypeError, ValueError):
+        return {}

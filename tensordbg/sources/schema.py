@@ -57,6 +57,7 @@ class Hit(TypedDict):
     call: int
     summary: Summary
     rank: NotRequired[int]  # the rank that found it (0 for one process; absent in old dumps)
+    stored_as: NotRequired[str]  # the tensor's own name when the hit names its maker's call
 
 
 class History(TypedDict):
@@ -251,6 +252,7 @@ class Operation(TypedDict):
     line: int
     function: str
     code: str  # the line's text
+    first_line: int  # where its function starts (two frames of one function are one)
 
 
 class Rule(TypedDict):
