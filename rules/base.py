@@ -231,6 +231,8 @@ def nonfinite_count(t: TensorStats, counts: Sequence[Stat], what: str) -> tuple[
         count = sum(int(t.values[stat]) for stat in counts)
     else:
         return 1.0, f"{what} (not counted)"
+    if count == 1 and what.endswith(" values"):
+        what = what[: -len("s")]  # "1 infinite value"
     return float(count), f"{count} {what}"
 
 

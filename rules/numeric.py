@@ -98,9 +98,9 @@ class Overflow(Rule):
             return Finding(
                 count,
                 None,
-                f"{t.name} holds {infinite}{signs} among {t.numel}; a value "
-                f"overflowed {t.dtype}: usually too high a learning rate, exp of a large input "
-                "or a division by a value near zero.",
+                f"{t.name} holds {infinite}{signs} among {t.numel}; an Inf comes from a value "
+                f"that overflowed {t.dtype} (too high a learning rate, exp of a large input), "
+                "a division by zero or the log of zero.",
             )
         if t.dtype not in NARROW_FLOATS:
             return None
