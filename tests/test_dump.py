@@ -62,7 +62,7 @@ def _hit(step: int, tensor: str = "fc.output") -> dict:
     return {"rule": "NaN", "tensor": tensor, "module": "fc", "kind": "output", "step": step,
             "phase": "forward", "origin": True, "value": 1.0, "threshold": None,
             "message": f"NaN in {tensor} at step {step}", "id": step, "ref": 0, "call": 0,
-            "summary": {"shape": [3, 5], "nan": 1}, "rank": 0}  # fmt: skip
+            "summary": {"shape": [3, 5], "nan": 1}, "rank": 0, "stored_as": ""}  # fmt: skip
 
 
 def _write(path: Path, steps=(0, 1, 2), values=None, **kwargs) -> DumpWriter:

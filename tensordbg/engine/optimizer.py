@@ -16,7 +16,7 @@ import torch
 from tensordbg.engine.params import Digest, Param
 from tensordbg.engine.phases import Judged
 from tensordbg.engine.records import Record
-from tensordbg.statistics import MAX, MIN, Stat
+from tensordbg.statistics import FINITE, L2, MAX, MIN, Stat
 from tensordbg.statistics.batch import norms_of
 from tensordbg.statistics.torch_kernels import host_stats, update_stats, watchable
 
@@ -115,7 +115,7 @@ class OptimizerPhase:
             if silent is None:
                 probe = p.record("param", p.name, self.step).stats
                 silent = self._quiet_params[p.name] = self.ruleset.applicable(probe).silent
-            if silent and not self.sync.on_device and not recorded:
+            if silent and not self.sync.on_device:
                 # The common case, without a record: its rules speak only of NaN and Inf, and
                 # its digest (needed anyway to tell that the step changed it) says it is finite.
                 (quiet if p.param.dtype in NORMED else loud).append(p)
@@ -126,15 +126,19 @@ class OptimizerPhase:
             if math.isfinite(norm):
                 ranges[p.name] = Digest.of_norm(norm, p.param.numel())
                 self.origins.param_clean(p.name)  # finite again, if it was not
+                if recorded:
+                    self._listed(p, {FINITE: 1.0, L2: norm})
             else:
                 loud.append(p)
         for p in loud:
             silent = self._quiet_params[p.name]
-            if silent and not self.sync.on_device and not recorded and p.param.dtype not in NORMED:
+            if silent and not self.sync.on_device and p.param.dtype not in NORMED:
                 lo, hi = host_stats(p.param, RANGE)
                 if math.isfinite(lo) and math.isfinite(hi):
                     ranges[p.name] = Digest.of_range(lo, hi)
                     self.origins.param_clean(p.name)
+                    if recorded:
+                        self._listed(p, {FINITE: 1.0, MIN: lo, MAX: hi})
                     continue
             record = p.record("param", p.name, self.step)
             self.collect(record, p.param.detach(), extra=RANGE if updates else ())
@@ -164,6 +168,14 @@ class OptimizerPhase:
         self._pause_if_needed()
         self.phases.release()
         self.weights.snapshots = {}
+
+    def _listed(self, p: Param, values: dict[Stat, float]) -> None:
+        """A record of a parameter the quiet path found clean, from what it measured (no
+        other read): a step that is dumped whatever happens lists every parameter."""
+        record = p.record("param", p.name, self.step)
+        record.stats.values = values
+        record.tensor = p.param.detach()  # alive anyway: dump_tensors may copy it
+        self.phases.register(record)
 
     def _say_what_is_not_watched(self) -> None:
         """No optimizer is watched, yet the model trains (its parameters get gradients or
