@@ -253,3 +253,10 @@ def test_a_selection_that_leaves_no_module_watched_says_so_and_names_the_modules
     matched = tensordbg("run", "--on-hit", "record", "--include", "2", str(script), "5",
                         cwd=script.parent)  # fmt: skip
     assert "leaves no module" not in matched.stderr and "[NaN] input[0]" in matched.stderr
+
+
+def test_tui_with_no_session_says_how_to_get_one_and_how_to_wait(tmp_path: Path):
+    done = tensordbg("tui", cwd=tmp_path, timeout=60)
+    assert done.returncode == 1
+    assert "No tensordbg session is running for this user" in done.stdout
+    assert "tensordbg run script.py" in done.stdout and "tensordbg tui --wait 60" in done.stdout

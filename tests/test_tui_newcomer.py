@@ -652,3 +652,23 @@ def test_at_80_by_24_the_histogram_can_be_scrolled_to_beside_the_grid() -> None:
             assert screen.y + screen.height >= histogram.region.y + 3  # its top rows are shown
 
     asyncio.run(flow())
+
+
+def test_tui_wait_without_a_run_id_waits_for_the_first_session_to_start(
+    server_factory, private_runtime_dir
+) -> None:
+    """`tensordbg tui --wait 60` started before `tensordbg run` made its session (at the model's
+    first call) opens that session when it appears, instead of saying there is none."""
+    import threading
+    import time
+
+    from tensordbg.tui.launch import session_app
+
+    start = server_factory(run_id="late", rank=0)
+    timer = threading.Timer(0.6, lambda: start(FakeSource()))
+    timer.start()
+    began = time.monotonic()
+    app = session_app(wait=10.0)
+    timer.join()
+    assert app is not None and 0.5 < time.monotonic() - began < 8
+    assert session_app(wait=0.0) is not None  # there is one now

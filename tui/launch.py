@@ -42,7 +42,9 @@ def run_tui(
     if app is None:
         print(
             "No tensordbg session is running for this user: start the training with "
-            "tensordbg.attach(...), or give the path of its connection file."
+            "tensordbg.attach(...) or `tensordbg run script.py` (its session starts at the "
+            "model's first call), wait for one with `tensordbg tui --wait 60`, or give the path "
+            "of its connection file."
         )
         return 1
     result = app.run()
@@ -96,7 +98,13 @@ def session_app(
 
     sessions: list[Any] = []
     if conn is None and run_id is None:
+        # Any session of this user; with ``wait``, one that starts within it (`tensordbg run`
+        # makes its session at the model's first call).
+        deadline = time.monotonic() + wait
         sessions = find_sessions()
+        while not sessions and time.monotonic() < deadline:
+            time.sleep(0.2)
+            sessions = find_sessions()
         if not sessions:
             return None
 
