@@ -165,12 +165,40 @@ def test_a_nan_loss_is_shown_as_nan_and_the_curves_say_which_steps_they_cannot_d
 NOISE = [2.3001, 2.3002, 2.3000, math.nan, 2.3001, math.inf]
 
 
+def with_history(source: FakeSource, **series: list[Any]) -> None:
+    """The source's ``info()`` gives this history, a step a value from step 0 (ones for the
+    series not given)."""
+    steps = len(next(iter(series.values())))
+    history = {key: [1.0] * steps for key in ("loss", "grad_norm", "steps_per_sec")}
+    history.update(series, step=list(range(steps)))
+    source.info = lambda: {**FakeSource.info(source), "history": history}  # type: ignore[method-assign]
+
+
+async def run_tab(pilot: Pilot) -> None:
+    """The Run tab, once the FakeSource's paused training is shown and its curves are laid out."""
+    app = pilot.app
+    await paused_on_the_two_hits(pilot)  # the Hits tab has come forward
+    await mounted(pilot)
+    app.main.show_tab("run")
+    await until(pilot, lambda: app.query_one("#grad-spark").size.height == 4)
+
+
+def drawn(app: TensorDbgApp, spark: str) -> list[str]:
+    """The rows of a curve (``loss`` or ``grad``), top first."""
+    widget = app.query_one(f"#{spark}-spark")
+    return [widget.render_line(y).text for y in range(widget.size.height)]
+
+
+def title(app: TensorDbgApp, spark: str) -> str:
+    return str(app.query_one(f"#{spark}-label", Label).content)
+
+
 @pytest.mark.parametrize(
     ("loss", "scale"),
     [
         (NOISE * 5, "Loss  2.3000 … 2.3002, flat within 0.1% over steps 0–29  10 non-finite"),
-        ([2.3] * 30, "Loss  2.3 throughout over steps 0–29"),
-        ([2.3], "Loss  2.3 over steps 0–0"),
+        ([2.3] * 30, "Loss  2.3 at every step, 0–29"),
+        ([2.3], "Loss  2.3 at step 0"),
     ],
     ids=["noise", "constant", "one-point"],
 )
@@ -180,28 +208,61 @@ def test_a_loss_that_does_not_move_is_drawn_flat_and_its_title_gives_the_scale(
     """A loss stuck at 2.3 give or take 0.0002 (or exactly, or one step of it) is drawn as a
     level line at half the curve's height, not its noise stretched into full-height bars, nor
     along the bottom as if there were no data; the title has the digits that tell its ends apart
-    and counts the non-finite points it leaves out."""
+    and counts the non-finite points it leaves out, which are marked × at their steps. A value
+    that does not change is said once: ``2.3 at every step, 0–29`` (not "throughout over")."""
     source = FakeSource()
-    ones = [1.0] * len(loss)
-    history = {
-        "step": list(range(len(loss))),
-        "loss": loss,
-        "grad_norm": ones,
-        "steps_per_sec": ones,
-    }
-    source.info = lambda: {**FakeSource.info(source), "history": history}  # type: ignore[method-assign]
+    with_history(source, loss=loss)
 
     async def flow() -> None:
         app = TensorDbgApp(LocalClient(source))
         async with app.run_test(size=SIZE) as pilot:
-            await paused_on_the_two_hits(pilot)  # the Hits tab has come forward
-            await mounted(pilot)
-            app.main.show_tab("run")
-            spark = app.query_one("#loss-spark")
-            await until(pilot, lambda: spark.size.height == 4)
-            rows = [spark.render_line(y).text for y in range(4)]
-            assert rows == [" " * spark.size.width] * 2 + ["█" * spark.size.width] * 2
-            assert str(app.query_one("#loss-label", Label).content).startswith(scale)
+            await run_tab(pilot)
+            width = app.query_one("#loss-spark").size.width
+            finite = [math.isfinite(loss[c * len(loss) // width]) for c in range(width)]
+            level = "".join("█" if f else " " for f in finite)
+            marks = "".join("█" if f else "×" for f in finite)
+            assert drawn(app, "loss") == [" " * width] * 2 + [level, marks]
+            assert title(app, "loss").startswith(scale)
+
+    asyncio.run(flow())
+
+
+def test_non_finite_steps_keep_their_place_and_the_finite_ones_are_not_stretched() -> None:
+    """Steps 6–10 NaN: steps 0–5 are drawn over the first 6/11 of the width, each at its own
+    step's place, and steps 6–10 are marked × where they are (the six finite points were spread
+    over the whole width: the right edge read as step 10 where it was step 5)."""
+    source = FakeSource()
+    loss = [3.0, 2.0, 1.5, 1.0, 0.75, 0.5] + [math.nan] * 5
+    with_history(source, loss=loss)
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await run_tab(pilot)
+            top, *_, bottom = drawn(app, "loss")
+            width = len(bottom)
+            for column in range(width):
+                step = column * len(loss) // width
+                assert (bottom[column] == "×") == (step >= 6), (column, step)
+                assert (top[column] != " ") == (step == 0), (column, step)  # the highest loss
+            assert "5 non-finite at steps 6–10, not drawn" in title(app, "loss")
+
+    asyncio.run(flow())
+
+
+def test_a_gradient_norm_never_measured_says_so_and_draws_nothing() -> None:
+    """Rules that need no gradient norm (``--rules NaN,Overflow``): every step's norm is None.
+    The curve said "Gradient norm over steps 0–79" over a row of ▁, as if there were data."""
+    source = FakeSource()
+    with_history(source, loss=[2.0 - s / 100 for s in range(80)], grad_norm=[None] * 80)
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await run_tab(pilot)
+            assert title(app, "grad") == "Gradient norm  not measured at steps 0–79"
+            assert not "".join(drawn(app, "grad")).strip()
+            assert "".join(drawn(app, "loss")).strip()  # the loss is drawn
 
     asyncio.run(flow())
 
