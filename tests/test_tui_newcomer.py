@@ -33,6 +33,7 @@ from tensordbg.tui.components.hit_table import HitTable
 from tensordbg.tui.components.run_status import RunStatus
 from tensordbg.tui.components.slice_input import SliceInput
 from tensordbg.tui.components.tensor_grid import CELL, TensorGrid, format_block
+from tensordbg.tui.launch import session_app
 from tensordbg.tui.screens.rule_add import RuleAddScreen
 
 
@@ -265,6 +266,45 @@ def test_a_gradient_norm_never_measured_says_so_and_draws_nothing() -> None:
             assert "".join(drawn(app, "loss")).strip()  # the loss is drawn
 
     asyncio.run(flow())
+
+
+def test_a_fast_training_has_every_step_on_the_curve_with_a_ui_connected(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """20 fast steps whose loss zig-zags, with the UI connected over the socket: the server
+    sends ten status events a second at most (the latest wins), and the curve had the two that
+    came, under "over steps 0–19". The UI reads the steps left out from the training's history:
+    every step is on the curve, at its own place (a UI opened afterwards drew them all)."""
+    monkeypatch.setenv("TENSORDBG_RUNTIME_DIR", str(tmp_path))
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    session = tensordbg.attach(model, optimizer, on_hit="record", run_id="fast1",
+                               summary_at_exit=False)  # fmt: skip
+    app = session_app(run_id="fast1", wait=10.0)
+    assert app is not None
+
+    def train() -> None:
+        for step in range(20):
+            model(torch.ones(1, 2)).sum().backward()
+            session.observe("loss", torch.tensor(2.0 if step % 2 == 0 else 1.0))
+            optimizer.step()
+
+    async def flow() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "running")
+            await asyncio.to_thread(train)
+            run = app.main.run_status
+            await until(pilot, lambda: run._history["step"] == list(range(20)))
+            assert run._history["loss"] == [2.0, 1.0] * 10
+            await pilot.pause(0.1)
+            assert title(app, "loss") == "Loss  1 … 2 over steps 0–19"
+            top = drawn(app, "loss")[0]
+            assert top == "".join("█ "[c * 20 // len(top) % 2] for c in range(len(top)))
+
+    try:
+        asyncio.run(flow())
+    finally:
+        session.detach()
 
 
 def test_the_loss_of_a_step_whose_loss_was_nan_is_nan() -> None:

@@ -4,8 +4,10 @@ speed, with loss and gradient-norm sparklines from ``info()["history"]`` and ``s
 from __future__ import annotations
 
 import math
+import time
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
+from itertools import pairwise
 from typing import Any
 
 from rich.color import Color, blend_rgb
@@ -19,7 +21,11 @@ from textual.containers import VerticalScroll
 from textual.renderables.sparkline import Sparkline as SparklineRenderable
 from textual.widgets import Label, Sparkline, Static
 
+from tensordbg.tui.errors import work
+from tensordbg.tui.remote import RequestFailed, remote_of
+
 HISTORY = 500  # steps kept for the sparklines
+FILL_EVERY = 0.5  # seconds at least between requests for the steps status events left out
 FLAT = 1e-3  # a curve whose spread is within this fraction of its magnitude is drawn flat
 MARK = "×"  # a column whose steps' values are all non-finite
 MARK_STYLE = Style(color="red", bold=True)
@@ -111,6 +117,9 @@ class RunStatus(VerticalScroll):
         self._history: dict[str, list[Any]] = {k: [] for k in SERIES}
         self._state = "connecting"
         self._last_connected_state = ""
+        self._fill_due = False  # the steps status events left out are asked for
+        self._filled_at = 0.0  # when they were last (time.monotonic())
+        self._filled_to: int | None = None  # the last step of the history that came then
 
     def compose(self) -> ComposeResult:
         yield Static(id="run-state")
@@ -141,16 +150,71 @@ class RunStatus(VerticalScroll):
         if "step" in status:
             self._info["step"] = status["step"]
         last = status.get("last")
-        if last:  # the step just completed: one more row of the history
-            if not self._history["step"] or self._history["step"][-1] != last["step"]:
-                for key in SERIES:
-                    self._history[key].append(last.get(key))
-                    del self._history[key][:-HISTORY]
-            else:  # a second status for the same step completes it
-                for key in SERIES[1:]:
-                    if last.get(key) is not None:
-                        self._history[key][-1] = last[key]
+        if last:
+            self._add_step(last)
         self._draw()
+
+    def _add_step(self, last: dict[str, Any]) -> None:
+        """The step just completed: one more row of the history. Status events reach the UI
+        ten a second at most, the latest winning: a step beyond the one after the last row
+        says that steps were left out, and they are asked for. A step before the last row is
+        old news (its status crossed the reply that brought the history)."""
+        steps, step = self._history["step"], last["step"]
+        if steps and step < steps[-1]:
+            return
+        if steps and step == steps[-1]:  # a second status for the same step completes it
+            for key in SERIES[1:]:
+                if last.get(key) is not None:
+                    self._history[key][-1] = last[key]
+            return
+        if step > (steps[-1] + 1 if steps else 0):
+            self._ask_for_missed()
+        for key in SERIES:
+            self._history[key].append(last.get(key))
+            del self._history[key][:-HISTORY]
+
+    def _ask_for_missed(self) -> None:
+        """Ask the training for its history, FILL_EVERY seconds after the last time at the
+        soonest: once for however many steps are missed meanwhile."""
+        if self._fill_due or not self._drawable:
+            return
+        self._fill_due = True
+        self.set_timer(max(0.01, self._filled_at + FILL_EVERY - time.monotonic()), self._fill)
+
+    @work(group="run-history")
+    async def _fill(self) -> None:
+        """The steps status events left out, from the training's history. Asked again when
+        steps are still missing and the history has grown since the last time (a status may
+        have crossed the reply)."""
+        try:
+            info = await remote_of(self).info()
+        except RequestFailed:
+            return  # the connection is down: the info of the next one has every step
+        finally:
+            self._fill_due, self._filled_at = False, time.monotonic()
+        if not self._same_run(info):
+            return
+        end, before = self._merge_history(info.get("history") or {}), self._filled_to
+        self._filled_to = end
+        if end is not None and end != before and _missing(self._history["step"]):
+            self._ask_for_missed()
+        self._draw()
+
+    def _same_run(self, info: dict[str, Any]) -> bool:
+        return all(info.get(k) == self._info.get(k) for k in ("run_id", "rank"))
+
+    def _merge_history(self, history: dict[str, list[Any]]) -> int | None:
+        """Take the training's ``history``, followed by the rows shown of the steps after its
+        last (status events that crossed the reply bringing it); returns that last step."""
+        taken = {k: list(history.get(k, [])) for k in SERIES}
+        if not taken["step"]:
+            return None
+        end = taken["step"][-1]
+        later = [i for i, s in enumerate(self._history["step"]) if s > end]
+        for key in SERIES:
+            rows = self._history[key]
+            self._history[key] = (taken[key] + [rows[i] for i in later])[-HISTORY:]
+        return end
 
     def add_hit(self, known: int) -> None:
         """A ``hit`` event; ``known`` is how many hits the Hits tab holds: the count shown is
@@ -397,6 +461,11 @@ def _carry_over(columns: list[float | str | None]) -> list[float | str | None]:
             held = column if isinstance(column, float) else None
         out.append(column if column is not None or i > last else held)
     return out
+
+
+def _missing(steps: list[int]) -> bool:
+    """Whether steps are missing between the first and the last."""
+    return any(b - a > 1 for a, b in pairwise(steps))
 
 
 def _finite(values: list[Any]) -> list[float]:
