@@ -18,7 +18,7 @@ import torch
 from fake_source import FakeSource
 from rich.console import Console
 from rich.text import Text
-from test_tui import SIZE, mounted, open_tensor, paused_on_the_two_hits, until
+from test_tui import SIZE, mounted, open_tensor, paused_on_the_two_hits, text_of, until
 from textual import events
 from textual.pilot import Pilot
 from textual.widgets import Label, Static, TabbedContent
@@ -305,6 +305,37 @@ def test_a_fast_training_has_every_step_on_the_curve_with_a_ui_connected(
         asyncio.run(flow())
     finally:
         session.detach()
+
+
+def test_the_last_steps_numbers_that_come_just_after_finished_are_shown() -> None:
+    """The server can send a status behind the state event saying the training finished (when
+    both are posted while it sends hits, the state events go first). The UI stopped reading at
+    "finished": a run that ended at step 12 showed "NaN (step 10)" as its latest loss though step
+    11 had one. It reads on for a moment after "finished"."""
+    source = FakeSource()
+    loss = [2.0] * 10 + [math.nan]
+    with_history(source, loss=loss)
+    source.state, source.paused_at, source.step = "running", None, 11
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "running")
+            numbers = app.query_one("#run-numbers", Static)
+            latest = lambda: str(list(numbers.content.columns[1].cells)[-1])  # noqa: E731
+            await until(pilot, lambda: latest() == "NaN (step 10)")
+            source.emit("state", {"state": "detached", "step": 12})
+            source.emit("state", {"state": "finished", "step": 12})
+            await until(pilot, lambda: app.state == "finished")
+            await pilot.pause(0.05)
+            last = {"step": 11, "loss": 0.5, "grad_norm": 1.0, "steps_per_sec": 9.0}
+            source.emit("status", {"state": "running", "step": 12, "phase": "optimizer",
+                                   "hits_total": 2, "last": last})  # fmt: skip
+            await until(pilot, lambda: latest() == "0.5 (step 11)")
+            assert "FINISHED" in state_line(app) and "at step 12" in state_line(app)
+            await until(pilot, lambda: "has finished" in text_of(app.main.banner))  # then let go
+
+    asyncio.run(flow())
 
 
 def test_the_loss_of_a_step_whose_loss_was_nan_is_nan() -> None:
