@@ -338,6 +338,33 @@ def test_the_last_steps_numbers_that_come_just_after_finished_are_shown() -> Non
     asyncio.run(flow())
 
 
+def test_at_80_by_24_the_run_tab_scrolls_by_keys_to_the_gradient_norm() -> None:
+    """Paused on a hit at 80x24, the hit's message takes several lines and the gradient-norm
+    curve falls below the screen; PageDown and Down did nothing on the Run tab (its keys went
+    nowhere). F1 gives the keys to the tab, and they scroll it."""
+    source = FakeSource()
+    source._hits[0]["message"] = (
+        "net.2.output holds 2 NaN among 32 values; a NaN usually comes from 0/0, log or sqrt of a "
+        "negative or zero value, or an overflow just before. Its inputs were finite: it made them."
+    )
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await paused_on_the_two_hits(pilot)
+            await pilot.press("f1")
+            run, grad = app.main.run_status, app.query_one("#grad-spark")
+            await until(pilot, lambda: grad.size.height == 4 and "on a hit" in state_line(app))
+            shown = lambda: run.scrollable_content_region.contains_region(grad.region)  # noqa: E731
+            assert not shown()  # its last rows are below the tab's bottom at first
+            await pilot.press("down")
+            await until(pilot, lambda: run.scroll_y == 1)
+            await pilot.press("pagedown")
+            await until(pilot, shown)
+
+    asyncio.run(flow())
+
+
 def test_the_loss_of_a_step_whose_loss_was_nan_is_nan() -> None:
     """What the Run tab is sent: a NaN loss is the step's loss, not left out."""
     model = torch.nn.Linear(2, 1)

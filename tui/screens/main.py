@@ -44,7 +44,7 @@ class Tab(NamedTuple):
 
 
 TABS = (
-    Tab("run", "Run", "f1", None),
+    Tab("run", "Run", "f1", RunStatus),
     Tab("hits", "Hits", "f2", HitTable),
     Tab("modules", "Modules", "f3", ModuleTable),
     Tab("tensor", "Tensor", "f4", TensorGrid),
