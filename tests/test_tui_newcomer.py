@@ -18,7 +18,7 @@ import torch
 from fake_source import FakeSource
 from rich.console import Console
 from rich.text import Text
-from test_tui import SIZE, mounted, open_tensor, paused_on_the_two_hits, until
+from test_tui import SIZE, mounted, open_tensor, paused_on_the_two_hits, text_of, until
 from textual import events
 from textual.pilot import Pilot
 from textual.widgets import Label, Static, TabbedContent
@@ -33,6 +33,7 @@ from tensordbg.tui.components.hit_table import HitTable
 from tensordbg.tui.components.run_status import RunStatus
 from tensordbg.tui.components.slice_input import SliceInput
 from tensordbg.tui.components.tensor_grid import CELL, TensorGrid, format_block
+from tensordbg.tui.launch import session_app
 from tensordbg.tui.screens.rule_add import RuleAddScreen
 
 
@@ -165,12 +166,40 @@ def test_a_nan_loss_is_shown_as_nan_and_the_curves_say_which_steps_they_cannot_d
 NOISE = [2.3001, 2.3002, 2.3000, math.nan, 2.3001, math.inf]
 
 
+def with_history(source: FakeSource, **series: list[Any]) -> None:
+    """The source's ``info()`` gives this history, a step a value from step 0 (ones for the
+    series not given)."""
+    steps = len(next(iter(series.values())))
+    history = {key: [1.0] * steps for key in ("loss", "grad_norm", "steps_per_sec")}
+    history.update(series, step=list(range(steps)))
+    source.info = lambda: {**FakeSource.info(source), "history": history}  # type: ignore[method-assign]
+
+
+async def run_tab(pilot: Pilot) -> None:
+    """The Run tab, once the FakeSource's paused training is shown and its curves are laid out."""
+    app = pilot.app
+    await paused_on_the_two_hits(pilot)  # the Hits tab has come forward
+    await mounted(pilot)
+    app.main.show_tab("run")
+    await until(pilot, lambda: app.query_one("#grad-spark").size.height == 4)
+
+
+def drawn(app: TensorDbgApp, spark: str) -> list[str]:
+    """The rows of a curve (``loss`` or ``grad``), top first."""
+    widget = app.query_one(f"#{spark}-spark")
+    return [widget.render_line(y).text for y in range(widget.size.height)]
+
+
+def title(app: TensorDbgApp, spark: str) -> str:
+    return str(app.query_one(f"#{spark}-label", Label).content)
+
+
 @pytest.mark.parametrize(
     ("loss", "scale"),
     [
         (NOISE * 5, "Loss  2.3000 … 2.3002, flat within 0.1% over steps 0–29  10 non-finite"),
-        ([2.3] * 30, "Loss  2.3 throughout over steps 0–29"),
-        ([2.3], "Loss  2.3 over steps 0–0"),
+        ([2.3] * 30, "Loss  2.3 at every step, 0–29"),
+        ([2.3], "Loss  2.3 at step 0"),
     ],
     ids=["noise", "constant", "one-point"],
 )
@@ -180,28 +209,158 @@ def test_a_loss_that_does_not_move_is_drawn_flat_and_its_title_gives_the_scale(
     """A loss stuck at 2.3 give or take 0.0002 (or exactly, or one step of it) is drawn as a
     level line at half the curve's height, not its noise stretched into full-height bars, nor
     along the bottom as if there were no data; the title has the digits that tell its ends apart
-    and counts the non-finite points it leaves out."""
+    and counts the non-finite points it leaves out, which are marked × at their steps. A value
+    that does not change is said once: ``2.3 at every step, 0–29`` (not "throughout over")."""
     source = FakeSource()
-    ones = [1.0] * len(loss)
-    history = {
-        "step": list(range(len(loss))),
-        "loss": loss,
-        "grad_norm": ones,
-        "steps_per_sec": ones,
-    }
-    source.info = lambda: {**FakeSource.info(source), "history": history}  # type: ignore[method-assign]
+    with_history(source, loss=loss)
 
     async def flow() -> None:
         app = TensorDbgApp(LocalClient(source))
         async with app.run_test(size=SIZE) as pilot:
-            await paused_on_the_two_hits(pilot)  # the Hits tab has come forward
-            await mounted(pilot)
-            app.main.show_tab("run")
-            spark = app.query_one("#loss-spark")
-            await until(pilot, lambda: spark.size.height == 4)
-            rows = [spark.render_line(y).text for y in range(4)]
-            assert rows == [" " * spark.size.width] * 2 + ["█" * spark.size.width] * 2
-            assert str(app.query_one("#loss-label", Label).content).startswith(scale)
+            await run_tab(pilot)
+            width = app.query_one("#loss-spark").size.width
+            finite = [math.isfinite(loss[c * len(loss) // width]) for c in range(width)]
+            level = "".join("█" if f else " " for f in finite)
+            marks = "".join("█" if f else "×" for f in finite)
+            assert drawn(app, "loss") == [" " * width] * 2 + [level, marks]
+            assert title(app, "loss").startswith(scale)
+
+    asyncio.run(flow())
+
+
+def test_non_finite_steps_keep_their_place_and_the_finite_ones_are_not_stretched() -> None:
+    """Steps 6–10 NaN: steps 0–5 are drawn over the first 6/11 of the width, each at its own
+    step's place, and steps 6–10 are marked × where they are (the six finite points were spread
+    over the whole width: the right edge read as step 10 where it was step 5)."""
+    source = FakeSource()
+    loss = [3.0, 2.0, 1.5, 1.0, 0.75, 0.5] + [math.nan] * 5
+    with_history(source, loss=loss)
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await run_tab(pilot)
+            top, *_, bottom = drawn(app, "loss")
+            width = len(bottom)
+            for column in range(width):
+                step = column * len(loss) // width
+                assert (bottom[column] == "×") == (step >= 6), (column, step)
+                assert (top[column] != " ") == (step == 0), (column, step)  # the highest loss
+            assert "5 non-finite at steps 6–10, not drawn" in title(app, "loss")
+
+    asyncio.run(flow())
+
+
+def test_a_gradient_norm_never_measured_says_so_and_draws_nothing() -> None:
+    """Rules that need no gradient norm (``--rules NaN,Overflow``): every step's norm is None.
+    The curve said "Gradient norm over steps 0–79" over a row of ▁, as if there were data."""
+    source = FakeSource()
+    with_history(source, loss=[2.0 - s / 100 for s in range(80)], grad_norm=[None] * 80)
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await run_tab(pilot)
+            assert title(app, "grad") == "Gradient norm  not measured at steps 0–79"
+            assert not "".join(drawn(app, "grad")).strip()
+            assert "".join(drawn(app, "loss")).strip()  # the loss is drawn
+
+    asyncio.run(flow())
+
+
+def test_a_fast_training_has_every_step_on_the_curve_with_a_ui_connected(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """20 fast steps whose loss zig-zags, with the UI connected over the socket: the server
+    sends ten status events a second at most (the latest wins), and the curve had the two that
+    came, under "over steps 0–19". The UI reads the steps left out from the training's history:
+    every step is on the curve, at its own place (a UI opened afterwards drew them all)."""
+    monkeypatch.setenv("TENSORDBG_RUNTIME_DIR", str(tmp_path))
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    session = tensordbg.attach(model, optimizer, on_hit="record", run_id="fast1",
+                               summary_at_exit=False)  # fmt: skip
+    app = session_app(run_id="fast1", wait=10.0)
+    assert app is not None
+
+    def train() -> None:
+        for step in range(20):
+            model(torch.ones(1, 2)).sum().backward()
+            session.observe("loss", torch.tensor(2.0 if step % 2 == 0 else 1.0))
+            optimizer.step()
+
+    async def flow() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "running")
+            await asyncio.to_thread(train)
+            run = app.main.run_status
+            await until(pilot, lambda: run._history["step"] == list(range(20)))
+            assert run._history["loss"] == [2.0, 1.0] * 10
+            await pilot.pause(0.1)
+            assert title(app, "loss") == "Loss  1 … 2 over steps 0–19"
+            top = drawn(app, "loss")[0]
+            assert top == "".join("█ "[c * 20 // len(top) % 2] for c in range(len(top)))
+
+    try:
+        asyncio.run(flow())
+    finally:
+        session.detach()
+
+
+def test_the_last_steps_numbers_that_come_just_after_finished_are_shown() -> None:
+    """The server can send a status behind the state event saying the training finished (when
+    both are posted while it sends hits, the state events go first). The UI stopped reading at
+    "finished": a run that ended at step 12 showed "NaN (step 10)" as its latest loss though step
+    11 had one. It reads on for a moment after "finished"."""
+    source = FakeSource()
+    loss = [2.0] * 10 + [math.nan]
+    with_history(source, loss=loss)
+    source.state, source.paused_at, source.step = "running", None, 11
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "running")
+            numbers = app.query_one("#run-numbers", Static)
+            latest = lambda: str(list(numbers.content.columns[1].cells)[-1])  # noqa: E731
+            await until(pilot, lambda: latest() == "NaN (step 10)")
+            source.emit("state", {"state": "detached", "step": 12})
+            source.emit("state", {"state": "finished", "step": 12})
+            await until(pilot, lambda: app.state == "finished")
+            await pilot.pause(0.05)
+            last = {"step": 11, "loss": 0.5, "grad_norm": 1.0, "steps_per_sec": 9.0}
+            source.emit("status", {"state": "running", "step": 12, "phase": "optimizer",
+                                   "hits_total": 2, "last": last})  # fmt: skip
+            await until(pilot, lambda: latest() == "0.5 (step 11)")
+            assert "FINISHED" in state_line(app) and "at step 12" in state_line(app)
+            await until(pilot, lambda: "has finished" in text_of(app.main.banner))  # then let go
+
+    asyncio.run(flow())
+
+
+def test_at_80_by_24_the_run_tab_scrolls_by_keys_to_the_gradient_norm() -> None:
+    """Paused on a hit at 80x24, the hit's message takes several lines and the gradient-norm
+    curve falls below the screen; PageDown and Down did nothing on the Run tab (its keys went
+    nowhere). F1 gives the keys to the tab, and they scroll it."""
+    source = FakeSource()
+    source._hits[0]["message"] = (
+        "net.2.output holds 2 NaN among 32 values; a NaN usually comes from 0/0, log or sqrt of a "
+        "negative or zero value, or an overflow just before. Its inputs were finite: it made them."
+    )
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await paused_on_the_two_hits(pilot)
+            await pilot.press("f1")
+            run, grad = app.main.run_status, app.query_one("#grad-spark")
+            await until(pilot, lambda: grad.size.height == 4 and "on a hit" in state_line(app))
+            shown = lambda: run.scrollable_content_region.contains_region(grad.region)  # noqa: E731
+            assert not shown()  # its last rows are below the tab's bottom at first
+            await pilot.press("down")
+            await until(pilot, lambda: run.scroll_y == 1)
+            await pilot.press("pagedown")
+            await until(pilot, shown)
 
     asyncio.run(flow())
 

@@ -36,6 +36,10 @@ from tensordbg.tui.screens.profile_steps import ProfileStepsScreen
 from tensordbg.tui.screens.ranks import RanksScreen, group_jobs, job_sessions
 from tensordbg.tui.screens.session_picker import SessionPicker, session_field
 
+FINISHED_GRACE = 0.5
+"""Seconds the events after "finished" are still read: the server can send the last status
+behind it (the state events go first when they are posted while it is sending hits)."""
+
 # Which control actions make sense in which state of the training.
 CONTROLS = {"paused": ("continue", "next", "step", "skip"), "running": ("pause",)}
 COMMANDS = (
@@ -255,7 +259,13 @@ class TensorDbgApp(App[int]):
             return
         self.main.server_event(event, payload)
         if event == "state" and payload.get("state") == "finished":
-            # The session's last word: its server stops now, nothing more will come.
+            # The session's last word: its server stops now. What it sent just before may still
+            # come (the status of the last step): read on for a moment.
+            client = self.remote.client
+            self.set_timer(FINISHED_GRACE, lambda: self._finished(client))
+
+    def _finished(self, client: DebugClient | None) -> None:
+        if self.remote.client is client:  # still the connection to the session that finished
             self._connection_lost("the training finished")
 
     def _connection_lost(self, reason: str) -> None:

@@ -4,9 +4,16 @@ speed, with loss and gradient-norm sparklines from ``info()["history"]`` and ``s
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+from itertools import pairwise
 from typing import Any
 
+from rich.color import Color, blend_rgb
+from rich.console import Console, ConsoleOptions
+from rich.segment import Segment
+from rich.style import Style
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult, RenderResult
@@ -14,8 +21,14 @@ from textual.containers import VerticalScroll
 from textual.renderables.sparkline import Sparkline as SparklineRenderable
 from textual.widgets import Label, Sparkline, Static
 
+from tensordbg.tui.errors import work
+from tensordbg.tui.remote import RequestFailed, remote_of
+
 HISTORY = 500  # steps kept for the sparklines
+FILL_EVERY = 0.5  # seconds at least between requests for the steps status events left out
 FLAT = 1e-3  # a curve whose spread is within this fraction of its magnitude is drawn flat
+MARK = "×"  # a column whose steps' values are all non-finite
+MARK_STYLE = Style(color="red", bold=True)
 SERIES = ("step", "loss", "grad_norm", "steps_per_sec")
 STATE_STYLES = {
     "paused": "bold black on yellow",
@@ -26,18 +39,71 @@ STATE_STYLES = {
 }
 
 
-class LevelSparkline(Sparkline):
-    """A sparkline that draws a flat series (``_flat``) as a level line at half height.
+class StepSparkline(Sparkline):
+    """A curve with each step at its own place across the width: a step has a column (or
+    several), and a column that covers several steps draws their mean. A step without a value
+    (not measured, or not received yet) between two with one continues the curve; a step whose
+    value is not finite is a red ``×`` at the bottom, not a bar. A flat series is a level line
+    at half height.
 
-    Textual scales a series to its own minimum and maximum: the rounding noise of a loss that
-    does not move fills the whole height, a constant one lies along the bottom as if there were
-    no data, and a single point fills the box."""
+    Textual's sparkline spreads the values it is given over the width whatever their steps (the
+    points after a gap, or before a run of NaN, were drawn at other steps' places), and scales
+    a series to its own extent: the rounding noise of a loss that does not move filled the
+    whole height, a constant one lay along the bottom as if there were no data."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._steps: list[int] = []
+        self._values: list[Any] = []
+
+    def plot(self, steps: Sequence[int], values: Sequence[Any]) -> None:
+        """Draw ``values`` (numbers, NaN, infinities or None) at their ``steps`` (ascending)."""
+        self._steps, self._values = list(steps), list(values)
+        self.refresh()
 
     def render(self) -> RenderResult:
-        drawn = super().render()
-        if isinstance(drawn, SparklineRenderable) and self.data and _flat(self.data):
-            drawn.data, drawn.summary_function = [0.0, 1.0], lambda _: 0.5  # each column 0.5 of 0–1
-        return drawn
+        drawn = super().render()  # for the colours the widget's styles give
+        if not isinstance(drawn, SparklineRenderable):
+            return drawn
+        columns = _columns(self._steps, self._values, self.size.width)
+        flat = bool(_finite(self._values)) and _flat(_finite(self._values))
+        return Bars(columns, self.size.height, flat, drawn.min_color, drawn.max_color)
+
+
+class Bars:
+    """Columns drawn as bars ``height`` rows high, as Textual's sparkline draws its bars:
+    a number's bar is as high as it is within the columns' range (half height when ``flat``),
+    coloured from ``low`` to ``high`` style; ``MARK`` is a non-finite step; None is blank."""
+
+    BARS = SparklineRenderable.BARS
+
+    def __init__(self, columns: list[float | str | None], height: int, flat: bool,
+                 low: Style, high: Style) -> None:  # fmt: skip
+        self.columns, self.height, self.flat = columns, height, flat
+        self.low = (low.color or Color.default()).get_truecolor()
+        self.high = (high.color or Color.default()).get_truecolor()
+        numbers = [c for c in columns if isinstance(c, float)]
+        self.bottom = min(numbers, default=0.0)
+        self.extent = max(numbers, default=0.0) - self.bottom or 1.0
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> Iterator[Segment]:
+        for row in reversed(range(self.height)):
+            for column in self.columns:
+                yield self._cell(column, row)
+            if row:
+                yield Segment.line()
+
+    def _cell(self, column: float | str | None, row: int) -> Segment:
+        if column is None:
+            return Segment(" ")
+        if isinstance(column, str):
+            return Segment(column if row == 0 else " ", MARK_STYLE if row == 0 else None)
+        ratio = 0.5 if self.flat else (column - self.bottom) / self.extent
+        level = int(ratio * (len(self.BARS) * self.height - 1)) - row * len(self.BARS)
+        if level < 0:
+            return Segment(" ")
+        colour = Color.from_triplet(blend_rgb(self.low, self.high, ratio))
+        return Segment(self.BARS[min(level, len(self.BARS) - 1)], Style(color=colour))
 
 
 class RunStatus(VerticalScroll):
@@ -51,14 +117,17 @@ class RunStatus(VerticalScroll):
         self._history: dict[str, list[Any]] = {k: [] for k in SERIES}
         self._state = "connecting"
         self._last_connected_state = ""
+        self._fill_due = False  # the steps status events left out are asked for
+        self._filled_at = 0.0  # when they were last (time.monotonic())
+        self._filled_to: int | None = None  # the last step of the history that came then
 
     def compose(self) -> ComposeResult:
         yield Static(id="run-state")
         yield Static(id="run-numbers")
         yield Label("Loss", id="loss-label", classes="spark-label")
-        yield LevelSparkline([], id="loss-spark", summary_function=_mean)
+        yield StepSparkline(id="loss-spark")
         yield Label("Gradient norm", id="grad-label", classes="spark-label")
-        yield LevelSparkline([], id="grad-spark", summary_function=_mean)
+        yield StepSparkline(id="grad-spark")
         yield Static(id="run-session")
 
     def on_mount(self) -> None:
@@ -81,16 +150,71 @@ class RunStatus(VerticalScroll):
         if "step" in status:
             self._info["step"] = status["step"]
         last = status.get("last")
-        if last:  # the step just completed: one more row of the history
-            if not self._history["step"] or self._history["step"][-1] != last["step"]:
-                for key in SERIES:
-                    self._history[key].append(last.get(key))
-                    del self._history[key][:-HISTORY]
-            else:  # a second status for the same step completes it
-                for key in SERIES[1:]:
-                    if last.get(key) is not None:
-                        self._history[key][-1] = last[key]
+        if last:
+            self._add_step(last)
         self._draw()
+
+    def _add_step(self, last: dict[str, Any]) -> None:
+        """The step just completed: one more row of the history. Status events reach the UI
+        ten a second at most, the latest winning: a step beyond the one after the last row
+        says that steps were left out, and they are asked for. A step before the last row is
+        old news (its status crossed the reply that brought the history)."""
+        steps, step = self._history["step"], last["step"]
+        if steps and step < steps[-1]:
+            return
+        if steps and step == steps[-1]:  # a second status for the same step completes it
+            for key in SERIES[1:]:
+                if last.get(key) is not None:
+                    self._history[key][-1] = last[key]
+            return
+        if step > (steps[-1] + 1 if steps else 0):
+            self._ask_for_missed()
+        for key in SERIES:
+            self._history[key].append(last.get(key))
+            del self._history[key][:-HISTORY]
+
+    def _ask_for_missed(self) -> None:
+        """Ask the training for its history, FILL_EVERY seconds after the last time at the
+        soonest: once for however many steps are missed meanwhile."""
+        if self._fill_due or not self._drawable:
+            return
+        self._fill_due = True
+        self.set_timer(max(0.01, self._filled_at + FILL_EVERY - time.monotonic()), self._fill)
+
+    @work(group="run-history")
+    async def _fill(self) -> None:
+        """The steps status events left out, from the training's history. Asked again when
+        steps are still missing and the history has grown since the last time (a status may
+        have crossed the reply)."""
+        try:
+            info = await remote_of(self).info()
+        except RequestFailed:
+            return  # the connection is down: the info of the next one has every step
+        finally:
+            self._fill_due, self._filled_at = False, time.monotonic()
+        if not self._same_run(info):
+            return
+        end, before = self._merge_history(info.get("history") or {}), self._filled_to
+        self._filled_to = end
+        if end is not None and end != before and _missing(self._history["step"]):
+            self._ask_for_missed()
+        self._draw()
+
+    def _same_run(self, info: dict[str, Any]) -> bool:
+        return all(info.get(k) == self._info.get(k) for k in ("run_id", "rank"))
+
+    def _merge_history(self, history: dict[str, list[Any]]) -> int | None:
+        """Take the training's ``history``, followed by the rows shown of the steps after its
+        last (status events that crossed the reply bringing it); returns that last step."""
+        taken = {k: list(history.get(k, [])) for k in SERIES}
+        if not taken["step"]:
+            return None
+        end = taken["step"][-1]
+        later = [i for i, s in enumerate(self._history["step"]) if s > end]
+        for key in SERIES:
+            rows = self._history[key]
+            self._history[key] = (taken[key] + [rows[i] for i in later])[-HISTORY:]
+        return end
 
     def add_hit(self, known: int) -> None:
         """A ``hit`` event; ``known`` is how many hits the Hits tab holds: the count shown is
@@ -143,12 +267,11 @@ class RunStatus(VerticalScroll):
             return
         self.query_one("#run-state", Static).update(self._state_line())
         self.query_one("#run-numbers", Static).update(self._numbers())
+        steps = self._history["step"]
         for key, name, title in (("loss", "loss", "Loss"), ("grad_norm", "grad", "Gradient norm")):
             values = self._history[key]
-            self.query_one(f"#{name}-spark", Sparkline).data = _finite(values)
-            self.query_one(f"#{name}-label", Label).update(
-                _curve_title(title, self._history["step"], values)
-            )
+            self.query_one(f"#{name}-spark", StepSparkline).plot(steps, values)
+            self.query_one(f"#{name}-label", Label).update(_curve_title(title, steps, values))
         self.query_one("#run-session", Static).update(self._session())
 
     def _state_line(self) -> Text:
@@ -243,13 +366,24 @@ def _number(value: float) -> str:
 
 def _curve_title(title: str, steps: list[Any], values: list[Any]) -> Text:
     """``Loss  0.31 … 4.26 over steps 0–28  3 non-finite at steps 26–28, not drawn``: the
-    curve's scale, and the points it cannot draw (a sparkline drops them without a trace)."""
+    curve's scale, and the points it cannot draw (marked ``×`` where they are); ``not measured
+    at steps 0–79`` where no step has a value."""
     text = Text(title, style="bold")
+    if not steps:
+        return text
     finite = _finite(values)
+    if all(v is None for v in values):
+        text.append(f"  not measured at {_steps_text(steps)}", style="dim")
+        return text
     if finite:
         text.append(f"  {_scale(finite)}")
-    if steps:
-        text.append(f" over steps {steps[0]}–{steps[-1]}", style="dim")
+    if len(finite) > 1 and min(finite) == max(finite):  # the value says itself: at every step
+        every = "every step" if len(finite) == len(values) else "every step drawn"
+        text.append(f" at {every}, {steps[0]}–{steps[-1]}", style="dim")
+    elif len(finite) == 1 and len(steps) == 1:
+        text.append(f" at step {steps[0]}", style="dim")
+    else:
+        text.append(f" over {_steps_text(steps)}", style="dim")
     bad = [s for s, v in zip(steps, values, strict=False) if v is not None and not math.isfinite(v)]
     if bad:
         where = f"step {bad[0]}" if len(bad) == 1 else f"steps {_ranges(bad)}"
@@ -257,12 +391,18 @@ def _curve_title(title: str, steps: list[Any], values: list[Any]) -> Text:
     return text
 
 
+def _steps_text(steps: list[Any]) -> str:
+    """``step 4`` or ``steps 0–79``."""
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}–{steps[-1]}"
+
+
 def _scale(values: list[float]) -> str:
     """``0.31 … 4.26``; with the digits it takes to tell the ends apart where four do not, and
-    said when the curve is drawn flat: ``2.3000 … 2.3002, flat within 0.1%``, ``2.3 throughout``."""
+    said when the curve is drawn flat: ``2.3000 … 2.3002, flat within 0.1%``; ``2.3`` for a
+    value that does not change."""
     low, high = min(values), max(values)
     if low == high:
-        return _number(low) if len(values) == 1 else f"{_number(low)} throughout"
+        return _number(low)
     digits = next(d for d in range(4, 18) if f"{low:.{d}g}" != f"{high:.{d}g}")
     form = ".4g" if digits == 4 else f"#.{digits}g"  # trailing zeros are significant then
     span = f"{low:{form}} … {high:{form}}"
@@ -288,6 +428,44 @@ def _ranges(steps: list[int]) -> str:
         if s is not None:
             start = prev = s
     return ", ".join(out)
+
+
+def _columns(steps: list[int], values: list[Any], width: int) -> list[float | str | None]:
+    """What each of ``width`` columns draws of the steps it covers (steps ``steps[0]`` to
+    ``steps[-1]`` spread evenly, so that each step is at its own place): the mean of their
+    finite values; ``MARK`` where their values are all non-finite; where they have no value,
+    the value of the column before when a later column has one (the curve goes on over steps
+    not measured or not received), else None."""
+    if not steps or width <= 0:
+        return []
+    span = steps[-1] - steps[0] + 1
+    out: list[float | str | None] = []
+    for column in range(width):
+        first = column * span // width
+        end = max((column + 1) * span // width, first + 1)
+        lo, hi = bisect_left(steps, steps[0] + first), bisect_left(steps, steps[0] + end)
+        given = [v for v in values[lo:hi] if v is not None]
+        finite = _finite(given)
+        out.append(_mean(finite) if finite else MARK if given else None)
+    return _carry_over(out)
+
+
+def _carry_over(columns: list[float | str | None]) -> list[float | str | None]:
+    """Columns without a value take the number of the column before them, when one follows
+    that has a value (a step not measured lies between measured ones)."""
+    last = max((i for i, c in enumerate(columns) if c is not None), default=-1)
+    held: float | str | None = None
+    out = []
+    for i, column in enumerate(columns):
+        if column is not None:
+            held = column if isinstance(column, float) else None
+        out.append(column if column is not None or i > last else held)
+    return out
+
+
+def _missing(steps: list[int]) -> bool:
+    """Whether steps are missing between the first and the last."""
+    return any(b - a > 1 for a, b in pairwise(steps))
 
 
 def _finite(values: list[Any]) -> list[float]:

@@ -44,7 +44,7 @@ class Tab(NamedTuple):
 
 
 TABS = (
-    Tab("run", "Run", "f1", None),
+    Tab("run", "Run", "f1", RunStatus),
     Tab("hits", "Hits", "f2", HitTable),
     Tab("modules", "Modules", "f3", ModuleTable),
     Tab("tensor", "Tensor", "f4", TensorGrid),
@@ -177,7 +177,7 @@ class MainScreen(Screen):
             self.rule_panel.training_moved()
             self._step = payload.get("step", self._step)
             self._show_title()
-            if payload.get("state"):
+            if payload.get("state") and self._state not in ("finished", "detached"):
                 self.app.state = payload["state"]  # type: ignore[attr-defined]
         elif event == "hit":
             self.hit_table.merge([payload])
