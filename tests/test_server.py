@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -32,6 +33,7 @@ from tensordbg.transport.client import (
     RemoteError,
     SessionNotFound,
 )
+from tensordbg.transport.codec import MessageCodec
 from tensordbg.transport.connection import (
     ConnectionFileError,
     ConnectionInfo,
@@ -42,7 +44,7 @@ from tensordbg.transport.connection import (
     write_connection_file,
 )
 from tensordbg.transport.server import Server, listen_address
-from tensordbg.transport.socket_loop import MAX_PENDING_REQUESTS, Wakeup
+from tensordbg.transport.socket_loop import MAX_PENDING_REQUESTS, SocketLoop, Wakeup
 from tensordbg.transport.sync_client import SyncClient
 from tensordbg.transport.wire import WireArray
 
@@ -420,6 +422,28 @@ def test_status_events_are_throttled_and_the_latest_wins(server, source, connect
             break
     assert received[-1] == 499
     assert len(received) <= 10 * (emitting + 0.1) + 3
+
+
+def test_a_status_goes_out_in_the_order_it_was_posted_among_the_events() -> None:
+    """The throttled status and the other events keep the order they were posted in: a status
+    that overtook a "paused" state, or came behind a later one, made the UI show a state the
+    training was not in."""
+    loop = SocketLoop(MessageCodec(os.urandom(32), side="server"), client_timeout=5.0,
+                      on_clients=None, submit=lambda identity, message: None)  # fmt: skip
+    sent: list[tuple[str, Any]] = []
+    loop._broadcast = lambda router, event, payload: sent.append((event, payload["step"]))
+    loop.post_event("status", {"step": 1})
+    loop.post_event("state", {"step": 1})  # paused
+    loop.post_event("status", {"step": 2})  # running again: the only status kept
+    loop.post_event("log", {"step": 2})
+    loop._send_events(router=None)
+    loop.post_event("status", {"step": 3})  # within the throttle: held...
+    loop.post_event("state", {"step": 3})
+    loop._send_events(router=None)  # ...but not behind the state posted after it
+    loop.post_event("status", {"step": 4})
+    loop._send_events(router=None, last=True)  # the server stops: its last word goes out
+    assert sent == [("state", 1), ("status", 2), ("log", 2), ("status", 3), ("state", 3),
+                    ("status", 4)]  # fmt: skip
 
 
 def test_emitting_never_waits_for_a_client_that_does_not_read(server, source, connect):

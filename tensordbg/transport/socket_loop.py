@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import logging
 import socket
 import threading
@@ -152,10 +153,13 @@ class SocketLoop:
         self._stopping = threading.Event()
         # Hand-over from other threads: deques are thread-safe for append and popleft.
         self._outbox: collections.deque[tuple[bytes, list[Buffer]]] = collections.deque()
-        self._events: collections.deque[tuple[str, Any]] = collections.deque(
+        # Each posted event and status is numbered: a status goes out before every event posted
+        # after it and after every event posted before it, whatever the throttle.
+        self._posted = itertools.count()
+        self._events: collections.deque[tuple[int, str, Any]] = collections.deque(
             maxlen=MAX_QUEUED_EVENTS
         )
-        self._latest_status: collections.deque[Any] = collections.deque(maxlen=1)
+        self._latest_status: collections.deque[tuple[int, Any]] = collections.deque(maxlen=1)
         # This thread's own state.
         self._clients: dict[bytes, float] = {}  # ROUTER identity -> when last heard (monotonic)
         self._pending: collections.Counter[bytes] = collections.Counter()  # identity -> requests
@@ -175,11 +179,11 @@ class SocketLoop:
         if self._stopping.is_set():
             return
         if event == "status":
-            self._latest_status.append(payload)
+            self._latest_status.append((next(self._posted), payload))
         else:
             if event not in EVENTS:
                 log.debug("tensordbg: forwarding an event of unknown kind %r", event)
-            self._events.append((event, payload))
+            self._events.append((next(self._posted), event, payload))
         self.wakeup.wake()
 
     def stop(self) -> None:
@@ -222,7 +226,7 @@ class SocketLoop:
         # "finished", its detach) are how a UI learns that it ended, not from a silence.
         try:
             self._send_outbox(router)
-            self._send_events(router)
+            self._send_events(router, last=True)
         except Exception as e:
             self.failures.log("the server loop", e)
 
@@ -320,21 +324,24 @@ class SocketLoop:
                 del self._pending[identity]  # a client gone for good leaves nothing behind
             self._send(router, identity, frames)
 
-    def _send_events(self, router: zmq.Socket) -> None:
+    def _send_events(self, router: zmq.Socket, last: bool = False) -> None:
+        """Send the queued events in the order they were posted. A pending status posted
+        before an event goes out before it, whatever the throttle (after it, it would make the
+        UI show an older state than the event's); ``last``: the server stops, and the latest
+        status is its last word on the numbers."""
         now = time.monotonic()
-        if self._events:
-            # Any pending status goes first, whatever the throttle: sent after a newer event it
-            # would make the UI show an old state.
-            self._flush_status(router, now)
-            while self._events:
-                event, payload = self._events.popleft()
-                self._broadcast(router, event, payload)
-        if self._latest_status and now - self._status_sent_at >= STATUS_INTERVAL:
+        while self._events:
+            seq, event, payload = self._events.popleft()
+            status = self._latest_status[0] if self._latest_status else None
+            if status is not None and status[0] < seq:
+                self._flush_status(router, now)
+            self._broadcast(router, event, payload)
+        if self._latest_status and (last or now - self._status_sent_at >= STATUS_INTERVAL):
             self._flush_status(router, now)
 
     def _flush_status(self, router: zmq.Socket, now: float) -> None:
         try:
-            payload = self._latest_status.popleft()
+            _, payload = self._latest_status.popleft()
         except IndexError:
             return
         self._status_sent_at = now
