@@ -359,9 +359,11 @@ class FakeSource:
         return self._hits[:1]
 
     def control(self, action: str, n: int = 1) -> Control:
-        if action not in ("continue", "next", "step", "pause", "detach"):
+        if action not in ("continue", "next", "step", "pause", "detach", "skip"):
             raise SourceError(f"unknown action {action!r}")
         self.controls.append((action, n))
+        if action == "skip":  # as the live session: marked, and still paused
+            return {"state": self.state, "step": self.step}
         self.state = {"pause": "paused", "detach": "detached"}.get(action, "running")
         self.paused_at = None
         self.emit("state", {"state": self.state, "step": self.step})

@@ -1007,3 +1007,22 @@ def test_a_session_whose_process_is_gone_has_exited_and_one_whose_file_is_gone_h
     assert exited(gone) == f"the training of run run9 (pid {dead.pid}) has exited"
     file.unlink()
     assert exited(alive).startswith(f"the session of run run9 (pid {os.getpid()}) has ended")
+
+
+def test_k_says_that_the_update_will_be_skipped_and_how_to_go_on() -> None:
+    """Skip marks the step and the training stays paused: nothing else on screen changes, so
+    the person is told what will happen and that c continues."""
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await paused_on_the_two_hits(pilot)
+            await pilot.press("k")
+            await until(pilot, lambda: bool(list(app._notifications)))
+            text = " ".join(str(n.message) for n in app._notifications)
+            assert source.controls[-1] == ("skip", 1)
+            assert f"The update of step {source.step} will be skipped" in text
+            assert "c continues" in text
+
+    asyncio.run(flow())

@@ -325,6 +325,12 @@ class TensorDbgApp(App[int]):
         # The state itself comes from the state events, which arrive in order: this reply may
         # be older than them (the training resumed and hit again before the reply was sent).
         self.main.log_entry(f"control {action} (n={n}): {reply['state']} at step {reply['step']}")
+        if action == "skip":  # nothing else changes on screen: the training stays paused
+            self.notify(
+                f"The update of step {reply['step']} will be skipped: its gradients are dropped, "
+                "the weights and the optimizer state stay as they are. c continues.",
+                title="Skip", markup=False,
+            )  # fmt: skip
 
     def action_ignore(self) -> None:
         hit = self.main.hit_to_ignore()
