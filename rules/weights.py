@@ -84,7 +84,8 @@ class WeightNotChanging(Rule):
         return Finding(
             float(streak[0]),
             float(self.num_steps),
-            f"{t.name} has not changed for {streak[0]} optimizer steps (every element within "
+            f"{_param(t)} has not changed for {streak[0]} optimizer steps "
+            f"(every element within "
             f"{self.atol:.3g} + {self.rtol:.3g} x |value|, threshold {self.num_steps} steps) "
             "though its gradient is not negligible; it is not learning: its learning rate may "
             "be zero, or it may be missing from the optimizer's parameter groups.",
@@ -127,7 +128,7 @@ class WeightUpdateRatio(Rule):
             return Finding(
                 ratio,
                 self.large_threshold,
-                f"{t.name} moved by {ratio:.3g}x its own mean magnitude in one optimizer step "
+                f"{_param(t)} moved by {ratio:.3g}x its own mean magnitude in one optimizer step "
                 f"(mean |update| {update:.3g}, mean |value| {before:.3g}, threshold "
                 f"{self.large_threshold:g}x); steps this large undo what the layer learned: "
                 "lower the learning rate or add a warmup.",
@@ -136,7 +137,7 @@ class WeightUpdateRatio(Rule):
             return Finding(
                 ratio,
                 self.small_threshold,
-                f"{t.name} moved by only {ratio:.3g} of its own mean magnitude in one optimizer "
+                f"{_param(t)} moved by only {ratio:.3g} of its own mean magnitude in one optimizer "
                 f"step (mean |update| {update:.3g}, mean |value| {before:.3g}, threshold "
                 f"{self.small_threshold:.3g}); it barely learns: its learning rate may be too "
                 "low, or its gradient vanishes.",
@@ -283,3 +284,8 @@ def _fan_in(t: TensorStats) -> int:
     if t.module_type == "Bilinear":
         return t.shape[1]
     return t.numel // t.shape[0]
+
+
+def _param(t: TensorStats) -> str:
+    """The parameter an update record is of: ``fc.weight`` for ``fc.weight.update``."""
+    return t.name.removesuffix(".update")

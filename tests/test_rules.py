@@ -277,7 +277,8 @@ def test_vanishing_gradient_is_quiet_on_healthy_or_frozen_parameters():
 
 # --- weights --------------------------------------------------------------------------------------
 
-UPDATE = {"name": "fc.weight", "module": "fc", "kind": "update", "phase": "optimizer"}
+# Named as the engine names an update record: the parameter's name and ".update".
+UPDATE = {"name": "fc.weight.update", "module": "fc", "kind": "update", "phase": "optimizer"}
 
 
 def updates(rule: Rule, moves: list[bool | None], trainable: bool = True) -> list[Finding | None]:
