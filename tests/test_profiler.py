@@ -249,7 +249,9 @@ def test_time_paused_on_a_hit_is_left_out_of_the_steps():
     others = [r["total"] for r in report.breakdown if r["step"] != 3]
     assert paused_row["total"] < report.paused_seconds  # the pause is not in the step
     assert paused_row["total"] < 3 * max(others)
-    assert "StepOutlier" not in {a["rule"] for a in report.advice}
+    # Counted, the 0.4 s pause would make step 3 tens of times its few-millisecond median; a
+    # loaded machine may make any step an outlier of a few times, which is not the point here.
+    assert not [o for o in report.outliers if o["step"] == 3 and o["ratio"] > 10], report.outliers
     training.session.detach()
     assert not torch.autograd.profiler._is_profiler_enabled
 
