@@ -128,12 +128,7 @@ def test_running_the_forward_again_changes_no_number_of_the_training() -> None:
 
 
 def test_inputs_changed_in_place_since_the_call_are_not_run_again() -> None:
-    class Parent(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inp = nn.Linear(8, 8)
-            self.attn = Attention()
-
+    class Parent(Model):
         def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             h = self.inp(x)
             out = self.attn(h, mask)

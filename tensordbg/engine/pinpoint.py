@@ -65,29 +65,38 @@ class FirstBad(TorchFunctionMode):
         return result
 
 
-def name_in_hit(session: Any, hit: Any, verdict: Any, record: Any) -> None:
-    """For a forward hit at its origin on a NaN or Inf made by a module's own code: name the
-    operation (once per step) in the hit's message and the call's provenance."""
-    stats = record.stats
-    if not (verdict.origin and stats.phase == "forward" and stats.nonfinite):
-        return
-    call = verdict.call or record.producer
-    if call is None or session.step == getattr(session, "_pinpointed_step", None):
-        return
-    session._pinpointed_step = session.step
-    tensor = record.held()
-    found = name_operation(session, call, tensor)
-    if found is not None:
-        call.operation = found
-        hit.message += sentence(call, found, bool(torch.isnan(tensor).any()))
+class Pinpointing:
+    """Part of :class:`~tensordbg.engine.session.Session`: naming the operation of a forward
+    hit at its origin. ``session.pinpoint = False`` turns the re-run off."""
+
+    pinpoint = True
+    _pinpointed_step = -1
+
+    def _name_operation(self, hit: Any, verdict: Any, record: Any) -> None:
+        """For a forward hit at its origin on a NaN or Inf made by a module's own code: name
+        the operation (once per step) in the hit's message and the call's provenance."""
+        stats = record.stats
+        if not (self.pinpoint and verdict.origin and stats.phase == "forward" and stats.nonfinite):
+            return
+        call = verdict.call or record.producer
+        tensor = record.held()
+        if call is None or tensor is None or self._pinpointed_step == self.step:
+            return
+        self._pinpointed_step = self.step
+        nan = bool(torch.isnan(tensor).any())
+        found = name_operation(self, call, nan)
+        if found is not None:
+            call.operation = found
+            hit.message += sentence(call, found, nan)
 
 
-def name_operation(session: Any, call: Call, tensor: torch.Tensor | None) -> dict[str, Any] | None:
-    """The operation inside ``call``'s forward that made the first NaN (or Inf) of its output,
-    as ``{"op", "file", "line", "function", "code"}``; None when it cannot be named (the call's
-    inputs changed since, the module is compiled, the re-run made no such value)."""
+def name_operation(session: Any, call: Call, nan: bool) -> dict[str, Any] | None:
+    """The operation inside ``call``'s forward that made the first NaN (``nan``; else Inf) of
+    its output, as ``{"op", "file", "line", "function", "code", "first_line"}``; None when it
+    cannot be named (the call's inputs changed since, the module is compiled or talks to other
+    ranks, the re-run made no such value)."""
     invocation = call.invocation
-    if invocation is None or tensor is None or not getattr(session, "pinpoint", True):
+    if invocation is None:
         return None
     module, args, kwargs, seen = invocation
     if any(t._version != version for _, t, version, _ in seen):
@@ -96,7 +105,6 @@ def name_operation(session: Any, call: Call, tensor: torch.Tensor | None) -> dic
         return None  # torch.compile's: its forward is a graph, not lines
     if _collective(module):
         return None  # one rank alone would wait in it for ever
-    nan = bool(torch.isnan(tensor).any())
     watch = FirstBad(nan)
     devices = sorted({t.device.index for _, t, _, _ in seen if t.device.type == "cuda"})
     with _quiet(session), _buffers_kept(module), torch.random.fork_rng(devices=devices):
@@ -110,12 +118,10 @@ def name_operation(session: Any, call: Call, tensor: torch.Tensor | None) -> dic
     return watch.found
 
 
-def sentence(call: Call, found: dict[str, Any] | None, nan: bool) -> str:
-    """What the hit says of the operation, when one was named."""
+def sentence(call: Call, found: dict[str, Any], nan: bool) -> str:
+    """What the hit says of the operation that was named."""
     what = "NaN" if nan else "Inf"
     where = call.path or "the model"
-    if found is None:
-        return ""
     place = f" at {os.path.basename(found['file'])}:{found['line']}" if found["file"] else ""
     code = f" ({found['code']})" if found["code"] else ""
     return f" Inside {where}'s forward the first {what} came from {found['op']}{place}{code}."

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from tensordbg.engine import origin, pinpoint
+from tensordbg.engine import origin
 from tensordbg.engine.judge import ActiveRule
 from tensordbg.engine.pausing import Pausing
 from tensordbg.engine.phases import (
@@ -32,6 +32,7 @@ from tensordbg.engine.phases import (
     ParamGradNote,
     Snapshot,
 )
+from tensordbg.engine.pinpoint import Pinpointing
 from tensordbg.engine.records import (
     NONFINITE,
     Call,
@@ -48,7 +49,7 @@ from tensordbg.statistics.torch_kernels import SCREEN, dtype_name, host_stats, w
 NOTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # logs_forward
 
 
-class Pipeline(Pausing):
+class Pipeline(Pausing, Pinpointing):
     """The hooks' sink and the phase pipeline of a session."""
 
     # --- hooks call these (capture.py) -----------------------------------------------------
@@ -122,9 +123,8 @@ class Pipeline(Pausing):
             self._end_phase()
 
     def logs_forward(self) -> frozenset[torch.dtype]:
-        """The dtypes of activations whose module calls the hooks may only note, to be replayed
-        when the root returns (see capture.py): deferred mode until the phase shows a problem,
-        for dtypes whose rules on activations speak only of NaN and Inf."""
+        """Activation dtypes whose module calls the hooks may only note (see capture.py): in
+        deferred mode until a problem shows, those whose rules speak only of NaN and Inf."""
         if not self.sync.notes_forward(self.triggered):
             return frozenset()
         return frozenset(d for d in NOTED_DTYPES if self.ruleset.activations_quiet(dtype_name(d)))
@@ -429,7 +429,7 @@ class Pipeline(Pausing):
         condition = origin.condition_of(record, verdict.rule_id)
         hit = self.hitlog.make(record, active, verdict.finding, verdict.origin, condition,
                                verdict.call, verdict.kind, verdict.name)  # fmt: skip
-        pinpoint.name_in_hit(self, hit, verdict, record)
+        self._name_operation(hit, verdict, record)
         if self.amp.scales(record.stats) and record.stats.nonfinite:
             self.amp.held.append((hit, active))  # the scaler may skip this step: see amp.py
             return
