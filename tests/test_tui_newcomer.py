@@ -324,13 +324,14 @@ def test_the_last_steps_numbers_that_come_just_after_finished_are_shown() -> Non
             numbers = app.query_one("#run-numbers", Static)
             latest = lambda: str(list(numbers.content.columns[1].cells)[-1])  # noqa: E731
             await until(pilot, lambda: latest() == "NaN (step 10)")
+            # Posted together, the status last: as the server sends them (not after a delay
+            # that a loaded machine could stretch past the UI's moment of reading on).
+            last = {"step": 11, "loss": 0.5, "grad_norm": 1.0, "steps_per_sec": 9.0}
             source.emit("state", {"state": "detached", "step": 12})
             source.emit("state", {"state": "finished", "step": 12})
-            await until(pilot, lambda: app.state == "finished")
-            await pilot.pause(0.05)
-            last = {"step": 11, "loss": 0.5, "grad_norm": 1.0, "steps_per_sec": 9.0}
             source.emit("status", {"state": "running", "step": 12, "phase": "optimizer",
                                    "hits_total": 2, "last": last})  # fmt: skip
+            await until(pilot, lambda: app.state == "finished")
             await until(pilot, lambda: latest() == "0.5 (step 11)")
             assert "FINISHED" in state_line(app) and "at step 12" in state_line(app)
             await until(pilot, lambda: "has finished" in text_of(app.main.banner))  # then let go
