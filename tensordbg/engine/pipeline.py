@@ -12,7 +12,6 @@ hooks talk to, the :class:`~tensordbg.engine.capture.Sink`).
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Sequence
 from functools import partial
@@ -23,27 +22,11 @@ import torch
 from tensordbg.engine import origin
 from tensordbg.engine.judge import ActiveRule
 from tensordbg.engine.pausing import Pausing
-from tensordbg.engine.phases import (
-    ActGradNote,
-    Enter,
-    Exit,
-    Gradient,
-    Judged,
-    ParamGradNote,
-    Snapshot,
-)
+from tensordbg.engine.phases import Enter, Exit, Gradient, Judged, Snapshot
 from tensordbg.engine.pinpoint import Pinpointing
-from tensordbg.engine.records import (
-    NONFINITE,
-    Call,
-    Record,
-    grad_record,
-    is_model_output,
-    param_grad_record,
-)
+from tensordbg.engine.records import NONFINITE, Call, Record
 from tensordbg.hit import Hit
-from tensordbg.statistics import FINITE, L2, Stat, TensorStats
-from tensordbg.statistics.batch import norm_only, norms_of
+from tensordbg.statistics import Stat, TensorStats
 from tensordbg.statistics.torch_kernels import SCREEN, dtype_name, host_stats, watchable
 
 NOTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # logs_forward
@@ -136,52 +119,6 @@ class Pipeline(Pausing, Pinpointing):
     def boundary_wanted(self) -> bool:
         """Whether another thread waits for a boundary (a pause, a rule change)."""
         return bool(self.control.pending or self.controller.pause_requested)
-
-    def begin_backward(self) -> None:
-        """Called by every backward hook: the first one of a pass ends the forward phase and
-        asks the autograd engine to call back at the end of the pass."""
-        if self.phase != "backward":
-            if self._forward_open or self.phases.busy():
-                self._end_phase()
-            self._start_phase("backward")
-        task = torch._C._current_graph_task_id()
-        if task not in self._backward_tasks:
-            self._backward_tasks.add(task)
-            torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: self._end_backward(task)
-            )
-
-    def activation_grad(self, forward: Record, grad: torch.Tensor) -> None:
-        """The gradient of a watched forward tensor. A clean deferred backward only notes it
-        (it becomes a record only if the pass turns out bad); otherwise it is collected."""
-        self.begin_backward()
-        if (
-            self.sync.notes_gradients(self.triggered)
-            and not is_model_output(forward)
-            and self.ruleset.grads_quiet(dtype_name(grad.dtype))
-        ):
-            if grad.device.type == "cpu":  # read now, while it is in the cache
-                if host_stats(grad, SCREEN)[0] == 1.0:
-                    self.phases.pending.append(ActGradNote(forward, grad.shape, grad.dtype, None))
-                    return
-                self.triggered = True  # not finite: the pass is read from here on
-            elif self.phases.take(grad.numel() * grad.element_size()):  # a read would sync: kept
-                self.phases.pending.append(ActGradNote(forward, grad.shape, grad.dtype, grad))
-                return
-        record = grad_record(forward, grad, self.step)
-        self.collect(record, grad)
-        self._process(Gradient(record))
-
-    def param_grad(self, name: str, owner: str, owner_type: str, grad: torch.Tensor) -> None:
-        """A parameter's gradient is final for this backward pass. Deferred mode only notes it
-        here (a hook runs cold) and judges all of them together when the pass ends."""
-        self.begin_backward()
-        if self.sync.notes_gradients(self.triggered):
-            self.phases.pending.append(ParamGradNote(name, owner, owner_type, grad))
-            return
-        record = param_grad_record(name, owner, owner_type, grad, self.step)
-        self.collect(record, grad)
-        self._process(Gradient(record))
 
     # --- statistics and judging (the sync modes call these) --------------------------------
 
@@ -278,44 +215,6 @@ class Pipeline(Pausing, Pinpointing):
             self._settle()
         self._boundary()
 
-    def _read_notes(self, gradients_of_activations: bool = False) -> None:
-        """Deferred mode: turn the gradients the hooks only noted into records, in their place
-        in execution order, in one warm loop. Parameter gradients always (at the end of a
-        pass: what they show decides about the rest); activation gradients too once the pass
-        showed a problem. Gradients whose rules ask only whether they are finite and their
-        norm are measured together (:func:`norms_of`: one pass over all of them)."""
-        notes = (ParamGradNote, ActGradNote) if gradients_of_activations else (ParamGradNote,)
-        pending = self.phases.pending
-        if not any(type(e) in notes for e in pending):
-            return
-        self.phases.pending = []
-        together: list[tuple[Record, torch.Tensor]] = []
-        for event in pending:
-            if type(event) not in notes:
-                self.phases.pending.append(event)
-                continue
-            if type(event) is ParamGradNote:
-                record = param_grad_record(event.name, event.owner, event.owner_type,
-                                           event.grad, self.step)  # fmt: skip
-            elif event.grad is not None:  # kept on its device, read now
-                record = grad_record(event.forward, event.grad, self.step)
-            else:  # screened in its hook: finite, and not kept
-                record = grad_record(event.forward, None, self.step, (event.shape, event.dtype))
-                self._prepare(record, None)
-                record.stats.values = {FINITE: 1.0}
-                record.judged = True  # its rules speak only of NaN and Inf (grads_quiet)
-                self.phases.pending += (Judged(record), Gradient(record))
-                continue
-            kept, silent = self._prepare(record, event.grad)
-            if record.wanted and norm_only(record, event.grad):
-                together.append((record, event.grad))  # measured below, all at once
-                self.phases.pending.append(Judged(record))
-            elif record.wanted:
-                self.sync.collect(self, record, event.grad, silent, kept)
-            self.phases.pending.append(Gradient(record))
-        if together:
-            self._judge_norms(together)
-
     def _prepare(
         self, record: Record, tensor: torch.Tensor | None, extra: tuple[Stat, ...] = ()
     ) -> tuple[bool, bool]:
@@ -334,23 +233,6 @@ class Pipeline(Pausing, Pinpointing):
         self.phases.register(record)
         kept = tensor is not None and self.sync.retain(self, record, tensor)
         return kept, applicable.silent
-
-    def _judge_norms(self, together: list[tuple[Record, torch.Tensor]]) -> None:
-        """Screen and judge records that want only ``finite`` and ``l2``, from one norm each."""
-        norms = norms_of([t for _, t in together])
-        for (record, tensor), norm in zip(together, norms, strict=True):
-            if math.isfinite(norm):
-                found = {FINITE: 1.0, L2: norm}
-                values = [found[s] for s in record.wanted]
-                if self.amp.scales(record.stats):
-                    values = self.amp.unscale(record.wanted, values)
-                record.stats.values = dict(zip(record.wanted, values, strict=True))
-                record.lazy = False
-            else:  # a NaN or Inf, or squares past the dtype's range: measured exactly
-                self.screen(record, tensor)
-            self.judge(record, tensor)
-            if record.findings or record.conditions:
-                self.triggered = True
 
     def _settle(self) -> None:
         """Screen what a deferred phase kept, judge everything pending in execution order, and
@@ -376,6 +258,7 @@ class Pipeline(Pausing, Pinpointing):
     def _start_phase(self, phase: str) -> None:
         if self.phase == "forward":
             self.capture.forget_invocations()
+        self.vouchers.awaiting = {}
         self.phases.start(phase)
         self.amp.new_phase()
         self.triggered = False
@@ -386,6 +269,7 @@ class Pipeline(Pausing, Pinpointing):
         hit asks for it, and let go of the phase's tensors."""
         self._forward_open = False
         self.phases.fetch()
+        self._screen_unvouched()
         self._read_notes()
         if self.triggered:
             self._settle()
@@ -402,15 +286,6 @@ class Pipeline(Pausing, Pinpointing):
         self._pause_if_needed()
         self._boundary()
         self.phases.release()
-
-    def _end_backward(self, task: int) -> None:
-        self._backward_tasks.discard(task)
-        if not self.active or self._backward_tasks:
-            return
-        try:
-            self._end_phase()
-        except Exception as e:
-            self.fault(e)
 
     def _judge_phase(self) -> None:
         for record, rule_id, finding in self.ruleset.judge_phase(self.phases.records):

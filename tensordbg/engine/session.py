@@ -25,6 +25,7 @@ import torch
 
 from tensordbg.engine import origin
 from tensordbg.engine.amp import MixedPrecision
+from tensordbg.engine.backward import BackwardPhase, Vouchers
 from tensordbg.engine.bus import EventBus, extend
 from tensordbg.engine.capture import Capture
 from tensordbg.engine.control import ControlPlane, PauseController
@@ -35,17 +36,9 @@ from tensordbg.engine.metrics import StepMetrics
 from tensordbg.engine.modes import SYNC, choose
 from tensordbg.engine.optimizer import OptimizerPhase
 from tensordbg.engine.params import Param, ParamWatch
-from tensordbg.engine.phases import (
-    EAGER_WINDOW,
-    EMPTY,
-    PhaseQueue,
-)
+from tensordbg.engine.phases import EAGER_WINDOW, EMPTY, PhaseQueue
 from tensordbg.engine.pipeline import Pipeline
-from tensordbg.engine.records import (
-    Call,
-    Record,
-    new_record,
-)
+from tensordbg.engine.records import Call, Record, new_record
 from tensordbg.hit import Hit, WatchpointHit
 from tensordbg.rules import Rule, default_rules
 from tensordbg.statistics import MEAN, TensorStats
@@ -67,7 +60,7 @@ def attached_to(model: torch.nn.Module) -> Session | None:
     return session if session is not None and not session.detached else None
 
 
-class Session(Pipeline, OptimizerPhase):
+class Session(Pipeline, BackwardPhase, OptimizerPhase):
     """A training under watch. Made by :func:`tensordbg.attach`; see there for the arguments.
 
     >>> with tensordbg.attach(model, optimizer=opt, on_hit="record") as session:
@@ -80,11 +73,11 @@ class Session(Pipeline, OptimizerPhase):
     ranks: Any = None  # the link to the other ranks of a job (distributed.RankLink), or None
     sharded: tuple[str, ...] | list[str] = ()  # parameters read through this rank's shard
     replaceable = False
+    """Whether a later ``attach`` of the same model replaces this session (``tensordbg run``)."""
     _exiting = False
     summary_at_exit = False
     """Whether the program's exit prints :meth:`summary` when hits were recorded (``attach``
     sets it)."""
-    """Whether a later ``attach`` of the same model replaces this session (``tensordbg run``)."""
 
     def __init__(
         self,
@@ -134,6 +127,7 @@ class Session(Pipeline, OptimizerPhase):
         self.phases = PhaseQueue(self.retain_bytes)
         self.metrics = StepMetrics()
         self.weights = ParamWatch(model, int(update_budget))
+        self.vouchers = Vouchers(model)
         self.amp = MixedPrecision(scaler, int(max_skipped_steps))
         self.origins = origin.Attribution(self._owner_calls)
         self.optimizers: list[torch.optim.Optimizer] = []

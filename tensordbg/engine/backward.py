@@ -1,0 +1,233 @@
+"""The backward phase of the session's pipeline: activation and parameter gradients.
+
+In deferred mode a clean pass costs little. A parameter's gradient is only noted in its hook (a
+hook runs cold) and all of them are measured together when the pass ends, from one norm each. An
+activation's gradient on the host is screened in its hook while it is in the cache, unless a
+parameter's gradient will vouch for it (:class:`Vouchers`); on a device it is kept and read
+only if the pass shows a problem. Once a pass shows one, every gradient after it is collected
+where it is made, as in eager mode, so that origins are named as precisely there.
+
+Part of :class:`~tensordbg.engine.session.Session`, like :mod:`.pipeline` and :mod:`.optimizer`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from tensordbg.engine.params import Param
+from tensordbg.engine.phases import ActGradNote, Gradient, Judged, ParamGradNote
+from tensordbg.engine.records import Record, grad_record, is_model_output, param_grad_record
+from tensordbg.statistics import FINITE, L2
+from tensordbg.statistics.batch import norm_only, norms_of
+from tensordbg.statistics.torch_kernels import SCREEN, dtype_name, host_stats
+
+# Modules whose backward sums every element of their output's gradient into their bias's
+# gradient (over the batch, and the positions or pixels): Linear, convolutions, the norms.
+SUMMED_INTO_BIAS = (
+    nn.Linear,
+    nn.Bilinear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.modules.batchnorm._BatchNorm,
+)
+
+
+class Vouchers:
+    """Activation gradients that a bias's gradient vouches for, so that they are not read.
+
+    The bias gradient of a Linear (or a convolution, or a LayerNorm, GroupNorm or BatchNorm) is
+    the sum of every element of its output's gradient: one NaN among them makes it NaN, one Inf
+    makes it Inf or NaN. So when the bias gradient is finite, the output's gradient is too, and
+    its read (the largest cost of a clean deferred backward on the host) is saved; the bias
+    gradient, a few kilobytes, is read instead. The output's gradient is held until the bias's
+    gradient arrives, which the autograd engine computes right after it, and read as before if it
+    is not finite, or never arrives (``torch.autograd.grad``, a frozen bias). A bias gradient that
+    accumulates (gradient accumulation, a module called twice) vouches just as well: a sum of
+    values of which one is not finite is not finite. Only modules whose ``forward`` is the one
+    of these classes are trusted (a subclass that rewrites it may not use its bias so).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        names = {id(p): name for name, p in model.named_parameters()}
+        self.bias_of: dict[str, str] = {}
+        """Module path -> the name of the bias whose gradient vouches for its output's."""
+        for path, module in model.named_modules():
+            bias = getattr(module, "bias", None)
+            if isinstance(bias, nn.Parameter) and id(bias) in names and _sums_into_bias(module):
+                self.bias_of[path] = names[id(bias)]
+        self.awaiting: dict[str, list[ActGradNote]] = {}
+        """Bias name -> the notes of the gradients it will vouch for, each holding its gradient."""
+
+    def hold(
+        self, forward: Record, grad: torch.Tensor, params: dict[str, Param]
+    ) -> ActGradNote | None:
+        """A note holding ``grad`` until its module's bias gradient vouches for it; None when
+        no bias will (the gradient is then screened where it is)."""
+        made_by = forward.producer  # set for a module's outputs only
+        bias = self.bias_of.get(made_by.path) if made_by is not None else None
+        param = params.get(bias) if bias is not None else None
+        if param is None or not param.param.requires_grad:
+            return None
+        note = ActGradNote(forward, grad.shape, grad.dtype, grad)
+        self.awaiting.setdefault(bias, []).append(note)
+        return note
+
+    def settle(self, name: str, grad: torch.Tensor) -> bool:
+        """Parameter ``name``'s gradient arrived: if it is a bias others wait for and it is
+        finite, their gradients are finite and let go. False when it is not finite."""
+        notes = self.awaiting.pop(name, None)
+        if notes is None:
+            return True
+        if host_stats(grad, SCREEN)[0] != 1.0:
+            return False  # the notes keep their gradients, to be read
+        for note in notes:
+            note.grad = None
+        return True
+
+    def unsettled(self) -> list[ActGradNote]:
+        """The notes whose bias gradient never came this pass (and forget them)."""
+        notes = [note for waiting in self.awaiting.values() for note in waiting]
+        self.awaiting = {}
+        return notes
+
+
+def _sums_into_bias(module: nn.Module) -> bool:
+    kind = next((k for k in SUMMED_INTO_BIAS if isinstance(module, k)), None)
+    return kind is not None and type(module).forward is kind.forward
+
+
+class BackwardPhase:
+    """Part of :class:`~tensordbg.engine.session.Session`: its backward hooks."""
+
+    def begin_backward(self) -> None:
+        """Called by every backward hook: the first one of a pass ends the forward phase and
+        asks the autograd engine to call back at the end of the pass."""
+        if self.phase != "backward":
+            if self._forward_open or self.phases.busy():
+                self._end_phase()
+            self._start_phase("backward")
+        task = torch._C._current_graph_task_id()
+        if task not in self._backward_tasks:
+            self._backward_tasks.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self._end_backward(task)
+            )
+
+    def activation_grad(self, forward: Record, grad: torch.Tensor) -> None:
+        """The gradient of a watched forward tensor. A clean deferred backward only notes it
+        (it becomes a record only if the pass turns out bad); otherwise it is collected."""
+        self.begin_backward()
+        if (
+            self.sync.notes_gradients(self.triggered)
+            and not is_model_output(forward)
+            and self.ruleset.grads_quiet(dtype_name(grad.dtype))
+        ):
+            if grad.device.type == "cpu":  # read now, while it is in the cache
+                note = self.vouchers.hold(forward, grad, self.weights.by_name)
+                if note is None and host_stats(grad, SCREEN)[0] == 1.0:
+                    note = ActGradNote(forward, grad.shape, grad.dtype, None)
+                if note is not None:
+                    self.phases.pending.append(note)
+                    return
+                self.triggered = True  # not finite: the pass is read from here on
+            elif self.phases.take(grad.numel() * grad.element_size()):  # a read would sync: kept
+                self.phases.pending.append(ActGradNote(forward, grad.shape, grad.dtype, grad))
+                return
+        record = grad_record(forward, grad, self.step)
+        self.collect(record, grad)
+        self._process(Gradient(record))
+
+    def param_grad(self, name: str, owner: str, owner_type: str, grad: torch.Tensor) -> None:
+        """A parameter's gradient is final for this backward pass. Deferred mode only notes it
+        here (a hook runs cold) and judges all of them together when the pass ends."""
+        self.begin_backward()
+        if self.vouchers.awaiting and not self.vouchers.settle(name, grad):
+            self.triggered = True  # a gradient it vouches for may hold the NaN: read them
+        if self.sync.notes_gradients(self.triggered):
+            self.phases.pending.append(ParamGradNote(name, owner, owner_type, grad))
+            return
+        record = param_grad_record(name, owner, owner_type, grad, self.step)
+        self.collect(record, grad)
+        self._process(Gradient(record))
+
+    def _read_notes(self, gradients_of_activations: bool = False) -> None:
+        """Deferred mode: turn the gradients the hooks only noted into records, in their place
+        in execution order, in one warm loop. Parameter gradients always (at the end of a
+        pass: what they show decides about the rest); activation gradients too once the pass
+        showed a problem. Gradients whose rules ask only whether they are finite and their
+        norm are measured together (:func:`norms_of`: one pass over all of them)."""
+        notes = (ParamGradNote, ActGradNote) if gradients_of_activations else (ParamGradNote,)
+        pending = self.phases.pending
+        if not any(type(e) in notes for e in pending):
+            return
+        self.phases.pending = []
+        together: list[tuple[Record, torch.Tensor]] = []
+        for event in pending:
+            if type(event) not in notes:
+                self.phases.pending.append(event)
+                continue
+            if type(event) is ParamGradNote:
+                record = param_grad_record(event.name, event.owner, event.owner_type,
+                                           event.grad, self.step)  # fmt: skip
+            elif event.grad is not None:  # kept (on its device, or for a voucher), read now
+                record = grad_record(event.forward, event.grad, self.step)
+            else:  # screened in its hook or vouched for: finite, and not kept
+                record = grad_record(event.forward, None, self.step, (event.shape, event.dtype))
+                self._prepare(record, None)
+                record.stats.values = {FINITE: 1.0}
+                record.judged = True  # its rules speak only of NaN and Inf (grads_quiet)
+                self.phases.pending += (Judged(record), Gradient(record))
+                continue
+            kept, silent = self._prepare(record, event.grad)
+            if record.wanted and norm_only(record, event.grad):
+                together.append((record, event.grad))  # measured below, all at once
+                self.phases.pending.append(Judged(record))
+            elif record.wanted:
+                self.sync.collect(self, record, event.grad, silent, kept)
+            self.phases.pending.append(Gradient(record))
+        if together:
+            self._judge_norms(together)
+
+    def _judge_norms(self, together: list[tuple[Record, torch.Tensor]]) -> None:
+        """Screen and judge records that want only ``finite`` and ``l2``, from one norm each."""
+        norms = norms_of([t for _, t in together])
+        for (record, tensor), norm in zip(together, norms, strict=True):
+            if math.isfinite(norm):
+                found = {FINITE: 1.0, L2: norm}
+                values = [found[s] for s in record.wanted]
+                if self.amp.scales(record.stats):
+                    values = self.amp.unscale(record.wanted, values)
+                record.stats.values = dict(zip(record.wanted, values, strict=True))
+                record.lazy = False
+            else:  # a NaN or Inf, or squares past the dtype's range: measured exactly
+                self.screen(record, tensor)
+            self.judge(record, tensor)
+            if record.findings or record.conditions:
+                self.triggered = True
+
+    def _screen_unvouched(self) -> None:
+        """Read the held gradients whose bias gradient never came this pass, as their hooks
+        would have: the pass is read from the first one that is not finite."""
+        for note in self.vouchers.unsettled():
+            if note.grad is not None and host_stats(note.grad, SCREEN)[0] == 1.0:
+                note.grad = None
+            elif note.grad is not None:
+                self.triggered = True
+
+    def _end_backward(self, task: int) -> None:
+        self._backward_tasks.discard(task)
+        if not self.active or self._backward_tasks:
+            return
+        try:
+            self._end_phase()
+        except Exception as e:
+            self.fault(e)

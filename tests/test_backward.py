@@ -1,0 +1,90 @@
+"""The backward phase in deferred mode: a bias's gradient vouches for its module's output
+gradient (which is then not read), and whatever way the pass goes, a NaN is still found at the
+module whose backward made it, as eager mode finds it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import SqrtOfSquare
+from torch import nn
+
+from tensordbg.engine import backward
+from tensordbg.engine.backward import Vouchers
+from tensordbg.rules import NaN
+
+MODES = ("eager", "batched", "deferred")
+
+
+def nan_in_backward() -> nn.Sequential:
+    """sqrt's input is 0: its backward makes NaN, which reaches the first Linear's output."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), SqrtOfSquare(), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.zero_()
+    return model
+
+
+def test_the_bias_gradient_vouches_and_the_output_gradient_is_not_read(watch, monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.LayerNorm(16))
+    read = []
+    real = backward.host_stats
+    monkeypatch.setattr(backward, "host_stats", lambda t, s: read.append(t.shape) or real(t, s))
+    session = watch(model, on_hit="record", sync="deferred")
+    model(torch.randn(3, 4)).sum().backward()
+    # ReLU's output has no bias of its own behind it: read in its hook. Both Linears' outputs
+    # are vouched for by their biases' gradients (read instead: shape (16,)). The model's
+    # output (the LayerNorm's) is always read where it is made, as a sentinel.
+    assert sorted(read) == sorted([torch.Size([3, 16])] + [torch.Size([16])] * 2)
+    grads = [r.stats.name for r in session.phases.records if r.stats.kind == "grad_output"]
+    assert session.hits == [] and grads == ["3.grad_output"]
+
+
+@pytest.mark.parametrize("sync", MODES)
+@pytest.mark.parametrize("how", ["bias", "frozen bias", "autograd.grad"])
+def test_a_backward_nan_is_named_at_its_origin_however_the_bias_gradient_goes(watch, sync, how):
+    """The bias gradient is NaN (it vouches for nothing), never comes (``torch.autograd.grad``
+    accumulates no parameter gradient), or is not computed (a frozen bias): the first Linear's
+    output gradient is then read, and the origin is the same in every mode."""
+    model = nan_in_backward()
+    if how == "frozen bias":
+        model[0].bias.requires_grad_(False)
+    session = watch(model, on_hit="record", rules=[NaN()], sync=sync)
+    loss = model(torch.randn(3, 4)).sum()
+    if how == "autograd.grad":  # the gradient is returned, no .grad accumulates
+        [grad] = torch.autograd.grad(loss, [model[0].weight])
+        assert grad.isnan().all()
+    else:
+        loss.backward()
+    [origin] = [h for h in session.hits if h.origin]
+    assert (origin.module, origin.kind, origin.phase) == ("1", "grad_input", "backward")
+    passed_on = {h.tensor for h in session.hits if not h.origin}
+    assert origin.tensor == "1.grad_input[0]"  # the first Linear's output gradient
+    expected = {
+        "bias": {"0.weight.grad", "0.bias.grad"},
+        "frozen bias": {"0.weight.grad"},
+        "autograd.grad": set(),  # no .grad is made
+    }
+    assert passed_on == expected[how]
+
+
+def test_only_modules_whose_backward_sums_into_their_bias_are_trusted():
+    class Scaled(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # the bias is not summed so
+            return super().forward(x) * 2
+
+    class Plain(nn.Linear):  # its forward is Linear's own
+        pass
+
+    model = nn.Sequential(
+        nn.Linear(4, 4),
+        nn.Linear(4, 4, bias=False),
+        Scaled(4, 4),
+        Plain(4, 4),
+        nn.Conv1d(1, 1, 3),
+        nn.BatchNorm1d(4),
+        nn.Embedding(4, 4),
+    )
+    assert Vouchers(model).bias_of == {"0": "0.bias", "3": "3.bias", "4": "4.bias", "5": "5.bias"}
