@@ -26,18 +26,25 @@ def nan_in_backward() -> nn.Sequential:
     return model
 
 
-def test_the_bias_gradient_vouches_and_the_output_gradient_is_not_read(watch, monkeypatch):
+@pytest.mark.parametrize("retain_bytes", [2**20, 0])
+def test_the_bias_gradient_vouches_and_the_output_gradient_is_not_read(
+    watch, monkeypatch, retain_bytes
+):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.LayerNorm(16))
     read = []
     real = backward.host_stats
     monkeypatch.setattr(backward, "host_stats", lambda t, s: read.append(t.shape) or real(t, s))
-    session = watch(model, on_hit="record", sync="deferred")
+    session = watch(model, on_hit="record", sync="deferred", retain_bytes=retain_bytes)
     model(torch.randn(3, 4)).sum().backward()
     # ReLU's output has no bias of its own behind it: read in its hook. Both Linears' outputs
     # are vouched for by their biases' gradients (read instead: shape (16,)). The model's
-    # output (the LayerNorm's) is always read where it is made, as a sentinel.
-    assert sorted(read) == sorted([torch.Size([3, 16])] + [torch.Size([16])] * 2)
+    # output (the LayerNorm's) is always read where it is made, as a sentinel. A gradient is
+    # held for its bias only within retain_bytes; else it is read in its hook.
+    if retain_bytes:
+        assert sorted(read) == sorted([torch.Size([3, 16])] + [torch.Size([16])] * 2)
+    else:
+        assert read == [torch.Size([3, 16])] * 3
     grads = [r.stats.name for r in session.phases.records if r.stats.kind == "grad_output"]
     assert session.hits == [] and grads == ["3.grad_output"]
 
@@ -87,4 +94,9 @@ def test_only_modules_whose_backward_sums_into_their_bias_are_trusted():
         nn.BatchNorm1d(4),
         nn.Embedding(4, 4),
     )
-    assert Vouchers(model).bias_of == {"0": "0.bias", "3": "3.bias", "4": "4.bias", "5": "5.bias"}
+    assert Vouchers(model, 2**20).bias_of == {
+        "0": "0.bias",
+        "3": "3.bias",
+        "4": "4.bias",
+        "5": "5.bias",
+    }

@@ -56,7 +56,10 @@ class Vouchers:
     of these classes are trusted (a subclass that rewrites it may not use its bias so).
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, budget: int) -> None:
+        self.budget = budget
+        """The bytes the held gradients may take at once (the session's ``retain_bytes``)."""
+        self.held = 0
         names = {id(p): name for name, p in model.named_parameters()}
         self.bias_of: dict[str, str] = {}
         """Module path -> the name of the bias whose gradient vouches for its output's."""
@@ -75,8 +78,10 @@ class Vouchers:
         made_by = forward.producer  # set for a module's outputs only
         bias = self.bias_of.get(made_by.path) if made_by is not None else None
         param = params.get(bias) if bias is not None else None
-        if param is None or not param.param.requires_grad:
+        nbytes = grad.numel() * grad.element_size()
+        if param is None or not param.param.requires_grad or self.held + nbytes > self.budget:
             return None
+        self.held += nbytes
         note = ActGradNote(forward, grad.shape, grad.dtype, grad)
         self.awaiting.setdefault(bias, []).append(note)
         return note
@@ -87,6 +92,7 @@ class Vouchers:
         notes = self.awaiting.pop(name, None)
         if notes is None:
             return True
+        self.held -= sum(note.grad.numel() * note.grad.element_size() for note in notes)
         if host_stats(grad, SCREEN)[0] != 1.0:
             return False  # the notes keep their gradients, to be read
         for note in notes:
@@ -96,7 +102,7 @@ class Vouchers:
     def unsettled(self) -> list[ActGradNote]:
         """The notes whose bias gradient never came this pass (and forget them)."""
         notes = [note for waiting in self.awaiting.values() for note in waiting]
-        self.awaiting = {}
+        self.awaiting, self.held = {}, 0
         return notes
 
 

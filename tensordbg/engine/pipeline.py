@@ -258,7 +258,7 @@ class Pipeline(Pausing, Pinpointing):
     def _start_phase(self, phase: str) -> None:
         if self.phase == "forward":
             self.capture.forget_invocations()
-        self.vouchers.awaiting = {}
+        self.vouchers.unsettled()  # a pass that did not end: its notes are gone
         self.phases.start(phase)
         self.amp.new_phase()
         self.triggered = False

@@ -127,7 +127,7 @@ class Session(Pipeline, BackwardPhase, OptimizerPhase):
         self.phases = PhaseQueue(self.retain_bytes)
         self.metrics = StepMetrics()
         self.weights = ParamWatch(model, int(update_budget))
-        self.vouchers = Vouchers(model)
+        self.vouchers = Vouchers(model, self.retain_bytes)
         self.amp = MixedPrecision(scaler, int(max_skipped_steps))
         self.origins = origin.Attribution(self._owner_calls)
         self.optimizers: list[torch.optim.Optimizer] = []
