@@ -201,3 +201,40 @@ def test_an_operation_handed_a_value_that_was_bad_already_is_not_named() -> None
         session.detach()
     origin = next(h for h in session.hits if h.origin)
     assert origin.tensor == "1.output" and "came from" not in origin.message
+
+
+class DroppedScale(nn.Module):
+    """Divides by a scale that dropout sets to 0 or 2: NaN (0/0) only when dropout drew 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.drop(torch.ones(()))
+        return (x * 0) / scale  # 0/0 where dropout drew 0
+
+
+def test_a_nan_that_depends_on_the_dropout_mask_is_named_with_the_masks_the_call_drew() -> None:
+    """The re-run starts from the random streams' state at the call: without it, it would draw
+    the next mask (here a 2, so no NaN) and name nothing."""
+    model = nn.Sequential(nn.Linear(4, 4), DroppedScale())
+    seed = next(s for s in range(100) if _draws(s) == [0.0, 2.0])  # this call 0, the next 2
+    session = tensordbg.attach(model, on_hit="record", server=False, summary_at_exit=False)
+    try:
+        torch.manual_seed(seed)
+        model(torch.randn(3, 4).abs())
+    finally:
+        session.detach()
+    origin = next(h for h in session.hits if h.origin)
+    assert origin.tensor == "1.output"
+    assert "Inside 1's forward the first NaN came from Tensor.div at" in origin.message
+
+
+def _draws(seed: int) -> list[float]:
+    """What Dropout(0.5) makes of a scalar one on two draws after torch.manual_seed(seed) and
+    one 3x4 randn (the test's input)."""
+    torch.manual_seed(seed)
+    torch.randn(3, 4)
+    drop = nn.Dropout(0.5)
+    return [float(drop(torch.ones(()))) for _ in range(2)]

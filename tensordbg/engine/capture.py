@@ -39,6 +39,7 @@ from typing import Any, Protocol
 import torch
 
 from tensordbg.engine.handles import HandleGroup, Unhooked
+from tensordbg.engine.pinpoint import draws_random, random_state
 from tensordbg.engine.records import Call, Record, new_record
 from tensordbg.engine.sites import user_site
 from tensordbg.statistics.torch_kernels import watchable
@@ -147,6 +148,7 @@ class Capture:
     ):
         self.session = session
         self.paths: dict[int, str] = {}
+        self.random: set[int] = set()  # modules that draw random numbers (dropout) in forward
         self.types: dict[int, str] = {}
         self.direct_params: dict[int, tuple[str, ...]] = {}
         for path, module in model.named_modules():
@@ -185,6 +187,7 @@ class Capture:
 
     def install(self, model: torch.nn.Module, handles: HandleGroup) -> None:
         """Hook every selected module's forward, and every trainable parameter's gradient."""
+        self.random = {id(m) for m in model.modules() if id(m) in self.paths and draws_random(m)}
         for module in model.modules():
             if id(module) not in self.paths:
                 continue
@@ -250,7 +253,8 @@ class Capture:
                 leaves += tensor_leaves(kwargs, "")
             seen = _as_seen(leaves)
             self._open += 1
-            invocation = (module, args, kwargs, seen)
+            drawn = random_state(seen) if module.training and id(module) in self.random else None
+            invocation = (module, args, kwargs, seen, drawn)
             if self._log is not None and self._open > 1:
                 self._log.append((id(module), seen, site, invocation))
                 self._logged(seen)

@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
@@ -98,7 +99,7 @@ def name_operation(session: Any, call: Call, nan: bool) -> dict[str, Any] | None
     invocation = call.invocation
     if invocation is None:
         return None
-    module, args, kwargs, seen = invocation
+    module, args, kwargs, seen, random_state = invocation
     if any(t._version != version for _, t, version, _ in seen):
         return None  # changed in place since the call: a re-run would not see the same values
     if type(module).__name__ == "OptimizedModule":
@@ -108,6 +109,8 @@ def name_operation(session: Any, call: Call, nan: bool) -> dict[str, Any] | None
     watch = FirstBad(nan)
     devices = sorted({t.device.index for _, t, _, _ in seen if t.device.type == "cuda"})
     with _quiet(session), _buffers_kept(module), torch.random.fork_rng(devices=devices):
+        if random_state is not None:  # the same dropout masks as the call drew
+            set_random_state(random_state)
         try:
             with torch.no_grad(), watch:
                 module.forward(*tree_map(_copy, args), **tree_map(_copy, kwargs))
@@ -116,6 +119,34 @@ def name_operation(session: Any, call: Call, nan: bool) -> dict[str, Any] | None
         except Exception:  # the re-run is a courtesy: whatever it raises, the hit stands
             return None
     return watch.found
+
+
+# Modules that draw from the random streams in their forward: a re-run of a forward that holds
+# one starts from the streams' state at the call (noted then), so that it draws the same masks.
+RANDOM = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+          nn.FeatureAlphaDropout, nn.MultiheadAttention)  # fmt: skip
+
+
+def draws_random(module: nn.Module) -> bool:
+    """Whether ``module`` or a module inside it draws random numbers in training (dropout)."""
+    return any(
+        isinstance(m, RANDOM) and getattr(m, "p", getattr(m, "dropout", 0.0)) > 0
+        for m in module.modules()
+    )
+
+
+def random_state(seen: list[Any]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """The CPU stream's state and that of each CUDA device the call's inputs are on."""
+    cuda = {t.device.index: torch.cuda.get_rng_state(t.device)
+            for _, t, _, _ in seen if t.device.type == "cuda"}  # fmt: skip
+    return torch.get_rng_state(), cuda
+
+
+def set_random_state(state: tuple[torch.Tensor, dict[int, torch.Tensor]]) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    for index, value in cuda.items():
+        torch.cuda.set_rng_state(value, index)
 
 
 def sentence(call: Call, found: dict[str, Any], nan: bool) -> str:

@@ -45,9 +45,10 @@ class Call:
     origin_below: frozenset[int] = frozenset()
     fired_grad_out: frozenset[int] = frozenset()
     grad_origin_below: frozenset[int] = frozenset()
-    # (module, args, kwargs, what the hook saw of them) until the forward phase ends: a forward
-    # origin's operation is named by running it again (tensordbg.engine.pinpoint).
-    invocation: tuple[Any, Any, Any, Any] | None = None
+    # (module, args, kwargs, what the hook saw of them, the random streams' state when the
+    # module draws from them) until the forward phase ends: a forward origin's operation is
+    # named by running it again (tensordbg.engine.pinpoint).
+    invocation: tuple[Any, Any, Any, Any, Any] | None = None
     operation: dict[str, Any] | None = None
 
     @property

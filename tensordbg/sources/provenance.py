@@ -119,7 +119,7 @@ def _unjudged(call: Call) -> list[dict[str, Any]]:
     what made the NaN."""
     if call.invocation is None:
         return []
-    _, args, kwargs, _ = call.invocation
+    _, args, kwargs, *_ = call.invocation
     leaves = tensor_leaves(args, "") + (tensor_leaves(kwargs, "") if kwargs else [])
     out = []
     for suffix, t in leaves:
