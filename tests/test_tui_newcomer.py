@@ -832,3 +832,22 @@ def test_tui_wait_without_a_run_id_waits_for_the_first_session_to_start(
     timer.join()
     assert app is not None and 0.5 < time.monotonic() - began < 8
     assert session_app(wait=0.0) is not None  # there is one now
+
+
+def test_f5_before_any_tensor_is_open_says_how_to_open_one() -> None:
+    """F5 with no tensor open showed an empty source box under "No tensor open". The box says
+    what to do: open a tensor from the Hits tab or the Modules tab first."""
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(FakeSource()))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await paused_on_the_two_hits(pilot)
+            await pilot.press("f5")
+            await until(pilot, lambda: app.query("#provenance-source"))
+            await pilot.pause(0.1)
+            source = text_of(app.query_one("#provenance-source", Static))
+            assert source.startswith("No tensor is open. Open one first:")
+            assert "Hits tab (F2)" in source and "Modules tab (F3)" in source
+            assert "No tensor is open. Open one first:" in screen_text(app)  # on screen
+
+    asyncio.run(flow())
