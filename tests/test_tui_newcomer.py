@@ -851,3 +851,40 @@ def test_f5_before_any_tensor_is_open_says_how_to_open_one() -> None:
             assert "No tensor is open. Open one first:" in screen_text(app)  # on screen
 
     asyncio.run(flow())
+
+
+def test_at_80_by_24_a_module_line_cut_by_the_right_edge_ends_in_an_ellipsis() -> None:
+    """At 80x24 the Modules tab's lines (a module's statistics are long) were cut at the right
+    edge with nothing to say that they go on. A line whose text goes on ends in "…" left of the
+    scrollbar (a line cut only in its padding does not); → scrolls sideways, as the search box
+    says, and a line scrolled to its end has no ellipsis."""
+    source = FakeSource(modules=30)  # more modules than lines: a vertical scrollbar
+    source.module_list[4]["type"] = "CausalSelfAttention"  # net.2: a longer line
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await paused_on_the_two_hits(pilot)
+            await pilot.press("f3")
+            table = app.main.module_browser.table
+            await until(pilot, lambda: table.row_count == 36 and table.has_focus)
+            await pilot.pause(0.1)
+
+            def shown(path: str | None) -> str:
+                """A module's line (the heading for None) as the screen shows it."""
+                paths = [m["path"] for m in table._modules]  # the heading stays on line 0
+                y = 0 if path is None else paths.index(path) + 1 - round(table.scroll_y)
+                area = table.scrollable_content_region
+                line = screen_text(app).splitlines()[area.y + y]
+                return line[area.x : area.right]
+
+            assert "← → scroll the lines sideways" in app.main.module_browser.search.placeholder
+            assert shown("net.2").endswith("…") and "NaN" not in shown("net.2")  # cut
+            assert shown(None).rstrip().endswith("output")  # only padding goes past the edge
+            assert not shown("net.1").rstrip().endswith("…")  # a ReLU's statistics fit
+            while table.scroll_x < table.max_scroll_x:
+                await pilot.press("right")
+            await pilot.pause(0.1)
+            assert shown("net.2").rstrip().endswith("NaN×2!")
+
+    asyncio.run(flow())

@@ -30,7 +30,10 @@ class ModuleBrowser(Vertical):
         super().__init__(id="module-browser")
         self._by_module: dict[str, list[dict[str, Any]]] = {}
         self._pending: Timer | None = None
-        self.search = Input(placeholder="/ search modules by path or type", id="module-search")
+        self.search = Input(
+            placeholder="/ search modules by path or type  ·  ← → scroll the lines sideways",
+            id="module-search",
+        )
         self.table = ModuleTable()
         self.tensors_title = Label("", id="module-tensors-title")
         self.tensor_table = TensorTable()
