@@ -339,6 +339,37 @@ def test_the_last_steps_numbers_that_come_just_after_finished_are_shown() -> Non
     asyncio.run(flow())
 
 
+def test_steps_the_ui_never_heard_of_are_a_gap_in_the_curve_not_the_value_before_them() -> None:
+    """A run that ends just after steps the status throttle left out: its last step's numbers
+    come with "finished", steps 10–18 never come (the history cannot be read once the training
+    has gone). The loss curve drew them as a flat line at step 9's loss, as if the loss had
+    held there; they are a gap, and the title says which steps were not received."""
+    source = FakeSource()
+    with_history(source, loss=[3.0 - step / 10 for step in range(10)])
+    source.state, source.paused_at, source.step = "running", None, 10
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "running")
+            await until(pilot, lambda: app.query_one("#loss-spark").size.height == 4)
+            last = {"step": 19, "loss": 1.0, "grad_norm": 1.0, "steps_per_sec": 9.0}
+            source.emit("state", {"state": "finished", "step": 20})
+            source.emit("status", {"state": "running", "step": 20, "phase": "optimizer",
+                                   "hits_total": 2, "last": last})  # fmt: skip
+            await until(pilot, lambda: "has finished" in text_of(app.main.banner))
+            await pilot.pause(0.1)
+            rows = drawn(app, "loss")
+            width = len(rows[0])
+            for column in range(width):
+                step = column * 20 // width
+                bars = "".join(row[column] for row in rows).strip()
+                assert bool(bars) == (step not in range(10, 19)), (column, step)
+            assert title(app, "loss").endswith("over steps 0–19  steps 10–18 not received")
+
+    asyncio.run(flow())
+
+
 def test_at_80_by_24_the_run_tab_scrolls_by_keys_to_the_gradient_norm() -> None:
     """Paused on a hit at 80x24, the hit's message takes several lines and the gradient-norm
     curve falls below the screen; PageDown and Down did nothing on the Run tab (its keys went
