@@ -919,3 +919,29 @@ def test_at_80_by_24_a_module_line_cut_by_the_right_edge_ends_in_an_ellipsis() -
             assert shown("net.2").rstrip().endswith("NaN×2!")
 
     asyncio.run(flow())
+
+
+def test_a_running_training_in_deferred_mode_says_why_its_modules_have_no_ranges() -> None:
+    """Deferred mode measures a module's output only while the training is paused (its ranges
+    show at a hit): while it ran, the Modules tab's output column was empty without a word.
+    The tab says why while it runs, and no longer once it pauses."""
+    source = FakeSource()
+    source.state, source.paused_at = "running", None
+    source.info = lambda: {**FakeSource.info(source), "sync": "deferred"}  # type: ignore[method-assign]
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.state == "running")
+            await pilot.press("f3")
+            table = app.main.module_browser.table
+            await until(pilot, lambda: table.row_count == 6 and table.has_focus)
+            await pilot.pause(0.1)
+            why = "Deferred mode: ranges are measured when the training pauses, not as it runs."
+            assert why in screen_text(app)
+            source.state = "paused"
+            source.emit("state", {"state": "paused", "step": 3, "reason": "pause"})
+            await until(pilot, lambda: app.state == "paused")
+            await until(pilot, lambda: why not in screen_text(app))
+
+    asyncio.run(flow())
