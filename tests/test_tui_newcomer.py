@@ -339,6 +339,37 @@ def test_the_last_steps_numbers_that_come_just_after_finished_are_shown() -> Non
     asyncio.run(flow())
 
 
+def test_steps_the_ui_never_heard_of_are_a_gap_in_the_curve_not_the_value_before_them() -> None:
+    """A run that ends just after steps the status throttle left out: its last step's numbers
+    come with "finished", steps 10–18 never come (the history cannot be read once the training
+    has gone). The loss curve drew them as a flat line at step 9's loss, as if the loss had
+    held there; they are a gap, and the title says which steps were not received."""
+    source = FakeSource()
+    with_history(source, loss=[3.0 - step / 10 for step in range(10)])
+    source.state, source.paused_at, source.step = "running", None, 10
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "running")
+            await until(pilot, lambda: app.query_one("#loss-spark").size.height == 4)
+            last = {"step": 19, "loss": 1.0, "grad_norm": 1.0, "steps_per_sec": 9.0}
+            source.emit("state", {"state": "finished", "step": 20})
+            source.emit("status", {"state": "running", "step": 20, "phase": "optimizer",
+                                   "hits_total": 2, "last": last})  # fmt: skip
+            await until(pilot, lambda: "has finished" in text_of(app.main.banner))
+            await pilot.pause(0.1)
+            rows = drawn(app, "loss")
+            width = len(rows[0])
+            for column in range(width):
+                step = column * 20 // width
+                bars = "".join(row[column] for row in rows).strip()
+                assert bool(bars) == (step not in range(10, 19)), (column, step)
+            assert title(app, "loss").endswith("over steps 0–19  steps 10–18 not received")
+
+    asyncio.run(flow())
+
+
 def test_at_80_by_24_the_run_tab_scrolls_by_keys_to_the_gradient_norm() -> None:
     """Paused on a hit at 80x24, the hit's message takes several lines and the gradient-norm
     curve falls below the screen; PageDown and Down did nothing on the Run tab (its keys went
@@ -832,3 +863,85 @@ def test_tui_wait_without_a_run_id_waits_for_the_first_session_to_start(
     timer.join()
     assert app is not None and 0.5 < time.monotonic() - began < 8
     assert session_app(wait=0.0) is not None  # there is one now
+
+
+def test_f5_before_any_tensor_is_open_says_how_to_open_one() -> None:
+    """F5 with no tensor open showed an empty source box under "No tensor open". The box says
+    what to do: open a tensor from the Hits tab or the Modules tab first."""
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(FakeSource()))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await paused_on_the_two_hits(pilot)
+            await pilot.press("f5")
+            await until(pilot, lambda: app.query("#provenance-source"))
+            await pilot.pause(0.1)
+            source = text_of(app.query_one("#provenance-source", Static))
+            assert source.startswith("No tensor is open. Open one first:")
+            assert "Hits tab (F2)" in source and "Modules tab (F3)" in source
+            assert "No tensor is open. Open one first:" in screen_text(app)  # on screen
+
+    asyncio.run(flow())
+
+
+def test_at_80_by_24_a_module_line_cut_by_the_right_edge_ends_in_an_ellipsis() -> None:
+    """At 80x24 the Modules tab's lines (a module's statistics are long) were cut at the right
+    edge with nothing to say that they go on. A line whose text goes on ends in "…" left of the
+    scrollbar (a line cut only in its padding does not); → scrolls sideways, as the search box
+    says, and a line scrolled to its end has no ellipsis."""
+    source = FakeSource(modules=30)  # more modules than lines: a vertical scrollbar
+    source.module_list[4]["type"] = "CausalSelfAttention"  # net.2: a longer line
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await paused_on_the_two_hits(pilot)
+            await pilot.press("f3")
+            table = app.main.module_browser.table
+            await until(pilot, lambda: table.row_count == 36 and table.has_focus)
+            await pilot.pause(0.1)
+
+            def shown(path: str | None) -> str:
+                """A module's line (the heading for None) as the screen shows it."""
+                paths = [m["path"] for m in table._modules]  # the heading stays on line 0
+                y = 0 if path is None else paths.index(path) + 1 - round(table.scroll_y)
+                area = table.scrollable_content_region
+                line = screen_text(app).splitlines()[area.y + y]
+                return line[area.x : area.right]
+
+            assert "← → scroll the lines sideways" in app.main.module_browser.search.placeholder
+            assert shown("net.2").endswith("…") and "NaN" not in shown("net.2")  # cut
+            assert shown(None).rstrip().endswith("output")  # only padding goes past the edge
+            assert not shown("net.1").rstrip().endswith("…")  # a ReLU's statistics fit
+            while table.scroll_x < table.max_scroll_x:
+                await pilot.press("right")
+            await pilot.pause(0.1)
+            assert shown("net.2").rstrip().endswith("NaN×2!")
+
+    asyncio.run(flow())
+
+
+def test_a_running_training_in_deferred_mode_says_why_its_modules_have_no_ranges() -> None:
+    """Deferred mode measures a module's output only while the training is paused (its ranges
+    show at a hit): while it ran, the Modules tab's output column was empty without a word.
+    The tab says why while it runs, and no longer once it pauses."""
+    source = FakeSource()
+    source.state, source.paused_at = "running", None
+    source.info = lambda: {**FakeSource.info(source), "sync": "deferred"}  # type: ignore[method-assign]
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.state == "running")
+            await pilot.press("f3")
+            table = app.main.module_browser.table
+            await until(pilot, lambda: table.row_count == 6 and table.has_focus)
+            await pilot.pause(0.1)
+            why = "Deferred mode: ranges are measured when the training pauses, not as it runs."
+            assert why in screen_text(app)
+            source.state = "paused"
+            source.emit("state", {"state": "paused", "step": 3, "reason": "pause"})
+            await until(pilot, lambda: app.state == "paused")
+            await until(pilot, lambda: why not in screen_text(app))
+
+    asyncio.run(flow())

@@ -19,7 +19,7 @@ from textual.geometry import Region, Size
 from textual.message import Message
 from textual.strip import Strip
 
-from tensordbg.tui.components.line_table import GAP, MOVES, LineTable, strip_style
+from tensordbg.tui.components.line_table import GAP, MOVES, LineTable
 from tensordbg.tui.components.typed_ahead import keys_in_order, search
 from tensordbg.tui.messages import OpenTensor
 
@@ -246,11 +246,7 @@ class HitTable(LineTable):
             where = origin if hit["origin"] else dim
             styles = [base, dim, base + Style(bold=True), base, where, base]
             strip = self._strip(_cells(hit), styles, base)
-        x = round(self.scroll_x)
-        if strip.cell_length > x + width:  # cut on the right: say so
-            cut = strip.crop(x, x + width - 1)
-            return Strip([*cut, Segment("…", strip_style(cut))])
-        return strip.crop(x, x + width).extend_cell_length(width, strip_style(strip))
+        return self.fit(strip)
 
     def _strip(self, cells: tuple[str, ...], styles: list[Style], base: Style) -> Strip:
         # The message takes the rest of the line (HitDetail has it all).

@@ -123,9 +123,14 @@ class LineTable(ScrollView, can_focus=True):
         return Strip(segments)
 
     def fit(self, strip: Strip) -> Strip:
-        """The line as the screen shows it: scrolled sideways, padded to the width in its last
-        segment's style (so a cursor bar spans the width)."""
-        x, width = round(self.scroll_x), self.size.width
+        """The line as the screen shows it: scrolled sideways (← →), padded to the width in its
+        last segment's style (so a cursor bar spans the width); a line whose text goes on past
+        the right edge ends in an ellipsis there, so that it does not read as whole."""
+        # The width left of the vertical scrollbar, which covers the line's last cells.
+        x, width = round(self.scroll_x), self.scrollable_content_region.width
+        if strip.crop(x + width).text.strip():  # not only a cell's padding is cut off
+            cut = strip.crop(x, x + width - 1)
+            return Strip([*cut, Segment("…", strip_style(cut))])
         return strip.crop(x, x + width).extend_cell_length(width, strip_style(strip))
 
 

@@ -16,6 +16,7 @@ from tensordbg.tui.components.module_table import ModuleTable
 from tensordbg.tui.components.tensor_table import TensorTable
 
 SETTLE = 0.06  # seconds the cursor rests on a module before its tensors are listed
+UNMEASURED = "Deferred mode: ranges are measured when the training pauses, not as it runs."
 
 
 class ModuleBrowser(Vertical):
@@ -30,19 +31,29 @@ class ModuleBrowser(Vertical):
         super().__init__(id="module-browser")
         self._by_module: dict[str, list[dict[str, Any]]] = {}
         self._pending: Timer | None = None
-        self.search = Input(placeholder="/ search modules by path or type", id="module-search")
+        self.search = Input(
+            placeholder="/ search modules by path or type  ·  ← → scroll the lines sideways",
+            id="module-search",
+        )
+        self.note = Label(UNMEASURED, id="module-note")
         self.table = ModuleTable()
         self.tensors_title = Label("", id="module-tensors-title")
         self.tensor_table = TensorTable()
 
     def compose(self) -> ComposeResult:
         yield self.search
+        yield self.note
         yield self.table
         yield self.tensors_title
         yield self.tensor_table
 
     def set_modules(self, modules: list[dict[str, Any]], step: int | None = None) -> None:
         self.table.set_modules(modules, step)
+
+    def show_unmeasured(self, unmeasured: bool) -> None:
+        """Say why the outputs have no ranges: deferred mode measures them only while the
+        training is paused (``LiveSource.modules``), and it is running."""
+        self.note.set_class(unmeasured, "-visible")
 
     def set_tensors(self, tensors: list[dict[str, Any]]) -> None:
         self._by_module = defaultdict(list)

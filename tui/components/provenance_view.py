@@ -37,8 +37,16 @@ def source_listing(source: dict[str, Any]) -> Group:
     return Group(*lines)
 
 
+NOTHING_OPEN = (
+    "No tensor is open. Open one first: Enter on a hit in the Hits tab (F2), or on a module in "
+    "the Modules tab (F3) and then on one of its tensors. This tab then shows which module "
+    "made it, from which inputs, and the line of your code that called it."
+)
+
+
 class ProvenanceView(VerticalScroll):
-    """Fed by :meth:`load` with a tensor's ref; Enter on an input opens that input."""
+    """Fed by :meth:`load` with a tensor's ref; Enter on an input opens that input. Until a
+    tensor is open, the source box says how to open one."""
 
     def __init__(self) -> None:
         super().__init__(id="provenance-view")
@@ -47,7 +55,7 @@ class ProvenanceView(VerticalScroll):
         tree: Tree[dict[str, Any] | None] = Tree("No tensor open", id="provenance-tree")
         tree.show_root = True
         yield tree
-        source = Static("", id="provenance-source")
+        source = Static(NOTHING_OPEN, id="provenance-source")
         source.border_title = "source"
         yield source
         yield Static("", id="provenance-stack")

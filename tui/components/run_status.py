@@ -41,10 +41,11 @@ STATE_STYLES = {
 
 class StepSparkline(Sparkline):
     """A curve with each step at its own place across the width: a step has a column (or
-    several), and a column that covers several steps draws their mean. A step without a value
-    (not measured, or not received yet) between two with one continues the curve; a step whose
-    value is not finite is a red ``×`` at the bottom, not a bar. A flat series is a level line
-    at half height.
+    several), and a column that covers several steps draws their mean. A step received without
+    a value (not measured) between two with one continues the curve; a step never received (the
+    status events left it out and the history could not be read, as when the run ended just
+    after) is a gap, not drawn as if it held the value before it; a step whose value is not
+    finite is a red ``×`` at the bottom, not a bar. A flat series is a level line at half height.
 
     Textual's sparkline spreads the values it is given over the width whatever their steps (the
     points after a gap, or before a run of NaN, were drawn at other steps' places), and scales
@@ -366,8 +367,9 @@ def _number(value: float) -> str:
 
 def _curve_title(title: str, steps: list[Any], values: list[Any]) -> Text:
     """``Loss  0.31 … 4.26 over steps 0–28  3 non-finite at steps 26–28, not drawn``: the
-    curve's scale, and the points it cannot draw (marked ``×`` where they are); ``not measured
-    at steps 0–79`` where no step has a value."""
+    curve's scale, and the points it cannot draw (marked ``×`` where they are, or left blank
+    where the step never reached the UI: ``steps 20–24 not received``); ``not measured at steps
+    0–79`` where no step has a value."""
     text = Text(title, style="bold")
     if not steps:
         return text
@@ -388,6 +390,15 @@ def _curve_title(title: str, steps: list[Any], values: list[Any]) -> Text:
     if bad:
         where = f"step {bad[0]}" if len(bad) == 1 else f"steps {_ranges(bad)}"
         text.append(f"  {len(bad)} non-finite at {where}, not drawn", style="bold red")
+    gaps = [(a + 1, b - 1) for a, b in pairwise(steps) if b - a > 1]
+    if gaps:  # left blank: status events left them out, and the history was not read since
+        count = sum(last - first + 1 for first, last in gaps)
+        if len(gaps) > 3:
+            where = f"{count} steps"
+        else:
+            ranges = ", ".join(str(f) if f == t else f"{f}–{t}" for f, t in gaps)
+            where = f"step {ranges}" if count == 1 else f"steps {ranges}"
+        text.append(f"  {where} not received", style="dim")
     return text
 
 
@@ -435,11 +446,12 @@ def _columns(steps: list[int], values: list[Any], width: int) -> list[float | st
     ``steps[-1]`` spread evenly, so that each step is at its own place): the mean of their
     finite values; ``MARK`` where their values are all non-finite; where they have no value,
     the value of the column before when a later column has one (the curve goes on over steps
-    not measured or not received), else None."""
+    not measured), else None; None where none of its steps was received (a gap)."""
     if not steps or width <= 0:
         return []
     span = steps[-1] - steps[0] + 1
     out: list[float | str | None] = []
+    received: list[bool] = []
     for column in range(width):
         first = column * span // width
         end = max((column + 1) * span // width, first + 1)
@@ -447,19 +459,25 @@ def _columns(steps: list[int], values: list[Any], width: int) -> list[float | st
         given = [v for v in values[lo:hi] if v is not None]
         finite = _finite(given)
         out.append(_mean(finite) if finite else MARK if given else None)
-    return _carry_over(out)
+        received.append(hi > lo)
+    return _carry_over(out, received)
 
 
-def _carry_over(columns: list[float | str | None]) -> list[float | str | None]:
+def _carry_over(
+    columns: list[float | str | None], received: list[bool]
+) -> list[float | str | None]:
     """Columns without a value take the number of the column before them, when one follows
-    that has a value (a step not measured lies between measured ones)."""
+    that has a value (a step not measured lies between measured ones); a column none of whose
+    steps was ``received`` stays empty, and no value is carried across it."""
     last = max((i for i, c in enumerate(columns) if c is not None), default=-1)
     held: float | str | None = None
-    out = []
-    for i, column in enumerate(columns):
-        if column is not None:
+    out: list[float | str | None] = []
+    for i, (column, heard) in enumerate(zip(columns, received, strict=True)):
+        if not heard:
+            held = None
+        elif column is not None:
             held = column if isinstance(column, float) else None
-        out.append(column if column is not None or i > last else held)
+        out.append(column if column is not None or i > last or not heard else held)
     return out
 
 

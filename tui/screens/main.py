@@ -110,6 +110,7 @@ class MainScreen(Screen):
         self._focus_switch: bool | None = None  # set by show_tab for the switch it makes
         self._replay_text = ""  # a recorded run: the dumped step shown, for the sub-title
         self._heard = time.monotonic()  # when the training last sent an event
+        self._sync = ""  # when the training measures its tensors: "eager", "batched", "deferred"
 
     def compose(self) -> ComposeResult:
         yield Header(icon="◆")
@@ -144,6 +145,7 @@ class MainScreen(Screen):
         script = str(info.get("script", "?")).replace("\\", "/").rsplit("/", 1)[-1]
         self.sub_title = f"{script} · run {info.get('run_id', '?')}"
         self._step = info.get("step")
+        self._sync = info.get("sync", "")
         self._show_replay(info)
         self.run_status.show_info(info)
         table = self.hit_table
@@ -155,6 +157,7 @@ class MainScreen(Screen):
         )
         self._state = info.get("state", "running")
         self.app.state = self._state  # type: ignore[attr-defined]
+        self._explain_ranges()  # the same state as before may be another session's
         self._show_title()
         paused_at = info.get("paused_at")
         if not self._welcomed and paused_at:
@@ -220,12 +223,18 @@ class MainScreen(Screen):
         """The training's state changed (the app's ``state`` reactive)."""
         before, self._state = self._state, state
         self.run_status.show_state(state)
+        self._explain_ranges()
         if state != "running":
             self.run_status.show_running_rule(None)
         self._heard = time.monotonic()
         self._show_title()
         if state == "paused" and before not in ("paused", "connecting", "disconnected"):
             self._refresh_paused()
+
+    def _explain_ranges(self) -> None:
+        """A running training in deferred mode measures no module's output (their ranges come
+        when it pauses): the Modules tab says so rather than showing empty columns."""
+        self.module_browser.show_unmeasured(self._state == "running" and self._sync == "deferred")
 
     def show_connecting(self) -> None:
         if not self._lost_text:
