@@ -166,7 +166,7 @@ def test_tensor_range_lists_every_bound_that_fired():
     found = judge(rule, np.array([0.0, 5.0, 50.0]), name="enc.output", kind="output")
     assert (found.value, found.threshold) == (50.0, 10.0)
     assert (
-        "enc.output is outside the bounds set for it: max 50 > 10, mean 18.3 > 1;" in found.message
+        "enc.output is outside the bounds set for it: max 50 > 10, mean 18.3 > 1." in found.message
     )
 
 

@@ -345,7 +345,7 @@ def test_at_80_by_24_the_run_tab_scrolls_by_keys_to_the_gradient_norm() -> None:
     nowhere). F1 gives the keys to the tab, and they scroll it."""
     source = FakeSource()
     source._hits[0]["message"] = (
-        "net.2.output holds 2 NaN among 32 values; a NaN usually comes from 0/0, log or sqrt of a "
+        "net.2.output holds 2 NaN among 32 values. A NaN usually comes from 0/0, log or sqrt of a "
         "negative or zero value, or an overflow just before. Its inputs were finite: it made them."
     )
 
