@@ -832,3 +832,28 @@ def test_tui_wait_without_a_run_id_waits_for_the_first_session_to_start(
     timer.join()
     assert app is not None and 0.5 < time.monotonic() - began < 8
     assert session_app(wait=0.0) is not None  # there is one now
+
+
+def test_the_hit_detail_shows_no_number_without_saying_what_it_is() -> None:
+    """Under a NaN hit's message the detail said "value 1984": 1984 what? The message says it
+    ("holds 1984 NaN among 31744 values"); a number apart from it is the rule's measure against
+    the threshold it crossed, and says so."""
+    source = FakeSource()
+    message = "blocks.0.attn.output holds 1984 NaN among 31744 values."
+    source._hits[0].update(value=1984.0, threshold=None, message=message)
+    source._hits[1].update(rule="ExplodingGradient", value=2.5e6, threshold=1e6)
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await paused_on_the_two_hits(pilot)
+            detail = app.query_one("#hit-detail", Static)
+            await until(pilot, lambda: message in text_of(detail))
+            assert "1984" not in text_of(detail).replace(message, "")
+            await pilot.press("down")
+            await until(pilot, lambda: "[ExplodingGradient]" in text_of(detail))
+            assert "ExplodingGradient measured 2.5e+06 against its threshold 1e+06" in text_of(
+                detail
+            )
+
+    asyncio.run(flow())
