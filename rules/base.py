@@ -60,12 +60,25 @@ class Refine:
 
 @dataclass(frozen=True, slots=True)
 class Finding:
-    """A rule's verdict on one tensor: the measured value, the threshold it crossed and one
-    sentence for a person (what, where, how much, what it usually means)."""
+    """A rule's verdict on one tensor: the measured value, the threshold it crossed, one
+    sentence for a person (what, where, how much) and the ``advice`` (what it usually means,
+    what to do). For a condition that flows downstream (``Rule.propagates``, NaN and Inf) the
+    engine gives the advice only where the condition arose; a tensor that merely passed it on
+    names that place instead.
+
+    >>> Finding(3.0, None, "x holds 3 NaN among 8 values.", "A NaN comes from 0/0.").advised
+    'x holds 3 NaN among 8 values. A NaN comes from 0/0.'
+    """
 
     value: float
     threshold: float | None
     message: str
+    advice: str = ""
+
+    @property
+    def advised(self) -> str:
+        """The message followed by the advice: what a person reads where the condition arose."""
+        return f"{self.message} {self.advice}" if self.advice else self.message
 
 
 class Rule:

@@ -122,14 +122,24 @@ class ExplodingGradient(Rule):
 
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
         if t.nonfinite:
-            count, nonfinite = nonfinite_count(t, (NAN, POSINF, NEGINF), "NaN/Inf values")
-            return Finding(
-                count,
-                None,
-                f"{t.name} holds {nonfinite} among {t.numel}; the gradient "
-                "overflowed: lower the learning rate, clip gradients, or with float16 use a "
-                "GradScaler.",
-            )
+            overflow = "lower the learning rate, clip gradients, or with float16 use a GradScaler."
+            if t.has_nan and t.has_inf is False:  # 0/0 or 0 * Inf: rarely a rate too high
+                count, nonfinite = nonfinite_count(t, (NAN,), "NaN")
+                advice = (
+                    "A NaN gradient comes from 0/0 or 0 × Inf in backward: the derivative of "
+                    "sqrt or of a norm at zero, a division by a value near zero, log of a "
+                    "negative value; look at the backward of what made it."
+                )
+            elif t.has_inf and t.has_nan is False:
+                count, nonfinite = nonfinite_count(t, (POSINF, NEGINF), "infinite values")
+                advice = f"The gradient overflowed: {overflow}"
+            else:
+                count, nonfinite = nonfinite_count(t, (NAN, POSINF, NEGINF), "NaN/Inf values")
+                advice = (
+                    "A NaN comes from 0/0 or 0 × Inf in backward (or from Infs that met), an "
+                    f"Inf from an overflow: {overflow}"
+                )
+            return Finding(count, None, f"{t.name} holds {nonfinite} among {t.numel}.", advice)
         norm = t.get(L2)
         if norm is None:
             return None

@@ -52,7 +52,8 @@ class NaN(Rule):
                 1.0,
                 None,
                 f"{t.name} holds NaN or Inf among {t.numel} values (the tensor was not kept, so "
-                "they were not counted); look at it with sync='eager' or a larger retain_bytes.",
+                "they were not counted).",
+                "Look at it with sync='eager' or a larger retain_bytes.",
             )
         if not t.has_nan:
             return None
@@ -60,8 +61,9 @@ class NaN(Rule):
         return Finding(
             count,
             None,
-            f"{t.name} holds {nan} among {t.numel} values; a NaN usually comes from 0/0, "
-            "log or sqrt of a negative or zero value, or an overflow just before.",
+            f"{t.name} holds {nan} among {t.numel} values.",
+            "A NaN usually comes from 0/0, log or sqrt of a negative or zero value, or an "
+            "overflow just before.",
         )
 
 
@@ -98,9 +100,9 @@ class Overflow(Rule):
             return Finding(
                 count,
                 None,
-                f"{t.name} holds {infinite}{signs} among {t.numel}; an Inf comes from a value "
-                f"that overflowed {t.dtype} (too high a learning rate, exp of a large input), "
-                "a division by zero or the log of zero.",
+                f"{t.name} holds {infinite}{signs} among {t.numel}.",
+                f"An Inf comes from a value that overflowed {t.dtype} (too high a learning rate, "
+                "exp of a large input), a division by zero or the log of zero.",
             )
         if t.dtype not in NARROW_FLOATS:
             return None
@@ -112,9 +114,9 @@ class Overflow(Rule):
             peak,
             limit,
             f"{t.name} reaches {peak:.3g}, {peak / FLOAT_MAX[t.dtype]:.0%} of the largest "
-            f"{t.dtype} {FLOAT_MAX[t.dtype]:.5g} (threshold {self.near:g} of it); it is about to "
-            "overflow: scale the loss down (GradScaler), normalise the inputs or run this "
-            "operation in float32.",
+            f"{t.dtype} {FLOAT_MAX[t.dtype]:.5g} (threshold {self.near:g} of it).",
+            "It is about to overflow: scale the loss down (GradScaler), normalise the inputs or "
+            "run this operation in float32.",
         )
 
 
@@ -257,9 +259,9 @@ class TensorRange(Rule):
         return Finding(
             value,
             bound,
-            f"{t.name} is outside the bounds set for it: {', '.join(f[2] for f in fired)}; "
-            "look at what feeds it (unnormalised inputs, a drifting layer, a learning rate "
-            "too high).",
+            f"{t.name} is outside the bounds set for it: {', '.join(f[2] for f in fired)}.",
+            "Look at what feeds it (unnormalised inputs, a drifting layer, a learning rate too "
+            "high).",
         )
 
 

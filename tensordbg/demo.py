@@ -106,7 +106,7 @@ def train(
     model = TinyGPT()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     session = tensordbg.attach(model, optimizer=optimizer, on_hit=on_hit, server=server)
-    bad_losses = 0
+    bad_losses, step, quit_ui = 0, 0, False
     try:
         for step, tokens in enumerate(batches(steps, bad_step)):
             logits = model(tokens[:, :-1])
@@ -116,6 +116,9 @@ def train(
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if session.detached:  # the UI's q: the demo's training is only there to be watched
+                quit_ui = True
+                break
             value = loss.item()
             if step % 10 == 0:
                 print(f"step {step:3d}  loss {value:.4f}", flush=True)
@@ -125,7 +128,9 @@ def train(
                 break
             time.sleep(0.05)  # slow enough to watch in the UI
     except KeyboardInterrupt:  # `tensordbg demo` stops its training when the UI quits
-        print(f"step {session.step:3d}  stopped: the UI was closed", flush=True)
+        quit_ui = True
+    if quit_ui:
+        print(f"step {step:3d}  stopped: the UI was closed, and the demo with it", flush=True)
     if threading.current_thread() is threading.main_thread():
         # The Ctrl-C that `tensordbg demo` sends when its UI quits stops the loop; one that
         # comes after the loop ended by itself (the loss went NaN) would interrupt the summary

@@ -70,7 +70,7 @@ def test_the_demo_pauses_at_the_broken_attention_and_lets_a_person_inspect_it():
             "produced by blocks.0.attn", "→ 53         weights = F.softmax(scores, dim=-1)",
             "made by torch.nn.functional.softmax",
         )  # fmt: skip
-        terminal.press("q")  # detach and quit: the training runs to its end
+        terminal.press("q")  # quit: the demo's training stops there and prints its summary
         terminal.wait_for("1 at their origin", "step 25 forward: [NaN] blocks.0.attn.output")
     finally:
         terminal.close()
@@ -87,5 +87,20 @@ def test_q_in_the_demo_gives_the_terminal_back_at_once():
         quit_at = time.monotonic()
         terminal.wait_for("stopped: the UI was closed", "the training's output:", timeout=30)
         assert time.monotonic() - quit_at < 8  # under load; about 1.5 s on a quiet machine
+    finally:
+        terminal.close()
+
+
+@pytest.mark.timeout(300)
+def test_q_at_the_hit_stops_the_demo_at_that_step_and_says_so():
+    """q at the demo's hit: the person quit the demo, so its training stops at the hit's step,
+    rather than running on unwatched until its loss had been NaN for three steps."""
+    terminal = Terminal(f"{sys.executable} -m tensordbg.cli demo --bad-step 3")
+    try:
+        terminal.wait_for("PAUSED", "● origin", timeout=120)
+        terminal.press("q")
+        screen = terminal.wait_for("the training's output:", timeout=30)
+        assert "step   3  stopped: the UI was closed, and the demo with it" in screen
+        assert "NaN for 3 steps" not in screen
     finally:
         terminal.close()

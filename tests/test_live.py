@@ -28,7 +28,7 @@ def test_the_session_info_says_where_it_is_paused(paused):
     assert info["paused_at"]["origin"] and info["paused_at"]["module"] == ""
     assert info["pause_reason"] == f"NaN hit: {info['paused_at']['message']}"
     # h / 0 is +-Inf everywhere; the out layer sums Infs of both signs into all 16x4 values.
-    assert info["paused_at"]["message"].startswith("output holds 64 NaN among 64 values;")
+    assert info["paused_at"]["message"].startswith("output holds 64 NaN among 64 values.")
     assert info["history"]["step"] == [0, 1, 2] and None not in info["history"]["loss"]
 
 

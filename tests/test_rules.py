@@ -166,7 +166,7 @@ def test_tensor_range_lists_every_bound_that_fired():
     found = judge(rule, np.array([0.0, 5.0, 50.0]), name="enc.output", kind="output")
     assert (found.value, found.threshold) == (50.0, 10.0)
     assert (
-        "enc.output is outside the bounds set for it: max 50 > 10, mean 18.3 > 1;" in found.message
+        "enc.output is outside the bounds set for it: max 50 > 10, mean 18.3 > 1." in found.message
     )
 
 
@@ -251,6 +251,20 @@ def test_exploding_gradient_above_max_norm_or_non_finite():
     found = judge(ExplodingGradient(), np.array([1.0, np.nan, np.inf]), **GRAD)
     assert found.value == 2.0
     assert "holds 2 NaN/Inf values" in found.message
+
+
+def test_a_nan_gradient_is_not_called_an_overflow_an_infinite_one_is():
+    """A NaN gradient comes from 0/0 or 0 × Inf in backward (the derivative of sqrt at zero),
+    and a lower learning rate does not cure it; an infinite gradient overflowed."""
+    nan = judge(ExplodingGradient(), np.array([1.0, np.nan, 2.0]), **GRAD)
+    assert nan.message == "layers.1.fc.weight.grad holds 1 NaN among 3."
+    assert "0/0" in nan.advice and "overflow" not in nan.advice
+    assert "learning rate" not in nan.advice
+    inf = judge(ExplodingGradient(), np.array([1.0, np.inf, -np.inf]), **GRAD)
+    assert "holds 2 infinite values among 3" in inf.message
+    assert inf.advice.startswith("The gradient overflowed: lower the learning rate")
+    both = judge(ExplodingGradient(), np.array([1.0, np.nan, np.inf]), **GRAD)
+    assert "0/0" in both.advice and "overflow" in both.advice
 
 
 def test_exploding_gradient_ignores_growth_from_an_all_zero_history():

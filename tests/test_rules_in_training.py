@@ -86,6 +86,29 @@ def test_nan_and_overflow_in_a_layers_output(watch, sync):
     }
 
 
+class Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)  # NaN wherever x < 0
+
+
+@pytest.mark.parametrize("sync", ["eager", "deferred"])
+def test_only_the_nan_at_its_origin_says_what_usually_makes_a_nan(watch, sync):
+    """What usually makes a NaN is said where the NaN was made; a hit that only passed it on
+    names that place instead of repeating the advice."""
+    model = net(nn.Linear(8, 8), Log(), nn.Linear(8, 8), nn.Linear(8, 2))
+    session = watch(model, on_hit="record", rules=[NaN()], sync=sync)
+    with torch.no_grad():
+        model(torch.randn(16, 8))
+    session.flush()
+    [made] = [h for h in session.hits if h.origin]
+    assert made.tensor == "1.output" and "usually comes from 0/0" in made.message
+    passed = [h for h in session.hits if not h.origin]
+    assert [h.tensor for h in passed] == ["2.output", "3.output"]
+    for hit in passed:
+        assert "first produced at 1.output" in hit.message
+        assert "usually comes from" not in hit.message
+
+
 def test_overflow_warns_a_float16_tensor_before_it_overflows(watch):
     model = net(nn.Linear(8, 8)).half()
     with torch.no_grad():

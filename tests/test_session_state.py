@@ -90,3 +90,16 @@ def test_eager_checks_keep_recent_tensors_within_the_budget(watch):
     # The budget holds three activations: the hit's own and the two the model made just before
     # it. Everything older was let go.
     assert kept == names[-3:] == ["9.output", "10.output", "11.output"]
+
+
+def test_without_an_optimizer_detach_completes_the_last_step_and_keeps_its_loss(watch):
+    """Without an optimizer a step is one call of the model, completed by the next call; the
+    last call has none after it, so detach completes its step: its loss joins the history."""
+    model = mlp()
+    session = watch(model, on_hit="record")
+    for loss in (3.0, 2.0, 1.0):
+        model(torch.randn(3, 4)).sum().backward()
+        session.observe("loss", torch.tensor(loss))
+    session.detach()
+    assert [(step, loss) for step, loss, _, _ in session.history] == [(0, 3.0), (1, 2.0), (2, 1.0)]
+    assert session.step == 3

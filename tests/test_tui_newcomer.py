@@ -376,7 +376,7 @@ def test_at_80_by_24_the_run_tab_scrolls_by_keys_to_the_gradient_norm() -> None:
     nowhere). F1 gives the keys to the tab, and they scroll it."""
     source = FakeSource()
     source._hits[0]["message"] = (
-        "net.2.output holds 2 NaN among 32 values; a NaN usually comes from 0/0, log or sqrt of a "
+        "net.2.output holds 2 NaN among 32 values. A NaN usually comes from 0/0, log or sqrt of a "
         "negative or zero value, or an overflow just before. Its inputs were finite: it made them."
     )
 
@@ -943,5 +943,28 @@ def test_a_running_training_in_deferred_mode_says_why_its_modules_have_no_ranges
             source.emit("state", {"state": "paused", "step": 3, "reason": "pause"})
             await until(pilot, lambda: app.state == "paused")
             await until(pilot, lambda: why not in screen_text(app))
+
+
+def test_the_hit_detail_shows_no_number_without_saying_what_it_is() -> None:
+    """Under a NaN hit's message the detail said "value 1984": 1984 what? The message says it
+    ("holds 1984 NaN among 31744 values"); a number apart from it is the rule's measure against
+    the threshold it crossed, and says so."""
+    source = FakeSource()
+    message = "blocks.0.attn.output holds 1984 NaN among 31744 values."
+    source._hits[0].update(value=1984.0, threshold=None, message=message)
+    source._hits[1].update(rule="ExplodingGradient", value=2.5e6, threshold=1e6)
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await paused_on_the_two_hits(pilot)
+            detail = app.query_one("#hit-detail", Static)
+            await until(pilot, lambda: message in text_of(detail))
+            assert "1984" not in text_of(detail).replace(message, "")
+            await pilot.press("down")
+            await until(pilot, lambda: "[ExplodingGradient]" in text_of(detail))
+            assert "ExplodingGradient measured 2.5e+06 against its threshold 1e+06" in text_of(
+                detail
+            )
 
     asyncio.run(flow())

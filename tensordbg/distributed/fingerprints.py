@@ -90,7 +90,7 @@ class Fingerprints:
         session = self.session
         found = drifted(active.rule, self._names or [], mine, reference, self.rank)
         for name, finding in found[:MAX_HITS_PER_CHECK]:
-            message = finding.message
+            message = finding.advised
             if len(found) > MAX_HITS_PER_CHECK and name == found[0][0]:
                 message += f" ({len(found)} parameters differ.)"
             owner = session.weights.by_name.get(name)

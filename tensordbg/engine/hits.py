@@ -116,7 +116,7 @@ class HitLog:
             value=float(finding.value),
             threshold=None if finding.threshold is None else float(finding.threshold),
             message=with_origin(
-                finding.message,
+                finding,
                 is_origin,
                 condition,
                 kind,
@@ -143,15 +143,17 @@ def _summary(record: Record) -> dict[str, Any]:
 
 
 def with_origin(
-    message: str, is_origin: bool, condition: int | None, kind: str, module: str, first: str
+    finding: Finding, is_origin: bool, condition: int | None, kind: str, module: str, first: str
 ) -> str:
-    """The finding's sentence, followed by where the value came from."""
+    """The finding's sentence, followed by where the value came from. Its advice (what the
+    condition usually means) is given where the condition arose, not repeated downstream."""
     if condition is None:
-        return message
+        return finding.advised
     if not is_origin:
         source = f" (first produced at {first})" if first else ""
-        return f"{message} It was passed on from upstream{source}, not produced here."
-    return f"{message} {_ORIGIN_NOTE.get((kind, bool(module)), _ORIGIN_NOTE[kind, True])}"
+        return f"{finding.message} It was passed on from upstream{source}, not produced here."
+    note = _ORIGIN_NOTE.get((kind, bool(module)), _ORIGIN_NOTE[kind, True])
+    return f"{finding.advised} {note}"
 
 
 _ORIGIN_NOTE = {

@@ -27,6 +27,7 @@ makes hits of them.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import NamedTuple
 
 from tensordbg.engine.records import NONFINITE, Call, Record, is_model_output
@@ -116,8 +117,9 @@ class Attribution:
                 elif condition is not None and is_origin:
                     # Passed up from a submodule, but made by this module's own code.
                     name = call.tensor_name("output", suffix)
-                    message = finding.message.replace(record.stats.name, name)
-                    finding = Finding(finding.value, finding.threshold, message)
+                    finding = replace(
+                        finding, message=finding.message.replace(record.stats.name, name)
+                    )
                     out.append(Verdict(record, rule_id, finding, True, call, "output", name))
         if call.parent is None:
             self.root_fired = set(call.fired_out)

@@ -344,8 +344,11 @@ class Session(Pipeline, BackwardPhase, OptimizerPhase):
         if threading.current_thread() is not training and training.is_alive():
             self.controller.detach()  # finished by the training thread (_detach_requested)
             return
+        self.controller.detach()  # what the last step's end finds is recorded, not paused on
+        if not self.optimizers and self._root_forwards and not self.broken:
+            self.flush()  # a step is one call of the model, ended by the next: none will come
+            self._finish_step()
         self.detached = True
-        self.controller.detach()
         self.publish()
         # The UI's q lets the training go on unwatched ("detached"); at exit it is over.
         state = "finished" if self._exiting else "detached"

@@ -325,7 +325,7 @@ def _end_phase(ruleset: RuleSet, records: list[Record], rank: int, report: Check
                 _rule_name(ruleset, rule_id),
                 float(finding.value),
                 _threshold(finding.threshold),
-                finding.message,
+                finding.advised,
             )
         )
 
@@ -392,7 +392,7 @@ def _finding(ruleset: RuleSet, rule_id: int, finding: Any, entry: Any, step: int
              rank: int) -> Finding:  # fmt: skip
     return Finding(step, rank, entry.phase, entry.order, entry.name, entry.module, entry.kind,
                    _rule_name(ruleset, rule_id), float(finding.value),
-                   _threshold(finding.threshold), finding.message)  # fmt: skip
+                   _threshold(finding.threshold), finding.advised)  # fmt: skip
 
 
 def _rule_name(ruleset: RuleSet, rule_id: int) -> str:

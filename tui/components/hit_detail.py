@@ -27,11 +27,14 @@ class HitDetail(Static):
         text.append(f"  {hit['kind']} of {hit['module'] or '(model)'}, call {hit['call']}")
         text.append(f"  step {hit['step']} {hit['phase']}  ({where})\n")
         text.append(hit["message"] + "\n")
-        threshold = "" if hit.get("threshold") is None else f"  threshold {hit['threshold']:.4g}"
-        text.append(f"value {hit['value']:.4g}{threshold}", style="dim")
+        # The message says what was measured, with its unit ("holds 1984 NaN among 31744
+        # values"): a bare "value 1984" repeats it without saying what it is. Only a threshold
+        # adds something.
+        if hit.get("threshold") is not None:
+            text.append(f"{hit['rule']} measured {hit['value']:.4g} against its threshold "
+                        f"{hit['threshold']:.4g}   ", style="dim")  # fmt: skip
         summary = hit.get("summary") or {}
         if summary:
-            text.append("   ")
             text.append(describe(summary, summary.get("shape"), summary.get("dtype", "")))
         text.append("\nEnter opens the tensor.", style="dim italic")
         self.update(text)
