@@ -37,6 +37,10 @@ def _train(model, opt, steps: int, bad_step: int = -1, on_step=None) -> None:
             on_step(step)
 
 
+_LINES, _FIRST = inspect.getsourcelines(_train)
+_MODEL_CALL_LINE = _FIRST + next(i for i, line in enumerate(_LINES) if "model(x)" in line)
+
+
 @pytest.mark.parametrize("sync", ["eager", "batched", "deferred"])
 def test_a_planted_nan_is_dumped_with_its_hits_and_values(tmp_path, sync):
     model = _model()
@@ -259,3 +263,25 @@ def test_a_hit_named_after_the_call_that_made_it_keeps_its_origin_in_the_dump(tm
         inspect.getsourcelines(Masked.forward)[1] + 1, prov["operation"]["line"]]  # fmt: skip
     mask = next(i for i in prov["inputs"] if i["dtype"] == "bool")
     assert mask["line"] == "bool mask: 2 of 8 True; 1 of 2 rows all False"
+
+
+def test_a_periodic_steps_dumped_value_keeps_where_it_came_from(tmp_path):
+    """Values dumped on periodic steps (dump_tensors) carry their provenance, as a hit step's
+    do: the replay names the module that made the value, its input and the line that called it."""
+    from tensordbg.sources.replay import ReplaySource
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = tensordbg.attach(model, opt, on_hit="record", server=False, dump_dir=tmp_path,
+                               dump_every=1, dump_tensors=["2.output"],
+                               summary_at_exit=False)  # fmt: skip
+    _train(model, opt, steps=2)
+    session.detach()
+    source = ReplaySource(tensordbg.load(tmp_path))
+    source.goto(1)
+    ref = next(m["ref"] for m in source.tensors() if m["name"] == "2.output")
+    prov = source.provenance(ref)
+    assert prov["producer"]["module"] == "2"
+    assert [i["name"] for i in prov["inputs"]] == ["1.output"]
+    # The line that called the model (the Sequential runs its children itself).
+    assert (prov["source"]["function"], prov["source"]["line"]) == ("_train", _MODEL_CALL_LINE)

@@ -167,10 +167,10 @@ class DumpRecorder:
                 continue
             name = record.stats.name
             if copy_all or (self.patterns and _matches(name, self.patterns)):
-                self._copy(buffer, record, with_provenance=copy_all)
+                self._copy(buffer, record)
         buffer.values_from_hits |= copy_all
 
-    def _copy(self, buffer: _StepBuffer, record: Any, with_provenance: bool) -> None:
+    def _copy(self, buffer: _StepBuffer, record: Any) -> None:
         tensor = record.held()
         if tensor is None or tensor.layout != torch.strided:
             return
@@ -185,18 +185,19 @@ class DumpRecorder:
         # The device-to-host copy: the one cost the training thread pays for values.
         buffer.values[record.stats.name] = tensor.detach().to("cpu", copy=True)
         buffer.value_bytes += nbytes
-        if with_provenance:
-            try:
-                from tensordbg.sources.provenance import provenance
+        # Every dumped value keeps where it came from (a hit step's, and a periodic step's
+        # dump_tensors): the replay's Provenance tab shows it.
+        try:
+            from tensordbg.sources.provenance import provenance
 
-                # A hit that names the call whose own code made the value (the attention, not
-                # its output projection) gets that call's provenance: its line, its mask.
-                maker = next((h for h in buffer.hits if h.get("stored_as") == record.stats.name
-                              and h.get("ref") == record.stats.ref), None)  # fmt: skip
-                where = (maker["module"], maker["call"]) if maker is not None else (None, 0)
-                buffer.provenance[id(record.stats)] = provenance(self.session, record, *where)
-            except Exception:  # provenance is a courtesy; the values matter
-                pass
+            # A hit that names the call whose own code made the value (the attention, not
+            # its output projection) gets that call's provenance: its line, its mask.
+            maker = next((h for h in buffer.hits if h.get("stored_as") == record.stats.name
+                          and h.get("ref") == record.stats.ref), None)  # fmt: skip
+            where = (maker["module"], maker["call"]) if maker is not None else (None, 0)
+            buffer.provenance[id(record.stats)] = provenance(self.session, record, *where)
+        except Exception:  # provenance is a courtesy; the values matter
+            pass
 
     def _halt(self, step: int, records: list[Any]) -> None:
         """The training is about to stop on a hit: write the step so far, and wait for it."""
