@@ -44,8 +44,8 @@ class CommandLine:
         """``given`` (a script's own attach arguments) with the command line's settings over
         them, said once."""
         if self.flags:
-            print(f"tensordbg run: the script attaches tensordbg itself; {self.flags} from the "
-                  "command line apply to it", file=sys.stderr, flush=True)  # fmt: skip
+            print(f"tensordbg run: the script attaches tensordbg itself; the command line's "
+                  f"settings ({self.flags}) apply to it", file=sys.stderr, flush=True)  # fmt: skip
             self.flags = ""
         return {**given, **self.settings}
 

@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     on_hit = "record" if args.no_ui else "pause"
     session = train(args.steps, args.bad_step, on_hit=on_hit, server=not args.no_ui)
-    print(session.summary(), flush=True)
+    tensordbg.engine.hits.print_summary(session, sys.stdout)
     return 0
 
 

@@ -115,7 +115,7 @@ def test_the_command_lines_dump_and_on_hit_apply_to_a_script_that_attaches_itsel
     script.write_text(SELF_ATTACHING)
     done = tensordbg("run", "--dump-dir", "dump", str(script), cwd=tmp_path, timeout=60)
     assert done.returncode == 3, done.stderr
-    assert "--dump-dir dump from the command line apply to it" in done.stderr
+    assert "the command line's settings (--dump-dir dump) apply to it" in done.stderr
     assert "origins [('input[0]', 3, 'forward')]" in done.stdout
     assert tensordbg_load(tmp_path / "dump").steps()[0] == 3  # the first step that hit
 
@@ -241,6 +241,17 @@ def test_a_script_that_attaches_and_exits_with_hits_prints_the_summary(tmp_path:
                           timeout=120, cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "at their origin." in done.stderr and "input[0]" in done.stderr
+
+
+def test_the_demo_under_tensordbg_run_prints_its_summary_once(tmp_path: Path):
+    """The demo prints its summary, and tensordbg run prints one at the end: the same hits
+    were listed twice, one after the other."""
+    from tensordbg import demo
+
+    done = tensordbg("run", "--on-hit", "record", demo.__file__, "--no-ui",
+                     "--steps", "6", "--bad-step", "3", cwd=tmp_path, timeout=120)  # fmt: skip
+    assert done.returncode == 1, done.stderr  # hits were recorded
+    assert (done.stdout + done.stderr).count("at their origin.") == 1
 
 
 def test_a_selection_that_leaves_no_module_watched_says_so_and_names_the_modules(script: Path):

@@ -7,8 +7,9 @@ origin are kept, and the log says so once.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TextIO
 
 from tensordbg.engine.judge import ActiveRule
 from tensordbg.engine.records import Call, Record
@@ -17,6 +18,16 @@ from tensordbg.rules.base import Finding
 from tensordbg.statistics.torch_kernels import summarize
 
 MAX_HITS = 100_000
+
+
+def print_summary(session: Any, file: TextIO | None = None) -> None:
+    """Print ``session.summary()`` once. The demo, ``tensordbg run`` and the exit of a program
+    that attached each print it when hits were recorded; a script run by ``tensordbg run`` that
+    prints it too would show it twice."""
+    if session.hitlog.summarized:
+        return
+    session.hitlog.summarized = True
+    print(session.summary(), file=file or sys.stderr, flush=True)
 
 
 class HitLog:
@@ -37,6 +48,8 @@ class HitLog:
         self._log = log
         self.rank = 0
         """The session's rank: every hit logged carries it."""
+        self.summarized = False
+        """Whether the session's summary was printed (see :func:`print_summary`)."""
 
     def add(self, hit: Hit, active: ActiveRule | None) -> bool:
         """Log a hit; False when the cap drops it (a hit not at its origin past ``max_hits``)."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import os
 import secrets
-import sys
 import threading
 import traceback
 import warnings
@@ -30,7 +29,7 @@ from tensordbg.engine.bus import EventBus, extend
 from tensordbg.engine.capture import Capture
 from tensordbg.engine.control import ControlPlane, PauseController
 from tensordbg.engine.handles import HandleGroup
-from tensordbg.engine.hits import HitLog
+from tensordbg.engine.hits import HitLog, print_summary
 from tensordbg.engine.judge import ActiveRule, RuleSet
 from tensordbg.engine.metrics import StepMetrics
 from tensordbg.engine.modes import SYNC, choose
@@ -493,5 +492,5 @@ def _detach_at_exit(ref: weakref.ref[Session]) -> None:
     session = ref()
     if session is not None:
         if session.summary_at_exit and session.hits and not session.detached:
-            print(session.summary(), file=sys.stderr, flush=True)
+            print_summary(session)
         session.detach(finished=True)

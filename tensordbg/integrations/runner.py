@@ -26,6 +26,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tensordbg.api import COMMAND_LINE, CommandLine, attach, attached_to
+from tensordbg.engine.hits import print_summary
 from tensordbg.engine.session import Session
 from tensordbg.hit import WatchpointHit
 from tensordbg.integrations.frameworks import TrainerPatches, TrainingWatch
@@ -186,7 +187,7 @@ def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = 
     finally:
         for session in run.sessions:
             if session.hits:
-                print(session.summary(), file=sys.stderr, flush=True)
+                print_summary(session)
         run.remove()
         sys.argv, sys.path[:] = saved_argv, saved_path
         if run.profile_steps:
