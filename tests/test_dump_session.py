@@ -90,6 +90,60 @@ def test_periodic_steps_hold_statistics_and_the_chosen_values(tmp_path):
     assert grad.stats(4)  # the engine's statistics of it
 
 
+class Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)  # NaN where x < 0
+
+
+class MaskedInside(nn.Module):
+    """Its log's output holds NaN, which nan_to_num hides before anything else."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log = Log()
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.nan_to_num(self.log(x)))
+
+
+def test_a_dumped_step_reads_each_module_output_in_its_hook_not_again_after_the_forward(
+    tmp_path, monkeypatch
+):
+    """On a dumped step deferred mode screens each module's output while it is in the cache
+    (read again after the forward, it was 2-3 % of the step); a value it finds not finite is
+    dumped as such (the NaN inside, which nan_to_num hides from every guard)."""
+    from tensordbg.engine.pipeline import Pipeline
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), MaskedInside(), nn.ReLU(), nn.Linear(2, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    read_after = []
+    real = Pipeline.screen
+
+    def screen(self, record, tensor):
+        if record.stats.kind == "output":
+            read_after.append(record.stats.name)
+        real(self, record, tensor)
+
+    monkeypatch.setattr(Pipeline, "screen", screen)
+    session = tensordbg.attach(model, opt, on_hit="record", server=False, dump_dir=tmp_path,
+                               dump_every=1, sync="deferred", summary_at_exit=False)  # fmt: skip
+    _train(model, opt, steps=2)
+    session.detach()
+    assert session.hits == []  # deferred mode does not see a NaN that no guard shows
+    # Read once more after the forward: only the one not finite, and the model's output
+    # (a guard, always read there).
+    assert sorted(set(read_after)) == ["1.log.output", "3.output"]
+    dump = tensordbg.load(tmp_path)
+    for step in (0, 1):
+        stats = {e.name: e.stats for e in dump.tensors(step)}
+        assert stats["1.log.output"]["finite"] == 0.0
+        assert all(
+            stats[name]["finite"] == 1.0 for name in ("0.output", "1.out.output", "2.output")
+        )
+
+
 def test_bfloat16_values_are_dumped_as_bfloat16(tmp_path):
     model = _model().to(torch.bfloat16)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

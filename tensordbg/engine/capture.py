@@ -42,7 +42,8 @@ from tensordbg.engine.handles import HandleGroup, Unhooked
 from tensordbg.engine.pinpoint import draws_random, random_state
 from tensordbg.engine.records import Call, Record, new_record
 from tensordbg.engine.sites import user_site
-from tensordbg.statistics.torch_kernels import watchable
+from tensordbg.statistics import FINITE
+from tensordbg.statistics.torch_kernels import SCREEN, host_stats, watchable
 
 MAX_NESTING = 6
 _PURE_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
@@ -66,6 +67,7 @@ class Sink(Protocol):
     def end_forward(self, root: Call) -> None: ...
     def logs_forward(self) -> frozenset[torch.dtype]: ...
     def log_budget(self) -> int: ...
+    def screens_noted(self) -> bool: ...
     def boundary_wanted(self) -> bool: ...
     def activation_grad(self, forward: Record, grad: torch.Tensor) -> None: ...
     def param_grad(self, name: str, owner: str, owner_type: str, grad: torch.Tensor) -> None: ...
@@ -182,6 +184,7 @@ class Capture:
         self._log_bytes = 0
         self._log_dtypes: frozenset[torch.dtype] = frozenset()
         self._log_room = 0
+        self._hot: dict[int, tuple[int, bool]] | None = None  # noted outputs screened hot
 
     # --- installation ----------------------------------------------------------------------
 
@@ -224,7 +227,7 @@ class Capture:
         self.root = None
         self._counts.clear()
         self._skipping = 0
-        self._log = None
+        self._log = self._hot = None
         self._log_bytes = 0
 
     def new_step(self) -> None:
@@ -279,6 +282,8 @@ class Capture:
             if self._log is not None:
                 if self._open:
                     self._log.append((None, seen, None, None))
+                    if self._hot is not None:
+                        self._screen_hot(seen)
                     self._logged(seen)
                     return
                 self.replay(resume=False)
@@ -322,6 +327,13 @@ class Capture:
         self._log_dtypes = self.session.logs_forward()
         self._log = [] if self._log_dtypes else None
         self._log_room = self.session.log_budget()
+        self._hot = {} if self._log is not None and self.session.screens_noted() else None
+
+    def _screen_hot(self, seen: list[Seen]) -> None:
+        """Screen a noted call's outputs now, while they are in the cache (a dumped step holds
+        statistics of every watched tensor: read at the phase's end, they are out of it)."""
+        for _, t, version, _ in seen:
+            self._hot[id(t)] = (version, host_stats(t, SCREEN)[0] == 1.0)
 
     def _enter(self, key: int, seen: list[Seen], site: tuple[CodeType, int] | None,
                invocation: Any = None, is_root: bool = False) -> None:  # fmt: skip
@@ -377,13 +389,16 @@ class Capture:
                 record.producer = call
                 self._remember(t, record)
                 session.collect(record, t)
+                hot = self._hot.get(id(t)) if self._hot else None
+                if hot == (version, True) and record.lazy and record.wanted == SCREEN:
+                    record.stats.values = {FINITE: 1.0}  # all its rules ask, read in its hook
             elif record.producer is not None and record.producer is not call:
                 record.passed_up.append(call)
             call.outputs.append((suffix, record))
             self._hook_grad(t, node, record)
         session.exit(call)
         if not self.stack:
-            self._log = None
+            self._log = self._hot = None
             session.end_forward(call)
 
     # --- records --------------------------------------------------------------------------------

@@ -112,6 +112,11 @@ class Pipeline(Pausing, Pinpointing):
             return frozenset()
         return frozenset(d for d in NOTED_DTYPES if self.ruleset.activations_quiet(dtype_name(d)))
 
+    def screens_noted(self) -> bool:
+        """Whether the calls the hooks note have their outputs screened in the hook: on the
+        host, on a step that is dumped whatever happens (its statistics are all wanted)."""
+        return self.dumps is not None and not self.sync.on_device and self.dumps.periodic(self.step)
+
     def log_budget(self) -> int:
         """The bytes the forward log may hold: what the phase may still keep (retain_bytes)."""
         return self.phases.retain_bytes - self.phases.retained
