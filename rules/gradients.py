@@ -139,7 +139,8 @@ class ExplodingGradient(Rule):
                     "A NaN comes from 0/0 or 0 × Inf in backward (or from Infs that met), an "
                     f"Inf from an overflow: {overflow}"
                 )
-            return Finding(count, None, f"{t.name} holds {nonfinite} among {t.numel}.", advice)
+            message = f"{t.name} holds {nonfinite} among {t.numel} values."
+            return Finding(count, None, message, advice)
         norm = t.get(L2)
         if norm is None:
             return None

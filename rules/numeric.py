@@ -100,7 +100,7 @@ class Overflow(Rule):
             return Finding(
                 count,
                 None,
-                f"{t.name} holds {infinite}{signs} among {t.numel}.",
+                f"{t.name} holds {infinite}{signs} among {t.numel} values.",
                 f"An Inf comes from a value that overflowed {t.dtype} (too high a learning rate, "
                 "exp of a large input), a division by zero or the log of zero.",
             )

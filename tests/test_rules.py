@@ -257,7 +257,7 @@ def test_a_nan_gradient_is_not_called_an_overflow_an_infinite_one_is():
     """A NaN gradient comes from 0/0 or 0 × Inf in backward (the derivative of sqrt at zero),
     and a lower learning rate does not cure it; an infinite gradient overflowed."""
     nan = judge(ExplodingGradient(), np.array([1.0, np.nan, 2.0]), **GRAD)
-    assert nan.message == "layers.1.fc.weight.grad holds 1 NaN among 3."
+    assert nan.message == "layers.1.fc.weight.grad holds 1 NaN among 3 values."
     assert "0/0" in nan.advice and "overflow" not in nan.advice
     assert "learning rate" not in nan.advice
     inf = judge(ExplodingGradient(), np.array([1.0, np.inf, -np.inf]), **GRAD)

@@ -74,6 +74,9 @@ class CheckReport:
     broken: list[dict[str, Any]] = field(default_factory=list)
     complete: bool = True
     notes: list[str] = field(default_factory=list)  # rules of the run that were not checked
+    named: dict[tuple[int, int, str], str] = field(default_factory=dict)
+    """Origins the run named after the call that made the value (the attention), by where the
+    value is dumped (its output projection's output): (step, rank, dumped name) -> name."""
 
     @property
     def exit_code(self) -> int:
@@ -139,7 +142,11 @@ class CheckReport:
             first = min(origins, key=lambda f: (f.step, f.rank, f.order))
             rank = f" of rank {first.rank}" if len(self.ranks) > 1 else ""
             spread = len(self.findings) - len(origins)
-            lines.append(f"it arose at {first.tensor}, step {first.step}{rank} ({first.rule}); "
+            where = first.tensor
+            named = self.named.get((first.step, first.rank, first.tensor))
+            if named is not None:
+                where = f"{named} (dumped as {first.tensor})"
+            lines.append(f"it arose at {where}, step {first.step}{rank} ({first.rule}); "
                          f"{spread} findings are where it spread")  # fmt: skip
         return "\n".join(lines)
 
@@ -202,6 +209,8 @@ def _mark_origins(report: CheckReport, dump: Any) -> None:
         return
     # A hit may name the call whose own code made the value; its record has its own name.
     origins = {(h.step, h.rank, h.stored_as or h.tensor) for h in hits if h.origin}
+    report.named = {(h.step, h.rank, h.stored_as): h.tensor for h in hits
+                    if h.origin and h.stored_as not in ("", h.tensor)}  # fmt: skip
     for f in report.findings:
         f.origin = (f.step, f.rank, f.tensor) in origins
 
