@@ -142,6 +142,8 @@ def test_a_dumped_step_reads_each_module_output_in_its_hook_not_again_after_the_
         assert all(
             stats[name]["finite"] == 1.0 for name in ("0.output", "1.out.output", "2.output")
         )
+        # The activation gradients too, screened in their hooks (or vouched for by a bias).
+        assert stats["1.out.grad_output"] == stats["0.grad_output"] == {"finite": 1.0}
 
 
 def test_bfloat16_values_are_dumped_as_bfloat16(tmp_path):

@@ -275,7 +275,9 @@ class Pipeline(Pausing, Pinpointing):
         self._forward_open = False
         self.phases.fetch()
         self._screen_unvouched()
-        self._read_notes()
+        # A step dumped whatever happens holds every watched tensor's statistics: the
+        # activation gradients too, screened in their hooks (on the host: nothing more to read).
+        self._read_notes(gradients_of_activations=self.screens_noted())
         if self.triggered:
             self._settle()
         elif not self.sync.immediate and not self.sync.on_device:
