@@ -145,8 +145,15 @@ _CRC_PREFIX = len('{"crc":"00000000",')
 
 def index_line(record: dict[str, Any]) -> bytes:
     """One line of the index: the record as JSON, prefixed by the CRC-32 of the rest."""
-    body = json.dumps(record, separators=(",", ":"), allow_nan=True)[1:].encode()
+    body = json.dumps(record, separators=(",", ":"), allow_nan=True, default=_scalar)[1:].encode()
     return b'{"crc":"%08x",' % zlib.crc32(body) + body + b"\n"
+
+
+def _scalar(value: Any) -> Any:
+    """A numpy scalar as the Python number JSON holds (the encoder asks for nothing else)."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"a {type(value).__name__} cannot be written to the index")
 
 
 def parse_index_line(line: bytes) -> dict[str, Any]:

@@ -106,7 +106,7 @@ class DumpWriter:
         arrays: dict[str, np.ndarray] = {}
         out_entries = []
         for order, entry in enumerate(entries):
-            record = {k: _plain(v) for k, v in entry.items()}
+            record = dict(entry)  # numpy scalars are made plain by the index line's encoder
             record.setdefault("order", order)
             record["shape"] = [int(d) for d in record.get("shape", ())]
             name = str(record["name"])
@@ -149,9 +149,9 @@ class DumpWriter:
             nbytes = 0
             line.update(file=None, nbytes=0)
         line["entries"] = out_entries
-        line["hits"] = [{k: _plain(v) for k, v in h.items()} for h in hits]
+        line["hits"] = [dict(h) for h in hits]
         if numbers is not None:
-            line["numbers"] = _plain(dict(numbers))
+            line["numbers"] = dict(numbers)
         line_bytes = self._append(rank, line)
         keep = bool(hits) or bool(previous and previous.keep)
         self._written[(step, rank)] = _Written(file_name, nbytes, line_bytes, keep)
@@ -270,14 +270,3 @@ class DumpWriter:
 def _unlink(path: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
-
-
-def _plain(value: Any) -> Any:
-    """What JSON can hold: numpy scalars become Python numbers, tuples lists."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
