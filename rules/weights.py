@@ -84,8 +84,7 @@ class WeightNotChanging(Rule):
         return Finding(
             float(streak[0]),
             float(self.num_steps),
-            f"{_param(t)} has not changed for {streak[0]} optimizer steps "
-            f"(every element within "
+            f"{_param(t)} has not changed for {streak[0]} optimizer steps (every element within "
             f"{self.atol:.3g} + {self.rtol:.3g} x |value|, threshold {self.num_steps} steps) "
             "though its gradient is not negligible; it is not learning: its learning rate may "
             "be zero, or it may be missing from the optimizer's parameter groups.",

@@ -37,6 +37,16 @@ def _train(model, opt, steps: int, bad_step: int = -1, on_step=None) -> None:
             on_step(step)
 
 
+def _train_dumped(model: nn.Module, tmp_path, steps: int, **dump) -> tensordbg.Session:
+    """Train ``model`` with SGD for ``steps`` steps, attached with a dump in ``tmp_path``;
+    the session, detached."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tensordbg.attach(model, opt, on_hit="record", server=False, dump_dir=tmp_path,
+                          summary_at_exit=False, **dump) as session:  # fmt: skip
+        _train(model, opt, steps)
+    return session
+
+
 _LINES, _FIRST = inspect.getsourcelines(_train)
 _MODEL_CALL_LINE = _FIRST + next(i for i, line in enumerate(_LINES) if "model(x)" in line)
 
@@ -70,13 +80,7 @@ def test_a_planted_nan_is_dumped_with_its_hits_and_values(tmp_path, sync):
 
 
 def test_periodic_steps_hold_statistics_and_the_chosen_values(tmp_path):
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    session = tensordbg.attach(model, opt, on_hit="record", server=False, dump_dir=tmp_path,
-                               dump_every=2, dump_tensors=["*.weight.grad"],
-                               summary_at_exit=False)  # fmt: skip
-    _train(model, opt, steps=5)
-    session.detach()
+    _train_dumped(_model(), tmp_path, steps=5, dump_every=2, dump_tensors=["*.weight.grad"])
     dump = tensordbg.load(tmp_path)
     assert dump.steps() == [0, 2, 4]
     for step in (0, 2, 4):
@@ -117,7 +121,6 @@ def test_a_dumped_step_reads_each_module_output_in_its_hook_not_again_after_the_
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), MaskedInside(), nn.ReLU(), nn.Linear(2, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     read_after = []
     real = Pipeline.screen
 
@@ -127,10 +130,7 @@ def test_a_dumped_step_reads_each_module_output_in_its_hook_not_again_after_the_
         real(self, record, tensor)
 
     monkeypatch.setattr(Pipeline, "screen", screen)
-    session = tensordbg.attach(model, opt, on_hit="record", server=False, dump_dir=tmp_path,
-                               dump_every=1, sync="deferred", summary_at_exit=False)  # fmt: skip
-    _train(model, opt, steps=2)
-    session.detach()
+    session = _train_dumped(model, tmp_path, steps=2, dump_every=1, sync="deferred")
     assert session.hits == []  # deferred mode does not see a NaN that no guard shows
     # Read once more after the forward: only the one not finite, and the model's output
     # (a guard, always read there).
@@ -327,13 +327,7 @@ def test_a_periodic_steps_dumped_value_keeps_where_it_came_from(tmp_path):
     do: the replay names the module that made the value, its input and the line that called it."""
     from tensordbg.sources.replay import ReplaySource
 
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    session = tensordbg.attach(model, opt, on_hit="record", server=False, dump_dir=tmp_path,
-                               dump_every=1, dump_tensors=["2.output"],
-                               summary_at_exit=False)  # fmt: skip
-    _train(model, opt, steps=2)
-    session.detach()
+    _train_dumped(_model(), tmp_path, steps=2, dump_every=1, dump_tensors=["2.output"])
     source = ReplaySource(tensordbg.load(tmp_path))
     source.goto(1)
     ref = next(m["ref"] for m in source.tensors() if m["name"] == "2.output")

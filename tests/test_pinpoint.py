@@ -54,20 +54,21 @@ def batch(bad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(2, 4, 8), mask
 
 
+def watched(model: nn.Module, **options) -> tensordbg.Session:
+    """Hits recorded, no UI server, no summary at exit; detached when its ``with`` ends."""
+    return tensordbg.attach(model, on_hit="record", server=False, summary_at_exit=False,
+                            **options)  # fmt: skip
+
+
 @pytest.mark.parametrize("sync", ["eager", "deferred", "batched"])
 def test_the_softmax_that_made_the_nan_is_named_with_its_line_in_every_mode(sync: str) -> None:
     torch.manual_seed(0)
     model = Model()
-    session = tensordbg.attach(model, on_hit="record", server=False, sync=sync,
-                               summary_at_exit=False)  # fmt: skip
-    try:
-        with torch.no_grad():  # each forward is a phase of its own
-            model(*batch())
-            model(*batch(bad=True))
+    with watched(model, sync=sync) as session, torch.no_grad():  # a phase per forward
+        model(*batch())
+        model(*batch(bad=True))
         origin = next(h for h in session.hits if h.origin)
         prov = LiveSource(session).provenance(origin.ref, origin.module, origin.call)
-    finally:
-        session.detach()
     assert origin.tensor == "attn.output"
     assert (
         f"Inside attn's forward the first NaN came from Tensor.softmax at test_pinpoint.py:"
@@ -83,11 +84,8 @@ def test_an_inf_is_traced_to_the_operation_that_made_it() -> None:
             return torch.log(shifted.clamp(min=0))  # log(0) = -inf
 
     model = nn.Sequential(nn.Linear(4, 4), Log(), nn.Linear(4, 2))
-    session = tensordbg.attach(model, on_hit="record", server=False, summary_at_exit=False)
-    try:
+    with watched(model) as session:
         model(torch.randn(3, 4))
-    finally:
-        session.detach()
     origin = next(h for h in session.hits if h.origin)
     assert origin.tensor == "1.output"
     assert "the first Inf came from torch.log at test_pinpoint.py:" in origin.message
@@ -98,10 +96,8 @@ def run(pinpoint: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor, str]:
     torch.manual_seed(0)
     model = Model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    session = tensordbg.attach(model, optimizer=opt, on_hit="record", server=False,
-                               summary_at_exit=False)  # fmt: skip
-    session.pinpoint = pinpoint
-    try:
+    with watched(model, optimizer=opt) as session:
+        session.pinpoint = pinpoint
         for step in range(4):
             if step == 2:
                 with torch.no_grad():
@@ -109,8 +105,6 @@ def run(pinpoint: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor, str]:
             model(*batch()).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
-    finally:
-        session.detach()
     message = next(h.message for h in session.hits if h.origin)
     return dict(model.state_dict()), torch.get_rng_state(), message
 
@@ -137,13 +131,8 @@ def test_inputs_changed_in_place_since_the_call_are_not_run_again() -> None:
 
     torch.manual_seed(0)
     model = Parent()
-    session = tensordbg.attach(model, on_hit="record", server=False, sync="deferred",
-                               summary_at_exit=False)  # fmt: skip
-    try:
-        with torch.no_grad():
-            model(*batch(bad=True))
-    finally:
-        session.detach()
+    with watched(model, sync="deferred") as session, torch.no_grad():
+        model(*batch(bad=True))
     origin = next(h for h in session.hits if h.origin)
     assert origin.tensor == "attn.output" and "came from" not in origin.message
 
@@ -168,11 +157,8 @@ def test_in_a_job_of_several_ranks_a_forward_that_talks_to_them_is_not_run_again
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         model = nn.Sequential(nn.Linear(4, 4), Synced(), nn.Linear(4, 2))
-        session = tensordbg.attach(model, on_hit="record", server=False, summary_at_exit=False)
-        try:
+        with watched(model) as session:
             model(torch.randn(3, 4))
-        finally:
-            session.detach()
     finally:
         dist.destroy_process_group()
     origin = next(h for h in session.hits if h.origin)
@@ -193,12 +179,8 @@ def test_an_operation_handed_a_value_that_was_bad_already_is_not_named() -> None
 
     model = nn.Sequential(nn.Linear(4, 4), Scaled())
     model[1].scale[0] = float("nan")
-    session = tensordbg.attach(model, on_hit="record", server=False, summary_at_exit=False)
-    try:
-        with torch.no_grad():
-            model(torch.randn(3, 4))
-    finally:
-        session.detach()
+    with watched(model) as session, torch.no_grad():
+        model(torch.randn(3, 4))
     origin = next(h for h in session.hits if h.origin)
     assert origin.tensor == "1.output" and "came from" not in origin.message
 
@@ -220,12 +202,9 @@ def test_a_nan_that_depends_on_the_dropout_mask_is_named_with_the_masks_the_call
     the next mask (here a 2, so no NaN) and name nothing."""
     model = nn.Sequential(nn.Linear(4, 4), DroppedScale())
     seed = next(s for s in range(100) if _draws(s) == [0.0, 2.0])  # this call 0, the next 2
-    session = tensordbg.attach(model, on_hit="record", server=False, summary_at_exit=False)
-    try:
+    with watched(model) as session:
         torch.manual_seed(seed)
         model(torch.randn(3, 4).abs())
-    finally:
-        session.detach()
     origin = next(h for h in session.hits if h.origin)
     assert origin.tensor == "1.output"
     assert "Inside 1's forward the first NaN came from Tensor.div at" in origin.message

@@ -184,7 +184,7 @@ class Capture:
         self._log_bytes = 0
         self._log_dtypes: frozenset[torch.dtype] = frozenset()
         self._log_room = 0
-        self._hot: dict[int, tuple[int, bool]] | None = None  # noted outputs screened hot
+        self._hot: dict[int, int] | None = None  # noted outputs found finite: id -> version
 
     # --- installation ----------------------------------------------------------------------
 
@@ -333,7 +333,8 @@ class Capture:
         """Screen a noted call's outputs now, while they are in the cache (a dumped step holds
         statistics of every watched tensor: read at the phase's end, they are out of it)."""
         for _, t, version, _ in seen:
-            self._hot[id(t)] = (version, host_stats(t, SCREEN)[0] == 1.0)
+            if self._hot.get(id(t)) != version and host_stats(t, SCREEN)[0] == 1.0:
+                self._hot[id(t)] = version  # once: a wrapper returns its child's output
 
     def _enter(self, key: int, seen: list[Seen], site: tuple[CodeType, int] | None,
                invocation: Any = None, is_root: bool = False) -> None:  # fmt: skip
@@ -390,7 +391,7 @@ class Capture:
                 self._remember(t, record)
                 session.collect(record, t)
                 hot = self._hot.get(id(t)) if self._hot else None
-                if hot == (version, True) and record.lazy and record.wanted == SCREEN:
+                if hot == version and record.lazy and record.wanted == SCREEN:
                     record.stats.values = {FINITE: 1.0}  # all its rules ask, read in its hook
             elif record.producer is not None and record.producer is not call:
                 record.passed_up.append(call)

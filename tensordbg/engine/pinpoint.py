@@ -17,8 +17,10 @@ other ranks (DDP, FSDP, SyncBatchNorm, DTensor parameters) is not run again: tha
 would wait in the collective. Code with effects of its own (a counter, a cache on the
 module) would see a second call: ``session.pinpoint = False`` turns the re-run off.
 
-A dropout mask is drawn anew, so a NaN that depends on which elements it drops may not come
-again; then nothing is named, and the hit says so.
+A module with a dropout module inside notes the random streams' state at each call in
+training, and the re-run starts from it: it draws the same masks. A dropout in the user's own
+code (``F.dropout`` with no dropout module) is drawn anew, so a NaN that depends on which
+elements it drops may not come again; then nothing is named.
 """
 
 from __future__ import annotations
