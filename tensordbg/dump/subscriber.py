@@ -152,6 +152,9 @@ class DumpRecorder:
         if not (hit_step or self.periodic(step)):
             return  # nothing of this step is written unless a later phase hits: keep nothing
         copy_all = hit_step and self.failed is None
+        # Hits that name the call whose own code made a value (the attention, not its output
+        # projection): that value's provenance is the call's (its line, its mask).
+        makers = {(h["stored_as"], h.get("ref")): h for h in buffer.hits if h.get("stored_as")}
         for record in records:
             if record.hidden or id(record.stats) in buffer.seen:
                 continue
@@ -167,10 +170,10 @@ class DumpRecorder:
                 continue
             name = record.stats.name
             if copy_all or (self.patterns and _matches(name, self.patterns)):
-                self._copy(buffer, record)
+                self._copy(buffer, record, makers)
         buffer.values_from_hits |= copy_all
 
-    def _copy(self, buffer: _StepBuffer, record: Any) -> None:
+    def _copy(self, buffer: _StepBuffer, record: Any, makers: dict[tuple[str, Any], Any]) -> None:
         tensor = record.held()
         if tensor is None or tensor.layout != torch.strided:
             return
@@ -190,10 +193,7 @@ class DumpRecorder:
         try:
             from tensordbg.sources.provenance import provenance
 
-            # A hit that names the call whose own code made the value (the attention, not
-            # its output projection) gets that call's provenance: its line, its mask.
-            maker = next((h for h in buffer.hits if h.get("stored_as") == record.stats.name
-                          and h.get("ref") == record.stats.ref), None)  # fmt: skip
+            maker = makers.get((record.stats.name, record.stats.ref))
             where = (maker["module"], maker["call"]) if maker is not None else (None, 0)
             buffer.provenance[id(record.stats)] = provenance(self.session, record, *where)
         except Exception:  # provenance is a courtesy; the values matter
