@@ -1,5 +1,6 @@
 """The backward phase in deferred mode: a bias's gradient vouches for its module's output
-gradient (which is then not read), and whatever way the pass goes, a NaN is still found at the
+gradient (which is then not read), through the activations after it and for the very same tensor
+seen again (a residual stream's), and whatever way the pass goes, a NaN is still found at the
 module whose backward made it, as eager mode finds it."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from models import SqrtOfSquare
 from torch import nn
 
 from tensordbg.engine import backward
-from tensordbg.engine.backward import Vouchers
+from tensordbg.engine.backward import PASSES_NONFINITE_ON, Vouchers
 from tensordbg.rules import NaN
 
 MODES = ("eager", "batched", "deferred")
@@ -26,15 +27,30 @@ def nan_in_backward() -> nn.Sequential:
     return model
 
 
+class Residual(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.inner = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.inner(x)
+
+
+def reads(monkeypatch) -> list[torch.Size]:
+    """The shapes of the gradients the backward phase reads in its hooks, as they come."""
+    read: list[torch.Size] = []
+    real = backward.host_stats
+    monkeypatch.setattr(backward, "host_stats", lambda t, s: read.append(t.shape) or real(t, s))
+    return read
+
+
 @pytest.mark.parametrize("retain_bytes", [2**20, 0])
 def test_the_bias_gradient_vouches_and_the_output_gradient_is_not_read(
     watch, monkeypatch, retain_bytes
 ):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.LayerNorm(16))
-    read = []
-    real = backward.host_stats
-    monkeypatch.setattr(backward, "host_stats", lambda t, s: read.append(t.shape) or real(t, s))
+    read = reads(monkeypatch)
     session = watch(model, on_hit="record", sync="deferred", retain_bytes=retain_bytes)
     model(torch.randn(3, 4)).sum().backward()
     # ReLU's output has no bias of its own behind it: read in its hook. Both Linears' outputs
@@ -100,3 +116,55 @@ def test_only_modules_whose_backward_sums_into_their_bias_are_trusted():
         "4": "4.bias",
         "5": "5.bias",
     }
+
+
+def test_a_bias_vouches_through_activations_and_for_a_residual_stream(watch, monkeypatch):
+    """GELU's and Dropout's output gradients are vouched for by the Linear's bias before them;
+    the residual block's output gradient is the very tensor its inner Linear's output gets
+    (the addition passes it on), which that Linear's bias vouches for. Only the biases' small
+    gradients are read; the first Linear's input (the model's input) needs no gradient."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 16), nn.GELU(), nn.Dropout(0.1), Residual(16), nn.Linear(16, 16),
+        nn.LayerNorm(16),
+    )  # fmt: skip
+    read = reads(monkeypatch)
+    session = watch(model, on_hit="record", sync="deferred")
+    model(torch.randn(3, 4)).sum().backward()
+    assert read == [torch.Size([16])] * 3  # 4.bias, 3.inner.bias, 0.bias
+    assert session.hits == []
+
+
+@pytest.mark.parametrize("kind", PASSES_NONFINITE_ON, ids=lambda k: k.__name__)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_each_activation_a_bias_vouches_through_keeps_a_nonfinite_gradient(kind, bad):
+    """Every element of the input's gradient stays non-finite when every element of the
+    output's is: where the derivative is 0 (tanh of 30, GELU of -30), where dropout drops."""
+    torch.manual_seed(0)
+    module = kind(0.5) if "Dropout" in kind.__name__ else kind()
+    dims = {"Dropout2d": 4, "Dropout3d": 5}.get(kind.__name__, 3)
+    x = (torch.randn((2, 3, 4, 5, 6)[:dims]) * 30).requires_grad_()
+    module.train()
+    y = module(x)
+    y.backward(torch.full_like(y, bad))
+    assert not x.grad.isfinite().any()
+
+
+@pytest.mark.parametrize("sync", MODES)
+@pytest.mark.parametrize("behind", ["gelu", "residual"])
+def test_a_backward_nan_behind_an_activation_or_a_residual_is_named_in_every_mode(
+    watch, sync, behind
+):
+    """sqrt's backward makes NaN in the gradient of a GELU's output (vouched for by the Linear
+    before it) or of a residual block's (the same tensor as its inner Linear's output's): the
+    bias gradient is NaN, the held gradient is read, and every mode names sqrt."""
+    torch.manual_seed(0)
+    middle = nn.GELU() if behind == "gelu" else Residual(4)
+    model = nn.Sequential(nn.Linear(4, 4), middle, SqrtOfSquare(), nn.Linear(4, 2))
+    with torch.no_grad():
+        for p in [*model[0].parameters(), *middle.parameters()]:
+            p.zero_()  # sqrt's input is 0: its backward makes NaN
+    session = watch(model, on_hit="record", rules=[NaN()], sync=sync)
+    model(torch.randn(3, 4)).sum().backward()
+    [origin] = [h for h in session.hits if h.origin]
+    assert (origin.module, origin.tensor) == ("2", "2.grad_input[0]")

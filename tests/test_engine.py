@@ -886,6 +886,25 @@ def test_an_update_is_recorded_when_it_is_news_and_weight_not_changing_sees_ever
     ]  # fmt: skip
 
 
+def test_a_sample_of_a_parameter_proves_a_change_and_nothing_else():
+    """A parameter whose norm did not move past the tolerance is compared with its copy from
+    before the step: a sample first, every element only when no sampled element moved."""
+    from tensordbg.engine.params import sample_moved
+
+    torch.manual_seed(0)
+    before = torch.randn(1000)
+    after = before.clone()
+    after[500] += 1.0  # not among the sampled elements (every 15th): no proof either way
+    assert not sample_moved(after, before, 1e-5, 1e-8)
+    after[15] += 1.0
+    assert sample_moved(after, before, 1e-5, 1e-8)
+    within = before + before.abs() * 1e-6  # every element within rtol * |before|
+    assert not sample_moved(within, before, 1e-5, 1e-8)
+    nan = before.clone()
+    nan[0] = float("nan")
+    assert not sample_moved(nan, before, 1e-5, 1e-8)  # a NaN proves nothing
+
+
 def test_deferred_keeps_the_bad_activation_gradient_and_says_why_a_clean_one_is_not_kept(watch):
     """Deferred mode reads each activation gradient in its hook and keeps only those that are
     not finite (holding them all until the pass ends made every step fault in fresh memory):

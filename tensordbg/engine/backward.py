@@ -2,7 +2,8 @@
 
 In deferred mode a clean pass costs little. A parameter's gradient is only noted in its hook (a
 hook runs cold) and all of them are measured together when the pass ends, from one norm each. An
-activation's gradient on the host is screened in its hook while it is in the cache, unless a
+activation's gradient on the host is screened while it is in the cache (in its hook, or in the
+next one, which most often gets the very same tensor, and then the same voucher), unless a
 parameter's gradient will vouch for it (:class:`Vouchers`); on a device it is kept and read
 only if the pass shows a problem. Once a pass shows one, every gradient after it is collected
 where it is made, as in eager mode, so that origins are named as precisely there.
@@ -39,6 +40,25 @@ SUMMED_INTO_BIAS = (
     nn.GroupNorm,
     nn.modules.batchnorm._BatchNorm,
 )
+# Modules whose backward multiplies their output's gradient element by element by a derivative
+# (or dropout's mask and scale): a NaN or Inf there stays one in their input's gradient, even
+# where the factor is 0 (NaN * 0 is NaN, Inf * 0 too). So a bias that vouches for the gradient
+# of their input vouches for their output's (tests/test_backward.py checks each on torch).
+PASSES_NONFINITE_ON = (
+    nn.GELU,
+    nn.SiLU,
+    nn.Mish,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.Softplus,
+    nn.ELU,
+    nn.LeakyReLU,
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+)
+CHAIN = 4  # how many such modules in a row a bias vouches through
 
 
 class Vouchers:
@@ -52,8 +72,14 @@ class Vouchers:
     gradient arrives, which the autograd engine computes right after it, and read as before if it
     is not finite, or never arrives (``torch.autograd.grad``, a frozen bias). A bias gradient that
     accumulates (gradient accumulation, a module called twice) vouches just as well: a sum of
-    values of which one is not finite is not finite. Only modules whose ``forward`` is the one
-    of these classes are trusted (a subclass that rewrites it may not use its bias so).
+    values of which one is not finite is not finite.
+
+    The bias vouches through an activation or a dropout applied to its module's output (a
+    Linear's, then GELU, then Dropout: up to ``CHAIN`` of them): their backward multiplies the
+    gradient element by element, so a NaN or Inf in their output's gradient is one in the
+    gradient of the module's output, which the bias sums. Only modules whose ``forward`` is the
+    one of these classes are trusted (a subclass that rewrites it may not behave so), and no
+    activation that works in place.
     """
 
     def __init__(self, model: nn.Module, budget: int) -> None:
@@ -67,24 +93,42 @@ class Vouchers:
             bias = getattr(module, "bias", None)
             if isinstance(bias, nn.Parameter) and id(bias) in names and _sums_into_bias(module):
                 self.bias_of[path] = names[id(bias)]
+        self.passes_on = {path for path, module in model.named_modules()
+                          if _passes_nonfinite_on(module)}  # fmt: skip
+        """Module paths whose input's voucher vouches for their output's gradient too."""
         self.awaiting: dict[str, list[ActGradNote]] = {}
         """Bias name -> the notes of the gradients it will vouch for, each holding its gradient."""
 
-    def hold(
-        self, forward: Record, grad: torch.Tensor, params: dict[str, Param]
-    ) -> ActGradNote | None:
+    def hold(self, forward: Record, grad: torch.Tensor, params: dict[str, Param],
+             same: ActGradNote | None = None) -> ActGradNote | None:  # fmt: skip
         """A note holding ``grad`` until its module's bias gradient vouches for it; None when
-        no bias will (the gradient is then screened where it is)."""
-        made_by = forward.producer  # set for a module's outputs only
-        bias = self.bias_of.get(made_by.path) if made_by is not None else None
+        no bias will (the gradient is then screened where it is). ``same``: the note of an
+        earlier gradient that is this very tensor, vouched for with it."""
+        bias = self.voucher(forward)
         param = params.get(bias) if bias is not None else None
         nbytes = grad.numel() * grad.element_size()
         if param is None or not param.param.requires_grad or self.held + nbytes > self.budget:
             return None
         self.held += nbytes
         note = ActGradNote(forward, grad.shape, grad.dtype, grad)
-        self.awaiting.setdefault(bias, []).append(note)
+        waiting = self.awaiting.setdefault(bias, [])
+        if same is not None:
+            self.held += nbytes
+            waiting.append(same)
+        waiting.append(note)
         return note
+
+    def voucher(self, forward: Record) -> str | None:
+        """The bias whose gradient will vouch for the gradient of ``forward``, if any."""
+        made_by = forward.producer  # set for a module's outputs only
+        for _ in range(CHAIN + 1):
+            if made_by is None:
+                return None
+            bias = self.bias_of.get(made_by.path)
+            if bias is not None or made_by.path not in self.passes_on or len(made_by.inputs) != 1:
+                return bias
+            made_by = made_by.inputs[0][1].producer  # what made its input: whose bias sums it
+        return None
 
     def settle(self, name: str, grad: torch.Tensor) -> bool:
         """Parameter ``name``'s gradient arrived: if it is a bias others wait for and it is
@@ -104,6 +148,15 @@ class Vouchers:
         notes = [note for waiting in self.awaiting.values() for note in waiting]
         self.awaiting, self.held = {}, 0
         return notes
+
+
+def _passes_nonfinite_on(module: nn.Module) -> bool:
+    kind = next((k for k in PASSES_NONFINITE_ON if isinstance(module, k)), None)
+    return (
+        kind is not None
+        and type(module).forward is kind.forward
+        and not getattr(module, "inplace", False)
+    )
 
 
 def _sums_into_bias(module: nn.Module) -> bool:
@@ -138,24 +191,55 @@ class BackwardPhase:
             and self.ruleset.grads_quiet(dtype_name(grad.dtype))
         ):
             if grad.device.type == "cpu":  # read now, while it is in the cache
-                note = self.vouchers.hold(forward, grad, self.weights.by_name)
-                if note is None and host_stats(grad, SCREEN)[0] == 1.0:
-                    note = ActGradNote(forward, grad.shape, grad.dtype, None)
+                loose = self._loose
+                same = loose is not None and loose.grad is grad
+                same = same and grad._version == self._loose_version  # not changed in place
+                if not same:
+                    self._screen_loose()
+                note = self.vouchers.hold(forward, grad, self.weights.by_name,
+                                          loose if same else None)  # fmt: skip
                 if note is not None:
+                    if same:
+                        self._loose = None
+                        self.phases.pending.append(loose)
                     self.phases.pending.append(note)
                     return
-                self.triggered = True  # not finite: the pass is read from here on
+                self._screen_loose()
+                if not self.triggered:
+                    # Screened when the next gradient comes: the very same tensor, most often,
+                    # which a bias vouches for (a residual stream's, passed on by an addition).
+                    self._loose = ActGradNote(forward, grad.shape, grad.dtype, grad)
+                    self._loose_version = grad._version
+                    return
             elif self.phases.take(grad.numel() * grad.element_size()):  # a read would sync: kept
                 self.phases.pending.append(ActGradNote(forward, grad.shape, grad.dtype, grad))
                 return
+        self._collect_grad(forward, grad)
+
+    def _collect_grad(self, forward: Record, grad: torch.Tensor) -> None:
         record = grad_record(forward, grad, self.step)
         self.collect(record, grad)
         self._process(Gradient(record))
+
+    def _screen_loose(self) -> None:
+        """Screen the gradient that waited for the next one (it was not that very tensor):
+        finite, it is noted; else the pass is read from it on."""
+        loose, self._loose = self._loose, None
+        if loose is None:
+            return
+        if host_stats(loose.grad, SCREEN)[0] == 1.0:
+            loose.grad = None
+            self.phases.pending.append(loose)
+            return
+        self.triggered = True  # not finite: the pass is read from here on
+        self._collect_grad(loose.forward, loose.grad)
 
     def param_grad(self, name: str, owner: str, owner_type: str, grad: torch.Tensor) -> None:
         """A parameter's gradient is final for this backward pass. Deferred mode only notes it
         here (a hook runs cold) and judges all of them together when the pass ends."""
         self.begin_backward()
+        if self._loose is not None:
+            self._screen_loose()
         if self.vouchers.awaiting and not self.vouchers.settle(name, grad):
             self.triggered = True  # a gradient it vouches for may hold the NaN: read them
         if self.sync.notes_gradients(self.triggered):
@@ -223,6 +307,7 @@ class BackwardPhase:
     def _screen_unvouched(self) -> None:
         """Read the held gradients whose bias gradient never came this pass, as their hooks
         would have: the pass is read from the first one that is not finite."""
+        self._screen_loose()
         for note in self.vouchers.unsettled():
             if note.grad is not None and host_stats(note.grad, SCREEN)[0] == 1.0:
                 note.grad = None

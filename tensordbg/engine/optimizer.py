@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tensordbg.engine.params import Digest, Param
+from tensordbg.engine.params import Digest, Param, sample_moved
 from tensordbg.engine.phases import Judged
 from tensordbg.engine.records import Record
 from tensordbg.statistics import FINITE, L2, MAX, MIN, Stat
@@ -206,7 +206,9 @@ class OptimizerPhase:
         record.rule_ids, record.checks = applicable.rule_ids, applicable.checks
         self.phases.register(record)
         previous = self.weights.before(p)
-        if previous is not None:
+        if previous is not None and _moved(p, previous, self.weights.snapshots, wanted):
+            record.stats.values = {wanted[0]: 0.0}
+        elif previous is not None:
             vector = update_stats(p.param.detach(), previous, wanted)
             if not self.sync.on_device:
                 record.stats.values = dict(zip(wanted, vector.tolist(), strict=True))
@@ -215,6 +217,18 @@ class OptimizerPhase:
                 record.slot = self.phases.batch.add(vector)
         self.phases.pending.append(Judged(record))
         return record
+
+
+def _moved(p: Param, previous: torch.Tensor, snapshots: dict[str, torch.Tensor],
+           wanted: tuple[Stat, ...]) -> bool:  # fmt: skip
+    """Whether a sample of the parameter against its copy from before the step proves that the
+    step changed it, when that is all the rules ask of its update (WeightNotChanging's)."""
+    if len(wanted) != 1 or wanted[0].name != "update_unchanged":
+        return False
+    if snapshots.get(p.name) is not previous:
+        return False  # the step left it alone: nothing moved
+    rtol, atol = wanted[0].params
+    return sample_moved(p.param, previous, rtol, atol)
 
 
 def _skips_inside(optimizer: torch.optim.Optimizer) -> bool:

@@ -264,6 +264,7 @@ class Pipeline(Pausing, Pinpointing):
         if self.phase == "forward":
             self.capture.forget_invocations()
         self.vouchers.unsettled()  # a pass that did not end: its notes are gone
+        self._loose = None
         self.phases.start(phase)
         self.amp.new_phase()
         self.triggered = False

@@ -35,7 +35,7 @@ from tensordbg.engine.metrics import StepMetrics
 from tensordbg.engine.modes import SYNC, choose
 from tensordbg.engine.optimizer import OptimizerPhase
 from tensordbg.engine.params import Param, ParamWatch
-from tensordbg.engine.phases import EAGER_WINDOW, EMPTY, PhaseQueue
+from tensordbg.engine.phases import EAGER_WINDOW, EMPTY, ActGradNote, PhaseQueue
 from tensordbg.engine.pipeline import Pipeline
 from tensordbg.engine.records import Call, Record, new_record
 from tensordbg.hit import Hit, WatchpointHit
@@ -133,6 +133,8 @@ class Session(Pipeline, BackwardPhase, OptimizerPhase):
         self._pausing: list[Hit] = []
         self._forward_open = False
         self._backward_tasks: set[int] = set()
+        self._loose: ActGradNote | None = None  # an activation gradient screened at the next
+        self._loose_version = 0
         self._root_forwards = 0
         self._quiet_params: dict[str, bool] = {}
         self.published = EMPTY

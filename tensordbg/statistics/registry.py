@@ -374,6 +374,8 @@ class TensorStats:
     @property
     def nonfinite(self) -> bool | None:
         """Whether any element is NaN or Inf; None when nothing tells."""
+        if self.summary is None and self.values.get(FINITE) == 1.0:
+            return False  # most tensors, most steps: screened finite
         nan, inf = self.has_nan, self.has_inf
         if nan or inf:
             return True
