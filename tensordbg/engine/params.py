@@ -166,16 +166,32 @@ class ParamWatch:
         ``update_unchanged`` is 0); else the parameter becomes a suspect."""
         unchanged = next((s for s in wanted if s.name == "update_unchanged"), None)
         for record in records:
-            name = record.param
-            before, after = self.digests.get(name), ranges.get(name)
-            moved = False
-            if unchanged is not None and before is not None and after is not None:
-                rtol, atol = unchanged.params
-                moved = after.moved_from(before, rtol, atol)
-            if moved:
+            if self.digest_moved(record.param, ranges, unchanged):
                 record.stats.values = {unchanged: 0.0}
             else:
-                self.suspects.add(name)
+                self.suspects.add(record.param)
+
+    def digest_moved(self, name: str, ranges: dict[str, Digest], unchanged: Stat | None) -> bool:
+        before, after = self.digests.get(name), ranges.get(name)
+        if unchanged is None or before is None or after is None:
+            return False
+        rtol, atol = unchanged.params
+        return after.moved_from(before, rtol, atol)
+
+    def unmeasured(self, p: Param, ranges: dict[str, Digest], wanted: Sequence[Stat]) -> bool:
+        """Whether the step's update of ``p`` can be told by nothing this step: no copy from
+        before it and a digest that did not move. Then no record is made (a rule could not
+        judge it); the parameter becomes a suspect, copied before the next step, and counts
+        as not known to change (see :meth:`settle`)."""
+        if self.before(p) is not None:
+            return False
+        unchanged = next((s for s in wanted if s.name == "update_unchanged"), None)
+        if self.digest_moved(p.name, ranges, unchanged):
+            return False
+        self.suspects.add(p.name)
+        if self.unsettled is not None:
+            self.unsettled.add(p.name)
+        return True
 
     def moving(self, owned: list[Param], ranges: dict[str, Digest],
                wanted: Sequence[Stat]) -> set[str]:  # fmt: skip
