@@ -109,6 +109,27 @@ def test_the_command_exits_0_clean_1_on_a_hit_2_when_unreadable(
     assert main(["check", bare, "--rules", "VanishingGradient", "--strict"]) == 1
 
 
+def test_the_table_gives_each_advice_once_and_the_json_with_every_finding(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Live, a NaN's advice (what it usually comes from) is given where it arose, not at every
+    tensor it reached; the table repeated it under each finding, so a NaN that spread to 30
+    tensors printed the same paragraph 30 times. Each finding says what it found, and each
+    advice comes once after them; the JSON keeps it in each finding's message."""
+    dump = str(write_dump(tmp_path / "run", nan_at=3))  # net.2.output, then the loss
+    advice = "A NaN usually comes from 0/0"
+    assert main(["check", dump]) == 1
+    out = capsys.readouterr().out
+    assert out.count(advice) == 1
+    assert "    net.2.output holds 1 NaN among 32 values.\n" in out
+    assert "    loss holds 1 NaN among 1 values.\n" in out
+    assert f"about the 2 NaN findings: {advice}" in out
+    assert main(["check", dump, "--json"]) == 1
+    findings = json.loads(capsys.readouterr().out)["findings"]
+    assert len(findings) == 2 and all(advice in f["message"] for f in findings)
+    assert findings[1]["message"].startswith("loss holds 1 NaN among 1 values. A NaN usually")
+
+
 def test_the_json_report_follows_its_schema(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

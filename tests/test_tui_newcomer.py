@@ -921,6 +921,41 @@ def test_at_80_by_24_a_module_line_cut_by_the_right_edge_ends_in_an_ellipsis() -
     asyncio.run(flow())
 
 
+def test_at_80_by_24_a_module_tensor_line_cut_by_the_right_edge_ends_in_an_ellipsis() -> None:
+    """Under the module tree, the table of the module's tensors (a DataTable) was cut at 80
+    columns with nothing to say that its summaries go on, while the tree's lines end in "…".
+    Its lines end in "…" too, the heading not (only its padding is cut); → on the table
+    scrolls sideways, and a line scrolled to its end has no ellipsis."""
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(FakeSource()))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await paused_on_the_two_hits(pilot)
+            await pilot.press("f3")
+            modules = app.main.module_browser.table
+            await until(pilot, lambda: modules.row_count == 6 and modules.has_focus)
+            await pilot.press("down", "down", "down", "down", "enter")  # net.2's tensors
+            tensors = app.main.module_browser.tensor_table
+            await until(pilot, lambda: tensors.row_count == 1 and tensors.has_focus)
+            await pilot.pause(0.1)  # DataTable sizes its columns when idle
+
+            def shown(y: int) -> str:
+                """Line ``y`` of the tensors table (0: its heading) as the screen shows it."""
+                area = tensors.scrollable_content_region
+                line = screen_text(app).splitlines()[area.y + y]
+                return line[area.x : area.right]
+
+            assert "net.2.output" in shown(1)
+            assert shown(1).endswith("…") and "NaN" not in shown(1)  # the summary goes on
+            assert shown(0).rstrip().endswith("summary")  # only padding goes past the edge
+            while tensors.scroll_x < tensors.max_scroll_x:
+                await pilot.press("right")
+            await pilot.pause(0.1)
+            assert shown(1).rstrip().endswith("NaN×2!")
+
+    asyncio.run(flow())
+
+
 def test_a_running_training_in_deferred_mode_says_why_its_modules_have_no_ranges() -> None:
     """Deferred mode measures a module's output only while the training is paused (its ranges
     show at a hit): while it ran, the Modules tab's output column was empty without a word.

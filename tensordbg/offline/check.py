@@ -42,9 +42,18 @@ class Finding:
     value: float
     threshold: float | None
     message: str
+    """One sentence for a person: what, where, how much."""
     origin: bool = False
     """Whether the run named this tensor where the problem arose (a hit at its origin), not
     a place it only reached."""
+    advice: str = ""
+    """What the rule's finding usually means and what to do, as the rule gives it: the table
+    gives each advice once, the JSON with each finding (its ``message`` ends with it)."""
+
+    @property
+    def advised(self) -> str:
+        """The message followed by the advice."""
+        return f"{self.message} {self.advice}" if self.advice else self.message
 
 
 @dataclass(slots=True)
@@ -94,7 +103,7 @@ class CheckReport:
             "tensors": self.tensors,
             "complete": self.complete,
             "clean": not self.findings,
-            "findings": [_jsonable(asdict(f)) for f in self.findings],
+            "findings": [_finding_json(f) for f in self.findings],
             "unjudged": [asdict(u) for u in self.unjudged],
             "broken": self.broken,
             "notes": self.notes,
@@ -102,7 +111,8 @@ class CheckReport:
 
     def table(self, limit: int = 50) -> str:
         """The report for a person: the findings in execution order (the first is where a
-        problem surfaced), what could not be judged, and the broken steps."""
+        problem surfaced), the advice they carry (each once), what could not be judged, and the
+        broken steps."""
         lines = []
         for f in self.findings[:limit]:
             rank = f" rank {f.rank}" if len(self.ranks) > 1 else ""
@@ -111,6 +121,7 @@ class CheckReport:
             lines.append(f"    {f.message}")
         if len(self.findings) > limit:
             lines.append(f"... and {len(self.findings) - limit} more findings (--json lists all)")
+        lines.extend(self._advice())
         for u in self.unjudged:
             tensors = f"{u.tensors} tensor{'s' * (u.tensors != 1)}"
             first = f"(first: {u.first_tensor} at step {u.first_step})"
@@ -149,6 +160,20 @@ class CheckReport:
             lines.append(f"it arose at {where}, step {first.step}{rank} ({first.rule}); "
                          f"{spread} findings are where it spread")  # fmt: skip
         return "\n".join(lines)
+
+    def _advice(self) -> list[str]:
+        """Each advice once, after the findings: a NaN that spread to 30 tensors is 30 findings
+        with the same advice, which live is given only where the NaN arose."""
+        found: dict[str, list[Finding]] = {}
+        for f in self.findings:
+            if f.advice:
+                found.setdefault(f.advice, []).append(f)
+        lines = []
+        for advice, findings in found.items():
+            n, rules = len(findings), ", ".join(dict.fromkeys(f.rule for f in findings))
+            which = f"the {n} {rules} findings" if n > 1 else f"the {rules} finding"
+            lines.append(f"about {which}: {advice}")
+        return lines
 
 
 def check_dump(
@@ -334,7 +359,8 @@ def _end_phase(ruleset: RuleSet, records: list[Record], rank: int, report: Check
                 _rule_name(ruleset, rule_id),
                 float(finding.value),
                 _threshold(finding.threshold),
-                finding.advised,
+                finding.message,
+                advice=finding.advice,
             )
         )
 
@@ -401,7 +427,8 @@ def _finding(ruleset: RuleSet, rule_id: int, finding: Any, entry: Any, step: int
              rank: int) -> Finding:  # fmt: skip
     return Finding(step, rank, entry.phase, entry.order, entry.name, entry.module, entry.kind,
                    _rule_name(ruleset, rule_id), float(finding.value),
-                   _threshold(finding.threshold), finding.advised)  # fmt: skip
+                   _threshold(finding.threshold), finding.message,
+                   advice=finding.advice)  # fmt: skip
 
 
 def _rule_name(ruleset: RuleSet, rule_id: int) -> str:
@@ -419,6 +446,15 @@ def _number(value: Any) -> Any:
     if isinstance(value, list):
         return tuple(value)
     return value
+
+
+def _finding_json(f: Finding) -> dict[str, Any]:
+    """A finding as the JSON schema has it: its ``message`` followed by its advice, as the run
+    gave it, and no field of its own for the advice."""
+    row = asdict(f)
+    del row["advice"]
+    row["message"] = f.advised
+    return _jsonable(row)
 
 
 def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
