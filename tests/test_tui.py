@@ -341,6 +341,28 @@ def test_rules_toggle_edit_add_and_recheck() -> None:
     asyncio.run(flow())
 
 
+def test_a_match_pattern_with_brackets_is_shown_as_written_not_read_as_markup() -> None:
+    """fnmatch's ``[ab]`` is also Rich markup's shape of a style tag: shown as a string, the
+    Rules table would drop it."""
+    source = FakeSource()
+    source.add_rule("TensorRange", match="net.[ab]*")
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            panel = app.main.rule_panel
+            await until(pilot, lambda: panel.current is not None)
+            app.main.show_tab("rules")
+            await pilot.pause()
+            table = panel.table
+            row = [c.plain if hasattr(c, "plain") else str(c) for c in table.get_row_at(2)]
+            assert "net.[ab]*" in row
+            rendered = "".join(s.text for s in table.render_line(3))  # the heading is line 0
+            assert "net.[ab]*" in rendered
+
+    asyncio.run(flow())
+
+
 def test_the_rules_keys_follow_the_state_of_the_training() -> None:
     """Rules change while the training runs or is paused, but a recheck judges the paused step:
     r and the palette's Recheck are offered only while paused, and nothing once disconnected."""

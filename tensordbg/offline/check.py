@@ -158,7 +158,8 @@ class CheckReport:
             if named is not None:
                 where = f"{named} (dumped as {first.tensor})"
             lines.append(f"it arose at {where}, step {first.step}{rank} ({first.rule}); "
-                         f"{spread} findings are where it spread")  # fmt: skip
+                         f"{spread} finding{'s are' if spread != 1 else ' is'} where it "
+                         "spread")  # fmt: skip
         return "\n".join(lines)
 
     def _advice(self) -> list[str]:

@@ -8,17 +8,14 @@ never one per tensor).
 
 A kernel sees the tensor ``x`` (in a dtype torch reduces), its number of elements ``n``, a
 cache shared by the kernels of one call and the statistic's parameters, and returns a 0-d tensor
-on the device::
-
-    @_kernel("abs_mean")
-    def _abs_mean(x, n, cache, params):
-        return x.abs().sum(dtype=_accum(x)) / n
+on the device: ``_abs_mean(x, n, cache, params)`` is ``x.abs().sum(dtype=_accum(x)) / n``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from functools import cache
 from typing import Any, NamedTuple
 
 import torch
@@ -59,6 +56,7 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _FLOATING = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
+@cache  # asked for every watched tensor: each dtype is spelled once
 def dtype_name(dtype: torch.dtype) -> str:
     """torch's dtype name without the module: ``torch.bfloat16`` -> ``"bfloat16"``."""
     return str(dtype).removeprefix("torch.")

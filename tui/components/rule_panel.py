@@ -121,9 +121,11 @@ class RulePanel(Vertical):
                 Text(rule["name"], style="bold" if rule["enabled"] else "dim"),
                 str(rule.get("hits", 0)),  # before the long columns: seen on a narrow terminal
                 Text(rule.get("disabled_reason") or "", style="yellow"),
-                thresholds(rule.get("params") or {}),
-                ", ".join(rule.get("match") or [])
-                + "".join(f" !{x}" for x in rule.get("exclude") or []),
+                Text(thresholds(rule.get("params") or {})),
+                Text(  # not a string: DataTable reads it as markup ("x[ab]" loses "[ab]")
+                    ", ".join(rule.get("match") or [])
+                    + "".join(f" !{x}" for x in rule.get("exclude") or [])
+                ),
                 kinds(rule.get("kinds") or []),
                 key=str(rule["id"]),
             )

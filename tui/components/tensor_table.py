@@ -47,7 +47,12 @@ class TensorTable(Table):
                 style, line = "dim", f"{line}  (not retained)"
             name = f"{t['name']} = {t['same_as']}" if t.get("same_as") else t["name"]
             self.add_row(
-                t["kind"], str(t["call"]), name, Text(line, style=style), key=str(t["ref"])
+                # Text, not a string: DataTable reads a string as markup ("x[ab]" loses "[ab]").
+                t["kind"],
+                str(t["call"]),
+                Text(name),
+                Text(line, style=style),
+                key=str(t["ref"]),
             )
 
     @on(DataTable.RowSelected)
