@@ -887,6 +887,29 @@ def test_an_update_is_recorded_when_it_is_news_and_weight_not_changing_sees_ever
     ]  # fmt: skip
 
 
+def test_an_update_nothing_measured_is_news_when_the_parameter_is_next_seen_changing(watch):
+    """Step 0 moves the parameters within the tolerance: no copy was taken, the norm did not
+    move, so nothing is measured and no record is made; they become suspects, copied before
+    step 1. Step 1 changes them: that is news (a record saying so), and they are suspects no
+    more; step 2 changes them as before: no record."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=optimizer, on_hit="record", rules=[WeightNotChanging()])
+    made = []
+    for step in range(3):
+        for group in optimizer.param_groups:
+            group["lr"] = 1e-12 if step == 0 else 0.1
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        made.append(sorted(r.param for r in session.phases.records if r.stats.kind == "update"))
+        if step == 0:
+            assert session.weights.suspects == {"weight", "bias"}
+    assert made == [[], ["bias", "weight"], []]
+    assert session.weights.suspects == set()
+
+
 def test_a_sample_of_a_parameter_proves_a_change_and_nothing_else():
     """A parameter whose norm did not move past the tolerance is compared with its copy from
     before the step: a sample first, every element only when no sampled element moved."""

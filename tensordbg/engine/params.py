@@ -189,8 +189,9 @@ class ParamWatch:
         if self.digest_moved(p.name, ranges, unchanged):
             return False
         self.suspects.add(p.name)
-        if self.unsettled is not None:
-            self.unsettled.add(p.name)
+        if self.unsettled is None:
+            self.unsettled = set()
+        self.unsettled.add(p.name)
         return True
 
     def moving(self, owned: list[Param], ranges: dict[str, Digest],
