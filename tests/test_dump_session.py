@@ -336,3 +336,31 @@ def test_a_periodic_steps_dumped_value_keeps_where_it_came_from(tmp_path):
     assert [i["name"] for i in prov["inputs"]] == ["1.output"]
     # The line that called the model (the Sequential runs its children itself).
     assert (prov["source"]["function"], prov["source"]["line"]) == ("_train", _MODEL_CALL_LINE)
+
+
+class _Nudged(nn.Module):
+    """Adds ``nudge`` to its output at step ``at`` (counted by its own calls)."""
+
+    def __init__(self, nudge: float, at: int) -> None:
+        super().__init__()
+        self.inner, self.nudge, self.at, self.calls = nn.Linear(8, 8), nudge, at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.inner(x) + (self.nudge if self.calls - 1 == self.at else 0.0)
+
+
+def test_diff_of_two_default_periodic_dumps_parts_at_the_activation_that_changed(tmp_path):
+    """Under the default (deferred) checks a dumped step screens each module's output in its
+    hook; that one sum gives its mean too, so two statistics-only dumps part at the module
+    whose output changed (step 2, forward), not at the loss or a gradient after it."""
+    from tensordbg.offline.diff import diff_dumps
+
+    for name, nudge in (("a", 0.0), ("b", 1e-3)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), _Nudged(nudge, at=2), nn.Linear(8, 2))
+        _train_dumped(model, tmp_path / name, steps=4, dump_every=1)
+    a, b = tensordbg.load(tmp_path / "a"), tensordbg.load(tmp_path / "b")
+    assert "mean" in a.tensor("2.output").stats(0)
+    first = diff_dumps(a, b).first
+    assert (first.step, first.tensor, first.phase) == (2, "2.output", "forward")

@@ -14,8 +14,9 @@ One run directory, one folder per rank::
 
 Every file appears whole: written under a temporary name, fsynced, renamed, and the directory
 fsynced. ``index.jsonl`` only grows by whole lines, each appended after the file it names is in
-place; a line starts with ``{"crc":"XXXXXXXX",`` (the CRC-32 of the rest of the line), so a
-line cut by a crash or changed on disk is recognised. Values are stored as they were: bfloat16
+place (and fsynced at once for a step with hits, within a second for the others); a line starts
+with ``{"crc":"XXXXXXXX",`` (the CRC-32 of the rest of the line), so a line cut by a crash or
+changed on disk is recognised. Values are stored as they were: bfloat16
 and float8 are raw bytes under their safetensors dtype and come back through ``ml_dtypes``.
 """
 

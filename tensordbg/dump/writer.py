@@ -10,17 +10,20 @@ import datetime
 import os
 import secrets
 import shutil
+import time
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from tensordbg.dump import format as fmt
 
 NOT_FINISHED = "the run did not finish (it was killed, or is still running)"
+SYNC_EVERY = 1.0
+"""Seconds within which an index line of a step without hits reaches the disk (fsync)."""
 
 
 @dataclass(slots=True)
@@ -77,6 +80,8 @@ class DumpWriter:
         self.evicted: list[tuple[int, int]] = []
         self.closed = False
         self._dirs: dict[int, Path] = {}
+        self._index: dict[int, BinaryIO] = {}
+        self._synced: dict[int, float] = {}
         self._written: dict[tuple[int, int], _Written] = {}
         self._index_bytes: dict[int, int] = {}
         self._said_full = False
@@ -152,7 +157,7 @@ class DumpWriter:
         line["hits"] = [dict(h) for h in hits]
         if numbers is not None:
             line["numbers"] = dict(numbers)
-        line_bytes = self._append(rank, line)
+        line_bytes = self._append(rank, line, durable=bool(hits))
         keep = bool(hits) or bool(previous and previous.keep)
         self._written[(step, rank)] = _Written(file_name, nbytes, line_bytes, keep)
         if previous is not None and previous.file and previous.file != file_name:
@@ -176,6 +181,8 @@ class DumpWriter:
         if self.closed:
             return
         self.closed = True
+        for rank in list(self._index):
+            self._close_index(rank)
         if complete and self.meta.get("reason_incomplete") in (None, NOT_FINISHED):
             self.meta["complete"] = True
             self.meta["reason_incomplete"] = None
@@ -211,20 +218,35 @@ class DumpWriter:
             text = fmt.json.dumps({**self.meta, "rank": r}, indent=1, allow_nan=True)
             fmt.write_atomic(fmt.rank_dir(self.root, r) / fmt.META, [text.encode()])
 
-    def _append(self, rank: int, record: dict[str, Any]) -> int:
+    def _append(self, rank: int, record: dict[str, Any], durable: bool = True) -> int:
+        """Append a line to the rank's index (kept open). It is in the kernel's hands at once,
+        so a killed process loses nothing; it reaches the disk at once when ``durable`` (a step
+        with hits, the module tree), else within SYNC_EVERY seconds (or at close): an operating
+        system that crashes may lose the last second of periodic steps, never a hit."""
         line = fmt.index_line(record)
-        path = self._dirs[rank] / fmt.INDEX
-        with open(path, "ab") as f:
-            start = f.tell()
-            try:
-                f.write(line)
-                f.flush()
+        f = self._index.get(rank)
+        if f is None:
+            f = self._index[rank] = open(self._dirs[rank] / fmt.INDEX, "ab")  # noqa: SIM115
+        start = f.tell()
+        try:
+            f.write(line)
+            f.flush()
+            now = time.monotonic()
+            if durable or now - self._synced.get(rank, -SYNC_EVERY) >= SYNC_EVERY:
                 os.fsync(f.fileno())
-            except BaseException:
-                f.truncate(start)  # never leave a half line for the next one to follow
-                raise
+                self._synced[rank] = now
+        except BaseException:
+            f.truncate(start)  # never leave a half line for the next one to follow
+            raise
         self._index_bytes[rank] += len(line)
         return len(line)
+
+    def _close_index(self, rank: int) -> None:
+        f = self._index.pop(rank, None)
+        if f is not None:
+            with contextlib.suppress(OSError):
+                os.fsync(f.fileno())
+            f.close()
 
     def _evict(self) -> None:
         """Remove the oldest steps without hits until the dump is back under 90 % of
@@ -252,6 +274,7 @@ class DumpWriter:
             self.evicted.append((step, rank))
 
     def _rewrite_index(self, rank: int, steps: set[int]) -> None:
+        self._close_index(rank)  # the rewritten index is a new file: appended to from here
         path = self._dirs[rank] / fmt.INDEX
         kept = []
         with open(path, "rb") as f:

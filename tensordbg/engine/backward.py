@@ -271,11 +271,12 @@ class BackwardPhase:
             elif event.grad is not None:  # kept (on its device, or for a voucher), read now
                 record = grad_record(event.forward, event.grad, self.step)
             else:  # screened in its hook or vouched for: finite, and not kept
+                # Listed only: its rules speak only of NaN and Inf (grads_quiet), so judging it
+                # and attributing it (events for a clean gradient) would find nothing.
                 record = grad_record(event.forward, None, self.step, (event.shape, event.dtype))
-                self._prepare(record, None)
                 record.stats.values = {FINITE: 1.0}
-                record.judged = True  # its rules speak only of NaN and Inf (grads_quiet)
-                self.phases.pending += (Judged(record), Gradient(record))
+                record.judged = True
+                self.phases.register(record)
                 continue
             kept, silent = self._prepare(record, event.grad)
             if record.wanted and norm_only(record, event.grad):

@@ -27,10 +27,10 @@ recomputes it) is skipped, so nothing is counted twice.
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import sys
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from fnmatch import fnmatchcase
 from functools import partial
 from types import CodeType
@@ -40,14 +40,13 @@ import torch
 
 from tensordbg.engine.handles import HandleGroup, Unhooked
 from tensordbg.engine.pinpoint import draws_random, random_state
-from tensordbg.engine.records import Call, Record, new_record
+from tensordbg.engine.records import Call, Record, new_record, tensor_leaves
 from tensordbg.engine.sites import user_site
-from tensordbg.statistics import FINITE
+from tensordbg.statistics import FINITE, MEAN
 from tensordbg.statistics.torch_kernels import SCREEN, host_stats, watchable
 
-MAX_NESTING = 6
 _PURE_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
-MAX_LEAVES = 256
+_COLD = (-1, math.nan)  # an output not screened in its hook: no version of it
 
 
 class Sink(Protocol):
@@ -72,44 +71,6 @@ class Sink(Protocol):
     def activation_grad(self, forward: Record, grad: torch.Tensor) -> None: ...
     def param_grad(self, name: str, owner: str, owner_type: str, grad: torch.Tensor) -> None: ...
     def fault(self, error: Exception) -> None: ...
-
-
-def tensor_leaves(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
-    """Every tensor in a nested output, with its path: ``(output, (h, c))`` gives
-    ``[("[0]", output), ("[1][0]", h), ("[1][1]", c)]``; dicts and dataclasses (e.g. Hugging Face
-    ``ModelOutput``) by key: ``".logits"``."""
-    if isinstance(obj, torch.Tensor):
-        return [(prefix, obj)]
-    if type(obj) is tuple and len(obj) == 1 and isinstance(obj[0], torch.Tensor):
-        return [(f"{prefix}[0]", obj[0])]  # a module's positional arguments, most of the time
-    out: list[tuple[str, torch.Tensor]] = []
-    _collect(obj, prefix, 0, out)
-    return out
-
-
-def _collect(obj: Any, prefix: str, depth: int, out: list[tuple[str, torch.Tensor]]) -> None:
-    if len(out) >= MAX_LEAVES:
-        return
-    if isinstance(obj, torch.Tensor):
-        out.append((prefix, obj))
-        return
-    if depth >= MAX_NESTING or isinstance(obj, (str, bytes, int, float, bool)) or obj is None:
-        return
-    if isinstance(obj, Mapping):
-        for key, value in obj.items():
-            _collect(value, f"{prefix}{_key(key)}", depth + 1, out)
-    elif isinstance(obj, (tuple, list)):
-        fields = getattr(obj, "_fields", None)  # namedtuple: name the fields
-        for i, value in enumerate(obj):
-            part = f".{fields[i]}" if fields else f"[{i}]"
-            _collect(value, f"{prefix}{part}", depth + 1, out)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            _collect(getattr(obj, f.name, None), f"{prefix}.{f.name}", depth + 1, out)
-
-
-def _key(key: Any) -> str:
-    return f".{key}" if isinstance(key, str) and key.isidentifier() else f"[{key!r}]"
 
 
 Seen = tuple[str, torch.Tensor, int, Any]
@@ -184,7 +145,7 @@ class Capture:
         self._log_bytes = 0
         self._log_dtypes: frozenset[torch.dtype] = frozenset()
         self._log_room = 0
-        self._hot: dict[int, int] | None = None  # noted outputs found finite: id -> version
+        self._hot: dict[int, tuple[int, float]] | None = None  # finite outputs: version, mean
 
     # --- installation ----------------------------------------------------------------------
 
@@ -331,10 +292,13 @@ class Capture:
 
     def _screen_hot(self, seen: list[Seen]) -> None:
         """Screen a noted call's outputs now, while they are in the cache (a dumped step holds
-        statistics of every watched tensor: read at the phase's end, they are out of it)."""
+        statistics of every watched tensor: read at the phase's end, they are out of it). The
+        screen's one sum gives the mean too: two dumps part where an activation's mean does."""
         for _, t, version, _ in seen:
-            if self._hot.get(id(t)) != version and host_stats(t, SCREEN)[0] == 1.0:
-                self._hot[id(t)] = version  # once: a wrapper returns its child's output
+            if self._hot.get(id(t), _COLD)[0] != version:
+                mean = host_stats(t, (MEAN,))[0]
+                if math.isfinite(mean):
+                    self._hot[id(t)] = (version, mean)  # once: a wrapper returns its child's
 
     def _enter(self, key: int, seen: list[Seen], site: tuple[CodeType, int] | None,
                invocation: Any = None, is_root: bool = False) -> None:  # fmt: skip
@@ -390,9 +354,9 @@ class Capture:
                 record.producer = call
                 self._remember(t, record)
                 session.collect(record, t)
-                hot = self._hot.get(id(t)) if self._hot else None
-                if hot == version and record.lazy and record.wanted == SCREEN:
-                    record.stats.values = {FINITE: 1.0}  # all its rules ask, read in its hook
+                hot = self._hot.get(id(t), _COLD) if self._hot else _COLD
+                if hot[0] == version and record.lazy and record.wanted == SCREEN:
+                    record.stats.values = {FINITE: 1.0, MEAN: hot[1]}  # read in its hook
             elif record.producer is not None and record.producer is not call:
                 record.passed_up.append(call)
             call.outputs.append((suffix, record))

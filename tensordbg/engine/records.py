@@ -7,8 +7,9 @@ sources can all speak of the same objects without importing each other.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import CodeType
 from typing import Any
@@ -181,3 +182,46 @@ def is_model_output(record: Record) -> bool:
     return (producer is not None and producer.parent is None) or any(
         c.parent is None for c in record.passed_up
     )
+
+
+# How deep tensor_leaves looks into a nested value, and how many tensors it lists at most.
+MAX_NESTING = 6
+MAX_LEAVES = 256
+
+
+def tensor_leaves(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """Every tensor in a nested output, with its path: ``(output, (h, c))`` gives
+    ``[("[0]", output), ("[1][0]", h), ("[1][1]", c)]``; dicts and dataclasses (e.g. Hugging Face
+    ``ModelOutput``) by key: ``".logits"``."""
+    if isinstance(obj, torch.Tensor):
+        return [(prefix, obj)]
+    if type(obj) is tuple and len(obj) == 1 and isinstance(obj[0], torch.Tensor):
+        return [(f"{prefix}[0]", obj[0])]  # a module's positional arguments, most of the time
+    out: list[tuple[str, torch.Tensor]] = []
+    _collect(obj, prefix, 0, out)
+    return out
+
+
+def _collect(obj: Any, prefix: str, depth: int, out: list[tuple[str, torch.Tensor]]) -> None:
+    if len(out) >= MAX_LEAVES:
+        return
+    if isinstance(obj, torch.Tensor):
+        out.append((prefix, obj))
+        return
+    if depth >= MAX_NESTING or isinstance(obj, (str, bytes, int, float, bool)) or obj is None:
+        return
+    if isinstance(obj, Mapping):
+        for key, value in obj.items():
+            _collect(value, f"{prefix}{_key(key)}", depth + 1, out)
+    elif isinstance(obj, (tuple, list)):
+        fields = getattr(obj, "_fields", None)  # namedtuple: name the fields
+        for i, value in enumerate(obj):
+            part = f".{fields[i]}" if fields else f"[{i}]"
+            _collect(value, f"{prefix}{part}", depth + 1, out)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _collect(getattr(obj, f.name, None), f"{prefix}.{f.name}", depth + 1, out)
+
+
+def _key(key: Any) -> str:
+    return f".{key}" if isinstance(key, str) and key.isidentifier() else f"[{key!r}]"

@@ -8,8 +8,7 @@ from typing import Any
 
 import torch
 
-from tensordbg.engine.capture import tensor_leaves
-from tensordbg.engine.records import Call, Record
+from tensordbg.engine.records import Call, Record, tensor_leaves
 from tensordbg.sources import contract
 from tensordbg.statistics import TensorStats
 
