@@ -364,3 +364,25 @@ def test_diff_of_two_default_periodic_dumps_parts_at_the_activation_that_changed
     assert "mean" in a.tensor("2.output").stats(0)
     first = diff_dumps(a, b).first
     assert (first.step, first.tensor, first.phase) == (2, "2.output", "forward")
+
+
+def test_a_dumped_step_on_a_device_reads_the_unscreened_activations_in_one_transfer(
+    tmp_path, monkeypatch
+):
+    """Deferred checks leave a clean forward's activations unscreened (on the host a dumped
+    step screens them in their hooks; switched off here). On a device, reading them one by one
+    would synchronize once per tensor: they come over in one transfer per phase. (The device is
+    played by the CPU: tensors count as not on the host.)"""
+    from tensordbg.dump import subscriber
+    from tensordbg.engine.pipeline import Pipeline
+
+    monkeypatch.setattr(Pipeline, "screens_noted", lambda self: False)
+    monkeypatch.setattr(subscriber, "_on_host", lambda tensor: False)
+    flushes = []
+    real_flush = subscriber.StatsBatch.flush
+    monkeypatch.setattr(subscriber.StatsBatch, "flush",
+                        lambda self: flushes.append(len(self)) or real_flush(self))  # fmt: skip
+    _train_dumped(_model(), tmp_path, steps=2, dump_every=1, sync="deferred")
+    assert flushes == [3, 3]  # a step's forward: the three modules' outputs, together
+    dump = tensordbg.load(tmp_path)
+    assert all(dump.tensor(f"{i}.output").stats(1) == {"finite": 1.0} for i in range(3))

@@ -37,6 +37,8 @@ import torch
 
 from tensordbg.dump.writer import DumpWriter
 from tensordbg.statistics import TensorStats
+from tensordbg.statistics.batch import StatsBatch
+from tensordbg.statistics.torch_kernels import device_stats
 
 QUEUE_STEPS = 4
 """Steps waiting for the writer at most (each within ``retain_bytes`` of values)."""
@@ -155,16 +157,13 @@ class DumpRecorder:
         # Hits that name the call whose own code made a value (the attention, not its output
         # projection): that value's provenance is the call's (its line, its mask).
         makers = {(h["stored_as"], h.get("ref")): h for h in buffer.hits if h.get("stored_as")}
+        fresh = []
         for record in records:
-            if record.hidden or id(record.stats) in buffer.seen:
-                continue
-            buffer.seen.add(id(record.stats))
-            if record.lazy and not record.stats.values:
-                # Deferred mode leaves a clean phase's activations unscreened; a dumped step
-                # holds statistics of every watched tensor, so it screens them (its own cost).
-                tensor = record.held()
-                if tensor is not None:
-                    self.session.screen(record, tensor)
+            if not record.hidden and id(record.stats) not in buffer.seen:
+                buffer.seen.add(id(record.stats))
+                fresh.append(record)
+        self._screen_unscreened([r for r in fresh if r.lazy and not r.stats.values])
+        for record in fresh:
             buffer.stats.append(record.stats)
             if self.failed is not None:
                 continue
@@ -172,6 +171,24 @@ class DumpRecorder:
             if copy_all or (self.patterns and _matches(name, self.patterns)):
                 self._copy(buffer, record, makers)
         buffer.values_from_hits |= copy_all
+
+    def _screen_unscreened(self, records: list[Any]) -> None:
+        """Deferred mode leaves a clean phase's activations unscreened; a dumped step holds
+        statistics of every watched tensor, so it screens them (its own cost): on the host one
+        by one, on a device all in one transfer (one synchronization, as batched checks do)."""
+        batch, slots = StatsBatch(), []
+        for record in records:
+            tensor = record.held()
+            if tensor is None:
+                continue
+            if _on_host(tensor):
+                self.session.screen(record, tensor)
+            else:
+                slots.append((record, batch.add(device_stats(tensor, record.wanted))))
+        values = batch.flush() if slots else []
+        for record, slot in slots:
+            record.stats.values = dict(zip(record.wanted, values[slot], strict=True))
+            record.lazy = False
 
     def _copy(self, buffer: _StepBuffer, record: Any, makers: dict[tuple[str, Any], Any]) -> None:
         tensor = record.held()
@@ -294,6 +311,10 @@ class DumpRecorder:
         log = getattr(self.session, "log", None)
         if log is not None and threading.current_thread() is not self._thread:
             log(message, "warning")
+
+
+def _on_host(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cpu"
 
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:
