@@ -64,7 +64,8 @@ class _UnitActivity(Rule):
             self.layer_threshold,
             f"{t.name} ({t.module_type or 'activation'}) has {frac:.0%} {self.inactive} units, "
             f"{self.live} in under {self.inactivity_threshold:.0%} of their values (threshold "
-            f"{self.layer_threshold:.0%}); {self.advice}",
+            f"{self.layer_threshold:.0%}).",
+            self.advice[0].upper() + self.advice[1:],  # shown once where several layers are
         )
 
 

@@ -425,6 +425,7 @@ def test_dead_relu_layer_is_found():
     )
     assert (found.value, found.threshold) == (0.75, 0.5)
     assert "mlp.act.output (ReLU) has 75% dead units" in found.message
+    assert found.advice.startswith("Dead units pass no gradient")  # apart: given once
 
 
 def test_dead_units_of_a_conv_map_are_its_channels():
