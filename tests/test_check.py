@@ -155,8 +155,10 @@ def test_a_broken_step_is_reported_and_the_others_are_checked(
     report = check_dump(load(dump))
     assert report.steps == 5 and report.findings == []
     assert report.broken[0]["step"] == 3 and "truncated" in report.broken[0]["reason"]
-    assert main(["check", str(dump)]) == 0
-    assert f"step 3 of rank 0 was not checked: {step_file} is truncated" in capsys.readouterr().out
+    assert main(["check", str(dump)]) == 2  # not clean: a CI job must not pass what was unread
+    out = capsys.readouterr().out
+    assert f"step 3 of rank 0 was not checked: {step_file} is truncated" in out
+    assert "clean where it could be read, with unreadable steps" in out
 
 
 @pytest.mark.parametrize("damage", ["no index", "wrong version", "not json"])

@@ -73,3 +73,31 @@ def test_the_command_exits_0_1_2_and_speaks_json(
     assert capsys.readouterr().err.count("\n") == 1
     assert main(["diff", a, b, "--ranks", "0,1"]) == 2
     assert "has no rank 1" in capsys.readouterr().err
+
+
+def test_a_step_or_a_value_one_dump_cannot_read_is_named_so_and_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A damaged index line is not "dumped only in the other run", and a damaged values file
+    is not a traceback: both are named, the rest is compared, and the exit status says that
+    not everything could be read."""
+    a = write_dump(tmp_path / "a")
+    b = write_dump(tmp_path / "b")
+    index = b / "rank-0" / "index.jsonl"
+    lines = index.read_bytes().splitlines(keepends=True)
+    step_line = next(i for i, line in enumerate(lines) if b'"step":2,' in line)
+    lines[step_line] = lines[step_line].replace(b'"nbytes":', b'"nbytez":', 1)  # its CRC fails
+    index.write_bytes(b"".join(lines))
+    report = diff_dumps(load(a), load(b))
+    assert report.only_in_a == [] and report.first is None and report.exit_code == 2
+    assert [(x["step"], x["side"]) for x in report.broken] == [(2, "B")]
+    assert "Not compared, unreadable in B: " in report.text()
+
+    c = write_dump(tmp_path / "c")
+    values = next((c / "rank-0").glob("step-*.safetensors"))
+    data = bytearray(values.read_bytes())
+    data[-3] ^= 0xFF  # a value's bytes: its checksum fails when it is read
+    values.write_bytes(bytes(data))
+    assert main(["diff", str(a), str(c)]) == 2
+    out = capsys.readouterr().out
+    assert "Not compared, unreadable in B: " in out and "Traceback" not in out

@@ -89,8 +89,11 @@ class CheckReport:
 
     @property
     def exit_code(self) -> int:
-        """0 when no rule fired, 1 when one did."""
-        return 1 if self.findings else 0
+        """0 when no rule fired, 1 when one did, 2 when none did on the steps that could be
+        read but some could not."""
+        if self.findings:
+            return 1
+        return 2 if self.broken else 0
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -144,6 +147,8 @@ class CheckReport:
             lines.append("the dump is incomplete: the run stopped before it was closed")
         n = len(self.findings)
         verdict = f"{n} finding{'s' * (n != 1)}" if n else "clean"
+        if not n and self.broken:
+            verdict = "clean where it could be read, with unreadable steps"
         names = ", ".join(r.split("(")[0] for r in self.rules) or "no rules"
         lines.append(
             f"{verdict}: {names} over {self.tensors} tensors of {self.steps} steps in {self.path}"

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from tensordbg.dump.reader import DumpError
+
 SCHEMA_VERSION = 1
 CHUNK = 1 << 22  # elements compared at a time: memory stays bounded on huge tensors
 
@@ -98,8 +100,10 @@ class DiffReport:
     @property
     def exit_code(self) -> int:
         """0 when the runs agree on every step both dumped, 1 when they differ (or share no
-        step to compare)."""
-        return 1 if self.first is not None or not self.steps else 0
+        step to compare), 2 when they agree on what could be read but some of it could not."""
+        if self.first is not None or not self.steps:
+            return 1
+        return 2 if self.broken else 0
 
     def as_json(self) -> dict[str, Any]:
         return _jsonable(
@@ -129,9 +133,15 @@ class DiffReport:
         if self.first is not None:
             lines.append(f"The runs part at {self.first.sentence()}.")
             if self.later:
-                lines.append(f"After it, the statistics of {self.later} more tensors differ.")
+                more = "1 more tensor differs" if self.later == 1 else f"{self.later} more differ"
+                lines.append(f"After it, {more}.")
         elif not self.steps:
             lines.append("The two dumps have no readable step in common: nothing to compare.")
+        elif self.broken:
+            lines.append(
+                f"The runs agree on what could be read ({self.tensors} tensors of {self.steps} "
+                "steps), but not all of it could be: see below."
+            )
         else:
             lines.append(
                 f"The runs agree: {self.tensors} tensors of {self.steps} steps within "
@@ -141,7 +151,7 @@ class DiffReport:
             if steps:
                 lines.append(f"Steps dumped only in {side} (not compared): {_steps(steps)}")
         for b in self.broken:
-            lines.append(f"Not compared: {b['reason']}")
+            lines.append(f"Not compared, unreadable in {b['side']}: {b['reason']}")
         return "\n".join(lines)
 
 
@@ -152,14 +162,23 @@ def diff_dumps(
     rank_a, rank_b = ranks
     report = DiffReport(str(a.path), str(b.path), (rank_a, rank_b), rtol, atol)
     steps_a, steps_b = set(a.steps(rank_a)), set(b.steps(rank_b))
-    report.only_in_a = sorted(steps_a - steps_b)
-    report.only_in_b = sorted(steps_b - steps_a)
+    # A step one side cannot read is not "dumped only" by the other: it is unreadable there.
+    broken_a = {s: why for (s, r), why in a.broken.items() if r == rank_a}
+    broken_b = {s: why for (s, r), why in b.broken.items() if r == rank_b}
+    for side, broken in (("A", broken_a), ("B", broken_b)):
+        report.broken += [{"step": s, "side": side, "reason": why} for s, why in broken.items()]
+    report.only_in_a = sorted(steps_a - steps_b - set(broken_b))
+    report.only_in_b = sorted(steps_b - steps_a - set(broken_a))
     for step in sorted(steps_a & steps_b):
         try:
             entries_a = a.tensors(step, rank=rank_a)
+        except DumpError as e:
+            report.broken.append({"step": step, "side": "A", "reason": str(e)})
+            continue
+        try:
             entries_b = {e.name: e for e in b.tensors(step, rank=rank_b)}
-        except Exception as e:  # DumpError: one side's step cannot be read
-            report.broken.append({"step": step, "reason": str(e)})
+        except DumpError as e:
+            report.broken.append({"step": step, "side": "B", "reason": str(e)})
             continue
         report.steps += 1
         for entry_a, entry_b in _in_order(entries_a, entries_b):
@@ -214,12 +233,15 @@ def _compare(
     value = None
     if values and ea.has_value and eb.has_value:
         # Before the first difference every value is compared; at it, the values say where.
-        report.values += 1
-        value = _compare_values(
-            a.tensor(ea.name, rank=report.ranks[0]).value(step),
-            b.tensor(eb.name, rank=report.ranks[1]).value(step),
-            report,
-        )
+        arrays = []
+        for side, dump, rank in (("A", a, report.ranks[0]), ("B", b, report.ranks[1])):
+            try:
+                arrays.append(dump.tensor(ea.name, rank=rank).value(step))
+            except DumpError as e:  # a values file cut or changed: its statistics still count
+                report.broken.append({"step": step, "side": side, "reason": str(e)})
+        if len(arrays) == 2:
+            report.values += 1
+            value = _compare_values(*arrays, report)
     if stats or value is not None:
         return difference("statistics" if stats else "values", stats=stats, values=value)
     return None
