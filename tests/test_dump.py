@@ -241,6 +241,22 @@ def test_flipped_bytes_in_the_header_fail_at_first_read(tmp_path):
     assert dump.tensor("ids").value(1).shape == (2, 3)
 
 
+def test_an_index_cut_at_a_line_boundary_is_found_by_its_length(tmp_path, capsys):
+    """Whole lines gone leave no cut line to fail a checksum: the length the writer noted in
+    meta.json tells, and check does not call such a dump clean."""
+    from tensordbg.cli import main
+
+    _write(tmp_path, steps=range(4), values={"x": np.ones(3, dtype=np.float32)})
+    index = tmp_path / "rank-0" / fmt.INDEX
+    lines = index.read_bytes().splitlines(keepends=True)
+    index.write_bytes(b"".join(lines[:-2]))  # steps 2 and 3 gone, every line left whole
+    dump = load(tmp_path)
+    assert dump.steps() == [0, 1]
+    assert "cut short" in dump.broken[(-1, 0)]
+    assert main(["check", str(tmp_path)]) == 2
+    assert "rank 0 could not be read whole: " in capsys.readouterr().out
+
+
 def test_a_damaged_index_line_breaks_only_its_step(tmp_path):
     _write(tmp_path)
     index = tmp_path / "rank-0" / "index.jsonl"

@@ -284,6 +284,14 @@ class Dump:
             raise DumpError(f"{path} is missing: the dump has no index of its steps") from None
         except OSError as e:
             raise DumpError(f"{path} cannot be read ({e.strerror})") from None
+        expected = self._metas.get(rank, {}).get("index_bytes")
+        if isinstance(expected, int) and len(data) < expected:
+            # Whole lines gone (a copy cut short, a disk that lost them): no line's checksum
+            # can tell, the length the writer noted in meta.json can.
+            self.broken[(-1, rank)] = (
+                f"{path} is cut short ({len(data)} of {expected} bytes): the steps after its "
+                "last line are missing"
+            )
         lines = data.splitlines(keepends=True)
         for number, line in enumerate(lines, 1):
             try:

@@ -215,7 +215,9 @@ class DumpWriter:
     def _write_meta(self, rank: int | None = None) -> None:
         ranks = [rank] if rank is not None else list(self._dirs)
         for r in ranks:
-            text = fmt.json.dumps({**self.meta, "rank": r}, indent=1, allow_nan=True)
+            # The index's length as it stands: a reader finds an index cut short of it.
+            meta = {**self.meta, "rank": r, "index_bytes": self._index_bytes.get(r, 0)}
+            text = fmt.json.dumps(meta, indent=1, allow_nan=True)
             fmt.write_atomic(fmt.rank_dir(self.root, r) / fmt.META, [text.encode()])
 
     def _append(self, rank: int, record: dict[str, Any], durable: bool = True) -> int:

@@ -141,7 +141,10 @@ class CheckReport:
                     f"{', '.join(u.missing)} for them nor their values {first}"
                 )
         for b in self.broken:
-            lines.append(f"step {b['step']} of rank {b['rank']} was not checked: {b['reason']}")
+            if b["step"] < 0:  # the index itself, or its module tree
+                lines.append(f"rank {b['rank']} could not be read whole: {b['reason']}")
+            else:
+                lines.append(f"step {b['step']} of rank {b['rank']} was not checked: {b['reason']}")
         lines.extend(self.notes)
         if not self.complete:
             lines.append("the dump is incomplete: the run stopped before it was closed")
