@@ -85,6 +85,7 @@ def test_a_backward_nan_is_named_at_its_origin_however_the_bias_gradient_goes(wa
     assert (origin.module, origin.kind, origin.phase) == ("1", "grad_input", "backward")
     passed_on = {h.tensor for h in session.hits if not h.origin}
     assert origin.tensor == "1.grad_input[0]"  # the first Linear's output gradient
+    assert origin.message.startswith("1.grad_input[0] holds")  # its sentence says the same
     expected = {
         "bias": {"0.weight.grad", "0.bias.grad"},
         "frozen bias": {"0.weight.grad"},

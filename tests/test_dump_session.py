@@ -304,7 +304,10 @@ def test_a_hit_named_after_the_call_that_made_it_keeps_its_origin_in_the_dump(tm
     # check marks the dumped tensor the hit stands for, and says where the NaN arose.
     report = check_dump(dump)
     assert [f.tensor for f in report.findings if f.origin] == ["attn.proj.output"]
-    assert "it arose at attn.output (dumped as attn.proj.output), step 0 (NaN)" in report.table()
+    table = report.table()
+    assert "it arose at attn.output (dumped as attn.proj.output), step 0 (NaN)" in table
+    assert "attn.output (dumped as attn.proj.output)  <- origin" in table  # its row says so too
+    assert "\n    attn.output holds " in table
     # The replay opens the hit's tensor, and its provenance is the attention's: the softmax
     # line and the mask that hid the second row.
     source = ReplaySource(dump)

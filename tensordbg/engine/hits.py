@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TextIO
 
 from tensordbg.engine.judge import ActiveRule
@@ -118,6 +119,10 @@ class HitLog:
             stats.summary = summarize(tensor)  # for the UI; downstream hits skip it
         kind = kind or stats.kind
         path = module.path if module is not None else stats.module
+        if name and name != stats.name and finding.message.startswith(stats.name):
+            # Named where it was made (gate.grad_input[0]), not where it is stored (the
+            # gradient of the output of the module before it): the sentence says the same.
+            finding = replace(finding, message=name + finding.message[len(stats.name) :])
         hit = Hit(
             rule=active.rule.name,
             tensor=name or stats.name,

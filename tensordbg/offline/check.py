@@ -120,8 +120,14 @@ class CheckReport:
         for f in self.findings[:limit]:
             rank = f" rank {f.rank}" if len(self.ranks) > 1 else ""
             origin = "  <- origin" if f.origin else ""
-            lines.append(f"step {f.step}{rank} {f.phase:<9} {f.rule:<18} {f.tensor}{origin}")
-            lines.append(f"    {f.message}")
+            shown, message = f.tensor, f.message
+            named = self.named.get((f.step, f.rank, f.tensor)) if f.origin else None
+            if named is not None:  # the run named it where it was made, as the hit does
+                shown = f"{named} (dumped as {f.tensor})"
+                if message.startswith(f.tensor):
+                    message = named + message[len(f.tensor) :]
+            lines.append(f"step {f.step}{rank} {f.phase:<9} {f.rule:<18} {shown}{origin}")
+            lines.append(f"    {message}")
         if len(self.findings) > limit:
             lines.append(f"... and {len(self.findings) - limit} more findings (--json lists all)")
         lines.extend(self._advice())
