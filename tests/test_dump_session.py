@@ -389,3 +389,15 @@ def test_a_dumped_step_on_a_device_reads_the_unscreened_activations_in_one_trans
     assert flushes == [3, 3]  # a step's forward: the three modules' outputs, together
     dump = tensordbg.load(tmp_path)
     assert all(dump.tensor(f"{i}.output").stats(1) == {"finite": 1.0} for i in range(3))
+
+
+def test_check_says_how_often_a_periodic_dump_held_a_step(tmp_path, capsys):
+    from tensordbg.offline.check import check_dump
+
+    _train_dumped(_model(), tmp_path, steps=7, dump_every=3)
+    said = capsys.readouterr().err  # where the dump is, when the session ends
+    assert f"tensordbg: 3 steps dumped in {tmp_path}: tensordbg replay {tmp_path}" in said
+    dump = tensordbg.load(tmp_path)
+    assert dump.meta["dump_every"] == 3 and dump.steps() == [0, 3, 6]
+    notes = check_dump(dump).notes
+    assert any("(the dump holds one step in 3 and the steps with hits)" in n for n in notes)

@@ -461,6 +461,14 @@ def test_slash_on_the_hits_tab_filters_the_hits_and_end_goes_to_the_last_hit() -
             assert hits.ids == [31, *range(292, 302)]  # "late 29", "late 290".."late 299"
             await pilot.press("escape")
             assert app.focused is hits and hits.row_count == 11
+            # The where column's word filters too; a filter that hides every hit says so.
+            app.main.hit_filter.value = "origin"
+            await until(pilot, lambda: hits.row_count == 1 and hits.current["origin"])
+            app.main.hit_filter.value = "zzz"
+            await until(pilot, lambda: hits.row_count == 0)
+            assert "No hit matches the filter 'zzz'" in text_of(app.main.hit_detail)
+            app.main.hit_filter.value = "late 29"
+            await until(pilot, lambda: hits.row_count == 11)
             await pilot.press("enter")
             await until(pilot, lambda: app.main.tensor_inspector.ref == passed_on["ref"])
 

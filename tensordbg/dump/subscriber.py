@@ -102,8 +102,8 @@ class DumpRecorder:
         """Periodic steps not written because the writer fell behind."""
         self.failed: str | None = None
         try:
-            self.writer = DumpWriter(dump_dir, _run_meta(session), rank=session.rank,
-                                     max_bytes=max_bytes)  # fmt: skip
+            meta = {**_run_meta(session), "dump_every": every}
+            self.writer = DumpWriter(dump_dir, meta, rank=session.rank, max_bytes=max_bytes)
         except OSError as e:
             raise ValueError(f"tensordbg cannot write a dump in {dump_dir}: {e}") from None
         self._buffer = _StepBuffer(session.step)
@@ -275,6 +275,10 @@ class DumpRecorder:
             self.writer.close(complete=False, reason=self.failed or reason)
         else:
             self.writer.close(complete=self.failed is None)
+        steps, root = self.writer.steps_written, self.writer.root
+        if steps and self.session.rank == 0:  # where to look, once (a job's ranks share it)
+            print(f"tensordbg: {steps} step{'s' * (steps != 1)} dumped in {root}: tensordbg "
+                  f"replay {root}, tensordbg check {root}", file=sys.stderr)  # fmt: skip
 
     # --- the writer thread -------------------------------------------------------------------
 

@@ -165,6 +165,11 @@ class DumpWriter:
         if self.max_bytes is not None and self.total_bytes() > self.max_bytes:
             self._evict()
 
+    @property
+    def steps_written(self) -> int:
+        """How many (step, rank) of this writer the dump holds."""
+        return len(self._written)
+
     def total_bytes(self) -> int:
         """The dump's size on disk, as written by this writer (files and index)."""
         return sum(w.nbytes for w in self._written.values()) + sum(self._index_bytes.values())

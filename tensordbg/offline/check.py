@@ -220,8 +220,10 @@ def check_dump(
         steps = dump.steps(rank)
         if steps and len(steps) < steps[-1] + 1:
             missing = steps[-1] + 1 - len(steps)
+            every = dump.meta.get("dump_every")
+            held = f"one step in {every} and" if every else "only"
             _note(notes, f"rank {rank}: {missing} of steps 0-{steps[-1]} were not dumped "
-                  "(without dump_every=1 a dump holds the steps with hits): rules that compare a "
+                  f"(the dump holds {held} the steps with hits): rules that compare a "
                   "tensor with its earlier steps (ExplodingGradient's growth, WeightNotChanging, "
                   "LossNotDecreasing) saw only the dumped ones")  # fmt: skip
         for step in steps:

@@ -16,7 +16,11 @@ class HitDetail(Static):
     def __init__(self) -> None:
         super().__init__("", id="hit-detail")
 
-    def show(self, hit: dict[str, Any] | None) -> None:
+    def show(self, hit: dict[str, Any] | None, filtered_out: str = "") -> None:
+        if hit is None and filtered_out:
+            self.update(Text(f"No hit matches the filter '{filtered_out}': press / and clear "
+                             "it to see them all.", style="dim"))  # fmt: skip
+            return
         if hit is None:
             self.update(Text("No hits yet.", style="dim"))
             return

@@ -162,10 +162,15 @@ class HitTable(LineTable):
 
     def _matches(self, hit: dict[str, Any]) -> bool:
         q = self._query
-        return any(
+        return q in WHERE[bool(hit["origin"])].lower() or any(  # the column says "origin"
             q in str(hit.get(field, "")).lower()
             for field in ("step", "rule", "tensor", "module", "message", "phase")
         )
+
+    @property
+    def filtered_out(self) -> str:
+        """The filter, when it hides every hit there is ("" otherwise)."""
+        return self._query if self._hits and self._shown == [] else ""
 
     def _refilter(self) -> None:
         if not self._query:
