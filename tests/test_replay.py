@@ -169,3 +169,35 @@ def test_a_hit_of_the_replay_opens_its_dumped_values(dump: Path) -> None:
             assert "nan" in grid.cell_text(1, 2).lower()
 
     asyncio.run(flow())
+
+
+def test_the_run_tab_of_a_replay_shows_the_step_looked_at_and_says_what_was_not_dumped(
+    tmp_path: Path,
+) -> None:
+    """A replay's Run tab: the loss of the step shown (not the last step's, marked with its
+    step), steps missing from the dump are "not dumped" (not "not received", as from a live
+    training), and no memory is retained by a recording."""
+    from tensordbg.tui.components.run_status import RunStatus
+
+    source = ReplaySource(load(write_dump(tmp_path / "run", steps=[1, 3, 5], nan_at=None)))
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "replay" and source.step == 1)
+            app.main.show_tab("run")
+            run = app.query_one(RunStatus)
+            await until(pilot, lambda: run._history["step"] == [1, 3, 5])
+            loss = run._history["loss"][0]
+
+            def shown() -> str:
+                return str(run.query_one("#run-numbers").render()) + str(
+                    run.query_one("#loss-label").render()
+                )
+
+            await until(pilot, lambda: "steps 2, 4 not dumped" in shown())
+            numbers = run._numbers().columns[1].cells
+            assert [str(c) for c in numbers] == ["loss", f"{loss:.4g}"]  # step 1's, not step 5's
+            assert "retaining" not in str(run.query_one("#run-session").render())
+
+    asyncio.run(flow())

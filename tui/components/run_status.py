@@ -272,7 +272,10 @@ class RunStatus(VerticalScroll):
         for key, name, title in (("loss", "loss", "Loss"), ("grad_norm", "grad", "Gradient norm")):
             values = self._history[key]
             self.query_one(f"#{name}-spark", StepSparkline).plot(steps, values)
-            self.query_one(f"#{name}-label", Label).update(_curve_title(title, steps, values))
+            missing = "not dumped" if self._recorded else "not received"
+            self.query_one(f"#{name}-label", Label).update(
+                _curve_title(title, steps, values, missing)
+            )
         self.query_one("#run-session", Static).update(self._session())
 
     def _state_line(self) -> Text:
@@ -319,9 +322,18 @@ class RunStatus(VerticalScroll):
         table.add_row(*(Text(v, style="bold") for v in values))
         return table
 
+    @property
+    def _recorded(self) -> bool:
+        """A replay: no process, and the step shown is the one being looked at."""
+        return "control" not in self._info.get("capabilities", ("control",))
+
     def _latest(self, key: str) -> str:
-        """The latest known value, with its step when that is not the current one."""
+        """The latest known value, with its step when that is not the current one (a replay:
+        the value of the step shown)."""
         steps, values = self._history["step"], self._history[key]
+        if self._recorded:
+            shown = dict(zip(steps, values, strict=False)).get(self._info.get("step"))
+            return "–" if shown is None else _number(shown)
         for step, value in zip(reversed(steps), reversed(values), strict=False):
             if value is not None:  # a NaN is a value: the loss went NaN, it is said so
                 text = _number(value)
@@ -352,7 +364,7 @@ class RunStatus(VerticalScroll):
         if info.get("sync") == "eager":
             text.append("keeps ", style="dim")
             text.append("hits and the last tensors seen")  # others while the training holds them
-        elif "retain_bytes" in info:
+        elif "retain_bytes" in info and not recorded:
             text.append("retaining ", style="dim")
             text.append(f"{info['retain_bytes'] / 2**20:.0f} MiB")
         if "control" not in info.get("capabilities", ("control",)):
@@ -365,7 +377,8 @@ def _number(value: float) -> str:
     return f"{value:.4g}" if math.isfinite(value) else {"nan": "NaN"}.get(str(value), str(value))
 
 
-def _curve_title(title: str, steps: list[Any], values: list[Any]) -> Text:
+def _curve_title(title: str, steps: list[Any], values: list[Any],
+                 missing: str = "not received") -> Text:  # fmt: skip
     """``Loss  0.31 … 4.26 over steps 0–28  3 non-finite at steps 26–28, not drawn``: the
     curve's scale, and the points it cannot draw (marked ``×`` where they are, or left blank
     where the step never reached the UI: ``steps 20–24 not received``); ``not measured at steps
@@ -398,7 +411,7 @@ def _curve_title(title: str, steps: list[Any], values: list[Any]) -> Text:
         else:
             ranges = ", ".join(str(f) if f == t else f"{f}–{t}" for f, t in gaps)
             where = f"step {ranges}" if count == 1 else f"steps {ranges}"
-        text.append(f"  {where} not received", style="dim")
+        text.append(f"  {where} {missing}", style="dim")
     return text
 
 
