@@ -272,10 +272,8 @@ class RunStatus(VerticalScroll):
         for key, name, title in (("loss", "loss", "Loss"), ("grad_norm", "grad", "Gradient norm")):
             values = self._history[key]
             self.query_one(f"#{name}-spark", StepSparkline).plot(steps, values)
-            missing = "not dumped" if self._recorded else "not received"
-            self.query_one(f"#{name}-label", Label).update(
-                _curve_title(title, steps, values, missing)
-            )
+            label = _curve_title(title, steps, values, self._recorded)
+            self.query_one(f"#{name}-label", Label).update(label)
         self.query_one("#run-session", Static).update(self._session())
 
     def _state_line(self) -> Text:
@@ -323,15 +321,13 @@ class RunStatus(VerticalScroll):
         return table
 
     @property
-    def _recorded(self) -> bool:
-        """A replay: no process, and the step shown is the one being looked at."""
+    def _recorded(self) -> bool:  # a replay: the step shown is the one being looked at
         return "control" not in self._info.get("capabilities", ("control",))
 
     def _latest(self, key: str) -> str:
-        """The latest known value, with its step when that is not the current one (a replay:
-        the value of the step shown)."""
+        """The latest known value, with its step when that is not the current one."""
         steps, values = self._history["step"], self._history[key]
-        if self._recorded:
+        if self._recorded:  # the value of the step shown
             shown = dict(zip(steps, values, strict=False)).get(self._info.get("step"))
             return "–" if shown is None else _number(shown)
         for step, value in zip(reversed(steps), reversed(values), strict=False):
@@ -354,7 +350,7 @@ class RunStatus(VerticalScroll):
             ("sync", "sync"),
         )
         text = Text()
-        recorded = "control" not in info.get("capabilities", ("control",))
+        recorded = self._recorded
         for label, key in fields:
             if recorded and key in ("pid", "on_hit"):
                 continue  # a recording has no process, and nothing hits in it any more
@@ -367,7 +363,7 @@ class RunStatus(VerticalScroll):
         elif "retain_bytes" in info and not recorded:
             text.append("retaining ", style="dim")
             text.append(f"{info['retain_bytes'] / 2**20:.0f} MiB")
-        if "control" not in info.get("capabilities", ("control",)):
+        if recorded:
             text.append("\nread-only ", style="dim")
             text.append("a recorded run: it cannot be continued, stepped or paused")
         return text
@@ -377,12 +373,11 @@ def _number(value: float) -> str:
     return f"{value:.4g}" if math.isfinite(value) else {"nan": "NaN"}.get(str(value), str(value))
 
 
-def _curve_title(title: str, steps: list[Any], values: list[Any],
-                 missing: str = "not received") -> Text:  # fmt: skip
+def _curve_title(title: str, steps: list[Any], values: list[Any], recorded: bool) -> Text:
     """``Loss  0.31 … 4.26 over steps 0–28  3 non-finite at steps 26–28, not drawn``: the
     curve's scale, and the points it cannot draw (marked ``×`` where they are, or left blank
-    where the step never reached the UI: ``steps 20–24 not received``); ``not measured at steps
-    0–79`` where no step has a value."""
+    where the step never reached the UI: ``steps 20–24 not received``; ``not dumped`` in a
+    ``recorded`` run); ``not measured at steps 0–79`` where no step has a value."""
     text = Text(title, style="bold")
     if not steps:
         return text
@@ -406,12 +401,9 @@ def _curve_title(title: str, steps: list[Any], values: list[Any],
     gaps = [(a + 1, b - 1) for a, b in pairwise(steps) if b - a > 1]
     if gaps:  # left blank: status events left them out, and the history was not read since
         count = sum(last - first + 1 for first, last in gaps)
-        if len(gaps) > 3:
-            where = f"{count} steps"
-        else:
-            ranges = ", ".join(str(f) if f == t else f"{f}–{t}" for f, t in gaps)
-            where = f"step {ranges}" if count == 1 else f"steps {ranges}"
-        text.append(f"  {where} {missing}", style="dim")
+        ranges = ", ".join(str(f) if f == t else f"{f}–{t}" for f, t in gaps)
+        where = f"{count} steps" if len(gaps) > 3 else f"step{'s' * (count != 1)} {ranges}"
+        text.append(f"  {where} {'not dumped' if recorded else 'not received'}", style="dim")
     return text
 
 
