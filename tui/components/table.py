@@ -22,10 +22,15 @@ class Table(DataTable):
     nothing said that more followed (← → scroll sideways): a line whose text goes on past the
     right edge ends in "…" there. Rows are one line high, as every table here has them."""
 
+    _drawn_widths: tuple[int, ...] = ()
+
     async def _on_idle(self, event: events.Idle) -> None:
-        width = self.virtual_size.width
         await super()._on_idle(event)
-        if self.virtual_size.width != width:  # a column changed size
+        # The columns' widths against those the cached lines were drawn with: they may have
+        # changed in this idle handler or anywhere since the last one (a busy CPU delays it).
+        widths = tuple(column.get_render_width(self) for column in self.ordered_columns)
+        if widths != self._drawn_widths:
+            self._drawn_widths = widths
             clear = getattr(self, "_clear_caches", None)  # private: if it goes, so may the bug
             if clear is not None:
                 clear()
