@@ -886,13 +886,21 @@ def test_an_update_nothing_measured_is_news_when_the_parameter_is_next_seen_chan
     assert suspects == [{"weight", "bias"}, set(), set()]
 
 
-def _update_records(watch, learning_rates: list[float]):
+def test_with_batched_checks_a_parameter_that_changes_is_not_copied_every_other_step(watch):
+    """Batched checks (the default on CUDA) know a parameter's digest only after the phase's
+    transfer: a step whose digest moved is no suspect, and the next step copies nothing."""
+    _, _, suspects = _update_records(watch, [0.1] * 4, sync="batched")
+    assert suspects[1:] == [set(), set(), set()]
+
+
+def _update_records(watch, learning_rates: list[float], sync: str = "auto"):
     """A Linear trained with SGD, a step per learning rate, watched by WeightNotChanging: the
     session, and at each step which parameters got an update record and which are suspects."""
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    session = watch(model, optimizer=optimizer, on_hit="record", rules=[WeightNotChanging()])
+    session = watch(model, optimizer=optimizer, on_hit="record", rules=[WeightNotChanging()],
+                    sync=sync)  # fmt: skip
     made, suspects = [], []
     for lr in learning_rates:
         for group in optimizer.param_groups:

@@ -151,7 +151,8 @@ class OptimizerPhase:
             moving = self.weights.moving(owned, ranges, updates)
             for p in owned:
                 if p.name in self.weights.versions and p.name not in moving and watchable(p.param):
-                    if self.weights.unmeasured(p, ranges, updates):
+                    # A device's ranges arrive with the phase's transfer below: not yet.
+                    if not self.sync.on_device and self.weights.unmeasured(p, ranges, updates):
                         continue
                     record = self._update_record(p, updates)
                     made.append(record)
