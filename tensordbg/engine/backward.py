@@ -191,20 +191,14 @@ class BackwardPhase:
             and self.ruleset.grads_quiet(dtype_name(grad.dtype))
         ):
             if grad.device.type == "cpu":  # read now, while it is in the cache
-                loose = self._loose
-                same = loose is not None and loose.grad is grad
-                same = same and grad._version == self._loose_version  # not changed in place
-                if not same:
-                    self._screen_loose()
-                note = self.vouchers.hold(forward, grad, self.weights.by_name,
-                                          loose if same else None)  # fmt: skip
+                same = self._same_as_loose(grad)
+                note = self.vouchers.hold(forward, grad, self.weights.by_name, same)
                 if note is not None:
-                    if same:
-                        self._loose = None
-                        self.phases.pending.append(loose)
-                    self.phases.pending.append(note)
+                    self.phases.pending += [same, note] if same is not None else [note]
                     return
-                self._screen_loose()
+                if same is not None:  # that very tensor, and no bias vouches: read it now
+                    self._loose = same
+                    self._screen_loose()
                 if not self.triggered:
                     # Screened when the next gradient comes: the very same tensor, most often,
                     # which a bias vouches for (a residual stream's, passed on by an addition).
@@ -220,6 +214,16 @@ class BackwardPhase:
         record = grad_record(forward, grad, self.step)
         self.collect(record, grad)
         self._process(Gradient(record))
+
+    def _same_as_loose(self, grad: torch.Tensor) -> ActGradNote | None:
+        """The note of the gradient that waited for this one, if it is this very tensor (not
+        changed in place since), taken; any other waiting gradient is screened now."""
+        loose = self._loose
+        if loose is not None and loose.grad is grad and grad._version == self._loose_version:
+            self._loose = None
+            return loose
+        self._screen_loose()
+        return None
 
     def _screen_loose(self) -> None:
         """Screen the gradient that waited for the next one (it was not that very tensor):
