@@ -73,3 +73,11 @@ class WatchpointHit(RuntimeError):
     def __init__(self, hit: Hit, message: str | None = None):
         super().__init__(hit.message if message is None else message)
         self.hit = hit
+
+
+def said_of(sentence: str, stored: str, name: str) -> str:
+    """A finding's sentence about the tensor ``stored`` said of ``name``: a value named where it
+    was made (``gate.grad_input[0]``), not under the name it is stored (``b1.grad_output``)."""
+    if name == stored or not sentence.startswith(stored):
+        return sentence
+    return name + sentence[len(stored) :]

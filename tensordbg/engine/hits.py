@@ -14,7 +14,7 @@ from typing import Any, TextIO
 
 from tensordbg.engine.judge import ActiveRule
 from tensordbg.engine.records import Call, Record
-from tensordbg.hit import Hit
+from tensordbg.hit import Hit, said_of
 from tensordbg.rules.base import Finding
 from tensordbg.statistics.torch_kernels import summarize
 
@@ -119,10 +119,8 @@ class HitLog:
             stats.summary = summarize(tensor)  # for the UI; downstream hits skip it
         kind = kind or stats.kind
         path = module.path if module is not None else stats.module
-        if name and name != stats.name and finding.message.startswith(stats.name):
-            # Named where it was made (gate.grad_input[0]), not where it is stored (the
-            # gradient of the output of the module before it): the sentence says the same.
-            finding = replace(finding, message=name + finding.message[len(stats.name) :])
+        if name:  # named where it was made: the sentence says the same
+            finding = replace(finding, message=said_of(finding.message, stats.name, name))
         hit = Hit(
             rule=active.rule.name,
             tensor=name or stats.name,

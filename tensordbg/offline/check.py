@@ -21,6 +21,7 @@ from typing import Any
 
 from tensordbg.engine.judge import RuleSet
 from tensordbg.engine.records import Record
+from tensordbg.hit import said_of
 from tensordbg.rules import Rule, available_rules, default_rules
 from tensordbg.statistics import REGISTRY, Stat, TensorStats, compute_numpy
 
@@ -124,8 +125,7 @@ class CheckReport:
             named = self.named.get((f.step, f.rank, f.tensor)) if f.origin else None
             if named is not None:  # the run named it where it was made, as the hit does
                 shown = f"{named} (dumped as {f.tensor})"
-                if message.startswith(f.tensor):
-                    message = named + message[len(f.tensor) :]
+                message = said_of(message, f.tensor, named)
             lines.append(f"step {f.step}{rank} {f.phase:<9} {f.rule:<18} {shown}{origin}")
             lines.append(f"    {message}")
         if len(self.findings) > limit:
