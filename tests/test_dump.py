@@ -5,6 +5,7 @@ and atomicity under SIGKILL."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -99,6 +100,40 @@ def test_entries_list_in_execution_order_with_their_statistics(tmp_path):
     assert (first.module, first.phase, first.kind, first.shape, first.dtype) == (
         "fc", "forward", "output", (3, 5), "float32")  # fmt: skip
     assert first.stats == {"l2": 1.0} and first.has_value
+
+
+def test_entries_encoded_ahead_read_back_as_the_plain_ones(tmp_path):
+    """The session's writer encodes what does not change from step to step once per tensor;
+    what a reader gets is the same as from plain entries, awkward numbers included, and an
+    entry whose value is stored gets its key and checksum as any other."""
+    stats = {"finite": 0.0, "min": float("nan"), "max": float("inf"), "mean": -float("inf"),
+             "l2": 0.1 + 0.2, "nan": 3, "tiny": 5e-324}  # fmt: skip
+    fields = ("fc.output", "fc", "forward", "output", (3, 5), "float32", "Linear", 1, False)
+    value = _values()["fc.output"]
+    encoder = fmt.EntryEncoder()
+    plain = [{**dict(zip(fmt.EntryEncoder.FIELDS, fields, strict=True)), "shape": [3, 5],
+              "stats": stats}, {**_entries({"b.output": value})[0]}]  # fmt: skip
+    encoded = [
+        encoder.encode(fields, stats),
+        encoder.encode(
+            ("b.output", "b", "forward", "output", (3, 5), "float32", "", 0, False), {"l2": 1.0}
+        ),
+    ]
+    for path, entries in ((tmp_path / "plain", plain), (tmp_path / "encoded", encoded)):
+        writer = DumpWriter(path, {})
+        for step in (0, 1):
+            writer.write_step(step, 0, entries, {"b.output": value} if step else {}, [])
+        writer.close()
+    a, b = load(tmp_path / "plain"), load(tmp_path / "encoded")
+    for step in (0, 1):
+        for x, y in zip(a.tensors(step), b.tensors(step), strict=True):
+            assert (x.name, x.order, x.shape, x.module, x.has_value) == (
+                y.name, y.order, y.shape, y.module, y.has_value)  # fmt: skip
+            assert json.dumps(x.stats, sort_keys=True) == json.dumps(y.stats, sort_keys=True)
+    got = b.tensors(0)[0]
+    assert got.stats["l2"] == 0.1 + 0.2 and got.stats["nan"] == 3 and math.isnan(got.stats["min"])
+    assert got.stats["max"] == math.inf and got.stats["tiny"] == 5e-324
+    assert _bits(b.tensor("b.output").value(1)) == _bits(value)
 
 
 def test_statistics_only_steps_write_no_tensor_file_and_say_why_a_value_is_absent(tmp_path):

@@ -18,6 +18,8 @@ from torch import nn
 import tensordbg
 from tensordbg.engine.session import EAGER_WINDOW
 from tensordbg.rules import NaN, Rule, VanishingGradient, WeightNotChanging, default_rules
+from tensordbg.rules.base import Finding
+from tensordbg.statistics import L2
 
 MODES = ("eager", "batched", "deferred")
 
@@ -299,6 +301,98 @@ def test_a_rule_that_raises_is_disabled_with_a_warning_and_the_training_goes_on(
     x[0, 0] = float("nan")
     model(x)
     assert session.hits  # the other rules still work
+
+
+class GradNorms(Rule):
+    """Notes every parameter gradient it is shown with its norm, and fires on one of them (a
+    rule that speaks of finite gradients, so the engine must ask it)."""
+
+    kinds = frozenset({"grad"})
+    needs = (L2,)
+
+    def __init__(self, fire_on: str = "2.weight.grad", **selection):
+        super().__init__(**selection)
+        self.fire_on = fire_on
+
+    def check(self, t, state):
+        state.setdefault("seen", []).append((t.step, t.name, t.get(L2)))
+        if t.name == self.fire_on:
+            return Finding(t.get(L2), 0.0, f"{t.name} was seen")
+        return None
+
+    def check_many(self, tensors, state):
+        state.setdefault("batches", []).append(len(tensors))
+        return super().check_many(tensors, state)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_rule_judges_a_clean_passs_parameter_gradients_as_one_at_a_time_would(watch, mode):
+    """The verdicts do not depend on whether the engine asked for them one by one or all at
+    once (deferred mode asks once a pass): every gradient is seen once a step with its norm,
+    and a finding names the gradient it is about."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=optimizer, on_hit="record", sync=mode, rules=[GradNorms()])
+    for step in range(3):
+        optimizer.zero_grad()
+        model(torch.randn(3, 4)).sum().backward()
+        norm = model[2].weight.grad.norm().item()
+        optimizer.step()
+        assert [(h.tensor, h.step) for h in session.hits] == [("2.weight.grad", s)
+                                                              for s in range(step + 1)]  # fmt: skip
+        assert session.hits[-1].value == pytest.approx(norm, rel=1e-5)
+    state = session.rules[0].state
+    names = sorted(f"{name}.grad" for name, _ in model.named_parameters())
+    for step in range(3):
+        seen = [(n, v) for s, n, v in state["seen"] if s == step]
+        assert sorted(n for n, _ in seen) == names
+        assert all(v is not None and v > 0 for _, v in seen)
+    if mode == "deferred":
+        assert state["batches"] == [len(names)] * 3  # once a pass, for all of them
+
+
+def test_a_rule_whose_check_many_breaks_its_contract_is_disabled_and_the_training_goes_on(watch):
+    class Short(GradNorms):
+        def check_many(self, tensors, state):
+            return []  # no verdict for any of them
+
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=optimizer, on_hit="record", sync="deferred",
+                    rules=[Short(), NaN()])  # fmt: skip
+    with pytest.warns(RuntimeWarning, match="Short raised ValueError: check_many gave 0"):
+        model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    assert not session.rules[0].enabled and session.step == 1
+    x = torch.randn(3, 4)
+    x[0, 0] = float("nan")
+    model(x)
+    assert {h.rule for h in session.hits} == {"NaN"}  # the other rules still work
+
+
+def test_attaching_raises_the_young_gc_threshold_until_the_last_session_detaches(watch):
+    """A watched step makes many small objects that live until it ends: the interpreter's
+    young-generation threshold is raised while attached, and put back at detach."""
+    assert gc.get_threshold()[0] == 700
+    first = watch(mlp(), on_hit="record")
+    second = watch(mlp(1), on_hit="record")
+    assert gc.get_threshold()[0] == 10_000
+    first.detach()
+    assert gc.get_threshold()[0] == 10_000  # the second session still runs
+    second.detach()
+    assert gc.get_threshold()[0] == 700
+
+
+def test_a_gc_threshold_the_program_set_is_left_alone(watch):
+    before = gc.get_threshold()
+    gc.set_threshold(2_000, *before[1:])
+    try:
+        session = watch(mlp(), on_hit="record")
+        assert gc.get_threshold()[0] == 2_000
+        session.detach()
+        assert gc.get_threshold()[0] == 2_000
+    finally:
+        gc.set_threshold(*before)
 
 
 def test_an_internal_error_stops_watching_but_never_the_training(watch, monkeypatch):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import zlib
@@ -144,10 +145,86 @@ def write_atomic(
 _CRC_PREFIX = len('{"crc":"00000000",')
 
 
-def index_line(record: dict[str, Any]) -> bytes:
-    """One line of the index: the record as JSON, prefixed by the CRC-32 of the rest."""
-    body = json.dumps(record, separators=(",", ":"), allow_nan=True, default=_scalar)[1:].encode()
-    return b'{"crc":"%08x",' % zlib.crc32(body) + body + b"\n"
+def index_json(record: dict[str, Any]) -> str:
+    """A record as the index writes it (numpy scalars as plain numbers)."""
+    return json.dumps(record, separators=(",", ":"), allow_nan=True, default=_scalar)
+
+
+def index_line(record: dict[str, Any], entries: list[str] | None = None) -> bytes:
+    """One line of the index: the record as JSON, prefixed by the CRC-32 of the rest;
+    ``entries``: the record's ``entries``, already encoded (JSON texts)."""
+    body = index_json(record)[1:]
+    if entries is not None:
+        body = f'{body[:-1]},"entries":[{",".join(entries)}]}}'
+    data = body.encode()
+    return b'{"crc":"%08x",' % zlib.crc32(data) + data + b"\n"
+
+
+class Encoded:
+    """One tensor's index entry already encoded as JSON (see :class:`EntryEncoder`): the
+    writer puts it in the line as it is, with its place in the step."""
+
+    __slots__ = ("head", "name", "stats")
+
+    def __init__(self, name: str, head: str, stats: str):
+        self.name = name
+        self.head = head  # '{"name":...,"stats":' up to the statistics
+        self.stats = stats
+
+    def text(self, order: int) -> str:
+        return f'{self.head}{self.stats},"order":{order}}}'
+
+    def as_dict(self) -> dict[str, Any]:
+        """The entry as a dict (for one the writer adds to: a value's key and offsets)."""
+        return json.loads(f"{self.head}{self.stats}}}")
+
+
+class EntryEncoder:
+    """Index entries as JSON text, the cheap way: the part of an entry that does not change
+    from one step to the next (its name, module, shape, dtype, ...) is encoded once per tensor,
+    and a step encodes only its numbers. A periodic dump writes some 200 entries a step on a
+    thread that shares the interpreter with the training; this is most of its work."""
+
+    FIELDS = ("name", "module", "phase", "kind", "shape", "dtype", "module_type", "call",
+              "trainable")  # fmt: skip
+    """The entry's fields but its statistics, in the order :meth:`encode` takes them."""
+
+    def __init__(self) -> None:
+        self._heads: dict[tuple[Any, ...], str] = {}
+        self._keys: dict[Any, str] = {}
+
+    def encode(self, static: tuple[Any, ...], values: dict[Any, Any]) -> Encoded:
+        """``static``: the values of :attr:`FIELDS` (name first, hashable: the shape a tuple);
+        ``values``: the statistics (their keys are written with ``str``)."""
+        head = self._heads.get(static)
+        if head is None:
+            fields = index_json(dict(zip(self.FIELDS, static, strict=True)))
+            head = self._heads[static] = f'{fields[:-1]},"stats":'
+        keys = self._keys
+        parts = []
+        for key, value in values.items():
+            name = keys.get(key)
+            if name is None:
+                name = keys[key] = json.dumps(str(key))
+            if type(value) is float and value - value == 0.0:  # finite
+                parts.append(f"{name}:{value!r}")
+            else:
+                parts.append(f"{name}:{_number(value)}")
+        return Encoded(static[0], head, "{" + ",".join(parts) + "}")
+
+
+def _number(value: Any) -> str:
+    """A number as Python's json writes it (NaN and Infinity included)."""
+    kind = type(value)
+    if kind is float:
+        if value != value:
+            return "NaN"
+        if value in (math.inf, -math.inf):
+            return "Infinity" if value > 0 else "-Infinity"
+        return float.__repr__(value)
+    if kind is int:
+        return int.__repr__(value)
+    return json.dumps(value, allow_nan=True, default=_scalar)
 
 
 def _scalar(value: Any) -> Any:

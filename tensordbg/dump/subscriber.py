@@ -35,6 +35,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from tensordbg.dump import format as fmt
 from tensordbg.dump.writer import DumpWriter
 from tensordbg.statistics import TensorStats
 from tensordbg.statistics.batch import StatsBatch
@@ -107,6 +108,7 @@ class DumpRecorder:
         except OSError as e:
             raise ValueError(f"tensordbg cannot write a dump in {dump_dir}: {e}") from None
         self._buffer = _StepBuffer(session.step)
+        self._encoder = fmt.EntryEncoder()  # the writer thread's
         self._modules_written = False
         self._said_behind = False
         self._said_budget = False
@@ -299,12 +301,14 @@ class DumpRecorder:
                     job.done.set()
 
     def _write(self, job: _Job) -> None:
-        entries = []
+        entries: list[dict[str, Any] | fmt.Encoded] = []
         for stats in job.stats:
-            entry = _entry(stats)
             prov = job.provenance.get(id(stats))
-            if prov is not None:
-                entry["provenance"] = prov
+            if prov is None:
+                entries.append(self._encoder.encode(_static(stats), _values(stats)))
+                continue
+            entry = _entry(stats)
+            entry["provenance"] = prov
             entries.append(entry)
         values = {name: _numpy(t) for name, t in job.values.items()}
         self.writer.write_step(job.step, self.writer.rank, entries, values, job.hits,
@@ -334,28 +338,34 @@ def _numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.numpy()
 
 
-def _entry(stats: TensorStats) -> dict[str, Any]:
-    values: dict[str, float | int] = {}
+def _values(stats: TensorStats) -> dict[Any, float | int]:
+    """A tensor's statistics as the index holds them (keys are written with ``str``)."""
+    values: dict[Any, float | int] = {}
     for stat, value in stats.values.items():
         try:
-            values[str(stat)] = float(value)
+            values[stat] = float(value)
         except (TypeError, ValueError):
             continue
     if stats.summary is not None:
+        known = {str(stat) for stat in values}
         for key, value in stats.summary.as_dict().items():
-            values.setdefault(key, value)
-    return {
-        "name": stats.name,
-        "module": stats.module,
-        "phase": stats.phase,
-        "kind": stats.kind,
-        "shape": list(stats.shape),
-        "dtype": stats.dtype,
-        "stats": values,
-        "module_type": stats.module_type,
-        "call": stats.call,
-        "trainable": stats.trainable,
-    }
+            if key not in known:
+                values[key] = value
+    return values
+
+
+def _static(stats: TensorStats) -> tuple[Any, ...]:
+    """A tensor's index entry but its statistics (:attr:`EntryEncoder.FIELDS`): the same from
+    one step to the next."""
+    return (stats.name, stats.module, stats.phase, stats.kind, stats.shape, stats.dtype,
+            stats.module_type, stats.call, stats.trainable)  # fmt: skip
+
+
+def _entry(stats: TensorStats) -> dict[str, Any]:
+    entry = dict(zip(fmt.EntryEncoder.FIELDS, _static(stats), strict=True))
+    entry["shape"] = list(stats.shape)
+    entry["stats"] = {str(key): value for key, value in _values(stats).items()}
+    return entry
 
 
 def _modules(session: Any) -> list[dict[str, Any]]:

@@ -107,10 +107,16 @@ class DumpWriter:
             self._append(rank, {"type": "modules", "modules": list(modules)})
         # A name seen twice in a step (a parameter checked in two phases) has its value, which
         # is the latest, stored with its last entry.
-        last = {str(e["name"]): order for order, e in enumerate(entries)}
+        names = [e.name if type(e) is fmt.Encoded else str(e["name"]) for e in entries]
+        last = {name: order for order, name in enumerate(names)}
         arrays: dict[str, np.ndarray] = {}
-        out_entries = []
+        out_entries: list[dict[str, Any] | str] = []
         for order, entry in enumerate(entries):
+            if type(entry) is fmt.Encoded:
+                if names[order] not in values:
+                    out_entries.append(entry.text(order))  # the common case: as it is
+                    continue
+                entry = entry.as_dict()
             record = dict(entry)  # numpy scalars are made plain by the index line's encoder
             record.setdefault("order", order)
             record["shape"] = [int(d) for d in record.get("shape", ())]
@@ -144,7 +150,7 @@ class DumpWriter:
             # The file's checksum is its header's and each tensor's (one pass over the bytes).
             nbytes, _ = fmt.write_atomic(directory / file_name, chunks, checksum=False)
             for record in out_entries:
-                key = record.get("key")
+                key = record.get("key") if type(record) is dict else None
                 if key is not None:
                     record["offsets"] = offsets[key]
                     record["crc"] = crcs[key]
@@ -153,11 +159,11 @@ class DumpWriter:
         else:
             nbytes = 0
             line.update(file=None, nbytes=0)
-        line["entries"] = out_entries
         line["hits"] = [dict(h) for h in hits]
         if numbers is not None:
             line["numbers"] = dict(numbers)
-        line_bytes = self._append(rank, line, durable=bool(hits))
+        encoded = [e if type(e) is str else fmt.index_json(e) for e in out_entries]
+        line_bytes = self._append(rank, line, durable=bool(hits), entries=encoded)
         keep = bool(hits) or bool(previous and previous.keep)
         self._written[(step, rank)] = _Written(file_name, nbytes, line_bytes, keep)
         if previous is not None and previous.file and previous.file != file_name:
@@ -225,12 +231,13 @@ class DumpWriter:
             text = fmt.json.dumps(meta, indent=1, allow_nan=True)
             fmt.write_atomic(fmt.rank_dir(self.root, r) / fmt.META, [text.encode()])
 
-    def _append(self, rank: int, record: dict[str, Any], durable: bool = True) -> int:
+    def _append(self, rank: int, record: dict[str, Any], durable: bool = True,
+                entries: list[str] | None = None) -> int:  # fmt: skip
         """Append a line to the rank's index (kept open). It is in the kernel's hands at once,
         so a killed process loses nothing; it reaches the disk at once when ``durable`` (a step
         with hits, the module tree), else within SYNC_EVERY seconds (or at close): an operating
         system that crashes may lose the last second of periodic steps, never a hit."""
-        line = fmt.index_line(record)
+        line = fmt.index_line(record, entries)
         f = self._index.get(rank)
         if f is None:
             f = self._index[rank] = open(self._dirs[rank] / fmt.INDEX, "ab")  # noqa: SIM115

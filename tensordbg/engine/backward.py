@@ -295,6 +295,8 @@ class BackwardPhase:
     def _judge_norms(self, together: list[tuple[Record, torch.Tensor]]) -> None:
         """Screen and judge records that want only ``finite`` and ``l2``, from one norm each."""
         norms = norms_of([t for _, t in together])
+        finite: list[Record] = []
+        tensors: list[torch.Tensor] = []
         for (record, tensor), norm in zip(together, norms, strict=True):
             if math.isfinite(norm):
                 found = {FINITE: 1.0, L2: norm}
@@ -303,11 +305,16 @@ class BackwardPhase:
                     values = self.amp.unscale(record.wanted, values)
                 record.stats.values = dict(zip(record.wanted, values, strict=True))
                 record.lazy = False
-            else:  # a NaN or Inf, or squares past the dtype's range: measured exactly
-                self.screen(record, tensor)
+                finite.append(record)
+                tensors.append(tensor)
+                continue
+            self.screen(record, tensor)  # a NaN or Inf, or squares past the dtype's range
             self.judge(record, tensor)
             if record.findings or record.conditions:
                 self.triggered = True
+        self.judge_finite(finite, tensors)  # each rule once for all of them
+        if any(record.findings or record.conditions for record in finite):
+            self.triggered = True
 
     def _screen_unvouched(self) -> None:
         """Read the held gradients whose bias gradient never came this pass, as their hooks

@@ -253,6 +253,45 @@ class RuleSet:
             if self.propagates(rule_id):
                 record.conditions.add(rule_id)
 
+    def judge_finite(self, records: Sequence[Record], measure: Callable[[Record], Measure | None]
+                     ) -> None:  # fmt: skip
+        """:meth:`judge` of many records known finite, each rule called once for all those it
+        looks at (:meth:`Rule.check_many`, in their order): a clean pass's parameter gradients.
+        A rule that raises is disabled and says nothing of any of them."""
+        by_rule: dict[int, tuple[ActiveRule, list[Record]]] = {}
+        for record in records:
+            record.judged = True
+            for active in record.checks[0] if record.checks else ():  # the others are silent
+                mine = by_rule.get(active.id)
+                if mine is None:
+                    by_rule[active.id] = (active, [record])
+                else:
+                    mine[1].append(record)
+        for active, mine in by_rule.values():
+            if not active.enabled:
+                continue
+            self.running = (active, mine[0].stats, perf_counter())
+            try:
+                verdicts = active.rule.check_many([r.stats for r in mine], active.state)
+                if len(verdicts) != len(mine):
+                    raise ValueError(f"check_many gave {len(verdicts)} verdicts for {len(mine)}")
+                found = []
+                for record, finding in zip(mine, verdicts, strict=True):
+                    if isinstance(finding, Refine):
+                        finding = self._refine(record.stats, finding, active, measure(record))
+                    if finding is not None:
+                        found.append((record, finding))
+                for record, finding in found:
+                    record.findings[active.id] = finding
+            except Exception as e:
+                self.disable(active, e)
+            finally:
+                self.running = None
+        for record in records:
+            for rule_id in record.findings:
+                if self.propagates(rule_id):
+                    record.conditions.add(rule_id)
+
     def _refine(
         self, stats: TensorStats, ask: Refine, active: ActiveRule, measure: Measure | None
     ) -> Finding | None:

@@ -148,6 +148,16 @@ class Pipeline(Pausing, Pinpointing):
             record.tensor = tensor  # a hit's own tensor is always kept for inspection
         self.metrics.judged(record.stats)
 
+    def judge_finite(self, records: list[Record], tensors: list[torch.Tensor]) -> None:
+        """:meth:`judge` of many finite records at once (each rule called once for all)."""
+        held = {id(r): t for r, t in zip(records, tensors, strict=True)}
+        self.ruleset.judge_finite(records, lambda r: partial(_measure, self.measure, held[id(r)]))
+        judged = self.metrics.judged
+        for record, tensor in zip(records, tensors, strict=True):
+            if record.findings and record.tensor is None:
+                record.tensor = tensor  # a hit's own tensor is always kept for inspection
+            judged(record.stats)
+
     def report(self, record: Record) -> None:
         """Make the hits of a judged record whose origin does not need the call tree."""
         if record.stats.kind == "observed":
