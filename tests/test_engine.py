@@ -1007,6 +1007,38 @@ def _update_records(watch, learning_rates: list[float], sync: str = "auto"):
     return session, made, suspects
 
 
+def test_a_table_that_changes_where_its_norm_cannot_tell_is_compared_from_a_sample(watch):
+    """Adam moves every row of an embedding by about its learning rate, in directions that
+    leave the table's norm where it was: the norm cannot tell that it changed, so it is a
+    suspect every other step. Once a full copy showed that a sample of its elements tells, a
+    sample is taken before the step instead of a copy of the table. When it stops changing
+    (learning rate 0 from step 8), the sample cannot tell (step 9, not measured), a copy is
+    taken again, and WeightNotChanging fires on the third unchanged step measured (step 12)."""
+    torch.manual_seed(0)
+    model = nn.Embedding(1000, 64)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    session = watch(model, optimizer=optimizer, on_hit="record", rules=[WeightNotChanging()])
+    taken: list[tuple[set[str], set[str]]] = []
+    before_step = session.weights.before_step
+
+    def spy(*args, **kwargs):
+        before_step(*args, **kwargs)
+        taken.append((set(session.weights.snapshots), set(session.weights.samples)))
+
+    session.weights.before_step = spy
+    for step in range(14):
+        for group in optimizer.param_groups:
+            group["lr"] = 1e-4 if step < 8 else 0.0
+        model(torch.randint(0, 1000, (32,))).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    copies = [step for step, (copied, _) in enumerate(taken) if copied]
+    samples = [step for step, (_, sampled) in enumerate(taken) if sampled]
+    assert copies == [1, 10, 11, 12, 13]  # step 1: the first comparison; then from step 10
+    assert samples == [3, 5, 7, 9]
+    assert [(h.step, h.tensor) for h in session.hits] == [(12, "weight.update")]
+
+
 def test_a_sample_of_a_parameter_proves_a_change_and_nothing_else():
     """A parameter whose norm did not move past the tolerance is compared with its copy from
     before the step: a sample first, every element only when no sampled element moved."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tensordbg.engine.params import Digest, Param, sample_moved
+from tensordbg.engine.params import Digest, Param, ParamWatch, sample_moved
 from tensordbg.engine.phases import Judged
 from tensordbg.engine.records import Record
 from tensordbg.statistics import FINITE, L2, MAX, MIN, Stat
@@ -73,7 +73,7 @@ class OptimizerPhase:
             owned = self._stepping[optimizer] = self.weights.owned(optimizer, self.optimizers)
             wanted = self.ruleset.update_stats()
             if wanted is None:
-                self.weights.versions, self.weights.snapshots = {}, {}
+                self.weights.versions, self.weights.snapshots, self.weights.samples = {}, {}, {}
                 return
             every = self.step % self.interval == 0
             fused = any(g.get("fused") for g in optimizer.param_groups)
@@ -170,7 +170,7 @@ class OptimizerPhase:
         self._publish_phase()
         self._pause_if_needed()
         self.phases.release()
-        self.weights.snapshots = {}
+        self.weights.snapshots, self.weights.samples = {}, {}
 
     def _listed(self, p: Param, values: dict[Stat, float]) -> None:
         """A record of a parameter the quiet path found clean, from what it measured (no
@@ -209,7 +209,9 @@ class OptimizerPhase:
         record.rule_ids, record.checks = applicable.rule_ids, applicable.checks
         self.phases.register(record)
         previous = self.weights.before(p)
-        if previous is not None and _moved(p, previous, self.weights.snapshots, wanted):
+        if (previous is None and p.name in self.weights.proven) or (  # by its sample
+            previous is not None and _moved(p, previous, self.weights, wanted)
+        ):
             record.stats.values = {wanted[0]: 0.0}
         elif previous is not None:
             vector = update_stats(p.param.detach(), previous, wanted)
@@ -222,16 +224,18 @@ class OptimizerPhase:
         return record
 
 
-def _moved(p: Param, previous: torch.Tensor, snapshots: dict[str, torch.Tensor],
+def _moved(p: Param, previous: torch.Tensor, weights: ParamWatch,
            wanted: tuple[Stat, ...]) -> bool:  # fmt: skip
     """Whether a sample of the parameter against its copy from before the step proves that the
     step changed it, when that is all the rules ask of its update (WeightNotChanging's)."""
     if len(wanted) != 1 or wanted[0].name != "update_unchanged":
         return False
-    if snapshots.get(p.name) is not previous:
+    if weights.snapshots.get(p.name) is not previous:
         return False  # the step left it alone: nothing moved
     rtol, atol = wanted[0].params
-    return sample_moved(p.param, previous, rtol, atol)
+    moved = sample_moved(p.param, previous, rtol, atol)
+    weights.sample_verdict(p, moved)
+    return moved
 
 
 def _skips_inside(optimizer: torch.optim.Optimizer) -> bool:

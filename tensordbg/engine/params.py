@@ -5,7 +5,11 @@ parameter's :class:`Digest` is read anyway (it says the parameter is finite): th
 float32/float64 parameters in one pass, the range of the others; when it moved by more than the
 tolerance allows, some element did too, so the step changed it. Otherwise it may not have changed:
 it is copied before the next step (within ``update_budget``) and compared then: first a sample of
-its elements (one that moved proves the change), and every element only when none did. Rules that
+its elements (one that moved proves the change), and every element only when none did. A
+parameter whose sample told (an embedding that Adam moves everywhere by tiny steps that leave its
+norm where it was) is sampled before its next suspect step, not copied: a few hundred bytes
+instead of a copy of the table; a step its sample cannot tell goes unmeasured, and it is copied
+whole before the next one (a parameter that stopped changing is found a step later). Rules that
 measure updates (``update_abs_mean``) get a copy of every parameter, the budget rotating over a
 model larger than it.
 
@@ -85,13 +89,19 @@ SAMPLE = 64
 """How many evenly spaced elements of a parameter :func:`sample_moved` compares."""
 
 
-def sample_moved(current: torch.Tensor, previous: torch.Tensor, rtol: float, atol: float) -> bool:
+def sample_of(t: torch.Tensor) -> torch.Tensor:
+    """``SAMPLE`` evenly spaced elements of ``t`` (a view)."""
+    flat = t.detach().reshape(-1)
+    return flat[:: max(1, flat.numel() // SAMPLE)]
+
+
+def sample_moved(current: torch.Tensor, previous: torch.Tensor, rtol: float, atol: float,
+                 sampled: bool = False) -> bool:  # fmt: skip
     """Whether one of ``SAMPLE`` evenly spaced elements moved by more than ``atol + rtol *
     |previous|``: proof that the step changed the parameter (the statistic ``update_unchanged``
-    is then 0), read from a few hundred bytes. False proves nothing: compare every element."""
-    a, b = current.detach().reshape(-1), previous.reshape(-1)
-    stride = max(1, a.numel() // SAMPLE)
-    a, b = a[::stride], b[::stride]
+    is then 0), read from a few hundred bytes. False proves nothing: compare every element.
+    ``sampled``: ``previous`` is already the sample (:func:`sample_of`)."""
+    a, b = sample_of(current), previous if sampled else sample_of(previous)
     return bool(((a - b).abs_() - b.abs().mul_(rtol) > atol).any())
 
 
@@ -111,6 +121,12 @@ class ParamWatch:
         self.suspects: set[str] = set()
         """Parameters whose change could not be told by their range: copied before next step."""
         self.snapshots: dict[str, torch.Tensor] = {}
+        self.samples: dict[str, torch.Tensor] = {}
+        """Suspects copied only in part before the step (see :meth:`before_step`)."""
+        self.sample_tells: set[str] = set()
+        """Parameters whose last exact comparison was decided by its sample alone."""
+        self.proven: set[str] = set()
+        """Parameters whose sample proved this step that it changed them."""
         self.versions: dict[str, int] = {}
         self.unsettled: set[str] | None = None
         """Parameters whose latest update record did not say "changed" (None: none made yet)."""
@@ -135,6 +151,8 @@ class ParamWatch:
         parameter's version: there a version tells nothing (-1 never matches)."""
         self.versions = {}
         self.snapshots = {}
+        self.samples = {}
+        self.proven = set()
         stepped = [p for p in owned if p.param.requires_grad and p.param.grad is not None]
         for p in stepped:
             self.versions[p.name] = -1 if fused else p.param._version
@@ -142,8 +160,14 @@ class ParamWatch:
         budget = self.update_budget
         start = self._offset % len(stepped) if stepped else 0
         taken = 0
+        sampling = not every and len(wanted) == 1 and wanted[0].name == "update_unchanged"
         for p in stepped[start:] + stepped[:start]:
             if not (every or p.name in self.suspects):
+                continue
+            if sampling and p.name in self.sample_tells and p.param.device.type == "cpu":
+                # It keeps changing where its digest cannot tell (an embedding under Adam):
+                # its sample tells, for a few hundred bytes instead of a copy of the table.
+                self.samples[p.name] = sample_of(p.param).clone()
                 continue
             size = p.param.numel() * p.param.element_size()
             if size <= budget:
@@ -151,6 +175,14 @@ class ParamWatch:
                 budget -= size
                 taken += 1
         self._offset = start + taken  # a model larger than the budget rotates
+
+    def sample_verdict(self, p: Param, moved: bool) -> None:
+        """Note whether the sample alone told that ``p`` changed at its last exact comparison
+        (then the next one is made from a sample: :meth:`before_step`)."""
+        if moved:
+            self.sample_tells.add(p.name)
+        else:
+            self.sample_tells.discard(p.name)
 
     def before(self, p: Param) -> torch.Tensor | None:
         """The parameter as it was before the step, if known: itself when the optimizer did not
@@ -186,6 +218,13 @@ class ParamWatch:
         if self.before(p) is not None:
             return False
         unchanged = next((s for s in wanted if s.name == "update_unchanged"), None)
+        sample = self.samples.get(p.name)
+        if sample is not None and unchanged is not None:
+            moved = sample_moved(p.param, sample, *unchanged.params, sampled=True)
+            self.sample_verdict(p, moved)
+            if moved:
+                self.proven.add(p.name)  # its record says it changed
+                return False
         if self.digest_moved(p.name, ranges, unchanged):
             return False
         self.suspects.add(p.name)
@@ -239,3 +278,4 @@ class ParamWatch:
         self.params = {}
         self.by_name = {}
         self.snapshots = {}
+        self.samples = {}
