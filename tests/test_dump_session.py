@@ -5,6 +5,7 @@ write leaves the training running and the dump marked incomplete."""
 from __future__ import annotations
 
 import inspect
+import math
 import subprocess
 import sys
 
@@ -369,26 +370,38 @@ def test_diff_of_two_default_periodic_dumps_parts_at_the_activation_that_changed
     assert (first.step, first.tensor, first.phase) == (2, "2.output", "forward")
 
 
-def test_a_dumped_step_on_a_device_reads_the_unscreened_activations_in_one_transfer(
+def test_a_dumped_step_on_a_device_reads_its_activations_and_their_gradients_in_one_transfer(
     tmp_path, monkeypatch
 ):
-    """Deferred checks leave a clean forward's activations unscreened (on the host a dumped
-    step screens them in their hooks; switched off here). On a device, reading them one by one
-    would synchronize once per tensor: they come over in one transfer per phase. (The device is
-    played by the CPU: tensors count as not on the host.)"""
+    """Deferred checks leave a clean pass's tensors unscreened. On the host a dumped step
+    screens them in their hooks, while they are in the cache; on a device, reading them one by
+    one would synchronize once per tensor: a phase's come over in one transfer (the forward's
+    through the dump, the backward's with the parameter gradients' norms), and the dump holds
+    the statistics of every one, the activations' mean included. (The device is played by the
+    CPU: tensors count as not on the host.)"""
     from tensordbg.dump import subscriber
-    from tensordbg.engine.pipeline import Pipeline
+    from tensordbg.engine import backward, capture
 
-    monkeypatch.setattr(Pipeline, "screens_noted", lambda self: False)
-    monkeypatch.setattr(subscriber, "_on_host", lambda tensor: False)
-    flushes = []
-    real_flush = subscriber.StatsBatch.flush
+    for module in (capture, backward, subscriber):
+        monkeypatch.setattr(module, "on_host", lambda tensor: False)
+    flushes, norms = [], []
+    real_flush, real_norms = subscriber.StatsBatch.flush, backward.norms_of
     monkeypatch.setattr(subscriber.StatsBatch, "flush",
                         lambda self: flushes.append(len(self)) or real_flush(self))  # fmt: skip
+    monkeypatch.setattr(backward, "norms_of",
+                        lambda ts: norms.append(len(ts)) or real_norms(ts))  # fmt: skip
     _train_dumped(_model(), tmp_path, steps=2, dump_every=1, sync="deferred")
-    assert flushes == [3, 3]  # a step's forward: the three modules' outputs, together
+    assert flushes == [3, 3]  # a step's forward: the model's input and two outputs, together
+    # A step's backward: 4 parameter gradients and 2 activation gradients (the model output's
+    # is screened in its hook, as on every step: it is the pass's guard).
+    assert norms == [4 + 2, 4 + 2]
     dump = tensordbg.load(tmp_path)
-    assert all(dump.tensor(f"{i}.output").stats(1) == {"finite": 1.0} for i in range(3))
+    for i in range(2):  # the model's own output is its guard, screened at once
+        stats = dump.tensor(f"{i}.output").stats(1)
+        assert stats["finite"] == 1.0 and math.isfinite(stats["mean"])
+    gradients = [e for e in dump.tensors(1) if e.kind == "grad_output"]
+    assert sorted(e.name for e in gradients) == ["0.grad_output", "1.grad_output", "2.grad_output"]
+    assert all(e.stats == {"finite": 1.0} for e in gradients)
 
 
 def test_check_says_how_often_a_periodic_dump_held_a_step(tmp_path, capsys):

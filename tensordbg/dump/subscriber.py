@@ -37,8 +37,8 @@ import torch
 
 from tensordbg.dump import format as fmt
 from tensordbg.dump.writer import DumpWriter
-from tensordbg.statistics import TensorStats
-from tensordbg.statistics.batch import StatsBatch
+from tensordbg.statistics import MEAN, TensorStats
+from tensordbg.statistics.batch import StatsBatch, on_host
 from tensordbg.statistics.torch_kernels import device_stats
 
 QUEUE_STEPS = 4
@@ -183,13 +183,14 @@ class DumpRecorder:
             tensor = record.held()
             if tensor is None:
                 continue
-            if _on_host(tensor):
+            if on_host(tensor):
                 self.session.screen(record, tensor)
-            else:
-                slots.append((record, batch.add(device_stats(tensor, record.wanted))))
+            else:  # with the mean, as on the host: two dumps part where an activation's does
+                wanted = record.wanted if MEAN in record.wanted else (*record.wanted, MEAN)
+                slots.append((record, wanted, batch.add(device_stats(tensor, wanted))))
         values = batch.flush() if slots else []
-        for record, slot in slots:
-            record.stats.values = dict(zip(record.wanted, values[slot], strict=True))
+        for record, wanted, slot in slots:
+            record.stats.values = dict(zip(wanted, values[slot], strict=True))
             record.lazy = False
 
     def _copy(self, buffer: _StepBuffer, record: Any, makers: dict[tuple[str, Any], Any]) -> None:
@@ -319,10 +320,6 @@ class DumpRecorder:
         log = getattr(self.session, "log", None)
         if log is not None and threading.current_thread() is not self._thread:
             log(message, "warning")
-
-
-def _on_host(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == "cpu"
 
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:

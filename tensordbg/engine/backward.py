@@ -22,7 +22,7 @@ from tensordbg.engine.params import Param
 from tensordbg.engine.phases import ActGradNote, Gradient, Judged, ParamGradNote
 from tensordbg.engine.records import Record, grad_record, is_model_output, param_grad_record
 from tensordbg.statistics import FINITE, L2
-from tensordbg.statistics.batch import norm_only, norms_of
+from tensordbg.statistics.batch import norm_only, norms_of, on_host
 from tensordbg.statistics.torch_kernels import SCREEN, dtype_name, host_stats
 
 # Modules whose backward sums every element of their output's gradient into their bias's
@@ -190,7 +190,7 @@ class BackwardPhase:
             and not is_model_output(forward)
             and self.ruleset.grads_quiet(dtype_name(grad.dtype))
         ):
-            if grad.device.type == "cpu":  # read now, while it is in the cache
+            if on_host(grad):  # read now, while it is in the cache
                 same = self._same_as_loose(grad)
                 note = self.vouchers.hold(forward, grad, self.weights.by_name, same)
                 if note is not None:

@@ -54,6 +54,11 @@ class StatsBatch:
 _NORM_STATS = frozenset({"finite", "l2"})
 
 
+def on_host(t: Tensor) -> bool:
+    """Whether reading ``t`` costs no synchronization with a device."""
+    return t.device.type == "cpu"
+
+
 def norm_only(record: Any, tensor: Tensor) -> bool:
     """Whether a record's statistics all come from the tensor's norm (:func:`norms_of`)."""
     return (
