@@ -122,6 +122,20 @@ def test_replay_of_what_is_not_a_dump_is_one_sentence_and_exit_2(
     assert err.count("\n") == 1 and str(tmp_path) in err and "Traceback" not in err
 
 
+def test_a_dump_without_steps_says_why_instead_of_a_replay_of_step_1_of_0(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run with no hit and no dump_every writes a dump with no step: the replay says so and
+    why, in one sentence, rather than opening a UI at "step 0 (1 of 0 dumped)"."""
+    DumpWriter(tmp_path / "clean", {"run_id": "clean", "dump_every": None}).close()
+    assert main(["replay", str(tmp_path / "clean")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds no step" in err and "dump_every was not set" in err
+    DumpWriter(tmp_path / "running", {"run_id": "running"})  # not closed: still running
+    with pytest.raises(SourceError, match="holds no step yet: the run did not finish"):
+        ReplaySource(load(tmp_path / "running"))
+
+
 # --- the UI ------------------------------------------------------------------------------
 
 
