@@ -304,6 +304,14 @@ class ReplaySource:
         if not isinstance(producer, dict):
             producer = {"module": entry.module, "type": types.get(entry.module, ""), "call": 0}
         entries = self._step_entries(step, quiet=True)
+        shown, kind = entry.name, entry.kind
+        if module is not None and producer == {**producer, "module": module, "call": call}:
+            # Written with the provenance of the call the hit names: the name it gives.
+            shown, kind = str(made.get("name", shown)), str(made.get("kind", kind))
+        hit = next((h for h in self._hits if h["ref"] == ref and h["module"] == module), None)
+        taken = recorded.taken_by(made, module, call, hit, entries.values())
+        if taken is not None:  # a dump written before its provenance named that call
+            made, producer, shown, kind = taken, taken["producer"], taken["name"], "grad_input"
         inputs = []
         for item in made.get("inputs") or []:
             if not isinstance(item, dict):
@@ -325,8 +333,8 @@ class ReplaySource:
             )
         return {
             "ref": ref,
-            "name": entry.name,
-            "kind": entry.kind,
+            "name": shown,
+            "kind": kind,
             "producer": recorded.call_site(producer),
             "returned_by": recorded.call_site(made.get("returned_by")),
             "inputs": inputs,
