@@ -67,6 +67,17 @@ def test_paused_at_a_forward_hit_every_module_shows_its_output_or_says_why_not()
     assert "note" not in modules["out"]
 
 
+def test_the_source_excerpt_shows_the_lines_as_they_are_in_the_file(tmp_path):
+    """Blank lines around the user's line are shown where they are, not skipped: the line
+    numbers in the margin count every line of the file."""
+    from tensordbg.sources.provenance import _lines
+
+    code = tmp_path / "train.py"
+    code.write_text("a = 1\n\nb = model(x)\n\n\nc = 3\n")
+    excerpt = _lines(str(code), 3, "<module>")["context"]
+    assert excerpt == [[1, "a = 1"], [2, ""], [3, "b = model(x)"], [4, ""], [5, ""], [6, "c = 3"]]
+
+
 def test_the_session_info_says_where_it_is_paused(paused):
     _, source = paused
     info = source.info()

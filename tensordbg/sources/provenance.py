@@ -183,13 +183,14 @@ def _source(call: Call) -> dict[str, Any] | None:
 
 
 def _lines(filename: str, line: int, function: str) -> dict[str, Any]:
-    lines = range(max(1, line - CONTEXT_LINES), line + CONTEXT_LINES + 1)
-    context = [[n, linecache.getline(filename, n).rstrip("\n")] for n in lines]
+    # The lines as they are in the file, blank ones included; none past its end.
+    text = linecache.getlines(filename)
+    lines = range(max(1, line - CONTEXT_LINES), min(line + CONTEXT_LINES, len(text)) + 1)
     return {
         "file": filename,
         "line": line,
         "function": function,
-        "context": [c for c in context if c[1] or c[0] <= line],
+        "context": [[n, text[n - 1].rstrip("\n")] for n in lines],
     }
 
 
