@@ -82,9 +82,13 @@ def write_dump(
     stats: tuple[Any, ...] = STATS,
     run_id: str = "replay01",
     rules: list[dict[str, Any]] | None = None,
+    sync: str = "deferred",
+    updates_at: Iterable[int] = (),
 ) -> Path:
     """A dump of ``steps`` at ``path``; ``values`` keeps values (of every step, or of those
-    listed); ``change=(step, name, index, delta)`` adds ``delta`` to one element."""
+    listed); ``change=(step, name, index, delta)`` adds ``delta`` to one element;
+    ``updates_at`` lists the steps that record the weights' updates too (as batched checks do
+    every step, and deferred ones after a step that hit)."""
     writer = DumpWriter(
         path,
         {
@@ -94,12 +98,18 @@ def write_dump(
             "device": "cpu",
             "rules": RULES if rules is None else rules,
             "created": "2026-11-24T10:30:00+00:00",
+            "sync": sync,
         },
     )
     keep = set(steps) if values is True else set() if values is False else set(values)
+    updates_at = set(updates_at)
     for n, step in enumerate(steps):
         entries, arrays, hits = [], {}, []
-        for entry, value in step_tensors(step, nan_at):
+        tensors = step_tensors(step, nan_at)
+        if step in updates_at:
+            tensors += [({**e, "name": f"{e['name']}.update", "kind": "update"}, v * 1e-3)
+                        for e, v in tensors if e["kind"] == "param"]  # fmt: skip
+        for entry, value in tensors:
             if change is not None and change[0] == step and change[1] == entry["name"]:
                 value = value.copy()
                 value[change[2]] += change[3]

@@ -131,6 +131,24 @@ def test_the_table_gives_each_advice_once_and_the_json_with_every_finding(
     assert findings[1]["message"].startswith("loss holds 1 NaN among 1 values. A NaN usually")
 
 
+def test_a_nan_gradient_is_one_row_naming_both_rules_that_found_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A NaN parameter gradient fires NaN and ExplodingGradient with the same sentence: the
+    table shows that fact once, naming both rules; the JSON keeps a finding per rule."""
+    nan_grad = (3, "net.2.weight.grad", (0, 0), float("nan"))
+    dump = str(write_dump(tmp_path / "run", nan_at=None, change=nan_grad))
+    assert main(["check", dump]) == 1
+    out = capsys.readouterr().out
+    assert out.count("net.2.weight.grad holds 1 NaN among 128 values.") == 1
+    row = next(line for line in out.splitlines() if line.startswith("step 3 backward"))
+    assert "ExplodingGradient, NaN" in row and row.endswith("net.2.weight.grad")
+    assert "2 findings (1 of them a second rule saying what another said)" in out
+    assert main(["check", dump, "--json"]) == 1
+    findings = json.loads(capsys.readouterr().out)["findings"]
+    assert sorted(f["rule"] for f in findings) == ["ExplodingGradient", "NaN"]
+
+
 def test_the_json_report_follows_its_schema(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

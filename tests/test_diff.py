@@ -20,6 +20,29 @@ def test_two_identical_seeded_runs_agree(tmp_path: Path) -> None:
     assert (report.steps, report.tensors, report.values) == (6, 54, 54)
 
 
+def test_tensors_recorded_in_one_dump_only_are_said_why_and_are_no_difference(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two runs whose numbers agree, one checked in batched mode (it records each weight's
+    update) and one deferred (it records them only after a hit): the diff does not call the
+    updates a difference, and says why one dump holds them."""
+    a = write_dump(tmp_path / "a", values=False)
+    b = write_dump(tmp_path / "b", values=False, sync="batched", updates_at=range(6))
+    report = diff_dumps(load(a), load(b))
+    assert report.first is None and report.exit_code == 0
+    assert report.unpaired[0]["tensors"] == ["net.0.weight.update", "net.2.weight.update"]
+    assert main(["diff", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("The runs agree on the tensors both recorded: 54 tensors of 6 steps")
+    assert "net.0.weight.update at step 0 only in B and 11 more" in out
+    assert "A was recorded with sync=deferred, B with sync=batched" in out
+    # The same mode: the step after a hit records them (deferred), and the diff says so.
+    after_hit = write_dump(tmp_path / "c", values=False, updates_at=[4])
+    report = diff_dumps(load(after_hit), load(a))
+    assert report.exit_code == 0 and report.unpaired[0]["side"] == "A"
+    assert report.unpaired[0]["why"].startswith("A step with a hit, or the step after one")
+
+
 def test_a_planted_one_element_change_is_found_at_its_tensor_and_step(tmp_path: Path) -> None:
     a = write_dump(tmp_path / "a", nan_at=None)
     b = write_dump(tmp_path / "b", nan_at=None, change=(4, "net.0.weight.grad", (7, 3), 1e-3))

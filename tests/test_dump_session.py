@@ -326,6 +326,41 @@ def test_a_hit_named_after_the_call_that_made_it_keeps_its_origin_in_the_dump(tm
     assert mask["line"] == "bool mask: 2 of 8 True; 1 of 2 rows all False"
 
 
+class _Abs(nn.Module):
+    """|x| as sqrt(x * x): finite forward at 0, NaN backward (0/0) there."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x * x)
+
+
+def test_a_backward_hit_named_after_the_module_that_took_the_value_shows_that_module(tmp_path):
+    """A NaN made by abs's backward is the hit abs.grad_input[0], though the gradient is stored
+    as fc1's output gradient: Provenance, live and replayed, shows abs (whose backward made
+    it), fed back to fc1's backward, not fc1 with the stored name."""
+    from tensordbg.sources.live import LiveSource
+    from tensordbg.sources.replay import ReplaySource
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), _Abs(), nn.Linear(16, 4))
+    nn.init.zeros_(model[0].bias)
+    x = torch.randn(4, 8)
+    x[1] = 0  # fc1's output row 1 is 0: abs's backward divides 0 by 0
+    with tensordbg.attach(model, on_hit="record", server=False, summary_at_exit=False,
+                          sync="eager", dump_dir=tmp_path) as session:  # fmt: skip
+        model(x).pow(2).mean().backward()
+        hit = next(h for h in session.hits if h.origin)
+        assert (hit.tensor, hit.module, hit.stored_as) == ("1.grad_input[0]", "1", "0.grad_output")
+        live = LiveSource(session).provenance(hit.ref, hit.module, hit.call)
+    source = ReplaySource(tensordbg.load(tmp_path))
+    replayed = next(h for h in source.hits() if h["origin"])
+    dumped = source.provenance(replayed["ref"], replayed["module"], replayed["call"])
+    for prov in (live, dumped):
+        assert (prov["name"], prov["kind"]) == ("1.grad_input[0]", "grad_input")
+        assert prov["producer"] == {"module": "1", "type": "_Abs", "call": 0}
+        assert prov["consumers"] == [{"module": "0", "type": "Linear", "call": 0}]
+    assert [i["name"] for i in live["inputs"]] == ["0.output"]  # abs's input
+
+
 def test_a_periodic_steps_dumped_value_keeps_where_it_came_from(tmp_path):
     """Values dumped on periodic steps (dump_tensors) carry their provenance, as a hit step's
     do: the replay names the module that made the value, its input and the line that called it."""

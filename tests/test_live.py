@@ -21,6 +21,63 @@ def paused():
         yield training, LiveSource(training.session)
 
 
+class _Early(torch.nn.Module):
+    """The NaN arises in ``bad``'s own code; ``head.mlp`` (a Sequential inside a ModuleDict,
+    which is never called itself) and ``out`` run after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.bad = torch.nn.Linear(8, 32)
+        mlp = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU())
+        self.head, self.out = torch.nn.ModuleDict({"mlp": mlp}), torch.nn.Linear(32, 4)
+        self.bad.register_forward_hook(lambda m, i, o: o / torch.zeros_like(o) if m.poison else o)
+        self.bad.poison = False
+
+    @property
+    def poison(self) -> bool:
+        return self.bad.poison
+
+    @poison.setter
+    def poison(self, value: bool) -> None:
+        self.bad.poison = value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.head["mlp"](self.bad(x)))
+
+
+def test_paused_at_a_forward_hit_every_module_shows_its_output_or_says_why_not():
+    """Deferred checks pause at the first hit in execution order, before judging the modules
+    after it: the Modules tab still shows their outputs (the phase's records), and a module
+    without one says why instead of a blank."""
+    training = PausedTraining(sync="deferred")
+    training.model = _Early()
+    training.optimizer = torch.optim.SGD(training.model.parameters(), lr=0.01)
+    with training:
+        training.wait_paused()
+        modules = {m["path"]: m for m in LiveSource(training.session).modules()}
+    for after in (
+        "bad",
+        "head.mlp.0",
+        "head.mlp.1",
+        "out",
+    ):  # run after the hit, judged after the pause
+        assert "min" in modules[after]["stats"]["output"], after
+    assert modules["head.mlp"]["note"] == "a container: see its children"
+    assert modules["head"]["note"] == "not called"
+    assert "note" not in modules["out"]
+
+
+def test_the_source_excerpt_shows_the_lines_as_they_are_in_the_file(tmp_path):
+    """Blank lines around the user's line are shown where they are, not skipped: the line
+    numbers in the margin count every line of the file."""
+    from tensordbg.sources.provenance import _lines
+
+    code = tmp_path / "train.py"
+    code.write_text("a = 1\n\nb = model(x)\n\n\nc = 3\n")
+    excerpt = _lines(str(code), 3, "<module>")["context"]
+    assert excerpt == [[1, "a = 1"], [2, ""], [3, "b = model(x)"], [4, ""], [5, ""], [6, "c = 3"]]
+
+
 def test_the_session_info_says_where_it_is_paused(paused):
     _, source = paused
     info = source.info()

@@ -103,6 +103,42 @@ def test_bfloat16_values_come_back_bit_for_bit(tmp_path: Path) -> None:
     assert back.dtype == ml_dtypes.bfloat16 and back.tobytes() == value.tobytes()
 
 
+def test_a_backward_hit_named_after_the_call_that_took_the_value_shows_that_call(
+    tmp_path: Path,
+) -> None:
+    """A dump written while a gradient's provenance was its producer's (fc1's output gradient)
+    though the hit names the call whose backward made it (abs.grad_input[0]): Provenance shows
+    abs, the call the hit names, fed back to fc1's backward; the tensor's own name without it."""
+    fc1, site = (
+        {"module": "fc1", "type": "Linear", "call": 0},
+        {"module": "abs", "type": "Abs", "call": 0},
+    )
+    made = {"name": "fc1.grad_output", "kind": "grad_output", "producer": fc1,
+            "inputs": [{"name": "input[0]", "module": "", "shape": [4, 8], "dtype": "float32"}],
+            "consumers": [site], "source": None, "stack": []}  # fmt: skip
+    entry = {"name": "fc1.grad_output", "module": "fc1", "phase": "backward", "shape": [4, 16],
+             "kind": "grad_output", "dtype": "float32", "stats": {"nan": 16},
+             "provenance": made}  # fmt: skip
+    hit = {"rule": "NaN", "tensor": "abs.grad_input[0]", "module": "abs", "kind": "grad_input",
+           "step": 0, "phase": "backward", "origin": True, "stored_as": "fc1.grad_output",
+           "value": 16.0, "threshold": 0.0, "call": 0,
+           "message": "abs.grad_input[0] holds 16 NaN among 64 values."}  # fmt: skip
+    writer = DumpWriter(tmp_path / "run", {"run_id": "abs"})
+    value = np.full((4, 16), np.nan, dtype=np.float32)
+    writer.write_step(0, 0, [entry], {"fc1.grad_output": value}, [hit])
+    writer.close()
+    source = ReplaySource(load(tmp_path / "run"))
+    shown = source.hits()[0]
+    prov = source.provenance(shown["ref"], shown["module"], shown["call"])
+    assert (prov["name"], prov["kind"], prov["producer"]) == (
+        "abs.grad_input[0]",
+        "grad_input",
+        site,
+    )
+    assert prov["consumers"] == [fc1] and prov["inputs"] == []  # abs's inputs were not dumped
+    assert source.provenance(shown["ref"])["producer"] == fc1
+
+
 def test_a_broken_step_is_shown_as_broken_and_the_others_stay_readable(dump: Path) -> None:
     step_file = dump / "rank-0" / "step-00000002.safetensors"
     step_file.write_bytes(step_file.read_bytes()[:100])  # cut short
@@ -120,6 +156,20 @@ def test_replay_of_what_is_not_a_dump_is_one_sentence_and_exit_2(
     assert main(["replay", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(tmp_path) in err and "Traceback" not in err
+
+
+def test_a_dump_without_steps_says_why_instead_of_a_replay_of_step_1_of_0(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run with no hit and no dump_every writes a dump with no step: the replay says so and
+    why, in one sentence, rather than opening a UI at "step 0 (1 of 0 dumped)"."""
+    DumpWriter(tmp_path / "clean", {"run_id": "clean", "dump_every": None}).close()
+    assert main(["replay", str(tmp_path / "clean")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds no step" in err and "dump_every was not set" in err
+    DumpWriter(tmp_path / "running", {"run_id": "running"})  # not closed: still running
+    with pytest.raises(SourceError, match="holds no step yet: the run did not finish"):
+        ReplaySource(load(tmp_path / "running"))
 
 
 # --- the UI ------------------------------------------------------------------------------

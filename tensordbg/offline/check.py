@@ -118,7 +118,9 @@ class CheckReport:
         problem surfaced), the advice they carry (each once), what could not be judged, and the
         broken steps."""
         lines = []
-        for f in self.findings[:limit]:
+        rows = self._rows()
+        width = max([18, *(len(rules) for rules, _ in rows[:limit])])
+        for rules, f in rows[:limit]:
             rank = f" rank {f.rank}" if len(self.ranks) > 1 else ""
             origin = "  <- origin" if f.origin else ""
             shown, message = f.tensor, f.message
@@ -126,10 +128,10 @@ class CheckReport:
             if named is not None:  # the run named it where it was made, as the hit does
                 shown = f"{named} (dumped as {f.tensor})"
                 message = said_of(message, f.tensor, named)
-            lines.append(f"step {f.step}{rank} {f.phase:<9} {f.rule:<18} {shown}{origin}")
+            lines.append(f"step {f.step}{rank} {f.phase:<9} {rules:<{width}} {shown}{origin}")
             lines.append(f"    {message}")
-        if len(self.findings) > limit:
-            lines.append(f"... and {len(self.findings) - limit} more findings (--json lists all)")
+        if len(rows) > limit:
+            lines.append(f"... and {len(rows) - limit} more rows (--json lists every finding)")
         lines.extend(self._advice())
         for u in self.unjudged:
             tensors = f"{u.tensors} tensor{'s' * (u.tensors != 1)}"
@@ -156,6 +158,8 @@ class CheckReport:
             lines.append("the dump is incomplete: the run stopped before it was closed")
         n = len(self.findings)
         verdict = f"{n} finding{'s' * (n != 1)}" if n else "clean"
+        if n > len(rows):
+            verdict += f" ({n - len(rows)} of them a second rule saying what another said)"
         if not n and self.broken:
             verdict = "clean where it could be read, with unreadable steps"
         names = ", ".join(r.split("(")[0] for r in self.rules) or "no rules"
@@ -175,6 +179,16 @@ class CheckReport:
                          f"{spread} finding{'s are' if spread != 1 else ' is'} where it "
                          "spread")  # fmt: skip
         return "\n".join(lines)
+
+    def _rows(self) -> list[tuple[str, Finding]]:
+        """The findings as the table shows them: one row per tensor and fact, naming every rule
+        that found it. A NaN gradient fires NaN and ExplodingGradient with the same sentence;
+        two rules that say different things of a tensor keep a row each."""
+        rows: dict[tuple[int, int, str, str, str], tuple[list[str], Finding]] = {}
+        for f in self.findings:
+            rules, _ = rows.setdefault((f.step, f.rank, f.phase, f.tensor, f.message), ([], f))
+            rules.append(f.rule)
+        return [(", ".join(rules), f) for rules, f in rows.values()]
 
     def _advice(self) -> list[str]:
         """Each advice once, after the findings: a NaN that spread to 30 tensors is 30 findings

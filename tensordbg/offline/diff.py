@@ -54,7 +54,7 @@ class Difference:
     tensor: str
     module: str
     kind: str
-    what: str  # "only in a", "only in b", "shape", "dtype", "statistics" or "values"
+    what: str  # "shape", "dtype", "statistics" or "values"
     stats: list[StatDifference] = field(default_factory=list)
     values: ValueDifference | None = None
     a_shape: list[int] | None = None
@@ -62,9 +62,6 @@ class Difference:
 
     def sentence(self) -> str:
         where = f"step {self.step}, {self.phase}, {self.tensor}"
-        if self.what in ("only in a", "only in b"):
-            side = "A" if self.what == "only in a" else "B"
-            return f"{where}: dumped only in {side}"
         if self.what == "shape":
             return f"{where}: shape {self.a_shape} in A, {self.b_shape} in B"
         if self.what == "dtype":
@@ -96,6 +93,10 @@ class DiffReport:
     only_in_a: list[int] = field(default_factory=list)  # steps
     only_in_b: list[int] = field(default_factory=list)
     broken: list[dict[str, Any]] = field(default_factory=list)
+    unpaired: list[dict[str, Any]] = field(default_factory=list)
+    """Tensors a step of one dump recorded and the same step of the other did not, per step and
+    side: ``{"step", "side", "tensors", "why"}``. Not compared, and not counted as a difference
+    of the numbers: ``why`` says what makes a step record other tensors."""
 
     @property
     def exit_code(self) -> int:
@@ -125,6 +126,7 @@ class DiffReport:
                 "only_in_a": self.only_in_a,
                 "only_in_b": self.only_in_b,
                 "broken": self.broken,
+                "unpaired": self.unpaired,
             }
         )
 
@@ -144,15 +146,28 @@ class DiffReport:
             )
         else:
             lines.append(
-                f"The runs agree: {self.tensors} tensors of {self.steps} steps within "
+                f"The runs agree{' on the tensors both recorded' * bool(self.unpaired)}: "
+                f"{self.tensors} tensors of {self.steps} steps within "
                 f"rtol={self.rtol:g}, atol={self.atol:g} ({self.values} compared by value)."
             )
         for side, steps in (("A", self.only_in_a), ("B", self.only_in_b)):
             if steps:
                 lines.append(f"Steps dumped only in {side} (not compared): {_steps(steps)}")
+        lines.extend(self._unpaired_text())
         for b in self.broken:
             lines.append(f"Not compared, unreadable in {b['side']}: {b['reason']}")
         return "\n".join(lines)
+
+    def _unpaired_text(self) -> list[str]:
+        if not self.unpaired:
+            return []
+        count = sum(len(u["tensors"]) for u in self.unpaired)
+        first = self.unpaired[0]
+        more = f" and {count - 1} more" if count > 1 else ""
+        return [
+            f"Recorded in one dump only, not compared: {first['tensors'][0]} at step "
+            f"{first['step']} only in {first['side']}{more}. {first['why']}"
+        ]
 
 
 def diff_dumps(
@@ -161,6 +176,9 @@ def diff_dumps(
     """Compare rank ``ranks[0]`` of dump ``a`` with rank ``ranks[1]`` of dump ``b``."""
     rank_a, rank_b = ranks
     report = DiffReport(str(a.path), str(b.path), (rank_a, rank_b), rtol, atol)
+    sync = (str(a.meta.get("sync", "")), str(b.meta.get("sync", "")))
+    hit_steps = {h.step for h in a.hits if h.rank == rank_a}
+    hit_steps |= {h.step for h in b.hits if h.rank == rank_b}
     steps_a, steps_b = set(a.steps(rank_a)), set(b.steps(rank_b))
     # A step one side cannot read is not "dumped only" by the other: it is unreadable there.
     broken_a = {s: why for (s, r), why in a.broken.items() if r == rank_a}
@@ -181,7 +199,11 @@ def diff_dumps(
             report.broken.append({"step": step, "side": "B", "reason": str(e)})
             continue
         report.steps += 1
+        unpaired: dict[str, list[str]] = {"A": [], "B": []}
         for entry_a, entry_b in _in_order(entries_a, entries_b):
+            if entry_a is None or entry_b is None:
+                unpaired["B" if entry_a is None else "A"].append((entry_a or entry_b).name)
+                continue
             report.tensors += 1
             difference = _compare(a, b, report, step, entry_a, entry_b, values=report.first is None)
             if difference is not None:
@@ -189,13 +211,36 @@ def diff_dumps(
                     report.first = difference
                 else:
                     report.later += 1
+        why = _why_unpaired(step, sync, hit_steps)
+        report.unpaired += [{"step": step, "side": side, "tensors": names, "why": why}
+                            for side, names in unpaired.items() if names]  # fmt: skip
     return report
+
+
+def _why_unpaired(step: int, sync: tuple[str, str], hit_steps: set[int]) -> str:
+    """Why a step of one dump holds a tensor the other's lacks. A step records the tensors its
+    checks measured: batched checks measure every parameter's update, deferred checks only on a
+    step after one that hit; otherwise the two models made different tensors."""
+    if sync[0] != sync[1]:
+        return (
+            f"A was recorded with sync={sync[0]}, B with sync={sync[1]}, which record different "
+            "tensors: a difference in what was recorded, not in the numbers."
+        )
+    if step in hit_steps or step - 1 in hit_steps:
+        return (
+            "A step with a hit, or the step after one, records tensors a clean step does not: "
+            "a difference in what was recorded, not in the numbers."
+        )
+    return (
+        "The two runs did not make the same tensors there (a module called in one run only, or "
+        "an input that requires grad in one only)."
+    )
 
 
 def _in_order(entries_a: list[Any], entries_b: dict[str, Any]) -> list[tuple[Any, Any]]:
     """The tensors of one step of both dumps as pairs, in execution order: A's order, with
-    each tensor only B holds in its place in B's order (a value one run made that the other
-    did not, as where one rank's module made a NaN of its own, comes before what followed)."""
+    each tensor only B holds in its place in B's order; a tensor one dump lacks is paired
+    with None."""
     names_a = {e.name for e in entries_a}
     only_b = sorted((e for e in entries_b.values() if e.name not in names_a), key=lambda e: e.order)
     walk: list[tuple[Any, Any]] = []
@@ -213,14 +258,9 @@ def _in_order(entries_a: list[Any], entries_b: dict[str, Any]) -> list[tuple[Any
 def _compare(
     a: Any, b: Any, report: DiffReport, step: int, ea: Any, eb: Any, values: bool
 ) -> Difference | None:
-    either = ea if ea is not None else eb
-
     def difference(what: str, **more: Any) -> Difference:
-        return Difference(step, either.phase, either.name, either.module, either.kind, what,
-                          **more)  # fmt: skip
+        return Difference(step, ea.phase, ea.name, ea.module, ea.kind, what, **more)
 
-    if ea is None or eb is None:
-        return difference("only in b" if ea is None else "only in a")
     if tuple(ea.shape) != tuple(eb.shape):
         return difference("shape", a_shape=list(ea.shape), b_shape=list(eb.shape))
     if ea.dtype != eb.dtype:

@@ -46,6 +46,7 @@ from tensordbg.transport.wire import DTYPES, MAX_REPLY_BYTES, WireArray
 
 # A slice may make as many values as its tensor holds, and at least this many.
 MIN_SLICE_BOUND = 2**20
+_ACTIVATIONS = ("input", "output", "grad_output", "grad_input")
 # Words that carry each dtype on the wire, as torch dtypes to .view() the tensor as.
 _WIRE_VIEW = {"bfloat16": torch.int16, "float8_e4m3fn": torch.uint8, "float8_e4m3fnuz": torch.uint8,
               "float8_e5m2": torch.uint8, "float8_e5m2fnuz": torch.uint8}  # fmt: skip
@@ -112,8 +113,15 @@ class LiveSource(LiveProfiling):
                 self._on_training_thread(self._measure_kept)
         snapshot = s.snapshot()  # never the dicts the training thread is filling
         latest: dict[str, dict[str, dict[str, Any]]] = {}
+        # The phase's own records first: paused at a hit, deferred mode has judged only the
+        # tensors before it, and a tensor not judged yet has no latest statistics.
+        for record in snapshot.records:
+            stats = record.stats
+            measured = stats.summary is not None or stats.values
+            if stats.kind in _ACTIVATIONS and not record.hidden and measured:
+                latest.setdefault(stats.module, {}).setdefault(stats.kind, _brief(stats))
         for _, (_, stats) in snapshot.latest.items():
-            if stats.module or stats.kind in ("input", "output", "grad_output", "grad_input"):
+            if stats.module or stats.kind in _ACTIVATIONS:
                 latest.setdefault(stats.module, {}).setdefault(stats.kind, _brief(stats))
         # A module that returned a child's output as its own (attention returning its output
         # projection's) has that output too: its row is not empty, and names the same tensor.
@@ -128,17 +136,19 @@ class LiveSource(LiveProfiling):
         out = []
         model = s.model
         for path, module in model.named_modules() if model is not None else ():
-            out.append(
-                {
-                    "path": path,
-                    "type": type(module).__name__,
-                    "depth": path.count(".") + 1 if path else 0,
-                    "params": sum(p.numel() for p in module.parameters()),
-                    "hits": hits.get(path, 0),
-                    "calls": calls.get(path, 0),
-                    "stats": latest.get(path, {}),
-                }
-            )
+            row: contract.Module = {
+                "path": path,
+                "type": type(module).__name__,
+                "depth": path.count(".") + 1 if path else 0,
+                "params": sum(p.numel() for p in module.parameters()),
+                "hits": hits.get(path, 0),
+                "calls": calls.get(path, 0),
+                "stats": latest.get(path, {}),
+            }
+            if "output" not in row["stats"]:  # a blank would say nothing: say why
+                watched = id(module) in s.capture.paths
+                row["note"] = "not called" if watched else "a container: see its children"
+            out.append(row)
         return out
 
     def _measure_kept(self) -> None:

@@ -24,10 +24,17 @@ def provenance(
     forward = record.grad_of or record
     producer = forward.producer
     returned_by = None
+    consumers = forward.consumers
     if module is not None and producer is not None:
         chosen = next((c for c in forward.passed_up if c.path == module and c.index == call), None)
         if chosen is not None:  # made by this module's own code, returned by a submodule
             returned_by, producer = producer, chosen
+    taker = _consumer_named(record, module, call)
+    if taker is not None:
+        # A gradient named after the call that took its value (its backward made it, origin.py):
+        # that call made it, from its inputs, and the producer's backward takes it in turn.
+        consumers = [producer] if producer is not None else []
+        producer = taker
     # The innermost user line known to have made the value: for a value made by a module's
     # own code and returned through a submodule, the line in that module's forward that called
     # the submodule (the code just above it made the value), not the line that called the module.
@@ -37,14 +44,17 @@ def provenance(
     if returned_by is not None and producer is not None:
         suffix = forward.suffix
         name = producer.tensor_name("output", suffix)
+    if taker is not None:
+        suffix = next((s for s, r in taker.inputs if r is forward), record.suffix)
+        name = taker.tensor_name("grad_input", suffix)
     out: dict[str, Any] = {
         "ref": ref,
         "name": name,
-        "kind": record.stats.kind,
+        "kind": "grad_input" if taker is not None else record.stats.kind,
         "producer": _call_dict(producer) if producer else None,
         "returned_by": _call_dict(returned_by) if returned_by else None,
         "inputs": [],
-        "consumers": [_call_dict(c) for c in forward.consumers],
+        "consumers": [_call_dict(c) for c in consumers],
         "source": None,
         "stack": [],
     }
@@ -76,6 +86,16 @@ def provenance(
         else:
             out["stack"].append(frame)
     return out
+
+
+def _consumer_named(record: Record, module: str | None, call: int) -> Call | None:
+    """The call that took ``record``'s forward value when the hit names that call: a gradient
+    its backward made, reported as its ``grad_input``, is stored as the producer's output
+    gradient."""
+    if module is None or record.grad_of is None:
+        return None
+    takers = record.grad_of.consumers
+    return next((c for c in takers if c.path == module and c.index == call), None)
 
 
 def brief(stats: TensorStats) -> dict[str, Any]:
@@ -163,13 +183,14 @@ def _source(call: Call) -> dict[str, Any] | None:
 
 
 def _lines(filename: str, line: int, function: str) -> dict[str, Any]:
-    lines = range(max(1, line - CONTEXT_LINES), line + CONTEXT_LINES + 1)
-    context = [[n, linecache.getline(filename, n).rstrip("\n")] for n in lines]
+    # The lines as they are in the file, blank ones included; none past its end.
+    text = linecache.getlines(filename)
+    lines = range(max(1, line - CONTEXT_LINES), min(line + CONTEXT_LINES, len(text)) + 1)
     return {
         "file": filename,
         "line": line,
         "function": function,
-        "context": [c for c in context if c[1] or c[0] <= line],
+        "context": [[n, text[n - 1].rstrip("\n")] for n in lines],
     }
 
 

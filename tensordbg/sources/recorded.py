@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Iterable
 from typing import Any
 
 from tensordbg.rules import Rule, available_rules
@@ -85,3 +86,33 @@ def rule_dicts(recorded: Any, hits: dict[str, int]) -> list[contract.Rule]:
             }
         )
     return out
+
+
+def taken_by(
+    made: dict[str, Any], module: str | None, call: int, hit: dict[str, Any] | None,
+    entries: Iterable[Any],
+) -> dict[str, Any] | None:  # fmt: skip
+    """A dumped gradient's provenance as its hit names it, when the hit names the call that
+    took the value rather than its producer (that call's backward made it: ``attn.grad_input[0]``,
+    dumped as ``ln1.grad_output``): made by that call, taken in turn by the producer's backward.
+    Its inputs, line and stack are those of another value of the step made by that call (from
+    ``entries``, the step's dumped tensors), when one was dumped; None when the hit names the
+    producer."""
+    site = next((c for c in made.get("consumers") or [] if isinstance(c, dict)
+                 and c.get("module") == module and c.get("call", 0) == call), None)  # fmt: skip
+    if module is None or site is None:
+        return None
+    same_call = next(
+        (e.provenance for e in entries if isinstance(e.provenance, dict)
+         and e.provenance.get("producer") == site and not e.provenance.get("returned_by")),
+        {},
+    )  # fmt: skip
+    producer = made.get("producer")
+    return {
+        "name": hit["tensor"] if hit else f"{module}.grad_input",
+        "producer": site,
+        "inputs": same_call.get("inputs") or [],
+        "consumers": [producer] if isinstance(producer, dict) else [],
+        "source": same_call.get("source"),
+        "stack": same_call.get("stack") or [],
+    }

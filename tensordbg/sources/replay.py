@@ -60,7 +60,9 @@ class ReplaySource:
         # Steps the dump could not read, by step; (-1, rank) is a line naming no step.
         self._broken = {s: str(why) for (s, r), why in dump.broken.items() if r == self.rank}
         self.steps: list[int] = sorted(set(dump.steps(self.rank)) | set(self._broken) - {-1})
-        self._hits = [_hit_dict(h) for h in dump.hits]
+        if not self.steps:
+            raise SourceError(_nothing_dumped(dump, self._broken.get(-1, "")))
+        self._hits = [_hit_dict(h) for h in dump.hits if h.rank == self.rank]
         self._refs: dict[tuple[int, str], int] = {}
         self._ref_keys: list[tuple[int, str]] = []
         self._entries: dict[int, dict[str, Any]] = {}  # step -> {name: entry}, read on demand
@@ -78,7 +80,7 @@ class ReplaySource:
 
     @property
     def step(self) -> int:
-        return self.steps[self.index] if self.steps else 0
+        return self.steps[self.index]
 
     def broken(self, step: int | None = None) -> str:
         """Why ``step`` (the shown one by default) cannot be read; "" when it can."""
@@ -86,8 +88,6 @@ class ReplaySource:
         return self._broken.get(step, "")
 
     def goto(self, step: int | None = None, move: int = 0) -> contract.Info:
-        if not self.steps:
-            raise SourceError("this dump holds no step")
         if step is not None:
             if step not in self.steps:
                 near = min(self.steps, key=lambda s: abs(s - step))
@@ -304,6 +304,14 @@ class ReplaySource:
         if not isinstance(producer, dict):
             producer = {"module": entry.module, "type": types.get(entry.module, ""), "call": 0}
         entries = self._step_entries(step, quiet=True)
+        shown, kind = entry.name, entry.kind
+        if module is not None and producer == {**producer, "module": module, "call": call}:
+            # Written with the provenance of the call the hit names: the name it gives.
+            shown, kind = str(made.get("name", shown)), str(made.get("kind", kind))
+        hit = next((h for h in self._hits if h["ref"] == ref and h["module"] == module), None)
+        taken = recorded.taken_by(made, module, call, hit, entries.values())
+        if taken is not None:  # a dump written before its provenance named that call
+            made, producer, shown, kind = taken, taken["producer"], taken["name"], "grad_input"
         inputs = []
         for item in made.get("inputs") or []:
             if not isinstance(item, dict):
@@ -325,8 +333,8 @@ class ReplaySource:
             )
         return {
             "ref": ref,
-            "name": entry.name,
-            "kind": entry.kind,
+            "name": shown,
+            "kind": kind,
             "producer": recorded.call_site(producer),
             "returned_by": recorded.call_site(made.get("returned_by")),
             "inputs": inputs,
@@ -474,3 +482,15 @@ def _operation(value: Any) -> dict[str, Any]:
         return {"operation": {**fields, **lines}}
     except (TypeError, ValueError):
         return {}
+
+
+def _nothing_dumped(dump: Any, broken: str) -> str:
+    """Why a dump holds no step to show, in one sentence (a replay of it would show nothing)."""
+    where = f"the dump {dump.path} holds no step"
+    if broken:
+        return f"{where} that can be read: {broken}"
+    if not dump.meta.get("complete", True):
+        return f"{where} yet: {dump.meta.get('reason_incomplete')}"
+    every = dump.meta.get("dump_every")
+    periodic = "it ended before its first periodic step" if every else "dump_every was not set"
+    return f"{where}: no step of the run hit a rule and {periodic}, so there is nothing to replay"

@@ -127,6 +127,7 @@ class Module(TypedDict):
     hits: int  # hits on this module so far
     calls: int  # calls in the latest root forward
     stats: dict[str, Summary]
+    note: NotRequired[str]  # why ``stats`` has no output: "a container", "not called"
 
 
 class Tensor(TypedDict):

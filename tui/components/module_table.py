@@ -116,12 +116,14 @@ class ModuleTable(LineTable):
     def _cells_of(self, m: dict[str, Any]) -> tuple[str, ...]:
         hits = f"● {m['hits']}" if m.get("hits") else ""
         stats = m.get("stats") or {}
+        # A module without an output statistic says why (a container, not called), if known.
         return (
             m["type"],
             count(m.get("params", 0)),
             hits,
-            *(self._brief(stats.get(k)) for k in self._kinds),
-        )
+            *(self._brief(stats.get(k)) or (m.get("note", "") if k == "output" else "")
+              for k in self._kinds),
+        )  # fmt: skip
 
     def _brief(self, summary: dict[str, Any] | None) -> str:
         text = brief(summary)
