@@ -370,31 +370,6 @@ def test_a_rule_whose_check_many_breaks_its_contract_is_disabled_and_the_trainin
     assert {h.rule for h in session.hits} == {"NaN"}  # the other rules still work
 
 
-def test_attaching_raises_the_young_gc_threshold_until_the_last_session_detaches(watch):
-    """A watched step makes many small objects that live until it ends: the interpreter's
-    young-generation threshold is raised while attached, and put back at detach."""
-    assert gc.get_threshold()[0] == 700
-    first = watch(mlp(), on_hit="record")
-    second = watch(mlp(1), on_hit="record")
-    assert gc.get_threshold()[0] == 10_000
-    first.detach()
-    assert gc.get_threshold()[0] == 10_000  # the second session still runs
-    second.detach()
-    assert gc.get_threshold()[0] == 700
-
-
-def test_a_gc_threshold_the_program_set_is_left_alone(watch):
-    before = gc.get_threshold()
-    gc.set_threshold(2_000, *before[1:])
-    try:
-        session = watch(mlp(), on_hit="record")
-        assert gc.get_threshold()[0] == 2_000
-        session.detach()
-        assert gc.get_threshold()[0] == 2_000
-    finally:
-        gc.set_threshold(*before)
-
-
 def test_an_internal_error_stops_watching_but_never_the_training(watch, monkeypatch):
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -12,7 +12,6 @@ undoes them in reverse order, each once, and carries on past one that fails.
 
 from __future__ import annotations
 
-import gc
 import threading
 import warnings
 import weakref
@@ -93,41 +92,6 @@ class HandleGroup:
             if self.closed:
                 raise RuntimeError("this session is detached: nothing more can be installed")
             self._undo.append((what, fn))
-
-
-YOUNG_GC_THRESHOLD = 10_000
-"""The interpreter's young-generation garbage-collection threshold while a session is attached
-(CPython's default is 700). A watched step makes some 1,500 small objects (records, module
-calls), alive until the step ends: at 700, about two collections a step traverse them, 0.4-0.7
-ms of a 165 ms step on the overhead benchmark's model; at 10,000, one every few steps. Objects
-freed by their reference count (nearly all) are not affected; only reference cycles wait longer
-to be collected. A threshold the program set itself (anything but the default) is left alone."""
-
-_DEFAULT_YOUNG = 700
-_gc_lock = threading.Lock()
-_gc_raised: list[int] = [0]  # sessions attached since it was raised
-
-
-def raise_gc_threshold(handles: HandleGroup) -> None:
-    """Raise the young-generation threshold to :data:`YOUNG_GC_THRESHOLD` while ``handles`` is
-    open (while any session raised it); closing the last puts back the default, unless the
-    program changed it meanwhile."""
-    with _gc_lock:
-        young, *older = gc.get_threshold()
-        if _gc_raised[0] == 0 and young != _DEFAULT_YOUNG:
-            return  # the program chose its own (or disabled collection): not ours to change
-        if _gc_raised[0] == 0:
-            gc.set_threshold(YOUNG_GC_THRESHOLD, *older)
-        _gc_raised[0] += 1
-    handles.callback(_lower_gc_threshold, "gc threshold")
-
-
-def _lower_gc_threshold() -> None:
-    with _gc_lock:
-        _gc_raised[0] -= 1
-        young, *older = gc.get_threshold()
-        if _gc_raised[0] == 0 and young == YOUNG_GC_THRESHOLD:
-            gc.set_threshold(_DEFAULT_YOUNG, *older)
 
 
 class Unhooked:

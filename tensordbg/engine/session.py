@@ -28,7 +28,7 @@ from tensordbg.engine.backward import BackwardPhase, Vouchers
 from tensordbg.engine.bus import EventBus, extend
 from tensordbg.engine.capture import Capture
 from tensordbg.engine.control import ControlPlane, PauseController
-from tensordbg.engine.handles import HandleGroup, raise_gc_threshold
+from tensordbg.engine.handles import HandleGroup
 from tensordbg.engine.hits import HitLog, print_summary
 from tensordbg.engine.judge import ActiveRule, RuleSet
 from tensordbg.engine.metrics import StepMetrics
@@ -156,7 +156,6 @@ class Session(Pipeline, BackwardPhase, OptimizerPhase):
                 for opt in opts:
                     self.attach_optimizer(opt)
             self.amp.install(self.handles, self._guarded(self._after_scaler_update))
-            raise_gc_threshold(self.handles)
             _attached[model] = self
             self.handles.callback(partial(_forget, weakref.ref(model), self), "attached model")
             at_exit = partial(_detach_at_exit, weakref.ref(self))
