@@ -102,7 +102,7 @@ def test_entries_list_in_execution_order_with_their_statistics(tmp_path):
     assert first.stats == {"l2": 1.0} and first.has_value
 
 
-def test_entries_encoded_ahead_read_back_as_the_plain_ones(tmp_path):
+def test_entries_encoded_ahead_read_back_as_the_plain_ones(tmp_path, monkeypatch):
     """The session's writer encodes what does not change from step to step once per tensor;
     what a reader gets is the same as from plain entries, awkward numbers included, and an
     entry whose value is stored gets its key and checksum as any other."""
@@ -130,6 +130,10 @@ def test_entries_encoded_ahead_read_back_as_the_plain_ones(tmp_path):
             assert (x.name, x.order, x.shape, x.module, x.has_value) == (
                 y.name, y.order, y.shape, y.module, y.has_value)  # fmt: skip
             assert json.dumps(x.stats, sort_keys=True) == json.dumps(y.stats, sort_keys=True)
+    monkeypatch.setattr(fmt, "HEADS_KEPT", 2)  # shapes that vary: the heads kept are bounded
+    for n in range(5):
+        encoder.encode(("x", "", "forward", "output", (n,), "float32", "", 0, False), {})
+    assert len(encoder._heads) <= 2
     got = b.tensors(0)[0]
     assert got.stats["l2"] == 0.1 + 0.2 and got.stats["nan"] == 3 and math.isnan(got.stats["min"])
     assert got.stats["max"] == math.inf and got.stats["tiny"] == 5e-324

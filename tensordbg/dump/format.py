@@ -179,6 +179,12 @@ class Encoded:
         return json.loads(f"{self.head}{self.stats}}}")
 
 
+HEADS_KEPT = 4096
+"""How many encoded entry heads :class:`EntryEncoder` keeps (a model whose shapes vary with the
+batch, say with the sequence length, makes new ones: then all are forgotten, and made again as
+needed)."""
+
+
 class EntryEncoder:
     """Index entries as JSON text, the cheap way: the part of an entry that does not change
     from one step to the next (its name, module, shape, dtype, ...) is encoded once per tensor,
@@ -198,6 +204,8 @@ class EntryEncoder:
         ``values``: the statistics (their keys are written with ``str``)."""
         head = self._heads.get(static)
         if head is None:
+            if len(self._heads) >= HEADS_KEPT:  # shapes that vary from step to step
+                self._heads.clear()
             fields = index_json(dict(zip(self.FIELDS, static, strict=True)))
             head = self._heads[static] = f'{fields[:-1]},"stats":'
         keys = self._keys
