@@ -5,6 +5,8 @@ write leaves the training running and the dump marked incomplete."""
 from __future__ import annotations
 
 import inspect
+import time
+import threading
 import math
 import subprocess
 import sys
@@ -437,6 +439,57 @@ def test_a_dumped_step_on_a_device_reads_its_activations_and_their_gradients_in_
     gradients = [e for e in dump.tensors(1) if e.kind == "grad_output"]
     assert sorted(e.name for e in gradients) == ["0.grad_output", "1.grad_output", "2.grad_output"]
     assert all(e.stats == {"finite": 1.0} for e in gradients)
+
+
+def test_a_writer_slower_for_a_moment_than_a_small_models_steps_loses_no_step(
+    tmp_path, monkeypatch, recwarn
+):
+    """A small model steps faster than the writer writes for a while (a hit step's fsync, a
+    busy disk): statistics-only steps wait for it, they are not dropped."""
+    from tensordbg.dump.writer import DumpWriter
+
+    write_step = DumpWriter.write_step
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.02)
+        return write_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(DumpWriter, "write_step", slow)
+    _train_dumped(_model(), tmp_path, steps=30, dump_every=1)
+    dump = tensordbg.load(tmp_path)
+    assert dump.steps() == list(range(30)) and dump.meta["complete"]
+    assert not [w for w in recwarn if "fell behind" in str(w.message)]
+
+
+def test_values_past_the_queues_bound_drop_periodic_steps_never_hit_steps(tmp_path, monkeypatch):
+    """Values waiting for the writer are bounded (QUEUE_STEPS x retain_bytes): a writer that
+    cannot keep up makes the periodic steps past it go, said once and in the dump's metadata;
+    a step with a hit waits for room and is written."""
+    from tensordbg.dump import subscriber
+    from tensordbg.dump.writer import DumpWriter
+
+    write_step, go = DumpWriter.write_step, threading.Event()
+
+    def stuck(self, *args, **kwargs):
+        go.wait(30)
+        return write_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(DumpWriter, "write_step", stuck)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    nbytes = model[0].weight.numel() * 4
+    with pytest.warns(RuntimeWarning, match="fell behind at step") as said:
+        session = tensordbg.attach(model, opt, on_hit="dump", server=False, dump_dir=tmp_path,
+                                   dump_every=1, dump_tensors=["0.weight"], retain_bytes=nbytes,
+                                   summary_at_exit=False)  # fmt: skip
+        _train(model, opt, steps=8, bad_step=6, on_step=lambda step: step == 6 and go.set())
+        session.detach()
+    assert len([w for w in said if "fell behind" in str(w.message)]) == 1
+    dump = tensordbg.load(tmp_path)
+    assert 6 in dump.steps() and any(h.step == 6 for h in dump.hits)
+    dropped = [s for s in range(6) if s not in dump.steps()]
+    assert dropped and len(dump.steps()) >= subscriber.QUEUE_STEPS
+    assert "dropped periodic steps" in dump.meta["reason_incomplete"]
 
 
 def test_check_says_how_often_a_periodic_dump_held_a_step(tmp_path, capsys):

@@ -11,9 +11,11 @@ seen and those the training keeps alive, such as activations saved for the backw
   earlier phases' tensors were let go before anyone knew), each with its provenance;
 - every ``dump_every``-th step: the values of the tensors whose names match ``dump_tensors``.
 
-Copies are bounded: at most ``retain_bytes`` of values per step, and a few steps queued. The
-training thread only copies tensors to the host; a background thread writes. When it falls
-behind, periodic steps are dropped (said once); steps with hits never are. When the training
+Copies are bounded: at most ``retain_bytes`` of values per step, and ``QUEUE_STEPS`` steps'
+worth of values (``QUEUE_STEPS`` x ``retain_bytes``) waiting for the writer, in at most
+``QUEUE_MAX`` steps (a statistics-only step is some 100 kB of small objects). The training thread
+only copies tensors to the host; a background thread writes. When it falls behind past those
+bounds, periodic steps are dropped (said once); steps with hits never are. When the training
 is about to stop on a hit (``on_hit="raise"`` or ``"pause"``) the step so far is written before
 it stops, so the evidence survives a crash or a kill. A failed write (a full disk) is said once,
 marks the dump incomplete, and the training goes on without dumps.
@@ -42,7 +44,10 @@ from tensordbg.statistics.batch import StatsBatch, on_host
 from tensordbg.statistics.torch_kernels import device_stats
 
 QUEUE_STEPS = 4
-"""Steps waiting for the writer at most (each within ``retain_bytes`` of values)."""
+"""Steps' worth of values waiting for the writer at most (``QUEUE_STEPS`` x ``retain_bytes``)."""
+QUEUE_MAX = 64
+"""Steps waiting for the writer at most: a small model's statistics-only steps come faster than
+a write for a moment (a hit step's fsync), and are not dropped for it."""
 
 # torch dtypes numpy cannot hold, as the integer type of the same width and the ml_dtypes view.
 _VIEWS = {
@@ -112,7 +117,9 @@ class DumpRecorder:
         self._modules_written = False
         self._said_behind = False
         self._said_budget = False
-        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=QUEUE_STEPS)
+        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=QUEUE_MAX)
+        self._queued_bytes = 0  # of values, in the queue or being written
+        self._queued_lock = threading.Lock()
         self._thread = threading.Thread(target=self._write_loop, name="tensordbg-dump",
                                         daemon=True)  # fmt: skip
         self._thread.start()
@@ -247,12 +254,22 @@ class DumpRecorder:
                     [dict(h) for h in buffer.hits], modules, numbers, done)  # fmt: skip
 
     def _submit(self, job: _Job, keep: bool) -> None:
+        nbytes = _value_bytes(job)
+        with self._queued_lock:
+            room = self._queued_bytes + nbytes <= QUEUE_STEPS * self.value_budget
+            if keep or room:
+                self._queued_bytes += nbytes
         if keep:
             self._queue.put(job)  # a hit step waits for room: it is never dropped
             return
         try:
+            if not room:
+                raise queue.Full
             self._queue.put_nowait(job)
         except queue.Full:
+            if room:
+                with self._queued_lock:
+                    self._queued_bytes -= nbytes
             self.dropped.append(job.step)
             if job.modules is not None:
                 self._modules_written = False
@@ -298,6 +315,8 @@ class DumpRecorder:
                 self.writer.fail(self.failed)
                 self._say(f"{self.failed}. The training goes on without dumps.")
             finally:
+                with self._queued_lock:
+                    self._queued_bytes -= _value_bytes(job)
                 if job.done is not None:
                     job.done.set()
 
@@ -320,6 +339,10 @@ class DumpRecorder:
         log = getattr(self.session, "log", None)
         if log is not None and threading.current_thread() is not self._thread:
             log(message, "warning")
+
+
+def _value_bytes(job: _Job) -> int:
+    return sum(t.numel() * t.element_size() for t in job.values.values())
 
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:
