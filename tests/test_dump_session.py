@@ -5,11 +5,11 @@ write leaves the training running and the dump marked incomplete."""
 from __future__ import annotations
 
 import inspect
-import time
-import threading
 import math
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
