@@ -112,9 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--on-hit",
         choices=("pause", "raise", "record", "dump"),
-        default="pause",
-        help="what a hit does: pause the training for the UI (default), raise WatchpointHit, "
-        "only record it, or record it and write its step into --dump-dir",
+        default=None,
+        help="what a hit does: pause the training for the UI (the default), raise "
+        "WatchpointHit, only record it, or record it and write its step into --dump-dir (the "
+        "default with --dump-dir: a job that writes a dump goes on without a person)",
     )
     run.add_argument(
         "--sync",
@@ -254,6 +255,12 @@ def _command(commands: argparse._SubParsersAction, name: str, help: str) -> argp
     )
 
 
+def _usage(message: str) -> SystemExit:
+    """A mistake in the command line: said on stderr, exit status 2 (as argparse does)."""
+    print(message, file=sys.stderr)
+    return SystemExit(2)
+
+
 def _rules(spec: str) -> list | None:
     from tensordbg.rules import available_rules, default_rules
 
@@ -269,13 +276,13 @@ def _rules(spec: str) -> list | None:
             try:
                 rules.append(available[name]())
             except (TypeError, ValueError) as e:  # a rule that needs arguments
-                raise SystemExit(
+                raise _usage(
                     f"tensordbg: {e}; give {name} its arguments with "
                     f'--rule "{name}(...)" instead of --rules'
                 ) from None
         else:
             known = ", ".join(sorted(available))
-            raise SystemExit(f"tensordbg: no rule named {name!r}; the rules are: {known}")
+            raise _usage(f"tensordbg: no rule named {name!r}; the rules are: {known}")
     return rules
 
 
@@ -303,27 +310,27 @@ def _rule(spec: str) -> Any:
     if isinstance(call, ast.Name):
         call = ast.Call(func=call, args=[], keywords=[])
     if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.args):
-        raise SystemExit(
+        raise _usage(
             f"tensordbg: --rule {spec!r}: write it as Name(key=value, ...), e.g. "
             '"TensorRange(max_gt=1e4)"'
         )
     cls = available_rules().get(call.func.id)
     if cls is None:
         known = ", ".join(sorted(available_rules()))
-        raise SystemExit(f"tensordbg: no rule named {call.func.id!r}; the rules are: {known}")
+        raise _usage(f"tensordbg: no rule named {call.func.id!r}; the rules are: {known}")
     kwargs = {}
     for keyword in call.keywords:
         try:
             kwargs[keyword.arg] = ast.literal_eval(keyword.value)
         except (ValueError, SyntaxError):
-            raise SystemExit(
+            raise _usage(
                 f"tensordbg: --rule {spec!r}: {keyword.arg}= takes a plain value (a number, a "
                 "string, a list or tuple of them)"
             ) from None
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as e:
-        raise SystemExit(f"tensordbg: --rule {spec!r}: {e}") from None
+        raise _usage(f"tensordbg: --rule {spec!r}: {e}") from None
 
 
 def _listen(text: str) -> str:
@@ -355,6 +362,8 @@ def _run(args: argparse.Namespace) -> int:
               "(see tensordbg run --help)", file=sys.stderr)  # fmt: skip
         return 2
 
+    if args.on_hit is None:
+        args.on_hit = "dump" if args.dump_dir is not None else "pause"
     if args.dump_dir is None and (args.dump_every or args.dump_tensors or args.on_hit == "dump"):
         print("tensordbg run: --dump-every, --dump-tensors and --on-hit dump write into a dump: "
               "give --dump-dir DIR too", file=sys.stderr)  # fmt: skip

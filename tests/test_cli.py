@@ -130,7 +130,7 @@ def test_run_with_raise_stops_the_script_at_the_first_origin_hit(script: Path):
 
 def test_run_refuses_an_unknown_rule_with_the_list_of_rules(script: Path):
     done = tensordbg("run", "--rules", "NaN,Nonsense", str(script), "1", cwd=script.parent)
-    assert done.returncode != 0
+    assert done.returncode == 2  # a mistake in the command line, not a hit (1)
     assert "no rule named 'Nonsense'" in done.stderr and "VanishingGradient" in done.stderr
 
 
@@ -199,6 +199,17 @@ def test_a_mistyped_session_or_script_gets_one_line_and_exit_code_2(tmp_path, ar
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
 
 
+def test_a_run_that_writes_a_dump_goes_on_at_a_hit_without_a_person(script: Path):
+    """``--dump-dir`` is for jobs nobody watches: without ``--on-hit`` a hit is dumped and the
+    training goes on (it paused for a UI that never came)."""
+    done = tensordbg("run", "--dump-dir", "dbg", str(script), "5", cwd=script.parent, timeout=60)
+    assert done.returncode == 1, done.stderr  # it hit, and finished
+    assert "trained 5 steps" in done.stdout
+    assert "paused" not in done.stderr
+    dump = tensordbg_load(script.parent / "dbg")
+    assert dump.hits and dump.steps()
+
+
 def test_a_clean_run_exits_0_and_a_run_that_hit_exits_1(tmp_path: Path):
     clean = tmp_path / "clean.py"
     clean.write_text(SCRIPT.replace('x[0, 0] = float("nan")', "pass"))
@@ -219,7 +230,7 @@ def test_a_rule_with_arguments_is_given_on_the_command_line_and_read_as_data(scr
         ("Nope(x=1)", "no rule named 'Nope'"),
     ]:
         done = tensordbg("run", "--rule", spec, str(script), cwd=script.parent)
-        assert done.returncode != 0 and said in done.stderr, (spec, done.stderr)
+        assert done.returncode == 2 and said in done.stderr, (spec, done.stderr)
         assert "Traceback" not in done.stderr
     done = tensordbg("run", "--rules", "TensorRange", str(script), cwd=script.parent)
     assert 'give TensorRange its arguments with --rule "TensorRange(...)"' in done.stderr
