@@ -362,8 +362,6 @@ def _run(args: argparse.Namespace) -> int:
               "(see tensordbg run --help)", file=sys.stderr)  # fmt: skip
         return 2
 
-    if args.on_hit is None:
-        args.on_hit = "dump" if args.dump_dir is not None else "pause"
     if args.dump_dir is None and (args.dump_every or args.dump_tensors or args.on_hit == "dump"):
         print("tensordbg run: --dump-every, --dump-tensors and --on-hit dump write into a dump: "
               "give --dump-dir DIR too", file=sys.stderr)  # fmt: skip

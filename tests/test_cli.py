@@ -176,6 +176,23 @@ def test_ctrl_c_in_a_watched_script_ends_it_with_one_line_and_no_traceback(tmp_p
     assert "Traceback" not in done.stderr
 
 
+def test_ctrl_c_reaches_the_ui_as_how_the_training_ended(tmp_path: Path, monkeypatch):
+    """The UI's last word from the session says it was interrupted, not just "finished"."""
+    from tensordbg.engine import session as session_module
+    from tensordbg.integrations.runner import run_script
+
+    said: list[dict] = []
+    monkeypatch.setattr(session_module, "extend", lambda session: session.bus.subscribe(
+        lambda event, payload: said.append(dict(payload)), {"state"}))  # fmt: skip
+    path = tmp_path / "train.py"
+    path.write_text(
+        SCRIPT.replace('print("trained"', 'raise KeyboardInterrupt  # Ctrl-C\nprint("x"')
+    )
+    monkeypatch.setattr(sys, "argv", [str(path)])
+    assert run_script(str(path), ["4"], on_hit="record", server=False) == 130
+    assert said[-1] == {"state": "finished", "step": 4, "reason": "interrupted (Ctrl-C)"}
+
+
 @pytest.mark.parametrize(
     ("args", "said"),
     [

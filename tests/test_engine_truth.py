@@ -200,7 +200,7 @@ def test_a_forked_worker_that_hits_records_and_never_pauses(watch, capfd):
     assert "is a fork of the training" in capfd.readouterr().err
 
 
-def test_detaching_while_paused_in_the_optimizer_phase_is_clean(watch):
+def test_detaching_while_paused_in_the_optimizer_phase_is_clean(watch, capsys):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1e38)  # the update overflows the weights
     session = watch(model, optimizer=opt, on_hit="pause", rules=[NaN(), Overflow()])
@@ -225,6 +225,9 @@ def test_detaching_while_paused_in_the_optimizer_phase_is_clean(watch):
     assert seen == {"phase": "optimizer"}
     assert session.detached and not session.broken
     assert not [w for w in caught if "internal error" in str(w.message)]
+    # The terminal's last word was "training paused": it says now that it goes on unwatched.
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said[-1] == "tensordbg: detached at step 0, optimizer: the training goes on unwatched"
 
 
 def test_weights_updated_by_hand_are_said_once_to_be_unwatched(watch, capsys):

@@ -290,6 +290,27 @@ def test_a_flood_of_pushed_hits_is_drawn_only_where_it_is_on_screen(
     asyncio.run(flow())
 
 
+def test_a_training_ended_by_ctrl_c_is_not_shown_as_simply_finished() -> None:
+    """The session's last word says how the script ended when it did not end by itself: the
+    header and the Run tab say so next to FINISHED."""
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "paused")
+            source.state = "finished"
+            source.emit("state", {"state": "finished", "step": 3,
+                                  "reason": "interrupted (Ctrl-C)"})  # fmt: skip
+            await until(pilot, lambda: app.state == "finished")
+            assert app.main.title == "FINISHED at step 3 · interrupted (Ctrl-C)"
+            app.main.show_tab("run")
+            await until(pilot, lambda: "(interrupted (Ctrl-C))" in text_of(
+                app.main.run_status.query_one("#run-state", Static)))  # fmt: skip
+
+    asyncio.run(flow())
+
+
 def test_rules_toggle_edit_add_and_recheck() -> None:
     source = FakeSource()
 

@@ -66,6 +66,9 @@ class Pausing:
     def _detach_requested(self) -> bool:
         """The UI asked to detach (from its thread): finish it here, on the training thread."""
         if self.controller.state == DETACHED and not self.detached:
+            # The terminal's last word was maybe "training paused": say that it is not.
+            print(f"tensordbg: detached at step {self.step}, {self.phase}: the training goes on "
+                  "unwatched", file=sys.stderr, flush=True)  # fmt: skip
             self.detach()
         return self.detached
 

@@ -74,6 +74,7 @@ class Session(Pipeline, BackwardPhase, OptimizerPhase):
     replaceable = False
     """Whether a later ``attach`` of the same model replaces this session (``tensordbg run``)."""
     _exiting = False
+    ended_by = ""  # how the script ended when not by itself (a Ctrl-C), said to the UI
     summary_at_exit = False
     """Whether the program's exit prints :meth:`summary` when hits were recorded (``attach``
     sets it)."""
@@ -353,7 +354,8 @@ class Session(Pipeline, BackwardPhase, OptimizerPhase):
         self.publish()
         # The UI's q lets the training go on unwatched ("detached"); at exit it is over.
         state = "finished" if self._exiting else "detached"
-        self.bus.publish("state", {"state": state, "step": self.step})
+        ended = {"reason": self.ended_by} if self._exiting and self.ended_by else {}
+        self.bus.publish("state", {"state": state, "step": self.step, **ended})
         self.bus.publish("detach", {"state": "detached", "step": self.step})
         self.handles.close()
         self.control.close()

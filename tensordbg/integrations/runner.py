@@ -50,9 +50,14 @@ class ScriptRun:
         self._module_hook: Any = None
         self._optimizer_hook: Any = None
         self._backward = torch.Tensor.backward
+        implied = attach_args.get("on_hit") is None  # not given: a dump is for nobody watching
+        if implied:
+            attach_args["on_hit"] = "dump" if attach_args.get("dump_dir") else "pause"
         self.chosen = _chosen(rules, attach_args)
         """The settings the command line changed from attach's defaults: a script that attaches
-        tensordbg itself gets them too (``COMMAND_LINE``)."""
+        tensordbg itself gets them too (``COMMAND_LINE``), but not an ``on_hit`` only implied."""
+        if implied:
+            self.chosen.pop("on_hit", None)
 
     def install(self) -> None:
         COMMAND_LINE.settings = self.chosen
@@ -183,6 +188,8 @@ def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = 
         paused = session is not None and session.controller.state == "paused"
         print(f"tensordbg run: interrupted (Ctrl-C){where}"
               + (" while paused" if paused else ""), file=sys.stderr)  # fmt: skip
+        for watched in run.sessions:
+            watched.ended_by = "interrupted (Ctrl-C)"  # the UI says so, not just "finished"
         return 130
     finally:
         for session in run.sessions:

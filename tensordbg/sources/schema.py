@@ -322,7 +322,7 @@ class StatusEvent(TypedDict):
 class StateEvent(TypedDict):
     state: TrainingState
     step: int
-    reason: NotRequired[str]  # why it paused, when it did
+    reason: NotRequired[str]  # why it paused, when it did; how it finished, when not by itself
 
 
 class LogEvent(TypedDict):

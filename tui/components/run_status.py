@@ -234,7 +234,8 @@ class RunStatus(VerticalScroll):
         earlier pause said (its hit, "stepped") is gone with it; the info request that
         follows a pause brings the new hit."""
         self._info["step"] = event["step"]
-        self._info["pause_reason"] = event.get("reason", "") if event["state"] == "paused" else ""
+        said = event["state"] in ("paused", "finished")  # why it paused, how it finished
+        self._info["pause_reason"] = event.get("reason", "") if said else ""
         self._info["paused_at"] = None
 
     def show_running_rule(self, running: dict[str, Any] | None) -> None:
@@ -293,7 +294,7 @@ class RunStatus(VerticalScroll):
             line.append("  on a hit: ", style="bold")
             line.append(f"[{hit['rule']}] {hit['tensor']}", style="bold red")
             line.append(f"\n{hit.get('message', '')}")
-        elif state == "paused" and info.get("pause_reason"):
+        elif state in ("paused", "finished") and info.get("pause_reason"):
             line.append(f"  ({info['pause_reason']})")
         running = info.get("running_rule") if state == "running" else None
         if running:

@@ -109,6 +109,7 @@ class MainScreen(Screen):
         self._lost_text = ""  # the banner's sentence while the connection is down
         self._focus_switch: bool | None = None  # set by show_tab for the switch it makes
         self._replay_text = ""  # a recorded run: the dumped step shown, for the sub-title
+        self._ended_by = ""  # how the training finished when not by itself (a Ctrl-C)
         self._heard = time.monotonic()  # when the training last sent an event
         self._sync = ""  # when the training measures its tensors: "eager", "batched", "deferred"
 
@@ -188,6 +189,7 @@ class MainScreen(Screen):
         elif event == "state":
             self.run_status.state_event(payload)
             self._step = payload["step"]
+            self._ended_by = payload.get("reason", "") if payload["state"] == "finished" else ""
             self.app.state = payload["state"]  # type: ignore[attr-defined]
             self._show_title()
         elif event == "profile":
@@ -277,7 +279,8 @@ class MainScreen(Screen):
         if self._replay_text:  # a recorded run: the dumped step shown, of how many
             step = f" · {self._replay_text}"
         count = f" · count {self._count}" if self._count else ""
-        self.title = f"{self._state.upper()}{step}{count}"
+        ended = f" · {self._ended_by}" if self._ended_by and self._state == "finished" else ""
+        self.title = f"{self._state.upper()}{step}{ended}{count}"
 
     def hit_to_ignore(self) -> dict[str, Any] | None:
         """The hit ``i`` acts on: the one under the cursor on the Hits tab, else the hit the
