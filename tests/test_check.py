@@ -156,13 +156,36 @@ def test_the_json_report_follows_its_schema(
     assert main(["check", dump, "--json", "--rule", "TensorRange(max_gt=1e9)"]) == 1
     report = json.loads(capsys.readouterr().out)
     keys = "schema dump run_id rules ranks steps tensors complete clean findings unjudged"
-    assert set(report) == {*keys.split(), "broken", "notes"}
+    assert set(report) == {*keys.split(), "reason_incomplete", "broken", "notes"}
     assert report["schema"] == 1 and report["clean"] is False and report["run_id"] == "replay01"
     assert report["rules"][-1].startswith("TensorRange(")
     first = report["findings"][0]
     assert set(first) == {"step", "rank", "phase", "order", "tensor", "module", "kind", "rule",
-                          "value", "threshold", "message", "origin"}  # fmt: skip
+                          "value", "threshold", "message", "origin", "stored_as"}  # fmt: skip
     assert (first["step"], first["tensor"], first["order"]) == (3, "net.2.output", 3)
+    assert first["stored_as"] == "" and report["reason_incomplete"] is None
+
+
+def test_the_json_names_the_origin_as_the_run_and_the_table_did(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A NaN made by the model's own forward code, between its submodules, is dumped as the
+    last submodule's output, but the run named the model's forward (``output``, module ""):
+    the table said so and the JSON named the submodule. Both name what the run named, the JSON
+    with the name the tensor is dumped under in ``stored_as``."""
+    dump = str(write_dump(tmp_path / "run", nan_at=3, named=("output", "")))
+    assert main(["check", dump]) == 1
+    out = capsys.readouterr().out
+    assert "output (dumped as net.2.output)  <- origin\n    output holds 1 NaN among 32" in out
+    assert "it arose at output (dumped as net.2.output), step 3 (NaN)" in out
+    assert main(["check", dump, "--json"]) == 1
+    findings = json.loads(capsys.readouterr().out)["findings"]
+    origins = [f for f in findings if f["origin"]]
+    assert [(f["tensor"], f["module"], f["stored_as"]) for f in origins] == [
+        ("output", "", "net.2.output")
+    ]
+    assert origins[0]["message"].startswith("output holds 1 NaN among 32 values.")
+    assert [(f["tensor"], f["stored_as"]) for f in findings if not f["origin"]] == [("loss", "")]
 
 
 def test_a_broken_step_is_reported_and_the_others_are_checked(
@@ -178,6 +201,64 @@ def test_a_broken_step_is_reported_and_the_others_are_checked(
     out = capsys.readouterr().out
     assert f"step 3 of rank 0 was not checked: {step_file} is truncated" in out
     assert "clean where it could be read, with unreadable steps" in out
+
+
+def test_an_incomplete_dump_says_the_reason_its_run_recorded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A dump whose writer fell behind is incomplete for that reason, not because the run
+    stopped before it was closed: the report says what meta.json says."""
+    dump = write_dump(tmp_path / "run", nan_at=None)
+    meta_path = dump / "rank-0" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    reason = "the writer fell behind and dropped periodic steps 5"
+    meta.update(complete=False, reason_incomplete=reason)
+    meta_path.write_text(json.dumps(meta))
+    assert main(["check", str(dump)]) == 0
+    out = capsys.readouterr().out
+    assert f"the dump is incomplete: {reason}\n" in out and "stopped before" not in out
+    assert main(["check", str(dump), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["complete"] is False and report["reason_incomplete"] == reason
+
+
+def test_a_dump_of_which_nothing_could_be_read_is_not_called_clean(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dump = write_dump(tmp_path / "run")
+    index = dump / "rank-0" / "index.jsonl"
+    index.write_bytes(index.read_bytes()[:100])  # no whole line left: no step to check
+    assert main(["check", str(dump)]) == 2
+    out = capsys.readouterr().out
+    assert f"rank 0 could not be read whole: {index} is cut short (100 of" in out
+    assert f"nothing could be read: no step of {dump} was checked" in out
+    assert "clean" not in out
+
+
+def test_the_verdict_says_which_rules_found_something_and_which_ran_without(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """ "2 findings: NaN, Overflow, ExplodingGradient over ..." read as if the three rules had
+    fired; the verdict counts each rule's findings and names those that found nothing. The
+    note on steps not dumped concerns the rules that compare a step with earlier ones: it
+    names those that ran, and is left out when none did."""
+    dump = str(write_dump(tmp_path / "run", steps=[0, 2, 3], nan_at=3))
+    assert main(["check", dump]) == 1
+    out = capsys.readouterr().out
+    verdict = f"2 findings over 27 tensors of 3 steps in {dump}, by NaN (2); "
+    assert verdict + "Overflow and ExplodingGradient found nothing" in out
+    note = (
+        "1 of steps 0-3 was not dumped (the dump holds only the steps with hits): rules "
+        "that compare a tensor with its earlier steps (ExplodingGradient's growth) saw"
+    )
+    assert note in out
+    assert main(["check", dump, "--rules", "NaN"]) == 1
+    out = capsys.readouterr().out
+    assert out.splitlines()[-2] == f"2 findings over 27 tensors of 3 steps in {dump}, by NaN (2)"
+    assert "not dumped" not in out
+    one = str(write_dump(tmp_path / "one", steps=[0], nan_at=None))
+    assert main(["check", one]) == 0
+    assert "over 9 tensors of 1 step in" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("damage", ["no index", "wrong version", "not json"])

@@ -124,3 +124,55 @@ def test_a_step_or_a_value_one_dump_cannot_read_is_named_so_and_exits_2(
     assert main(["diff", str(a), str(c)]) == 2
     out = capsys.readouterr().out
     assert "Not compared, unreadable in B: " in out and "Traceback" not in out
+
+
+def test_an_index_that_cannot_be_read_leaves_its_steps_unknown_and_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """B's index cut short: which steps B holds is not known, so A's steps are not "dumped
+    only in A" and nothing says the runs differ; the diff names B's index and what is wrong."""
+    a, b = write_dump(tmp_path / "a"), write_dump(tmp_path / "b")
+    index = b / "rank-0" / "index.jsonl"
+    index.write_bytes(index.read_bytes()[:100])
+    report = diff_dumps(load(a), load(b))
+    assert report.only_in_a == [] and report.steps == 0 and report.exit_code == 2
+    assert main(["diff", str(a), str(b)]) == 2
+    out = capsys.readouterr().out
+    assert "only in A" not in out and "no readable step in common" not in out
+    assert f"The index of B cannot be read whole, so which steps it holds is not known: {index} " \
+           "is cut short (100 of" in out  # fmt: skip
+
+
+def test_a_step_one_dump_cannot_read_is_said_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = write_dump(tmp_path / "a"), write_dump(tmp_path / "b")
+    step_file = b / "rank-0" / "step-00000004.safetensors"
+    step_file.write_bytes(step_file.read_bytes()[:100])
+    assert main(["diff", str(a), str(b)]) == 2
+    out = capsys.readouterr().out
+    assert out.count(f"Not compared, unreadable in B: {step_file} is truncated") == 1
+    assert out.startswith("The runs agree on what could be read (45 tensors of 5 steps)")
+
+
+def test_the_parting_step_says_what_later_differences_count_and_which_steps_were_unseen(
+    tmp_path: Path,
+) -> None:
+    """Past the first difference only statistics are compared: the count says so. When steps
+    before it were not dumped (one step in two), the runs may have parted in one of them."""
+    a = write_dump(tmp_path / "a", steps=[0, 2, 4], nan_at=None)
+    b = write_dump(tmp_path / "b", steps=[0, 2, 4], nan_at=None,
+                   change=(4, "net.1.output", (0, 0), 5.0))  # fmt: skip
+    report = diff_dumps(load(a), load(b))
+    assert report.first.step == 4 and report.not_compared_before == [3]
+    assert "net.1.output: " in report.text()
+    assert "(step 3 was not dumped: the runs may have parted there)." in report.text()
+    assert report.as_json()["not_compared_before"] == [3]
+    report.later = 13
+    assert "After it, 13 more tensors differ in their statistics." in report.text()
+    report.later = 1
+    assert "After it, 1 more tensor differs in its statistics." in report.text()
+    at_start = diff_dumps(load(a), load(write_dump(tmp_path / "c", steps=[0, 2, 4], nan_at=None,
+                          change=(0, "loss", (), 1.0))))  # fmt: skip
+    assert at_start.first.step == 0 and at_start.not_compared_before == []
+    assert "may have parted" not in at_start.text()

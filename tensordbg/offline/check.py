@@ -15,6 +15,7 @@ so (``unjudged``) instead of counting it as passed.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -22,10 +23,17 @@ from typing import Any
 from tensordbg.engine.judge import RuleSet
 from tensordbg.engine.records import Record
 from tensordbg.hit import said_of
-from tensordbg.rules import Rule, available_rules, default_rules
+from tensordbg.offline.recorded_rules import recorded_rules
+from tensordbg.offline.sentences import listed, plural
+from tensordbg.rules import Rule
 from tensordbg.statistics import REGISTRY, Stat, TensorStats, compute_numpy
 
 SCHEMA_VERSION = 1
+HISTORY_RULES = {
+    "ExplodingGradient": "ExplodingGradient's growth",
+    "WeightNotChanging": "WeightNotChanging",
+    "LossNotDecreasing": "LossNotDecreasing",
+}
 
 
 @dataclass(slots=True)
@@ -50,11 +58,26 @@ class Finding:
     advice: str = ""
     """What the rule's finding usually means and what to do, as the rule gives it: the table
     gives each advice once, the JSON with each finding (its ``message`` ends with it)."""
+    named: str = ""
+    named_module: str = ""
+    """The tensor and module the run's hit named, where it named the call whose own code made
+    the value (``output``, the model's own forward) rather than the submodule that returned it,
+    under whose name ``tensor`` is dumped (``out.output``); "" when the hit named ``tensor``."""
 
     @property
     def advised(self) -> str:
         """The message followed by the advice."""
         return f"{self.message} {self.advice}" if self.advice else self.message
+
+    @property
+    def shown(self) -> str:
+        """The tensor as the run named it, with the name it is dumped under when they differ."""
+        return f"{self.named} (dumped as {self.tensor})" if self.named else self.tensor
+
+    @property
+    def said(self) -> str:
+        """The message said of the tensor the run named."""
+        return said_of(self.message, self.tensor, self.named) if self.named else self.message
 
 
 @dataclass(slots=True)
@@ -83,10 +106,8 @@ class CheckReport:
     unjudged: list[Unjudged] = field(default_factory=list)
     broken: list[dict[str, Any]] = field(default_factory=list)
     complete: bool = True
+    reason_incomplete: str = ""
     notes: list[str] = field(default_factory=list)  # rules of the run that were not checked
-    named: dict[tuple[int, int, str], str] = field(default_factory=dict)
-    """Origins the run named after the call that made the value (the attention), by where the
-    value is dumped (its output projection's output): (step, rank, dumped name) -> name."""
 
     @property
     def exit_code(self) -> int:
@@ -106,6 +127,7 @@ class CheckReport:
             "steps": self.steps,
             "tensors": self.tensors,
             "complete": self.complete,
+            "reason_incomplete": None if self.complete else self.reason_incomplete,
             "clean": not self.findings,
             "findings": [_finding_json(f) for f in self.findings],
             "unjudged": [asdict(u) for u in self.unjudged],
@@ -123,13 +145,8 @@ class CheckReport:
         for rules, f in rows[:limit]:
             rank = f" rank {f.rank}" if len(self.ranks) > 1 else ""
             origin = "  <- origin" if f.origin else ""
-            shown, message = f.tensor, f.message
-            named = self.named.get((f.step, f.rank, f.tensor)) if f.origin else None
-            if named is not None:  # the run named it where it was made, as the hit does
-                shown = f"{named} (dumped as {f.tensor})"
-                message = said_of(message, f.tensor, named)
-            lines.append(f"step {f.step}{rank} {f.phase:<9} {rules:<{width}} {shown}{origin}")
-            lines.append(f"    {message}")
+            lines.append(f"step {f.step}{rank} {f.phase:<9} {rules:<{width}} {f.shown}{origin}")
+            lines.append(f"    {f.said}")
         if len(rows) > limit:
             lines.append(f"... and {len(rows) - limit} more rows (--json lists every finding)")
         lines.extend(self._advice())
@@ -155,30 +172,38 @@ class CheckReport:
                 lines.append(f"step {b['step']} of rank {b['rank']} was not checked: {b['reason']}")
         lines.extend(self.notes)
         if not self.complete:
-            lines.append("the dump is incomplete: the run stopped before it was closed")
-        n = len(self.findings)
-        verdict = f"{n} finding{'s' * (n != 1)}" if n else "clean"
-        if n > len(rows):
-            verdict += f" ({n - len(rows)} of them a second rule saying what another said)"
-        if not n and self.broken:
-            verdict = "clean where it could be read, with unreadable steps"
-        names = ", ".join(r.split("(")[0] for r in self.rules) or "no rules"
-        lines.append(
-            f"{verdict}: {names} over {self.tensors} tensors of {self.steps} steps in {self.path}"
-        )
+            reason = self.reason_incomplete or "the run stopped before it was closed"
+            lines.append(f"the dump is incomplete: {reason}")
+        lines.append(self._verdict(len(rows)))
         origins = [f for f in self.findings if f.origin]
         if origins:
             first = min(origins, key=lambda f: (f.step, f.rank, f.order))
             rank = f" of rank {first.rank}" if len(self.ranks) > 1 else ""
             spread = len(self.findings) - len(origins)
-            where = first.tensor
-            named = self.named.get((first.step, first.rank, first.tensor))
-            if named is not None:
-                where = f"{named} (dumped as {first.tensor})"
-            lines.append(f"it arose at {where}, step {first.step}{rank} ({first.rule}); "
+            lines.append(f"it arose at {first.shown}, step {first.step}{rank} ({first.rule}); "
                          f"{spread} finding{'s are' if spread != 1 else ' is'} where it "
                          "spread")  # fmt: skip
         return "\n".join(lines)
+
+    def _verdict(self, rows: int) -> str:
+        """One line: what was found and by which rules, which rules found nothing, over what."""
+        if not self.steps and self.broken:
+            return f"nothing could be read: no step of {self.path} was checked (see above)"
+        if not self.steps:
+            return f"nothing to check: {self.path} holds no dumped step"
+        over = f"{plural(self.tensors, 'tensor')} of {plural(self.steps, 'step')} in {self.path}"
+        names = list(dict.fromkeys(r.split("(")[0] for r in self.rules))
+        n = len(self.findings)
+        if not n:
+            clean = "clean where it could be read, with unreadable steps" if self.broken else ""
+            return f"{clean or 'clean'}: {', '.join(names) or 'no rules'} over {over}"
+        by = Counter(f.rule for f in self.findings)
+        verdict = plural(n, "finding")
+        if n > rows:
+            verdict += f" ({n - rows} of them a second rule saying what another said)"
+        verdict += f" over {over}, by {listed([f'{r} ({c})' for r, c in by.items()])}"
+        quiet = [name for name in names if name not in by]
+        return verdict + (f"; {listed(quiet)} found nothing" if quiet else "")
 
     def _rows(self) -> list[tuple[str, Finding]]:
         """The findings as the table shows them: one row per tensor and fact, naming every rule
@@ -221,8 +246,11 @@ def check_dump(
         steps=0,
         tensors=0,
         complete=bool(dump.meta.get("complete", True)),
+        reason_incomplete=str(dump.meta.get("reason_incomplete") or ""),
         notes=notes,
     )
+    # The rules that compare a tensor with its earlier steps, as the note on undumped steps says.
+    history = [HISTORY_RULES[r.name] for r in chosen if r.name in HISTORY_RULES]
     unjudged: dict[tuple[str, tuple[str, ...]], Unjudged] = {}
     for rank in ranks:
         # Each rank is its own training: its own rules' memory.
@@ -232,14 +260,18 @@ def check_dump(
                 report.broken.append({"step": step, "rank": rank, "reason": reason})
         broken_steps = {s for s, r in dump.broken if r == rank}
         steps = dump.steps(rank)
-        if steps and len(steps) < steps[-1] + 1:
+        if history and steps and len(steps) < steps[-1] + 1:
             missing = steps[-1] + 1 - len(steps)
             every = dump.meta.get("dump_every")
-            held = f"one step in {every} and" if every else "only"
-            _note(notes, f"rank {rank}: {missing} of steps 0-{steps[-1]} were not dumped "
-                  f"(the dump holds {held} the steps with hits): rules that compare a "
-                  "tensor with its earlier steps (ExplodingGradient's growth, WeightNotChanging, "
-                  "LossNotDecreasing) saw only the dumped ones")  # fmt: skip
+            held = {None: " (the dump holds only the steps with hits)", 0: "", 1: ""}.get(
+                every, f" (the dump holds one step in {every} and the steps with hits)"
+            )
+            were = "was" if missing == 1 else "were"
+            notes.append(
+                f"rank {rank}: {missing} of steps 0-{steps[-1]} {were} not dumped{held}: rules "
+                f"that compare a tensor with its earlier steps ({', '.join(history)}) saw only "
+                "the dumped ones"
+            )
         for step in steps:
             if step in broken_steps:
                 continue
@@ -264,43 +296,14 @@ def _mark_origins(report: CheckReport, dump: Any) -> None:
     except Exception:  # an unreadable hit list is reported by the steps it breaks
         return
     # A hit may name the call whose own code made the value; its record has its own name.
-    origins = {(h.step, h.rank, h.stored_as or h.tensor) for h in hits if h.origin}
-    report.named = {(h.step, h.rank, h.stored_as): h.tensor for h in hits
-                    if h.origin and h.stored_as not in ("", h.tensor)}  # fmt: skip
+    origins = {(h.step, h.rank, h.stored_as or h.tensor): h for h in hits if h.origin}
     for f in report.findings:
-        f.origin = (f.step, f.rank, f.tensor) in origins
-
-
-def recorded_rules(meta: dict[str, Any], notes: list[str] | None = None) -> list[Rule]:
-    """The rules a dump's metadata names, with their thresholds and selections, else the
-    default rules. A rule that cannot be rebuilt here (not installed, thresholds it no longer
-    takes) is left out, with a sentence in ``notes``."""
-    recorded = meta.get("rules")
-    if not recorded:
-        return default_rules()
-    available = available_rules()
-    out = []
-    for spec in recorded:
-        spec = spec if isinstance(spec, dict) else {"name": str(spec)}
-        name = str(spec.get("name", ""))
-        if spec.get("enabled") is False:
+        hit = origins.get((f.step, f.rank, f.tensor))
+        if hit is None:
             continue
-        cls = available.get(name)
-        if cls is None:
-            _note(notes, f"the run's rule {name} is not installed here: it was not checked")
-            continue
-        selection = {k: spec[k] for k in ("match", "exclude", "kinds") if spec.get(k)}
-        params = {k: _number(v) for k, v in (spec.get("params") or {}).items() if v is not None}
-        try:
-            out.append(cls(**selection, **params))
-        except (TypeError, ValueError) as e:
-            _note(notes, f"the run's rule {name} cannot be rebuilt here ({e}): it was not checked")
-    return out or default_rules()
-
-
-def _note(notes: list[str] | None, text: str) -> None:
-    if notes is not None:
-        notes.append(text)
+        f.origin = True
+        if hit.stored_as not in ("", hit.tensor):
+            f.named, f.named_module = hit.tensor, hit.module
 
 
 def parse_stat(name: str) -> Stat | None:
@@ -471,20 +474,16 @@ def _threshold(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-def _number(value: Any) -> Any:
-    if isinstance(value, str) and value in ("inf", "-inf", "nan"):
-        return float(value)
-    if isinstance(value, list):
-        return tuple(value)
-    return value
-
-
 def _finding_json(f: Finding) -> dict[str, Any]:
-    """A finding as the JSON schema has it: its ``message`` followed by its advice, as the run
-    gave it, and no field of its own for the advice."""
+    """A finding as the JSON schema has it: the tensor and module the run named (the name it
+    is dumped under in ``stored_as``, "" when the same), its ``message`` followed by its
+    advice, as the run gave it, and no field of its own for the advice."""
     row = asdict(f)
-    del row["advice"]
-    row["message"] = f.advised
+    del row["advice"], row["named"], row["named_module"]
+    row["stored_as"] = ""
+    if f.named:
+        row.update(tensor=f.named, module=f.named_module, stored_as=f.tensor)
+    row["message"] = f"{f.said} {f.advice}" if f.advice else f.said
     return _jsonable(row)
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from tensordbg.dump.reader import DumpError
+from tensordbg.offline.sentences import plural, steps_listed
 
 SCHEMA_VERSION = 1
 CHUNK = 1 << 22  # elements compared at a time: memory stays bounded on huge tensors
@@ -90,6 +91,10 @@ class DiffReport:
     values: int = 0  # tensors whose values were compared
     first: Difference | None = None
     later: int = 0  # tensors after the first difference whose statistics differ too
+    not_compared_before: list[int] = field(default_factory=list)
+    """The steps between the last one compared before the first difference and it (from step 0
+    when none was): not dumped (``dump_every`` > 1), or dumped in one run only, or unreadable.
+    The runs may have parted in one of them."""
     only_in_a: list[int] = field(default_factory=list)  # steps
     only_in_b: list[int] = field(default_factory=list)
     broken: list[dict[str, Any]] = field(default_factory=list)
@@ -101,8 +106,13 @@ class DiffReport:
     @property
     def exit_code(self) -> int:
         """0 when the runs agree on every step both dumped, 1 when they differ (or share no
-        step to compare), 2 when they agree on what could be read but some of it could not."""
-        if self.first is not None or not self.steps:
+        step to compare), 2 when they agree on what could be read but some of it could not (an
+        index that cannot be read whole leaves which steps its dump holds unknown)."""
+        if self.first is not None:
+            return 1
+        if any(b["step"] < 0 for b in self.broken) or (self.broken and not self.steps):
+            return 2
+        if not self.steps:
             return 1
         return 2 if self.broken else 0
 
@@ -123,6 +133,7 @@ class DiffReport:
                 if self.first is None
                 else {**asdict(self.first), "sentence": self.first.sentence()},
                 "later": self.later,
+                "not_compared_before": self.not_compared_before,
                 "only_in_a": self.only_in_a,
                 "only_in_b": self.only_in_b,
                 "broken": self.broken,
@@ -132,31 +143,51 @@ class DiffReport:
 
     def text(self) -> str:
         lines = []
+        compared = f"{plural(self.tensors, 'tensor')} of {plural(self.steps, 'step')}"
         if self.first is not None:
-            lines.append(f"The runs part at {self.first.sentence()}.")
-            if self.later:
-                more = "1 more tensor differs" if self.later == 1 else f"{self.later} more differ"
-                lines.append(f"After it, {more}.")
+            lines.append(f"The runs part at {self.first.sentence()}{self._gap()}.")
+            if self.later:  # values are read only up to the first difference
+                one = self.later == 1
+                lines.append(f"After it, {plural(self.later, 'more tensor')} differ{'s' * one} "
+                             f"in {'its' if one else 'their'} statistics.")  # fmt: skip
+        elif not self.steps and self.broken:
+            lines.append("Nothing compared: no step both dumps hold could be read (see below).")
         elif not self.steps:
             lines.append("The two dumps have no readable step in common: nothing to compare.")
         elif self.broken:
             lines.append(
-                f"The runs agree on what could be read ({self.tensors} tensors of {self.steps} "
-                "steps), but not all of it could be: see below."
+                f"The runs agree on what could be read ({compared}), but not all of it "
+                "could be: see below."
             )
         else:
             lines.append(
                 f"The runs agree{' on the tensors both recorded' * bool(self.unpaired)}: "
-                f"{self.tensors} tensors of {self.steps} steps within "
-                f"rtol={self.rtol:g}, atol={self.atol:g} ({self.values} compared by value)."
+                f"{compared} within rtol={self.rtol:g}, atol={self.atol:g} ({self.values} "
+                "compared by value)."
             )
         for side, steps in (("A", self.only_in_a), ("B", self.only_in_b)):
             if steps:
-                lines.append(f"Steps dumped only in {side} (not compared): {_steps(steps)}")
+                lines.append(f"Steps dumped only in {side} (not compared): {steps_listed(steps)}")
         lines.extend(self._unpaired_text())
         for b in self.broken:
-            lines.append(f"Not compared, unreadable in {b['side']}: {b['reason']}")
+            if b["step"] < 0:
+                lines.append(
+                    f"The index of {b['side']} cannot be read whole, so which steps it holds is "
+                    f"not known: {b['reason']}"
+                )
+            else:
+                lines.append(f"Not compared, unreadable in {b['side']}: {b['reason']}")
         return "\n".join(lines)
+
+    def _gap(self) -> str:
+        """A clause naming the steps before the first difference that were not compared."""
+        gap = self.not_compared_before
+        if not gap:
+            return ""
+        held = {*self.only_in_a, *self.only_in_b, *(b["step"] for b in self.broken)}
+        what = "compared" if held & set(gap) else "dumped"
+        step, were = ("step", "was") if len(gap) == 1 else ("steps", "were")
+        return f" ({step} {steps_listed(gap)} {were} not {what}: the runs may have parted there)"
 
     def _unpaired_text(self) -> list[str]:
         if not self.unpaired:
@@ -185,9 +216,16 @@ def diff_dumps(
     broken_b = {s: why for (s, r), why in b.broken.items() if r == rank_b}
     for side, broken in (("A", broken_a), ("B", broken_b)):
         report.broken += [{"step": s, "side": side, "reason": why} for s, why in broken.items()]
-    report.only_in_a = sorted(steps_a - steps_b - set(broken_b))
-    report.only_in_b = sorted(steps_b - steps_a - set(broken_a))
-    for step in sorted(steps_a & steps_b):
+    # An index that cannot be read whole leaves which steps its dump holds unknown: a step the
+    # other dump holds is not "dumped only" there.
+    if -1 not in broken_b:
+        report.only_in_a = sorted(steps_a - steps_b - set(broken_b))
+    if -1 not in broken_a:
+        report.only_in_b = sorted(steps_b - steps_a - set(broken_a))
+    compared: list[int] = []
+    for step in sorted((steps_a & steps_b) - set(broken_a) - set(broken_b)):
+        if report.first is None:
+            compared.append(step)
         try:
             entries_a = a.tensors(step, rank=rank_a)
         except DumpError as e:
@@ -214,6 +252,10 @@ def diff_dumps(
         why = _why_unpaired(step, sync, hit_steps)
         report.unpaired += [{"step": step, "side": side, "tensors": names, "why": why}
                             for side, names in unpaired.items() if names]  # fmt: skip
+    if report.first is not None:
+        before = [s for s in compared if s < report.first.step]
+        start = before[-1] + 1 if before else 0
+        report.not_compared_before = list(range(start, report.first.step))
     return report
 
 
@@ -326,11 +368,6 @@ def _bytes(x: np.ndarray) -> np.ndarray:
 
 def _g(x: float) -> str:
     return f"{x:.6g}"
-
-
-def _steps(steps: list[int]) -> str:
-    shown = ", ".join(map(str, steps[:10]))
-    return shown + (f" and {len(steps) - 10} more" if len(steps) > 10 else "")
 
 
 def _jsonable(value: Any) -> Any:
