@@ -251,3 +251,43 @@ def test_the_run_tab_of_a_replay_shows_the_step_looked_at_and_says_what_was_not_
             assert "retaining" not in str(run.query_one("#run-session").render())
 
     asyncio.run(flow())
+
+
+def test_the_run_tab_of_a_replay_says_where_the_loss_was_not_finite(tmp_path: Path) -> None:
+    """A training whose loss went NaN: the replay's Run tab says at which dumped steps, as the
+    live one does (the curve stopped there without a word)."""
+    import torch
+    from torch import nn
+
+    import tensordbg
+    from tensordbg.tui.components.run_status import RunStatus
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tensordbg.attach(model, opt, on_hit="dump", server=False, dump_dir=tmp_path / "run",
+                          dump_every=1, summary_at_exit=False) as session:  # fmt: skip
+        for step in range(5):
+            x = torch.randn(16, 4)
+            if step >= 3:
+                x[0, 0] = float("nan")
+            loss = model(x).pow(2).mean()
+            session.observe("loss", loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    source = ReplaySource(load(tmp_path / "run"))
+    history = source.history()
+    assert history["step"] == [0, 1, 2, 3, 4]
+    assert [v != v for v in history["loss"]] == [False, False, False, True, True]  # NaN kept
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "replay")
+            app.main.show_tab("run")
+            run = app.query_one(RunStatus)
+            label = run.query_one("#loss-label")
+            await until(pilot, lambda: "2 non-finite at steps 3–4" in str(label.render()))
+
+    asyncio.run(flow())

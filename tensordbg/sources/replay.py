@@ -468,7 +468,8 @@ def _call_of(name: str) -> int:
 
 
 def _num(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+    """A recorded number as the Run tab takes it: NaN and Inf stay (it says where they are)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _operation(value: Any) -> dict[str, Any]:
