@@ -16,7 +16,10 @@ from tensordbg.tui.components.module_table import ModuleTable
 from tensordbg.tui.components.tensor_table import TensorTable
 
 SETTLE = 0.06  # seconds the cursor rests on a module before its tensors are listed
-UNMEASURED = "Deferred mode: ranges are measured when the training pauses, not as it runs."
+UNMEASURED = (
+    "Deferred checks read module outputs only when a phase shows a problem: a hit shows them, a "
+    "pause between steps has none (sync='eager' reads every one)."
+)
 
 
 class ModuleBrowser(Vertical):
@@ -51,8 +54,8 @@ class ModuleBrowser(Vertical):
         self.table.set_modules(modules, step)
 
     def show_unmeasured(self, unmeasured: bool) -> None:
-        """Say why the outputs have no ranges: deferred mode measures them only while the
-        training is paused (``LiveSource.modules``), and it is running."""
+        """Say why the outputs may have no ranges: deferred mode reads them only when a phase
+        shows a problem (``LiveSource.modules`` shows what the paused phase read)."""
         self.note.set_class(unmeasured, "-visible")
 
     def set_tensors(self, tensors: list[dict[str, Any]]) -> None:

@@ -236,7 +236,9 @@ class MainScreen(Screen):
     def _explain_ranges(self) -> None:
         """A running training in deferred mode measures no module's output (their ranges come
         when it pauses): the Modules tab says so rather than showing empty columns."""
-        self.module_browser.show_unmeasured(self._state == "running" and self._sync == "deferred")
+        self.module_browser.show_unmeasured(
+            self._state in ("running", "paused") and self._sync == "deferred"
+        )
 
     def show_connecting(self) -> None:
         if not self._lost_text:
