@@ -176,3 +176,27 @@ def test_the_parting_step_says_what_later_differences_count_and_which_steps_were
                           change=(0, "loss", (), 1.0))))  # fmt: skip
     assert at_start.first.step == 0 and at_start.not_compared_before == []
     assert "may have parted" not in at_start.text()
+
+
+def test_a_tensor_only_one_run_made_is_where_they_part_when_it_is_not_finite(tmp_path):
+    """A module that passes its input on unchanged makes no tensor of its own in a clean run;
+    in the run where it made a NaN, its output is a new tensor. That is where the runs part,
+    not the first tensor after it that both hold."""
+    from tensordbg.dump.writer import DumpWriter
+
+    def entry(name: str, finite: float) -> dict:
+        return {"name": name, "module": name.split(".")[0], "phase": "forward", "kind": "output",
+                "shape": [4], "dtype": "float32", "stats": {"finite": finite}}  # fmt: skip
+
+    for name, entries in (("a", [entry("0.output", 1.0), entry("2.output", 1.0)]),
+                          ("b", [entry("0.output", 1.0), entry("1.output", 0.0),
+                                 entry("2.output", 0.0)])):  # fmt: skip
+        writer = DumpWriter(tmp_path / name, {})
+        writer.write_step(0, 0, entries, {}, [])
+        writer.close()
+    report = diff_dumps(load(tmp_path / "a"), load(tmp_path / "b"))
+    assert (report.first.tensor, report.first.what) == ("1.output", "only in b")
+    assert report.first.sentence() == (
+        "step 0, forward, 1.output: dumped only in B, where it is not finite"
+    )
+    assert report.later == 1 and report.exit_code == 1

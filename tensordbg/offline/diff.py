@@ -55,7 +55,7 @@ class Difference:
     tensor: str
     module: str
     kind: str
-    what: str  # "shape", "dtype", "statistics" or "values"
+    what: str  # "shape", "dtype", "statistics", "values", "only in a" or "only in b"
     stats: list[StatDifference] = field(default_factory=list)
     values: ValueDifference | None = None
     a_shape: list[int] | None = None
@@ -67,6 +67,9 @@ class Difference:
             return f"{where}: shape {self.a_shape} in A, {self.b_shape} in B"
         if self.what == "dtype":
             return f"{where}: its dtype differs"
+        if self.what.startswith("only in"):
+            side = self.what[-1].upper()
+            return f"{where}: dumped only in {side}, where it is not finite"
         parts = [f"{s.stat} {_g(s.a)} in A, {_g(s.b)} in B" for s in self.stats[:4]]
         if self.values is not None:
             v = self.values
@@ -240,7 +243,16 @@ def diff_dumps(
         unpaired: dict[str, list[str]] = {"A": [], "B": []}
         for entry_a, entry_b in _in_order(entries_a, entries_b):
             if entry_a is None or entry_b is None:
-                unpaired["B" if entry_a is None else "A"].append((entry_a or entry_b).name)
+                side, entry = ("B", entry_b) if entry_a is None else ("A", entry_a)
+                if _nonfinite(entry.stats):  # where a NaN appears in one run: that is news
+                    difference = Difference(step, entry.phase, entry.name, entry.module,
+                                            entry.kind, f"only in {side.lower()}")  # fmt: skip
+                    if report.first is None:
+                        report.first = difference
+                    else:
+                        report.later += 1
+                    continue
+                unpaired[side].append(entry.name)
                 continue
             report.tensors += 1
             difference = _compare(a, b, report, step, entry_a, entry_b, values=report.first is None)
@@ -257,6 +269,12 @@ def diff_dumps(
         start = before[-1] + 1 if before else 0
         report.not_compared_before = list(range(start, report.first.step))
     return report
+
+
+def _nonfinite(stats: dict[str, Any]) -> bool:
+    """Whether a dumped tensor's statistics say it holds a NaN or an Inf."""
+    counts = sum(float(stats.get(k) or 0.0) for k in ("nan", "posinf", "neginf"))
+    return counts > 0 or stats.get("finite", 1.0) == 0.0
 
 
 def _why_unpaired(step: int, sync: tuple[str, str], hit_steps: set[int]) -> str:
