@@ -79,7 +79,11 @@ EXAMPLES = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the command's own parser: its usage, not the top level's
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        command = commands.choices.get(getattr(args, "command", None) or "", parser)
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "command", None):
         parser.print_help()
         return 0

@@ -296,6 +296,26 @@ def test_a_selection_that_leaves_no_module_watched_says_so_and_names_the_modules
 
 def test_tui_with_no_session_says_how_to_get_one_and_how_to_wait(tmp_path: Path):
     done = tensordbg("tui", cwd=tmp_path, timeout=60)
-    assert done.returncode == 1
-    assert "No tensordbg session is running for this user" in done.stdout
-    assert "tensordbg run script.py" in done.stdout and "tensordbg tui --wait 60" in done.stdout
+    assert done.returncode == 2  # as the other sessions it cannot open
+    assert "tensordbg tui: no tensordbg session is running for this user" in done.stderr
+    assert "tensordbg run script.py" in done.stderr and "tensordbg tui --wait 60" in done.stderr
+
+
+def test_a_runtime_directory_others_can_read_is_one_sentence(tmp_path: Path, monkeypatch):
+    shared = tmp_path / "rt"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    monkeypatch.setenv("TENSORDBG_RUNTIME_DIR", str(shared))
+    done = tensordbg("tui", cwd=tmp_path, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == (
+        f"tensordbg tui: {shared} has mode 755: other users could reach its sessions; run "
+        f"`chmod 700 {shared}`"
+    )
+
+
+def test_an_unknown_option_is_said_with_its_commands_usage(tmp_path: Path):
+    done = tensordbg("check", str(tmp_path), "--bogus", cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.startswith("usage: tensordbg check")
+    assert "tensordbg check: error: unrecognized arguments: --bogus" in done.stderr

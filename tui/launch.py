@@ -34,19 +34,25 @@ def run_tui(
     >>> run_tui(run_id="demo7f3a", wait=30)         # a training that is starting now
     >>> run_tui(run_id="demo7f3a", wait=30, alive=lambda: training.poll() is None)
     """
-    problem = _unreachable(conn, run_id, wait) if alive is None else None
+    from tensordbg.transport.connection import ConnectionFileError
+
+    try:
+        problem = _unreachable(conn, run_id, wait) if alive is None else None
+        app = None if problem else session_app(conn, run_id=run_id, wait=wait, alive=alive)
+    except ConnectionFileError as e:  # the runtime directory is not private, say
+        problem = str(e)
     if problem is not None:  # a mistyped path or run: say so at once, not in a UI that retries
         print(f"tensordbg tui: {problem}", file=sys.stderr)
         return 2
-    app = session_app(conn, run_id=run_id, wait=wait, alive=alive)
     if app is None:
         print(
-            "No tensordbg session is running for this user: start the training with "
-            "tensordbg.attach(...) or `tensordbg run script.py` (its session starts at the "
+            "tensordbg tui: no tensordbg session is running for this user: start the training "
+            "with tensordbg.attach(...) or `tensordbg run script.py` (its session starts at the "
             "model's first call), wait for one with `tensordbg tui --wait 60`, or give the path "
-            "of its connection file."
+            "of its connection file.",
+            file=sys.stderr,
         )
-        return 1
+        return 2
     result = app.run()
     report = app.crash_file.exit_message()  # "tensordbg: details of 2 errors in ..."
     if report is not None:
