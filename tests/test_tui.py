@@ -311,6 +311,39 @@ def test_a_training_ended_by_ctrl_c_is_not_shown_as_simply_finished() -> None:
     asyncio.run(flow())
 
 
+def test_a_previous_step_that_recorded_little_says_so_instead_of_a_column_of_dashes() -> None:
+    """A replay's previous dumped step may hold only what its checks measured (whether the
+    tensor was finite): its column of dashes says why."""
+    from textual.app import App, ComposeResult
+
+    from tensordbg.tui.components.stats_compare import StatsCompare
+
+    now = {"mean": 0.5, "std": 1.0, "min": -2.0, "max": 3.0, "abs_mean": 0.8, "l2": 9.0,
+           "nan": 0, "posinf": 0, "neginf": 0, "zeros": 0}  # fmt: skip
+
+    class One(App):
+        def compose(self) -> ComposeResult:
+            yield StatsCompare()
+
+    async def flow() -> None:
+        async with One().run_test() as pilot:
+            compare = pilot.app.query_one(StatsCompare)
+            compare.show({"summary": now, "previous": {"step": 4, "summary": {"finite": 1.0}}})
+            await pilot.pause()
+            caption = compare.content.caption
+            assert (
+                caption == "step 4 recorded none of these statistics, only what its checks measured"
+            )
+            compare.show({"summary": now, "previous": {"step": 4, "summary": {"mean": 0.1}}})
+            assert compare.content.caption == (
+                "step 4 recorded only mean of these (what its checks measured)"
+            )
+            compare.show({"summary": now, "previous": {"step": 4, "summary": now}})
+            assert compare.content.caption is None
+
+    asyncio.run(flow())
+
+
 def test_rules_toggle_edit_add_and_recheck() -> None:
     source = FakeSource()
 

@@ -76,4 +76,18 @@ class StatsCompare(Static):
             )
         if not previous:
             table.caption = "no statistics of this tensor from the previous step"
+        else:
+            table.caption = _partial(previous["step"], before)
         self.update(table)
+
+
+def _partial(step: int, before: dict[str, Any]) -> str | None:
+    """Why the previous step's column is mostly blank: that step recorded only a few of these
+    statistics (a statistics-only dump holds what the checks measured, often only whether the
+    tensor was finite)."""
+    held = [label for key, label in ROWS if before.get(key) is not None]
+    if len(held) * 2 >= len(ROWS):
+        return None
+    if not held:
+        return f"step {step} recorded none of these statistics, only what its checks measured"
+    return f"step {step} recorded only {', '.join(held)} of these (what its checks measured)"
