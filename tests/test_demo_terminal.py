@@ -58,8 +58,9 @@ def test_the_demo_pauses_at_the_broken_attention_and_lets_a_person_inspect_it():
         terminal.wait_for("PAUSED", "● origin", "↳ passed on", timeout=120)
         terminal.wait_for("[NaN] blocks.0.attn.output  output of blocks.0.attn", "Enter opens")
         terminal.press("Enter")  # open its tensor
-        # The tensor's title (the hit's detail on the Hits tab shows the same statistics)
-        terminal.wait_for("blocks.0.attn.output  ref ", "tensor[16,31,64] float32", "NaN×1984")
+        # The Tensor tab (the hit's detail on the Hits tab shows the same statistics)
+        terminal.wait_for("compared with the previous step", "tensor[16,31,64] float32",
+                          "NaN×1984")  # fmt: skip
         # The sequence that was all padding, typed in one go: "[" opens the slice box and the
         # rest is text in it (once, "3" became a count prefix).
         terminal.press("[3]", "Enter")

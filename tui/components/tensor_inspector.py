@@ -99,8 +99,7 @@ class TensorInspector(Vertical):
             return
         self.text = stats["index"]
         line = stats["line"]
-        title = Text(self.tensor_name, style="bold")
-        title.append(f"  ref {ref}", style="dim")
+        title = Text(self.tensor_name, style="bold")  # its ref is the source's, not the person's
         if self.text:
             title.append(f"  slice {self.text}")
         self.query_one("#tensor-title", Static).update(title)
