@@ -180,6 +180,10 @@ def test_stepping_runs_n_steps_then_pauses_again(paused):
     training.wait(lambda: training.session.step == 5 and
                   training.session.controller.state == "paused")  # fmt: skip
     assert training.session.controller.reason == "stepped"
+    # Paused between two steps: not in the optimizer phase of the last one, as it said.
+    info = source.info()
+    assert (info["step"], info["phase"], info["pause_reason"]) == (5, "", "stepped")
+    assert training.session.status()["phase"] == ""
 
 
 def test_tensors_are_refused_while_the_training_runs_and_detach_lets_it_finish():

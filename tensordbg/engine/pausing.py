@@ -103,7 +103,9 @@ class Pausing:
 
 
 def _print_pause(session: Any, reason: str, hit: Hit | None) -> None:
-    where = f"step {session.step}, {session.phase}"
+    where = (
+        f"step {session.step}, {session.where}" if session.where else f"before step {session.step}"
+    )
     lines = [f"tensordbg: training paused ({where}): {reason}"]
     if session.server is not None:
         lines.append(

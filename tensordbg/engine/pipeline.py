@@ -35,6 +35,15 @@ NOTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # 
 class Pipeline(Pausing, Pinpointing):
     """The hooks' sink and the phase pipeline of a session."""
 
+    between_steps = False
+    """A step just ended and the next has not begun: the phase is over, not under way."""
+
+    @property
+    def where(self) -> str:
+        """The phase as a person reads it: the phase under way, or "" between two steps (a
+        pause after ``s`` is before the next step, not in the optimizer phase of the last)."""
+        return "" if self.between_steps else self.phase
+
     # --- hooks call these (capture.py) -----------------------------------------------------
 
     def begin_forward(self) -> None:
@@ -276,6 +285,7 @@ class Pipeline(Pausing, Pinpointing):
         self.vouchers.unsettled()  # a pass that did not end: its notes are gone
         self._loose = None
         self.phases.start(phase)
+        self.between_steps = False
         self.amp.new_phase()
         self.triggered = False
         self.phase = phase
@@ -350,6 +360,7 @@ class Pipeline(Pausing, Pinpointing):
             self._skips_in_row = 0
         numbers = self.metrics.finish(self.step)
         self.step += 1
+        self.between_steps = True
         self.capture.new_step()
         self.hitlog.end_step()
         self.publish()

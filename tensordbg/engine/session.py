@@ -407,7 +407,7 @@ class Session(Pipeline, BackwardPhase, OptimizerPhase):
         return {
             "state": self.controller.state,
             "step": self.step,
-            "phase": self.phase,
+            "phase": self.where,
             "hits_total": len(self.hits),
             "last": self.metrics.last(),
         }

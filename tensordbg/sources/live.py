@@ -88,7 +88,7 @@ class LiveSource(LiveProfiling):
             "live": True,
             "state": "finished" if s.detached else control.state,
             "step": s.step,
-            "phase": s.phase,
+            "phase": s.where,
             "on_hit": s.on_hit if isinstance(s.on_hit, str) else "callback",
             "sync": s.mode,
             "paused_at": control.paused_at.as_dict() if control.paused_at else None,
