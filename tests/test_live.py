@@ -63,8 +63,22 @@ def test_paused_at_a_forward_hit_every_module_shows_its_output_or_says_why_not()
     ):  # run after the hit, judged after the pause
         assert "min" in modules[after]["stats"]["output"], after
     assert modules["head.mlp"]["note"] == "a container: see its children"
-    assert modules["head"]["note"] == "not called"
+    assert modules["head"]["note"] == "not called this step"
     assert "note" not in modules["out"]
+
+
+def test_paused_inside_the_model_its_row_says_so_rather_than_not_called():
+    """Eager checks pause in the hook of the module that made the value: the model's own call
+    has not returned, and its row said "not called"."""
+    training = PausedTraining(sync="eager")
+    training.model = _Early()
+    training.optimizer = torch.optim.SGD(training.model.parameters(), lr=0.01)
+    with training:
+        training.wait_paused()
+        modules = {m["path"]: m for m in LiveSource(training.session).modules()}
+    assert modules[""]["note"] == "paused inside it"
+    assert modules["head"]["note"] == "not called this step"  # a ModuleDict is never called
+    assert "note" not in modules["bad"]
 
 
 def test_the_source_excerpt_shows_the_lines_as_they_are_in_the_file(tmp_path):

@@ -133,6 +133,7 @@ class LiveSource(LiveProfiling):
         for hit in list(s.hits):
             hits[hit.module] = hits.get(hit.module, 0) + 1
         calls = snapshot.calls
+        inside = {call.path for call in list(s.capture.stack)}  # the calls not returned yet
         out = []
         model = s.model
         for path, module in model.named_modules() if model is not None else ():
@@ -146,8 +147,8 @@ class LiveSource(LiveProfiling):
                 "stats": latest.get(path, {}),
             }
             if "output" not in row["stats"]:  # a blank would say nothing: say why
-                watched = id(module) in s.capture.paths
-                row["note"] = "not called" if watched else "a container: see its children"
+                row["note"] = _no_output(id(module) in s.capture.paths, path in inside,
+                                         row["calls"], s.mode)  # fmt: skip
             out.append(row)
         return out
 
@@ -473,3 +474,14 @@ def _rule_dict(active: Any) -> dict[str, Any]:
         "disabled_reason": active.disabled_reason,
         "hits": active.hits,
     }
+
+
+def _no_output(watched: bool, running: bool, calls: int, mode: str) -> str:
+    """Why a module's row has no output statistics."""
+    if not watched:
+        return "a container: see its children"
+    if running:
+        return "paused inside it"
+    if not calls:
+        return "not called this step"
+    return "not read (deferred checks read outputs at a problem)" if mode == "deferred" else "–"

@@ -127,7 +127,9 @@ class Module(TypedDict):
     hits: int  # hits on this module so far
     calls: int  # calls in the latest root forward
     stats: dict[str, Summary]
-    note: NotRequired[str]  # why ``stats`` has no output: "a container", "not called"
+    # Why ``stats`` has no output: "a container: see its children", "paused inside it",
+    # "not called this step", "not read (deferred checks read outputs at a problem)".
+    note: NotRequired[str]
 
 
 class Tensor(TypedDict):
