@@ -127,9 +127,7 @@ class Module(TypedDict):
     hits: int  # hits on this module so far
     calls: int  # calls in the latest root forward
     stats: dict[str, Summary]
-    # Why ``stats`` has no output: "a container: see its children", "paused inside it",
-    # "not called this step", "not read (deferred checks read outputs at a problem)".
-    note: NotRequired[str]
+    note: NotRequired[str]  # why no output: a container, paused inside it, not called, not read
 
 
 class Tensor(TypedDict):
