@@ -45,16 +45,21 @@ class _Early(torch.nn.Module):
         return self.out(self.head["mlp"](self.bad(x)))
 
 
-def test_paused_at_a_forward_hit_every_module_shows_its_output_or_says_why_not():
-    """Deferred checks pause at the first hit in execution order, before judging the modules
-    after it: the Modules tab still shows their outputs (the phase's records), and a module
-    without one says why instead of a blank."""
-    training = PausedTraining(sync="deferred")
+def _modules_paused_at_the_hit(sync: str) -> dict[str, dict]:
+    """The Modules tab's rows, by path, of _Early paused at its hit."""
+    training = PausedTraining(sync=sync)
     training.model = _Early()
     training.optimizer = torch.optim.SGD(training.model.parameters(), lr=0.01)
     with training:
         training.wait_paused()
-        modules = {m["path"]: m for m in LiveSource(training.session).modules()}
+        return {m["path"]: m for m in LiveSource(training.session).modules()}
+
+
+def test_paused_at_a_forward_hit_every_module_shows_its_output_or_says_why_not():
+    """Deferred checks pause at the first hit in execution order, before judging the modules
+    after it: the Modules tab still shows their outputs (the phase's records), and a module
+    without one says why instead of a blank."""
+    modules = _modules_paused_at_the_hit("deferred")
     for after in (
         "bad",
         "head.mlp.0",
@@ -70,12 +75,7 @@ def test_paused_at_a_forward_hit_every_module_shows_its_output_or_says_why_not()
 def test_paused_inside_the_model_its_row_says_so_rather_than_not_called():
     """Eager checks pause in the hook of the module that made the value: the model's own call
     has not returned, and its row said "not called"."""
-    training = PausedTraining(sync="eager")
-    training.model = _Early()
-    training.optimizer = torch.optim.SGD(training.model.parameters(), lr=0.01)
-    with training:
-        training.wait_paused()
-        modules = {m["path"]: m for m in LiveSource(training.session).modules()}
+    modules = _modules_paused_at_the_hit("eager")
     assert modules[""]["note"] == "paused inside it"
     assert modules["head"]["note"] == "not called this step"  # a ModuleDict is never called
     assert "note" not in modules["bad"]
