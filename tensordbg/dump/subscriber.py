@@ -81,6 +81,7 @@ class _Job:
     modules: list[dict[str, Any]] | None
     numbers: dict[str, Any] | None
     done: threading.Event | None = None
+    nbytes: int = 0  # of its values
 
 
 class DumpRecorder:
@@ -251,10 +252,11 @@ class DumpRecorder:
             self._modules_written = True
             modules = _modules(self.session)
         return _Job(buffer.step, list(buffer.stats), dict(buffer.values), dict(buffer.provenance),
-                    [dict(h) for h in buffer.hits], modules, numbers, done)  # fmt: skip
+                    [dict(h) for h in buffer.hits], modules, numbers, done,
+                    buffer.value_bytes)  # fmt: skip
 
     def _submit(self, job: _Job, keep: bool) -> None:
-        nbytes = _value_bytes(job)
+        nbytes = job.nbytes
         with self._queued_lock:
             room = self._queued_bytes + nbytes <= QUEUE_STEPS * self.value_budget
             if keep or room:
@@ -316,7 +318,7 @@ class DumpRecorder:
                 self._say(f"{self.failed}. The training goes on without dumps.")
             finally:
                 with self._queued_lock:
-                    self._queued_bytes -= _value_bytes(job)
+                    self._queued_bytes -= job.nbytes
                 if job.done is not None:
                     job.done.set()
 
@@ -339,10 +341,6 @@ class DumpRecorder:
         log = getattr(self.session, "log", None)
         if log is not None and threading.current_thread() is not self._thread:
             log(message, "warning")
-
-
-def _value_bytes(job: _Job) -> int:
-    return sum(t.numel() * t.element_size() for t in job.values.values())
 
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:

@@ -151,7 +151,7 @@ class CheckReport:
             lines.append(f"... and {len(rows) - limit} more rows (--json lists every finding)")
         lines.extend(self._advice())
         for u in self.unjudged:
-            tensors = f"{u.tensors} tensor{'s' * (u.tensors != 1)}"
+            tensors = plural(u.tensors, "tensor")
             first = f"(first: {u.first_tensor} at step {u.first_step})"
             if all(m.startswith(("update_", "prev_")) for m in u.missing):
                 # Measured against the parameter before the step, which a dump never holds.

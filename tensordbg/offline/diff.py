@@ -144,6 +144,13 @@ class DiffReport:
             }
         )
 
+    def found(self, difference: Difference) -> None:
+        """A tensor that differs: the first one, or one more after it."""
+        if self.first is None:
+            self.first = difference
+        else:
+            self.later += 1
+
     def text(self) -> str:
         lines = []
         compared = f"{plural(self.tensors, 'tensor')} of {plural(self.steps, 'step')}"
@@ -245,22 +252,15 @@ def diff_dumps(
             if entry_a is None or entry_b is None:
                 side, entry = ("B", entry_b) if entry_a is None else ("A", entry_a)
                 if _nonfinite(entry.stats):  # where a NaN appears in one run: that is news
-                    difference = Difference(step, entry.phase, entry.name, entry.module,
-                                            entry.kind, f"only in {side.lower()}")  # fmt: skip
-                    if report.first is None:
-                        report.first = difference
-                    else:
-                        report.later += 1
+                    report.found(Difference(step, entry.phase, entry.name, entry.module,
+                                            entry.kind, f"only in {side.lower()}"))  # fmt: skip
                     continue
                 unpaired[side].append(entry.name)
                 continue
             report.tensors += 1
             difference = _compare(a, b, report, step, entry_a, entry_b, values=report.first is None)
             if difference is not None:
-                if report.first is None:
-                    report.first = difference
-                else:
-                    report.later += 1
+                report.found(difference)
         why = _why_unpaired(step, sync, hit_steps)
         report.unpaired += [{"step": step, "side": side, "tensors": names, "why": why}
                             for side, names in unpaired.items() if names]  # fmt: skip

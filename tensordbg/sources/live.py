@@ -484,4 +484,6 @@ def _no_output(watched: bool, running: bool, calls: int, mode: str) -> str:
         return "paused inside it"
     if not calls:
         return "not called this step"
-    return "not read (deferred checks read outputs at a problem)" if mode == "deferred" else "–"
+    if mode == "deferred":
+        return "not read (deferred checks read outputs at a problem)"
+    return "no floating-point output"  # eager and batched checks read every one they can
