@@ -172,7 +172,8 @@ def test_ctrl_c_in_a_watched_script_ends_it_with_one_line_and_no_traceback(tmp_p
     )
     done = tensordbg("run", "--on-hit", "record", str(path), "6", cwd=tmp_path)
     assert done.returncode == 130  # as a shell reports SIGINT
-    assert "tensordbg run: interrupted (Ctrl-C) at step 6" in done.stderr
+    # Between two steps: no phase is under way (it said "step 6, optimizer").
+    assert "tensordbg run: interrupted (Ctrl-C) at step 6\n" in done.stderr
     assert "Traceback" not in done.stderr
 
 

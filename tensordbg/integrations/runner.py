@@ -184,7 +184,9 @@ def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = 
         return 1
     except KeyboardInterrupt:
         session = run.sessions[-1] if run.sessions else None
-        where = f" at step {session.step}, {session.phase}" if session is not None else ""
+        where = ""
+        if session is not None:  # between two steps (most of a script's time) there is no phase
+            where = f" at step {session.step}" + (f", {session.where}" if session.where else "")
         paused = session is not None and session.controller.state == "paused"
         print(f"tensordbg run: interrupted (Ctrl-C){where}"
               + (" while paused" if paused else ""), file=sys.stderr)  # fmt: skip
