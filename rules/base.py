@@ -257,6 +257,12 @@ def nonfinite_count(t: TensorStats, counts: Sequence[Stat], what: str) -> tuple[
     return float(count), f"{count} {what}"
 
 
+def among(t: TensorStats) -> str:
+    """Where a finding's count was found, for its message: " among 128 values", or ", its only
+    value" for a scalar ("loss holds 1 NaN, its only value.")."""
+    return ", its only value" if t.numel == 1 else f" among {t.numel} values"
+
+
 def _matches(t: TensorStats, pattern: str) -> bool:
     return fnmatchcase(t.name, pattern) or fnmatchcase(t.module, pattern)
 

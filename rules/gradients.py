@@ -6,7 +6,7 @@ import math
 import statistics
 from typing import Any
 
-from tensordbg.rules.base import Finding, Refine, Rule, nonfinite_count
+from tensordbg.rules.base import Finding, Refine, Rule, among, nonfinite_count
 from tensordbg.statistics import (
     ABS_MEAN,
     FINITE,
@@ -139,7 +139,7 @@ class ExplodingGradient(Rule):
                     "A NaN comes from 0/0 or 0 × Inf in backward (or from Infs that met), an "
                     f"Inf from an overflow: {overflow}"
                 )
-            message = f"{t.name} holds {nonfinite} among {t.numel} values."
+            message = f"{t.name} holds {nonfinite}{among(t)}."
             return Finding(count, None, message, advice)
         norm = t.get(L2)
         if norm is None:

@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from tensordbg.rules.base import Finding, Rule, nonfinite_count
+from tensordbg.rules.base import Finding, Rule, among, nonfinite_count
 from tensordbg.statistics import (
     ABS_MEAN,
     FINITE,
@@ -61,7 +61,7 @@ class NaN(Rule):
         return Finding(
             count,
             None,
-            f"{t.name} holds {nan} among {t.numel} values.",
+            f"{t.name} holds {nan}{among(t)}.",
             "A NaN usually comes from 0/0, log or sqrt of a negative or zero value, or an "
             "overflow just before.",
         )
@@ -100,7 +100,7 @@ class Overflow(Rule):
             return Finding(
                 count,
                 None,
-                f"{t.name} holds {infinite}{signs} among {t.numel} values.",
+                f"{t.name} holds {infinite}{signs}{among(t)}.",
                 f"An Inf comes from a value that overflowed {t.dtype} (too high a learning rate, "
                 "exp of a large input), a division by zero or the log of zero.",
             )

@@ -123,12 +123,12 @@ def test_the_table_gives_each_advice_once_and_the_json_with_every_finding(
     out = capsys.readouterr().out
     assert out.count(advice) == 1
     assert "    net.2.output holds 1 NaN among 32 values.\n" in out
-    assert "    loss holds 1 NaN among 1 values.\n" in out
+    assert "    loss holds 1 NaN, its only value.\n" in out
     assert f"about the 2 NaN findings: {advice}" in out
     assert main(["check", dump, "--json"]) == 1
     findings = json.loads(capsys.readouterr().out)["findings"]
     assert len(findings) == 2 and all(advice in f["message"] for f in findings)
-    assert findings[1]["message"].startswith("loss holds 1 NaN among 1 values. A NaN usually")
+    assert findings[1]["message"].startswith("loss holds 1 NaN, its only value. A NaN usually")
 
 
 def test_a_nan_gradient_is_one_row_naming_both_rules_that_found_it(
