@@ -290,6 +290,44 @@ def test_a_flood_of_pushed_hits_is_drawn_only_where_it_is_on_screen(
     asyncio.run(flow())
 
 
+def test_two_rules_that_say_the_same_of_a_tensor_share_a_row_that_names_both() -> None:
+    """A NaN gradient fires NaN and ExplodingGradient with one sentence: one row, naming both
+    rules, found by either name; the same rule saying it again (a second backward pass) and
+    another sentence keep rows of their own."""
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            hits = app.main.hit_table
+            await until(pilot, lambda: app.state == "paused" and hits.row_count == 2)
+            origin, _ = source.hits()
+            grad = dict(origin, step=5, phase="backward", tensor="net.2.weight.grad",
+                        message="net.2.weight.grad holds 1 NaN among 3 values.")  # fmt: skip
+            source.emit("hit", dict(grad, id=2, rule="NaN"))
+            source.emit("hit", dict(grad, id=3, rule="ExplodingGradient"))
+            source.emit("hit", dict(grad, id=4, rule="NaN"))  # the second pass of the step
+            source.emit("hit", dict(grad, id=5, rule="ExplodingGradient",
+                                    message="net.2.weight.grad has norm 3e+07."))  # fmt: skip
+            await until(pilot, lambda: hits.known == 6)
+            assert hits.ids == [0, 1, 2, 4, 5]
+            assert [hits.rules_of(hits._hits[i]) for i in hits.ids[2:]] == [
+                ["NaN", "ExplodingGradient"],
+                ["NaN"],
+                ["ExplodingGradient"],
+            ]
+            hits.select_hit(3)  # the hit that shares a row: its row
+            await pilot.pause()
+            assert hits.current["id"] == 2
+            assert text_of(app.main.hit_detail).startswith(
+                "[NaN, ExplodingGradient] net.2.weight.grad"
+            )
+            hits.set_filter("exploding")
+            assert hits.ids == [2, 5]
+
+    asyncio.run(flow())
+
+
 def test_a_training_ended_by_ctrl_c_is_not_shown_as_simply_finished() -> None:
     """The session's last word says how the script ended when it did not end by itself: the
     header and the Run tab say so next to FINISHED."""

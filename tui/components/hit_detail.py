@@ -16,7 +16,9 @@ class HitDetail(Static):
     def __init__(self) -> None:
         super().__init__("", id="hit-detail")
 
-    def show(self, hit: dict[str, Any] | None, filtered_out: str = "") -> None:
+    def show(self, hit: dict[str, Any] | None, filtered_out: str = "",
+             rules: list[str] | None = None) -> None:  # fmt: skip
+        """``rules``: every rule that found what the hit says (its own by default)."""
         if hit is None and filtered_out:
             self.update(Text(f"No hit matches the filter '{filtered_out}': press / and clear "
                              "it to see them all.", style="dim"))  # fmt: skip
@@ -25,7 +27,7 @@ class HitDetail(Static):
             self.update(Text("No hits yet.", style="dim"))
             return
         text = Text()
-        text.append(f"[{hit['rule']}] ", style="bold")
+        text.append(f"[{', '.join(rules or [hit['rule']])}] ", style="bold")
         text.append(hit["tensor"], style="bold red" if hit["origin"] else "bold")
         where = "where the problem was produced" if hit["origin"] else "passed on from upstream"
         text.append(f"  {hit['kind']} of {hit['module'] or '(model)'}, call {hit['call']}")

@@ -1,5 +1,7 @@
 """The Hits tab: every hit in execution order, origin hits first within their step; Enter opens
-the hit's tensor in the Tensor tab, ``/`` filters the hits.
+the hit's tensor in the Tensor tab, ``/`` filters the hits. Two rules that say the same of the
+same tensor at the same step (a NaN gradient fires NaN and ExplodingGradient with one sentence)
+share a row that names both.
 
 A Line-API widget, as the model tree is: it draws only the rows on screen, so a long run's tens
 of thousands of hits cost the UI what its visible rows cost (Textual's DataTable laid out every
@@ -32,11 +34,17 @@ def execution_order(hit: dict[str, Any]) -> tuple[int, bool, int]:
     return (hit["step"], not hit["origin"], hit["id"])
 
 
-def _cells(hit: dict[str, Any]) -> tuple[str, ...]:
+def same_fact(hit: dict[str, Any]) -> tuple[Any, ...]:
+    """What two hits share when they are one fact found by two rules."""
+    return (hit["step"], hit.get("rank"), hit["phase"], hit["tensor"], bool(hit["origin"]),
+            hit["message"])  # fmt: skip
+
+
+def _cells(hit: dict[str, Any], rules: list[str]) -> tuple[str, ...]:
     return (
         str(hit["step"]),
         hit["phase"],
-        hit["rule"],
+        ", ".join(rules),
         hit["tensor"],
         WHERE[bool(hit["origin"])],
         hit["message"],
@@ -55,11 +63,12 @@ class HitTable(LineTable):
     }
 
     class Highlighted(Message):
-        """The cursor is on ``hit`` (None when there are no hits)."""
+        """The cursor is on ``hit`` (None when there are no hits), which ``rules`` found."""
 
-        def __init__(self, hit: dict[str, Any] | None) -> None:
+        def __init__(self, hit: dict[str, Any] | None, rules: list[str]) -> None:
             super().__init__()
             self.hit = hit
+            self.rules = rules
 
     def __init__(self) -> None:
         super().__init__(id="hit-table")
@@ -67,6 +76,9 @@ class HitTable(LineTable):
         self._hits: dict[int, dict[str, Any]] = {}
         self._order: list[tuple[int, bool, int]] = []  # execution_order of every hit, sorted
         self._shown: list[tuple[int, bool, int]] | None = None  # the filtered rows, or all
+        self._facts: dict[tuple[Any, ...], int] = {}  # same_fact -> the id of its row's hit
+        self._also: dict[int, list[str]] = {}  # a row's hit id -> the other rules that found it
+        self._row_of: dict[int, int] = {}  # a hit that shares a row -> the id of the row's hit
         self._query = ""
         self._widths = [len(c) for c in COLUMNS]
         self._palette: dict[object, Any] = {}
@@ -106,11 +118,16 @@ class HitTable(LineTable):
         rows = self.rows
         return self._hits[rows[self.cursor][2]] if 0 <= self.cursor < len(rows) else None
 
+    def rules_of(self, hit: dict[str, Any]) -> list[str]:
+        """The rules that found what ``hit`` says (its row's)."""
+        return [hit["rule"], *self._also.get(hit["id"], ())]
+
     def set_hits(self, hits: list[dict[str, Any]]) -> None:
         """All the hits, at once (a welcome, a reload)."""
         keep = self.current
         self._hits = {}
         self._order = []
+        self._facts, self._also, self._row_of = {}, {}, {}
         self._widths = [len(c) for c in COLUMNS]
         self._insert(hits)
         self._refilter()
@@ -127,7 +144,7 @@ class HitTable(LineTable):
 
     def select_hit(self, hit_id: int) -> None:
         """Put the cursor on hit ``hit_id`` (clearing a filter that hides it)."""
-        hit = self._hits.get(hit_id)
+        hit = self._hits.get(self._row_of.get(hit_id, hit_id))
         if hit is None:
             return
         if self._shown is not None and not self._matches(hit):
@@ -143,6 +160,8 @@ class HitTable(LineTable):
 
     def _insert(self, hits: list[dict[str, Any]]) -> None:
         for hit in hits:
+            if self._shares_row(hit):
+                continue
             key = execution_order(hit)
             old = self._hits.get(hit["id"])
             if old is not None:  # a hit sent again (a reconnection): replaced in place
@@ -156,15 +175,36 @@ class HitTable(LineTable):
                 bisect.insort(self._order, key)
             if self._shown is not None and self._matches(hit):
                 bisect.insort(self._shown, key)
-            for i, cell in enumerate(_cells(hit)[:-1]):
-                if len(cell) > self._widths[i]:
-                    self._widths[i] = min(len(cell), 60)
+            self._facts[same_fact(hit)] = hit["id"]  # the latest row saying it
+            self._widen(hit)
+
+    def _shares_row(self, hit: dict[str, Any]) -> bool:
+        """Whether another rule's earlier hit says what ``hit`` says: then its row names both."""
+        if hit["id"] in self._row_of:
+            return True  # sent again (a reconnection)
+        row = self._facts.get(same_fact(hit))
+        if row is None or row == hit["id"] or hit["rule"] in self.rules_of(self._hits[row]):
+            return False  # a rule that says it again (a second backward pass) has a row of its own
+        self._hits[hit["id"]] = hit  # counted in known, not a row
+        self._row_of[hit["id"]] = row
+        self._also.setdefault(row, []).append(hit["rule"])
+        self._widen(self._hits[row])
+        return True
+
+    def _widen(self, hit: dict[str, Any]) -> None:
+        for i, cell in enumerate(_cells(hit, self.rules_of(hit))[:-1]):
+            if len(cell) > self._widths[i]:
+                self._widths[i] = min(len(cell), 60)
 
     def _matches(self, hit: dict[str, Any]) -> bool:
         q = self._query
-        return q in WHERE[bool(hit["origin"])].lower() or any(  # the column says "origin"
-            q in str(hit.get(field, "")).lower()
-            for field in ("step", "rule", "tensor", "module", "message", "phase")
+        return (
+            q in WHERE[bool(hit["origin"])].lower()  # the column says "origin"
+            or any(q in rule.lower() for rule in self.rules_of(hit))
+            or any(
+                q in str(hit.get(field, "")).lower()
+                for field in ("step", "tensor", "module", "message", "phase")
+            )
         )
 
     @property
@@ -220,7 +260,7 @@ class HitTable(LineTable):
         hit_id = None if hit is None else hit["id"]
         if hit_id != self._highlighted or hit is None:
             self._highlighted = hit_id
-            self.post_message(self.Highlighted(hit))
+            self.post_message(self.Highlighted(hit, [] if hit is None else self.rules_of(hit)))
 
     # --- drawing -----------------------------------------------------------------------------
 
@@ -250,7 +290,7 @@ class HitTable(LineTable):
             base, dim, origin = self._palette[n == self.cursor]
             where = origin if hit["origin"] else dim
             styles = [base, dim, base + Style(bold=True), base, where, base]
-            strip = self._strip(_cells(hit), styles, base)
+            strip = self._strip(_cells(hit, self.rules_of(hit)), styles, base)
         return self.fit(strip)
 
     def _strip(self, cells: tuple[str, ...], styles: list[Style], base: Style) -> Strip:

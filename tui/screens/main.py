@@ -405,7 +405,7 @@ class MainScreen(Screen):
     @on(HitTable.Highlighted)
     @reported
     def _hit_highlighted(self, message: HitTable.Highlighted) -> None:
-        self.hit_detail.show(message.hit, filtered_out=self.hit_table.filtered_out)
+        self.hit_detail.show(message.hit, self.hit_table.filtered_out, message.rules)
 
     @on(TabbedContent.TabActivated)
     def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
