@@ -27,10 +27,20 @@ class WeightNotChanging(Rule):
     """A trainable parameter that the optimizer leaves unchanged for ``num_steps`` steps in a row
     although its gradient asks it to move.
 
-    Defaults: "unchanged" is MindInsight's "weight not changed" test, every element within
-    ``atol`` (1e-8) + ``rtol`` (1e-5) x |previous value|; the streak length ``num_steps`` = 3 is
-    SageMaker's UnchangedTensor. The rule fires once per streak and re-arms when the parameter
-    moves again; a step whose statistic was not computed neither extends nor breaks a streak.
+    Defaults: the streak length ``num_steps`` = 3 is SageMaker's UnchangedTensor. "Unchanged"
+    is by default exact: not one element moved (``rtol`` = ``atol`` = 0). MindInsight's "weight
+    not changed" and SageMaker's UnchangedTensor call a parameter unchanged when every element
+    is within ``atol`` (1e-8) + ``rtol`` (1e-5) x |previous value|, which fires on healthy
+    runs: AdamW moves each element by about its learning rate, so a LayerNorm weight near 1 at
+    a fine-tuning learning rate of 2e-6, or at the tail of a schedule that decays to 0 (the
+    Hugging Face Trainer's linear default, from 5e-5 over 20 steps, at step 18), changes by
+    less than 1e-5 of itself every step while learning. What the rule looks for leaves every
+    bit as it was: a learning rate of zero, a parameter missing from the optimizer's groups,
+    updates too small for the parameter's dtype to register (bfloat16 weights, whose
+    resolution is 2^-8 of their size, trained at a small learning rate without float32
+    master weights). ``WeightNotChanging(rtol=1e-5, atol=1e-8)`` is the earlier tools' test.
+    The rule fires once per streak and re-arms when the parameter moves again; a step whose
+    statistic was not computed neither extends nor breaks a streak.
 
     A step whose gradient was negligible breaks the streak instead: a parameter with nothing to
     learn from has no reason to move. Negligible is VanishingGradient's default verdict on the
@@ -38,9 +48,8 @@ class WeightNotChanging(Rule):
     typical gradient. Some parameters get nothing by construction, such as the attention key
     bias, which softmax cancels and which plain SGD, or Adam with its ``eps``, leaves where it
     is; a gradient that vanishes for a reason is VanishingGradient's to report. What is left
-    is a healthy gradient that does not reach the weight: a learning rate of zero, a parameter
-    missing from the optimizer's groups. An embedding whose rows got no gradient in a step is
-    judged as a whole: its other rows moved, so it changed.
+    is a healthy gradient that does not reach the weight. An embedding whose rows got no
+    gradient in a step is judged as a whole: its other rows moved, so it changed.
 
     Example: ``WeightNotChanging(num_steps=10, exclude="*.bias")`` tolerates longer pauses.
     """
@@ -49,7 +58,7 @@ class WeightNotChanging(Rule):
     kinds = frozenset({"update", "grad"})
 
     def __init__(
-        self, *, num_steps: int = 3, rtol: float = 1e-5, atol: float = 1e-8, **selection: Any
+        self, *, num_steps: int = 3, rtol: float = 0.0, atol: float = 0.0, **selection: Any
     ):
         super().__init__(**selection)
         self.num_steps = num_steps
@@ -81,13 +90,18 @@ class WeightNotChanging(Rule):
         if streak[1] or streak[0] < self.num_steps:
             return None
         streak[1] = True
+        within = (
+            f"every element within {self.atol:.3g} + {self.rtol:.3g} x |value|"
+            if self.rtol or self.atol
+            else "not one element moved"
+        )
         return Finding(
             float(streak[0]),
             float(self.num_steps),
-            f"{_param(t)} has not changed for {streak[0]} optimizer steps (every element within "
-            f"{self.atol:.3g} + {self.rtol:.3g} x |value|, threshold {self.num_steps} steps) "
-            "though its gradient is not negligible; it is not learning: its learning rate may "
-            "be zero, or it may be missing from the optimizer's parameter groups.",
+            f"{_param(t)} has not changed for {streak[0]} optimizer steps ({within}, threshold "
+            f"{self.num_steps} steps) though its gradient is not negligible; it is not learning: "
+            "its learning rate may be zero or too small for its dtype to register, or it may be "
+            "missing from the optimizer's parameter groups.",
         )
 
 

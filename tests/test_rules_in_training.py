@@ -175,6 +175,34 @@ def test_weight_not_changing_and_weight_update_ratio(watch):
     assert {h.module for h in ratio if h.value < 1e-8} == {"1"}  # a learning rate of 0
 
 
+@pytest.mark.parametrize("sync", ["eager", "deferred"])
+def test_a_small_learning_rate_is_learning_not_a_weight_that_does_not_change(watch, sync):
+    """AdamW at a fine-tuning learning rate of 2e-6 moves a LayerNorm weight near 1 by about
+    2e-6 of itself a step: it learns, and WeightNotChanging says nothing. MindInsight's and
+    SageMaker's tolerance (rtol 1e-5) calls it unchanged from the third step."""
+
+    def not_changing(rule: WeightNotChanging) -> set[str]:
+        model = net(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=2e-6)
+        session = watch(model, optimizer=optimizer, on_hit="record", rules=[rule], sync=sync)
+        steps(model, optimizer, session, 8)
+        return {h.tensor for h in hits_of(session, "WeightNotChanging")}
+
+    assert not_changing(WeightNotChanging()) == set()
+    assert "1.weight.update" in not_changing(WeightNotChanging(rtol=1e-5, atol=1e-8))
+
+
+def test_bfloat16_weights_that_a_small_learning_rate_cannot_move_are_not_changing(watch):
+    """bfloat16 holds 8 bits of a weight: an SGD step of 1e-4 of it rounds away in every
+    element, so the weights stay as they were although the gradient asks them to move."""
+    model = net(nn.Linear(8, 8), nn.Linear(8, 2)).to(torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
+    session = watch(model, optimizer=optimizer, on_hit="record", rules=[WeightNotChanging()])
+    steps(model, optimizer, session, 4, x=torch.randn(16, 8, dtype=torch.bfloat16))
+    assert {h.tensor for h in hits_of(session, "WeightNotChanging")} >= {"0.weight.update"}
+    assert "too small for its dtype" in hits_of(session, "WeightNotChanging")[0].message
+
+
 def test_dead_and_saturated_activations(watch):
     model = net(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh())
     with torch.no_grad():
