@@ -629,6 +629,33 @@ def _train(model, optimizer, steps=5):
         optimizer.zero_grad()
 
 
+@pytest.mark.parametrize("sync", ["eager", "deferred"])
+@pytest.mark.parametrize("given", [True, False])
+def test_a_weight_set_to_inf_by_hand_behind_a_tanh_is_found_once_at_its_step(watch, sync, given):
+    """A weight set to Inf between steps 8 and 9, where a Tanh after its Linear keeps the
+    model's output finite: found at the step it was set, with the optimizer given or not (then
+    a step ends at the next root forward, and the parameters that changed are checked), and
+    named the origin once, though it stays Inf (11 more checks find it)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    session = watch(model, optimizer=optimizer if given else None, on_hit="record", sync=sync)
+    for step in range(20):
+        x = torch.randn(32, 8)
+        loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+        session.observe("loss", loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 8:
+            with torch.no_grad():
+                model[0].weight[0, 0] = float("inf")
+    origins = [(h.step, h.tensor) for h in session.hits if h.origin]
+    assert origins == [(9 if given else 8, "0.weight")]
+    again = [h for h in session.hits if h.tensor == "0.weight" and not h.origin]
+    assert again and all("the update did not make it" in h.message for h in again)
+
+
 def test_a_parameter_left_out_of_the_optimizer_is_flagged_after_three_steps(watch):
     model = mlp()
     forgotten = model[2]

@@ -186,9 +186,12 @@ def _forward_with_a_nan(model: nn.Module) -> None:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_a_forked_worker_that_hits_records_and_never_pauses(watch, capfd):
+@pytest.mark.parametrize("on_hit", ["pause", "record"])
+def test_a_forked_worker_that_hits_never_pauses_and_prints_its_origin(watch, capfd, on_hit):
+    """A forked process's record dies with it (a DataLoader worker ends without a summary):
+    its hit at the origin is printed where it happened."""
     model = mlp()
-    watch(model, on_hit="pause", rules=[NaN()])
+    session = watch(model, on_hit=on_hit, rules=[NaN()])
     worker = multiprocessing.get_context("fork").Process(target=_forward_with_a_nan, args=(model,))
     worker.start()
     worker.join(DEADLINE)
@@ -197,7 +200,10 @@ def test_a_forked_worker_that_hits_records_and_never_pauses(watch, capfd):
         worker.join()
         pytest.fail("the forked worker paused on its hit")
     assert worker.exitcode == 0
-    assert "is a fork of the training" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert f"is a fork of the training ({os.getpid()}): hits here never pause it" in err
+    assert f"tensordbg: process {worker.pid}, step 0 forward: [NaN] input[0] holds 1 NaN" in err
+    assert session.hits == []  # the training's own session saw nothing
 
 
 def test_detaching_while_paused_in_the_optimizer_phase_is_clean(watch, capsys):

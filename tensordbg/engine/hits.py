@@ -167,6 +167,9 @@ def with_origin(
         return finding.advised
     if not is_origin:
         source = f" (first produced at {first})" if first else ""
+        if kind == "param":
+            return (f"{finding.message} It came with its gradient or was so before this "
+                    f"step{source}: the update did not make it.")  # fmt: skip
         return f"{finding.message} It was passed on from upstream{source}, not produced here."
     note = _ORIGIN_NOTE.get((kind, bool(module)), _ORIGIN_NOTE[kind, True])
     return f"{finding.advised} {note}"

@@ -37,7 +37,24 @@ class OptimizerPhase:
         if not self.active:
             return
         self._start_phase("optimizer")
-        self._check_parameters(list(self.weights.params.values()), None, after_step=False)
+        params = list(self.weights.params.values())
+        self._param_versions = [p.param._version for p in params]
+        self._check_parameters(params, None, after_step=False)
+
+    def _check_changed_parameters(self) -> None:
+        """No optimizer is watched and a step ended: check the parameters that changed since
+        they were last checked (updated by hand, set to a value, loaded) as an optimizer step
+        would leave them, so that a weight set to Inf is found even where the model's outputs
+        hide it (a Tanh after it). A parameter that did not change is not read again."""
+        params = list(self.weights.params.values())
+        versions = [p.param._version for p in params]
+        before = self._param_versions or [None] * len(params)
+        self._param_versions = versions
+        changed = [p for p, now, then in zip(params, versions, before, strict=True) if now != then]
+        self._say_what_is_not_watched(bool(changed))
+        if changed:
+            self._start_phase("optimizer")
+            self._check_parameters(changed, None)
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any,
                      kwargs: Any) -> tuple[Any, Any] | None:  # fmt: skip
@@ -180,19 +197,13 @@ class OptimizerPhase:
         record.tensor = p.param.detach()  # alive anyway: dump_tensors may copy it
         self.phases.register(record)
 
-    def _say_what_is_not_watched(self) -> None:
+    def _say_what_is_not_watched(self, changed: bool) -> None:
         """No optimizer is watched, yet the model trains (its parameters get gradients or
-        change): the weights are updated by hand or by an optimizer tensordbg was not given. Say
-        once, in the first steps, what that leaves unwatched."""
+        ``changed``): the weights are updated by hand or by an optimizer tensordbg was not
+        given. Say once, in the first steps, what that leaves unwatched."""
         if self._said_no_optimizer or self.step > 3:
             return
-        params = list(self.weights.params.values())
-        versions = [p.param._version for p in params]
-        trained = any(p.param.grad is not None for p in params) or (
-            self._param_versions is not None and versions != self._param_versions
-        )
-        self._param_versions = versions
-        if not trained:
+        if not changed and all(p.param.grad is None for p in self.weights.params.values()):
             return  # evaluation only, so far: nothing is missing
         self._said_no_optimizer = True
         message = (

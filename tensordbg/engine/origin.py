@@ -88,7 +88,10 @@ class Attribution:
                             condition_of(record, rule_id) not in self.root_fired)
                     for rule_id, finding in record.findings.items()]  # fmt: skip
         if kind == "param":
+            # Not made here if its gradient brought it, or if it was so already (a weight set to
+            # Inf by hand stays Inf: its first check is the origin, the later ones are not).
             upstream = self.grad_fired.get(record.param, set())
+            upstream = upstream | self.param_fired.get(record.param, set())
             out = [Verdict(record, rule_id, finding,
                            condition_of(record, rule_id) not in upstream)
                    for rule_id, finding in record.findings.items()]  # fmt: skip

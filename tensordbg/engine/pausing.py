@@ -11,6 +11,8 @@ from typing import Any
 from tensordbg.engine.control import DETACHED, STEP
 from tensordbg.hit import Hit, WatchpointHit
 
+FORKED_SAID = 20  # hits a forked process prints at most
+
 
 class Pausing:
     """The pausing part of a session's pipeline."""
@@ -95,11 +97,24 @@ class Pausing:
         if os.getpid() == self.pid:
             return False
         if not self._said_forked:
-            self._said_forked = True
-            print(f"tensordbg: process {os.getpid()} is a fork of the training ({self.pid}): its "
-                  "hits are recorded here but never pause it (no UI can reach a forked worker)",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            self._said_forked = 1  # then one more for each hit printed
+            print(f"tensordbg: process {os.getpid()} is a fork of the training ({self.pid}): "
+                  "hits here never pause it (no UI can reach a forked worker), and the training's "
+                  "session does not see them: each hit at its origin is printed here, "
+                  f"{FORKED_SAID} at most", file=sys.stderr, flush=True)  # fmt: skip
         return True
+
+    def say_forked_hit(self, hit: Hit) -> None:
+        """A forked child's hit at its origin, printed: its record dies with the process (a
+        DataLoader worker ends without a summary)."""
+        if not hit.origin or not self.forked() or self._said_forked > FORKED_SAID:
+            return
+        self._said_forked += 1
+        line = (f"tensordbg: process {os.getpid()}, step {hit.step} {hit.phase}: [{hit.rule}] "
+                f"{hit.message}")  # fmt: skip
+        if self._said_forked > FORKED_SAID:
+            line = f"tensordbg: process {os.getpid()}: more hits, not printed"
+        print(line, file=sys.stderr, flush=True)
 
 
 def _print_pause(session: Any, reason: str, hit: Hit | None) -> None:

@@ -53,7 +53,7 @@ class Pipeline(Pausing, Pinpointing):
         if self._forward_open or self.phases.busy():
             self._end_phase()
         if not self.optimizers and self._root_forwards:
-            self._say_what_is_not_watched()
+            self._check_changed_parameters()
             self._finish_step()
             self._boundary(completed_step=True)
         self._root_forwards += 1
@@ -345,6 +345,7 @@ class Pipeline(Pausing, Pinpointing):
         if not self.hitlog.add(hit, active):
             return
         self.bus.publish("hit", hit.as_dict())
+        self.say_forked_hit(hit)
         # A callable on_hit hears every hit; pause and raise stop at new origins only.
         skipping = self.on_hit == "skip" and hit.origin  # every step that hits is skipped
         if callable(self.on_hit) or skipping or self.controller.should_pause(hit, repeated):

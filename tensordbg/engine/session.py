@@ -141,7 +141,7 @@ class Session(Pipeline, BackwardPhase, OptimizerPhase):
         self.published = EMPTY
         """The last :meth:`publish`: what other threads read (never the live dicts)."""
         self.pid = os.getpid()
-        self._said_forked = False
+        self._said_forked = 0
         self._said_no_optimizer = False
         self._param_versions: list[int] | None = None
         self._skip_requested = False
