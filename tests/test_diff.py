@@ -41,6 +41,12 @@ def test_tensors_recorded_in_one_dump_only_are_said_why_and_are_no_difference(
     report = diff_dumps(load(after_hit), load(a))
     assert report.exit_code == 0 and report.unpaired[0]["side"] == "A"
     assert report.unpaired[0]["why"].startswith("A step with a hit, or the step after one")
+    # A clean step of the same mode: an update is recorded only where it was measured.
+    measured = write_dump(tmp_path / "d", values=False, nan_at=None, updates_at=[1])
+    clean = write_dump(tmp_path / "e", values=False, nan_at=None)
+    report = diff_dumps(load(measured), load(clean))
+    assert report.exit_code == 0 and report.unpaired[0]["step"] == 1
+    assert report.unpaired[0]["why"].startswith("An update is recorded only where it was measured")
 
 
 def test_a_planted_one_element_change_is_found_at_its_tensor_and_step(tmp_path: Path) -> None:

@@ -214,6 +214,12 @@ class Dump:
         """The watched tensors of a step, in execution order."""
         return list(self._step_record(step, rank).entries or ())
 
+    def indexed(self, step: int, rank: int = 0) -> list[TensorEntry] | None:
+        """The tensors of a step as its index line lists them, with their statistics, even when
+        its values file is broken (cut, a checksum that fails); None without a whole line."""
+        record = self._steps.get((step, rank))
+        return None if record is None else list(record.entries or ())
+
     def tensor(self, name: str, rank: int = 0) -> DumpedTensor:
         """One tensor across steps: its statistics and values."""
         if rank not in self._metas:

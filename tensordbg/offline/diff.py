@@ -248,6 +248,7 @@ def diff_dumps(
             continue
         report.steps += 1
         unpaired: dict[str, list[str]] = {"A": [], "B": []}
+        kinds: set[str] = set()  # of the tensors one dump lacks
         for entry_a, entry_b in _in_order(entries_a, entries_b):
             if entry_a is None or entry_b is None:
                 side, entry = ("B", entry_b) if entry_a is None else ("A", entry_a)
@@ -256,12 +257,13 @@ def diff_dumps(
                                             entry.kind, f"only in {side.lower()}"))  # fmt: skip
                     continue
                 unpaired[side].append(entry.name)
+                kinds.add(entry.kind)
                 continue
             report.tensors += 1
             difference = _compare(a, b, report, step, entry_a, entry_b, values=report.first is None)
             if difference is not None:
                 report.found(difference)
-        why = _why_unpaired(step, sync, hit_steps)
+        why = _why_unpaired(step, sync, hit_steps, kinds)
         report.unpaired += [{"step": step, "side": side, "tensors": names, "why": why}
                             for side, names in unpaired.items() if names]  # fmt: skip
     if report.first is not None:
@@ -277,10 +279,11 @@ def _nonfinite(stats: dict[str, Any]) -> bool:
     return counts > 0 or stats.get("finite", 1.0) == 0.0
 
 
-def _why_unpaired(step: int, sync: tuple[str, str], hit_steps: set[int]) -> str:
-    """Why a step of one dump holds a tensor the other's lacks. A step records the tensors its
-    checks measured: batched checks measure every parameter's update, deferred checks only on a
-    step after one that hit; otherwise the two models made different tensors."""
+def _why_unpaired(step: int, sync: tuple[str, str], hit_steps: set[int], kinds: set[str]) -> str:
+    """Why a step of one dump holds tensors (of ``kinds``) the other's lacks. A step records the
+    tensors its checks measured: batched checks measure every parameter's update, deferred
+    checks only on a step after one that hit, and an update only where the parameter's norm
+    did not already show that it moved; otherwise the two models made different tensors."""
     if sync[0] != sync[1]:
         return (
             f"A was recorded with sync={sync[0]}, B with sync={sync[1]}, which record different "
@@ -290,6 +293,12 @@ def _why_unpaired(step: int, sync: tuple[str, str], hit_steps: set[int]) -> str:
         return (
             "A step with a hit, or the step after one, records tensors a clean step does not: "
             "a difference in what was recorded, not in the numbers."
+        )
+    if kinds == {"update"}:
+        return (
+            "An update is recorded only where it was measured: where a parameter's norm already "
+            "showed that the step moved it, nothing more was measured. A difference in what was "
+            "recorded, not in the numbers."
         )
     return (
         "The two runs did not make the same tensors there (a module called in one run only, or "
