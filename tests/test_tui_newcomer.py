@@ -528,6 +528,30 @@ def test_i_ignores_the_rule_of_the_hit_on_its_tensor() -> None:
     asyncio.run(flow())
 
 
+def test_i_on_a_row_two_rules_share_ignores_the_tensor_in_both() -> None:
+    """A row of the Hits tab that names two rules (they said the same of the tensor): i makes
+    each of them ignore it, and says so."""
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            hits = app.main.hit_table
+            await until(pilot, lambda: app.state == "paused" and hits.current)
+            origin = source.hits()[0]
+            source.emit("hit", dict(origin, id=2, rule="VanishingGradient"))
+            await until(pilot, lambda: hits.known == 3)
+            hits.select_hit(origin["id"])
+            assert hits.rules_of(hits.current) == ["NaN", "VanishingGradient"]
+            await pilot.press("i")
+            await until(pilot, lambda: source._rules[1]["exclude"] == [origin["tensor"]])
+            assert source._rules[0]["exclude"] == [origin["tensor"]]
+            await until(pilot, lambda: "NaN and VanishingGradient now ignore" in
+                        str(app.main.rule_panel.result.content))  # fmt: skip
+
+    asyncio.run(flow())
+
+
 def test_a_rule_told_to_ignore_a_tensor_stops_hitting_it_in_the_training() -> None:
     """The live side of i: a network that makes NaN every step hits once a step until the NaN
     rule excludes that tensor, then not at all there."""

@@ -335,7 +335,7 @@ class TensorDbgApp(App[int]):
     def action_ignore(self) -> None:
         hit = self.main.hit_to_ignore()
         if hit is not None and self.served("set_rule"):
-            self.main.rule_panel.ignore(hit)
+            self.main.rule_panel.ignore(hit, self.main.hit_table.rules_of(hit))
 
     def action_tab(self, pane: str) -> None:
         self.main.show_tab(pane)

@@ -132,25 +132,30 @@ class RulePanel(Vertical):
         table.move_cursor(row=min(row, max(len(self._rules) - 1, 0)))
 
     @work(group="rules-ignore", exclusive=True)
-    async def ignore(self, hit: dict[str, Any]) -> None:
+    async def ignore(self, hit: dict[str, Any], rules_of_row: list[str] | None = None) -> None:
         """Like pdb's ``ignore``: the hit's rule stops judging the hit's tensor (its exclude
         list gains the tensor's name), so ``c`` no longer stops on it; the table shows the
-        exclusion, and editing the rule can take it back."""
+        exclusion, and editing the rule can take it back. ``rules_of_row``: every rule that
+        found what the hit says (a row of the Hits tab that names two), each made to ignore it."""
         remote = remote_of(self)
         try:
             rules = (await remote.rules())["rules"]
         except RequestFailed:
             return  # the Log tab says why
-        rule = _rule_of(hit, rules)
-        if rule is None:
+        names = rules_of_row or [hit["rule"]]
+        found = [r for r in (_rule_of(dict(hit, rule=name), rules) for name in names) if r]
+        if not found:
             self.app.notify(f"No rule {hit['rule']!r} judges {hit['tensor']} now.", markup=False)
             return
-        exclude = [*rule.get("exclude", []), hit["tensor"]]
-        try:
-            await remote.set_rule(rule["id"], params={"exclude": exclude})
-        except RequestFailed:
-            return
-        said = f"{hit['rule']} now ignores {hit['tensor']}; c continues without stopping there"
+        for rule in found:
+            exclude = [*rule.get("exclude", []), hit["tensor"]]
+            try:
+                await remote.set_rule(rule["id"], params={"exclude": exclude})
+            except RequestFailed:
+                return
+        who = " and ".join(r["name"] for r in found)
+        verb = "ignore" if len(found) > 1 else "ignores"
+        said = f"{who} now {verb} {hit['tensor']}; c continues without stopping there"
         self._say(said)
         self.app.notify(said, title="Rule changed", markup=False)
         self.reload()
