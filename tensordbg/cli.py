@@ -7,6 +7,7 @@ This module imports neither torch nor the UI until a command needs them, so ``--
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import secrets
 import signal
@@ -240,8 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     diff = _command(commands, "diff", "find where two dumped runs parted")
     diff.add_argument("a", help="the first dump's directory")
     diff.add_argument("b", help="the second dump's directory")
-    diff.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance (1e-5)")
-    diff.add_argument("--atol", type=float, default=1e-8, help="absolute tolerance (1e-8)")
+    diff.add_argument("--rtol", type=_tolerance, default=1e-5, help="relative tolerance (1e-5)")
+    diff.add_argument("--atol", type=_tolerance, default=1e-8, help="absolute tolerance (1e-8)")
     diff.add_argument("--ranks", type=_ranks, default=(0, 0), metavar="RA,RB",
                       help="compare rank RA of A with rank RB of B (default 0,0)")  # fmt: skip
     diff.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -297,6 +298,16 @@ def _interval(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: the interval is a number of steps, at least 1")
+    return value
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: a tolerance is a finite number, 0 or more")
     return value
 
 

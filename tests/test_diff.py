@@ -206,3 +206,14 @@ def test_a_tensor_only_one_run_made_is_where_they_part_when_it_is_not_finite(tmp
         "step 0, forward, 1.output: dumped only in B, where it is not finite"
     )
     assert report.later == 1 and report.exit_code == 1
+
+
+@pytest.mark.parametrize("bad", [["--rtol", "-1"], ["--atol", "nan"], ["--rtol", "inf"]])
+def test_a_tolerance_that_is_no_tolerance_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: list[str]
+) -> None:
+    a, b = write_dump(tmp_path / "a"), write_dump(tmp_path / "b")
+    with pytest.raises(SystemExit) as exit:
+        main(["diff", str(a), str(b), *bad])
+    assert exit.value.code == 2
+    assert f"{bad[1]!r}: a tolerance is a finite number, 0 or more" in capsys.readouterr().err
