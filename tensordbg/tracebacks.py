@@ -31,13 +31,27 @@ def format_user_traceback(error: BaseException) -> str:
     """``Traceback (most recent call last):`` with the frames outside tensordbg, PyTorch and
     runpy, then the exception's own line; every frame when none would be left."""
     frames = traceback.extract_tb(error.__traceback__)
+    header = "Traceback (most recent call last):\n"
     if os.environ.get("TENSORDBG_FULL_TRACEBACK") != "1":
         users = [f for f in frames if not _hidden(f.filename)]
-        frames = traceback.StackSummary.from_list(users) if users else frames
-    lines = ["Traceback (most recent call last; tensordbg's and PyTorch's frames left out):\n"]
-    lines += traceback.format_list(frames)
+        if users and len(users) < len(frames):
+            frames = traceback.StackSummary.from_list(users)
+            header = (
+                "Traceback (most recent call last; tensordbg's and PyTorch's frames left out):\n"
+            )
+    lines = [header, *traceback.format_list(frames)]
     lines += traceback.format_exception_only(type(error), error)
     return "".join(lines)
+
+
+def print_script_error(error: BaseException) -> None:
+    """An exception a script run by ``tensordbg run`` raised, as ``python script.py`` prints it:
+    from the script's own first frame (the runner's and runpy's frames before it left out)."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None and _hidden(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    traceback.print_exception(type(error), error, tb, file=sys.stderr)
+    sys.stderr.flush()
 
 
 def install_excepthook() -> Callable[[], None]:

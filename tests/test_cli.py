@@ -39,14 +39,15 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def tensordbg(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+def tensordbg(*args: str, cwd: Path, timeout: float = 120,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
     return subprocess.run(
         [sys.executable, "-m", "tensordbg.cli", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
 
 
@@ -126,6 +127,26 @@ def test_run_with_raise_stops_the_script_at_the_first_origin_hit(script: Path):
     assert done.returncode != 0
     assert "WatchpointHit" in done.stderr and "input[0]" in done.stderr
     assert "trained" not in done.stdout
+
+
+def test_the_full_traceback_of_a_hit_is_not_said_to_leave_frames_out(script: Path):
+    done = tensordbg("run", "--on-hit", "raise", "--rules", "NaN", str(script), "6",
+                     cwd=script.parent, env={"TENSORDBG_FULL_TRACEBACK": "1"})  # fmt: skip
+    assert done.stderr.count("Traceback (most recent call last):\n") == 1, done.stderr
+    assert "frames left out" not in done.stderr and "runpy" in done.stderr
+
+
+def test_a_scripts_own_error_is_printed_as_python_prints_it(tmp_path: Path):
+    """From the script's own frame: no frame of tensordbg's runner or of runpy above it."""
+    path = tmp_path / "boom.py"
+    path.write_text("def f():\n    raise ValueError('boom')\n\nf()\n")
+    done = tensordbg("run", str(path), cwd=tmp_path)
+    assert done.returncode == 1
+    lines = done.stderr.splitlines()
+    assert lines[0] == "Traceback (most recent call last):"
+    assert lines[1].startswith(f'  File "{path}", line 4, in <module>')
+    assert lines[-1] == "ValueError: boom"
+    assert "tensordbg" not in done.stderr and "runpy" not in done.stderr
 
 
 def test_run_refuses_an_unknown_rule_with_the_list_of_rules(script: Path):

@@ -31,7 +31,7 @@ from tensordbg.engine.session import Session
 from tensordbg.hit import WatchpointHit
 from tensordbg.integrations.frameworks import TrainerPatches, TrainingWatch
 from tensordbg.rules import Rule
-from tensordbg.tracebacks import format_user_traceback
+from tensordbg.tracebacks import format_user_traceback, print_script_error
 
 
 class ScriptRun:
@@ -181,6 +181,9 @@ def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = 
         return 1 if code == 0 and run.hit() else code
     except WatchpointHit as e:  # on_hit="raise": the user's frames, and the summary last
         print(format_user_traceback(e), end="", file=sys.stderr, flush=True)
+        return 1
+    except Exception as e:  # the script's own error, as python would print it: exit 1
+        print_script_error(e)
         return 1
     except KeyboardInterrupt:
         session = run.sessions[-1] if run.sessions else None
