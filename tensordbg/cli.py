@@ -116,11 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--on-hit",
-        choices=("pause", "raise", "record", "dump"),
+        choices=("pause", "raise", "record", "dump", "skip"),
         default=None,
         help="what a hit does: pause the training for the UI (the default), raise "
-        "WatchpointHit, only record it, or record it and write its step into --dump-dir (the "
-        "default with --dump-dir: a job that writes a dump goes on without a person)",
+        "WatchpointHit, only record it, record it and write its step into --dump-dir (the "
+        "default with --dump-dir: a job that writes a dump goes on without a person), or skip "
+        "the update of the step that hit (its gradients dropped, as GradScaler skips a step; "
+        "after 5 skipped updates in a row it raises WatchpointHit)",
     )
     run.add_argument(
         "--sync",

@@ -149,6 +149,14 @@ def test_a_scripts_own_error_is_printed_as_python_prints_it(tmp_path: Path):
     assert "tensordbg" not in done.stderr and "runpy" not in done.stderr
 
 
+def test_run_with_skip_drops_the_update_of_the_step_that_hit(script: Path):
+    done = tensordbg("run", "--on-hit", "skip", "--rules", "NaN", str(script), "6",
+                     cwd=script.parent)  # fmt: skip
+    assert done.returncode == 1, done.stderr  # it hit
+    assert "updates tensordbg skipped: [3]" in done.stdout + done.stderr
+    assert "trained" in done.stdout
+
+
 def test_run_refuses_an_unknown_rule_with_the_list_of_rules(script: Path):
     done = tensordbg("run", "--rules", "NaN,Nonsense", str(script), "1", cwd=script.parent)
     assert done.returncode == 2  # a mistake in the command line, not a hit (1)

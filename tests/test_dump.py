@@ -329,6 +329,13 @@ def test_an_unknown_format_version_is_named(tmp_path):
         load(tmp_path)
 
 
+def test_metadata_without_a_format_version_is_not_a_dumps(tmp_path):
+    _write(tmp_path)
+    (tmp_path / "rank-0" / "meta.json").write_text("{}")
+    with pytest.raises(DumpError, match=r"meta.json is not the dump's metadata \(it names no "):
+        load(tmp_path)
+
+
 def test_a_directory_that_is_not_a_dump(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(DumpError, match=r"is not a tensordbg dump \(it holds no rank-N/meta.json"):

@@ -275,6 +275,8 @@ class Dump:
         if not isinstance(meta, dict):
             raise DumpError(f"{path} is not the dump's metadata (not a JSON object)")
         version = meta.get("format_version")
+        if version is None:
+            raise DumpError(f"{path} is not the dump's metadata (it names no format_version)")
         if version != fmt.FORMAT_VERSION:
             raise DumpError(
                 f"{path} has format version {version!r}; this tensordbg reads version "
