@@ -328,6 +328,27 @@ def test_two_rules_that_say_the_same_of_a_tensor_share_a_row_that_names_both() -
     asyncio.run(flow())
 
 
+def test_a_tensor_that_cannot_be_opened_leaves_nothing_of_the_last_one_on_screen() -> None:
+    """Opening a tensor the source refuses (its phase ended) names that tensor and says why:
+    the last tensor's title, numbers and summary do not stay under the new request."""
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            grid = await open_tensor(pilot, 3, "net.2.output", TensorGrid)
+            await until(pilot, lambda: grid.rows == 8 and grid.cell_text(1, 2) is not None)
+            app.main.post_message(OpenTensor(999, "net.0.weight.grad"))
+            title = app.query_one("#tensor-title", Static)
+            await until(pilot, lambda: text_of(title) == "net.0.weight.grad")
+            await until(pilot, lambda: grid.rows == 0)
+            assert grid.message == "no tensor 999 in this phase"
+            assert text_of(app.query_one("#tensor-summary", Static)) == ""
+            assert "no tensor 999" in text_of(app.query_one("#slice-error", Static))
+
+    asyncio.run(flow())
+
+
 def test_a_training_ended_by_ctrl_c_is_not_shown_as_simply_finished() -> None:
     """The session's last word says how the script ended when it did not end by itself: the
     header and the Run tab say so next to FINISHED."""

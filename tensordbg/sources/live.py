@@ -406,8 +406,8 @@ class LiveSource(LiveProfiling):
         record = self.session.record(ref)
         if record is None:
             raise SourceError(
-                f"tensor {ref} is not in the current phase: tensors are kept only for the phase "
-                "the training is paused in"
+                "this tensor is from a phase that has ended: values are kept only for the phase "
+                "the training is paused in (its hit, on the Hits tab, holds its statistics)"
             )
         if need_tensor and record.held() is None:
             why = self.session.sync.why_not_kept(record, self.session.retain_bytes)

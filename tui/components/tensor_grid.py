@@ -160,6 +160,19 @@ class TensorGrid(ScrollView, can_focus=True):
                 for bc in range(c0 // BLOCK_COLS, (c1 - 1) // BLOCK_COLS + 1):
                     self._want((br, bc))
 
+    def clear(self, message: str) -> None:
+        """Show no tensor, only ``message`` (a tensor that could not be opened)."""
+        self._generation += 1
+        self._ref, self._text, self._shape = None, "", ()
+        self._rows = self._cols = 0
+        self._blocks.clear()
+        self._pending.clear()
+        self._wanted.clear()
+        self._failed.clear()
+        self.virtual_size = Size(1, 1)
+        self.message = message
+        self.refresh()
+
     @property
     def rows(self) -> int:
         return self._rows

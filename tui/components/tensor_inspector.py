@@ -32,6 +32,7 @@ class TensorInspector(Vertical):
         self.ref: int | None = None
         self.tensor_name = ""
         self.text = ""
+        self._opening = False  # a tensor was opened and nothing of it has been shown yet
 
     def compose(self) -> ComposeResult:
         yield Static(
@@ -50,6 +51,7 @@ class TensorInspector(Vertical):
 
     def open(self, ref: int, name: str = "", text: str = "") -> None:
         self.ref, self.tensor_name = ref, name or f"tensor {ref}"
+        self._opening = True  # until its first view arrives
         self.query_one(SliceInput).value = text
         self._show_error("")
         self.load(text)
@@ -95,8 +97,15 @@ class TensorInspector(Vertical):
         try:
             stats = await remote_of(self).stats(ref, text)
         except RequestFailed as e:
+            if self._opening:  # nothing of the tensor shown before stays on screen
+                self.query_one("#tensor-title", Static).update(Text(self.tensor_name, style="bold"))
+                self.query_one("#tensor-summary", Static).update("")
+                self.query_one(StatsCompare).update("")
+                self.query_one(TensorGrid).clear(e.message)
+                self.query_one(HistogramView).show_message("")
             self._show_error(e.message)
             return
+        self._opening = False
         self.text = stats["index"]
         line = stats["line"]
         title = Text(self.tensor_name, style="bold")  # its ref is the source's, not the person's
