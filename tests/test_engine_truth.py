@@ -233,7 +233,7 @@ def test_detaching_while_paused_in_the_optimizer_phase_is_clean(watch, capsys):
     assert not [w for w in caught if "internal error" in str(w.message)]
     # The terminal's last word was "training paused": it says now that it goes on unwatched.
     said = capsys.readouterr().err.strip().splitlines()
-    assert said[-1] == "tensordbg: detached at step 0, optimizer: the training goes on unwatched"
+    assert said[-1] == "tensordbg: detached (step 0, optimizer): the training goes on unwatched"
 
 
 def test_weights_updated_by_hand_are_said_once_to_be_unwatched(watch, capsys):

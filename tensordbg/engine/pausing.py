@@ -69,8 +69,8 @@ class Pausing:
         """The UI asked to detach (from its thread): finish it here, on the training thread."""
         if self.controller.state == DETACHED and not self.detached:
             # The terminal's last word was maybe "training paused": say that it is not.
-            print(f"tensordbg: detached at step {self.step}, {self.phase}: the training goes on "
-                  "unwatched", file=sys.stderr, flush=True)  # fmt: skip
+            print(f"tensordbg: detached ({self.at}): the training goes on unwatched",
+                  file=sys.stderr, flush=True)  # fmt: skip
             self.detach()
         return self.detached
 
@@ -118,10 +118,7 @@ class Pausing:
 
 
 def _print_pause(session: Any, reason: str, hit: Hit | None) -> None:
-    where = (
-        f"step {session.step}, {session.where}" if session.where else f"before step {session.step}"
-    )
-    lines = [f"tensordbg: training paused ({where}): {reason}"]
+    lines = [f"tensordbg: training paused ({session.at}): {reason}"]
     if session.server is not None:
         lines.append(
             f"  inspect it: tensordbg tui      (run {session.run_id}, rank {session.rank}); "

@@ -44,6 +44,11 @@ class Pipeline(Pausing, Pinpointing):
         pause after ``s`` is before the next step, not in the optimizer phase of the last)."""
         return "" if self.between_steps else self.phase
 
+    @property
+    def at(self) -> str:
+        """Where the training is, for a sentence: "step 5, forward", or "before step 6"."""
+        return f"step {self.step}, {self.where}" if self.where else f"before step {self.step}"
+
     # --- hooks call these (capture.py) -----------------------------------------------------
 
     def begin_forward(self) -> None:
