@@ -478,14 +478,14 @@ def _demo(args: argparse.Namespace) -> int:
         log.close()
     with open(log.name) as f:
         tail = f.read().strip().splitlines()[-8:]
-    print("\n".join(tail))
+    print("the training's output, its end:", *tail, sep="\n")
     if training.returncode and not stopped:
         print(
             f"The demo training failed (exit status {training.returncode}): its whole output "
             f"is in {log.name}"
         )
     else:
-        print(f"(the training's output: {log.name})")
+        os.unlink(log.name)  # its end is above: a demo leaves nothing behind
     return code
 
 

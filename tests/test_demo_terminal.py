@@ -6,8 +6,10 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -87,7 +89,7 @@ def test_q_in_the_demo_gives_the_terminal_back_at_once():
         terminal.press("q")
         quit_at = time.monotonic()
         terminal.wait_for("the UI was closed: the demo's training stops here",
-                          "the training's output:", timeout=30)  # fmt: skip
+                          "the training's output, its end:", timeout=30)  # fmt: skip
         assert time.monotonic() - quit_at < 8  # under load; about 1.5 s on a quiet machine
     finally:
         terminal.close()
@@ -97,12 +99,16 @@ def test_q_in_the_demo_gives_the_terminal_back_at_once():
 def test_q_at_the_hit_stops_the_demo_at_that_step_and_says_so():
     """q at the demo's hit: the person quit the demo, so its training stops at the hit's step,
     rather than running on unwatched until its loss had been NaN for three steps."""
+    logs = Path(tempfile.gettempdir()).glob("tensordbg-demo-*.log")
+    before = set(logs)
     terminal = Terminal(f"{sys.executable} -m tensordbg.cli demo --bad-step 3")
     try:
         terminal.wait_for("PAUSED", "● origin", timeout=120)
         terminal.press("q")
-        screen = terminal.wait_for("the training's output:", timeout=30)
+        screen = terminal.wait_for("the training's output, its end:", timeout=30)
         assert "step   3  the UI was closed: the demo's training stops here" in screen
         assert "NaN for 3 steps" not in screen
     finally:
         terminal.close()
+    # Its end was shown: the demo leaves no log behind.
+    assert set(Path(tempfile.gettempdir()).glob("tensordbg-demo-*.log")) == before
