@@ -248,6 +248,8 @@ def test_the_run_tab_of_a_replay_shows_the_step_looked_at_and_says_what_was_not_
             await until(pilot, lambda: "steps 2, 4 not dumped" in shown())
             numbers = run._numbers().columns[1].cells
             assert [str(c) for c in numbers] == ["loss", f"{loss:.4g}"]  # step 1's, not step 5's
+            # Its hit count is the recording's, not the step's: the label says so.
+            assert str(next(iter(run._numbers().columns[4].cells))) == "hits in the run"
             assert "retaining" not in str(run.query_one("#run-session").render())
 
     asyncio.run(flow())

@@ -306,10 +306,9 @@ class RunStatus(VerticalScroll):
         return line
 
     def _numbers(self) -> Table:
-        table = Table.grid(padding=(0, 3))
-        for _ in range(5):
-            table.add_column()
-        labels = ("step", "loss", "gradient norm", "steps/s", "hits")
+        table = Table.grid(*[""] * 5, padding=(0, 3))
+        hits = "hits in the run" if self._recorded else "hits"  # a replay shows one of its steps
+        labels = ("step", "loss", "gradient norm", "steps/s", hits)
         values = [
             str(self._info.get("step", "–")),
             self._latest("loss"),
