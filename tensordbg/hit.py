@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+CARRIED_KINDS = ("grad", "param", "update")
+"""The kinds of tensor whose NaN the gradient all-reduce carries from one rank to the others."""
+
 
 @dataclass(slots=True)
 class Hit:

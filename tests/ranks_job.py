@@ -8,8 +8,8 @@ Scenarios: ``nan`` (rank 1's training forward makes a NaN in module ``1`` at ste
 recorded), ``raise`` (the same, raising), ``pause`` (an evaluation forward of rank 1 makes it, so
 the training itself stays healthy; the test drives the pause through the UI's client), ``drift``
 (rank 1's ``3.weight`` is changed by hand at step 4), ``dump`` (as ``nan``, both ranks fed the
-same data and writing every step into one dump directory, ``OUT_DIR/dump``), ``bare`` (no
-tensordbg).
+same data and writing every step into one dump directory, ``OUT_DIR/dump``), ``skip`` (as
+``nan``, with ``on_hit="skip"``), ``bare`` (no tensordbg).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def main(scenario: str, out: Path) -> None:
     counts = count_collectives()
     session = None
     if scenario != "bare":
-        on_hit = {"raise": "raise", "pause": "pause"}.get(scenario, "record")
+        on_hit = {"raise": "raise", "pause": "pause", "skip": "skip"}.get(scenario, "record")
         rules = [NaN(), RankDivergence(every=2)]
         dumps = {"dump_dir": out / "dump", "dump_every": 1, "dump_tensors": ["3.weight"]}
         session = tensordbg.attach(ddp, optimizer=opt, rules=rules, on_hit=on_hit,
@@ -85,7 +85,7 @@ def main(scenario: str, out: Path) -> None:
     generator = torch.Generator().manual_seed(0 if scenario == "dump" else rank)
     for step in range(STEPS.get(scenario, 6)):
         poison = model[1]
-        poison.armed = scenario in ("nan", "raise", "dump") and rank == 1 and step == 3
+        poison.armed = scenario in ("nan", "raise", "dump", "skip") and rank == 1 and step == 3
         if scenario == "pause" and rank == 1 and step == 3:
             poison.armed = True  # an evaluation forward on rank 1 only makes a NaN
             with torch.no_grad():
@@ -112,6 +112,8 @@ def main(scenario: str, out: Path) -> None:
         "params": sorted(session.params_by_name) if session else [],
         "collectives": counts,
         "paused_steps": paused_steps,
+        "skipped": session.skipped_updates if session else [],
+        "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
         "finished": time.time(),
         "seconds": time.time() - started,
     }

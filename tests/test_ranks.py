@@ -90,9 +90,11 @@ def test_a_nan_on_rank_1_only_is_a_hit_on_rank_1_at_its_module_and_step(job):
     # Rank 0's own forward and backward were clean; DDP's all-reduce then carried rank 1's NaN
     # into its gradients and weights: those hits are passed on, naming rank 1, not new origins.
     assert rank0["hits"] and all(h["rank"] == 0 and not h["origin"] for h in rank0["hits"])
+    # Its gradients are judged as the all-reduce left them, before the update lands.
     first = rank0["hits"][0]
-    assert first["step"] == 3 and first["kind"] in ("grad", "param")
+    assert (first["step"], first["kind"], first["phase"]) == (3, "grad", "backward")
     assert "It came from rank 1 (NaN at 1.output)" in first["message"]
+    assert not [h for h in rank0["hits"] if "The gradient was clean" in h["message"]]
     # Rank 1 ran its module's forward again alone (no collective in it) and named the product.
     assert (
         "Inside 1's forward the first NaN came from Tensor.mul at ranks_job.py" in origin["message"]
@@ -104,6 +106,17 @@ def test_a_nan_on_rank_1_only_is_a_hit_on_rank_1_at_its_module_and_step(job):
                                "3.weight"]  # fmt: skip
     # tensordbg ran no collective of its own (DDP's are not Python-level calls).
     assert rank0["collectives"] == {} and rank1["collectives"] == {}
+
+
+def test_skip_on_one_rank_s_nan_skips_that_update_on_every_rank(job):
+    """on_hit="skip": rank 1 skips the update its NaN would make, and rank 0, whose gradients
+    the all-reduce made NaN, skips the same step: the replicas stay alike and finite."""
+    j = job("skip")
+    output = j.wait()
+    assert j.process.returncode == 0, output
+    rank0, rank1 = j.rank(0), j.rank(1)
+    assert rank0["skipped"] == rank1["skipped"] == [3]
+    assert rank0["finite"] and rank1["finite"]
 
 
 def test_rank_divergence_reports_the_rank_whose_weights_drifted(job):

@@ -38,7 +38,7 @@ from datetime import timedelta
 from typing import Any
 
 from tensordbg.distributed.identity import RankIdentity
-from tensordbg.hit import Hit
+from tensordbg.hit import CARRIED_KINDS, Hit
 
 REQUEST, RESUMED, GENERATION = "request", "resumed", "generation"
 NONE = b"{}"
@@ -191,32 +191,34 @@ class RankLink:
             self._resume_all(request.gen)
 
     def attribute(self, hit: Hit) -> None:
-        """Say where an origin hit came from across ranks (called as each hit is logged). A hit
-        at its origin in a rank's own forward or backward is published for the step; a rank whose
-        gradients, parameters or updates go bad in a step where another rank published one got
-        it through the gradient all-reduce: its hit is "passed on", naming that rank. (Best
-        effort: a backward origin judged only at the end of the other rank's backward may be
-        published too late to be seen.)"""
-        if self.closed or not hit.origin:
+        """Publish an origin hit of this rank's own forward or backward for its step (called as
+        each hit is logged), so that the ranks whose gradients go bad through the all-reduce can
+        name it (:meth:`carried`). (Best effort: a backward origin judged only at the end of the
+        other rank's backward may be published too late to be seen.)"""
+        if self.closed or not hit.origin or hit.kind in CARRIED_KINDS:
             return
-        key = f"origin/{hit.step}"
-        with self._store_errors():
-            if hit.kind not in ("grad", "param", "update"):
-                if self._published != hit.step:
-                    self._published = hit.step
-                    mine = json.dumps({"rank": self.rank, "rule": hit.rule, "tensor": hit.tensor})
-                    self.store.compare_set(key, "", mine)
-                return
-            if self._origins[0] != hit.step:
+        if self._published != hit.step:
+            self._published = hit.step
+            mine = json.dumps({"rank": self.rank, "rule": hit.rule, "tensor": hit.tensor})
+            with self._store_errors():
+                self.store.compare_set(f"origin/{hit.step}", "", mine)
+
+    def carried(self, step: int) -> str | None:
+        """Where a gradient, parameter or update of this rank that went bad at ``step`` came
+        from, when another rank published an origin there: the sentence that says so (the hit
+        is then passed on, not made here), else None."""
+        if self.closed:
+            return None
+        key = f"origin/{step}"
+        if self._origins[0] != step:
+            with self._store_errors():
                 found = self.store.check([key])
-                self._origins = (hit.step, json.loads(self.store.get(key)) if found else None)
-            other = self._origins[1]
-            if other and other["rank"] != self.rank:
-                hit.origin = False
-                hit.message += (
-                    f" It came from rank {other['rank']} ({other['rule']} at {other['tensor']}): "
-                    "the gradient all-reduce carried it to every rank."
-                )
+                self._origins = (step, json.loads(self.store.get(key)) if found else None)
+        other = self._origins[1]
+        if not other or other["rank"] == self.rank:
+            return None
+        return (f"It came from rank {other['rank']} ({other['rule']} at {other['tensor']}): the "
+                "gradient all-reduce carried it to every rank.")  # fmt: skip
 
     def close(self) -> None:
         """Detached: stop watching the store (a pause this rank was in is left to the others)."""

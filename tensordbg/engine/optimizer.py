@@ -15,7 +15,7 @@ import torch
 
 from tensordbg.engine.params import Digest, Param, ParamWatch, sample_moved
 from tensordbg.engine.phases import Judged
-from tensordbg.engine.records import Record
+from tensordbg.engine.records import Record, param_grad_record
 from tensordbg.statistics import FINITE, L2, MAX, MIN, Stat
 from tensordbg.statistics.batch import norms_of
 from tensordbg.statistics.torch_kernels import host_stats, update_stats, watchable
@@ -56,6 +56,28 @@ class OptimizerPhase:
             self._start_phase("optimizer")
             self._check_parameters(changed, None)
 
+    def _check_reduced_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Several ranks: the gradients as the all-reduce left them (DDP writes them when the
+        backward pass ends, after this rank's hooks read its own). One norm each; a gradient
+        that is not finite where this rank's own was is judged now, before the update lands (a
+        pause or a skip it asks for happens at the safe point, with every rank), as the NaN
+        another rank made."""
+        known = {r.param for r in self.phases.records
+                 if r.stats.kind == "grad" and r.stats.nonfinite}  # fmt: skip
+        grads = [(p, p.param.grad) for p in self.weights.owned(optimizer, self.optimizers)
+                 if p.name not in known and watchable(p.param.grad)]  # fmt: skip
+        norms = norms_of([grad for _, grad in grads])
+        for (p, grad), norm in zip(grads, norms, strict=True):
+            if math.isfinite(norm):
+                continue
+            record = param_grad_record(p.name, p.owner, p.owner_type, grad, self.step)
+            self._prepare(record, grad)
+            self.screen(record, grad)
+            self.judge(record, grad)
+            for verdict in self.origins.grad(record):
+                self._hit(verdict)
+        self._pause_if_needed()
+
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any,
                      kwargs: Any) -> tuple[Any, Any] | None:  # fmt: skip
         """The optimizer's step pre-hook. A step given a closure runs the forward and backward
@@ -79,6 +101,8 @@ class OptimizerPhase:
         try:
             if self.phases.busy() or self._forward_open:
                 self._end_phase()
+            if self.ranks is not None and self.phase == "backward":
+                self._check_reduced_gradients(optimizer)
             if self.ranks is not None and optimizer is self.optimizers[0]:
                 self.ranks.safe_point()  # the step's collectives are done: ranks stop here
             if self._skip_requested:

@@ -25,7 +25,7 @@ from tensordbg.engine.pausing import Pausing
 from tensordbg.engine.phases import Enter, Exit, Gradient, Judged, Snapshot
 from tensordbg.engine.pinpoint import Pinpointing
 from tensordbg.engine.records import NONFINITE, Call, Record
-from tensordbg.hit import Hit
+from tensordbg.hit import CARRIED_KINDS, Hit
 from tensordbg.statistics import Stat, TensorStats
 from tensordbg.statistics.torch_kernels import SCREEN, dtype_name, host_stats, watchable
 
@@ -335,8 +335,13 @@ class Pipeline(Pausing, Pinpointing):
             return
         record = verdict.record
         condition = origin.condition_of(record, verdict.rule_id)
-        hit = self.hitlog.make(record, active, verdict.finding, verdict.origin, condition,
-                               verdict.call, verdict.kind, verdict.name)  # fmt: skip
+        carried = None  # several ranks: a NaN another rank made, brought by the all-reduce
+        if verdict.origin and self.ranks is not None and record.stats.kind in CARRIED_KINDS:
+            carried = self.ranks.carried(self.step)
+        hit = self.hitlog.make(record, active, verdict.finding, verdict.origin and not carried,
+                               condition, verdict.call, verdict.kind, verdict.name)  # fmt: skip
+        if carried:
+            hit.message += f" {carried}"
         self._name_operation(hit, verdict, record)
         if self.amp.scales(record.stats) and record.stats.nonfinite:
             self.amp.held.append((hit, active))  # the scaler may skip this step: see amp.py
@@ -345,14 +350,16 @@ class Pipeline(Pausing, Pinpointing):
 
     def _add_hit(self, hit: Hit, active: ActiveRule | None) -> None:
         if self.ranks is not None:
-            self.ranks.attribute(hit)  # a bad gradient another rank's NaN made is passed on
+            self.ranks.attribute(hit)  # an origin the other ranks' bad gradients came from
         repeated = self.hitlog.repeated(hit)
         if not self.hitlog.add(hit, active):
             return
         self.bus.publish("hit", hit.as_dict())
         self.say_forked_hit(hit)
         # A callable on_hit hears every hit; pause and raise stop at new origins only.
-        skipping = self.on_hit == "skip" and hit.origin  # every step that hits is skipped
+        # Every step that hits is skipped, and every update a bad gradient would make (one
+        # another rank's NaN brought through the all-reduce: every rank skips that step).
+        skipping = self.on_hit == "skip" and (hit.origin or hit.kind == "grad")
         if callable(self.on_hit) or skipping or self.controller.should_pause(hit, repeated):
             self._pausing.append(hit)
 
