@@ -238,3 +238,19 @@ def test_step_boundaries_move_out_of_the_optimizer_step_they_fall_in():
     first, second = nest_steps(events)[:2]
     assert (first["ts"], first["dur"]) == (0, 1050)
     assert (second["ts"], second["dur"]) == (1050, 1000)
+
+
+def test_the_profilers_own_stop_is_not_counted_in_the_last_optimizer_step():
+    """The last profiled step's Optimizer.step span of torch holds the profiler's own stop (its
+    post-hooks): the operator table counts it only up to tensordbg's optimizer range's end."""
+    events = [
+        span("ProfilerStep#1", 0, 1000),
+        span("Optimizer.step#Adam.step", 800, 150),
+        span("tensordbg: optimizer", 805, 140),
+        span("ProfilerStep#2", 1000, 1000),
+        span("Optimizer.step#Adam.step", 1800, 5300),  # the profiler stopped inside it
+        span("tensordbg: optimizer", 1805, 140),
+    ]
+    report = summarize(Capture(events, None, steps=[1, 2], device="cpu", main_thread=10))
+    [row] = [r for r in report.operators if r["name"] == "Optimizer.step#Adam.step"]
+    assert (row["calls"], row["total_cpu"]) == (2, pytest.approx((145 + 145) * 1e-6))
