@@ -76,6 +76,8 @@ class WatchpointHit(RuntimeError):
     def __init__(self, hit: Hit, message: str | None = None):
         super().__init__(hit.message if message is None else message)
         self.hit = hit
+        self.summary_after = ""
+        """The hits' summary, printed after the traceback when nobody catches it."""
 
 
 def said_of(sentence: str, stored: str, name: str) -> str:

@@ -54,6 +54,11 @@ def print_script_error(error: BaseException) -> None:
     sys.stderr.flush()
 
 
+def shows_hits() -> bool:
+    """Whether an uncaught WatchpointHit is printed by :func:`install_excepthook`'s hook."""
+    return getattr(sys.excepthook, "shows_hits", False)
+
+
 def install_excepthook() -> Callable[[], None]:
     """Print an uncaught WatchpointHit with :func:`format_user_traceback`; returns the undo."""
     from tensordbg.hit import WatchpointHit
@@ -65,13 +70,18 @@ def install_excepthook() -> Callable[[], None]:
     ) -> Any:
         if isinstance(error, WatchpointHit):
             print(format_user_traceback(error), end="", file=sys.stderr, flush=True)
+            if error.summary_after:  # the hits, after the traceback (a framework detached first)
+                print(error.summary_after, file=sys.stderr, flush=True)
             return None
         return previous(kind, error, tb)
 
+    excepthook.shows_hits = True  # type: ignore[attr-defined]
     sys.excepthook = excepthook
 
     def undo() -> None:
-        if sys.excepthook is excepthook:
+        # Detached while the hit is on its way up (Lightning's teardown on an exception): the
+        # hook stays, to show it when it arrives; it passes anything else on.
+        if sys.excepthook is excepthook and not isinstance(sys.exc_info()[1], WatchpointHit):
             sys.excepthook = previous
 
     return undo

@@ -441,6 +441,34 @@ def test_tensordbg_run_watches_a_framework_script_without_changing_it(tmp_path, 
     assert done.returncode == 1  # the script exited 0, but something hit (as a linter)
 
 
+@pytest.mark.slow
+def test_an_uncaught_hit_in_lightning_shows_the_users_frames_then_the_summary(tmp_path):
+    """Lightning tears down (the callback detaches) before the hit reaches the top: the
+    traceback still leaves tensordbg's and PyTorch's frames out, and the summary comes after."""
+    script = LIGHTNING_SCRIPT.replace(
+        "enable_model_summary=False)",
+        "enable_model_summary=False, callbacks=[TensordbgCallback(on_hit='raise')])",
+    ).replace(
+        "import torch\n",
+        "import torch\n    from tensordbg.integrations.lightning import TensordbgCallback\n",
+        1,
+    )
+    path = tmp_path / "train.py"
+    path.write_text(textwrap.dedent(script))
+    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)  # fmt: skip
+    err = done.stderr
+    assert done.returncode == 1 and "trained" not in done.stdout, err[-3000:]
+    start = err.index(
+        "Traceback (most recent call last; tensordbg's and PyTorch's frames left out)"
+    )
+    assert f'File "{path}"' in err[start:]
+    assert "tensordbg/engine" not in err and "torch/nn/modules" not in err
+    assert err.index("tensordbg.hit.WatchpointHit: net.0.output holds") < err.index(
+        "tensordbg: 1 hit, 1 at their origin"
+    )
+
+
 DDP_SCRIPT = """
     import json, sys
     import torch

@@ -23,6 +23,8 @@ import torch
 
 from tensordbg.api import attach
 from tensordbg.engine.session import ON_HIT, Session
+from tensordbg.hit import WatchpointHit
+from tensordbg.tracebacks import shows_hits
 
 FROM_THE_TRAINER = ("model", "optimizer", "scaler")
 
@@ -71,7 +73,11 @@ class TrainingWatch:
             return
         session.detach()
         if summary and session.summary_at_exit and session.hits:
-            print(session.summary(), file=sys.stderr, flush=True)
+            raised = sys.exc_info()[1]  # ended by a hit raised on its way up: said after it
+            if isinstance(raised, WatchpointHit) and shows_hits():
+                raised.summary_after = session.summary()
+            else:
+                print(session.summary(), file=sys.stderr, flush=True)
 
 
 def _check_attach_args(owner: str, attach_args: Mapping[str, Any]) -> None:
