@@ -31,8 +31,10 @@ NARROW_FLOATS = frozenset(FLOAT_MAX) - {"float32", "float64"}
 
 
 class NaN(Rule):
-    """A NaN in any watched tensor: forward, backward, parameters and observed values (not
-    updates: an update holds a NaN where its parameter does, which is found as the parameter).
+    """A NaN in a watched tensor: forward, backward, parameters and observed values.
+
+    Updates are not judged: an update holds a NaN where its parameter does, found as the
+    parameter.
 
     Defaults: MindInsight's "tensor overflow" and SageMaker's ExplodingTensor check NaN with no
     threshold; so does this rule. The engine names as origin only the module that produced it.

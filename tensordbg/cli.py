@@ -336,7 +336,11 @@ def _rule(spec: str) -> Any:
         known = ", ".join(sorted(available_rules()))
         raise _usage(f"tensordbg: no rule named {call.func.id!r}; the rules are: {known}")
     kwargs = {}
+    named = _keywords(cls)
     for keyword in call.keywords:
+        if keyword.arg not in named:
+            raise _usage(f"tensordbg: --rule {spec!r}: {cls.__name__} has no {keyword.arg}=; it "
+                         f"takes {', '.join(named)}")  # fmt: skip
         try:
             kwargs[keyword.arg] = ast.literal_eval(keyword.value)
         except (ValueError, SyntaxError):
@@ -348,6 +352,17 @@ def _rule(spec: str) -> Any:
         return cls(**kwargs)
     except (ValueError, TypeError) as e:
         raise _usage(f"tensordbg: --rule {spec!r}: {e}") from None
+
+
+def _keywords(cls: type) -> list[str]:
+    """The keyword arguments a rule class takes: its thresholds, then the selection."""
+    import inspect
+
+    from tensordbg.rules.base import SELECTION_ARGS
+
+    own = [n for n, p in inspect.signature(cls.__init__).parameters.items()
+           if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]  # fmt: skip
+    return [*own, *(n for n in SELECTION_ARGS if n not in own)]
 
 
 def _listen(text: str) -> str:

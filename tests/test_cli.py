@@ -275,6 +275,8 @@ def test_a_rule_with_arguments_is_given_on_the_command_line_and_read_as_data(scr
         ("TensorRange(max_gt=__import__('os'))", "max_gt= takes a plain value"),
         ("os.system('true')", "write it as Name(key=value, ...)"),
         ("Nope(x=1)", "no rule named 'Nope'"),
+        ("TensorRange(maxgt=1)", "TensorRange has no maxgt=; it takes min_lt, max_gt, "),
+        ("DeadActivation(threshold=0.1)", "it takes module_types, inactivity_threshold, "),
     ]:
         done = tensordbg("run", "--rule", spec, str(script), cwd=script.parent)
         assert done.returncode == 2 and said in done.stderr, (spec, done.stderr)
