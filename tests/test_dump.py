@@ -441,3 +441,12 @@ def test_a_writer_killed_midway_leaves_the_earlier_steps_readable(tmp_path):
     listed = {f"step-{s:08d}.safetensors" for s in steps}
     visible = {p.name for p in (tmp_path / "rank-0").glob("*.safetensors")}
     assert visible <= listed | {f"step-{steps[-1] + 1:08d}.safetensors"}  # renamed, not indexed
+
+
+def test_a_tensor_no_step_lists_is_refused_at_once_with_the_names_closest_to_it(tmp_path):
+    _write(tmp_path, steps=(0, 2, 3, 4))
+    dump = load(tmp_path)
+    with pytest.raises(DumpError, match=r"lists a tensor 'fc.outptu'; did you mean 'fc.output'"):
+        dump.tensor("fc.outptu")
+    with pytest.raises(DumpError, match=r"step 1 .*was not dumped \(steps 0, 2-4 were\)"):
+        dump.tensor("fc.output").value(1)

@@ -221,10 +221,20 @@ class Dump:
         return None if record is None else list(record.entries or ())
 
     def tensor(self, name: str, rank: int = 0) -> DumpedTensor:
-        """One tensor across steps: its statistics and values."""
+        """One tensor across steps: its statistics and values; DumpError when no readable
+        step lists it (with the names closest to it)."""
         if rank not in self._metas:
             raise DumpError(f"{self.path} has no rank {rank} (ranks: {self.ranks})")
-        return DumpedTensor(self, name, rank)
+        tensor = DumpedTensor(self, name, rank)
+        if not tensor.steps():
+            import difflib
+
+            names = {e.name for key, r in self._steps.items() if key[1] == rank
+                     for e in r.entries or ()}  # fmt: skip
+            close = difflib.get_close_matches(name, sorted(names), n=3)
+            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise DumpError(f"no step of {self.path} (rank {rank}) lists a tensor {name!r}{hint}")
+        return tensor
 
     def step_hits(self, step: int, rank: int = 0) -> list[Hit]:
         """The hits of one step."""
@@ -354,7 +364,7 @@ class Dump:
         record = self._steps.get(key)
         if record is None and raising:
             steps = self.steps(rank)
-            listed = f"steps {steps[0]}..{steps[-1]}" if steps else "no steps"
+            listed = f"steps {_runs(steps)}" if steps else "no steps"
             raise DumpError(f"{self._where(step, rank)} was not dumped ({listed} were)")
         return record
 
@@ -435,3 +445,14 @@ def load(path: str | os.PathLike[str]) -> Dump:
     ['fc1.output']
     """
     return Dump(path)
+
+
+def _runs(steps: list[int]) -> str:
+    """Sorted step numbers as runs: ``[0, 2, 3, 4, 5]`` is ``"0, 2-5"``."""
+    runs: list[list[int]] = []
+    for step in steps:
+        if runs and step == runs[-1][1] + 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
