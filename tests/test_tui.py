@@ -1142,3 +1142,11 @@ def test_k_says_that_the_update_will_be_skipped_and_how_to_go_on() -> None:
             assert "c continues" in text
 
     asyncio.run(flow())
+
+
+def test_the_rules_table_shows_only_the_thresholds_that_are_set() -> None:
+    """A TensorRange's ten bounds, nine unset, would push its match and kinds off the screen."""
+    from tensordbg.tui.components.rule_panel import thresholds
+
+    assert thresholds({"min_lt": None, "max_gt": 1.0, "mean_lt": None}) == "max_gt=1.0"
+    assert thresholds({"min_lt": None}) == "–"

@@ -29,7 +29,9 @@ ACTIONS = {"paused": ("toggle", "edit", "add", "recheck"), "running": ("toggle",
 
 
 def thresholds(params: dict[str, Any]) -> str:
-    return "  ".join(f"{k}={v!r}" for k, v in params.items()) or "–"
+    """The thresholds that are set (a TensorRange's unset bounds would push the columns after
+    it off the screen; the edit dialog lists them all)."""
+    return "  ".join(f"{k}={v!r}" for k, v in params.items() if v is not None) or "–"
 
 
 def kinds(names: list[str]) -> str:

@@ -301,8 +301,8 @@ class RunStatus(VerticalScroll):
             line.append("\nin rule ", style="bold")
             line.append(f"{running['rule']}", style="bold yellow")
             line.append(f" on {running['tensor']} for {running['seconds']:.0f} s: the training "
-                        "waits for it (space in the Rules tab switches it off from the next "
-                        "check; Ctrl-C in the training stops it)")  # fmt: skip
+                        "waits for it (space in the Rules tab switches it off once this "
+                        "check is done; Ctrl-C in the training stops it)")  # fmt: skip
         return line
 
     def _numbers(self) -> Table:
