@@ -127,10 +127,10 @@ def test_a_dumped_step_reads_each_module_output_in_its_hook_not_again_after_the_
     read_after = []
     real = Pipeline.screen
 
-    def screen(self, record, tensor):
+    def screen(self, record, tensor, *extra):
         if record.stats.kind == "output":
             read_after.append(record.stats.name)
-        real(self, record, tensor)
+        real(self, record, tensor, *extra)
 
     monkeypatch.setattr(Pipeline, "screen", screen)
     session = _train_dumped(model, tmp_path, steps=2, dump_every=1, sync="deferred")
@@ -142,6 +142,8 @@ def test_a_dumped_step_reads_each_module_output_in_its_hook_not_again_after_the_
     for step in (0, 1):
         stats = {e.name: e.stats for e in dump.tensors(step)}
         assert stats["1.log.output"]["finite"] == 0.0
+        # The model's input has its mean too: two runs fed different batches part there.
+        assert set(stats["input[0]"]) == {"finite", "mean"}
         assert all(
             stats[name]["finite"] == 1.0 for name in ("0.output", "1.out.output", "2.output")
         )

@@ -191,9 +191,11 @@ class DumpRecorder:
             tensor = record.held()
             if tensor is None:
                 continue
+            # With the mean (one sum gives both): two dumps part where an activation's does,
+            # the model's inputs included (two ranks fed different batches).
             if on_host(tensor):
-                self.session.screen(record, tensor)
-            else:  # with the mean, as on the host: two dumps part where an activation's does
+                self.session.screen(record, tensor, (MEAN,))
+            else:
                 wanted = record.wanted if MEAN in record.wanted else (*record.wanted, MEAN)
                 slots.append((record, wanted, batch.add(device_stats(tensor, wanted))))
         values = batch.flush() if slots else []

@@ -141,10 +141,11 @@ class Pipeline(Pausing, Pinpointing):
 
     # --- statistics and judging (the sync modes call these) --------------------------------
 
-    def screen(self, record: Record, tensor: torch.Tensor) -> None:
-        """Compute a record's statistics now, on the host."""
-        values = self.measure(record.stats, tensor, record.wanted)
-        record.stats.values = dict(zip(record.wanted, values, strict=True))
+    def screen(self, record: Record, tensor: torch.Tensor, extra: tuple[Stat, ...] = ()) -> None:
+        """Compute a record's statistics now, on the host (and ``extra`` ones)."""
+        wanted = tuple(dict.fromkeys(record.wanted + extra)) if extra else record.wanted
+        values = self.measure(record.stats, tensor, wanted)
+        record.stats.values = dict(zip(wanted, values, strict=True))
         record.lazy = False
 
     def measure(
