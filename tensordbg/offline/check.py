@@ -65,8 +65,7 @@ class Finding:
     under whose name ``tensor`` is dumped (``out.output``); "" when the hit named ``tensor``."""
 
     @property
-    def advised(self) -> str:
-        """The message followed by the advice."""
+    def advised(self) -> str:  # the message followed by the advice
         return f"{self.message} {self.advice}" if self.advice else self.message
 
     @property
@@ -137,10 +136,12 @@ class CheckReport:
 
     def table(self, limit: int = 50) -> str:
         """The report for a person: the findings in execution order (the first is where a
-        problem surfaced), the advice they carry (each once), what could not be judged, and the
-        broken steps."""
+        problem surfaced; with several ranks, by step, a step's origins first), the advice they
+        carry (each once), what could not be judged, and the broken steps."""
         lines = []
         rows = self._rows()
+        if len(self.ranks) > 1:  # else rank 0's later steps push rank 1's origin out of view
+            rows.sort(key=lambda row: (row[1].step, not row[1].origin))
         width = max([18, *(len(rules) for rules, _ in rows[:limit])])
         for rules, f in rows[:limit]:
             rank = f" rank {f.rank}" if len(self.ranks) > 1 else ""
