@@ -101,7 +101,7 @@ class TensorInspector(Vertical):
                 self.query_one("#tensor-title", Static).update(Text(self.tensor_name, style="bold"))
                 self.query_one("#tensor-summary", Static).update("")
                 self.query_one(StatsCompare).update("")
-                self.query_one(TensorGrid).clear(e.message)
+                self.query_one(TensorGrid).clear("No values to show (why is said above).")
                 self.query_one(HistogramView).show_message("")
             self._show_error(e.message)
             return
