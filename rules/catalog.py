@@ -7,7 +7,7 @@ import warnings
 from importlib.metadata import entry_points
 
 from tensordbg.rules.activations import DeadActivation, SaturatedActivation
-from tensordbg.rules.base import ENTRY_POINT_GROUP, Rule
+from tensordbg.rules.base import ENTRY_POINT_GROUP, SELECTION_ARGS, Rule
 from tensordbg.rules.distributed import RankDivergence
 from tensordbg.rules.gradients import ExplodingGradient, VanishingGradient
 from tensordbg.rules.loss import LossNotDecreasing
@@ -69,3 +69,46 @@ def available_rules() -> dict[str, type[Rule]]:
             continue
         found.setdefault(ep.name, cls)
     return found
+
+
+def rule_from_spec(spec: str) -> Rule:
+    """``"TensorRange(match='*.attn.*', max_gt=1e4)"`` as a rule: the name and its keyword
+    arguments are read with ``ast`` as literals; nothing is evaluated. ValueError says what is
+    wrong with it in one sentence."""
+    import ast
+
+    try:
+        call = ast.parse(spec.strip(), mode="eval").body
+    except SyntaxError:
+        call = None
+    if isinstance(call, ast.Name):
+        call = ast.Call(func=call, args=[], keywords=[])
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.args):
+        raise ValueError('write it as Name(key=value, ...), e.g. "TensorRange(max_gt=1e4)"')
+    cls = available_rules().get(call.func.id)
+    if cls is None:
+        known = ", ".join(sorted(available_rules()))
+        raise ValueError(f"no rule named {call.func.id!r}; the rules are: {known}")
+    kwargs = {}
+    named = _keywords(cls)
+    for keyword in call.keywords:
+        if keyword.arg not in named:
+            raise ValueError(f"{cls.__name__} has no {keyword.arg}=; it takes {', '.join(named)}")
+        try:
+            kwargs[keyword.arg] = ast.literal_eval(keyword.value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"{keyword.arg}= takes a plain value (a number, a string, a list or "
+                             "tuple of them)") from None  # fmt: skip
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise ValueError(str(e)) from None
+
+
+def _keywords(cls: type) -> list[str]:
+    """The keyword arguments a rule class takes: its thresholds, then the selection."""
+    import inspect
+
+    own = [n for n, p in inspect.signature(cls.__init__).parameters.items()
+           if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]  # fmt: skip
+    return [*own, *(n for n in SELECTION_ARGS if n not in own)]

@@ -314,55 +314,13 @@ def _tolerance(text: str) -> float:
 
 
 def _rule(spec: str) -> Any:
-    """``"TensorRange(match='*.attn.*', max_gt=1e4)"`` as a rule: the name and its keyword
-    arguments are read with ``ast`` as literals; nothing is evaluated."""
-    import ast
-
-    from tensordbg.rules import available_rules
+    """``"TensorRange(match='*.attn.*', max_gt=1e4)"`` as a rule (read as data, never run)."""
+    from tensordbg.rules.catalog import rule_from_spec
 
     try:
-        call = ast.parse(spec.strip(), mode="eval").body
-    except SyntaxError:
-        call = None
-    if isinstance(call, ast.Name):
-        call = ast.Call(func=call, args=[], keywords=[])
-    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.args):
-        raise _usage(
-            f"tensordbg: --rule {spec!r}: write it as Name(key=value, ...), e.g. "
-            '"TensorRange(max_gt=1e4)"'
-        )
-    cls = available_rules().get(call.func.id)
-    if cls is None:
-        known = ", ".join(sorted(available_rules()))
-        raise _usage(f"tensordbg: no rule named {call.func.id!r}; the rules are: {known}")
-    kwargs = {}
-    named = _keywords(cls)
-    for keyword in call.keywords:
-        if keyword.arg not in named:
-            raise _usage(f"tensordbg: --rule {spec!r}: {cls.__name__} has no {keyword.arg}=; it "
-                         f"takes {', '.join(named)}")  # fmt: skip
-        try:
-            kwargs[keyword.arg] = ast.literal_eval(keyword.value)
-        except (ValueError, SyntaxError):
-            raise _usage(
-                f"tensordbg: --rule {spec!r}: {keyword.arg}= takes a plain value (a number, a "
-                "string, a list or tuple of them)"
-            ) from None
-    try:
-        return cls(**kwargs)
-    except (ValueError, TypeError) as e:
+        return rule_from_spec(spec)
+    except ValueError as e:
         raise _usage(f"tensordbg: --rule {spec!r}: {e}") from None
-
-
-def _keywords(cls: type) -> list[str]:
-    """The keyword arguments a rule class takes: its thresholds, then the selection."""
-    import inspect
-
-    from tensordbg.rules.base import SELECTION_ARGS
-
-    own = [n for n, p in inspect.signature(cls.__init__).parameters.items()
-           if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]  # fmt: skip
-    return [*own, *(n for n in SELECTION_ARGS if n not in own)]
 
 
 def _listen(text: str) -> str:
