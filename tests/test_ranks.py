@@ -167,8 +167,9 @@ def test_every_rank_pauses_together_and_continue_resumes_them_all(job, private_r
             assert time.monotonic() < deadline, f"not all paused: {infos}"
             time.sleep(0.2)
             infos = [c.call("info") for c in clients]
-        # Both at the optimizer step of step 3, where no rank waits inside an all-reduce.
-        assert [i["step"] for i in infos] == [3, 3]
+        # Both at the optimizer step of step 3, where no rank waits inside an all-reduce, and
+        # each says so (it said "backward": that phase had ended).
+        assert [(i["step"], i["phase"]) for i in infos] == [(3, "optimizer"), (3, "optimizer")]
         assert infos[1]["paused_at"]["rule"] == "NaN" and infos[1]["paused_at"]["rank"] == 1
         assert "rank 1 paused the job" in infos[0]["pause_reason"]
         clients[0].call("control", action="continue")  # continue on rank 0 resumes rank 1 too

@@ -221,6 +221,11 @@ class RankLink:
         return (f"It came from rank {other['rank']} ({other['rule']} at {other['tensor']}): the "
                 "gradient all-reduce carried it to every rank.")  # fmt: skip
 
+    @property
+    def at_safe_point(self) -> bool:
+        """Whether this rank is paused at its safe point (the optimizer's step pre-hook)."""
+        return self._at_safe_point
+
     def close(self) -> None:
         """Detached: stop watching the store (a pause this rank was in is left to the others)."""
         if self.closed:

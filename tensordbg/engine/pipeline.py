@@ -42,7 +42,11 @@ class Pipeline(Pausing, Pinpointing):
     def where(self) -> str:
         """The phase as a person reads it: the phase under way, or "" between two steps (a
         pause after ``s`` is before the next step, not in the optimizer phase of the last)."""
-        return "" if self.between_steps else self.phase
+        if self.between_steps:
+            return ""
+        if self.ranks is not None and self.ranks.at_safe_point:
+            return "optimizer"  # several ranks stop at its pre-hook: the update is next
+        return self.phase
 
     @property
     def at(self) -> str:
