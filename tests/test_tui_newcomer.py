@@ -819,6 +819,9 @@ def test_a_training_held_by_a_rule_that_hangs_says_which_rule_in_the_run_tab(mon
             model(torch.randn(3, 4))  # the training speaks again: a new step's status
             await until(pilot, lambda: "in rule" not in state_line(app))
             await until(pilot, lambda: switch() == "✗")  # made: the mark is gone
+            # ...and so is the note that it waits for the training.
+            note = str(panel.result.content)
+            assert "made when the training reaches" not in note and note.endswith(": made.")
 
     try:
         asyncio.run(flow())

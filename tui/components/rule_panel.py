@@ -62,6 +62,7 @@ class RulePanel(Vertical):
         # Changes the training has accepted but not made yet (it makes them at its next hook:
         # a training held by a slow rule makes them once that check returns), by rule id.
         self._pending: dict[int, dict[str, Any]] = {}
+        self._waiting = ""  # the change the note says waits for the training, if any
         self._available: list[dict[str, Any]] = []
         self.table: DataTable[Any] = Table(id="rule-table", cursor_type="row")
         self.result = Static("", id="rule-result")
@@ -101,6 +102,9 @@ class RulePanel(Vertical):
             else:
                 rules[i] = pending  # shown as it will be, marked as waiting for the training
         self._rules = rules
+        if self._waiting and not self._pending:  # the note said it was waiting: no more
+            self._say(f"{self._waiting}: made.")
+            self._waiting = ""
         self._draw()
 
     def training_moved(self) -> None:
@@ -230,6 +234,7 @@ class RulePanel(Vertical):
             return
         if reply.get("pending"):
             self._pending[reply["id"]] = dict(reply)
+            self._waiting = what
             self._say(f"{what}: made when the training reaches its next hook.")
         else:
             self._say(f"{what}.")
