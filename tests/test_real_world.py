@@ -46,6 +46,26 @@ def test_overflow_steps_skipped_several_times_in_a_row_become_hits(watch):
     assert "skipped 3 steps in a row" in backward[0].message
 
 
+def test_a_scaler_still_finding_its_scale_is_no_hit_until_the_scale_falls_below_one(watch):
+    """Before its first step, a GradScaler halves its scale at each skip to find one that fits:
+    ten skips from 65536 are how it starts, not hits. Skips that go on past a scale of 1 (a
+    NaN that no scale removes) are hits again: from init_scale 8, at the 5th skip (scale 0.25)."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    session = watch(model, optimizer=optimizer, on_hit="record", scaler=scaler, rules=[NaN()])
+    _amp_steps(model, optimizer, scaler, session, overflow_steps=set(range(10)), steps=12)
+    assert session.skipped_steps == list(range(10))
+    assert [h for h in session.hits if h.phase == "backward"] == []
+    session.detach()
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    session = watch(model, optimizer=optimizer, on_hit="record", scaler=scaler, rules=[NaN()])
+    _amp_steps(model, optimizer, scaler, session, overflow_steps=set(range(6)), steps=6)
+    backward = [h for h in session.hits if h.phase == "backward"]
+    assert backward and {h.step for h in backward} == {4, 5}
+    assert "skipped 5 steps in a row (its scale is now 0.25)" in backward[0].message
+
+
 def test_gradient_statistics_are_unscaled(watch):
     from tensordbg.statistics import L2
 

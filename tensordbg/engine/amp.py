@@ -4,6 +4,12 @@ Gradient statistics are unscaled (1 / the scale, read once per phase). A step th
 for non-finite gradients is how mixed precision works, not a problem: its hits are held back
 until ``scaler.update()`` says whether the step was skipped, and they are logged only when
 ``max_skipped_steps`` are skipped in a row (the loss scale cannot absorb the overflow).
+
+Before its first step that is not skipped, the scaler is still finding its scale: from
+``init_scale`` 65536 it halves at each skip, and a loss near 3e4 in float16 takes 10 skips to
+reach a scale that fits (64). Those skips count only once the scale has fallen below 1, where
+halving it cannot help any more: a model that makes a NaN from its first step is still
+reported (from 65536, at the 17th skip).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ class MixedPrecision:
         self.max_skipped_steps = max_skipped_steps
         self.skipped_steps: list[int] = []
         self.skipped_in_row = 0
+        self.calibrated = False
+        """Whether the scaler has made a step (it has found a scale that fits)."""
         self.stepped = False
         """Whether an optimizer stepped since the last ``scaler.update()``."""
         self.held: list[tuple[Any, Any]] = []
@@ -91,15 +99,19 @@ class MixedPrecision:
         held, self.held = self.held, []
         if not skipped:
             self.skipped_in_row = 0
+            self.calibrated = True
             return False, held
         self.skipped_steps.append(step)
         self.skipped_in_row += 1
         if self.skipped_in_row < self.max_skipped_steps:
             return True, []
+        scale = float(self.scaler.get_scale())
+        if not self.calibrated and scale >= 1.0:
+            return True, []  # still finding its scale (see the module's docstring)
         for hit, _ in held:
             hit.message += (
-                f" The GradScaler skipped {self.skipped_in_row} steps in a row: the loss "
-                "scale cannot absorb this."
+                f" The GradScaler skipped {self.skipped_in_row} steps in a row (its scale is now "
+                f"{scale:g}): the loss scale cannot absorb this."
             )
         return True, held
 
