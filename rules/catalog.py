@@ -71,6 +71,11 @@ def available_rules() -> dict[str, type[Rule]]:
     return found
 
 
+def unknown_rule(name: str) -> str:
+    """What to say of a rule name that names no rule: the rules there are."""
+    return f"no rule named {name!r}; the rules are: {', '.join(sorted(available_rules()))}"
+
+
 def rule_from_spec(spec: str) -> Rule:
     """``"TensorRange(match='*.attn.*', max_gt=1e4)"`` as a rule: the name and its keyword
     arguments are read with ``ast`` as literals; nothing is evaluated. ValueError says what is
@@ -87,8 +92,7 @@ def rule_from_spec(spec: str) -> Rule:
         raise ValueError('write it as Name(key=value, ...), e.g. "TensorRange(max_gt=1e4)"')
     cls = available_rules().get(call.func.id)
     if cls is None:
-        known = ", ".join(sorted(available_rules()))
-        raise ValueError(f"no rule named {call.func.id!r}; the rules are: {known}")
+        raise ValueError(unknown_rule(call.func.id))
     kwargs = {}
     named = _keywords(cls)
     for keyword in call.keywords:

@@ -270,6 +270,7 @@ def _usage(message: str) -> SystemExit:
 
 def _rules(spec: str) -> list | None:
     from tensordbg.rules import available_rules, default_rules
+    from tensordbg.rules.catalog import unknown_rule
 
     names = [n.strip() for n in spec.split(",") if n.strip()]
     if names == ["default"]:
@@ -288,8 +289,7 @@ def _rules(spec: str) -> list | None:
                     f'--rule "{name}(...)" instead of --rules'
                 ) from None
         else:
-            known = ", ".join(sorted(available))
-            raise _usage(f"tensordbg: no rule named {name!r}; the rules are: {known}")
+            raise _usage(f"tensordbg: {unknown_rule(name)}")
     return rules
 
 

@@ -56,32 +56,48 @@ def print_script_error(error: BaseException) -> None:
 
 def shows_hits() -> bool:
     """Whether an uncaught WatchpointHit is printed by :func:`install_excepthook`'s hook."""
-    return getattr(sys.excepthook, "shows_hits", False)
+    hook: Any = sys.excepthook
+    while hook is not None:
+        if getattr(hook, "handle", None) is _print_hit:
+            return True
+        hook = getattr(hook, "previous", None)
+    return False
 
 
-def install_excepthook() -> Callable[[], None]:
-    """Print an uncaught WatchpointHit with :func:`format_user_traceback`; returns the undo."""
-    from tensordbg.hit import WatchpointHit
-
+def chain_excepthook(handle: Callable[[BaseException], bool]) -> Callable[[], None]:
+    """Put ``handle`` before the interpreter's excepthook: it says the uncaught errors it knows
+    (returning True) and passes the others on. Returns the undo, which leaves the hook in place
+    while an error is on its way up (a framework's teardown detaches before the error reaches
+    the top, where the hook is still wanted)."""
     previous = sys.excepthook
 
     def excepthook(
         kind: type[BaseException], error: BaseException, tb: TracebackType | None
     ) -> Any:
-        if isinstance(error, WatchpointHit):
-            print(format_user_traceback(error), end="", file=sys.stderr, flush=True)
-            if error.summary_after:  # the hits, after the traceback (a framework detached first)
-                print(error.summary_after, file=sys.stderr, flush=True)
-            return None
-        return previous(kind, error, tb)
+        return None if handle(error) else previous(kind, error, tb)
 
-    excepthook.shows_hits = True  # type: ignore[attr-defined]
+    excepthook.handle = handle  # type: ignore[attr-defined]
+    excepthook.previous = previous  # type: ignore[attr-defined]
     sys.excepthook = excepthook
 
     def undo() -> None:
-        # Detached while the hit is on its way up (Lightning's teardown on an exception): the
-        # hook stays, to show it when it arrives; it passes anything else on.
-        if sys.excepthook is excepthook and not isinstance(sys.exc_info()[1], WatchpointHit):
+        if sys.excepthook is excepthook and sys.exc_info()[1] is None:
             sys.excepthook = previous
 
     return undo
+
+
+def install_excepthook() -> Callable[[], None]:
+    """Print an uncaught WatchpointHit with :func:`format_user_traceback`; returns the undo."""
+    return chain_excepthook(_print_hit)
+
+
+def _print_hit(error: BaseException) -> bool:
+    from tensordbg.hit import WatchpointHit
+
+    if not isinstance(error, WatchpointHit):
+        return False
+    print(format_user_traceback(error), end="", file=sys.stderr, flush=True)
+    if error.summary_after:  # the hits, after the traceback (a framework detached first)
+        print(error.summary_after, file=sys.stderr, flush=True)
+    return True

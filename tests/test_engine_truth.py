@@ -462,3 +462,26 @@ def test_the_summary_counts_what_it_does_not_list(watch):
     summary = session.summary()
     assert summary.startswith("tensordbg: 8 hits, 8 at their origin.")
     assert "... and 3 more at their origin (3 NaN)" in summary
+
+
+def test_the_hook_that_shows_an_uncaught_hit_goes_at_detach_unless_an_error_is_on_its_way_up(
+    watch, monkeypatch
+):
+    """attach(on_hit="raise") puts its excepthook before the interpreter's; a detach takes it
+    away, but not one made while an error propagates (a framework's teardown): the hook must
+    still be there when the hit reaches the top."""
+    import sys
+
+    from tensordbg.tracebacks import shows_hits
+
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    session = watch(mlp(), on_hit="raise")
+    assert shows_hits()
+    session.detach()
+    assert sys.excepthook is sys.__excepthook__
+    session = watch(mlp(), on_hit="raise")
+    try:
+        raise RuntimeError("a training step failed")
+    except RuntimeError:
+        session.detach()  # a trainer's teardown, inside its except block
+    assert shows_hits()

@@ -39,6 +39,7 @@ from typing import Any
 
 from tensordbg.distributed.identity import RankIdentity
 from tensordbg.hit import CARRIED_KINDS, Hit
+from tensordbg.tracebacks import chain_excepthook
 
 REQUEST, RESUMED, GENERATION = "request", "resumed", "generation"
 NONE = b"{}"
@@ -128,7 +129,8 @@ class RankLink:
                                          name=f"tensordbg-ranks-{self.rank}")  # fmt: skip
         self._watcher.start()
         session.handles.callback(self.close, "the link to the other ranks")
-        self._install_excepthook()
+        undo = chain_excepthook(self._stopped_by_another_rank)
+        session.handles.callback(undo, "the excepthook of a job another rank stopped")
 
     # --- the training thread -------------------------------------------------------------
 
@@ -260,26 +262,22 @@ class RankLink:
         self.close()
         raise SystemExit(1)
 
-    def _install_excepthook(self) -> None:
-        """When another rank raised, this rank's collective fails as that rank's process goes
-        (gloo: "Connection closed by peer"), often before this rank reaches a safe point: that
-        error ends the rank with the one line and status 1, not a traceback. The hook stays
-        after a detach (a framework's teardown detaches before the error reaches the top)."""
-        previous = sys.excepthook
-
-        def excepthook(kind: type[BaseException], error: BaseException, tb: Any) -> Any:
-            request = None
-            if not isinstance(error, (KeyboardInterrupt, SystemExit)):
-                with contextlib.suppress(Exception):
-                    request = Request.decode(self.store.get(REQUEST))
-            if request is None or request.kind != "abort" or request.rank == self.rank:
-                return previous(kind, error, tb)
-            self._say_abort(request)
-            print(f"  ({type(error).__name__} in rank {self.rank} after that, from a collective "
-                  f"rank {request.rank} left: not shown)", file=sys.stderr, flush=True)  # fmt: skip
-            return None
-
-        sys.excepthook = excepthook
+    def _stopped_by_another_rank(self, error: BaseException) -> bool:
+        """The excepthook's part (see ``__init__``): when another rank raised, this rank's
+        collective fails as that rank's process goes (gloo: "Connection closed by peer"), often
+        before this rank reaches a safe point: that error ends the rank with the one line and
+        status 1, not a traceback."""
+        if isinstance(error, (KeyboardInterrupt, SystemExit)):
+            return False
+        request = None
+        with contextlib.suppress(Exception):
+            request = Request.decode(self.store.get(REQUEST))
+        if request is None or request.kind != "abort" or request.rank == self.rank:
+            return False
+        self._say_abort(request)
+        print(f"  ({type(error).__name__} in rank {self.rank} after that, from a collective "
+              f"rank {request.rank} left: not shown)", file=sys.stderr, flush=True)  # fmt: skip
+        return True
 
     def _say_abort(self, request: Request) -> None:
         with self._lock:

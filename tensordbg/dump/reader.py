@@ -226,7 +226,7 @@ class Dump:
         if rank not in self._metas:
             raise DumpError(f"{self.path} has no rank {rank} (ranks: {self.ranks})")
         tensor = DumpedTensor(self, name, rank)
-        if not tensor.steps():
+        if not any(tensor._entry_or_none(step) for step in self.steps(rank)):  # the first will do
             import difflib
 
             names = {e.name for key, r in self._steps.items() if key[1] == rank

@@ -258,29 +258,27 @@ class DumpRecorder:
                     buffer.value_bytes)  # fmt: skip
 
     def _submit(self, job: _Job, keep: bool) -> None:
-        nbytes = job.nbytes
         with self._queued_lock:
-            room = self._queued_bytes + nbytes <= QUEUE_STEPS * self.value_budget
-            if keep or room:
-                self._queued_bytes += nbytes
+            room = keep or self._queued_bytes + job.nbytes <= QUEUE_STEPS * self.value_budget
+            if room:
+                self._queued_bytes += job.nbytes
         if keep:
             self._queue.put(job)  # a hit step waits for room: it is never dropped
             return
-        try:
-            if not room:
-                raise queue.Full
-            self._queue.put_nowait(job)
-        except queue.Full:
-            if room:
+        if room:
+            try:
+                self._queue.put_nowait(job)
+                return
+            except queue.Full:  # too many steps waiting, however small
                 with self._queued_lock:
-                    self._queued_bytes -= nbytes
-            self.dropped.append(job.step)
-            if job.modules is not None:
-                self._modules_written = False
-            if not self._said_behind:
-                self._said_behind = True
-                self._say(f"the dump writer fell behind at step {job.step}: periodic steps are "
-                          "dropped until it catches up (steps with hits never are)")  # fmt: skip
+                    self._queued_bytes -= job.nbytes
+        self.dropped.append(job.step)
+        if job.modules is not None:
+            self._modules_written = False
+        if not self._said_behind:
+            self._said_behind = True
+            self._say(f"the dump writer fell behind at step {job.step}: periodic steps are "
+                      "dropped until it catches up (steps with hits never are)")  # fmt: skip
 
     def close(self) -> None:
         """Write what is pending (a step with hits that did not end), then finish the dump."""

@@ -6,12 +6,12 @@ float32/float64 parameters in one pass, the range of the others; when it moved b
 tolerance allows, some element did too, so the step changed it. Otherwise it may not have changed:
 it is copied before the next step (within ``update_budget``) and compared then: first a sample of
 its elements (one that moved proves the change), and every element only when none did. A
-parameter whose sample told (an embedding that Adam moves everywhere by tiny steps that leave its
-norm where it was) is sampled before its next suspect step, not copied: a few hundred bytes
-instead of a copy of the table; a step its sample cannot tell goes unmeasured, and it is copied
-whole before the next one (a parameter that stopped changing is found a step later). Rules that
-measure updates (``update_abs_mean``) get a copy of every parameter, the budget rotating over a
-model larger than it.
+parameter whose sample told (with a tolerance given to WeightNotChanging, an embedding that Adam
+moves everywhere by steps too small to move its norm past it) is sampled before its next suspect
+step, not copied: a few hundred bytes instead of a copy of the table; a step its sample cannot
+tell goes unmeasured, and it is copied whole before the next one (a parameter that stopped
+changing is found a step later). Rules that measure updates (``update_abs_mean``) get a copy of
+every parameter, the budget rotating over a model larger than it.
 
 When the rules ask of an update only whether it changed the parameter (``update_unchanged``, as
 WeightNotChanging does), a parameter that keeps changing is news only once: its update record is
@@ -30,6 +30,7 @@ import torch
 
 from tensordbg.engine.records import Record, new_record
 from tensordbg.statistics import Stat
+from tensordbg.statistics.batch import on_host
 
 # Update statistics that need a copy of the parameter from before the step.
 SNAPSHOT_STATS = frozenset({"update_abs_mean", "prev_abs_mean"})
@@ -164,7 +165,7 @@ class ParamWatch:
         for p in stepped[start:] + stepped[:start]:
             if not (every or p.name in self.suspects):
                 continue
-            if sampling and p.name in self.sample_tells and p.param.device.type == "cpu":
+            if sampling and p.name in self.sample_tells and on_host(p.param):
                 # It keeps changing where its digest cannot tell (an embedding under Adam):
                 # its sample tells, for a few hundred bytes instead of a copy of the table.
                 self.samples[p.name] = sample_of(p.param).clone()

@@ -138,15 +138,11 @@ class TensorGrid(ScrollView, can_focus=True):
 
     def show(self, ref: int, text: str, shape: tuple[int, ...]) -> None:
         """Show the slice ``text`` (of the given shape) of tensor ``ref``, from its top left."""
-        self._generation += 1
+        self._forget()
         self._ref, self._text, self._shape = ref, text, tuple(shape)
         self._rows, self._cols = grid_shape(self._shape)
         if math.prod(self._shape) == 0:
             self._rows = self._cols = 0
-        self._blocks.clear()
-        self._pending.clear()
-        self._wanted.clear()
-        self._failed.clear()
         self._label_width = max(len(self._row_label(self._rows - 1)), 1) + 1 if self._rows else 1
         # One spare cell so the last column can scroll fully into view.
         width = self._label_width + (self._cols + 1) * CELL
@@ -162,16 +158,20 @@ class TensorGrid(ScrollView, can_focus=True):
 
     def clear(self, message: str) -> None:
         """Show no tensor, only ``message`` (a tensor that could not be opened)."""
-        self._generation += 1
+        self._forget()
         self._ref, self._text, self._shape = None, "", ()
         self._rows = self._cols = 0
+        self.virtual_size = Size(1, 1)
+        self.message = message
+        self.refresh()
+
+    def _forget(self) -> None:
+        """Drop the blocks of the tensor shown; replies still on their way are ignored."""
+        self._generation += 1
         self._blocks.clear()
         self._pending.clear()
         self._wanted.clear()
         self._failed.clear()
-        self.virtual_size = Size(1, 1)
-        self.message = message
-        self.refresh()
 
     @property
     def rows(self) -> int:
