@@ -2,6 +2,7 @@
 
     python benchmarks/dump.py                 # all of it (about a minute on a quiet machine)
     python benchmarks/dump.py --only write    # one measurement: write, slice, step, or check
+    python benchmarks/dump.py --only step --device cuda   # the step cost on GPT-2 small, bf16
 
 Each measurement prints its ratio against its baseline, both measured in this run (medians of
 rounds, taken alternately so that the machine's noise falls on both). Targets:
@@ -92,38 +93,49 @@ def bench_slice(rounds: int) -> None:
           f"(target < 200 ms, {rounds} rounds, page cache warm)")  # fmt: skip
 
 
-def bench_step(rounds: int) -> None:
-    """dump_every=1, statistics only, against the same attached session without dumps."""
+def bench_step(rounds: int, device: str = "cpu") -> None:
+    """dump_every=1, statistics only, against the same attached session without dumps; on CUDA
+    also dump_every=1 with the values of every weight (``dump_tensors=["*.weight"]``), whose
+    device-to-host copies are the only part the training thread waits for."""
     import torch
 
-    vocab, seq, dim, layers, heads, batch = CONFIGS["encoder-256"]
+    name = "gpt2-small" if device == "cuda" else "encoder-256"
+    dtype = torch.bfloat16 if device == "cuda" else None
+    vocab, seq, dim, layers, heads, batch = CONFIGS[name]
     torch.manual_seed(0)
-    base = GPT(vocab, seq, dim, layers, heads)
+    base = GPT(vocab, seq, dim, layers, heads).to(device)
+    variants = [("attached", {}), ("dump", {"dump_every": 1})]
+    if device == "cuda":
+        variants.append(("dump+weights", {"dump_every": 1, "dump_tensors": ["*.weight"]}))
     with tempfile.TemporaryDirectory() as tmp:
         runners = []
-        for name, dump_dir in (("attached", None), ("dump", tmp)):
-            runner = Runner(name, copy.deepcopy(base), "cpu", None)
-            extra = {"dump_dir": dump_dir, "dump_every": 1} if dump_dir else {}
+        for label, extra in variants:
+            runner = Runner(label, copy.deepcopy(base), device, dtype)
+            if extra:
+                extra = {**extra, "dump_dir": os.path.join(tmp, label)}
             runner.session = tensordbg.attach(runner.model, optimizer=runner.optimizer,
                                               on_hit="record", server=False, **extra)  # fmt: skip
             runners.append(runner)
         g = torch.Generator().manual_seed(0)
-        batches = [torch.randint(0, vocab, (batch, seq + 1), generator=g) for _ in range(4)]
+        batches = [torch.randint(0, vocab, (batch, seq + 1), generator=g).to(device)
+                   for _ in range(4)]  # fmt: skip
         for i in range(3):
             for runner in runners:
                 runner.step(batches[i % 4])
         for i in range(rounds):
-            for runner in runners if i % 2 else runners[::-1]:
+            shift = i % len(runners)
+            for runner in runners[shift:] + runners[:shift]:
                 runner.times.append(runner.step(batches[i % 4]))
         for runner in runners:
             runner.session.detach()
-        steps = len(tensordbg.load(tmp).steps())
-    attached, dumped = runners
-    ratios = sorted(d / a for d, a in zip(dumped.times, attached.times, strict=True))
-    print(f"step   attached {_median_ms(attached.times):7.1f} ms   dump_every=1 "
-          f"{_median_ms(dumped.times):7.1f} ms   ratio {statistics.median(ratios):.3f}x  "
-          f"(IQR {ratios[len(ratios) // 4]:.3f}-{ratios[3 * len(ratios) // 4]:.3f}, target "
-          f"<= 1.02x, {rounds} rounds, {steps} steps dumped)")  # fmt: skip
+        steps = len(tensordbg.load(os.path.join(tmp, "dump")).steps())
+    attached = runners[0]
+    print(f"step ({name} on {device}, {rounds} rounds, {steps} steps dumped; target <= 1.02x)")
+    for runner in runners:
+        ratios = sorted(d / a for d, a in zip(runner.times, attached.times, strict=True))
+        print(f"  {runner.name:<13} {_median_ms(runner.times):8.1f} ms   ratio "
+              f"{statistics.median(ratios):.3f}x  (IQR {ratios[len(ratios) // 4]:.3f}-"
+              f"{ratios[3 * len(ratios) // 4]:.3f})")  # fmt: skip
 
 
 def bench_check(rounds: int, steps: int = 1000, tensors: int = 64) -> None:
@@ -187,10 +199,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", choices=sorted(BENCHMARKS), action="append")
     parser.add_argument("--rounds", type=int, help="rounds of each measurement")
+    parser.add_argument(
+        "--device", default="cpu", choices=("cpu", "cuda"), help="the step's (cuda: GPT-2 small)"
+    )
     args = parser.parse_args(argv)
     print(f"tensordbg dumps; machine: {machine()}")
     for name in args.only or BENCHMARKS:
-        BENCHMARKS[name](args.rounds or ROUNDS[name])
+        if name == "step":
+            bench_step(args.rounds or ROUNDS[name], args.device)
+        else:
+            BENCHMARKS[name](args.rounds or ROUNDS[name])
     return 0
 
 

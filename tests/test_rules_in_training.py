@@ -312,3 +312,29 @@ def test_a_residual_branch_zero_initialised_is_not_a_vanishing_gradient(watch):
         optimizer.step()
         optimizer.zero_grad()
     assert [h.tensor for h in session.hits] == []
+
+
+@pytest.mark.parametrize("retain_bytes", [0, 2**20], ids=["not kept", "kept"])
+def test_batched_checks_read_what_a_rule_asks_for_in_the_phase_transfer_from_its_next_step(
+    watch, monkeypatch, retain_bytes
+):
+    """A rule that asks for more statistics near its threshold (VanishingGradient: the range,
+    then the exact mean |grad| and its zeros) gets them, from the next step on, with the
+    tensor's other statistics in the phase's one transfer: no read of the tensor per step (on
+    CUDA, one synchronization each), and a verdict even for a tensor the session did not keep."""
+    from tensordbg.engine.pipeline import Pipeline
+
+    reads = []
+    measure = Pipeline.measure
+    monkeypatch.setattr(Pipeline, "measure", lambda self, *a: reads.append(self.step) or
+                        measure(self, *a))  # fmt: skip
+    torch.manual_seed(0)
+    model = net(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = watch(model, optimizer=optimizer, on_hit="record", sync="batched",
+                    rules=[VanishingGradient()], retain_bytes=retain_bytes)  # fmt: skip
+    steps(model, optimizer, session, 5, x=torch.randn(16, 8) * 1e-9)  # tiny first-layer grads
+    assert set(reads) <= {0}  # what the rule asked for at step 0, read at once if it was kept
+    found = {(h.tensor, h.step) for h in hits_of(session, "VanishingGradient")}
+    first = 0 if retain_bytes else 2  # two questions in a row: learnt at steps 0 and 1
+    assert found == {("0.weight.grad", step) for step in range(first, 5)}

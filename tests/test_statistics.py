@@ -36,8 +36,10 @@ from tensordbg.statistics import (
     torch_kernels,
     update_unchanged,
 )
+from tensordbg.statistics.batch import StatsBatch
 from tensordbg.statistics.registry import ANY_NONFINITE
 from tensordbg.statistics.torch_kernels import (
+    device_parts,
     device_stats,
     dtype_name,
     host_stats,
@@ -122,6 +124,7 @@ def test_device_and_host_agree_and_any_nan_or_inf_makes_finite_zero(name, stats)
     on_device = device_stats(t, stats).tolist()
     on_host = host_stats(t, stats)
     assert on_device == pytest.approx(on_host, rel=1e-6, nan_ok=True)
+    assert _batched(t, stats) == pytest.approx(on_device, rel=0, nan_ok=True)
     if FINITE in stats:
         finite = on_host[stats.index(FINITE)]
         assert finite == on_device[stats.index(FINITE)]
@@ -131,6 +134,34 @@ def test_device_and_host_agree_and_any_nan_or_inf_makes_finite_zero(name, stats)
             assert finite == 1.0
         else:  # huge: finite, and so is its norm (accumulated where x * x cannot overflow)
             assert finite == 1.0
+
+
+def test_a_phase_of_many_tensors_costs_its_kernels_and_a_few_launches_for_the_transfer():
+    """Batched checks launch each tensor's kernels and nothing else per tensor (no conversion,
+    no stacking: on CUDA, launches are what hundreds of small tensors cost); the transfer
+    converts and stacks them a few at a time, whatever their number. Each tensor's values are
+    those of its own vector, among tensors of other dtypes, empty ones and a ready vector."""
+    common = [(FINITE,), (FINITE, MIN, MAX), (FINITE, L2)]  # activations, weights, gradients
+    plain = torch.randn(64, 32)
+    for stats in common:
+        with _Ops() as seen:
+            StatsBatch().add_parts(*device_parts(plain, stats))
+        assert len(seen.ops) == 1, (stats, seen.ops)  # the sum, the range or the norm alone
+    tensors = [_tensors()[name] for name in _tensors()] * 20
+    tensors += [torch.empty(0), torch.randn(7, dtype=torch.float64)]
+    chosen = [STATS[i % len(STATS)] for i in range(len(tensors))]
+    batch = StatsBatch()
+    for t, stats in zip(tensors, chosen, strict=True):
+        batch.add_parts(*device_parts(t, stats))
+    vector = torch.tensor([1.0, -2.5], dtype=torch.float64)
+    slot = batch.add(vector)
+    with _Ops() as seen:
+        values = batch.flush()
+    assert len(seen.ops) <= 3 * 4 + 2, [op for op, _, _ in seen.ops]  # stacks, casts, one cat
+    for t, stats, got in zip(tensors, chosen, values[:-1], strict=True):
+        expected = device_stats(t, stats).tolist()
+        assert got == pytest.approx(expected, rel=0, nan_ok=True), (t.dtype, stats)
+    assert values[slot] == [1.0, -2.5]
 
 
 # --- update statistics ------------------------------------------------------------------------
@@ -337,12 +368,20 @@ def _previous(x: torch.Tensor) -> torch.Tensor:
     return torch.where(moved, wide * 0.75 + 0.25, wide).to(x.dtype)
 
 
+def _batched(x: torch.Tensor, stats: tuple[Stat, ...], prev: torch.Tensor | None = None) -> list:
+    """The statistics as batched checks compute them: kernel results left on the device, made
+    values of in the phase's one transfer."""
+    batch = StatsBatch()
+    slot = batch.add_parts(*device_parts(x, stats, prev))
+    return batch.flush()[slot]
+
+
 def _torch_values(stats: tuple[Stat, ...], x: torch.Tensor, prev: torch.Tensor) -> list[list]:
-    """The statistics by every torch path: the device vector, and the host read when the
-    statistics do not need the previous value."""
+    """The statistics by every torch path: the device vector, the batched parts, and the host
+    read when the statistics do not need the previous value."""
     if any(REGISTRY[s.name].needs_prev for s in stats):
-        return [update_stats(x, prev, stats).tolist()]
-    return [device_stats(x, stats).tolist(), host_stats(x, stats)]
+        return [update_stats(x, prev, stats).tolist(), _batched(x, stats, prev)]
+    return [device_stats(x, stats).tolist(), _batched(x, stats), host_stats(x, stats)]
 
 
 def _same(a: float, b: float) -> bool:
@@ -387,8 +426,9 @@ def test_all_statistics_at_once_are_each_alone_and_finite_is_exact(dtype):
             (alone,) = _torch_values((stat,), x, prev)[0]
             assert _same(value, alone), (case, str(stat))
         plain = tuple(s for s in stats if not REGISTRY[s.name].needs_prev)
-        on_device, on_host = _torch_values(plain, x, prev)
-        assert on_device[0] == on_host[0] == together[0], case
+        on_device, batched, on_host = _torch_values(plain, x, prev)
+        assert on_device[0] == batched[0] == on_host[0] == together[0], case
+        assert _batched(x, stats, prev) == pytest.approx(together, nan_ok=True), case
 
 
 def test_an_untouched_parameter_is_unchanged_on_both_sides():

@@ -77,6 +77,10 @@ class RuleSet:
         self._next_id = 0
         self._log = log
         self._applicable: dict[Any, Applicable] = {}
+        self.keep_refinements = False
+        """Compute what a rule asked for once (:class:`Refine`) with the tensor's statistics from
+        then on: set where reading a tensor later costs a synchronization (batched checks)."""
+        self._refined: dict[Any, tuple[Stat, ...]] = {}
         self._quiet_kinds: dict[tuple[tuple[str, ...], str], bool] = {}
         self._updates: tuple[Stat, ...] | bool | None = False  # False: not computed yet
         self.running: tuple[ActiveRule, TensorStats | None, float] | None = None
@@ -104,6 +108,7 @@ class RuleSet:
     def changed(self) -> None:
         """Forget which rules apply to which tensor (after a rule was added, edited, toggled)."""
         self._applicable = {}
+        self._refined = {}
         self._quiet_kinds = {}
         self._updates = False
 
@@ -129,17 +134,16 @@ class RuleSet:
         """The rules that apply to a tensor and what they need (cached per tensor identity);
         ``screen_only`` keeps just the NaN/Inf screen of the statistics (between interval
         steps)."""
-        key = (stats.kind, stats.name, stats.module_type, stats.dtype, len(stats.shape),
-               stats.trainable)  # fmt: skip
+        key = _key(stats)
         found = self._applicable.get(key)
         if found is None:
-            found = self._applicable[key] = self._find(stats)
+            found = self._applicable[key] = self._find(stats, self._refined.get(key, ()))
         if screen_only:
             return Applicable(found.rule_ids, tuple(s for s in found.wanted if s in SCREEN),
                               found.checks, found.silent)  # fmt: skip
         return found
 
-    def _find(self, stats: TensorStats) -> Applicable:
+    def _find(self, stats: TensorStats, refined: tuple[Stat, ...]) -> Applicable:
         ids: list[int] = []
         wanted: dict[Stat, None] = {}
         for active in self.active:
@@ -155,7 +159,7 @@ class RuleSet:
             ids.append(active.id)
             wanted.update(dict.fromkeys(needs))
         if ids:
-            wanted = dict.fromkeys(SCREEN) | wanted
+            wanted = dict.fromkeys(SCREEN) | wanted | dict.fromkeys(refined)
         chosen = [a for a in self.active if a.id in ids]
         # Per-tensor rules, those that can speak about a finite tensor first: on a finite tensor
         # the others are not asked at all (see judge).
@@ -300,6 +304,10 @@ class RuleSet:
             missing = tuple(s for s in ask.stats if s not in stats.values)
             if not missing:
                 break
+            if self.keep_refinements:  # from the next step on, in the phase's one transfer
+                key = _key(stats)
+                self._refined[key] = tuple(dict.fromkeys(self._refined.get(key, ()) + missing))
+                self._applicable.pop(key, None)
             if measure is None:
                 return None  # the tensor is gone: no verdict
             stats.values.update(zip(missing, measure(stats, missing), strict=True))
@@ -350,6 +358,12 @@ class RuleSet:
             if finding is not None and not isinstance(finding, Refine):
                 found.append((rule_id, finding))
         return found
+
+
+def _key(stats: TensorStats) -> tuple[Any, ...]:
+    """What decides which rules apply to a tensor and what they need."""
+    return (stats.kind, stats.name, stats.module_type, stats.dtype, len(stats.shape),
+            stats.trainable)  # fmt: skip
 
 
 def silent_when_finite(active: ActiveRule, stats: TensorStats) -> bool:

@@ -30,7 +30,7 @@ import torch
 
 from tensordbg.engine.phases import Judged
 from tensordbg.engine.records import Record
-from tensordbg.statistics.torch_kernels import device_stats
+from tensordbg.statistics.torch_kernels import device_parts, device_stats
 
 if TYPE_CHECKING:
     from tensordbg.engine.pipeline import Pipeline as Session
@@ -107,13 +107,13 @@ class Batched(SyncMode):
 
     def collect(self, session: Session, record: Record, tensor: torch.Tensor, silent: bool,
                 kept: bool) -> None:  # fmt: skip
-        wanted = record.wanted
-        vector = device_stats(tensor, wanted)
+        wanted, batch = record.wanted, session.phases.batch
         factors = session.amp.scale_vector(wanted) if session.amp.scales(record.stats) else None
-        if factors is not None:
-            vector = vector * factors
+        if factors is not None:  # a scaled gradient: unscaled on the device
+            record.slot = batch.add(device_stats(tensor, wanted) * factors)
+        else:
+            record.slot = batch.add_parts(*device_parts(tensor, wanted))
         record.stats.values = dict.fromkeys(wanted, math.nan)
-        record.slot = session.phases.batch.add(vector)
         session.phases.pending.append(Judged(record))
 
 

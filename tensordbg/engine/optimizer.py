@@ -18,7 +18,7 @@ from tensordbg.engine.phases import Judged
 from tensordbg.engine.records import Record, param_grad_record
 from tensordbg.statistics import FINITE, L2, MAX, MIN, Stat
 from tensordbg.statistics.batch import norms_of
-from tensordbg.statistics.torch_kernels import host_stats, update_stats, watchable
+from tensordbg.statistics.torch_kernels import device_parts, host_stats, update_stats, watchable
 
 # A parameter's range before and after a step tells cheaply that the step changed it.
 RANGE = (MIN, MAX)
@@ -248,13 +248,13 @@ class OptimizerPhase:
             previous is not None and _moved(p, previous, self.weights, wanted)
         ):
             record.stats.values = {wanted[0]: 0.0}
-        elif previous is not None:
+        elif previous is not None and not self.sync.on_device:
             vector = update_stats(p.param.detach(), previous, wanted)
-            if not self.sync.on_device:
-                record.stats.values = dict(zip(wanted, vector.tolist(), strict=True))
-            else:
-                record.stats.values = dict.fromkeys(wanted, math.nan)
-                record.slot = self.phases.batch.add(vector)
+            record.stats.values = dict(zip(wanted, vector.tolist(), strict=True))
+        elif previous is not None:
+            record.stats.values = dict.fromkeys(wanted, math.nan)
+            parts = device_parts(p.param.detach(), wanted, previous)
+            record.slot = self.phases.batch.add_parts(*parts)
         self.phases.pending.append(Judged(record))
         return record
 

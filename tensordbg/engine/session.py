@@ -115,13 +115,13 @@ class Session(Pipeline, BackwardPhase, OptimizerPhase):
         """Deferred mode: the phase showed a problem, so everything it kept is screened."""
         self.server: Any = None  # what serves it to the UI, set by attach (never the engine)
         self.dumps: Any = None  # what writes its dump (attach(dump_dir=...)), if anything
-
         self.handles = HandleGroup()
         self.bus = EventBus()
         self.controller = PauseController()
         self.controller.listeners.append(self._on_state)
         self.control = ControlPlane(self.controller)
         self.ruleset = RuleSet(default_rules() if rules is None else rules, self.log)
+        self.ruleset.keep_refinements = self.sync.on_device
         self.hitlog = HitLog(self.log)
         self.hitlog.rank = self.rank
         self.phases = PhaseQueue(self.retain_bytes)

@@ -9,44 +9,72 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tensordbg.statistics.torch_kernels import finish
+
 _F64 = torch.float64
 
 
 class StatsBatch:
-    """The statistic vectors of one phase, waiting on the device for one transfer to the host.
+    """The statistics of one phase, waiting on the device for one transfer to the host: each
+    tensor's kernel results as they came (:func:`device_parts`), or a vector already made.
 
     >>> batch = StatsBatch()
-    >>> slot = batch.add(device_stats(t, (MIN, MAX)))
+    >>> slot = batch.add_parts(*device_parts(t, (MIN, MAX)))
     >>> values = batch.flush()[slot]
+
+    The flush converts and stacks them in a few launches per dtype, whatever their number: per
+    tensor, the step pays only for its kernels' own launches.
     """
 
     def __init__(self) -> None:
-        self._vectors: list[Tensor] = []
+        self._entries: list[tuple[list[Tensor], Any]] = []
 
     def __len__(self) -> int:
-        return len(self._vectors)
+        return len(self._entries)
 
     def add(self, vector: Tensor) -> int:
-        self._vectors.append(vector)
-        return len(self._vectors) - 1
+        """A float64 vector of values, in the order they are wanted."""
+        self._entries.append(([vector], None))
+        return len(self._entries) - 1
+
+    def add_parts(self, parts: list[Tensor], plan: Any) -> int:
+        """0-d kernel results, turned into values by ``finish(plan, ...)`` on the host."""
+        self._entries.append((parts, plan))
+        return len(self._entries) - 1
 
     def flush(self) -> list[list[float]]:
-        """All vectors as host lists, in the order added; one copy per device."""
-        vectors, self._vectors = self._vectors, []
-        if not vectors:
+        """Each entry's values, in the order added; one copy to the host per device."""
+        entries, self._entries = self._entries, []
+        if not entries:
             return []
-        by_device: dict[torch.device, list[int]] = {}
-        for i, v in enumerate(vectors):
-            by_device.setdefault(v.device, []).append(i)
-        result: list[list[float]] = [[] for _ in vectors]
-        for indices in by_device.values():
-            parts = [vectors[i] for i in indices]
-            flat = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()
+        # Parts of one device, dtype and shape (0-d or a vector) go together: one stack or cat.
+        groups: dict[tuple[torch.device, torch.dtype, bool], list[Tensor]] = {}
+        sizes: dict[int, int] = {}  # id(group) -> how many values it holds so far
+        places: list[list[tuple[int, int, int]]] = []  # per entry: (id(group), start, size)
+        for parts, _ in entries:
+            place = []
+            for part in parts:
+                group = groups.setdefault((part.device, part.dtype, part.dim() == 0), [])
+                start, size = sizes.get(id(group), 0), part.numel()
+                place.append((id(group), start, size))
+                sizes[id(group)] = start + size
+                group.append(part)
+            places.append(place)
+        values: dict[int, list[float]] = {}  # id(group) -> its values on the host
+        by_device: dict[torch.device, list[tuple[bool, list[Tensor]]]] = {}
+        for (device, _, scalars), group in groups.items():
+            by_device.setdefault(device, []).append((scalars, group))
+        for members in by_device.values():
+            flats = [(torch.stack(g) if one else torch.cat(g)).to(_F64) for one, g in members]
+            host = (torch.cat(flats) if len(flats) > 1 else flats[0]).tolist()
             offset = 0
-            for i in indices:
-                size = vectors[i].numel()
-                result[i] = flat[offset : offset + size]
-                offset += size
+            for (_, group), flat in zip(members, flats, strict=True):
+                values[id(group)] = host[offset : offset + flat.numel()]
+                offset += flat.numel()
+        result: list[list[float]] = []
+        for (_, plan), place in zip(entries, places, strict=True):
+            raw = [v for g, start, size in place for v in values[g][start : start + size]]
+            result.append(raw if plan is None else finish(plan, raw))
         return result
 
 

@@ -2,9 +2,11 @@
 
 This is the torch side of :mod:`tensordbg.statistics`: each statistic of the registry gets its
 torch kernel here, under the same name (checked when this module is imported). Each watched
-tensor yields a small float64 vector on its device; a :class:`StatsBatch` gathers the vectors of
-one phase and copies them to the host in one transfer (on CUDA: one synchronization per phase,
-never one per tensor).
+tensor yields the 0-d results of its kernels on its device (:func:`device_parts`: one launch per
+statistic, nothing converted or stacked per tensor); a :class:`StatsBatch` gathers those of one
+phase, converts and stacks them all at once and copies them to the host in one transfer (on
+CUDA: one synchronization per phase, never one per tensor), and :func:`finish` makes each
+tensor's values of its results on the host.
 
 A kernel sees the tensor ``x`` (in a dtype torch reduces), its number of elements ``n``, a
 cache shared by the kernels of one call and the statistic's parameters, and returns a 0-d tensor
@@ -36,8 +38,10 @@ _F64 = torch.float64
 __all__ = [
     "SCALE_LINEAR",
     "SCREEN",
+    "device_parts",
     "device_stats",
     "dtype_name",
+    "finish",
     "host_stats",
     "scale_vector",
     "summarize",
@@ -318,6 +322,8 @@ class _Plan(NamedTuple):
     """How to compute one tuple of statistics: made once per tuple, then reused on every call."""
 
     kernels: tuple[tuple[Kernel, Params], ...]  # one per statistic computed, in order
+    raw: tuple[tuple[Kernel, Params], ...]  # the same, "finite" as its sum (read on the host)
+    sum_at: int  # where "finite" is its own sum among the computed statistics, or -1
     host_kernels: tuple[tuple[HostKernel, Params], ...]  # the same, read on the host
     witnesses: tuple[int, ...]  # the computed statistics "finite" is read off, if it is
     order: tuple[int, ...]  # where each requested statistic is; "finite" read off witnesses last
@@ -351,8 +357,12 @@ def _make_plan(stats: tuple[Stat, ...]) -> _Plan:
     where = {stat: i for i, stat in enumerate(computed)}
     if witnesses:
         where[FINITE] = len(computed)
+    kernels = tuple((_KERNELS[s.name], s.params) for s in computed)
+    sum_at = where[FINITE] if FINITE in entries and not witnesses else -1
     return _Plan(
-        kernels=tuple((_KERNELS[s.name], s.params) for s in computed),
+        kernels=kernels,
+        raw=tuple((_raw_finite, ()) if i == sum_at else k for i, k in enumerate(kernels)),
+        sum_at=sum_at,
         host_kernels=tuple((_HOST_KERNELS[s.name], s.params) for s in computed),
         witnesses=tuple(where[w] for w in witnesses),
         order=tuple(where[stat] for stat in stats),
@@ -408,6 +418,43 @@ def _device_vector(x: Tensor, plan: _Plan, cache: Cache) -> Tensor:
         values.append(torch.isfinite(torch.stack([values[i] for i in witnesses])).all())
     out = [values[i].to(_F64) for i in plan.order]
     return torch.stack(out) if out else x.new_empty(0, dtype=_F64)
+
+
+def device_parts(
+    t: Tensor, stats: Sequence[Stat], previous: Tensor | None = None
+) -> tuple[list[Tensor], _Plan]:
+    """The 0-d results of the kernels of ``stats`` for ``t`` (of an update's statistics when
+    ``previous`` is the value before the step), left on ``t``'s device as they came: one launch
+    per statistic, no conversion or stacking per tensor (on CUDA, each of those is a launch,
+    and launches, not the reductions, are what a step of hundreds of tensors pays for). With
+    :func:`finish` on their values on the host, the same values as :func:`device_stats`."""
+    plan = _plan(stats)
+    cache: Cache = {}
+    if previous is not None:
+        cache["prev"] = _reducible(previous)
+    elif plan.needs_prev is not None:
+        raise ValueError(f"statistic {plan.needs_prev} needs the previous value: update_stats")
+    x = _reducible(t.detach())
+    n = x.numel()
+    if not n:
+        return [], plan
+    return [kernel(x, n, cache, params) for kernel, params in plan.raw], plan
+
+
+def finish(plan: _Plan, raw: list[float]) -> list[float]:
+    """The values of a plan's statistics from its parts read on the host (:func:`device_parts`;
+    none for a tensor without elements)."""
+    if not raw:
+        return list(plan.empty)
+    if plan.sum_at >= 0:
+        raw[plan.sum_at] = 1.0 if math.isfinite(raw[plan.sum_at]) else 0.0
+    if plan.witnesses:
+        raw.append(1.0 if all(math.isfinite(raw[i]) for i in plan.witnesses) else 0.0)
+    return [raw[i] for i in plan.order]
+
+
+def _raw_finite(x: Tensor, n: int, cache: Cache, p: Params) -> Tensor:
+    return _cached_sum(x, cache)  # NaN and Inf poison it; finish() reads which
 
 
 def host_stats(t: Tensor, stats: Sequence[Stat]) -> list[float]:
