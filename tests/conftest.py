@@ -79,13 +79,33 @@ def watch():
 
     def attach(model, **kwargs):
         kwargs.setdefault("server", False)
-        session = tensordbg.attach(model, **kwargs)
+        if kwargs.get("sync") == DEFERRED_ON_DEVICE:
+            session = _deferred_on_device(model, kwargs)
+        else:
+            session = tensordbg.attach(model, **kwargs)
         sessions.append(session)
         return session
 
     yield attach
     for session in sessions:
         session.detach()
+
+
+# Deferred checks as they run on a CUDA model (what they screen goes to the phase's transfer),
+# on the CPU: the origin suites run in this mode too, where no GPU is.
+DEFERRED_ON_DEVICE = "deferred-on-device"
+
+
+def _deferred_on_device(model, kwargs):
+    import tensordbg
+    from tensordbg.engine import modes, session
+
+    choose = session.choose
+    session.choose = lambda sync, device: modes.Deferred(on_device=True)
+    try:
+        return tensordbg.attach(model, **{**kwargs, "sync": "deferred"})
+    finally:
+        session.choose = choose
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

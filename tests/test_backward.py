@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEFERRED_ON_DEVICE
 from models import SqrtOfSquare
 from torch import nn
 
@@ -14,7 +15,7 @@ from tensordbg.engine import backward
 from tensordbg.engine.backward import PASSES_NONFINITE_ON, Vouchers
 from tensordbg.rules import NaN
 
-MODES = ("eager", "batched", "deferred")
+MODES = ("eager", "batched", "deferred", DEFERRED_ON_DEVICE)
 
 
 def nan_in_backward() -> nn.Sequential:

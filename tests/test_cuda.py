@@ -1,4 +1,5 @@
-"""On a CUDA device: batched checks synchronize once per phase, never once per tensor.
+"""On a CUDA device: batched and deferred checks synchronize once per phase, never once per
+tensor.
 
 Skipped where there is no CUDA device (CI has none); run them on a GPU machine with
 ``pytest tests/test_cuda.py``.
@@ -35,7 +36,8 @@ def _synchronizations(fn) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def test_batched_checks_add_at_most_one_synchronization_per_phase(watch):
+@pytest.mark.parametrize("sync", ["batched", "deferred"])
+def test_checks_add_at_most_one_synchronization_per_phase(watch, sync):
     steps = 4
     torch.manual_seed(0)
     bare = TinyGPT().cuda()
@@ -43,7 +45,7 @@ def test_batched_checks_add_at_most_one_synchronization_per_phase(watch):
     watched.load_state_dict(bare.state_dict())
     bare_opt = torch.optim.AdamW(bare.parameters(), lr=1e-3)
     watched_opt = torch.optim.AdamW(watched.parameters(), lr=1e-3)
-    session = watch(watched, optimizer=watched_opt, on_hit="record", sync="batched")
+    session = watch(watched, optimizer=watched_opt, on_hit="record", sync=sync)
     _steps(bare, bare_opt, None, 1)  # warm-up outside the count
     _steps(watched, watched_opt, session, 1)
     torch.cuda.synchronize()

@@ -415,14 +415,16 @@ def test_a_dumped_step_on_a_device_reads_its_activations_and_their_gradients_in_
     """Deferred checks leave a clean pass's tensors unscreened. On the host a dumped step
     screens them in their hooks, while they are in the cache; on a device, reading them one by
     one would synchronize once per tensor: a phase's come over in one transfer (the forward's
-    through the dump, the backward's with the parameter gradients' norms), and the dump holds
-    the statistics of every one, the activations' mean included. (The device is played by the
-    CPU: tensors count as not on the host.)"""
+    and the dump's, the backward's with the parameter gradients' norms), and the dump holds the
+    statistics of every one, the activations' mean included. (The device is played by the CPU:
+    deferred checks as they run on a device, and the dump's tensors count as not on the
+    host.)"""
     from tensordbg.dump import subscriber
-    from tensordbg.engine import backward, capture
+    from tensordbg.engine import backward, modes
+    from tensordbg.engine import session as engine
 
-    for module in (capture, backward, subscriber):
-        monkeypatch.setattr(module, "on_host", lambda tensor: False)
+    monkeypatch.setattr(subscriber, "on_host", lambda tensor: False)
+    monkeypatch.setattr(engine, "choose", lambda sync, device: modes.Deferred(on_device=True))
     flushes, norms = [], []
     real_flush, real_norms = subscriber.StatsBatch.flush, backward.norms_of
     monkeypatch.setattr(subscriber.StatsBatch, "flush",
@@ -430,10 +432,13 @@ def test_a_dumped_step_on_a_device_reads_its_activations_and_their_gradients_in_
     monkeypatch.setattr(backward, "norms_of",
                         lambda ts: norms.append(len(ts)) or real_norms(ts))  # fmt: skip
     _train_dumped(_model(), tmp_path, steps=2, dump_every=1, sync="deferred")
-    assert flushes == [3, 3]  # a step's forward: the model's input and two outputs, together
-    # A step's backward: 4 parameter gradients and 2 activation gradients (the model output's
-    # is screened in its hook, as on every step: it is the pass's guard).
-    assert norms == [4 + 2, 4 + 2]
+    # One transfer a phase, and the dump's own of what the forward left unscreened: at attach
+    # (the 4 parameters); then each step's forward (the model's output, its guard), the dump's
+    # (the input and the two module outputs), the backward (the norms of the 4 parameter
+    # gradients and of the 2 activation gradients the pass kept, and the model output's
+    # gradient) and the optimizer step (the 4 parameters, from the second step their updates).
+    assert flushes == [4, 1, 3, 7, 4, 1, 3, 7, 8]
+    assert norms == []  # the parameter gradients' norms came with the backward's transfer
     dump = tensordbg.load(tmp_path)
     for i in range(2):  # the model's own output is its guard, screened at once
         stats = dump.tensor(f"{i}.output").stats(1)

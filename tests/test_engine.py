@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import DEADLINE, wait_until
+from conftest import DEADLINE, DEFERRED_ON_DEVICE, wait_until
 from models import GptRun, LogHead, SqrtOfSquare, mlp, run_gpt, train_gpt
 from torch import nn
 
@@ -21,7 +21,7 @@ from tensordbg.rules import NaN, Rule, VanishingGradient, WeightNotChanging, def
 from tensordbg.rules.base import Finding
 from tensordbg.statistics import L2
 
-MODES = ("eager", "batched", "deferred")
+MODES = ("eager", "batched", "deferred", DEFERRED_ON_DEVICE)
 
 
 def origins(session):
@@ -91,6 +91,24 @@ def test_attaching_changes_no_number_in_any_mode(watch, sync):
     assert_same_training(bare, watched)
 
 
+@pytest.mark.parametrize("sync", ["batched", DEFERRED_ON_DEVICE])
+def test_checks_on_a_device_read_no_tensor_alone_in_a_clean_step(watch, monkeypatch, sync):
+    """On CUDA each read of one tensor's statistics is a synchronization: batched checks, and
+    deferred checks of a model on a device, read none (the phase's transfer brings what they
+    screen), whatever the rules ask; a planted NaN is still named where it was made."""
+    from tensordbg.engine.pipeline import Pipeline
+
+    reads = []
+    measure = Pipeline.measure
+    monkeypatch.setattr(Pipeline, "measure", lambda self, stats, *a: reads.append(
+        (self.step, stats.name)) or measure(self, stats, *a))  # fmt: skip
+    _, session = train_gpt(lambda m, o: watch(m, optimizer=o, on_hit="record", sync=sync),
+                           steps=8, bad_step=6)  # fmt: skip
+    assert [r for r in reads if 0 < r[0] < 6] == []  # step 0 may answer a rule's Refine
+    first = origins(session)[0]
+    assert (first.module, first.kind, first.step) == ("blocks.0.attn", "output", 6)
+
+
 # --- where a problem started -------------------------------------------------------------------
 
 
@@ -119,7 +137,7 @@ def test_a_nan_made_by_attention_is_named_at_the_attention_module_and_step(watch
     }
 
 
-@pytest.mark.parametrize("sync", ["batched", "deferred"])
+@pytest.mark.parametrize("sync", MODES[1:])
 def test_every_mode_finds_the_same_hits_as_eager_checks(watch, sync):
     """Batched checks read statistics once per phase; deferred checks screen a phase's tensors
     only when its outputs, loss or gradients show a problem. Once there is one, all three

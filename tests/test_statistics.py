@@ -38,13 +38,13 @@ from tensordbg.statistics import (
 )
 from tensordbg.statistics.batch import StatsBatch
 from tensordbg.statistics.registry import ANY_NONFINITE
+from tensordbg.statistics.summaries import summary_vector
 from tensordbg.statistics.torch_kernels import (
     device_parts,
     device_stats,
     dtype_name,
     host_stats,
     scale_vector,
-    summary_vector,
     update_stats,
 )
 
@@ -539,8 +539,7 @@ class _PeakAllocation(TorchDispatchMode):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_streamed_summary_and_histogram_agree_with_one_pass_over_the_tensor(dtype):
-    from tensordbg.statistics.streamed import streamed_histogram, streamed_summary
-    from tensordbg.statistics.torch_kernels import summarize
+    from tensordbg.statistics.summaries import streamed_histogram, streamed_summary, summarize
 
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(37, 11, 13, generator=g) * 3 + 1).to(dtype)
@@ -558,7 +557,7 @@ def test_a_streamed_summary_and_histogram_agree_with_one_pass_over_the_tensor(dt
 
 
 def test_statistics_of_a_large_slice_allocate_a_chunk_not_the_slice():
-    from tensordbg.statistics.streamed import streamed_histogram, streamed_summary
+    from tensordbg.statistics.summaries import streamed_histogram, streamed_summary
 
     x = torch.randn(64, 1024, 64)  # 16 MiB
     with _PeakAllocation() as mode:

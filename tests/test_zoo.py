@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import zoo
+from conftest import DEFERRED_ON_DEVICE
 
 STEPS = 30
 
@@ -51,10 +52,15 @@ def hits_of(session, rule: str) -> dict[str, int]:
 # --- healthy trainings ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", list(zoo.FAMILIES))
-def test_a_healthy_training_raises_no_hit_with_the_default_rules(watch, family):
+# The default on the CPU, and the modes a CUDA model runs in (batched, the default there, and
+# deferred, whose screens go to the phase's transfer), emulated on the CPU.
+MODES = [(m, f) for m in ("auto", "batched", DEFERRED_ON_DEVICE) for f in zoo.FAMILIES]
+
+
+@pytest.mark.parametrize(("sync", "family"), MODES)
+def test_a_healthy_training_raises_no_hit_with_the_default_rules(watch, sync, family):
     run = zoo.FAMILIES[family]()
-    session = watch(run.model, optimizer=run.optimizer, on_hit="record")
+    session = watch(run.model, optimizer=run.optimizer, on_hit="record", sync=sync)
     losses = zoo.train(run, STEPS, session)
     assert session.step == STEPS
     assert all(torch.isfinite(torch.tensor(losses)))

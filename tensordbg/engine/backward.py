@@ -22,8 +22,8 @@ from tensordbg.engine.params import Param
 from tensordbg.engine.phases import ActGradNote, Gradient, Judged, ParamGradNote
 from tensordbg.engine.records import Record, grad_record, is_model_output, param_grad_record
 from tensordbg.statistics import FINITE, L2
-from tensordbg.statistics.batch import norm_only, norms_of, on_host
-from tensordbg.statistics.torch_kernels import SCREEN, dtype_name, host_stats
+from tensordbg.statistics.batch import norm_only, norms_of
+from tensordbg.statistics.torch_kernels import SCREEN, dtype_name, host_stats, norm_parts
 
 # Modules whose backward sums every element of their output's gradient into their bias's
 # gradient (over the batch, and the positions or pixels): Linear, convolutions, the norms.
@@ -190,7 +190,7 @@ class BackwardPhase:
             and not is_model_output(forward)
             and self.ruleset.grads_quiet(dtype_name(grad.dtype))
         ):
-            if on_host(grad):  # read now, while it is in the cache
+            if self.sync.reads_free(grad):  # read now, while it is in the cache
                 same = self._same_as_loose(grad)
                 note = self.vouchers.hold(forward, grad, self.weights.by_name, same)
                 if note is not None:
@@ -293,7 +293,15 @@ class BackwardPhase:
             self._judge_norms(together)
 
     def _judge_norms(self, together: list[tuple[Record, torch.Tensor]]) -> None:
-        """Screen and judge records that want only ``finite`` and ``l2``, from one norm each."""
+        """Screen and judge records that want only ``finite`` and ``l2``, from one norm each;
+        on a device, the norms join the phase's transfer and the records are judged after it."""
+        if self.sync.on_device and not any(self.amp.scales(r.stats) for r, _ in together):
+            norms = torch._foreach_norm([t for _, t in together], 2, dtype=torch.float64)
+            for (record, _), norm in zip(together, norms, strict=True):
+                record.slot = self.phases.batch.add_parts(*norm_parts(norm, record.wanted))
+                record.stats.values = dict.fromkeys(record.wanted, math.nan)
+                record.lazy = False
+            return
         norms = norms_of([t for _, t in together])
         finite: list[Record] = []
         tensors: list[torch.Tensor] = []
@@ -315,6 +323,18 @@ class BackwardPhase:
         self.judge_finite(finite, tensors)  # each rule once for all of them
         if any(record.findings or record.conditions for record in finite):
             self.triggered = True
+
+    def _screen_kept_gradients(self) -> None:
+        """Deferred on a device: the activation gradients the pass kept unread are screened
+        together with the phase's transfer (one norm each, a few launches for all), so that a
+        NaN reaching no parameter's gradient (``torch.autograd.grad``, frozen parameters)
+        still shows the pass's problem."""
+        if not self.sync.on_device:
+            return
+        phases = self.phases
+        kept = [e.grad for e in phases.pending if type(e) is ActGradNote and e.grad is not None]
+        if kept:
+            phases.kept_norms = phases.batch.add_parts(list(torch._foreach_norm(kept)), None)
 
     def _screen_unvouched(self) -> None:
         """Read the held gradients whose bias gradient never came this pass, as their hooks

@@ -43,7 +43,6 @@ from tensordbg.engine.pinpoint import draws_random, random_state
 from tensordbg.engine.records import Call, Record, new_record, tensor_leaves
 from tensordbg.engine.sites import user_site
 from tensordbg.statistics import FINITE, MEAN
-from tensordbg.statistics.batch import on_host
 from tensordbg.statistics.torch_kernels import SCREEN, host_stats, watchable
 
 _PURE_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
@@ -297,7 +296,7 @@ class Capture:
         screen's one sum gives the mean too: two dumps part where an activation's mean does.
         On a device they are left to the dump, which reads them all in one transfer."""
         for _, t, version, _ in seen:
-            if self._hot.get(id(t), _COLD)[0] != version and on_host(t):
+            if self._hot.get(id(t), _COLD)[0] != version and self.session.sync.reads_free(t):
                 mean = host_stats(t, (MEAN,))[0]
                 if math.isfinite(mean):
                     self._hot[id(t)] = (version, mean)  # once: a wrapper returns its child's

@@ -16,7 +16,7 @@ from tensordbg.engine.judge import ActiveRule
 from tensordbg.engine.records import Call, Record
 from tensordbg.hit import Hit, said_of
 from tensordbg.rules.base import Finding
-from tensordbg.statistics.torch_kernels import summarize
+from tensordbg.statistics.summaries import summarize
 
 MAX_HITS = 100_000
 

@@ -30,6 +30,7 @@ import torch
 
 from tensordbg.engine.phases import Judged
 from tensordbg.engine.records import Record
+from tensordbg.statistics.batch import on_host
 from tensordbg.statistics.torch_kernels import device_parts, device_stats
 
 if TYPE_CHECKING:
@@ -46,9 +47,12 @@ class SyncMode:
     immediate = False
     """Hooks handle their own events at once when nothing waits (eager)."""
     on_device = False
-    """Statistics stay on the device until the phase's one transfer (batched)."""
+    """Statistics stay on the device until the phase's one transfer (batched; deferred on a
+    device, for what it screens)."""
     screens_inputs_later = False
     """A value made between modules is screened only once its call's output turns out bad."""
+    keeps_unscreened = False
+    """Tensors are kept unscreened until the phase shows a problem (deferred)."""
 
     def collect(self, session: Session, record: Record, tensor: torch.Tensor, silent: bool,
                 kept: bool) -> None:  # fmt: skip
@@ -58,6 +62,12 @@ class SyncMode:
     def retain(self, session: Session, record: Record, tensor: torch.Tensor) -> bool:
         """Keep a tensor for inspection; whether it is held until the phase ends."""
         return session.phases.keep(record, tensor)
+
+    def reads_free(self, tensor: torch.Tensor) -> bool:
+        """Whether reading ``tensor`` in its hook costs no synchronization. Never where the
+        statistics stay on the device: there (on CUDA, and batched checks anywhere) every read
+        waits for the phase's transfer."""
+        return not self.on_device and on_host(tensor)
 
     def judges_in_hooks(self, triggered: bool) -> bool:
         """Whether a hook judges what is pending before it returns."""
@@ -71,6 +81,17 @@ class SyncMode:
         """Whether the module calls of a root forward may be noted by the hooks and registered
         when the root returns (see :meth:`Pipeline.logs_forward`)."""
         return False
+
+    def to_batch(self, session: Session, record: Record, tensor: torch.Tensor) -> None:
+        """Have a record's statistics computed on the device, read with the phase's transfer."""
+        wanted, batch = record.wanted, session.phases.batch
+        factors = session.amp.scale_vector(wanted) if session.amp.scales(record.stats) else None
+        if factors is not None:  # a scaled gradient: unscaled on the device
+            record.slot = batch.add(device_stats(tensor, wanted) * factors)
+        else:
+            record.slot = batch.add_parts(*device_parts(tensor, wanted))
+        record.stats.values = dict.fromkeys(wanted, math.nan)
+        record.lazy = False
 
     def why_not_kept(self, record: Record, retain_bytes: int) -> str:
         return f"the phase's tensors passed retain_bytes={retain_bytes // 2**20} MiB"
@@ -107,18 +128,20 @@ class Batched(SyncMode):
 
     def collect(self, session: Session, record: Record, tensor: torch.Tensor, silent: bool,
                 kept: bool) -> None:  # fmt: skip
-        wanted, batch = record.wanted, session.phases.batch
-        factors = session.amp.scale_vector(wanted) if session.amp.scales(record.stats) else None
-        if factors is not None:  # a scaled gradient: unscaled on the device
-            record.slot = batch.add(device_stats(tensor, wanted) * factors)
-        else:
-            record.slot = batch.add_parts(*device_parts(tensor, wanted))
-        record.stats.values = dict.fromkeys(wanted, math.nan)
+        self.to_batch(session, record, tensor)
         session.phases.pending.append(Judged(record))
 
 
 class Deferred(SyncMode):
+    """On a device (``on_device``), what it screens is computed there and read with the
+    phase's one transfer, as batched checks read it: a phase that shows a problem is settled
+    at its end, as batched checks pause there."""
+
     name = "deferred"
+    keeps_unscreened = True
+
+    def __init__(self, on_device: bool = False):
+        self.on_device = on_device
 
     def collect(self, session: Session, record: Record, tensor: torch.Tensor, silent: bool,
                 kept: bool) -> None:  # fmt: skip
@@ -129,6 +152,10 @@ class Deferred(SyncMode):
             and not (record.sentinel or session.triggered)
         ):
             record.lazy = True  # its rules only speak of NaN and Inf: wait for a reason to look
+            session.phases.pending.append(Judged(record))
+            return
+        if self.on_device:
+            self.to_batch(session, record, tensor)  # judged once the phase's transfer brings it
             session.phases.pending.append(Judged(record))
             return
         session.screen(record, tensor)
@@ -166,4 +193,6 @@ def choose(sync: str, device: torch.device) -> SyncMode:
         raise ValueError(f"sync is one of {', '.join(SYNC)}, not {sync!r}")
     if sync == "auto":
         sync = "batched" if device.type == "cuda" else "deferred"
+    if sync == "deferred":
+        return Deferred(on_device=device.type != "cpu")
     return MODES[sync]()

@@ -118,7 +118,7 @@ class OptimizerPhase:
                 return
             every = self.step % self.interval == 0
             fused = any(g.get("fused") for g in optimizer.param_groups)
-            self.weights.before_step(owned, wanted, every, fused)
+            self.weights.before_step(owned, wanted, every, fused, self.sync.reads_free)
         except Exception as e:
             self.fault(e)
 
@@ -245,7 +245,9 @@ class OptimizerPhase:
         self.phases.register(record)
         previous = self.weights.before(p)
         if (previous is None and p.name in self.weights.proven) or (  # by its sample
-            previous is not None and _moved(p, previous, self.weights, wanted)
+            previous is not None
+            and self.sync.reads_free(p.param)
+            and _moved(p, previous, self.weights, wanted)
         ):
             record.stats.values = {wanted[0]: 0.0}
         elif previous is not None and not self.sync.on_device:

@@ -23,7 +23,7 @@ transition between changing and not changing.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -145,11 +145,13 @@ class ParamWatch:
         return [p for key, p in self.params.items() if key in mine]
 
     def before_step(self, owned: list[Param], wanted: Sequence[Stat], every: bool,
-                    fused: bool = False) -> None:  # fmt: skip
+                    fused: bool = False, reads_free: Callable[[torch.Tensor], bool] = on_host,
+                    ) -> None:  # fmt: skip
         """Note the versions of the parameters about to be stepped, and copy those whose update
         must be measured exactly (``every``: all of them, within the budget). A fused optimizer
         (``AdamW(fused=True)``, the Hugging Face Trainer's default) writes without bumping a
-        parameter's version: there a version tells nothing (-1 never matches)."""
+        parameter's version: there a version tells nothing (-1 never matches). A sample stands
+        for a copy only where ``reads_free`` (comparing it after the step reads the host)."""
         self.versions = {}
         self.snapshots = {}
         self.samples = {}
@@ -165,7 +167,7 @@ class ParamWatch:
         for p in stepped[start:] + stepped[:start]:
             if not (every or p.name in self.suspects):
                 continue
-            if sampling and p.name in self.sample_tells and on_host(p.param):
+            if sampling and p.name in self.sample_tells and reads_free(p.param):
                 # It keeps changing where its digest cannot tell (an embedding under Adam):
                 # its sample tells, for a few hundred bytes instead of a copy of the table.
                 self.samples[p.name] = sample_of(p.param).clone()

@@ -8,6 +8,7 @@ phase showed a problem), in the same order, so every mode names the same origin.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -110,9 +111,14 @@ class PhaseQueue:
         self.retained = 0
         self.window: deque[Record] = deque()
         self._next_ref = 0
+        self.kept_norms = -1
+        """The batch's slot of the norms of the gradients a deferred pass kept unread."""
+        self.kept_finite = True
+        """Whether those norms came back finite (a pass without them: True)."""
 
     def start(self, phase: str) -> None:
         self.release()
+        self.kept_norms, self.kept_finite = -1, True
         self.records = []
         self.by_ref = {}
         self.phase = phase
@@ -133,17 +139,24 @@ class PhaseQueue:
         self.records.append(record)
         self.by_ref[stats.ref] = record
 
-    def fetch(self) -> None:
-        """The one transfer of the phase: batched statistics from the device to the host."""
+    def fetch(self) -> list[Record]:
+        """The one transfer of the phase: batched statistics from the device to the host.
+        Returns the records whose statistics it brought."""
         if not len(self.batch):
-            return
+            return []
         values = self.batch.flush()
+        if self.kept_norms >= 0:
+            self.kept_finite = all(math.isfinite(v) for v in values[self.kept_norms])
+            self.kept_norms = -1
+        filled = []
         for event in self.pending:
             if type(event) is Judged and event.record.slot >= 0:
                 record = event.record
                 record.stats.values = dict(zip(record.stats.values, values[record.slot],
                                                strict=True))  # fmt: skip
                 record.slot = -1
+                filled.append(record)
+        return filled
 
     # --- retention -------------------------------------------------------------------------
 

@@ -115,6 +115,9 @@ class Pipeline(Pausing, Pinpointing):
         otherwise it ends here."""
         for _, record in root.outputs:
             if record.lazy and record.tensor is not None:
+                if self.sync.on_device:  # judged with the phase's transfer
+                    self.sync.to_batch(self, record, record.tensor)
+                    continue
                 self.screen(record, record.tensor)
                 if record.stats.nonfinite:
                     self.triggered = True
@@ -133,7 +136,12 @@ class Pipeline(Pausing, Pinpointing):
     def screens_noted(self) -> bool:
         """Whether the calls the hooks note have their outputs screened in the hook: on the
         host, on a step that is dumped whatever happens (its statistics are all wanted)."""
-        return self.dumps is not None and not self.sync.on_device and self.dumps.periodic(self.step)
+        return not self.sync.on_device and self.dumps_all()
+
+    def dumps_all(self) -> bool:
+        """Whether this step is dumped whatever happens: its statistics are all wanted (the
+        activation gradients' too, read on a device with the phase's transfer)."""
+        return self.dumps is not None and self.dumps.periodic(self.step)
 
     def log_budget(self) -> int:
         """The bytes the forward log may hold: what the phase may still keep (retain_bytes)."""
@@ -275,8 +283,18 @@ class Pipeline(Pausing, Pinpointing):
         for event in self.phases.pending:
             if type(event) is Judged and event.record.lazy and event.record.tensor is not None:
                 self.screen(event.record, event.record.tensor)
+        self._fetch()  # what the notes' records sent to the device's batch (deferred on CUDA)
         self._drain()
         self._pause_if_needed()
+
+    def _fetch(self) -> None:
+        """The phase's transfer (batched statistics to the host, if any wait). A deferred phase
+        on a device whose screened tensors show a NaN or Inf is settled: what it kept is read."""
+        filled = self.phases.fetch()
+        if self.sync.keeps_unscreened and (
+            any(r.stats.nonfinite for r in filled) or not self.phases.kept_finite
+        ):
+            self.triggered = True
 
     def _drain(self) -> None:
         """Handle what the hooks saw, in execution order, pausing at each hit that asks for it
@@ -304,11 +322,12 @@ class Pipeline(Pausing, Pinpointing):
         """Bring the phase's statistics over (batched), judge, run phase-wide rules, pause if a
         hit asks for it, and let go of the phase's tensors."""
         self._forward_open = False
-        self.phases.fetch()
         self._screen_unvouched()
         # A step dumped whatever happens holds every watched tensor's statistics: the
         # activation gradients too, screened in their hooks (on the host: nothing more to read).
-        self._read_notes(gradients_of_activations=self.screens_noted())
+        self._read_notes(gradients_of_activations=self.dumps_all())
+        self._screen_kept_gradients()
+        self._fetch()
         if self.triggered:
             self._settle()
         elif not self.sync.immediate and not self.sync.on_device:

@@ -40,7 +40,7 @@ from tensordbg.sources.slicing import (
     window_of,
 )
 from tensordbg.statistics import Summary
-from tensordbg.statistics.streamed import streamed_histogram, streamed_summary
+from tensordbg.statistics.summaries import streamed_histogram, streamed_summary
 from tensordbg.statistics.torch_kernels import dtype_name
 from tensordbg.transport.wire import DTYPES, MAX_REPLY_BYTES, WireArray
 

@@ -29,7 +29,6 @@ from tensordbg.statistics.registry import (
     REGISTRY,
     SCALE_LINEAR,
     Stat,
-    Summary,
     definition,
 )
 
@@ -43,10 +42,8 @@ __all__ = [
     "dtype_name",
     "finish",
     "host_stats",
+    "norm_parts",
     "scale_vector",
-    "summarize",
-    "summary_from",
-    "summary_vector",
     "update_stats",
     "watchable",
 ]
@@ -441,6 +438,12 @@ def device_parts(
     return [kernel(x, n, cache, params) for kernel, params in plan.raw], plan
 
 
+def norm_parts(norm: Tensor, stats: Sequence[Stat]) -> tuple[list[Tensor], _Plan]:
+    """The parts of ``stats`` ("finite" and "l2" only) of a tensor whose norm (accumulated
+    where its squares cannot overflow) is ``norm``: what :func:`device_parts` would make."""
+    return [norm], _plan(stats)
+
+
 def finish(plan: _Plan, raw: list[float]) -> list[float]:
     """The values of a plan's statistics from its parts read on the host (:func:`device_parts`;
     none for a tensor without elements)."""
@@ -488,58 +491,3 @@ def scale_vector(stats: Sequence[Stat], inv_scale: Tensor) -> Tensor:
     one = torch.ones((), dtype=_F64, device=inv_scale.device)
     inv = inv_scale.to(_F64)
     return torch.stack([inv if s.name in SCALE_LINEAR else one for s in stats])
-
-
-# Order of the values in a summary vector; see summary_vector.
-_SUMMARY_FIELDS = (
-    "numel", "nan", "posinf", "neginf", "zeros", "min", "max", "mean", "std", "abs_mean", "l2",
-)  # fmt: skip
-# The moments after the range, each by its statistic's kernel.
-_MOMENT_KERNELS = tuple(_KERNELS[name] for name in _SUMMARY_FIELDS[7:])
-
-
-def summary_vector(t: Tensor) -> Tensor:
-    """Everything :class:`~tensordbg.statistics.Summary` holds, as one float64 vector on the device.
-    Moments are over finite elements, so a tensor with a few NaN still shows its range."""
-    x = _reducible(t.detach()).reshape(-1)
-    n = x.numel()
-    finite = torch.isfinite(x)
-    nonfinite = n - torch.count_nonzero(finite)
-    # The common case pays no mask: one host read tells whether there is anything to mask.
-    if int(nonfinite):
-        nan = torch.count_nonzero(torch.isnan(x))
-        posinf = torch.count_nonzero(x == math.inf)
-        neginf = nonfinite - nan - posinf
-        x = x[finite]
-    else:
-        nan = posinf = neginf = torch.zeros((), dtype=torch.int64, device=x.device)
-    zeros = x.numel() - torch.count_nonzero(x)
-    counts = torch.stack([torch.tensor(n, device=x.device), nan, posinf, neginf, zeros]).to(_F64)
-    if x.numel() == 0:
-        moments = torch.full((6,), math.nan, dtype=_F64, device=x.device)
-    else:
-        cache: Cache = {}
-        m = x.numel()
-        lo_hi = torch.stack(_aminmax(x, cache)).to(_F64)
-        rest = [kernel(x, m, cache, ()).to(_F64) for kernel in _MOMENT_KERNELS]
-        moments = torch.cat((lo_hi, torch.stack(rest)))
-    return torch.cat((counts, moments))
-
-
-def summary_from(values: Sequence[float]) -> Summary:
-    """The :class:`Summary` for a vector made by :func:`summary_vector`, on the host."""
-    data = dict(zip(_SUMMARY_FIELDS, values, strict=True))
-    for key in ("numel", "nan", "posinf", "neginf", "zeros"):
-        data[key] = int(data[key])
-    if (
-        data["posinf"] + data["neginf"]
-        and data["numel"] == data["nan"] + data["posinf"] + (data["neginf"])
-    ):  # nothing finite: the range is the infinities there are, not NaN
-        data["min"] = -math.inf if data["neginf"] else math.inf
-        data["max"] = math.inf if data["posinf"] else -math.inf
-    return Summary(**data)
-
-
-def summarize(t: Tensor) -> Summary:
-    """The summary of a tensor, on the host (synchronizes with the device)."""
-    return summary_from(summary_vector(t).tolist())

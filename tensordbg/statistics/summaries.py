@@ -1,19 +1,86 @@
-"""Statistics of a tensor of any size in bounded memory: what a person asks of a large slice
-while the training waits (the summary, a histogram) is read in chunks, so a request makes the
-training allocate a chunk's worth (:data:`CHUNK_ELEMENTS`), never a copy of the slice."""
+"""What a person asks of a tensor: its summary (counts, range, moments) and a histogram.
+
+A summary is computed next to the tensor, on its device, as one float64 vector
+(:func:`summary_vector`), and made on the host (:func:`summary_from`). A tensor of any size is
+read in chunks (:func:`streamed_summary`, :func:`streamed_histogram`), so that a request for a
+large slice while the training waits makes it allocate a chunk's worth
+(:data:`CHUNK_ELEMENTS`), never a copy of the slice."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
 
 from tensordbg.statistics.registry import Summary
-from tensordbg.statistics.torch_kernels import _F64, _reducible, summarize
+from tensordbg.statistics.torch_kernels import _F64, _KERNELS, Cache, _aminmax, _reducible
 
-__all__ = ["CHUNK_ELEMENTS", "chunks", "streamed_histogram", "streamed_summary"]
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "chunks",
+    "streamed_histogram",
+    "streamed_summary",
+    "summarize",
+    "summary_from",
+    "summary_vector",
+]
+
+
+# Order of the values in a summary vector; see summary_vector.
+_SUMMARY_FIELDS = (
+    "numel", "nan", "posinf", "neginf", "zeros", "min", "max", "mean", "std", "abs_mean", "l2",
+)  # fmt: skip
+# The moments after the range, each by its statistic's kernel.
+_MOMENT_KERNELS = tuple(_KERNELS[name] for name in _SUMMARY_FIELDS[7:])
+
+
+def summary_vector(t: Tensor) -> Tensor:
+    """Everything :class:`~tensordbg.statistics.Summary` holds, as one float64 vector on the device.
+    Moments are over finite elements, so a tensor with a few NaN still shows its range."""
+    x = _reducible(t.detach()).reshape(-1)
+    n = x.numel()
+    finite = torch.isfinite(x)
+    nonfinite = n - torch.count_nonzero(finite)
+    # The common case pays no mask: one host read tells whether there is anything to mask.
+    if int(nonfinite):
+        nan = torch.count_nonzero(torch.isnan(x))
+        posinf = torch.count_nonzero(x == math.inf)
+        neginf = nonfinite - nan - posinf
+        x = x[finite]
+    else:
+        nan = posinf = neginf = torch.zeros((), dtype=torch.int64, device=x.device)
+    zeros = x.numel() - torch.count_nonzero(x)
+    counts = torch.stack([torch.tensor(n, device=x.device), nan, posinf, neginf, zeros]).to(_F64)
+    if x.numel() == 0:
+        moments = torch.full((6,), math.nan, dtype=_F64, device=x.device)
+    else:
+        cache: Cache = {}
+        m = x.numel()
+        lo_hi = torch.stack(_aminmax(x, cache)).to(_F64)
+        rest = [kernel(x, m, cache, ()).to(_F64) for kernel in _MOMENT_KERNELS]
+        moments = torch.cat((lo_hi, torch.stack(rest)))
+    return torch.cat((counts, moments))
+
+
+def summary_from(values: Sequence[float]) -> Summary:
+    """The :class:`Summary` for a vector made by :func:`summary_vector`, on the host."""
+    data = dict(zip(_SUMMARY_FIELDS, values, strict=True))
+    for key in ("numel", "nan", "posinf", "neginf", "zeros"):
+        data[key] = int(data[key])
+    if (
+        data["posinf"] + data["neginf"]
+        and data["numel"] == data["nan"] + data["posinf"] + (data["neginf"])
+    ):  # nothing finite: the range is the infinities there are, not NaN
+        data["min"] = -math.inf if data["neginf"] else math.inf
+        data["max"] = math.inf if data["posinf"] else -math.inf
+    return Summary(**data)
+
+
+def summarize(t: Tensor) -> Summary:
+    """The summary of a tensor, on the host (synchronizes with the device)."""
+    return summary_from(summary_vector(t).tolist())
 
 
 CHUNK_ELEMENTS = 1 << 22
