@@ -535,7 +535,12 @@ def test_the_demo_offers_profiling_and_every_tab_is_reachable_and_fills_from_a_r
             for view in VIEWS[1:]:
                 await pilot.press("f8")
                 await until(pilot, lambda v=view: profiler.active_view == v.key)
-            assert "NVML unavailable" in text_of(profiler.gpu.head) or profiler.gpu.polling
+            # No GPU (CI): it says why; a GPU: the view asked the training for samples, and
+            # stopped asking once hidden (the views after it were shown).
+            head = text_of(profiler.gpu.head)
+            assert head.startswith("NVML unavailable") or (
+                head.startswith("NVML: ") and profiler.gpu.polls >= 1
+            ), head
             await pilot.press("f8")  # round to the Overview
             await pilot.press("P")
             await until(pilot, lambda: isinstance(app.screen, ProfileStepsScreen))
