@@ -95,6 +95,44 @@ def test_a_backward_nan_is_named_at_its_origin_however_the_bias_gradient_goes(wa
     assert passed_on == expected[how]
 
 
+class PassThrough(nn.Module):
+    """Returns its input itself: it runs no backward of its own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+@pytest.mark.parametrize("sync", MODES)
+@pytest.mark.parametrize("made_by", ["module", "functional"])
+def test_a_module_that_returns_its_input_is_never_a_backward_origin(watch, sync, made_by):
+    """A module handing its input on unchanged (an identity, a wrapper) shares that tensor with
+    the next module's input: the gradient that arrives is made by the next module's backward,
+    and is named there, in every mode, not at the pass-through ("produced by this module's
+    backward") whether the tensor came from a module or from code between modules."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.keep, self.sqrt = nn.Linear(4, 4), PassThrough(), SqrtOfSquare()
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x) if made_by == "module" else torch.relu(self.a(x))
+            return self.head(self.sqrt(self.keep(h)))
+
+    torch.manual_seed(0)
+    model = Net()
+    with torch.no_grad():
+        model.a.weight.zero_()
+        model.a.bias.zero_()  # sqrt's input is 0: its backward makes NaN
+    session = watch(model, on_hit="record", rules=[NaN()], sync=sync)
+    model(torch.randn(3, 4)).sum().backward()
+    [origin] = [h for h in session.hits if h.origin]
+    assert (origin.module, origin.kind) == ("sqrt", "grad_input")
+    assert origin.tensor == "sqrt.grad_input[0]"
+    assert "keep" not in origin.message
+
+
 def test_only_modules_whose_backward_sums_into_their_bias_are_trusted():
     class Scaled(nn.Linear):
         def forward(self, x: torch.Tensor) -> torch.Tensor:  # the bias is not summed so

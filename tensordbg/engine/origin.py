@@ -197,6 +197,11 @@ def grad(record: Record, loss_fired: set[int]) -> dict[int, tuple[Call | None, s
                 call.fired_grad_out |= {condition}
         reported: tuple[Call | None, str, bool] | None = None
         for call in consumers:
+            if any(r is forward for _, r in call.outputs):
+                # It returned this very tensor (an identity, a wrapper handing its input on):
+                # no backward of its own ran on it; the gradient of its output is this one.
+                call.fired_grad_out |= {condition}
+                continue
             if condition in call.fired_grad_out or condition in call.grad_origin_below:
                 continue
             if condition in call.fired_in or condition in call.fired_out:
