@@ -182,7 +182,8 @@ class OptimizerPhase:
                         self._listed(p, {FINITE: 1.0, MIN: lo, MAX: hi})
                     continue
             record = p.record("param", p.name, self.step)
-            self.collect(record, p.param.detach(), extra=RANGE if updates else ())
+            ranged = updates is not None or self.ruleset.update_stats() is not None
+            self.collect(record, p.param.detach(), extra=RANGE if ranged else ())
             ranges[p.name] = Digest.of_range(
                 record.stats.values.get(MIN), record.stats.values.get(MAX)
             )
@@ -204,6 +205,8 @@ class OptimizerPhase:
             ranges = {r.param: Digest.of_range(r.stats.values.get(MIN), r.stats.values.get(MAX))
                       for r in self.phases.records if r.stats.kind == "param"}  # fmt: skip
         self.weights.resolve_by_range(pending_range, ranges, updates or ())
+        # Updates a device's ranges could not tell: no record, as on the host (``unmeasured``).
+        self.phases.forget([r for r in pending_range if not r.stats.values])
         self.weights.settle(made, updates or ())
         self.weights.remember_ranges(ranges)
         self._drain()

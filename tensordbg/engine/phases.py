@@ -139,6 +139,14 @@ class PhaseQueue:
         self.records.append(record)
         self.by_ref[stats.ref] = record
 
+    def forget(self, records: list[Record]) -> None:
+        """Unlist records that turned out to hold nothing to show or judge."""
+        if records:
+            gone = {id(r) for r in records}
+            self.records = [r for r in self.records if id(r) not in gone]
+            for record in records:
+                self.by_ref.pop(record.stats.ref, None)
+
     def fetch(self) -> list[Record]:
         """The one transfer of the phase: batched statistics from the device to the host.
         Returns the records whose statistics it brought."""
