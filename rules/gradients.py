@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
 from tensordbg.rules.base import Finding, Refine, Rule, among, nonfinite_count
@@ -239,6 +240,16 @@ class VanishingGradient(Rule):
         self.threshold = threshold
         self.relative = relative
         self.persist = persist
+
+    def check_many(
+        self, tensors: Sequence[TensorStats], state: dict[str, Any]
+    ) -> list[Finding | Refine | None]:
+        """A pass's gradients judged together: every one's scale is noted first, so that the
+        typical gradient is the same for each, whichever statistics came with it (batched
+        checks have what a Refine asks from the second step on; deferred ones ask again)."""
+        for t in tensors:
+            note_scale(t, state)
+        return [self.check(t, state) for t in tensors]
 
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | Refine | None:
         # Noted before a refinement too: the same value again when check is called back.

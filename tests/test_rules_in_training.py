@@ -338,3 +338,35 @@ def test_batched_checks_read_what_a_rule_asks_for_in_the_phase_transfer_from_its
     found = {(h.tensor, h.step) for h in hits_of(session, "VanishingGradient")}
     first = 0 if retain_bytes else 2  # two questions in a row: learnt at steps 0 and 1
     assert found == {("0.weight.grad", step) for step in range(first, 5)}
+
+
+class _Shrink(nn.Module):
+    def forward(self, x):
+        return x * 1e-9  # everything before it gets a gradient a billion times too small
+
+
+@pytest.mark.parametrize("sync", ["batched", "deferred-on-device"])
+def test_vanishing_gradients_get_the_same_verdicts_and_sentences_as_the_default_mode(watch, sync):
+    """VanishingGradient compares a gradient with the model's typical one. However the mode
+    brings the statistics (deferred checks ask for the exact mean again near the threshold;
+    batched ones have it with the others from the second step on), a pass's gradients are
+    judged together: the same hits, with the same typical gradient in their sentences."""
+    from conftest import DEFERRED_ON_DEVICE
+
+    def run(mode):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), _Shrink(), nn.Linear(32, 32),
+                              nn.ReLU(), nn.Linear(32, 4))  # fmt: skip
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        session = watch(model, optimizer=optimizer, on_hit="record", sync=mode)
+        torch.manual_seed(1)
+        for _ in range(6):
+            loss = nn.functional.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,)))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return [(h.tensor, h.step, h.message) for h in hits_of(session, "VanishingGradient")]
+
+    default = run("deferred")
+    assert {"0.weight.grad", "3.weight.grad"} <= {t for t, _, _ in default}  # 3's input shrank
+    assert run(DEFERRED_ON_DEVICE if sync == "deferred-on-device" else sync) == default

@@ -324,6 +324,19 @@ class BackwardPhase:
         if any(record.findings or record.conditions for record in finite):
             self.triggered = True
 
+    def _judge_clean_gradients(self) -> None:
+        """On a device, a pass's finite parameter gradients are judged together once their
+        statistics arrived, as deferred checks judge them on the host: each rule sees every
+        gradient's scale before it refines any (VanishingGradient's typical gradient), so the
+        modes give the same verdicts."""
+        clean = [
+            e.record for e in self.phases.pending
+            if type(e) is Judged and e.record.stats.kind == "grad" and not e.record.judged
+            and e.record.stats.values.get(FINITE) == 1.0
+        ]  # fmt: skip
+        if clean:
+            self.judge_finite(clean, [r.held() for r in clean])
+
     def _screen_kept_gradients(self) -> None:
         """Deferred on a device: the activation gradients the pass kept unread are screened
         together with the phase's transfer (one norm each, a few launches for all), so that a

@@ -175,13 +175,14 @@ class Pipeline(Pausing, Pinpointing):
             record.tensor = tensor  # a hit's own tensor is always kept for inspection
         self.metrics.judged(record.stats)
 
-    def judge_finite(self, records: list[Record], tensors: list[torch.Tensor]) -> None:
+    def judge_finite(self, records: list[Record], tensors: list[torch.Tensor | None]) -> None:
         """:meth:`judge` of many finite records at once (each rule called once for all)."""
         held = {id(r): t for r, t in zip(records, tensors, strict=True)}
-        self.ruleset.judge_finite(records, lambda r: partial(_measure, self.measure, held[id(r)]))
+        self.ruleset.judge_finite(records, lambda r: None if held[id(r)] is None else
+                                  partial(_measure, self.measure, held[id(r)]))  # fmt: skip
         judged = self.metrics.judged
         for record, tensor in zip(records, tensors, strict=True):
-            if record.findings and record.tensor is None:
+            if record.findings and record.tensor is None and tensor is not None:
                 record.tensor = tensor  # a hit's own tensor is always kept for inspection
             judged(record.stats)
 
@@ -328,6 +329,8 @@ class Pipeline(Pausing, Pinpointing):
         self._read_notes(gradients_of_activations=self.dumps_all())
         self._screen_kept_gradients()
         self._fetch()
+        if self.sync.on_device:
+            self._judge_clean_gradients()
         if self.triggered:
             self._settle()
         elif not self.sync.immediate and not self.sync.on_device:
