@@ -523,3 +523,29 @@ def test_a_healthy_dump_passes_a_strict_check_in_every_mode(tmp_path, sync, caps
     dump = tensordbg.load(tmp_path)
     updates = [e for s in dump.steps() for e in dump.tensors(s) if e.kind == "update"]
     assert all(e.stats for e in updates), [e.name for e in updates if not e.stats]
+
+
+def test_check_marks_the_origins_the_run_named_and_lists_them_first_in_their_step(tmp_path):
+    """A weight set to Inf between steps is the origin where its module runs (forward); after
+    the update the same weight is checked again and is no origin there. ``check`` marks exactly
+    the run's origins, phase included, and puts a step's origin first in its table."""
+    from tensordbg.offline.check import check_dump
+
+    model = _model()
+
+    def break_weight(step):
+        if step == 1:
+            with torch.no_grad():
+                model[2].weight[0, 0] = float("inf")
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tensordbg.attach(model, opt, on_hit="record", server=False, dump_dir=tmp_path,
+                          summary_at_exit=False) as session:  # fmt: skip
+        _train(model, opt, 4, on_step=break_weight)
+    live = {(h.step, h.phase, h.tensor) for h in session.hits if h.origin}
+    assert (2, "forward", "2.weight") in live
+    report = check_dump(tensordbg.load(tmp_path))
+    marked = {(f.step, f.phase, f.tensor) for f in report.findings if f.origin}
+    assert marked == live
+    first = report.table().splitlines()[0]
+    assert first.startswith("step 2 forward") and "2.weight" in first and "<- origin" in first

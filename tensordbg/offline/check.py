@@ -139,9 +139,10 @@ class CheckReport:
         problem surfaced; with several ranks, by step, a step's origins first), the advice they
         carry (each once), what could not be judged, and the broken steps."""
         lines = []
-        rows = self._rows()
-        if len(self.ranks) > 1:  # else rank 0's later steps push rank 1's origin out of view
-            rows.sort(key=lambda row: (row[1].step, not row[1].origin))
+        # A step's origins first (a weight found non-finite when its module ran is checked as
+        # the module returns, after its output); and with several ranks, step by step: else
+        # rank 0's later steps push rank 1's origin out of view.
+        rows = sorted(self._rows(), key=lambda row: (row[1].step, not row[1].origin))
         width = max([18, *(len(rules) for rules, _ in rows[:limit])])
         for rules, f in rows[:limit]:
             rank = f" rank {f.rank}" if len(self.ranks) > 1 else ""
@@ -303,9 +304,11 @@ def _mark_origins(report: CheckReport, dump: Any) -> None:
     except Exception:  # an unreadable hit list is reported by the steps it breaks
         return
     # A hit may name the call whose own code made the value; its record has its own name.
-    origins = {(h.step, h.rank, h.stored_as or h.tensor): h for h in hits if h.origin}
+    # Keyed by phase too: a weight checked in the forward (the origin) and after the update
+    # (passed on by its gradient) is one name in two phases.
+    origins = {(h.step, h.rank, h.phase, h.stored_as or h.tensor): h for h in hits if h.origin}
     for f in report.findings:
-        hit = origins.get((f.step, f.rank, f.tensor))
+        hit = origins.get((f.step, f.rank, f.phase, f.tensor))
         if hit is None:
             continue
         f.origin = True
