@@ -68,7 +68,8 @@ def test_paused_at_a_forward_hit_every_module_shows_its_output_or_says_why_not()
     ):  # run after the hit, judged after the pause
         assert "min" in modules[after]["stats"]["output"], after
     assert modules["head.mlp"]["note"] == "a container: see its children"
-    assert modules["head"]["note"] == "not called this step"
+    # A ModuleDict has no forward: a container too, never "not called this step".
+    assert modules["head"]["note"] == "a container: see its children"
     assert "note" not in modules["out"]
 
 
@@ -77,7 +78,7 @@ def test_paused_inside_the_model_its_row_says_so_rather_than_not_called():
     has not returned, and its row said "not called"."""
     modules = _modules_paused_at_the_hit("eager")
     assert modules[""]["note"] == "paused inside it"
-    assert modules["head"]["note"] == "not called this step"  # a ModuleDict is never called
+    assert modules["head"]["note"] == "a container: see its children"  # a ModuleDict
     assert "note" not in modules["bad"]
 
 

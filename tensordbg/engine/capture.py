@@ -46,6 +46,7 @@ from tensordbg.statistics import FINITE, MEAN
 from tensordbg.statistics.torch_kernels import SCREEN, host_stats, watchable
 
 _PURE_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
+_NEVER_CALLED = (torch.nn.ModuleList, torch.nn.ModuleDict)
 _COLD = (-1, math.nan)  # an output not screened in its hook: no version of it
 
 
@@ -117,10 +118,11 @@ class Capture:
         for path, module in model.named_modules():
             if path and not _selected(path, include, exclude):
                 continue
-            if "." in path and type(module) in _PURE_CONTAINERS:
-                # Its forward only chains its children, inside its parent's forward. (A child
-                # of the root is hooked: a GAN calls G(z) and D(x) itself, and each is a root
-                # forward whose children must share its call tree.)
+            if type(module) in _NEVER_CALLED or ("." in path and type(module) in _PURE_CONTAINERS):
+                # A list or dict of modules has no forward; a Sequential's only chains its
+                # children, inside its parent's forward. (A child of the root is hooked: a GAN
+                # calls G(z) and D(x) itself, and each is a root forward whose children must
+                # share its call tree.)
                 continue
             self.paths[id(module)] = path
             self.types[id(module)] = type(module).__name__

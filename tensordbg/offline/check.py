@@ -139,9 +139,7 @@ class CheckReport:
         problem surfaced; with several ranks, by step, a step's origins first), the advice they
         carry (each once), what could not be judged, and the broken steps."""
         lines = []
-        # A step's origins first (a weight found non-finite when its module ran is checked as
-        # the module returns, after its output); and with several ranks, step by step: else
-        # rank 0's later steps push rank 1's origin out of view.
+        # By step (rank 1's origin stays in view), a step's origins first (a weight's included).
         rows = sorted(self._rows(), key=lambda row: (row[1].step, not row[1].origin))
         width = max([18, *(len(rules) for rules, _ in rows[:limit])])
         for rules, f in rows[:limit]:
@@ -304,8 +302,7 @@ def _mark_origins(report: CheckReport, dump: Any) -> None:
     except Exception:  # an unreadable hit list is reported by the steps it breaks
         return
     # A hit may name the call whose own code made the value; its record has its own name.
-    # Keyed by phase too: a weight checked in the forward (the origin) and after the update
-    # (passed on by its gradient) is one name in two phases.
+    # By phase too: a weight is checked in the forward (its origin) and after its update.
     origins = {(h.step, h.rank, h.phase, h.stored_as or h.tensor): h for h in hits if h.origin}
     for f in report.findings:
         hit = origins.get((f.step, f.rank, f.phase, f.tensor))
