@@ -7,7 +7,6 @@ This module imports neither torch nor the UI until a command needs them, so ``--
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import secrets
 import signal
@@ -304,13 +303,14 @@ def _interval(text: str) -> int:
 
 
 def _tolerance(text: str) -> float:
+    from tensordbg.offline.diff import tolerance
+
     try:
-        value = float(text)
+        return tolerance(float(text))
     except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{text!r}: a tolerance is a finite number, 0 or more")
-    return value
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a tolerance is a finite number, 0 or more"
+        ) from None
 
 
 def _rule(spec: str) -> Any:

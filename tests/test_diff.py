@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -217,3 +218,12 @@ def test_a_tolerance_that_is_no_tolerance_is_refused(
         main(["diff", str(a), str(b), *bad])
     assert exit.value.code == 2
     assert f"{bad[1]!r}: a tolerance is a finite number, 0 or more" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", [{"rtol": -1.0}, {"atol": math.nan}, {"rtol": math.inf}])
+def test_the_library_refuses_a_tolerance_that_is_no_tolerance_too(tmp_path: Path, bad) -> None:
+    """``diff_dumps`` itself refuses it (the command line says so through it): a negative or
+    NaN tolerance would report agreement whatever the values."""
+    a, b = write_dump(tmp_path / "a"), write_dump(tmp_path / "b")
+    with pytest.raises(ValueError, match="a tolerance is a finite number, 0 or more"):
+        diff_dumps(load(a), load(b), **bad)

@@ -485,3 +485,21 @@ def test_the_hook_that_shows_an_uncaught_hit_goes_at_detach_unless_an_error_is_o
     except RuntimeError:
         session.detach()  # a trainer's teardown, inside its except block
     assert shows_hits()
+
+
+def test_a_forked_child_prints_twenty_hits_then_says_more_are_not_printed(watch, capsys):
+    """The banner promises FORKED_SAID (20) hits: 20 are printed, then one line says the rest
+    are not, once."""
+    from types import SimpleNamespace
+
+    from tensordbg.engine.pausing import FORKED_SAID
+
+    session = watch(nn.Linear(2, 2), on_hit="record")
+    session.pid = -1  # as in a forked child: the attaching process is another one
+    for step in range(FORKED_SAID + 5):
+        session.say_forked_hit(SimpleNamespace(origin=True, step=step, phase="forward",
+                                               rule="NaN", message="x holds NaN."))  # fmt: skip
+    lines = capsys.readouterr().err.splitlines()
+    assert len([line for line in lines if "[NaN]" in line]) == FORKED_SAID
+    assert [line for line in lines if "more hits" in line] == [lines[-1]]
+    assert f"{FORKED_SAID} at most" in lines[0]

@@ -201,6 +201,13 @@ def test_bfloat16_weights_that_a_small_learning_rate_cannot_move_are_not_changin
     steps(model, optimizer, session, 4, x=torch.randn(16, 8, dtype=torch.bfloat16))
     assert {h.tensor for h in hits_of(session, "WeightNotChanging")} >= {"0.weight.update"}
     assert "too small for its dtype" in hits_of(session, "WeightNotChanging")[0].message
+    # The dtype is why (the sentence names every cause): in float32 the same steps move them.
+    twin = net(nn.Linear(8, 8), nn.Linear(8, 2))
+    twin_optimizer = torch.optim.SGD(twin.parameters(), lr=1e-5)
+    twin_session = watch(twin, optimizer=twin_optimizer, on_hit="record",
+                         rules=[WeightNotChanging()])  # fmt: skip
+    steps(twin, twin_optimizer, twin_session, 4)
+    assert hits_of(twin_session, "WeightNotChanging") == []
 
 
 def test_dead_and_saturated_activations(watch):

@@ -1144,7 +1144,7 @@ def test_k_says_that_the_update_will_be_skipped_and_how_to_go_on() -> None:
     asyncio.run(flow())
 
 
-def test_the_rules_table_shows_only_the_thresholds_that_are_set() -> None:
+def test_the_rules_table_thresholds_cell_lists_only_those_that_are_set() -> None:
     """A TensorRange's ten bounds, nine unset, would push its match and kinds off the screen."""
     from tensordbg.tui.components.rule_panel import thresholds
 

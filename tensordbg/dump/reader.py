@@ -26,6 +26,7 @@ import numpy as np
 
 from tensordbg.dump import format as fmt
 from tensordbg.hit import Hit
+from tensordbg.offline.sentences import step_runs
 
 # A tensor up to this size is checked against its checksum when its value is read; larger
 # ones are memory-mapped unchecked (a slice must read only that slice): Dump.verify() checks them.
@@ -364,7 +365,7 @@ class Dump:
         record = self._steps.get(key)
         if record is None and raising:
             steps = self.steps(rank)
-            listed = f"steps {_runs(steps)}" if steps else "no steps"
+            listed = f"steps {step_runs(steps)}" if steps else "no steps"
             raise DumpError(f"{self._where(step, rank)} was not dumped ({listed} were)")
         return record
 
@@ -445,14 +446,3 @@ def load(path: str | os.PathLike[str]) -> Dump:
     ['fc1.output']
     """
     return Dump(path)
-
-
-def _runs(steps: list[int]) -> str:
-    """Sorted step numbers as runs: ``[0, 2, 3, 4, 5]`` is ``"0, 2-5"``."""
-    runs: list[list[int]] = []
-    for step in steps:
-        if runs and step == runs[-1][1] + 1:
-            runs[-1][1] = step
-        else:
-            runs.append([step, step])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

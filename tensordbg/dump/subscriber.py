@@ -41,7 +41,7 @@ from tensordbg.dump import format as fmt
 from tensordbg.dump.writer import DumpWriter
 from tensordbg.statistics import MEAN, TensorStats
 from tensordbg.statistics.batch import StatsBatch, on_host
-from tensordbg.statistics.torch_kernels import device_stats
+from tensordbg.statistics.torch_kernels import device_parts
 
 QUEUE_STEPS = 4
 """Steps' worth of values waiting for the writer at most (``QUEUE_STEPS`` x ``retain_bytes``)."""
@@ -197,7 +197,7 @@ class DumpRecorder:
                 self.session.screen(record, tensor, (MEAN,))
             else:
                 wanted = record.wanted if MEAN in record.wanted else (*record.wanted, MEAN)
-                slots.append((record, wanted, batch.add(device_stats(tensor, wanted))))
+                slots.append((record, wanted, batch.add_parts(*device_parts(tensor, wanted))))
         values = batch.flush() if slots else []
         for record, wanted, slot in slots:
             record.stats.values = dict(zip(wanted, values[slot], strict=True))

@@ -298,9 +298,8 @@ class BackwardPhase:
         if self.sync.on_device and not any(self.amp.scales(r.stats) for r, _ in together):
             norms = torch._foreach_norm([t for _, t in together], 2, dtype=torch.float64)
             for (record, _), norm in zip(together, norms, strict=True):
-                record.slot = self.phases.batch.add_parts(*norm_parts(norm, record.wanted))
-                record.stats.values = dict.fromkeys(record.wanted, math.nan)
-                record.lazy = False
+                slot = self.phases.batch.add_parts(*norm_parts(norm, record.wanted))
+                self.phases.awaits(record, record.wanted, slot)
             return
         norms = norms_of([t for _, t in together])
         finite: list[Record] = []

@@ -23,7 +23,6 @@ asks which mode runs: the session asks the strategy.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -87,11 +86,10 @@ class SyncMode:
         wanted, batch = record.wanted, session.phases.batch
         factors = session.amp.scale_vector(wanted) if session.amp.scales(record.stats) else None
         if factors is not None:  # a scaled gradient: unscaled on the device
-            record.slot = batch.add(device_stats(tensor, wanted) * factors)
+            slot = batch.add(device_stats(tensor, wanted) * factors)
         else:
-            record.slot = batch.add_parts(*device_parts(tensor, wanted))
-        record.stats.values = dict.fromkeys(wanted, math.nan)
-        record.lazy = False
+            slot = batch.add_parts(*device_parts(tensor, wanted))
+        session.phases.awaits(record, wanted, slot)
 
     def why_not_kept(self, record: Record, retain_bytes: int) -> str:
         return f"the phase's tensors passed retain_bytes={retain_bytes // 2**20} MiB"

@@ -144,6 +144,8 @@ class OptimizerPhase:
         """Parameters after an optimizer step (and at attach): their values and, for those the
         step updated, the update against their values before it (batched: one transfer)."""
         ranges: dict[str, Digest] = {}
+        # Where updates are watched, a parameter's range is its digest (at attach too).
+        ranged = RANGE if updates is not None or self.ruleset.update_stats() is not None else ()
         quiet: list[Param] = []  # finite and a digest from one norm each, all at once
         loud: list[Param] = []
         # A step that is dumped whatever happens holds a record of every parameter after its
@@ -182,8 +184,7 @@ class OptimizerPhase:
                         self._listed(p, {FINITE: 1.0, MIN: lo, MAX: hi})
                     continue
             record = p.record("param", p.name, self.step)
-            ranged = updates is not None or self.ruleset.update_stats() is not None
-            self.collect(record, p.param.detach(), extra=RANGE if ranged else ())
+            self.collect(record, p.param.detach(), extra=ranged)
             ranges[p.name] = Digest.of_range(
                 record.stats.values.get(MIN), record.stats.values.get(MAX)
             )
@@ -257,9 +258,8 @@ class OptimizerPhase:
             vector = update_stats(p.param.detach(), previous, wanted)
             record.stats.values = dict(zip(wanted, vector.tolist(), strict=True))
         elif previous is not None:
-            record.stats.values = dict.fromkeys(wanted, math.nan)
             parts = device_parts(p.param.detach(), wanted, previous)
-            record.slot = self.phases.batch.add_parts(*parts)
+            self.phases.awaits(record, wanted, self.phases.batch.add_parts(*parts))
         self.phases.pending.append(Judged(record))
         return record
 

@@ -96,8 +96,8 @@ class Pausing:
         runs the model, say): it records or raises but never pauses, and says so once."""
         if os.getpid() == self.pid:
             return False
-        if not self._said_forked:
-            self._said_forked = 1  # then one more for each hit printed
+        if self._forked_hits is None:
+            self._forked_hits = 0
             print(f"tensordbg: process {os.getpid()} is a fork of the training ({self.pid}): "
                   "hits here never pause it (no UI can reach a forked worker), and the training's "
                   "session does not see them: each hit at its origin is printed here, "
@@ -107,12 +107,12 @@ class Pausing:
     def say_forked_hit(self, hit: Hit) -> None:
         """A forked child's hit at its origin, printed: its record dies with the process (a
         DataLoader worker ends without a summary)."""
-        if not hit.origin or not self.forked() or self._said_forked > FORKED_SAID:
+        if not hit.origin or not self.forked() or self._forked_hits > FORKED_SAID:
             return
-        self._said_forked += 1
+        self._forked_hits += 1
         line = (f"tensordbg: process {os.getpid()}, step {hit.step} {hit.phase}: [{hit.rule}] "
                 f"{hit.message}")  # fmt: skip
-        if self._said_forked > FORKED_SAID:
+        if self._forked_hits > FORKED_SAID:  # the 21st: it and the ones after are not printed
             line = f"tensordbg: process {os.getpid()}: more hits, not printed"
         print(line, file=sys.stderr, flush=True)
 

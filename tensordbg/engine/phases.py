@@ -139,6 +139,12 @@ class PhaseQueue:
         self.records.append(record)
         self.by_ref[stats.ref] = record
 
+    def awaits(self, record: Record, wanted: tuple[Any, ...], slot: int) -> None:
+        """A record whose ``wanted`` statistics come with the phase's transfer (batch ``slot``)."""
+        record.slot = slot
+        record.stats.values = dict.fromkeys(wanted, math.nan)
+        record.lazy = False
+
     def forget(self, records: list[Record]) -> None:
         """Unlist records that turned out to hold nothing to show or judge."""
         if records:

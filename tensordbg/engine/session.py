@@ -141,7 +141,7 @@ class Session(Pipeline, BackwardPhase, OptimizerPhase):
         self.published = EMPTY
         """The last :meth:`publish`: what other threads read (never the live dicts)."""
         self.pid = os.getpid()
-        self._said_forked = 0
+        self._forked_hits: int | None = None  # hits a forked child printed (None: not said)
         self._said_no_optimizer = False
         self._param_versions: list[int] | None = None
         self._skip_requested = False

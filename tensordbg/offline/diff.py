@@ -211,10 +211,19 @@ class DiffReport:
         ]
 
 
+def tolerance(value: float) -> float:
+    """``value`` as a tolerance: a finite number, 0 or more (else ValueError: a negative or NaN
+    tolerance would report agreement whatever the values)."""
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{value!r}: a tolerance is a finite number, 0 or more")
+    return value
+
+
 def diff_dumps(
     a: Any, b: Any, *, rtol: float = 1e-5, atol: float = 1e-8, ranks: Sequence[int] = (0, 0)
 ) -> DiffReport:
     """Compare rank ``ranks[0]`` of dump ``a`` with rank ``ranks[1]`` of dump ``b``."""
+    rtol, atol = tolerance(rtol), tolerance(atol)
     rank_a, rank_b = ranks
     report = DiffReport(str(a.path), str(b.path), (rank_a, rank_b), rtol, atol)
     sync = (str(a.meta.get("sync", "")), str(b.meta.get("sync", "")))

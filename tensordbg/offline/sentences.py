@@ -34,3 +34,15 @@ def steps_listed(steps: Sequence[int], shown: int = 10) -> str:
     if len(steps) > shown:
         return f"{', '.join(map(str, steps[:shown]))} and {len(steps) - shown} more"
     return listed([str(s) for s in steps])
+
+
+def step_runs(steps: Sequence[int], dash: str = "-") -> str:
+    """Sorted step numbers as runs: ``[0, 2, 3, 4, 5]`` is ``"0, 2-5"`` (the UI draws an en
+    dash)."""
+    runs: list[list[int]] = []
+    for step in steps:
+        if runs and step == runs[-1][1] + 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step])
+    return ", ".join(str(a) if a == b else f"{a}{dash}{b}" for a, b in runs)

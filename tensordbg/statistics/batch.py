@@ -12,6 +12,8 @@ from torch import Tensor
 from tensordbg.statistics.torch_kernels import finish
 
 _F64 = torch.float64
+# Parts batched together: their device, dtype, and whether they are 0-d (stacked) or vectors.
+_Group = tuple[torch.device, torch.dtype, bool]
 
 
 class StatsBatch:
@@ -48,32 +50,30 @@ class StatsBatch:
         if not entries:
             return []
         # Parts of one device, dtype and shape (0-d or a vector) go together: one stack or cat.
-        groups: dict[tuple[torch.device, torch.dtype, bool], list[Tensor]] = {}
-        sizes: dict[int, int] = {}  # id(group) -> how many values it holds so far
-        places: list[list[tuple[int, int, int]]] = []  # per entry: (id(group), start, size)
+        groups: dict[_Group, list[Tensor]] = {}
+        places: list[list[tuple[_Group, int, int]]] = []  # per entry: (its group, start, size)
+        sizes: dict[_Group, int] = {}  # each group's values so far
         for parts, _ in entries:
             place = []
             for part in parts:
-                group = groups.setdefault((part.device, part.dtype, part.dim() == 0), [])
-                start, size = sizes.get(id(group), 0), part.numel()
-                place.append((id(group), start, size))
-                sizes[id(group)] = start + size
-                group.append(part)
+                key = (part.device, part.dtype, part.dim() == 0)
+                start, size = sizes.get(key, 0), part.numel()
+                place.append((key, start, size))
+                sizes[key] = start + size
+                groups.setdefault(key, []).append(part)
             places.append(place)
-        values: dict[int, list[float]] = {}  # id(group) -> its values on the host
-        by_device: dict[torch.device, list[tuple[bool, list[Tensor]]]] = {}
-        for (device, _, scalars), group in groups.items():
-            by_device.setdefault(device, []).append((scalars, group))
-        for members in by_device.values():
-            flats = [(torch.stack(g) if one else torch.cat(g)).to(_F64) for one, g in members]
+        values: dict[_Group, list[float]] = {}  # each group's values on the host
+        for device in {key[0] for key in groups}:
+            keys = [key for key in groups if key[0] == device]
+            flats = [(torch.stack if key[2] else torch.cat)(groups[key]).to(_F64) for key in keys]
             host = (torch.cat(flats) if len(flats) > 1 else flats[0]).tolist()
             offset = 0
-            for (_, group), flat in zip(members, flats, strict=True):
-                values[id(group)] = host[offset : offset + flat.numel()]
-                offset += flat.numel()
+            for key in keys:
+                values[key] = host[offset : offset + sizes[key]]
+                offset += sizes[key]
         result: list[list[float]] = []
         for (_, plan), place in zip(entries, places, strict=True):
-            raw = [v for g, start, size in place for v in values[g][start : start + size]]
+            raw = [v for key, start, size in place for v in values[key][start : start + size]]
             result.append(raw if plan is None else finish(plan, raw))
         return result
 

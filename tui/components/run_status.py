@@ -21,6 +21,7 @@ from textual.containers import VerticalScroll
 from textual.renderables.sparkline import Sparkline as SparklineRenderable
 from textual.widgets import Label, Sparkline, Static
 
+from tensordbg.offline.sentences import step_runs
 from tensordbg.tui.errors import work
 from tensordbg.tui.remote import RequestFailed, remote_of
 
@@ -396,7 +397,7 @@ def _curve_title(title: str, steps: list[Any], values: list[Any], recorded: bool
         text.append(f" over {_steps_text(steps)}", style="dim")
     bad = [s for s, v in zip(steps, values, strict=False) if v is not None and not math.isfinite(v)]
     if bad:
-        where = f"step {bad[0]}" if len(bad) == 1 else f"steps {_ranges(bad)}"
+        where = f"step {bad[0]}" if len(bad) == 1 else f"steps {step_runs(bad, dash='–')}"
         text.append(f"  {len(bad)} non-finite at {where}, not drawn", style="bold red")
     gaps = [(a + 1, b - 1) for a, b in pairwise(steps) if b - a > 1]
     if gaps:  # left blank: status events left them out, and the history was not read since
@@ -430,20 +431,6 @@ def _flat(values: Sequence[float]) -> bool:
     noise on it, which scaled to its own extent would look like wild swings."""
     low, high = min(values), max(values)
     return high - low <= FLAT * max(abs(low), abs(high))
-
-
-def _ranges(steps: list[int]) -> str:
-    """``3, 7–9, 12``."""
-    out: list[str] = []
-    start = prev = steps[0]
-    for s in [*steps[1:], None]:
-        if s is not None and s == prev + 1:
-            prev = s
-            continue
-        out.append(str(start) if start == prev else f"{start}–{prev}")
-        if s is not None:
-            start = prev = s
-    return ", ".join(out)
 
 
 def _columns(steps: list[int], values: list[Any], width: int) -> list[float | str | None]:
