@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 from importlib.metadata import entry_points
+from typing import Any
 
 from tensordbg.rules.activations import DeadActivation, SaturatedActivation
 from tensordbg.rules.base import ENTRY_POINT_GROUP, SELECTION_ARGS, Rule
@@ -90,19 +91,27 @@ def rule_from_spec(spec: str) -> Rule:
         call = ast.Call(func=call, args=[], keywords=[])
     if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.args):
         raise ValueError('write it as Name(key=value, ...), e.g. "TensorRange(max_gt=1e4)"')
-    cls = available_rules().get(call.func.id)
-    if cls is None:
-        raise ValueError(unknown_rule(call.func.id))
     kwargs = {}
-    named = _keywords(cls)
     for keyword in call.keywords:
-        if keyword.arg not in named:
-            raise ValueError(f"{cls.__name__} has no {keyword.arg}=; it takes {', '.join(named)}")
         try:
             kwargs[keyword.arg] = ast.literal_eval(keyword.value)
         except (ValueError, SyntaxError):
             raise ValueError(f"{keyword.arg}= takes a plain value (a number, a string, a list or "
                              "tuple of them)") from None  # fmt: skip
+    return make_rule(call.func.id, kwargs)
+
+
+def make_rule(name: str, kwargs: dict[str, Any]) -> Rule:
+    """Rule ``name`` made with ``kwargs``, each one a keyword it takes (``--rule``, the UI's Add
+    rule). ValueError says in one sentence what is wrong: no such rule, a keyword it does not
+    take (and those it does), a value it refuses."""
+    cls = available_rules().get(name)
+    if cls is None:
+        raise ValueError(unknown_rule(name))
+    named = _keywords(cls)
+    for key in kwargs:
+        if key not in named:
+            raise ValueError(f"{cls.__name__} has no {key}=; it takes {', '.join(named)}")
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as e:

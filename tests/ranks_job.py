@@ -9,7 +9,9 @@ recorded), ``raise`` (the same, raising), ``pause`` (an evaluation forward of ra
 the training itself stays healthy; the test drives the pause through the UI's client), ``drift``
 (rank 1's ``3.weight`` is changed by hand at step 4), ``dump`` (as ``nan``, both ranks fed the
 same data and writing every step into one dump directory, ``OUT_DIR/dump``), ``skip`` (as
-``nan``, with ``on_hit="skip"``), ``bare`` (no tensordbg).
+``nan``, with ``on_hit="skip"``), ``two`` (two optimizers, the second owning ``3``; rank 1's
+gradient of ``3.weight`` is made NaN at step 3 by a hook, so only that optimizer's gradients go
+bad), ``bare`` (no tensordbg).
 """
 
 from __future__ import annotations
@@ -70,18 +72,30 @@ def main(scenario: str, out: Path) -> None:
     model = nn.Sequential(nn.Linear(4, 8), Poison(), nn.Tanh(), nn.Linear(8, 2))
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    optimizers = [opt]
+    if scenario == "two":
+        opt = torch.optim.SGD([*model[0].parameters(), *model[1].parameters()], lr=0.01)
+        optimizers = [opt, torch.optim.SGD(model[3].parameters(), lr=0.01)]
+    armed = {"grad": False}
+    if scenario == "two" and rank == 1:
+        model[3].weight.register_hook(lambda g: g * float("nan") if armed["grad"] else g)
     counts = count_collectives()
     session = None
     if scenario != "bare":
         on_hit = {"raise": "raise", "pause": "pause", "skip": "skip"}.get(scenario, "record")
         rules = [NaN(), RankDivergence(every=2)]
         dumps = {"dump_dir": out / "dump", "dump_every": 1, "dump_tensors": ["3.weight"]}
-        session = tensordbg.attach(ddp, optimizer=opt, rules=rules, on_hit=on_hit,
+        session = tensordbg.attach(ddp, optimizer=optimizers, rules=rules, on_hit=on_hit,
                                    server=scenario == "pause", summary_at_exit=False,
                                    **(dumps if scenario == "dump" else {}))  # fmt: skip
     paused_steps: list[int] = []
     if session is not None:
         session.bus.subscribe(lambda e, p: paused_steps.append(p["step"]), events={"pause"})
+    named: list[list[str]] = []  # at each hit, the names of the phase's records (the UI's list)
+    if session is not None:
+        phases = session.phases
+        session.bus.subscribe(lambda e, p: named.append([r.stats.name for r in phases.records]),
+                              events={"hit"})  # fmt: skip
     generator = torch.Generator().manual_seed(0 if scenario == "dump" else rank)
     for step in range(STEPS.get(scenario, 6)):
         poison = model[1]
@@ -94,6 +108,7 @@ def main(scenario: str, out: Path) -> None:
         if scenario == "drift" and rank == 1 and step == 4:
             with torch.no_grad():
                 model[3].weight.add_(0.01)
+        armed["grad"] = step == 3
         x = torch.randn(16, 4, generator=generator)
         try:
             loss = ddp(x).pow(2).mean()
@@ -101,8 +116,9 @@ def main(scenario: str, out: Path) -> None:
             (out / "raised").write_text(str(time.time()))  # when the job's end began
             raise
         loss.backward()
-        opt.step()
-        opt.zero_grad()
+        for o in optimizers:
+            o.step()
+            o.zero_grad()
     result = {
         "rank": rank,
         "hits": [h.as_dict() for h in session.hits] if session else [],
@@ -112,6 +128,7 @@ def main(scenario: str, out: Path) -> None:
         "params": sorted(session.params_by_name) if session else [],
         "collectives": counts,
         "paused_steps": paused_steps,
+        "named_at_hits": named,
         "skipped": session.skipped_updates if session else [],
         "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
         "finished": time.time(),

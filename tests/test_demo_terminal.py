@@ -6,7 +6,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -96,14 +95,15 @@ def test_q_in_the_demo_gives_the_terminal_back_at_once():
 
 
 @pytest.mark.timeout(300)
-def test_q_at_the_hit_stops_the_demo_at_that_step_and_says_so():
+def test_q_at_the_hit_stops_the_demo_at_that_step_and_says_so(tmp_path: Path):
     """q at the demo's hit: the person quit the demo, so its training stops at the hit's step,
     rather than running on unwatched until its loss had been NaN for three steps."""
-    logs = Path(tempfile.gettempdir()).glob("tensordbg-demo-*.log")
-    before = set(logs)
-    terminal = Terminal(f"{sys.executable} -m tensordbg.cli demo --bad-step 3")
+    # A temporary directory of its own (in the command: a running tmux server would not pass
+    # the environment on), so that no other run's log can come or go in it meanwhile.
+    terminal = Terminal(f"TMPDIR={tmp_path} {sys.executable} -m tensordbg.cli demo --bad-step 3")
     try:
         terminal.wait_for("PAUSED", "● origin", timeout=120)
+        assert list(tmp_path.glob("tensordbg-demo-*.log"))  # its log is in that directory
         terminal.press("q")
         screen = terminal.wait_for("the training's output, its end:", timeout=30)
         assert "step   3  the UI was closed: the demo's training stops here" in screen
@@ -111,4 +111,4 @@ def test_q_at_the_hit_stops_the_demo_at_that_step_and_says_so():
     finally:
         terminal.close()
     # Its end was shown: the demo leaves no log behind.
-    assert set(Path(tempfile.gettempdir()).glob("tensordbg-demo-*.log")) == before
+    assert not list(tmp_path.glob("tensordbg-demo-*.log"))

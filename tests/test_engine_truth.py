@@ -345,24 +345,34 @@ def test_without_a_ui_server_a_pause_becomes_a_recorded_hit(tmp_path, monkeypatc
 # --- skipping a bad update ------------------------------------------------------------------
 
 
-def _adam_run(on_hit, plant_at, steps=4):
+def _adam_run(on_hit, plant_at, steps=4, optimizers=1):
+    """A run whose step ``plant_at`` makes every gradient NaN; ``optimizers=2``: the last layer
+    has an optimizer of its own (SGD with momentum), stepped after the AdamW of the others."""
     torch.manual_seed(0)
     model = mlp()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    session = tensordbg.attach(model, optimizer=opt, on_hit=on_hit, rules=[NaN()], server=False)
+    params = list(model.parameters())
+    split = -2 if optimizers == 2 else len(params)
+    opts = [torch.optim.AdamW(params[:split], lr=1e-2, weight_decay=0.1)]
+    if optimizers == 2:
+        opts.append(torch.optim.SGD(params[split:], lr=0.1, momentum=0.9))
+    session = tensordbg.attach(model, optimizer=opts, on_hit=on_hit, rules=[NaN()], server=False)
+
+    def state() -> dict:
+        return {"params": copy.deepcopy(model.state_dict()),
+                "opt": [copy.deepcopy(o.state_dict()) for o in opts]}  # fmt: skip
+
     before = {}
     for step in range(steps):
         loss = model(torch.randn(3, 4)).sum()
         if step == plant_at:
-            before = {"params": copy.deepcopy(model.state_dict()),
-                      "opt": copy.deepcopy(opt.state_dict())}  # fmt: skip
+            before = state()
             loss = loss * float("nan")  # every gradient of this step is NaN
         loss.backward()
-        opt.step()
-        opt.zero_grad()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
         if step == plant_at:
-            after = {"params": copy.deepcopy(model.state_dict()),
-                     "opt": copy.deepcopy(opt.state_dict())}  # fmt: skip
+            after = state()
     return session, model, before, after
 
 
@@ -387,6 +397,39 @@ def test_on_hit_skip_drops_a_bad_update_and_leaves_parameters_and_optimizer_stat
         assert "updates tensordbg skipped: [2]" in session.summary()
     finally:
         session.detach()
+
+
+def test_a_skip_drops_the_update_of_every_optimizer_of_the_step(capsys):
+    """Two optimizers stepped one after the other are one step: the second's update of the NaN
+    gradients is dropped too (it used to land: the step ended with the first optimizer)."""
+    session, model, before, after = _adam_run("skip", plant_at=2, optimizers=2)
+    try:
+        assert session.skipped_updates == [2]
+        assert _bitwise_equal(before, after)
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        assert session.step == 4  # four iterations, four steps
+    finally:
+        session.detach()
+
+
+def test_an_optimizer_that_steps_more_often_than_the_others_counts_the_steps(watch):
+    """A WGAN's critic steps several times per generator step: the steps are the first
+    optimizer's, as the count went before the optimizers were seen to step apart."""
+    critic, generator = nn.Linear(4, 1), nn.Linear(4, 4)
+    model = nn.ModuleDict({"critic": critic, "generator": generator})
+    opt_c = torch.optim.SGD(critic.parameters(), lr=0.01)
+    opt_g = torch.optim.SGD(generator.parameters(), lr=0.01)
+    session = watch(model, optimizer=[opt_c, opt_g], rules=[NaN()])
+    for _ in range(3):
+        for _ in range(5):
+            critic(generator(torch.randn(8, 4)).detach()).mean().backward()
+            opt_c.step()
+            opt_c.zero_grad()
+        critic(generator(torch.randn(8, 4))).mean().backward()
+        opt_g.step()
+        opt_g.zero_grad()
+        opt_c.zero_grad()
+    assert session.step == 15 and not session.hits
 
 
 def test_without_a_skip_the_same_bad_update_lands():

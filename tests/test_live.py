@@ -182,6 +182,11 @@ def test_rules_can_be_listed_edited_added_and_rechecked_without_rerunning(paused
     assert edited["params"]["threshold"] == 1.0
     with pytest.raises(SourceError, match="no threshold"):
         source.set_rule(vanishing["id"], params={"nonsense": 1})
+    # Adding one says what is wrong as --rule does: the rules there are, the keywords it takes.
+    with pytest.raises(SourceError, match="no rule named 'Nope'; the rules are: AllZero, "):
+        source.add_rule("Nope")
+    with pytest.raises(SourceError, match="TensorRange has no maxgt=; it takes min_lt, max_gt"):
+        source.add_rule("TensorRange", params={"maxgt": 0.0})
     added = source.add_rule("TensorRange", match="inp.output", params={"max_gt": 0.0})
     assert added["match"] == ["inp.output"]
     before = len(training.session.hits)

@@ -228,3 +228,26 @@ def test_a_multi_rank_dump_holds_every_rank_and_replays_checks_and_diffs(job):
     for rank in (0, 1):
         source = ReplaySource(dump, rank=rank)
         assert source.info()["rank"] == rank
+
+
+def test_a_nan_the_all_reduce_brings_to_a_second_optimizer_s_gradients_is_found_before_it_steps(
+    job,
+):
+    """Two optimizers: rank 1's gradient of ``3.weight`` (the second optimizer's) is NaN at step
+    3. Rank 0's own gradients were clean; the all-reduce made that one NaN. It is found before
+    the second optimizer applies it, as the gradient it is, and the phase lists it once."""
+    j = job("two")
+    output = j.wait()
+    assert j.process.returncode == 0, output
+    rank0, rank1 = j.rank(0), j.rank(1)
+    origin = next(h for h in rank1["hits"] if h["origin"])
+    assert (origin["tensor"], origin["step"], origin["rank"]) == ("3.weight.grad", 3, 1)
+    first = rank0["hits"][0]
+    assert (first["tensor"], first["step"], first["kind"], first["origin"]) == (
+        "3.weight.grad", 3, "grad", False,
+    )  # fmt: skip
+    assert "the gradient all-reduce brought it from another rank" in first["message"]
+    # The weight the update then made NaN is no origin, and nothing says its gradient was clean.
+    assert not [h for h in rank0["hits"] if h["origin"] or "gradient was clean" in h["message"]]
+    # The gradient is one tensor of its phase, not the rank's own beside the reduced one.
+    assert rank0["named_at_hits"][0].count("3.weight.grad") == 1

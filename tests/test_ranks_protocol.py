@@ -104,6 +104,39 @@ def test_a_raise_on_one_rank_stops_the_others_with_one_line(ranks, capsys):
     rank1.ranks.safe_point()  # the raising rank itself goes on up its own WatchpointHit
 
 
+def test_a_hook_left_for_an_error_caught_later_leaves_the_next_errors_alone(ranks, capsys):
+    """A link closed while an error was on its way up keeps its excepthook for that error; the
+    error was caught after all, and a later one, unrelated, reaches the top: it is not this
+    hook's (no read of the store, which may be gone and block for its timeout)."""
+    rank0, rank1 = ranks
+    rank1.ranks.abort(nan_hit(3))  # rank 1 raised: rank 0's next collective fails
+    try:
+        raise RuntimeError("Connection closed by peer")
+    except RuntimeError as failed:
+        rank0.ranks.close()  # a trainer's teardown, with the error on its way up
+        caught = failed
+    real, reads = rank0.ranks.store, []
+
+    class Counted:
+        def get(self, key: str) -> bytes:
+            reads.append(key)
+            return real.get(key)
+
+    rank0.ranks.store = Counted()
+    assert not rank0.ranks._stopped_by_another_rank(ValueError("the user's own, later"))
+    assert reads == []
+    # The error it stayed for, even wrapped by a framework, still ends the rank with one line.
+    assert rank0.ranks._stopped_by_another_rank(_raised_from(caught))
+    assert reads and "rank 1 stopped the job" in capsys.readouterr().err
+
+
+def _raised_from(cause: BaseException) -> BaseException:
+    try:
+        raise RuntimeError("the framework's own") from cause
+    except RuntimeError as e:
+        return e
+
+
 def test_polling_the_store_at_a_safe_point_costs_one_small_read(ranks):
     rank0, _ = ranks
     start = time.perf_counter()

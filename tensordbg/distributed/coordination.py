@@ -116,6 +116,7 @@ class RankLink:
         self.served = self.request.gen if self.request else 0
         """The newest request this rank has acted on (one made before it attached is old)."""
         self.closed = False
+        self._closed_during: BaseException | None = None  # the error on its way up at close
         self._pending: tuple[str, Hit | None] | None = None  # this rank's own request
         self._passed = -1  # the last step whose safe point this rank passed
         self._at_safe_point = False
@@ -233,6 +234,7 @@ class RankLink:
         if self.closed:
             return
         self.closed = True
+        self._closed_during = sys.exc_info()[1]  # an error on its way up keeps the excepthook
         self._stop.set()
 
     # --- internals -------------------------------------------------------------------------
@@ -269,6 +271,8 @@ class RankLink:
         status 1, not a traceback."""
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
             return False
+        if self.closed and not _caused_by(error, self._closed_during):
+            return False  # the hook stayed for an error that was caught later: not this one
         request = None
         with contextlib.suppress(Exception):
             request = Request.decode(self.store.get(REQUEST))
@@ -330,3 +334,14 @@ class RankLink:
             RuntimeWarning,
             stacklevel=2,
         )
+
+
+def _caused_by(error: BaseException | None, cause: BaseException | None) -> bool:
+    """Whether ``cause`` is ``error`` or in the chain of errors that led to it."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if error is cause:
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False

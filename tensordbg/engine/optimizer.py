@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from tensordbg.engine.origin import Verdict
 from tensordbg.engine.params import Digest, Param, ParamWatch, sample_moved
 from tensordbg.engine.phases import Judged
 from tensordbg.engine.records import Record, param_grad_record
@@ -24,12 +25,25 @@ from tensordbg.statistics.torch_kernels import device_parts, host_stats, update_
 RANGE = (MIN, MAX)
 # Parameters whose digest is their norm (one pass over all of them): float32 and float64.
 NORMED = frozenset({torch.float32, torch.float64})
+BROUGHT = (
+    "This rank's own gradient was finite: the gradient all-reduce brought it from another rank."
+)
 SKIPPED_INSIDE: list[Param] = []
 """What a step that a fused optimizer skips in its kernel owns: nothing."""
 
 
 class OptimizerPhase:
-    """Part of :class:`~tensordbg.engine.session.Session`: its optimizer hooks."""
+    """Part of :class:`~tensordbg.engine.session.Session`: its optimizer hooks.
+
+    A step ends once every watched optimizer has stepped (a sparse embedding's SparseAdam and
+    the dense Adam beside it, a GAN's two: one step of the count, which a skip drops whole). An
+    optimizer that steps again before the others have (a WGAN's critic, five times per
+    generator step) shows that they step apart: from then on a step ends with the first
+    optimizer's, each of its steps one of the count."""
+
+    _stepped: frozenset[int] = frozenset()
+    """The watched optimizers that stepped in this step."""
+    _steps_apart = False
 
     def check_parameters(self) -> None:
         """Check every parameter now (``attach`` does it once: a NaN or a poor initialization
@@ -56,26 +70,45 @@ class OptimizerPhase:
             self._start_phase("optimizer")
             self._check_parameters(changed, None)
 
+    _reduced: tuple[dict[str, Record], set[str]] | None = None
+    """Several ranks: the last backward phase's parameter-gradient records by parameter, and
+    the parameters whose gradients were read as the all-reduce left them (each once: the
+    optimizers after the first step once the step is counted, at the next step's number)."""
+
     def _check_reduced_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        """Several ranks: the gradients as the all-reduce left them (DDP writes them when the
-        backward pass ends, after this rank's hooks read its own). One norm each; a gradient
-        that is not finite where this rank's own was is judged now, before the update lands (a
-        pause or a skip it asks for happens at the safe point, with every rank), as the NaN
-        another rank made."""
-        known = {r.param for r in self.phases.records
-                 if r.stats.kind == "grad" and r.stats.nonfinite}  # fmt: skip
-        grads = [(p, p.param.grad) for p in self.weights.owned(optimizer, self.optimizers)
-                 if p.name not in known and watchable(p.param.grad)]  # fmt: skip
+        """Several ranks: the gradients ``optimizer`` owns as the all-reduce left them (DDP
+        writes them when the backward pass ends, after this rank's hooks read its own). One norm
+        each; a gradient that is not finite where this rank's own was is judged now, as the
+        record the rank already has of it, before the update lands (a pause or a skip it asks
+        for happens at the safe point, with every rank), as the NaN another rank made."""
+        if self._reduced is None:
+            records = {r.param: r for r in self.phases.records if r.stats.kind == "grad"}
+            self._reduced = (records, set())
+        records, read = self._reduced
+        grads = []
+        for p in self.weights.owned(optimizer, self.optimizers):
+            record = records.get(p.name)
+            if p.name in read or (record is not None and not record.wanted):
+                continue  # read for an earlier optimizer, or no rule judges it
+            read.add(p.name)
+            if watchable(p.param.grad) and (record is None or not record.stats.nonfinite):
+                grads.append((p, p.param.grad))
         norms = norms_of([grad for _, grad in grads])
         for (p, grad), norm in zip(grads, norms, strict=True):
             if math.isfinite(norm):
                 continue
-            record = param_grad_record(p.name, p.owner, p.owner_type, grad, self.step)
-            self._prepare(record, grad)
+            record = records.get(p.name)
+            if record is None:  # no hook of this rank saw it (it got no gradient of its own)
+                record = param_grad_record(p.name, p.owner, p.owner_type, grad, self.step)
+                self._prepare(record, grad)
+            self.phases.adopt(record)  # a later optimizer's phase: the UI lists it there too
             self.screen(record, grad)
             self.judge(record, grad)
-            for verdict in self.origins.grad(record):
-                self._hit(verdict)
+            self.origins.grad_fired[p.name] = set(record.conditions)  # the update is not its origin
+            # Finite as this rank made it: another rank's, whether or not that one said so yet.
+            carried = self.ranks.carried(record.stats.step) or BROUGHT
+            for rule_id, finding in record.findings.items():
+                self._hit(Verdict(record, rule_id, finding, False), carried)
         self._pause_if_needed()
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any,
@@ -99,9 +132,14 @@ class OptimizerPhase:
         if self.broken or self._detach_requested():
             return
         try:
+            if id(optimizer) in self._stepped:  # again before the others: they step apart
+                self._steps_apart = True
+                self._end_step()
             if self.phases.busy() or self._forward_open:
                 self._end_phase()
-            if self.ranks is not None and self.phase == "backward":
+            if self.ranks is not None:
+                if self.phase == "backward":  # the first optimizer after the pass
+                    self._reduced = None
                 self._check_reduced_gradients(optimizer)
             if self.ranks is not None and optimizer is self.optimizers[0]:
                 self.ranks.safe_point()  # the step's collectives are done: ranks stop here
@@ -133,11 +171,16 @@ class OptimizerPhase:
             if owned is None:
                 owned = self.weights.owned(optimizer, self.optimizers)
             self._check_parameters(owned, self.ruleset.update_stats())
-            if self.optimizers and optimizer is self.optimizers[0]:
-                self._finish_step()
-                self._boundary(completed_step=True)
+            self._stepped |= {id(optimizer)}
+            last = len(self._stepped) == len(self.optimizers)
+            if optimizer is self.optimizers[0] if self._steps_apart else last:
+                self._end_step()
         except Exception as e:
             self.fault(e)
+
+    def _end_step(self) -> None:
+        self._finish_step()
+        self._boundary(completed_step=True)
 
     def _check_parameters(self, owned: list[Param], updates: tuple[Stat, ...] | None,
                           after_step: bool = True) -> None:  # fmt: skip

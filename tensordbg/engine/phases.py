@@ -139,6 +139,13 @@ class PhaseQueue:
         self.records.append(record)
         self.by_ref[stats.ref] = record
 
+    def adopt(self, record: Record) -> None:
+        """List a record of an earlier phase in this one too, by its reference (several ranks:
+        a gradient judged again as the all-reduce left it, at a later optimizer's step)."""
+        if self.by_ref.get(record.stats.ref) is not record:
+            self.records.append(record)
+            self.by_ref[record.stats.ref] = record
+
     def awaits(self, record: Record, wanted: tuple[Any, ...], slot: int) -> None:
         """A record whose ``wanted`` statistics come with the phase's transfer (batch ``slot``)."""
         record.slot = slot

@@ -356,15 +356,16 @@ class Pipeline(Pausing, Pinpointing):
             self.bus.publish("phase_end", {"step": self.step, "phase": self.phase,
                                            "records": list(self.phases.records)})  # fmt: skip
 
-    def _hit(self, verdict: origin.Verdict) -> None:
+    def _hit(self, verdict: origin.Verdict, carried: str | None = None) -> None:
+        """Make and add the hit of a verdict; ``carried``: the sentence saying that another rank
+        made it (several ranks: a NaN the all-reduce brought), asked of the ranks otherwise."""
         active = self.ruleset.get(verdict.rule_id)
         if active is None:
             return
         record = verdict.record
         condition = origin.condition_of(record, verdict.rule_id)
-        carried = None  # several ranks: a NaN another rank made, brought by the all-reduce
         if verdict.origin and self.ranks is not None and record.stats.kind in CARRIED_KINDS:
-            carried = self.ranks.carried(self.step)
+            carried = self.ranks.carried(record.stats.step)
         hit = self.hitlog.make(record, active, verdict.finding, verdict.origin and not carried,
                                condition, verdict.call, verdict.kind, verdict.name)  # fmt: skip
         if carried:
@@ -392,6 +393,7 @@ class Pipeline(Pausing, Pinpointing):
 
     def _finish_step(self) -> None:
         """A training step completed: history, status, this step's hits become last step's."""
+        self._stepped = frozenset()
         if self._skip_requested:
             self._skip_requested = False
             self.skipped_updates.append(self.step)

@@ -270,8 +270,8 @@ class Session(Pipeline, BackwardPhase, OptimizerPhase):
             self.fault(e)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Watch an optimizer's steps (``attach(optimizer=...)`` calls this). Steps are counted
-        on the first optimizer attached."""
+        """Watch an optimizer's steps (``attach(optimizer=...)`` calls this). A step ends once
+        each watched optimizer has stepped (see :class:`.optimizer.OptimizerPhase`)."""
         if optimizer in self.optimizers or self.detached:
             return
         self.optimizers.append(optimizer)
@@ -347,8 +347,8 @@ class Session(Pipeline, BackwardPhase, OptimizerPhase):
             self.controller.detach()  # finished by the training thread (_detach_requested)
             return
         self.controller.detach()  # what the last step's end finds is recorded, not paused on
-        if not self.optimizers and self._root_forwards and not self.broken:
-            self.flush()  # a step is one call of the model, ended by the next: none will come
+        if (self._stepped or (not self.optimizers and self._root_forwards)) and not self.broken:
+            self.flush()  # the step's end would come with the next call or optimizer: none will
             self._finish_step()
         self.detached = True
         self.publish()

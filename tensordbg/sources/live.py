@@ -24,7 +24,8 @@ from tensordbg.engine.control import NotPaused
 from tensordbg.engine.judge import ActiveRule
 from tensordbg.engine.records import Record
 from tensordbg.engine.session import Session
-from tensordbg.rules import Rule, available_rules
+from tensordbg.rules import Rule
+from tensordbg.rules.catalog import make_rule
 from tensordbg.sources import contract, recorded
 from tensordbg.sources.contract import EventCallback, SourceError
 from tensordbg.sources.profiling import LiveProfiling
@@ -223,13 +224,10 @@ class LiveSource(LiveProfiling):
         self, name: str, match: str = "*", params: dict[str, Any] | None = None
     ) -> contract.Rule:
         """Add a rule (made by the training thread, as :meth:`set_rule` says)."""
-        cls = available_rules().get(name)
-        if cls is None:
-            raise SourceError(f"there is no rule named {name!r}; see the available list")
         try:
-            rule = cls(match=match, **(params or {}))
-        except (TypeError, ValueError) as e:
-            raise SourceError(f"{name}: {e}") from None
+            rule = make_rule(name, {"match": match, **(params or {})})
+        except ValueError as e:
+            raise SourceError(str(e)) from None
         session = self.session
         return self._change(lambda: _rule_dict(session.ruleset.add(rule)),
                             lambda: _rule_dict(ActiveRule(-1, rule)))  # fmt: skip
