@@ -246,16 +246,27 @@ class VanishingGradient(Rule):
     ) -> list[Finding | Refine | None]:
         """A pass's gradients judged together: every one's scale is noted first, so that the
         typical gradient is the same for each, whichever statistics came with it (batched
-        checks have what a Refine asks from the second step on; deferred ones ask again)."""
+        checks have what a Refine asks from the second step on; deferred ones ask again), and
+        so is each weight that a bound shows learning, for its module's bias."""
+        weights: dict[str, dict[str, bool]] = state.setdefault("weights", {})
         for t in tensors:
             note_scale(t, state)
+            param = t.name.removesuffix(".grad").rpartition(".")[2]
+            if t.trainable and not param.startswith("bias") and self._nonzero_mean(t) is None:
+                # Learning, a bound shows: a bias of its module judged before it in this pass
+                # (the autograd engine makes a bias's gradient first) sees it so.
+                weights.setdefault(t.module, {})[param] = True
         return [self.check(t, state) for t in tensors]
 
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | Refine | None:
         # Noted before a refinement too: the same value again when check is called back.
         scale = note_scale(t, state)
         if not t.trainable or scale is None:
-            # Not measured this step (between interval steps), or not finite: not vanishing.
+            # Not measured this step (between interval steps), or not finite: not vanishing. A
+            # weight's NaN or Inf gradient is one it receives: its module's bias is not cut off.
+            param = t.name.removesuffix(".grad").rpartition(".")[2]
+            if t.trainable and t.nonfinite and not param.startswith("bias"):
+                state.setdefault("weights", {}).setdefault(t.module, {})[param] = True
             return None
         mean = self._nonzero_mean(t)
         if isinstance(mean, Refine):

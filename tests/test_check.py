@@ -14,7 +14,8 @@ from torch import nn
 import tensordbg
 from tensordbg.cli import main
 from tensordbg.dump import load
-from tensordbg.offline.check import check_dump, parse_stat
+from tensordbg.offline.check import check_dump
+from tensordbg.offline.values import parse_stat
 from tensordbg.rules import NaN, TensorRange, VanishingGradient
 from tensordbg.statistics import MAX, MIN, in_range_frac
 
@@ -65,6 +66,33 @@ def test_check_agrees_with_the_live_verdicts_of_the_same_run(tmp_path: Path) -> 
     offline = {(f.step, f.rule, f.tensor) for f in report.findings}
     assert offline == live
     assert report.unjudged == []
+
+
+def test_a_dump_of_one_hit_step_judges_a_bias_cancelled_by_construction_as_the_run_did(
+    tmp_path: Path,
+) -> None:
+    """A WGAN critic's loss, mean D(fake) - mean D(real), cancels its last bias exactly (its
+    gradient is 0) while the weight learns. A dump of the hit step alone holds no earlier step
+    to remember the weight by: its gradients are judged together, as the run judged them, and
+    check says what the run said (no VanishingGradient)."""
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(critic.parameters(), lr=0.01)
+    session = tensordbg.attach(critic, opt, on_hit="dump", server=False, dump_dir=tmp_path,
+                               summary_at_exit=False)  # fmt: skip
+    for step in range(4):
+        fake = torch.randn(8, 6)
+        if step == 3:
+            fake[0, 0] = float("nan")  # the hit: only this step is dumped
+        (critic(fake).mean() - critic(torch.randn(8, 6)).mean()).backward()
+        opt.step()
+        opt.zero_grad()
+    live = sorted((h.step, h.rule, h.tensor) for h in session.hits)
+    session.detach()
+    report = check_dump(load(tmp_path))
+    assert load(tmp_path).steps() == [3]
+    assert not [f for f in report.findings if f.rule == "VanishingGradient"]
+    assert sorted((f.step, f.rule, f.tensor) for f in report.findings) == live
 
 
 def test_a_rule_that_needs_what_the_dump_lacks_says_so_instead_of_passing(tmp_path: Path) -> None:

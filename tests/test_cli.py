@@ -66,6 +66,47 @@ def test_run_debugs_a_script_without_changing_it(script: Path):
     assert "[NaN] input[0]" in done.stderr and "step 3 forward" in done.stderr
 
 
+TWO_OPTIMIZERS = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    emb = nn.Embedding(20, 8, sparse=True)
+    model = nn.Sequential(emb, nn.Flatten(), nn.Linear(32, 1))
+    sparse = torch.optim.SparseAdam(list(emb.parameters()), lr=1e-2)
+    dense = torch.optim.Adam(model[2].parameters(), lr=1e-2)
+    for step in range(6):
+        tokens = torch.randint(0, 20, (16, 4))
+        loss = model(tokens).pow(2).mean()
+        if step == 3:
+            loss = loss * float("nan")
+        loss.backward()
+        sparse.step()
+        dense.step()
+        sparse.zero_grad()
+        dense.zero_grad()
+    """
+)
+
+
+def test_run_watches_two_optimizers_of_one_step_from_their_first_steps(tmp_path: Path):
+    """tensordbg run finds each optimizer as it first steps. The second's first update is the
+    tail of step 0: six iterations are six steps, and the NaN update of step 3 is step 3's, by
+    both optimizers (the second's updates used to land in the next step, and a seventh step
+    held only its last one)."""
+    script = tmp_path / "train.py"
+    script.write_text(TWO_OPTIMIZERS)
+    dump = tmp_path / "dump"
+    done = tensordbg("run", "--on-hit", "record", "--dump-dir", str(dump), str(script),
+                     cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    found = tensordbg_load(dump)
+    assert found.steps() == [3, 4, 5]
+    updated = {(h.tensor, h.step) for h in found.hits if h.kind == "param"}
+    assert {("0.weight", 3), ("2.weight", 3)} <= updated
+
+
 SELF_ATTACHING = textwrap.dedent(
     """
     import sys
@@ -79,7 +120,9 @@ SELF_ATTACHING = textwrap.dedent(
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     if "--check-first" in sys.argv:
         model(torch.randn(2, 4))  # a forward before attaching: tensordbg run has seen the model
-    session = tensordbg.attach(model, optimizer=optimizer, on_hit="record")
+    # --container: the script attaches a container of its model, which it never calls itself
+    watched = nn.ModuleDict({"net": model}) if "--container" in sys.argv else model
+    session = tensordbg.attach(watched, optimizer=optimizer, on_hit="record")
     for step in range(6):
         x = torch.randn(16, 4)
         if step == 3:
@@ -97,7 +140,11 @@ SELF_ATTACHING = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("args", [(), ("--check-first",)], ids=["attach-first", "forward-first"])
+@pytest.mark.parametrize(
+    "args",
+    [(), ("--check-first",), ("--container",), ("--container", "--check-first")],
+    ids=["attach-first", "forward-first", "container", "container-forward-first"],
+)
 def test_run_leaves_a_script_that_attaches_itself_to_its_own_session(tmp_path: Path, args):
     script = tmp_path / "train.py"
     script.write_text(SELF_ATTACHING)
@@ -105,8 +152,11 @@ def test_run_leaves_a_script_that_attaches_itself_to_its_own_session(tmp_path: P
     assert done.returncode == 3, done.stderr  # the script's own exit code
     assert "Traceback" not in done.stderr and "already attached" not in done.stderr
     assert "steps 6" in done.stdout  # the script's session watched every step
-    assert "origins [('input[0]', 3, 'forward')]" in done.stdout
+    origin = "net.input[0]" if "--container" in args else "input[0]"
+    assert f"origins [('{origin}', 3, 'forward')]" in done.stdout
     assert "sessions 1" in done.stdout  # and it is the only one
+    # The model the script called is watched by the script's session alone.
+    assert done.stderr.count("hits,") <= 1 and "raised _Found" not in done.stderr
 
 
 def test_the_command_lines_dump_and_on_hit_apply_to_a_script_that_attaches_itself(tmp_path: Path):

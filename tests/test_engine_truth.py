@@ -105,6 +105,50 @@ def test_a_gan_step_with_several_root_forwards_names_the_discriminator(watch, sy
     assert backward and all(t.startswith("D.1") for t, _ in backward), backward  # ...from D.1
 
 
+class Poisoned(nn.Module):
+    """A generator's layer whose output turns NaN once armed."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.armed = nn.Linear(4, 6), False
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y * float("nan") if self.armed else y
+
+
+@pytest.mark.parametrize("sync", MODES)
+def test_a_discriminator_given_the_detached_fake_is_no_origin_of_the_generators_nan(watch, sync):
+    """The usual GAN step: D(fake.detach()) for D's loss, D(fake) for G's. fake.detach() is
+    another tensor of the same memory: the NaN the generator made at step 2 has one origin, the
+    generator's layer, at that step and no later one (its weights then carry it)."""
+    torch.manual_seed(0)
+    generator = nn.Sequential(Poisoned(), nn.Tanh())
+    gan = nn.ModuleDict({"G": generator, "D": nn.Sequential(nn.Linear(6, 8), nn.Tanh(),
+                                                            nn.Linear(8, 1))})  # fmt: skip
+    opt_d = torch.optim.SGD(gan["D"].parameters(), lr=0.01)
+    opt_g = torch.optim.SGD(gan["G"].parameters(), lr=0.01)
+    session = watch(gan, optimizer=[opt_d, opt_g], on_hit="record", rules=[NaN()], sync=sync)
+    for step in range(4):
+        gan["G"][0].armed = step == 2
+        fake = gan["G"](torch.randn(8, 4))
+        loss_d = gan["D"](fake.detach()).mean() - gan["D"](torch.randn(8, 6)).mean()
+        loss_d.backward()
+        opt_d.step()
+        opt_d.zero_grad()
+        (-gan["D"](fake).mean()).backward()
+        opt_g.step()
+        opt_g.zero_grad()
+    session.flush()
+    assert session.step == 4
+    assert [(h.tensor, h.step) for h in session.hits if h.origin] == [("G.0.output", 2)]
+    # D is called three times a step: its calls are numbered across the step's root forwards
+    # (D(fake.detach()) and D(fake) hit, D(real) between them did not).
+    outputs = {(h.tensor, h.call) for h in session.hits
+               if h.step == 2 and h.tensor.startswith("D.2") and h.kind == "output"}  # fmt: skip
+    assert outputs == {("D.2.output", 0), ("D.2#2.output", 2)}
+
+
 class Wrapper(nn.Module):
     def __init__(self):
         super().__init__()
@@ -430,6 +474,76 @@ def test_an_optimizer_that_steps_more_often_than_the_others_counts_the_steps(wat
         opt_g.zero_grad()
         opt_c.zero_grad()
     assert session.step == 15 and not session.hits
+
+
+def test_a_skip_in_a_wgan_drops_the_generators_update_and_no_critic_update():
+    """The critic steps five times per generator step (first in the list: steps are its). A NaN
+    in the generator's forward skips the generator's update; the skip ends with those
+    gradients, and the critic's next update, which follows in the same step, lands."""
+    torch.manual_seed(0)
+    generator = nn.Sequential(Poisoned(), nn.Tanh())
+    critic = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt_c = torch.optim.Adam(critic.parameters(), lr=1e-3)
+    opt_g = torch.optim.Adam(generator.parameters(), lr=1e-3)
+    gan = nn.ModuleDict({"G": generator, "D": critic})
+    session = tensordbg.attach(gan, optimizer=[opt_c, opt_g], on_hit="skip", rules=[NaN()],
+                               server=False, summary_at_exit=False)  # fmt: skip
+    try:
+        for iteration in range(3):
+            for _ in range(5):
+                fake = generator(torch.randn(8, 4)).detach()
+                (critic(fake).mean() - critic(torch.randn(8, 6)).mean()).backward()
+                opt_c.step()
+                opt_c.zero_grad()
+            generator[0].armed = iteration == 1
+            before = copy.deepcopy(generator.state_dict())
+            (-critic(generator(torch.randn(8, 4))).mean()).backward()
+            generator[0].armed = False
+            opt_g.step()
+            opt_g.zero_grad()
+            opt_c.zero_grad()
+            if iteration == 1:
+                assert _bitwise_equal(before, generator.state_dict())  # its update was dropped
+        steps = lambda opt: {int(s["step"]) for s in opt.state.values()}  # noqa: E731
+        assert steps(opt_c) == {15}  # every critic update landed
+        assert steps(opt_g) == {2}  # the generator's of iteration 1 did not
+        assert session.skipped_updates == [10]
+        assert all(torch.isfinite(p).all() for p in gan.parameters())
+    finally:
+        session.detach()
+
+
+def test_a_skip_after_the_first_optimizer_stepped_says_which_updates_it_drops(watch):
+    """Paused on a hit between the two optimizers' steps: the first one's update is made and
+    stays; the skip drops the second's, and says so."""
+    first, second = nn.Linear(4, 4), nn.Linear(4, 1)
+    model = nn.ModuleDict({"first": first, "second": second})
+    opt1 = torch.optim.SGD(first.parameters(), lr=0.1)
+    opt2 = torch.optim.SGD(second.parameters(), lr=0.1)
+    session = watch(model, optimizer=[opt1, opt2], on_hit="pause", rules=[NaN()])
+    replies = {}
+
+    def skip_when_paused():
+        try:
+            wait_until(lambda: session.controller.state == "paused")
+            replies["skip"] = LiveSource(session).control("skip")
+        finally:
+            session.controller.resume()
+
+    first(torch.randn(3, 4)).sum().backward()
+    opt1.step()
+    before = copy.deepcopy(second.state_dict())
+    helper = threading.Thread(target=skip_when_paused)
+    helper.start()
+    (second(torch.randn(3, 4)).sum() * float("nan")).backward()  # pauses on the NaN gradient
+    opt2.step()
+    helper.join(DEADLINE)
+    assert replies["skip"]["skipped"] == (
+        "Step 0: 1 of its 2 optimizers stepped already, and their updates stay made; the other 1 "
+        "will drop their gradients, their weights and state staying as they are."
+    )
+    assert _bitwise_equal(before, second.state_dict())
+    assert session.skipped_updates == [0]
 
 
 def test_without_a_skip_the_same_bad_update_lands():

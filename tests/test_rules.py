@@ -284,6 +284,22 @@ def test_vanishing_gradient_of_a_trainable_parameter():
     assert zero.value == 0.0 and "receives no gradient at all" in zero.message
 
 
+def test_a_bias_cancelled_by_construction_is_judged_with_its_modules_weight_of_the_same_pass():
+    """The autograd engine makes a Linear's bias gradient before its weight's. A critic's last
+    bias, cancelled exactly by mean D(fake) - mean D(real), judged first with no earlier step
+    to remember the weight by (a dump of one step), sees the weight of its own pass learning:
+    together (check_many), or when that weight's gradient is NaN (judged first, alone)."""
+    rule = VanishingGradient()
+    where = {"module": "critic.2", "trainable": True, "step": 7}
+    bias = tensor(rule, np.zeros(1), name="critic.2.bias.grad", kind="grad", **where)
+    weight = tensor(rule, np.full(8, 0.3), name="critic.2.weight.grad", kind="grad", **where)
+    assert rule.check_many([bias, weight], {}) == [None, None]
+    assert isinstance(rule.check_many([bias], {})[0], Finding)  # alone: no gradient at all
+    state: dict = {}
+    nan = tensor(rule, np.full(8, np.nan), name="critic.2.weight.grad", kind="grad", **where)
+    assert rule.check(nan, state) is None and rule.check(bias, state) is None
+
+
 def test_vanishing_gradient_is_quiet_on_healthy_or_frozen_parameters():
     assert judge(VanishingGradient(), np.full(10, 1e-3), trainable=True, **GRAD) is None
     assert judge(VanishingGradient(), np.zeros(10), trainable=False, **GRAD) is None

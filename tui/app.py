@@ -326,11 +326,11 @@ class TensorDbgApp(App[int]):
         # be older than them (the training resumed and hit again before the reply was sent).
         self.main.log_entry(f"control {action} (n={n}): {reply['state']} at step {reply['step']}")
         if action == "skip":  # nothing else changes on screen: the training stays paused
-            self.notify(
+            said = reply.get("skipped") or (
                 f"The update of step {reply['step']} will be skipped: its gradients are dropped, "
-                "the weights and the optimizer state stay as they are. c continues.",
-                title="Skip", markup=False,
-            )  # fmt: skip
+                "the weights and the optimizer state stay as they are."
+            )
+            self.notify(f"{said} c continues.", title="Skip", markup=False)
 
     def action_ignore(self) -> None:
         hit = self.main.hit_to_ignore()

@@ -138,6 +138,7 @@ class Capture:
         self._root_grad = True  # whether it ran with gradients (a backward can come)
         self._counts: dict[int, int] = {}
         self._seen: dict[int, Record] = {}
+        self._outputs: dict[tuple[Any, ...], Record] = {}  # the step's model outputs, by memory
         self._skipping = 0
         self.suspended = False  # True while a forward runs again (pinpoint.py): hooks are off
         self._open = 0  # module calls entered and not yet returned, as the hooks count them
@@ -184,11 +185,12 @@ class Capture:
                 for path, calls in self.calls_by_path.items()
                 if (kept := [c for c in calls if id(c) not in gone])
             }
+            self._counts = {key: len(self.calls_by_path[path]) for key, path in self.paths.items()
+                            if path in self.calls_by_path}  # fmt: skip
         self._root_calls = []
         self._root_grad = torch.is_grad_enabled()
         self.stack.clear()
         self.root = None
-        self._counts.clear()
         self._skipping = 0
         self._log = self._hot = None
         self._log_bytes = 0
@@ -198,6 +200,8 @@ class Capture:
         self.calls_by_path = {}
         self._root_calls = []
         self._seen.clear()  # a tensor made by one root forward and used by the next is one record
+        self._outputs.clear()
+        self._counts.clear()  # a module's calls are numbered across the step's root forwards
 
     # --- forward -------------------------------------------------------------------------------
 
@@ -330,7 +334,7 @@ class Capture:
         self._root_calls.append(call)
         self.stack.append(call)
         for suffix, t, version, node in seen:
-            record = self._known(t, version)
+            record = self._known(t, version) or (self._alias(t, version) if is_root else None)
             if record is None:
                 record = self._new_record(t, version, call, "input", suffix, hidden=not is_root)
                 self._remember(t, record)
@@ -362,6 +366,8 @@ class Capture:
                     record.stats.values = {FINITE: 1.0, MEAN: hot[1]}  # read in its hook
             elif record.producer is not None and record.producer is not call:
                 record.passed_up.append(call)
+            if call.parent is None:
+                self._outputs[_memory(t)] = record
             call.outputs.append((suffix, record))
             self._hook_grad(t, node, record)
         session.exit(call)
@@ -379,6 +385,15 @@ class Capture:
         if record.version != version:
             return None
         return record
+
+    def _alias(self, t: torch.Tensor, version: int) -> Record | None:
+        """The record of a model output of this step that ``t`` is another tensor of: the same
+        memory, shape and version (``fake.detach()`` handed from a GAN's generator to its
+        discriminator), while that output lives (its memory is not another tensor's)."""
+        record = self._outputs.get(_memory(t)) if self._outputs else None
+        if record is None or record.version != version or record.weak is None:
+            return None
+        return record if record.weak() is not None else None
 
     def _remember(self, t: torch.Tensor, record: Record) -> None:
         record.weak = weakref.ref(t)
@@ -423,6 +438,11 @@ class Capture:
         except Exception as e:
             session.fault(e)
         return None
+
+
+def _memory(t: torch.Tensor) -> tuple[Any, ...]:
+    """Where a tensor's values are and how they are laid out: equal for a tensor's aliases."""
+    return (t.data_ptr(), t.device, t.dtype, t.shape, t.stride())
 
 
 def _unmatched(model: torch.nn.Module, paths: dict[int, str], include: tuple[str, ...],

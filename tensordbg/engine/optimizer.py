@@ -44,6 +44,23 @@ class OptimizerPhase:
     _stepped: frozenset[int] = frozenset()
     """The watched optimizers that stepped in this step."""
     _steps_apart = False
+    _ever_stepped: frozenset[int] = frozenset()
+    _forwards_at_end = -1
+    """The root forwards counted when the last step ended."""
+    _skip_dropped = False
+    """A skip dropped an optimizer's gradients this step: it ends at the next root forward (the
+    gradients it was for are gone; a WGAN's next critic update is not dropped with them)."""
+
+    @property
+    def step_open(self) -> bool:
+        """Whether some optimizers stepped in this step and the others never will (the training
+        ended): detaching ends it. (Stepping apart, it is the next step's start: left out.)"""
+        return bool(self._stepped) and not self._steps_apart
+
+    @property
+    def stepped_optimizers(self) -> int:
+        """How many of the watched optimizers have stepped in this step so far."""
+        return len(self._stepped)
 
     def check_parameters(self) -> None:
         """Check every parameter now (``attach`` does it once: a NaN or a poor initialization
@@ -145,6 +162,7 @@ class OptimizerPhase:
                 self.ranks.safe_point()  # the step's collectives are done: ranks stop here
             if self._skip_requested:
                 _drop_gradients(optimizer)
+                self._skip_dropped = True
             self.amp.stepped = True
             if self.phase != "optimizer":  # the first optimizer of the step: gradients are final
                 self.origins.gradients_final(self.phases.records)
@@ -171,7 +189,12 @@ class OptimizerPhase:
             if owned is None:
                 owned = self.weights.owned(optimizer, self.optimizers)
             self._check_parameters(owned, self.ruleset.update_stats())
-            self._stepped |= {id(optimizer)}
+            if id(optimizer) in self._ever_stepped or self._root_forwards != self._forwards_at_end:
+                self._stepped |= {id(optimizer)}
+            # else its first step came right after a step ended, with no forward since: watched
+            # from there on (tensordbg run finds an optimizer as it steps), it is the tail of
+            # that step, not one of the next (whose steps would all end one optimizer early).
+            self._ever_stepped |= {id(optimizer)}
             last = len(self._stepped) == len(self.optimizers)
             if optimizer is self.optimizers[0] if self._steps_apart else last:
                 self._end_step()

@@ -65,6 +65,8 @@ class Pipeline(Pausing, Pinpointing):
             self._check_changed_parameters()
             self._finish_step()
             self._boundary(completed_step=True)
+        if self._skip_dropped:
+            self._skip_requested = False  # done: the next gradients are new ones
         self._root_forwards += 1
         self._start_phase("forward")
         self._forward_open = True
@@ -393,9 +395,9 @@ class Pipeline(Pausing, Pinpointing):
 
     def _finish_step(self) -> None:
         """A training step completed: history, status, this step's hits become last step's."""
-        self._stepped = frozenset()
-        if self._skip_requested:
-            self._skip_requested = False
+        self._stepped, self._forwards_at_end = frozenset(), self._root_forwards
+        if self._skip_requested or self._skip_dropped:
+            self._skip_requested = self._skip_dropped = False
             self.skipped_updates.append(self.step)
             self._skips_in_row += 1
         else:

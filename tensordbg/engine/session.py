@@ -54,9 +54,10 @@ __all__ = ["DEFAULT_RETAIN", "DEFAULT_UPDATE_BUDGET", "EAGER_WINDOW", "SYNC", "H
 
 
 def attached_to(model: torch.nn.Module) -> Session | None:
-    """The session watching ``model``, if one is attached."""
-    session = _attached.get(model)
-    return session if session is not None and not session.detached else None
+    """The session watching ``model`` (or a model that holds it, or one it holds), if any."""
+    mine = {id(m) for m in model.modules()}
+    return next((s for other, s in list(_attached.items()) if not s.detached and (
+        id(other) in mine or any(m is model for m in other.modules()))), None)  # fmt: skip
 
 
 class Session(Pipeline, BackwardPhase, OptimizerPhase):
@@ -347,7 +348,7 @@ class Session(Pipeline, BackwardPhase, OptimizerPhase):
             self.controller.detach()  # finished by the training thread (_detach_requested)
             return
         self.controller.detach()  # what the last step's end finds is recorded, not paused on
-        if (self._stepped or (not self.optimizers and self._root_forwards)) and not self.broken:
+        if (self.step_open or (not self.optimizers and self._root_forwards)) and not self.broken:
             self.flush()  # the step's end would come with the next call or optimizer: none will
             self._finish_step()
         self.detached = True
@@ -464,10 +465,10 @@ def _check_arguments(model: Any, on_hit: Any, interval: int) -> None:
             "this model is already compiled: attach tensordbg before torch.compile, "
             "e.g. session = tensordbg.attach(model); model = torch.compile(model)"
         )
-    if attached_to(model) is not None:
-        raise RuntimeError(
-            "tensordbg is already attached to this model: call session.detach() first"
-        )
+    if (other := attached_to(model)) is not None:  # two sessions' hooks would meet in a module
+        raise RuntimeError(f"tensordbg is already attached to this model or one that holds or "
+                           f"is part of it ({type(other.model).__name__}): call session.detach() "
+                           "first")  # fmt: skip
     if not callable(on_hit) and on_hit not in ON_HIT:
         raise ValueError(f"on_hit is one of {', '.join(ON_HIT)} or a callable, not {on_hit!r}")
     if interval < 1:
@@ -479,9 +480,7 @@ def _patterns(value: str | Sequence[str]) -> tuple[str, ...]:
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
-    for tensor in model.parameters():
-        return tensor.device
-    for tensor in model.buffers():
+    for tensor in (*model.parameters(), *model.buffers()):
         return tensor.device
     return torch.device("cpu")
 

@@ -25,8 +25,9 @@ from tensordbg.engine.records import Record
 from tensordbg.hit import said_of
 from tensordbg.offline.recorded_rules import recorded_rules
 from tensordbg.offline.sentences import listed, plural
+from tensordbg.offline.values import DumpedValue, stats_of
 from tensordbg.rules import Rule
-from tensordbg.statistics import REGISTRY, Stat, TensorStats, compute_numpy
+from tensordbg.statistics import FINITE, Stat, TensorStats
 
 SCHEMA_VERSION = 1
 HISTORY_RULES = {
@@ -313,21 +314,6 @@ def _mark_origins(report: CheckReport, dump: Any) -> None:
             f.named, f.named_module = hit.tensor, hit.module
 
 
-def parse_stat(name: str) -> Stat | None:
-    """A dumped statistic's name as the rules ask for it: ``"l2"`` or
-    ``"in_range_frac(-1, 0)"``; None for a name the registry does not know."""
-    head, sep, rest = name.partition("(")
-    if head not in REGISTRY:
-        return None
-    if not sep:
-        return Stat(head)
-    try:
-        params = tuple(float(p) for p in rest.rstrip(")").split(",") if p.strip())
-    except ValueError:
-        return None
-    return Stat(head, params)
-
-
 # --- one step -----------------------------------------------------------------------------
 
 
@@ -342,8 +328,10 @@ def _judge_step(
 ) -> None:
     phase: str | None = None
     records: list[Record] = []
+    together: list[tuple[Record, Any, Any]] = []
     for entry in entries:
         if entry.phase != phase:
+            _judge_together(ruleset, together, step, rank, report)
             _end_phase(ruleset, records, rank, report)
             phase, records = entry.phase, []
         stats = TensorStats(
@@ -354,7 +342,7 @@ def _judge_step(
             step=step,
             shape=tuple(entry.shape),
             dtype=entry.dtype,
-            values=_values(entry.stats),
+            values=stats_of(entry.stats),
             module_type=entry.module_type,
             call=entry.call,
             trainable=entry.trainable,
@@ -363,7 +351,7 @@ def _judge_step(
         applicable = ruleset.applicable(stats)
         if not applicable.rule_ids:
             continue
-        value = _Value(dump, entry, step, rank) if entry.has_value else None
+        value = DumpedValue(dump, entry, step, rank) if entry.has_value else None
         judged = []
         for group in applicable.checks:
             kept = []
@@ -378,11 +366,33 @@ def _judge_step(
             judged.append(tuple(kept))
         record.rule_ids = applicable.rule_ids
         record.checks = tuple(judged)
-        ruleset.judge(record, value.measure if value is not None else None)
-        for rule_id, finding in record.findings.items():
-            report.findings.append(_finding(ruleset, rule_id, finding, entry, step, rank))
+        measure = value.measure if value is not None else None
+        if stats.kind == "grad" and stats.values.get(FINITE) == 1.0:
+            together.append((record, measure, entry))  # a pass's clean gradients: as live, below
+        else:
+            ruleset.judge(record, measure)
+            _report(ruleset, record, entry, step, rank, report)
         records.append(record)
+    _judge_together(ruleset, together, step, rank, report)
     _end_phase(ruleset, records, rank, report)
+
+
+def _judge_together(ruleset: RuleSet, together: list[tuple[Record, Any, Any]], step: int,
+                    rank: int, report: CheckReport) -> None:  # fmt: skip
+    """A phase's finite parameter gradients judged at once, as the live session judges a
+    clean pass's (each rule sees all of them: VanishingGradient the model's typical gradient,
+    and a bias's module's weight though the autograd engine made the bias's first)."""
+    measures = {id(record): measure for record, measure, _ in together}
+    ruleset.judge_finite([record for record, _, _ in together], lambda r: measures[id(r)])
+    for record, _, entry in together:
+        _report(ruleset, record, entry, step, rank, report)
+    together.clear()
+
+
+def _report(ruleset: RuleSet, record: Record, entry: Any, step: int, rank: int,
+            report: CheckReport) -> None:  # fmt: skip
+    for rule_id, finding in record.findings.items():
+        report.findings.append(_finding(ruleset, rule_id, finding, entry, step, rank))
 
 
 def _end_phase(ruleset: RuleSet, records: list[Record], rank: int, report: CheckReport) -> None:
@@ -404,49 +414,6 @@ def _end_phase(ruleset: RuleSet, records: list[Record], rank: int, report: Check
                 advice=finding.advice,
             )
         )
-
-
-class _Value:
-    """A dumped tensor's value, memory-mapped on first use, for statistics the index lacks."""
-
-    def __init__(self, dump: Any, entry: Any, step: int, rank: int):
-        self.dump, self.entry, self.step, self.rank = dump, entry, step, rank
-        self._array: Any = None
-
-    def array(self) -> Any:
-        if self._array is None:
-            self._array = self.dump.tensor(self.entry.name, rank=self.rank).value(self.step)
-        return self._array
-
-    def fill(self, stats: TensorStats, missing: Sequence[Stat]) -> bool:
-        """Compute ``missing`` from the value; False when they need what a dump never holds
-        (the parameter before the step) or the value cannot be read."""
-        if any(REGISTRY[s.name].needs_prev for s in missing):
-            return False
-        try:
-            stats.values.update(compute_numpy(self.array(), missing))
-        except Exception:
-            return False
-        return True
-
-    def measure(self, stats: TensorStats, wanted: Sequence[Stat]) -> list[float]:
-        computed = compute_numpy(self.array(), wanted)
-        return [computed[s] for s in wanted]
-
-
-def _values(dumped: dict[str, Any]) -> dict[Stat, float]:
-    out = {}
-    for name, value in dumped.items():
-        stat = _parsed.get(name, _UNSEEN)
-        if stat is _UNSEEN:  # a few names recur on every tensor: each is parsed once
-            stat = _parsed[name] = parse_stat(name)
-        if stat is not None and isinstance(value, (int, float)):
-            out[stat] = float(value)
-    return out
-
-
-_parsed: dict[str, Stat | None] = {}
-_UNSEEN: Any = object()
 
 
 def _note_unjudged(

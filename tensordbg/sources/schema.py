@@ -290,6 +290,7 @@ class Rules(TypedDict):
 class Control(TypedDict):
     state: TrainingState
     step: int
+    skipped: NotRequired[str]  # after skip: which updates of the step it drops (a sentence)
 
 
 class Welcome(TypedDict):
