@@ -95,6 +95,32 @@ def test_a_dump_of_one_hit_step_judges_a_bias_cancelled_by_construction_as_the_r
     assert sorted((f.step, f.rule, f.tensor) for f in report.findings) == live
 
 
+def test_a_model_called_three_times_a_step_is_checked_as_the_run_saw_it(tmp_path: Path) -> None:
+    """Two evaluation calls under no_grad, then the training call, each step: each call's
+    tensors keep names of their own (the module's call number), so the dump holds all three
+    and check finds what the run found, tensor by tensor."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = tensordbg.attach(model, opt, rules=[NaN()], on_hit="record", server=False,
+                               dump_dir=tmp_path, dump_every=1, summary_at_exit=False)  # fmt: skip
+    for step in range(4):
+        with torch.no_grad():
+            model(torch.randn(16, 4))
+            model(torch.randn(16, 4))
+        x = torch.randn(16, 4)
+        if step == 2:
+            x[0, 0] = float("nan")
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    live = sorted((h.step, h.rule, h.tensor) for h in session.hits)
+    session.detach()
+    assert (2, "NaN", "0#2.output") in live
+    report = check_dump(load(tmp_path))
+    assert sorted((f.step, f.rule, f.tensor) for f in report.findings) == live
+
+
 def test_a_rule_that_needs_what_the_dump_lacks_says_so_instead_of_passing(tmp_path: Path) -> None:
     bare = load(write_dump(tmp_path / "bare", stats=(MIN, MAX), values=False, nan_at=None))
     report = check_dump(bare, rules=[VanishingGradient()])

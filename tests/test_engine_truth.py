@@ -149,6 +149,34 @@ def test_a_discriminator_given_the_detached_fake_is_no_origin_of_the_generators_
     assert outputs == {("D.2.output", 0), ("D.2#2.output", 2)}
 
 
+@pytest.mark.parametrize("sync", MODES)
+def test_a_nan_the_discriminator_makes_in_the_generators_update_has_one_origin(watch, sync):
+    """D(fake.detach()) and D(real) are clean; D(fake), for G's loss, makes a NaN in its own
+    code. Its gradient reaches G's output (the record D(fake.detach()) also read, which no
+    gradient reaches through the detached alias): one origin, D's, and the gradient is named
+    after the call it came back through."""
+    torch.manual_seed(0)
+    generator = nn.Sequential(nn.Linear(4, 6), nn.Tanh())
+    critic = nn.Sequential(Poisoned(), nn.Tanh(), nn.Linear(6, 1))
+    critic[0].lin = nn.Linear(6, 6)
+    gan = nn.ModuleDict({"G": generator, "D": critic})
+    opt_d = torch.optim.SGD(critic.parameters(), lr=0.01)
+    opt_g = torch.optim.SGD(generator.parameters(), lr=0.01)
+    session = watch(gan, optimizer=[opt_d, opt_g], on_hit="record", rules=[NaN()], sync=sync)
+    fake = generator(torch.randn(8, 4))
+    (critic(fake.detach()).mean() - critic(torch.randn(8, 6)).mean()).backward()
+    opt_d.step()
+    opt_d.zero_grad()
+    critic[0].armed = True
+    (-critic(fake).mean()).backward()
+    critic[0].armed = False
+    opt_g.step()
+    opt_g.zero_grad()
+    session.flush()
+    assert [(h.tensor, h.step) for h in session.hits if h.origin] == [("D.0#2.output", 0)]
+    assert not [h for h in session.hits if h.tensor.startswith("D.0.grad") or "D#" in h.tensor]
+
+
 class Wrapper(nn.Module):
     def __init__(self):
         super().__init__()
@@ -539,11 +567,48 @@ def test_a_skip_after_the_first_optimizer_stepped_says_which_updates_it_drops(wa
     opt2.step()
     helper.join(DEADLINE)
     assert replies["skip"]["skipped"] == (
-        "Step 0: 1 of its 2 optimizers stepped already, and their updates stay made; the other 1 "
-        "will drop their gradients, their weights and state staying as they are."
+        "Step 0: SGD #1 stepped already, its update made; SGD #2 will drop its gradients, its "
+        "weights and state staying as they are."
     )
     assert _bitwise_equal(before, second.state_dict())
     assert session.skipped_updates == [0]
+
+
+def test_k_at_a_generators_nan_before_either_update_drops_both_of_the_gan_step(watch):
+    """A GAN step, D's optimizer first: G(z) hits, the person skips; D's update comes, then
+    D(fake) (a root forward) and G's backward and update: both updates are dropped."""
+    torch.manual_seed(0)
+    generator = nn.Sequential(Poisoned(), nn.Tanh())
+    critic = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt_d = torch.optim.SGD(critic.parameters(), lr=0.1)
+    opt_g = torch.optim.SGD(generator.parameters(), lr=0.1)
+    gan = nn.ModuleDict({"G": generator, "D": critic})
+    session = watch(gan, optimizer=[opt_d, opt_g], on_hit="pause", rules=[NaN()])
+    replies = {}
+
+    def skip_when_paused():
+        try:
+            wait_until(lambda: session.controller.state == "paused")
+            replies["skip"] = LiveSource(session).control("skip")
+        finally:
+            session.controller.resume()
+
+    before = copy.deepcopy(gan.state_dict())
+    helper = threading.Thread(target=skip_when_paused)
+    helper.start()
+    generator[0].armed = True
+    fake = generator(torch.randn(8, 4))  # pauses on the NaN
+    generator[0].armed = False
+    helper.join(DEADLINE)
+    (critic(fake.detach()).mean() - critic(torch.randn(8, 6)).mean()).backward()
+    opt_d.step()
+    opt_d.zero_grad()
+    (-critic(fake).mean()).backward()
+    opt_g.step()
+    opt_g.zero_grad()
+    assert "The update of step 0 will be skipped" in replies["skip"]["skipped"]
+    assert _bitwise_equal(before, gan.state_dict())
+    assert session.skipped_updates == [0] and session.step == 1
 
 
 def test_without_a_skip_the_same_bad_update_lands():

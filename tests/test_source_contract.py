@@ -209,7 +209,7 @@ def test_a_recorded_run_says_it_cannot_be_driven() -> None:
         dispatch(source, "control", {"action": "continue"})
     assert str(refused.value) == (
         "this session is a recorded run, not a running training: it cannot drive the training "
-        "(continue, run to the next hit, step, pause or detach)"
+        "(continue, run to the next hit, step, pause, skip an update or detach)"
     )
     assert source.controls == [] and source.state == "paused"
     assert refusal("add_rule", READ_ONLY).endswith("it cannot add a rule")

@@ -185,8 +185,6 @@ class Capture:
                 for path, calls in self.calls_by_path.items()
                 if (kept := [c for c in calls if id(c) not in gone])
             }
-            self._counts = {key: len(self.calls_by_path[path]) for key, path in self.paths.items()
-                            if path in self.calls_by_path}  # fmt: skip
         self._root_calls = []
         self._root_grad = torch.is_grad_enabled()
         self.stack.clear()
@@ -342,7 +340,8 @@ class Capture:
                     session.collect(record, t)
                 else:
                     session.collect_input(call, record, t)
-            record.consumers.append(call)
+            if node is not False or record.weak is None or record.weak() is t:
+                record.consumers.append(call)  # (not a detached alias: no gradient reaches it)
             call.inputs.append((suffix, record))
             self._hook_grad(t, node, record)
         session.enter(call)

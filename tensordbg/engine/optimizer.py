@@ -57,10 +57,19 @@ class OptimizerPhase:
         ended): detaching ends it. (Stepping apart, it is the next step's start: left out.)"""
         return bool(self._stepped) and not self._steps_apart
 
-    @property
-    def stepped_optimizers(self) -> int:
-        """How many of the watched optimizers have stepped in this step so far."""
-        return len(self._stepped)
+    def skipping(self) -> str:
+        """What a skip asked for now drops, as a person reads it: the step's updates not yet
+        made (optimizers named by class and place in the list: ``Adam #2``)."""
+        if not self._stepped:
+            return (f"The update of step {self.step} will be skipped: its gradients are "
+                    "dropped, the weights and the optimizer state stay as they are.")  # fmt: skip
+        named = [(id(o), f"{type(o).__name__} #{i + 1}") for i, o in enumerate(self.optimizers)]
+        made = [name for key, name in named if key in self._stepped]
+        left = [name for key, name in named if key not in self._stepped]
+        its = ("its", "their")
+        return (f"Step {self.step}: {_and(made)} stepped already, {its[len(made) > 1]} update "
+                f"made; {_and(left)} will drop {its[len(left) > 1]} gradients, "
+                f"{its[len(left) > 1]} weights and state staying as they are.")  # fmt: skip
 
     def check_parameters(self) -> None:
         """Check every parameter now (``attach`` does it once: a NaN or a poor initialization
@@ -375,3 +384,7 @@ def _drop_gradients(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         for param in group["params"]:
             param.grad = None
+
+
+def _and(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"

@@ -65,8 +65,11 @@ class Pipeline(Pausing, Pinpointing):
             self._check_changed_parameters()
             self._finish_step()
             self._boundary(completed_step=True)
-        if self._skip_dropped:
-            self._skip_requested = False  # done: the next gradients are new ones
+        if self._skip_dropped and self._steps_apart:
+            # Done: the next gradients are new ones (a WGAN's critic, whose steps these are).
+            # Stepping together, the step's later optimizers still have theirs to drop (a GAN's
+            # generator, after its discriminator's forward and update).
+            self._skip_requested = False
         self._root_forwards += 1
         self._start_phase("forward")
         self._forward_open = True

@@ -251,7 +251,7 @@ class LiveSource(LiveProfiling):
             if control.state != "paused":
                 raise SourceError("pause the training first: an update is skipped from a pause")
             step = self.session.skip_step()
-            return {"state": control.state, "step": step, "skipped": _skipped(self.session)}
+            return {"state": control.state, "step": step, "skipped": self.session.skipping()}
         else:
             raise SourceError(
                 f"unknown action {action!r}: continue, next, step, pause, skip or detach"
@@ -486,14 +486,3 @@ def _no_output(watched: bool, running: bool, calls: int, mode: str) -> str:
     if mode == "deferred":
         return "not read (deferred checks read outputs at a problem)"
     return "no floating-point output"  # eager and batched checks read every one they can
-
-
-def _skipped(session: Session) -> str:
-    """What a skip drops, as the UI says it: the step's updates not yet made."""
-    done, watched = session.stepped_optimizers, len(session.optimizers)
-    if not done:
-        return (f"The update of step {session.step} will be skipped: its gradients are dropped, "
-                "the weights and the optimizer state stay as they are.")  # fmt: skip
-    return (f"Step {session.step}: {done} of its {watched} optimizers stepped already, and their "
-            f"updates stay made; the other {watched - done} will drop their gradients, their "
-            "weights and state staying as they are.")  # fmt: skip
