@@ -459,6 +459,23 @@ def _bitwise_equal(a, b) -> bool:
     return a == b
 
 
+def _skip_when_paused(session) -> tuple[threading.Thread, dict]:
+    """A person's k then c, from another thread, once the training pauses: the thread, and
+    the reply to k (under "skip") once it is joined."""
+    replies = {}
+
+    def press():
+        try:
+            wait_until(lambda: session.controller.state == "paused")
+            replies["skip"] = LiveSource(session).control("skip")
+        finally:
+            session.controller.resume()
+
+    thread = threading.Thread(target=press)
+    thread.start()
+    return thread, replies
+
+
 def test_on_hit_skip_drops_a_bad_update_and_leaves_parameters_and_optimizer_state_bitwise(capsys):
     session, model, before, after = _adam_run("skip", plant_at=2)
     try:
@@ -549,20 +566,11 @@ def test_a_skip_after_the_first_optimizer_stepped_says_which_updates_it_drops(wa
     opt1 = torch.optim.SGD(first.parameters(), lr=0.1)
     opt2 = torch.optim.SGD(second.parameters(), lr=0.1)
     session = watch(model, optimizer=[opt1, opt2], on_hit="pause", rules=[NaN()])
-    replies = {}
-
-    def skip_when_paused():
-        try:
-            wait_until(lambda: session.controller.state == "paused")
-            replies["skip"] = LiveSource(session).control("skip")
-        finally:
-            session.controller.resume()
 
     first(torch.randn(3, 4)).sum().backward()
     opt1.step()
     before = copy.deepcopy(second.state_dict())
-    helper = threading.Thread(target=skip_when_paused)
-    helper.start()
+    helper, replies = _skip_when_paused(session)
     (second(torch.randn(3, 4)).sum() * float("nan")).backward()  # pauses on the NaN gradient
     opt2.step()
     helper.join(DEADLINE)
@@ -584,18 +592,9 @@ def test_k_at_a_generators_nan_before_either_update_drops_both_of_the_gan_step(w
     opt_g = torch.optim.SGD(generator.parameters(), lr=0.1)
     gan = nn.ModuleDict({"G": generator, "D": critic})
     session = watch(gan, optimizer=[opt_d, opt_g], on_hit="pause", rules=[NaN()])
-    replies = {}
-
-    def skip_when_paused():
-        try:
-            wait_until(lambda: session.controller.state == "paused")
-            replies["skip"] = LiveSource(session).control("skip")
-        finally:
-            session.controller.resume()
 
     before = copy.deepcopy(gan.state_dict())
-    helper = threading.Thread(target=skip_when_paused)
-    helper.start()
+    helper, replies = _skip_when_paused(session)
     generator[0].armed = True
     fake = generator(torch.randn(8, 4))  # pauses on the NaN
     generator[0].armed = False
@@ -629,17 +628,8 @@ def test_a_person_skips_the_update_from_a_pause(watch):
     opt.zero_grad()
     params = copy.deepcopy(model.state_dict())
     state = copy.deepcopy(opt.state_dict())
-    replies = {}
 
-    def skip_when_paused():
-        try:
-            wait_until(lambda: session.controller.state == "paused")
-            replies["skip"] = LiveSource(session).control("skip")
-        finally:
-            session.controller.resume()
-
-    helper = threading.Thread(target=skip_when_paused)
-    helper.start()
+    helper, replies = _skip_when_paused(session)
     (model(torch.randn(3, 4)).sum() * float("nan")).backward()  # pauses on the NaN gradient
     opt.step()
     helper.join(DEADLINE)
