@@ -9,6 +9,7 @@ import io
 import multiprocessing
 import os
 import threading
+import time
 import warnings
 
 import pytest
@@ -637,6 +638,27 @@ def test_a_person_skips_the_update_from_a_pause(watch):
     assert session.skipped_updates == [1]
     assert _bitwise_equal(params, model.state_dict())
     assert _bitwise_equal(state, opt.state_dict())
+
+
+def test_a_steps_speed_leaves_out_the_time_it_was_paused(watch):
+    """A person looked at a hit for half a second: the step's steps/s is the training's, not
+    the person's (a step of this model takes milliseconds)."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=opt, on_hit="pause", rules=[NaN()])
+
+    def look_then_continue():
+        wait_until(lambda: session.controller.state == "paused")
+        time.sleep(0.5)
+        session.controller.resume()
+
+    helper = threading.Thread(target=look_then_continue)
+    helper.start()
+    (model(torch.randn(3, 4)).sum() * float("nan")).backward()  # pauses on the NaN gradient
+    opt.step()
+    helper.join(DEADLINE)
+    step, _, _, rate = session.metrics.history[-1]
+    assert step == 0 and rate > 5.0  # 2 steps/s or fewer with the pause counted
 
 
 def test_skipping_forever_is_bounded(watch):

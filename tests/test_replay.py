@@ -199,8 +199,13 @@ def test_the_ui_says_replay_and_moves_between_steps_with_n_and_p(dump: Path) -> 
             await until(pilot, lambda: source.step == 2 and "step 2 (3 of 6" in str(banner.content))
             tensors = app.main.module_browser
             await until(pilot, lambda: tensors.table.row_count == 5)
+            app.main.show_tab("modules")  # a module's tensors are the dumped step's, all phases
+            await until(pilot, lambda: "in this dumped step" in str(tensors.tensors_title.content))
             await pilot.press("c")  # a recording cannot be driven: it says so
             await until(pilot, lambda: any("recorded run" in str(n.message)
+                                           for n in app._notifications))  # fmt: skip
+            await pilot.press("n", "n", "n", "n")  # at the last step n cannot move: it says so
+            await until(pilot, lambda: any("Step 5 is the last dumped step" in str(n.message)
                                            for n in app._notifications))  # fmt: skip
             assert app.query(Footer)
 

@@ -314,6 +314,10 @@ class TensorDbgApp(App[int]):
             info = await self.remote.goto(move=move)
         except RequestFailed:
             return  # the Log tab says why
+        where = info.get("replay") or {}
+        if where.get("index") == (where.get("steps", 0) - 1 if move > 0 else 0):
+            end = "last" if move > 0 else "first"  # said at once: the key may have done nothing
+            self.notify(f"Step {info['step']} is the {end} dumped step.", title="Replay")
         self.main.show_replay_step(info)
 
     @work(group="control", exclusive=True)

@@ -26,6 +26,8 @@ class StepMetrics:
         self._grad_sq = 0.0
         self._grad_seen = False
         self._last = time.perf_counter()
+        self.paused = 0.0
+        """Seconds the step spent paused: left out of its speed."""
 
     def judged(self, stats: TensorStats) -> None:
         """A tensor's statistics were judged: they are its latest; a gradient adds to the
@@ -51,7 +53,7 @@ class StepMetrics:
     def finish(self, step: int) -> dict[str, float | int | None]:
         """The step completed: its numbers, kept in the history."""
         now = time.perf_counter()
-        dt, self._last = now - self._last, now
+        dt, self._last, self.paused = now - self._last - self.paused, now, 0.0
         loss = sum(self._loss) / len(self._loss) if self._loss else None
         grad_norm = math.sqrt(self._grad_sq) if self._grad_seen else None
         rate = 1.0 / dt if dt > 0 else None

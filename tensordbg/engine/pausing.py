@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any
 
 from tensordbg.engine.control import DETACHED, STEP
@@ -61,7 +62,11 @@ class Pausing:
         _print_pause(self, reason, hit)
         self.publish()
         self.bus.publish("pause", {"state": "paused", "step": self.step, "reason": reason})
-        self.controller.block(reason, hit)
+        started = time.perf_counter()
+        try:
+            self.controller.block(reason, hit)
+        finally:
+            self.metrics.paused += time.perf_counter() - started  # not the step's own time
         if not self._detach_requested():
             self.bus.publish("resume", {"state": "running", "step": self.step})
 

@@ -102,8 +102,11 @@ class ModuleBrowser(Vertical):
             title.update("No module matches the search.")
         else:
             name = module["path"] or "(model)"
+            # A replay lists the dumped step's tensors, of every phase; a live session the phase's.
+            replay = getattr(self.app, "state", "") == "replay"
+            where = "this dumped step" if replay else "this phase"
             title.update(
-                f"Tensors of {name} in this phase: {len(tensors)}"
+                f"Tensors of {name} in {where}: {len(tensors)}"
                 + ("  (Enter opens one)" if tensors else "")
             )
         self.tensor_table.show(tensors)
