@@ -88,8 +88,9 @@ def attach(
     Args:
         model: the root module; every submodule is watched unless ``include``/``exclude``
             (glob patterns on module paths, e.g. ``"layers.*.attn"``) narrow it.
-        optimizer: an optimizer (or several) whose steps are watched; without one, a step is a
-            root forward call.
+        optimizer: an optimizer (or several) whose steps are watched; a step ends once each
+            has stepped (stepping apart, with the first's); without one, a step is a root
+            forward call.
         rules: watchpoint rules; None means ``tensordbg.rules.DEFAULT``.
         on_hit: ``"pause"`` blocks the training until resumed from the UI (``tensordbg tui``) or
             ``session.controller``; ``"raise"`` raises :class:`WatchpointHit`; ``"record"`` only

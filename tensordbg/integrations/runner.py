@@ -1,10 +1,10 @@
 """``tensordbg run script.py``: debug a training script without changing it, like ``pdb``.
 
 Global hooks find the training: the first module with trainable parameters that is called is the
-model (tensordbg attaches to it as ``attach()`` would), the first optimizer that steps is watched,
-and a scalar on which ``.backward()`` is called is observed as the loss. The global module hook
-is removed as soon as the model is found, so the rest of the run pays only for the model's own
-hooks.
+model (tensordbg attaches to it as ``attach()`` would), every optimizer that steps it is watched
+from its first step on, and a scalar on which ``.backward()`` is called is observed as the loss.
+The global module hook is removed as soon as the model is found, so the rest of the run pays
+only for the model's own hooks.
 
 A script that trains with a framework's trainer (Hugging Face ``Trainer``, Lightning ``Trainer``)
 is watched through that framework's callback instead: each trainer the script makes gets one (see
