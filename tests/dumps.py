@@ -84,14 +84,14 @@ def write_dump(
     rules: list[dict[str, Any]] | None = None,
     sync: str = "deferred",
     updates_at: Iterable[int] = (),
-    named: tuple[str, str] | None = None,
+    named: tuple[str, str] | tuple[str, str, str] | None = None,
 ) -> Path:
     """A dump of ``steps`` at ``path``; ``values`` keeps values (of every step, or of those
     listed); ``change=(step, name, index, delta)`` adds ``delta`` to one element;
     ``updates_at`` lists the steps that record the weights' updates too (as batched checks do
-    every step, and deferred ones after a step that hit); ``named=(tensor, module)`` makes the
-    hit name the call whose own code made the NaN (as it names the model's own forward,
-    ``("output", "")``), the NaN being dumped under ``net.2.output``."""
+    every step, and deferred ones after a step that hit); ``named=(tensor, module[, kind])``
+    makes the hit name the call whose own code made the NaN (as it names the model's own
+    forward, ``("output", "")``), the NaN being dumped under ``net.2.output``."""
     writer = DumpWriter(
         path,
         {
@@ -143,7 +143,8 @@ def write_dump(
             )
             if named is not None:
                 hits[-1].update(tensor=named[0], module=named[1], stored_as="net.2.output",
-                                message=f"{named[0]} holds 1 NaN at step {step}.")  # fmt: skip
+                                message=f"{named[0]} holds 1 NaN at step {step}.",
+                                kind=named[2] if len(named) > 2 else hits[-1]["kind"])  # fmt: skip
         writer.write_step(step, 0, entries, arrays, hits, modules=MODULES if n == 0 else None)
     writer.close()
     return path

@@ -240,6 +240,14 @@ def test_the_json_names_the_origin_as_the_run_and_the_table_did(
     ]
     assert origins[0]["message"].startswith("output holds 1 NaN among 32 values.")
     assert [(f["tensor"], f["stored_as"]) for f in findings if not f["origin"]] == [("loss", "")]
+    # Named as the run named it, kind too (a consumer's grad_input, dumped as what made it).
+    dump = str(write_dump(tmp_path / "grad", nan_at=3, named=("net.3.grad_input[0]", "net.3",
+                                                             "grad_input")))  # fmt: skip
+    assert main(["check", dump, "--json"]) == 1
+    origins = [f for f in json.loads(capsys.readouterr().out)["findings"] if f["origin"]]
+    assert [(f["tensor"], f["kind"], f["stored_as"]) for f in origins] == [
+        ("net.3.grad_input[0]", "grad_input", "net.2.output")
+    ]
 
 
 def test_a_broken_step_is_reported_and_the_others_are_checked(

@@ -61,9 +61,11 @@ class Finding:
     gives each advice once, the JSON with each finding (its ``message`` ends with it)."""
     named: str = ""
     named_module: str = ""
-    """The tensor and module the run's hit named, where it named the call whose own code made
-    the value (``output``, the model's own forward) rather than the submodule that returned it,
-    under whose name ``tensor`` is dumped (``out.output``); "" when the hit named ``tensor``."""
+    named_kind: str = ""
+    """The tensor, module and kind the run's hit named, where it named the call whose own code
+    made the value (``output``, the model's own forward; a consumer's ``grad_input``) rather
+    than the one that returned it, under whose name ``tensor`` is dumped (``out.output``); ""
+    when the hit named ``tensor``."""
 
     @property
     def advised(self) -> str:  # the message followed by the advice
@@ -311,7 +313,7 @@ def _mark_origins(report: CheckReport, dump: Any) -> None:
             continue
         f.origin = True
         if hit.stored_as not in ("", hit.tensor):
-            f.named, f.named_module = hit.tensor, hit.module
+            f.named, f.named_module, f.named_kind = hit.tensor, hit.module, hit.kind
 
 
 # --- one step -----------------------------------------------------------------------------
@@ -449,14 +451,16 @@ def _threshold(value: Any) -> float | None:
 
 
 def _finding_json(f: Finding) -> dict[str, Any]:
-    """A finding as the JSON schema has it: the tensor and module the run named (the name it
-    is dumped under in ``stored_as``, "" when the same), its ``message`` followed by its
+    """A finding as the JSON schema has it: the tensor, module and kind the run named (the name
+    it is dumped under in ``stored_as``, "" when the same), its ``message`` followed by its
     advice, as the run gave it, and no field of its own for the advice."""
     row = asdict(f)
-    del row["advice"], row["named"], row["named_module"]
+    del row["advice"], row["named"], row["named_module"], row["named_kind"]
     row["stored_as"] = ""
     if f.named:
-        row.update(tensor=f.named, module=f.named_module, stored_as=f.tensor)
+        row.update(
+            tensor=f.named, module=f.named_module, kind=f.named_kind or f.kind, stored_as=f.tensor
+        )
     row["message"] = f"{f.said} {f.advice}" if f.advice else f.said
     return _jsonable(row)
 
