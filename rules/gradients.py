@@ -72,6 +72,22 @@ def negligible(value: float, state: dict[str, Any], name: str) -> bool:
     return typical is None or value < RELATIVE * typical
 
 
+def _param(t: TensorStats) -> str:
+    """The parameter's own name: ``bias`` for ``layers.0.fc.bias.grad``."""
+    return t.name.removesuffix(".grad").rpartition(".")[2]
+
+
+def _note_weight(t: TensorStats, state: dict[str, Any], learning: bool) -> bool:
+    """Note, per module, whether each of its weights (its parameters other than biases) got
+    a healthy gradient the last time it was judged, in ``state["weights"]``. Returns whether
+    ``t`` is a bias's gradient instead (nothing noted)."""
+    param = _param(t)
+    if param.startswith("bias"):
+        return True
+    state.setdefault("weights", {}).setdefault(t.module, {})[param] = learning
+    return False
+
+
 class ExplodingGradient(Rule):
     """A parameter's gradient that is non-finite, huge, or growing fast against its own history.
 
@@ -248,14 +264,12 @@ class VanishingGradient(Rule):
         typical gradient is the same for each, whichever statistics came with it (batched
         checks have what a Refine asks from the second step on; deferred ones ask again), and
         so is each weight that a bound shows learning, for its module's bias."""
-        weights: dict[str, dict[str, bool]] = state.setdefault("weights", {})
         for t in tensors:
             note_scale(t, state)
-            param = t.name.removesuffix(".grad").rpartition(".")[2]
-            if t.trainable and not param.startswith("bias") and self._nonzero_mean(t) is None:
+            if t.trainable and self._nonzero_mean(t) is None:
                 # Learning, a bound shows: a bias of its module judged before it in this pass
                 # (the autograd engine makes a bias's gradient first) sees it so.
-                weights.setdefault(t.module, {})[param] = True
+                _note_weight(t, state, learning=True)
         return [self.check(t, state) for t in tensors]
 
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | Refine | None:
@@ -264,9 +278,8 @@ class VanishingGradient(Rule):
         if not t.trainable or scale is None:
             # Not measured this step (between interval steps), or not finite: not vanishing. A
             # weight's NaN or Inf gradient is one it receives: its module's bias is not cut off.
-            param = t.name.removesuffix(".grad").rpartition(".")[2]
-            if t.trainable and t.nonfinite and not param.startswith("bias"):
-                state.setdefault("weights", {}).setdefault(t.module, {})[param] = True
+            if t.trainable and t.nonfinite:
+                _note_weight(t, state, learning=True)
             return None
         mean = self._nonzero_mean(t)
         if isinstance(mean, Refine):
@@ -278,18 +291,14 @@ class VanishingGradient(Rule):
         if mean is not None and mean < self.threshold:
             typical = typical_scale(state, t.name)
             vanishing = typical is None or mean < self.relative * typical
-        # Per module, whether each of its weights (its parameters other than biases) got a
-        # healthy gradient the last time it was judged.
-        weights: dict[str, dict[str, bool]] = state.setdefault("weights", {})
-        param = t.name.removesuffix(".grad").rpartition(".")[2]
-        bias = param.startswith("bias")
-        if not bias:
-            weights.setdefault(t.module, {})[param] = not vanishing
+        bias = _note_weight(t, state, learning=not vanishing)
         streaks: dict[str, int] = state.setdefault("low", {})
         if mean is None or not vanishing:
             streaks.pop(t.name, None)
             return None
         if bias:
+            param = _param(t)
+            weights: dict[str, dict[str, bool]] = state.get("weights", {})
             known = [ok for name, ok in weights.get(t.module, {}).items() if name != param]
             if any(known):
                 return None  # a shift cancelled downstream, while the module's weight learns

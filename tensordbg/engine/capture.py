@@ -332,7 +332,8 @@ class Capture:
         self._root_calls.append(call)
         self.stack.append(call)
         for suffix, t, version, node in seen:
-            record = self._known(t, version) or (self._alias(t, version) if is_root else None)
+            record = self._known(t, version)
+            aliased = record is None and is_root and (record := self._alias(t, version)) is not None
             if record is None:
                 record = self._new_record(t, version, call, "input", suffix, hidden=not is_root)
                 self._remember(t, record)
@@ -340,8 +341,8 @@ class Capture:
                     session.collect(record, t)
                 else:
                     session.collect_input(call, record, t)
-            if node is not False or record.weak is None or record.weak() is t:
-                record.consumers.append(call)  # (not a detached alias: no gradient reaches it)
+            if not aliased or node is not False:  # a detached alias: no gradient reaches it
+                record.consumers.append(call)
             call.inputs.append((suffix, record))
             self._hook_grad(t, node, record)
         session.enter(call)

@@ -210,10 +210,6 @@ class OptimizerPhase:
         except Exception as e:
             self.fault(e)
 
-    def _end_step(self) -> None:
-        self._finish_step()
-        self._boundary(completed_step=True)
-
     def _check_parameters(self, owned: list[Param], updates: tuple[Stat, ...] | None,
                           after_step: bool = True) -> None:  # fmt: skip
         """Parameters after an optimizer step (and at attach): their values and, for those the

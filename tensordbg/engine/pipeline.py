@@ -63,8 +63,7 @@ class Pipeline(Pausing, Pinpointing):
             self._end_phase()
         if not self.optimizers and self._root_forwards:
             self._check_changed_parameters()
-            self._finish_step()
-            self._boundary(completed_step=True)
+            self._end_step()
         if self._skip_dropped and self._steps_apart:
             # Done: the next gradients are new ones (a WGAN's critic, whose steps these are).
             # Stepping together, the step's later optimizers still have theirs to drop (a GAN's
@@ -395,6 +394,11 @@ class Pipeline(Pausing, Pinpointing):
         skipping = self.on_hit == "skip" and (hit.origin or hit.kind == "grad")
         if callable(self.on_hit) or skipping or self.controller.should_pause(hit, repeated):
             self._pausing.append(hit)
+
+    def _end_step(self) -> None:
+        """A step ended where the training may stop: finish it, then the boundary."""
+        self._finish_step()
+        self._boundary(completed_step=True)
 
     def _finish_step(self) -> None:
         """A training step completed: history, status, this step's hits become last step's."""

@@ -246,8 +246,9 @@ REPLIES: dict[str, Any] = {m: _HINTS[m].pop("return") for m in METHODS}
 """The schema of the reply to each request: ``check(reply, REPLIES["stats"])``."""
 
 _CANNOT = {
-    "control": "drive the training (continue, run to the next hit, step, pause, skip an update "
-    "or detach)",
+    "control": (
+        "drive the training (continue, run to the next hit, step, pause, skip an update or detach)"
+    ),
     "set_rule": "change a rule",
     "add_rule": "add a rule",
     "recheck": "judge a step again",
