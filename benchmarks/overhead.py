@@ -8,6 +8,8 @@
                                                      # attached vs bare, and the store's cost
     python benchmarks/overhead.py --capabilities     # what each capability of the default
                                                      # mode adds, one after another
+    python benchmarks/overhead.py --floor            # the default beside hooks that only read
+                                                     # what it reads: its floor, bookkeeping aside
 
 Three copies of the same model train side by side in one process; each round runs one step of
 each, in a rotating order, so that the machine's noise falls on all three alike. The medians
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import platform
 import statistics
@@ -158,6 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         "+ forward origin (module hooks), + backward origin (activation gradients), + gradient "
         "and weight checks (the default)",
     )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="the default beside hooks that read what it reads on a clean CPU step and do "
+        "nothing else (no records, no rules): the cost of the reads, bookkeeping aside",
+    )
     args = parser.parse_args(argv)
     if args.ranks is not None:
         return ranks_main(args)
@@ -173,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     sessions = {}
     variants = CAPABILITIES if args.capabilities else [(m, m, 4) for m in ["auto", *args.also]]
     for label, mode, capabilities in variants:
-        name = "attached" if label == "auto" else label
-        runner = Runner(name, copy.deepcopy(base), device, dtype)
+        label = "attached" if label == "auto" else label
+        runner = Runner(label, copy.deepcopy(base), device, dtype)
         runner.session = tensordbg.attach(
             runner.model, optimizer=runner.optimizer, on_hit="record", server=False, sync=mode,
             include=["-"] if capabilities < 2 else (),
@@ -182,7 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         _switch_off(runner.session, capabilities)
         sessions[runner.name] = runner.session
         runners.append(runner)
-    if not args.no_anomaly and not args.capabilities:
+    if args.floor:
+        runners.insert(1, Runner("floor", copy.deepcopy(base), device, dtype))
+        watch_floor(runners[1].model, runners[1].optimizer)
+    if not args.no_anomaly and not (args.capabilities or args.floor):
         runners.append(Runner("anomaly", copy.deepcopy(base), device, dtype))
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, vocab, (batch, seq + 1), generator=g).to(device) for _ in range(4)]
@@ -222,6 +234,51 @@ CAPABILITIES = [
     ("+bwd origin", "auto", 3),  # activation gradients: the origin of a backward-only NaN
     ("+grad/weight", "auto", 4),  # parameter gradients and weights: the default, whole
 ]
+
+
+def watch_floor(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Hooks that read what the default reads on a clean CPU step, and nothing more: the
+    model's output (its sum), the gradient of every module output that no bias vouches for
+    (its sum, in its hook), each vouching bias's gradient as it comes, one norm pass over all
+    parameter gradients before the step and one over all parameters after it. No call, record,
+    rule or phase: what is left between this and the default is bookkeeping."""
+    vouched = (nn.Linear, nn.LayerNorm, nn.GELU, nn.Sequential)  # a bias sums their gradient
+    biases = {id(m.bias) for m in model.modules() if isinstance(m, vouched[:2])}
+    grads: list[torch.Tensor] = []
+
+    def read(t: torch.Tensor) -> bool:
+        return math.isfinite(t.sum().item())
+
+    def read_grad(grad_outputs: tuple) -> None:
+        if grad_outputs[0] is not None:
+            read(grad_outputs[0])
+
+    def output(module: nn.Module, args: tuple, out: object) -> None:
+        if module is model:
+            read(out)
+        hooked = isinstance(out, torch.Tensor) and out.grad_fn is not None
+        if hooked and not isinstance(module, vouched):
+            out.grad_fn.register_prehook(read_grad)
+
+    def gradient(param: torch.Tensor) -> None:
+        grads.append(param.grad)
+        if id(param) in biases:
+            read(param.grad)
+
+    def before_step(*args: object) -> None:
+        all(math.isfinite(n) for n in torch.stack(torch._foreach_norm(grads)).tolist())
+        grads.clear()
+
+    def after_step(*args: object) -> None:
+        weights = [p.detach() for p in model.parameters()]
+        all(math.isfinite(n) for n in torch.stack(torch._foreach_norm(weights)).tolist())
+
+    for module in model.modules():
+        module.register_forward_hook(output)
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(gradient)
+    optimizer.register_step_pre_hook(before_step)
+    optimizer.register_step_post_hook(after_step)
 
 
 def _switch_off(session: tensordbg.Session, capabilities: int) -> None:

@@ -84,7 +84,7 @@ _NORM_STATS = frozenset({"finite", "l2"})
 
 def on_host(t: Tensor) -> bool:
     """Whether reading ``t`` costs no synchronization with a device."""
-    return t.device.type == "cpu"
+    return t.is_cpu
 
 
 def norm_only(record: Any, tensor: Tensor) -> bool:
