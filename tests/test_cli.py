@@ -107,6 +107,54 @@ def test_run_watches_two_optimizers_of_one_step_from_their_first_steps(tmp_path:
     assert {("0.weight", 3), ("2.weight", 3)} <= updated
 
 
+
+TWO_LOSSES = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+    D = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt_g = torch.optim.Adam(G.parameters(), lr=1e-3)
+    opt_d = torch.optim.Adam(D.parameters(), lr=1e-3)
+    bce = nn.BCEWithLogitsLoss()
+    for step in range(4):
+        real, z = torch.randn(16, 4) + 3, torch.randn(16, 4)
+        fake = G(z)
+        d_loss = bce(D(real), torch.ones(16, 1)) + bce(D(fake.detach()), torch.zeros(16, 1))
+        opt_d.zero_grad()
+        d_loss.backward()
+        opt_d.step()
+        errG = bce(D(fake), torch.ones(16, 1)) * 10  # a different scale from d_loss
+        opt_g.zero_grad()
+        errG.backward()
+        opt_g.step()
+    """
+)
+
+
+def test_run_observes_each_loss_under_the_scripts_name_and_the_curve_follows_the_first(
+    tmp_path: Path,
+):
+    """A GAN's two losses are two observed tensors named as in the script (errG, which does not
+    say loss, as loss_errG), and the loss curve is the first one's, not their mean (all were
+    "loss" once, and the curve averaged the discriminator's and the generator's)."""
+    script = tmp_path / "train.py"
+    script.write_text(TWO_LOSSES)
+    dump = tmp_path / "dump"
+    done = tensordbg("run", "--on-hit", "record", "--dump-dir", str(dump), "--dump-every", "1",
+                     str(script), cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    found = tensordbg_load(dump)
+    d_loss, g_loss = found.tensor("d_loss"), found.tensor("loss_errG")
+    assert found.steps() == [0, 1, 2, 3]
+    for step in found.steps():
+        curve = found.numbers(step)["loss"]
+        assert curve == pytest.approx(d_loss.stats(step)["mean"])
+        assert curve != pytest.approx(g_loss.stats(step)["mean"])
+
+
 SELF_ATTACHING = textwrap.dedent(
     """
     import sys

@@ -23,6 +23,8 @@ class StepMetrics:
         self.latest: dict[str, tuple[int, TensorStats]] = {}
         self.previous: dict[str, tuple[int, TensorStats]] = {}
         self._loss: list[float] = []
+        self.loss_name: str | None = None
+        """The observed scalar the loss curve follows: the first one named like ``loss``."""
         self._grad_sq = 0.0
         self._grad_seen = False
         self._last = time.perf_counter()
@@ -43,10 +45,14 @@ class StepMetrics:
                 self._grad_seen = True
 
     def observed(self, stats: TensorStats) -> None:
-        """An observed scalar named like ``loss`` feeds the loss curve; a NaN loss too, so
-        the step's loss says NaN rather than being left out."""
+        """The first observed scalar named like ``loss`` feeds the loss curve, each of its
+        values in a step (gradient accumulation) averaged; a NaN loss too, so the step's loss
+        says NaN rather than being left out. Another loss (a GAN's second) is a tensor of its
+        own, not averaged into it."""
         if "loss" in stats.name.lower() and stats.numel == 1:
-            value = stats.values.get(MEAN)
+            if self.loss_name is None:
+                self.loss_name = stats.name
+            value = stats.values.get(MEAN) if stats.name == self.loss_name else None
             if value is not None:
                 self._loss.append(value)
 

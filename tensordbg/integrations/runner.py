@@ -2,7 +2,8 @@
 
 Global hooks find the training: the first module with trainable parameters that is called is the
 model (tensordbg attaches to it as ``attach()`` would), every optimizer that steps it is watched
-from its first step on, and a scalar on which ``.backward()`` is called is observed as the loss.
+from its first step on, and a scalar on which ``.backward()`` is called is observed as a loss, under
+the name the script gives it (``d_loss.backward()`` observes ``d_loss``; see :func:`loss_name`).
 The global module hook is removed as soon as the model is found, so the rest of the run pays
 only for the model's own hooks.
 
@@ -70,7 +71,7 @@ class ScriptRun:
 
         def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if run.session is not None and tensor.numel() == 1:
-                run.session.observe("loss", tensor)
+                run.session.observe(loss_name(tensor, sys._getframe(1)), tensor)
             return original(tensor, *args, **kwargs)
 
         torch.Tensor.backward = backward  # type: ignore[method-assign]
@@ -241,3 +242,15 @@ def _flag(key: str, value: Any) -> str:
     elif isinstance(value, (tuple, list)):
         value = " ".join(map(str, value))
     return f"--{key.replace('_', '-')} {value}"
+
+
+def loss_name(tensor: torch.Tensor, frame: Any) -> str:
+    """The name under which a scalar that the script calls ``.backward()`` on is observed: the
+    script's own name for it when it has one (a GAN's ``d_loss`` and ``g_loss``, DCGAN's
+    ``errD_real`` as ``loss_errD_real``, so that every name is loss-like), else ``loss``. Two
+    losses of a step are two tensors with two names, not one: the loss curve follows the first
+    (see :class:`~tensordbg.engine.metrics.StepMetrics`)."""
+    for name, value in frame.f_locals.items():
+        if value is tensor and name.isidentifier() and not name.startswith("_"):
+            return name if "loss" in name.lower() else f"loss_{name}"
+    return "loss"
