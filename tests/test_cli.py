@@ -107,7 +107,6 @@ def test_run_watches_two_optimizers_of_one_step_from_their_first_steps(tmp_path:
     assert {("0.weight", 3), ("2.weight", 3)} <= updated
 
 
-
 TWO_LOSSES = textwrap.dedent(
     """
     import torch
