@@ -448,3 +448,23 @@ def test_an_unknown_option_is_said_with_its_commands_usage(tmp_path: Path):
     assert done.returncode == 2
     assert done.stderr.startswith("usage: tensordbg check")
     assert "tensordbg check: error: unrecognized arguments: --bogus" in done.stderr
+
+
+def test_a_loss_is_named_by_the_scripts_loss_like_name_for_it_among_its_aliases():
+    import torch
+
+    from tensordbg.integrations.runner import loss_name
+
+    value = torch.tensor(1.0)
+
+    def step(**names: object) -> str:
+        return loss_name(value, _Frame({**names, "unrelated": torch.tensor(2.0)}))
+
+    assert step(total=value, loss=value) == "loss"  # the loss-like alias, wherever it comes
+    assert step(errG=value) == "loss_errG"
+    assert step() == "loss"
+
+
+class _Frame:
+    def __init__(self, f_locals: dict[str, object]):
+        self.f_locals = f_locals

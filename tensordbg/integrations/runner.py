@@ -250,7 +250,7 @@ def loss_name(tensor: torch.Tensor, frame: Any) -> str:
     ``errD_real`` as ``loss_errD_real``, so that every name is loss-like), else ``loss``. Two
     losses of a step are two tensors with two names, not one: the loss curve follows the first
     (see :class:`~tensordbg.engine.metrics.StepMetrics`)."""
-    for name, value in frame.f_locals.items():
-        if value is tensor and name.isidentifier() and not name.startswith("_"):
-            return name if "loss" in name.lower() else f"loss_{name}"
-    return "loss"
+    names = [name for name, value in frame.f_locals.items()
+             if value is tensor and name.isidentifier() and not name.startswith("_")]  # fmt: skip
+    named = next((name for name in names if "loss" in name.lower()), None)
+    return named or (f"loss_{names[0]}" if names else "loss")
