@@ -149,10 +149,9 @@ def attach(
     if rules is None and identity.distributed:
         rules = [*default_rules(), RankDivergence()]
     existing = attached_to(model)
+    replaced = existing.run_id if existing is not None and existing.replaceable else None
     if existing is not None and existing.replaceable:
         existing.detach()
-        print("tensordbg: this attach() replaces the session tensordbg run made for the model",
-              file=sys.stderr)  # fmt: skip
     session = Session(
         model,
         optimizer,
@@ -171,6 +170,9 @@ def attach(
     )
     session.replaceable = replaceable
     session.summary_at_exit = summary_at_exit
+    if replaced is not None:  # the run id printed for it is not this session's
+        print(f"tensordbg: this attach() replaces the session tensordbg run made for the model "
+              f"(run {replaced}): run {session.run_id}", file=sys.stderr, flush=True)  # fmt: skip
     if session.capture.unmatched:
         session.log(session.capture.unmatched, "warning")
         print(f"tensordbg: {session.capture.unmatched}", file=sys.stderr, flush=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -181,6 +182,7 @@ SELF_ATTACHING = textwrap.dedent(
     print("steps", session.step)
     print("origins", [(h.tensor, h.step, h.phase) for h in session.hits if h.origin])
     print("sessions", len(find_sessions()))
+    print("run", session.run_id)
     session.detach()
     sys.exit(3)
     """
@@ -202,6 +204,11 @@ def test_run_leaves_a_script_that_attaches_itself_to_its_own_session(tmp_path: P
     origin = "net.input[0]" if "--container" in args else "input[0]"
     assert f"origins [('{origin}', 3, 'forward')]" in done.stdout
     assert "sessions 1" in done.stdout  # and it is the only one
+    if "--check-first" in args:  # the run id said at the first forward is replaced: said again
+        run = re.search(r"^run (\w+)$", done.stdout, re.M)
+        said = re.search(r"replaces the session tensordbg run made for the model \(run (\w+)\): "
+                         r"run (\w+)", done.stderr)  # fmt: skip
+        assert run and said and said[2] == run[1] != said[1], done.stderr
     # The model the script called is watched by the script's session alone.
     assert done.stderr.count("hits,") <= 1 and "raised _Found" not in done.stderr
 
