@@ -17,6 +17,7 @@ from tensordbg.engine.origin import Verdict
 from tensordbg.engine.params import Digest, Param, ParamWatch, sample_moved
 from tensordbg.engine.phases import Judged
 from tensordbg.engine.records import Record, param_grad_record
+from tensordbg.offline.sentences import listed
 from tensordbg.statistics import FINITE, L2, MAX, MIN, Stat
 from tensordbg.statistics.batch import norms_of
 from tensordbg.statistics.torch_kernels import device_parts, host_stats, update_stats, watchable
@@ -67,8 +68,8 @@ class OptimizerPhase:
         made = [name for key, name in named if key in self._stepped]
         left = [name for key, name in named if key not in self._stepped]
         its = ("its", "their")
-        return (f"Step {self.step}: {_and(made)} stepped already, {its[len(made) > 1]} update "
-                f"made; {_and(left)} will drop {its[len(left) > 1]} gradients, "
+        return (f"Step {self.step}: {listed(made)} stepped already, {its[len(made) > 1]} update "
+                f"made; {listed(left)} will drop {its[len(left) > 1]} gradients, "
                 f"{its[len(left) > 1]} weights and state staying as they are.")  # fmt: skip
 
     def check_parameters(self) -> None:
@@ -380,7 +381,3 @@ def _drop_gradients(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         for param in group["params"]:
             param.grad = None
-
-
-def _and(names: list[str]) -> str:
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
