@@ -44,7 +44,7 @@ def note_scale(t: TensorStats, state: dict[str, Any]) -> float | None:
     elif noted[0] == t.step:
         noted[1] = scale  # again in the same step (accumulated gradients, a refinement)
     else:
-        noted[:] = [t.step, scale, noted[1]]
+        noted[0], noted[1], noted[2] = t.step, scale, noted[1]
     return scale
 
 
@@ -166,16 +166,22 @@ class ExplodingGradient(Rule):
             return self._too_large(t, norm)
         history: list[float] = state.setdefault(t.name, [])
         seen = len(history)
-        median = statistics.median(history) if seen >= self.warmup else None
+        median = None
+        # Most steps the norm is within growth x the smallest of the window, so within growth
+        # x its median too: that median (a sort) is not needed.
+        if seen >= self.warmup and not ((low := min(history)) > 0 and norm <= self.growth * low):
+            median = statistics.median(history)
         history.append(norm)
-        del history[: -self.window]
+        if seen >= self.window:
+            del history[: -self.window]
         scale = note_scale(t, state)
         if norm > self.max_norm:
             return self._too_large(t, norm)
         # Over a median of zero (a gradient that was exactly zero so far) growth means nothing.
         streaks: dict[str, int] = state.setdefault("above", {})
         if median is None or median <= 0 or not norm > self.growth * median:
-            streaks.pop(t.name, None)
+            if streaks:
+                streaks.pop(t.name, None)
             return None
         typical = typical_scale(state, t.name, before=t.step)
         if scale is not None and typical is not None and scale < typical:
@@ -264,24 +270,32 @@ class VanishingGradient(Rule):
         typical gradient is the same for each, whichever statistics came with it (batched
         checks have what a Refine asks from the second step on; deferred ones ask again), and
         so is each weight that a bound shows learning, for its module's bias."""
+        noted = []
         for t in tensors:
-            note_scale(t, state)
-            if t.trainable and self._nonzero_mean(t) is None:
+            scale = note_scale(t, state)
+            mean = self._nonzero_mean(t) if t.trainable else None
+            if t.trainable and mean is None:
                 # Learning, a bound shows: a bias of its module judged before it in this pass
                 # (the autograd engine makes a bias's gradient first) sees it so.
                 _note_weight(t, state, learning=True)
-        return [self.check(t, state) for t in tensors]
+            noted.append((t, scale, mean))
+        return [self._verdict(t, state, scale, mean) for t, scale, mean in noted]
 
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | Refine | None:
         # Noted before a refinement too: the same value again when check is called back.
         scale = note_scale(t, state)
+        mean = self._nonzero_mean(t) if t.trainable and scale is not None else None
+        return self._verdict(t, state, scale, mean)
+
+    def _verdict(self, t: TensorStats, state: dict[str, Any], scale: float | None,
+                 mean: float | Refine | None) -> Finding | Refine | None:  # fmt: skip
+        """:meth:`check` given the gradient's scale (noted) and :meth:`_nonzero_mean`."""
         if not t.trainable or scale is None:
             # Not measured this step (between interval steps), or not finite: not vanishing. A
             # weight's NaN or Inf gradient is one it receives: its module's bias is not cut off.
             if t.trainable and t.nonfinite:
                 _note_weight(t, state, learning=True)
             return None
-        mean = self._nonzero_mean(t)
         if isinstance(mean, Refine):
             return mean
         seen: set[str] = state.setdefault("seen", set())

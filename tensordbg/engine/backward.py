@@ -106,7 +106,7 @@ class Vouchers:
         earlier gradient that is this very tensor, vouched for with it."""
         bias = self.voucher(forward)
         param = params.get(bias) if bias is not None else None
-        nbytes = grad.numel() * grad.element_size()
+        nbytes = grad.nbytes
         if param is None or not param.param.requires_grad or self.held + nbytes > self.budget:
             return None
         self.held += nbytes
@@ -136,7 +136,7 @@ class Vouchers:
         notes = self.awaiting.pop(name, None)
         if notes is None:
             return True
-        self.held -= sum(note.grad.numel() * note.grad.element_size() for note in notes)
+        self.held -= sum(note.grad.nbytes for note in notes)
         if host_stats(grad, SCREEN)[0] != 1.0:
             return False  # the notes keep their gradients, to be read
         for note in notes:
@@ -170,11 +170,13 @@ class BackwardPhase:
     def begin_backward(self) -> None:
         """Called by every backward hook: the first one of a pass ends the forward phase and
         asks the autograd engine to call back at the end of the pass."""
+        task = torch._C._current_graph_task_id()
+        if task in self._backward_tasks and self.phase == "backward":
+            return  # most hooks: the pass is under way
         if self.phase != "backward":
             if self._forward_open or self.phases.busy():
                 self._end_phase()
             self._start_phase("backward")
-        task = torch._C._current_graph_task_id()
         if task not in self._backward_tasks:
             self._backward_tasks.add(task)
             torch.autograd.Variable._execution_engine.queue_callback(
@@ -191,7 +193,7 @@ class BackwardPhase:
             and self.ruleset.grads_quiet(dtype_name(grad.dtype))
         ):
             if self.sync.reads_free(grad):  # read now, while it is in the cache
-                same = self._same_as_loose(grad)
+                same = self._same_as_loose(grad) if self._loose is not None else None
                 note = self.vouchers.hold(forward, grad, self.weights.by_name, same)
                 if note is not None:
                     self.phases.pending += [same, note] if same is not None else [note]
