@@ -1,0 +1,150 @@
+"""Where the default's time goes inside its hooks: milliseconds a step for each kind of hook,
+and how much of it reads tensors (their statistics) rather than keeping Python bookkeeping.
+
+    python benchmarks/hooks.py                # overhead.py's CPU model, 3 runs of 40 steps
+    python benchmarks/hooks.py --steps 100 --runs 5
+
+Quieter than overhead.py's ratio: it times tensordbg's own code only (perf_counter around each
+hook the session installs, and around the two functions that read a tensor on the host), so the
+noise of a busy machine in the model's kernels stays out of it. The time inside the hooks is
+nearly all the default's cost (hooks that do nothing cost nothing measurable: overhead.py
+--floor). It reaches into the session's internals: a measurement of where the cost goes, not a
+way to run tensordbg.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from overhead import CONFIGS, GPT, Runner, machine
+
+import tensordbg
+from tensordbg.engine.capture import Capture
+from tensordbg.engine.session import Session
+
+# The hooks, as the session installs them: (class, method, what the table calls it).
+HOOKS = [
+    (Capture, "on_enter", "module pre-hooks"),
+    (Capture, "_on_exit", "module post-hooks (the root's: the forward's records)"),
+    (Capture, "_on_node_grad", "activation-gradient hooks"),
+    (Capture, "_on_grad", "activation-gradient hooks"),
+    (Session, "param_grad", "parameter-gradient hooks"),
+    (Session, "_end_backward", "end of the backward pass"),
+    (Session, "_before_step", "optimizer step pre-hook"),
+    (Session, "_after_step", "optimizer step post-hook"),
+    (Session, "observe", "observe (the loss)"),
+]
+READERS = ("host_stats", "norms_of")  # every read of a tensor on the host goes through these
+
+
+class Clock:
+    """Time spent inside the hooks, by hook, and inside the readers, by the hook they ran in."""
+
+    def __init__(self) -> None:
+        self.inside: dict[str, float] = defaultdict(float)
+        self.reading: dict[str, float] = defaultdict(float)
+        self.current: str | None = None  # the outermost hook running
+
+    def hook(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self.current is not None:  # called from another hook: counted there
+                return fn(*args, **kwargs)
+            self.current = label
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.inside[label] += time.perf_counter() - start
+                self.current = None
+
+        return timed
+
+    def reader(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.reading[self.current or "outside the hooks"] += time.perf_counter() - start
+
+        return timed
+
+    def install(self) -> None:
+        for cls, name, label in HOOKS:
+            setattr(cls, name, self.hook(getattr(cls, name), label))
+        for module in [m for n, m in list(sys.modules.items()) if n.startswith("tensordbg")]:
+            for name in READERS:
+                fn = getattr(module, name, None)
+                if fn is not None and getattr(fn, "__module__", "").startswith("tensordbg"):
+                    setattr(module, name, self.reader(fn))
+
+    def clear(self) -> None:
+        self.inside.clear()
+        self.reading.clear()
+
+
+def run(clock: Clock, name: str, steps: int, warmup: int) -> tuple[dict[str, float], float]:
+    """One attached model trained ``warmup`` + ``steps`` steps: ms a step inside each hook (and
+    "reading" / "Python" totals), and the median step."""
+    vocab, seq, dim, layers, heads, batch = CONFIGS[name]
+    torch.manual_seed(0)
+    runner = Runner("attached", GPT(vocab, seq, dim, layers, heads), "cpu", None)
+    runner.session = tensordbg.attach(runner.model, optimizer=runner.optimizer,
+                                      on_hit="record", server=False)  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, vocab, (batch, seq + 1), generator=g) for _ in range(4)]
+    for i in range(warmup):
+        runner.step(batches[i % len(batches)])
+    clock.clear()
+    times = [runner.step(batches[i % len(batches)]) for i in range(steps)]
+    hits = len(runner.session.hits)
+    runner.session.detach()
+    if hits:
+        raise SystemExit(f"{hits} hits on a healthy model: the figures would not be the default's")
+    per_step = {label: 1e3 * t / steps for label, t in clock.inside.items()}
+    reading = 1e3 * sum(t for k, t in clock.reading.items() if k in clock.inside) / steps
+    per_step["total"] = sum(per_step.values())
+    per_step["  reading tensors"] = reading
+    per_step["  Python"] = per_step["total"] - reading
+    return per_step, statistics.median(times) * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(CONFIGS), default="encoder-256")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args(argv)
+    clock = Clock()
+    clock.install()
+    results = [run(clock, args.model, args.steps, args.warmup) for _ in range(args.runs)]
+    print(f"tensordbg inside its hooks (default rules, sync auto): {args.model}, {args.runs} runs "
+          f"of {args.steps} steps after {args.warmup}, ms a step")  # fmt: skip
+    print(f"machine: {machine()}")
+    labels = list(dict.fromkeys(label for _, _, label in HOOKS))
+    labels += ["total", "  reading tensors", "  Python"]
+    header = "".join(f"{f'run {i + 1}':>8s}" for i in range(args.runs))
+    print(f"{'':56s}{header}{'median':>8s}")
+    for label in labels:
+        values = [r.get(label, 0.0) for r, _ in results]
+        cells = "".join(f"{v:8.2f}" for v in values)
+        print(f"{label:56s}{cells}{statistics.median(values):8.2f}")
+    steps = "".join(f"{s:8.1f}" for _, s in results)
+    print(f"{'the attached step (median)':56s}{steps}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
