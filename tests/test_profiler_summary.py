@@ -240,6 +240,24 @@ def test_step_boundaries_move_out_of_the_optimizer_step_they_fall_in():
     assert (second["ts"], second["dur"]) == (1050, 1000)
 
 
+def test_a_step_boundary_stays_out_of_a_range_as_the_trace_file_writes_it():
+    """A step that starts where an optimizer.step ended (moved there: off the three-decimal grid)
+    and ends where the next one starts: written with three decimals, its start and length may
+    both round up and put its end inside that next range (a CI run failed on it)."""
+    events = [
+        span("Optimizer.step#Adam.step", 4698879829571.325, 62.898),
+        span("ProfilerStep#2", 4698879829602.774, 1180.47),  # starts inside the range above
+        span("Optimizer.step#Adam.step", 4698879830783.244, 700.0),  # where the step ends
+    ]
+    step = next(e for e in nest_steps(events) if e["name"] == "ProfilerStep#2")
+    written = [float(f"{step[k]:.3f}") for k in ("ts", "dur")]
+    assert written == [step["ts"], step["dur"]]  # what the file holds is what was checked
+    for e in events:
+        if e["name"].startswith("Optimizer.step"):
+            for t in (step["ts"], step["ts"] + step["dur"]):
+                assert not e["ts"] < t < e["ts"] + e["dur"]
+
+
 def test_the_profilers_own_stop_is_not_counted_in_the_last_optimizer_step():
     """The last profiled step's Optimizer.step span of torch holds the profiler's own stop (its
     post-hooks): the operator table counts it only up to tensordbg's optimizer range's end."""

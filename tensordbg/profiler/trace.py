@@ -114,6 +114,18 @@ def nest_steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     moved = {}
     for step in steps:
         start, end = float(step["ts"]), float(step["ts"]) + float(step["dur"])
-        start, end = outside(start), outside(end)
-        moved[id(step)] = {**step, "ts": start, "dur": max(0.0, end - start)}
+        for _ in range(4):
+            start, end = outside(start), outside(end)
+            # As the file writes them (three decimals) and a viewer adds them up: a boundary at
+            # a range's very start (the next step's optimizer.step) can round into it.
+            ts, dur = _written(start), _written(max(0.0, end - start))
+            if outside(ts) == ts and outside(ts + dur) == ts + dur:
+                break
+            start, end = ts, ts + dur
+        moved[id(step)] = {**step, "ts": ts, "dur": dur}
     return [moved.get(id(e), e) for e in events]
+
+
+def _written(us: float) -> float:
+    """A time in microseconds as the trace file holds it: three decimals."""
+    return float(f"{us:.3f}")
