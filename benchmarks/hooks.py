@@ -4,6 +4,8 @@ and how much of it reads tensors (their statistics) rather than keeping Python b
     python benchmarks/hooks.py                # overhead.py's CPU model, 3 runs of 40 steps
     python benchmarks/hooks.py --steps 100 --runs 5
 
+The last column is the median of the time each hook spent reading tensors.
+
 Quieter than overhead.py's ratio: it times tensordbg's own code only (perf_counter around each
 hook the session installs, and around the two functions that read a tensor on the host), so the
 noise of a busy machine in the model's kernels stays out of it. The time inside the hooks is
@@ -94,9 +96,10 @@ class Clock:
         self.reading.clear()
 
 
-def run(clock: Clock, name: str, steps: int, warmup: int) -> tuple[dict[str, float], float]:
+def run(clock: Clock, name: str, steps: int,
+        warmup: int) -> tuple[dict[str, float], dict[str, float], float]:  # fmt: skip
     """One attached model trained ``warmup`` + ``steps`` steps: ms a step inside each hook (and
-    "reading" / "Python" totals), and the median step."""
+    "reading" / "Python" totals), of it reading tensors, by hook, and the median step."""
     vocab, seq, dim, layers, heads, batch = CONFIGS[name]
     torch.manual_seed(0)
     runner = Runner("attached", GPT(vocab, seq, dim, layers, heads), "cpu", None)
@@ -113,11 +116,11 @@ def run(clock: Clock, name: str, steps: int, warmup: int) -> tuple[dict[str, flo
     if hits:
         raise SystemExit(f"{hits} hits on a healthy model: the figures would not be the default's")
     per_step = {label: 1e3 * t / steps for label, t in clock.inside.items()}
-    reading = 1e3 * sum(t for k, t in clock.reading.items() if k in clock.inside) / steps
+    reads = {label: 1e3 * clock.reading.get(label, 0.0) / steps for label in per_step}
     per_step["total"] = sum(per_step.values())
-    per_step["  reading tensors"] = reading
-    per_step["  Python"] = per_step["total"] - reading
-    return per_step, statistics.median(times) * 1e3
+    reads["total"] = per_step["  reading tensors"] = sum(reads.values())
+    per_step["  Python"] = per_step["total"] - reads["total"]
+    return per_step, reads, statistics.median(times) * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,12 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     labels = list(dict.fromkeys(label for _, _, label in HOOKS))
     labels += ["total", "  reading tensors", "  Python"]
     header = "".join(f"{f'run {i + 1}':>8s}" for i in range(args.runs))
-    print(f"{'':56s}{header}{'median':>8s}")
+    print(f"{'':56s}{header}{'median':>8s}{'reading':>9s}")
     for label in labels:
-        values = [r.get(label, 0.0) for r, _ in results]
+        values = [r.get(label, 0.0) for r, _, _ in results]
         cells = "".join(f"{v:8.2f}" for v in values)
-        print(f"{label:56s}{cells}{statistics.median(values):8.2f}")
-    steps = "".join(f"{s:8.1f}" for _, s in results)
+        reads = [r[label] for _, r, _ in results if label in r]
+        read = f"{statistics.median(reads):9.2f}" if reads else ""
+        print(f"{label:56s}{cells}{statistics.median(values):8.2f}{read}")
+    steps = "".join(f"{s:8.1f}" for _, _, s in results)
     print(f"{'the attached step (median)':56s}{steps}")
     return 0
 
