@@ -36,6 +36,8 @@ class CommandLine:
             "dump_every", "dump_tensors")  # fmt: skip
 
     def __init__(self) -> None:
+        self.active = False
+        """Whether ``tensordbg run`` is running a script now."""
         self.settings: dict[str, Any] = {}
         self.flags = ""
         self.sessions: list[Session] = []
@@ -131,7 +133,10 @@ def attach(
             over instead of refusing (``tensordbg run`` attaches this way, so a script that
             attaches tensordbg itself keeps its own settings).
     """
-    by_command_line = bool(COMMAND_LINE.settings) and not replaceable
+    under_run = COMMAND_LINE.active and not replaceable  # the script's own, under tensordbg run
+    if under_run:
+        summary_at_exit = False  # tensordbg run prints it, and counts its hits in its exit code
+    by_command_line = bool(COMMAND_LINE.settings) and under_run
     if by_command_line:
         given = {"rules": rules, "on_hit": on_hit, "sync": sync, "include": include,
                  "exclude": exclude, "interval": interval, "dump_dir": dump_dir,
@@ -139,7 +144,6 @@ def attach(
         given = COMMAND_LINE.over(given)
         rules, on_hit, sync, include, exclude, interval = (given[k] for k in CommandLine.KEYS[:6])
         dump_dir, dump_every, dump_tensors = (given[k] for k in CommandLine.KEYS[6:])
-        summary_at_exit = False  # tensordbg run prints it
     if on_hit == "dump" and dump_dir is None:
         raise ValueError("on_hit='dump' writes hits into a dump: give dump_dir= too")
     if dump_dir is None and (dump_every is not None or dump_tensors or dump_max_bytes):
@@ -195,7 +199,7 @@ def attach(
         if server:
             _start_server(session, remote, ui_timeout)
         session.check_parameters()
-        if by_command_line:
+        if under_run:
             COMMAND_LINE.sessions.append(session)
     except BaseException as e:
         # All or nothing: what attach installed goes before the error reaches the user.

@@ -213,6 +213,17 @@ def test_run_leaves_a_script_that_attaches_itself_to_its_own_session(tmp_path: P
     assert done.stderr.count("hits,") <= 1 and "raised _Found" not in done.stderr
 
 
+def test_a_script_that_attaches_itself_and_exits_0_after_a_hit_gives_1(tmp_path: Path):
+    """No flag on the command line, and the script detaches its own session before it exits 0:
+    its hits still decide the run's exit code, and its summary is printed once."""
+    script = tmp_path / "train.py"
+    script.write_text(SELF_ATTACHING.replace("sys.exit(3)", "sys.exit(0)"))
+    done = tensordbg("run", str(script), cwd=tmp_path, timeout=60)
+    assert "origins [('input[0]', 3, 'forward')]" in done.stdout, done.stderr
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.count("at their origin") == 1, done.stderr
+
+
 def test_the_command_lines_dump_and_on_hit_apply_to_a_script_that_attaches_itself(tmp_path: Path):
     """The person asked for a dump on the command line: a script that attaches tensordbg itself
     (with on_hit="record" here) writes it all the same, and hears which flags applied."""

@@ -61,6 +61,7 @@ class ScriptRun:
             self.chosen.pop("on_hit", None)
 
     def install(self) -> None:
+        COMMAND_LINE.active = True
         COMMAND_LINE.settings = self.chosen
         COMMAND_LINE.flags = ", ".join(_flag(k, v) for k, v in self.chosen.items())
         COMMAND_LINE.sessions = []
@@ -89,6 +90,7 @@ class ScriptRun:
 
     def remove(self) -> None:
         COMMAND_LINE.settings, COMMAND_LINE.flags, COMMAND_LINE.sessions = {}, "", []
+        COMMAND_LINE.active = False
         self._trainers.remove()
         for session in self.framework_sessions:
             session.detach(finished=True)
