@@ -403,6 +403,31 @@ def test_a_previous_step_that_recorded_little_says_so_instead_of_a_column_of_das
     asyncio.run(flow())
 
 
+def test_the_rules_hit_counts_follow_the_hits_that_come_after_the_pause() -> None:
+    """The training said each rule's count when the UI asked (0 here); the hits that came since
+    (resumed, or finished) count too, each once, by the rule that made it."""
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            panel = app.main.rule_panel
+            await until(pilot, lambda: panel.current is not None)
+            app.main.show_tab("rules")
+            hit = source._hits[1]
+            for i in range(3):
+                source.emit("hit", dict(hit, id=10 + i, step=4))
+            source.emit("hit", dict(hit, id=12, step=4))  # heard twice: one hit
+            source.emit("hit", dict(hit, id=13, rule="VanishingGradient", kind="grad"))
+
+            def counts() -> list[str]:
+                return [str(panel.table.get_row_at(i)[2]) for i in range(panel.table.row_count)]
+
+            await until(pilot, lambda: counts() == ["5", "1"])  # the 2 listed at the pause too
+
+    asyncio.run(flow())
+
+
 def test_rules_toggle_edit_add_and_recheck() -> None:
     source = FakeSource()
 

@@ -80,6 +80,11 @@ def test_a_slice_typed_fast_goes_to_the_slice_box_not_to_the_count() -> None:
             assert app.focused is grid
             await pilot.press("c")
             assert box.value == "[3]"
+            # A second slice typed the same way replaces the first (it is not appended to it).
+            await type_at_once(pilot, "[0, 1:3]\r")
+            assert box.value == "[0, 1:3]"
+            await until(pilot, lambda: inspector.text == "[0, 1:3]")
+            assert app.focused is grid
 
     asyncio.run(flow())
 

@@ -64,6 +64,11 @@ class RulePanel(Vertical):
         self._pending: dict[int, dict[str, Any]] = {}
         self._waiting = ""  # the change the note says waits for the training, if any
         self._available: list[dict[str, Any]] = []
+        # The hits the UI received, by id, and how many name each rule: the training says its
+        # rules' counts when asked (at a pause), and hits keep coming after it resumes.
+        self._heard: set[tuple[int, int]] = set()
+        self._heard_by_rule: dict[str, int] = {}
+        self._redraw_due = False
         self.table: DataTable[Any] = Table(id="rule-table", cursor_type="row")
         self.result = Static("", id="rule-result")
 
@@ -107,6 +112,36 @@ class RulePanel(Vertical):
             self._waiting = ""
         self._draw()
 
+    def set_hits(self, hits: list[dict[str, Any]]) -> None:
+        """The hits of a session the UI (re)connected to, all of them."""
+        self._heard, self._heard_by_rule = set(), {}
+        self.hits_arrived(hits)
+
+    def hits_arrived(self, hits: list[dict[str, Any]]) -> None:
+        """Hits the UI received: each rule's count follows them, drawn at most twice a second
+        (a flood of hits must not redraw the table for each)."""
+        for hit in hits:
+            key = (hit.get("rank", 0), hit.get("id", -1))
+            if key[1] < 0 or key in self._heard:
+                continue
+            self._heard.add(key)
+            self._heard_by_rule[hit["rule"]] = self._heard_by_rule.get(hit["rule"], 0) + 1
+            if not self._redraw_due:
+                self._redraw_due = True
+                self.set_timer(0.5, self._redraw_counts)
+
+    def _redraw_counts(self) -> None:
+        self._redraw_due = False
+        self._draw()
+
+    def _hits_of(self, rule: dict[str, Any]) -> int:
+        """The rule's hits: as the training last said, or as many as the UI received since
+        (by name: when two rules share a name, only the training can tell them apart)."""
+        said = rule.get("hits", 0)
+        if sum(r["name"] == rule["name"] for r in self._rules) > 1:
+            return said
+        return max(said, self._heard_by_rule.get(rule["name"], 0))
+
     def training_moved(self) -> None:
         """The training spoke (a step's status): changes waiting for it are made by now."""
         if self._pending:
@@ -125,7 +160,7 @@ class RulePanel(Vertical):
             table.add_row(
                 on,
                 Text(rule["name"], style="bold" if rule["enabled"] else "dim"),
-                str(rule.get("hits", 0)),  # before the long columns: seen on a narrow terminal
+                str(self._hits_of(rule)),  # before the long columns: seen on a narrow terminal
                 Text(rule.get("disabled_reason") or "", style="yellow"),
                 Text(thresholds(rule.get("params") or {})),
                 Text(  # not a string: DataTable reads it as markup ("x[ab]" loses "[ab]")

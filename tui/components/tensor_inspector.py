@@ -62,8 +62,10 @@ class TensorInspector(Vertical):
         # Focused now, not after the keys already queued (widget.focus() waits for them): a
         # fast "[3]" would send "3" to the grid, where it is a count prefix.
         self.screen.set_focus(box)
-        if not box.value:
-            box.insert_text_at_cursor("[")
+        # "[" types the start of a new slice: the one applied before is replaced, not appended
+        # to (the box keeps its text when it is focused otherwise, to edit it).
+        box.value = "["
+        box.cursor_position = 1
 
     @on(Input.Changed, "#slice-input")
     def _typed(self, event: Input.Changed) -> None:

@@ -151,6 +151,7 @@ class MainScreen(Screen):
         self.run_status.show_info(info)
         table = self.hit_table
         table.set_hits(hits)
+        self.rule_panel.set_hits(hits)
         self.log_entry(
             f"connected to {info.get('script')} (run {info.get('run_id')}, rank "
             f"{info.get('rank')}, pid {info.get('pid')}): {info.get('state')} at step "
@@ -185,6 +186,7 @@ class MainScreen(Screen):
                 self.app.state = payload["state"]  # type: ignore[attr-defined]
         elif event == "hit":
             self.hit_table.merge([payload])
+            self.rule_panel.hits_arrived([payload])
             self.run_status.add_hit(self.hit_table.known)
         elif event == "state":
             self.run_status.state_event(payload)
@@ -374,6 +376,7 @@ class MainScreen(Screen):
             table = self.hit_table
             hits = await remote.hits(since=table.next_id)
             table.merge(hits)
+            self.rule_panel.hits_arrived(hits)
             if info.get("paused_at") and self.app.state == "paused":  # type: ignore[attr-defined]
                 self.show_tab("hits")
                 table.select_hit(info["paused_at"]["id"])
@@ -458,3 +461,4 @@ class MainScreen(Screen):
     @reported
     def _hits_found(self, message: HitsFound) -> None:
         self.hit_table.merge(message.hits)
+        self.rule_panel.hits_arrived(message.hits)
