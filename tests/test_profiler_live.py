@@ -131,6 +131,29 @@ def test_tensordbg_run_profile_prints_the_summary_the_advice_and_the_trace(tmp_p
         assert any(e.get("name") == "tensordbg: forward" for e in json.load(f)["traceEvents"])
 
 
+def test_a_profile_asked_for_from_the_ui_and_cut_off_by_the_scripts_end_is_printed(
+    tmp_path: Path,
+):
+    """Asked for as the UI's P asks for it (here by the script, at step 3: the session is
+    tensordbg run's), and the script ends 2 steps later: the steps done are summarized and
+    printed, as ``--profile``'s are, not lost with the UI's connection."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.replace(
+        "    if step + 1 == int(sys.argv[1]):",
+        "    if step == 3:\n"
+        "        from tensordbg.api import attached_to\n"
+        "        attached_to(model).profile(10)\n"
+        "    if step + 1 == int(sys.argv[1]):",
+    ))  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "tensordbg.cli", "run", str(script), "8"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                          env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "the training ended while profiling" in done.stderr, done.stderr
+    assert "tensordbg profile: 3 steps (5..7) on cpu" in done.stderr, done.stderr
+
+
 def test_tensordbg_run_profile_of_a_short_script_reports_the_steps_it_had(tmp_path: Path):
     done = tensordbg_run(tmp_path, "10", "5")
     assert done.returncode == 0, done.stderr

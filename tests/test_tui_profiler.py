@@ -115,6 +115,24 @@ def test_P_asks_how_many_steps_profiles_them_and_the_views_fill_when_it_is_done(
     run(source, flow)
 
 
+def test_a_profile_cut_off_by_the_trainings_end_is_not_shown_in_progress() -> None:
+    """The training finished while its profile ran: the line says so (and where the report
+    goes), not "Profiling…" for ever."""
+    source = FakeSource()
+
+    async def flow(app: TensorDbgApp, pilot: Pilot) -> None:
+        profiler = app.main.profiler_view
+        app.main.show_tab("profile")
+        message = "profiling steps 4..8 after the warm-up step 3"
+        source.emit("profile", {"state": "running", "step": 3, "steps": 5, "message": message})
+        await until(pilot, lambda: "Profiling 5 steps" in text_of(profiler.status))
+        source.emit("state", {"state": "finished", "step": 6})
+        await until(pilot, lambda: "ended while profiling" in text_of(profiler.status))
+        assert "Profiling 5 steps" not in text_of(profiler.status)
+
+    run(source, flow)
+
+
 def test_a_step_count_that_is_not_a_positive_number_gets_a_sentence_and_no_profile() -> None:
     source = FakeSource()
 
@@ -395,6 +413,20 @@ def test_gpu_polls_nvml_samples_while_on_screen_and_stops_when_hidden() -> None:
         asked = len(source.gpu_requests)
         await pilot.pause(1.5)
         assert len(source.gpu_requests) == asked  # nothing asked while hidden
+
+    run(source, flow)
+
+
+def test_gpu_of_a_training_that_has_ended_says_so_and_asks_nothing() -> None:
+    source = FakeSource(report=cuda_report(), gpus=2)
+
+    async def flow(app: TensorDbgApp, pilot: Pilot) -> None:
+        source.emit("state", {"state": "finished", "step": 6})
+        await until(pilot, lambda: app.state == "finished")
+        profiler = await on_view(pilot, "gpu")
+        await until(pilot, lambda: "has ended" in text_of(profiler.gpu.head))
+        await pilot.pause(1.0)
+        assert source.gpu_requests == [] and not profiler.gpu.polling
 
     run(source, flow)
 

@@ -200,13 +200,16 @@ def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = 
             watched.ended_by = "interrupted (Ctrl-C)"  # the UI says so, not just "finished"
         return 130
     finally:
-        for session in run.sessions:
+        sessions = run.sessions
+        for session in sessions:
             if session.hits:
                 print_summary(session)
         run.remove()
         sys.argv, sys.path[:] = saved_argv, saved_path
         if run.profile_steps:
             _print_profile(run)
+        for session in sessions:  # a profile the UI asked for, cut off by the script's end
+            _print_cut_profile(session, run.profiling)
 
 
 def _print_profile(run: ScriptRun) -> None:
@@ -221,6 +224,19 @@ def _print_profile(run: ScriptRun) -> None:
         print(f"tensordbg run --profile: no report ({why})", file=sys.stderr, flush=True)
         return
     print(report.text(), file=sys.stderr, flush=True)
+
+
+def _print_cut_profile(session: Session, printed: Any) -> None:
+    """The report of a profile still being summarized when the script ended (asked for from
+    the UI, whose connection is gone): the steps done, as ``--profile`` prints them."""
+    handle = session.profiling
+    if handle is None or handle is printed or handle.state != "summarizing":
+        return
+    report = handle.wait(120)
+    if report is not None:
+        print(f"tensordbg run: the training ended while profiling; {handle.message}",
+              file=sys.stderr)  # fmt: skip
+        print(report.text(), file=sys.stderr, flush=True)
 
 
 def _chosen(rules: Sequence[Rule] | None, attach_args: dict[str, Any]) -> dict[str, Any]:

@@ -125,6 +125,10 @@ class ProfilerView(Vertical, can_focus=True):
         else:
             self._draw()
 
+    def training_state(self) -> None:
+        """The training's state changed: a profile in progress may have been cut off."""
+        self._draw_status()
+
     def profile_event(self, event: dict[str, Any]) -> None:
         """The ``profile`` event: how far the profile has got."""
         self.progress = event
@@ -198,7 +202,14 @@ class ProfilerView(Vertical, can_focus=True):
             return
         text = Text()
         p, report = self.progress, self.report
-        if p and p.get("state") == "pending":
+        ended = getattr(self.app, "state", "") in ("finished", "detached", "disconnected")
+        if p and p.get("state") in ("pending", "running") and ended:
+            text.append("The training ended while profiling: ", style="bold")
+            text.append(
+                "the steps it profiled are summarized where it runs (tensordbg run prints the "
+                "report, and the trace is written); this UI no longer reaches it."
+            )
+        elif p and p.get("state") == "pending":
             text.append(f"Profiling the next {p.get('steps', '?')} steps: ", style="bold")
             text.append("it starts at the next step boundary")
             if getattr(self.app, "state", "") == "paused":

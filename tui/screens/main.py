@@ -194,6 +194,7 @@ class MainScreen(Screen):
             self._ended_by = payload.get("reason", "") if payload["state"] == "finished" else ""
             self.app.state = payload["state"]  # type: ignore[attr-defined]
             self._show_title()
+            self.profiler_view.training_state()
         elif event == "profile":
             self.profiler_view.profile_event(payload)
 
