@@ -525,6 +525,48 @@ def test_the_rules_keys_follow_the_state_of_the_training() -> None:
     asyncio.run(flow())
 
 
+def test_the_modules_tab_follows_the_training_after_it_resumes() -> None:
+    """Read at the pause (step 3), the tree's statistics are marked as of step 3 once the training
+    moves on, and each module's hit count follows the hits that come after (to the end)."""
+    source = FakeSource()
+    read = source.modules
+
+    def modules() -> list[dict]:
+        rows = read()
+        for row in rows:
+            for stats in row["stats"].values():
+                stats["step"] = 3  # as the live server says: the step they are of
+        return rows
+
+    source.modules = modules  # type: ignore[method-assign]
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            table = app.main.module_browser.table
+            app.main.show_tab("modules")
+            hit = source._hits[0]
+            await until(pilot, lambda: table.row_count > 0)
+            row = next(i for i, m in enumerate(table._modules) if m["path"] == hit["module"])
+
+            def cells() -> tuple[str, ...]:
+                return table._cells[row]
+
+            await until(pilot, lambda: cells()[2] == "● 1")
+            assert not any(c.startswith("step 3:") for c in cells())
+            source.emit(
+                "status",
+                {"state": "running", "step": 4, "phase": "forward", "hits_total": 2, "last": None},
+            )
+            await until(pilot, lambda: any(c.startswith("step 3:") for c in cells()))
+            for i in range(3):
+                source.emit("hit", dict(hit, id=20 + i, step=4))
+            source.emit("state", {"state": "finished", "step": 5})
+            await until(pilot, lambda: cells()[2] == "● 4")
+
+    asyncio.run(flow())
+
+
 def test_search_among_2000_modules_and_open_a_tensor() -> None:
     source = FakeSource(modules=2000)
 

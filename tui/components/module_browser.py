@@ -53,6 +53,14 @@ class ModuleBrowser(Vertical):
     def set_modules(self, modules: list[dict[str, Any]], step: int | None = None) -> None:
         self.table.set_modules(modules, step)
 
+    def step_moved(self, step: int | None) -> None:
+        """The training is at ``step`` now: statistics of earlier steps are marked so."""
+        self.table.step_moved(step)
+
+    def hits_heard(self, by_module: dict[str, int]) -> None:
+        """Hits received since the tree was read: each module's count follows them."""
+        self.table.hits_heard(by_module)
+
     def show_unmeasured(self, unmeasured: bool) -> None:
         """Say why the outputs may have no ranges: deferred mode reads them only when a phase
         shows a problem (``LiveSource.modules`` shows what the paused phase read)."""

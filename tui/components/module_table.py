@@ -76,6 +76,7 @@ class ModuleTable(LineTable):
         self._widths: list[int] = []
         self._kinds: list[str] = []
         self._step: int | None = None
+        self._redraw_due = False
         self._palette: dict[object, Any] = {}
 
     # --- data --------------------------------------------------------------------------------
@@ -95,6 +96,40 @@ class ModuleTable(LineTable):
             for m in modules
         ]
         self._paths = [m["path"] or "(model)" for m in modules]
+        self._apply_filter(keep=current["path"] if current else None)
+
+    def step_moved(self, step: int | None) -> None:
+        """The training moved on to ``step``: the statistics it moved past are marked with
+        their step (once: a statistic stays of its step)."""
+        if step is None or self._step is None or step <= self._step:
+            return
+        before, self._step = self._step, step
+        newest = max((s.get("step", -1) for m in self._modules
+                      for s in (m.get("stats") or {}).values() if s), default=-1)  # fmt: skip
+        if before <= newest < step:  # some were current, and are not any more
+            self._recount()
+
+    def hits_heard(self, by_module: dict[str, int]) -> None:
+        """The hits received so far, by module: a module's count is the larger of this and
+        what the training said when the tree was read."""
+        changed = False
+        for m in self._modules:
+            heard = by_module.get(m["path"], 0)
+            if heard > m.get("hits", 0):
+                m["hits"] = heard
+                changed = True
+        if not changed:
+            return
+        if not self._drawable:  # not mounted yet: nothing is drawn before it is
+            self._recount()
+        elif not self._redraw_due:
+            self._redraw_due = True
+            self.set_timer(0.5, self._recount)
+
+    def _recount(self) -> None:
+        self._redraw_due = False
+        self._cells = [self._cells_of(m) for m in self._modules]
+        current = self.current
         self._apply_filter(keep=current["path"] if current else None)
 
     def set_filter(self, query: str) -> None:

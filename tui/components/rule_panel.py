@@ -16,6 +16,7 @@ from textual.widgets import DataTable, Static
 
 from tensordbg.sources.contract import Rule
 from tensordbg.statistics.registry import KINDS
+from tensordbg.tui.components.heard_hits import HeardHits
 from tensordbg.tui.components.table import Table
 from tensordbg.tui.errors import work
 from tensordbg.tui.messages import HitsFound
@@ -64,10 +65,7 @@ class RulePanel(Vertical):
         self._pending: dict[int, dict[str, Any]] = {}
         self._waiting = ""  # the change the note says waits for the training, if any
         self._available: list[dict[str, Any]] = []
-        # The hits the UI received, by id, and how many name each rule: the training says its
-        # rules' counts when asked (at a pause), and hits keep coming after it resumes.
-        self._heard: set[tuple[int, int]] = set()
-        self._heard_by_rule: dict[str, int] = {}
+        self.heard = HeardHits()  # the main screen's: the Modules tab counts the same hits
         self._redraw_due = False
         self.table: DataTable[Any] = Table(id="rule-table", cursor_type="row")
         self.result = Static("", id="rule-result")
@@ -112,23 +110,12 @@ class RulePanel(Vertical):
             self._waiting = ""
         self._draw()
 
-    def set_hits(self, hits: list[dict[str, Any]]) -> None:
-        """The hits of a session the UI (re)connected to, all of them."""
-        self._heard, self._heard_by_rule = set(), {}
-        self.hits_arrived(hits)
-
-    def hits_arrived(self, hits: list[dict[str, Any]]) -> None:
-        """Hits the UI received: each rule's count follows them, drawn at most twice a second
+    def hits_heard(self) -> None:
+        """More hits were counted (:attr:`heard`): the counts are drawn at most twice a second
         (a flood of hits must not redraw the table for each)."""
-        for hit in hits:
-            key = (hit.get("rank", 0), hit.get("id", -1))
-            if key[1] < 0 or key in self._heard:
-                continue
-            self._heard.add(key)
-            self._heard_by_rule[hit["rule"]] = self._heard_by_rule.get(hit["rule"], 0) + 1
-            if not self._redraw_due:
-                self._redraw_due = True
-                self.set_timer(0.5, self._redraw_counts)
+        if self._drawable and not self._redraw_due:  # not mounted yet: drawn when it is
+            self._redraw_due = True
+            self.set_timer(0.5, self._redraw_counts)
 
     def _redraw_counts(self) -> None:
         self._redraw_due = False
@@ -140,7 +127,7 @@ class RulePanel(Vertical):
         said = rule.get("hits", 0)
         if sum(r["name"] == rule["name"] for r in self._rules) > 1:
             return said
-        return max(said, self._heard_by_rule.get(rule["name"], 0))
+        return max(said, self.heard.by_rule.get(rule["name"], 0))
 
     def training_moved(self) -> None:
         """The training spoke (a step's status): changes waiting for it are made by now."""

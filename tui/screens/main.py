@@ -20,6 +20,7 @@ from textual.widgets import DataTable, Footer, Header, Input, TabbedContent, Tab
 from tensordbg.sources.contract import Info, Welcome
 from tensordbg.tui.components.connection_banner import ConnectionBanner
 from tensordbg.tui.components.event_log import EventLog
+from tensordbg.tui.components.heard_hits import HeardHits
 from tensordbg.tui.components.hit_detail import HitDetail
 from tensordbg.tui.components.hit_filter import HitFilter
 from tensordbg.tui.components.hit_table import HitTable
@@ -100,6 +101,8 @@ class MainScreen(Screen):
         self.tensor_inspector = TensorInspector()
         self.provenance_view = ProvenanceView()
         self.rule_panel = RulePanel()
+        self.counted = HeardHits()  # the hits received, for the Rules and Modules tabs' counts
+        self.rule_panel.heard = self.counted
         self.event_log = EventLog()
         self.profiler_view = ProfilerView()
         self._welcomed = False
@@ -151,7 +154,8 @@ class MainScreen(Screen):
         self.run_status.show_info(info)
         table = self.hit_table
         table.set_hits(hits)
-        self.rule_panel.set_hits(hits)
+        self.counted.clear()
+        self._count_hits(hits)
         self.log_entry(
             f"connected to {info.get('script')} (run {info.get('run_id')}, rank "
             f"{info.get('rank')}, pid {info.get('pid')}): {info.get('state')} at step "
@@ -181,16 +185,18 @@ class MainScreen(Screen):
             self.run_status.add_status(payload)
             self.rule_panel.training_moved()
             self._step = payload.get("step", self._step)
+            self.module_browser.step_moved(self._step)
             self._show_title()
             if payload.get("state") and self._state not in ("finished", "detached"):
                 self.app.state = payload["state"]  # type: ignore[attr-defined]
         elif event == "hit":
             self.hit_table.merge([payload])
-            self.rule_panel.hits_arrived([payload])
+            self._count_hits([payload])
             self.run_status.add_hit(self.hit_table.known)
         elif event == "state":
             self.run_status.state_event(payload)
             self._step = payload["step"]
+            self.module_browser.step_moved(self._step)
             self._ended_by = payload.get("reason", "") if payload["state"] == "finished" else ""
             self.app.state = payload["state"]  # type: ignore[attr-defined]
             self._show_title()
@@ -347,6 +353,11 @@ class MainScreen(Screen):
         if info.get("state") == "running" and self._state == "running":
             self.run_status.show_running_rule(info.get("running_rule"))
 
+    def _count_hits(self, hits: list[dict[str, Any]]) -> None:
+        if self.counted.add(hits):
+            self.rule_panel.hits_heard()
+            self.module_browser.hits_heard(self.counted.by_module)
+
     @work(group="reload", exclusive=True)
     async def reload(self) -> None:
         await self._load_model()
@@ -357,6 +368,7 @@ class MainScreen(Screen):
         try:
             modules = await remote.modules()
             self.module_browser.set_modules(modules, self._step)
+            self.module_browser.hits_heard(self.counted.by_module)  # those since it was read
             tensors = await remote.tensors()
             self.module_browser.set_tensors(tensors)
             self.rule_panel.reload()
@@ -377,7 +389,7 @@ class MainScreen(Screen):
             table = self.hit_table
             hits = await remote.hits(since=table.next_id)
             table.merge(hits)
-            self.rule_panel.hits_arrived(hits)
+            self._count_hits(hits)
             if info.get("paused_at") and self.app.state == "paused":  # type: ignore[attr-defined]
                 self.show_tab("hits")
                 table.select_hit(info["paused_at"]["id"])
@@ -462,4 +474,4 @@ class MainScreen(Screen):
     @reported
     def _hits_found(self, message: HitsFound) -> None:
         self.hit_table.merge(message.hits)
-        self.rule_panel.hits_arrived(message.hits)
+        self._count_hits(message.hits)
