@@ -32,6 +32,7 @@ from tensordbg.tui.components.connection_banner import ConnectionBanner
 from tensordbg.tui.components.histogram_view import HistogramView
 from tensordbg.tui.components.hit_table import HitTable
 from tensordbg.tui.components.module_table import ModuleTable
+from tensordbg.tui.components.rule_panel import RulePanel
 from tensordbg.tui.components.run_status import RunStatus
 from tensordbg.tui.components.slice_input import SliceInput
 from tensordbg.tui.components.tensor_grid import BLOCK_COLS, BLOCK_ROWS, TensorGrid
@@ -408,22 +409,31 @@ def test_the_rules_hit_counts_follow_the_hits_that_come_after_the_pause() -> Non
     (resumed, or finished) count too, each once, by the rule that made it."""
     source = FakeSource()
 
+    async def check(app: TensorDbgApp, pilot: Pilot, panel: RulePanel) -> None:
+        hit = source._hits[1]
+        for i in range(3):
+            source.emit("hit", dict(hit, id=10 + i, step=4))
+        source.emit("hit", dict(hit, id=12, step=4))  # heard twice: one hit
+        source.emit("hit", dict(hit, id=13, rule="VanishingGradient", kind="grad"))
+
+        def counts() -> list[str]:
+            return [str(panel.table.get_row_at(i)[2]) for i in range(panel.table.row_count)]
+
+        await until(pilot, lambda: counts() == ["5", "1"])  # the 2 listed at the pause too
+
+    on_the_rules_tab(source, check)
+
+
+def on_the_rules_tab(source: FakeSource, check: Callable[..., Any]) -> None:
+    """Run ``check(app, pilot, panel)`` with the UI on the Rules tab, its rules read."""
+
     async def flow() -> None:
         app = TensorDbgApp(LocalClient(source))
         async with app.run_test(size=SIZE) as pilot:
             panel = app.main.rule_panel
             await until(pilot, lambda: panel.current is not None)
             app.main.show_tab("rules")
-            hit = source._hits[1]
-            for i in range(3):
-                source.emit("hit", dict(hit, id=10 + i, step=4))
-            source.emit("hit", dict(hit, id=12, step=4))  # heard twice: one hit
-            source.emit("hit", dict(hit, id=13, rule="VanishingGradient", kind="grad"))
-
-            def counts() -> list[str]:
-                return [str(panel.table.get_row_at(i)[2]) for i in range(panel.table.row_count)]
-
-            await until(pilot, lambda: counts() == ["5", "1"])  # the 2 listed at the pause too
+            await check(app, pilot, panel)
 
     asyncio.run(flow())
 
@@ -431,55 +441,50 @@ def test_the_rules_hit_counts_follow_the_hits_that_come_after_the_pause() -> Non
 def test_rules_toggle_edit_add_and_recheck() -> None:
     source = FakeSource()
 
-    async def flow() -> None:
-        app = TensorDbgApp(LocalClient(source))
-        async with app.run_test(size=SIZE) as pilot:
-            panel = app.main.rule_panel
-            await until(pilot, lambda: panel.current is not None)
-            app.main.show_tab("rules")
-            await pilot.pause()
-            assert panel.current["name"] == "NaN"
+    async def check(app: TensorDbgApp, pilot: Pilot, panel: RulePanel) -> None:
+        await pilot.pause()
+        assert panel.current["name"] == "NaN"
 
-            await pilot.press("space")
-            await until(pilot, lambda: not panel.current["enabled"])
-            assert source._rules[0]["enabled"] is False
+        await pilot.press("space")
+        await until(pilot, lambda: not panel.current["enabled"])
+        assert source._rules[0]["enabled"] is False
 
-            await pilot.press("down", "e")
-            await until(pilot, lambda: isinstance(app.screen, RuleEditScreen))
-            box = app.screen.query_one(Input)
-            assert box.name == "threshold" and box.value == "1e-07"
-            box.value = "not a number"
-            await pilot.press("enter")
-            assert "threshold: 'not a number' is not a number" in text_of(
-                app.screen.query_one(".dialog-error", Static)
-            )
-            box.value = "1e-5"
-            await pilot.press("enter")
-            await until(pilot, lambda: source._rules[1]["params"]["threshold"] == 1e-5)
-            await until(pilot, lambda: panel.current["params"]["threshold"] == 1e-5)
+        await pilot.press("down", "e")
+        await until(pilot, lambda: isinstance(app.screen, RuleEditScreen))
+        box = app.screen.query_one(Input)
+        assert box.name == "threshold" and box.value == "1e-07"
+        box.value = "not a number"
+        await pilot.press("enter")
+        assert "threshold: 'not a number' is not a number" in text_of(
+            app.screen.query_one(".dialog-error", Static)
+        )
+        box.value = "1e-5"
+        await pilot.press("enter")
+        await until(pilot, lambda: source._rules[1]["params"]["threshold"] == 1e-5)
+        await until(pilot, lambda: panel.current["params"]["threshold"] == 1e-5)
 
-            await pilot.press("a")
-            await until(pilot, lambda: isinstance(app.screen, RuleAddScreen))
-            # fnmatch's [ab] has the shape of a Rich markup tag: it must show as written.
-            app.screen.query_one("#rule-match", Input).value = "net.[ab]*"
-            app.screen.query_one(".param-input", Input).value = "100"
-            app.screen.query_one("#save").press()
-            await until(pilot, lambda: len(source._rules) == 3)
-            added = source._rules[2]
-            assert (added["name"], added["match"], added["params"]) == (
-                "TensorRange",
-                ["net.[ab]*"],
-                {"max_gt": 100},
-            )
-            # The heading is line 0; DataTable sizes its columns when idle.
-            await until(pilot, lambda: "net.[ab]*" in panel.table.render_line(3).text)
+        await pilot.press("a")
+        await until(pilot, lambda: isinstance(app.screen, RuleAddScreen))
+        # fnmatch's [ab] has the shape of a Rich markup tag: it must show as written.
+        app.screen.query_one("#rule-match", Input).value = "net.[ab]*"
+        app.screen.query_one(".param-input", Input).value = "100"
+        app.screen.query_one("#save").press()
+        await until(pilot, lambda: len(source._rules) == 3)
+        added = source._rules[2]
+        assert (added["name"], added["match"], added["params"]) == (
+            "TensorRange",
+            ["net.[ab]*"],
+            {"max_gt": 100},
+        )
+        # The heading is line 0; DataTable sizes its columns when idle.
+        await until(pilot, lambda: "net.[ab]*" in panel.table.render_line(3).text)
 
-            await pilot.press("r")
-            result = app.query_one("#rule-result", Static)
-            await until(pilot, lambda: "Recheck found 1 hit" in text_of(result))
-            assert "[NaN] net.2.output" in text_of(result)
+        await pilot.press("r")
+        result = app.query_one("#rule-result", Static)
+        await until(pilot, lambda: "Recheck found 1 hit" in text_of(result))
+        assert "[NaN] net.2.output" in text_of(result)
 
-    asyncio.run(flow())
+    on_the_rules_tab(source, check)
 
 
 def test_the_rules_keys_follow_the_state_of_the_training() -> None:
