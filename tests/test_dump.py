@@ -342,6 +342,8 @@ def test_a_directory_that_is_not_a_dump(tmp_path):
         load(tmp_path)
     with pytest.raises(DumpError, match="is not a directory"):
         load(tmp_path / "notes.txt")
+    with pytest.raises(DumpError, match=r"missing does not exist: give the directory of a"):
+        load(tmp_path / "missing")
 
 
 def test_a_missing_step_file_is_broken_and_named(tmp_path):

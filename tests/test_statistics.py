@@ -567,3 +567,14 @@ def test_statistics_of_a_large_slice_allocate_a_chunk_not_the_slice():
     # (one pass would make a float copy, a mask and a masked copy of all of it).
     assert mode.peak <= (1 << 16) * 8
     assert summary.numel == x.numel()
+
+
+def test_an_empty_slice_is_said_empty_not_nan():
+    """``[3:1]`` selects nothing: the line says so, not a NaN range, mean and spread."""
+    from tensordbg.statistics import summarize_numpy
+    from tensordbg.statistics.registry import describe
+
+    line = describe(summarize_numpy(np.zeros((0, 3), dtype=np.float32)).as_dict(), (0, 3),
+                    "float32")  # fmt: skip
+    assert line == "tensor[0,3] float32 n=0 empty"
+    assert "nan" not in describe({"numel": 4, "min": 0.0, "max": 1.0, "mean": 0.5}).lower()

@@ -364,6 +364,10 @@ def test_a_training_ended_by_ctrl_c_is_not_shown_as_simply_finished() -> None:
                                   "reason": "interrupted (Ctrl-C)"})  # fmt: skip
             await until(pilot, lambda: app.state == "finished")
             assert app.main.title == "FINISHED at step 3 · interrupted (Ctrl-C)"
+            # Nothing is left to detach from: q quits, and the footer says so.
+            shown = [b.binding.description for b in app.screen.active_bindings.values()
+                     if b.binding.key == "q" and b.enabled and b.binding.show]  # fmt: skip
+            assert shown == ["Quit"]
             app.main.show_tab("run")
             await until(pilot, lambda: "(interrupted (Ctrl-C))" in text_of(
                 app.main.run_status.query_one("#run-state", Static)))  # fmt: skip
@@ -400,6 +404,19 @@ def test_a_previous_step_that_recorded_little_says_so_instead_of_a_column_of_das
             )
             compare.show({"summary": now, "previous": {"step": 4, "summary": now}})
             assert compare.content.caption is None
+            # An empty slice ([3:1]): its moments are none, not NaN.
+            nothing = {
+                **dict.fromkeys(("mean", "std", "min", "max", "abs_mean"), math.nan),
+                "l2": 0.0,
+                "numel": 0,
+                "nan": 0,
+                "posinf": 0,
+                "neginf": 0,
+                "zeros": 0,
+            }
+            compare.show({"summary": nothing, "previous": None})
+            assert compare.content.caption == "the slice selects no value"
+            assert "NaN" not in str(list(compare.content.columns[1].cells))
 
     asyncio.run(flow())
 

@@ -162,6 +162,22 @@ def test_a_malformed_event_is_reported_and_the_connection_stays() -> None:
     asyncio.run(flow())
 
 
+def test_ctrl_c_says_what_quitting_does_to_the_training() -> None:
+    """Ctrl-C does not quit a Textual app; the note it gets says that q detaches and quits and
+    that the training goes on unwatched (Textual's own said only "ctrl+q to quit")."""
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE, notifications=True) as pilot:
+            await paused_on_the_two_hits(pilot)
+            await pilot.press("ctrl+c")
+            await until(pilot, lambda: notified(app, "the training goes on, unwatched"))
+            assert app.is_running and source.controls == []  # nothing was asked of it
+
+    asyncio.run(flow())
+
+
 class Greeting:
     """A LocalClient whose hello reply can be spoilt."""
 

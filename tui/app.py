@@ -278,10 +278,13 @@ class TensorDbgApp(App[int]):
     # --- keys ------------------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action in ("replay_step", "refuse_control", "leave_replay"):
+        over = self.state in ("finished", "detached")  # nothing is left to detach from
+        if action == "leave_replay":
+            return self.screen is self.main and (self.remote.serves("goto") or over)
+        if action in ("replay_step", "refuse_control"):
             return self.screen is self.main and self.remote.serves("goto")
-        if action == "detach" and self.screen is self.main and self.remote.serves("goto"):
-            return False  # q quits a recorded run (leave_replay)
+        if action == "detach" and self.screen is self.main and (self.remote.serves("goto") or over):
+            return False  # q quits a recorded run, or a training that is over (leave_replay)
         if action in _MAIN_ACTIONS:
             if self.screen is not self.main:  # a dialog or the session list: its keys only
                 return False
@@ -418,6 +421,14 @@ class TensorDbgApp(App[int]):
                 view.start(steps)
 
         self.push_screen(ProfileStepsScreen(DEFAULT_STEPS), chosen)
+
+    def action_help_quit(self) -> None:
+        """Ctrl-C (Textual binds it to this): say what quitting does to the training."""
+        if self.remote.serves("control") and self.state in ("running", "paused"):
+            what = "q detaches the debugger and quits: the training goes on, unwatched"
+        else:
+            what = "q quits"
+        self.notify(f"Ctrl-C does not quit the UI: {what}.", title="Quit?", markup=False)
 
     async def action_quit(self) -> None:
         # Every way out (ctrl+q, the palette) detaches as q does: a paused training would

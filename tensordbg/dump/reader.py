@@ -161,6 +161,8 @@ class Dump:
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
+        if not self.path.exists():
+            raise DumpError(f"{self.path} does not exist: give the directory of a tensordbg dump")
         if not self.path.is_dir():
             raise DumpError(f"{self.path} is not a directory, so not a tensordbg dump")
         ranks = sorted(

@@ -291,6 +291,8 @@ def describe(values: Mapping[str, Any], shape: Iterable[int] | None = None, dtyp
     numel = get("numel")
     if numel is not None:
         parts.append(f"n={int(numel)}")
+    if numel == 0:  # an empty slice: no range, mean or spread to speak of (not NaN)
+        return " ".join([*parts, "empty"])
     counts = {k: int(get(k) or 0) for k in ("nan", "posinf", "neginf")}
     all_bad = numel is not None and sum(counts.values()) >= numel > 0
     if not all_bad:

@@ -65,8 +65,9 @@ class StatsCompare(Static):
         table.add_column("this step", justify="right", no_wrap=True)
         table.add_column(f"step {previous['step']}" if previous else "previous", justify="right")
         table.add_column("Δ", justify="right", no_wrap=True)
+        empty = now.get("numel") == 0  # an empty slice has no moments (its NaN means none)
         for key, label in ROWS:
-            value = now.get(key)
+            value = None if empty and key not in COUNTS else now.get(key)
             style = "bold red" if key in ALARMS and value else ""
             table.add_row(
                 label,
@@ -74,7 +75,9 @@ class StatsCompare(Static):
                 fmt(before.get(key)),
                 delta(value, before.get(key), key),
             )
-        if not previous:
+        if empty:
+            table.caption = "the slice selects no value"
+        elif not previous:
             table.caption = "no statistics of this tensor from the previous step"
         else:
             table.caption = _partial(previous["step"], before)

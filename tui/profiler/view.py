@@ -227,7 +227,7 @@ class ProfilerView(Vertical, can_focus=True):
             steps = report.get("steps") or []
             span = f"steps {steps[0]}–{steps[-1]}" if steps else "no steps"
             text.append(f"Profile of {span} on {report.get('device', '?')}", style="bold")
-            if self.live:
+            if self.live and not ended:
                 text.append("  ·  P profiles again", style="dim")
         else:  # each view below says how to get one: said once here would be said twice
             text.append("No profile yet.", style="bold")
