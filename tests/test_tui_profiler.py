@@ -46,7 +46,7 @@ def run(source: FakeSource, flow: Any) -> None:
 async def on_view(pilot: Pilot, view: str) -> ProfilerView:
     """The Profile tab open on ``view``, with the keys in it."""
     app = pilot.app
-    app._show_profile_view(view)
+    app.show_profile_view(view)
     profiler = app.main.profiler_view
     await until(pilot, lambda: profiler.is_mounted and profiler.active_view == view)
     await until(pilot, lambda: app.focused in (profiler, *profiler.query("*")))

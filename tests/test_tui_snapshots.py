@@ -117,7 +117,7 @@ async def profile_view(pilot: Pilot, view: str) -> None:
     """The Profile tab on ``view``, its report drawn."""
     await paused(pilot)
     app = pilot.app
-    app._show_profile_view(view)
+    app.show_profile_view(view)
     profiler = app.main.profiler_view
     await until(pilot, lambda: profiler.report is not None and profiler.active_view == view)
     await pilot.pause(0.1)

@@ -21,8 +21,9 @@ from textual.screen import Screen
 from textual.widgets import Input
 
 from tensordbg.sources.contract import SchemaError, Welcome
+from tensordbg.tui.commands import CONTROLS, palette
 from tensordbg.tui.errors import CrashFile, work
-from tensordbg.tui.profiler.view import DEFAULT_STEPS, VIEWS
+from tensordbg.tui.profiler.view import DEFAULT_STEPS
 from tensordbg.tui.remote import (
     ClientFactory,
     DebugClient,
@@ -40,20 +41,6 @@ FINISHED_GRACE = 0.5
 """Seconds the events after "finished" are still read: the server can send the last status
 behind it (the state events go first when they are posted while it is sending hits)."""
 
-# Which control actions make sense in which state of the training.
-CONTROLS = {"paused": ("continue", "next", "step", "skip"), "running": ("pause",)}
-COMMANDS = (
-    ("continue", "Continue", "Run to the next new problem: a new origin hit (c)"),
-    ("next", "Next hit", "Run to the next hit of any kind (n)"),
-    ("step", "Step", "Run one training step, then pause (s; 5s runs five)"),
-    ("pause", "Pause", "Pause the training as soon as possible (p)"),
-    (
-        "skip",
-        "Skip this update",
-        "Drop this step's gradients: the parameters and the optimizer's "
-        "state stay as they are, as a GradScaler skips an overflow (k)",
-    ),
-)
 
 # Keys of the main screen (a dialog or the session list has its own keys only).
 _MAIN_ACTIONS = frozenset({"control", "count", "tab", "search", "detach", "ignore", "profile",
@@ -448,63 +435,15 @@ class TensorDbgApp(App[int]):
                 await client.close()
         self.exit(0)
 
-    def _show_profile_view(self, view: str) -> None:
+    def show_profile_view(self, view: str) -> None:
         self.main.show_tab("profile", focus=False)
         profiler = self.main.profiler_view
         if profiler.is_mounted:
             profiler.show_view(view)
         else:  # its tab is still mounting
-            self.call_after_refresh(self._show_profile_view, view)
+            self.call_after_refresh(self.show_profile_view, view)
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         # Textual's own "Quit" is "Detach and quit" here, offered once under the clearer title.
-        for command in super().get_system_commands(screen):
-            if command.callback != self.action_quit:
-                yield command
-        if screen is not self.main:  # the session list (dialogs have no palette): no session
-            yield SystemCommand("Quit", "Leave tensordbg", self.action_quit)
-            return
-        drivable = self.remote.serves("control")  # a recorded run cannot be driven
-        for action, title, help in COMMANDS:
-            if drivable and action in CONTROLS.get(self.state, ()):
-                yield SystemCommand(title, help, lambda a=action: self.action_control(a))
-        if self.check_action("ignore", ()):
-            yield SystemCommand(
-                "Ignore this rule on this tensor",
-                "The hit's rule stops judging its tensor, so c does not stop there again (i)",
-                self.action_ignore,
-            )
-        if self.remote.serves("goto"):  # a recorded run
-            yield SystemCommand("Quit", "Close this recorded run (q)", self.action_leave_replay)
-        else:
-            yield SystemCommand(
-                "Detach and quit", "Let the training run on, and quit (q)", self.action_detach
-            )
-        yield SystemCommand(
-            "Search", "Filter the hits on the Hits tab, else the model tree (/)", self.action_search
-        )
-        for tab in TABS:
-            yield SystemCommand(
-                f"Show {tab.title}",
-                f"Switch to the {tab.title} tab ({tab.key.upper()})",
-                lambda p=tab.pane: self.main.show_tab(p),
-            )
-        yield SystemCommand(
-            "Profile the next N steps",
-            "Run torch.profiler around the next steps; the Profile tab shows where the time "
-            "and memory went (P)",
-            self.action_profile,
-        )
-        for view in VIEWS:
-            yield SystemCommand(
-                f"Show Profile: {view.title}",
-                f"Switch to the {view.title} view of the Profile tab (F8, then F8 again)",
-                lambda v=view.key: self._show_profile_view(v),
-            )
-        # A recheck judges the step the training is paused in.
-        if self.state == "paused" and self.remote.serves("recheck"):
-            yield SystemCommand(
-                "Recheck",
-                "Judge the current step again with the rules as they are now",
-                self.main.recheck,
-            )
+        own = (c for c in super().get_system_commands(screen) if c.callback != self.action_quit)
+        yield from palette(self, screen, own)

@@ -289,8 +289,7 @@ def describe(values: Mapping[str, Any], shape: Iterable[int] | None = None, dtyp
         parts.append(dtype)
     get = values.get
     numel = get("numel")
-    if numel is not None:
-        parts.append(f"n={int(numel)}")
+    parts += [f"n={int(numel)}"] if numel is not None else []
     if numel == 0:  # an empty slice: no range, mean or spread to speak of (not NaN)
         return " ".join([*parts, "empty"])
     counts = {k: int(get(k) or 0) for k in ("nan", "posinf", "neginf")}

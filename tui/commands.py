@@ -1,0 +1,83 @@
+"""The command palette's entries on the main screen: the debugger's controls that make sense
+in the training's state, the tabs, the profile's views."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from textual.app import SystemCommand
+from textual.screen import Screen
+
+from tensordbg.tui.profiler.view import VIEWS
+from tensordbg.tui.screens.main import TABS
+
+# Which control actions make sense in which state of the training.
+CONTROLS = {"paused": ("continue", "next", "step", "skip"), "running": ("pause",)}
+COMMANDS = (
+    ("continue", "Continue", "Run to the next new problem: a new origin hit (c)"),
+    ("next", "Next hit", "Run to the next hit of any kind (n)"),
+    ("step", "Step", "Run one training step, then pause (s; 5s runs five)"),
+    ("pause", "Pause", "Pause the training as soon as possible (p)"),
+    (
+        "skip",
+        "Skip this update",
+        "Drop this step's gradients: the parameters and the optimizer's "
+        "state stay as they are, as a GradScaler skips an overflow (k)",
+    ),
+)
+
+
+def palette(app: Any, screen: Screen, own: Iterable[SystemCommand]) -> Iterable[SystemCommand]:
+    """What the palette of ``app`` (the TensorDbgApp) offers on ``screen``; ``own``: Textual's
+    entries to keep."""
+    yield from own
+    if screen is not app.main:  # the session list (dialogs have no palette): no session
+        yield SystemCommand("Quit", "Leave tensordbg", app.action_quit)
+        return
+    drivable = app.remote.serves("control")  # a recorded run cannot be driven
+    for action, title, help in COMMANDS:
+        if drivable and action in CONTROLS.get(app.state, ()):
+            yield SystemCommand(title, help, lambda a=action: app.action_control(a))
+    if app.check_action("ignore", ()):
+        yield SystemCommand(
+            "Ignore this rule on this tensor",
+            "The hit's rule stops judging its tensor, so c does not stop there again (i)",
+            app.action_ignore,
+        )
+    if app.remote.serves("goto"):  # a recorded run
+        yield SystemCommand("Quit", "Close this recorded run (q)", app.action_leave_replay)
+    elif app.state in ("finished", "detached"):  # nothing is left to detach from
+        yield SystemCommand("Quit", "Leave tensordbg (q)", app.action_leave_replay)
+    else:
+        yield SystemCommand(
+            "Detach and quit", "Let the training run on, and quit (q)", app.action_detach
+        )
+    yield SystemCommand(
+        "Search", "Filter the hits on the Hits tab, else the model tree (/)", app.action_search
+    )
+    for tab in TABS:
+        yield SystemCommand(
+            f"Show {tab.title}",
+            f"Switch to the {tab.title} tab ({tab.key.upper()})",
+            lambda p=tab.pane: app.main.show_tab(p),
+        )
+    yield SystemCommand(
+        "Profile the next N steps",
+        "Run torch.profiler around the next steps; the Profile tab shows where the time "
+        "and memory went (P)",
+        app.action_profile,
+    )
+    for view in VIEWS:
+        yield SystemCommand(
+            f"Show Profile: {view.title}",
+            f"Switch to the {view.title} view of the Profile tab (F8, then F8 again)",
+            lambda v=view.key: app.show_profile_view(v),
+        )
+    # A recheck judges the step the training is paused in.
+    if app.state == "paused" and app.remote.serves("recheck"):
+        yield SystemCommand(
+            "Recheck",
+            "Judge the current step again with the rules as they are now",
+            app.main.recheck,
+        )
