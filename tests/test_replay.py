@@ -208,6 +208,12 @@ def test_the_ui_says_replay_and_moves_between_steps_with_n_and_p(dump: Path) -> 
             await until(pilot, lambda: any("Step 5 is the last dumped step" in str(n.message)
                                            for n in app._notifications))  # fmt: skip
             assert app.query(Footer)
+            # Step 5 holds statistics only: its tensors' values were not dumped (a live
+            # session's are "not retained").
+            table = tensors.tensor_table
+            table.show(source.tensors())
+            lines = [str(table.get_row_at(i)[3]) for i in range(table.row_count)]
+            assert lines and all(line.endswith("(not dumped)") for line in lines), lines
 
     asyncio.run(flow())
 

@@ -43,8 +43,9 @@ class TensorTable(Table):
         for t in self._tensors.values():
             line = summary_line(t)
             style = "bold red" if "!" in line else ""
-            if not t.get("retained", True):
-                style, line = "dim", f"{line}  (not retained)"
+            if not t.get("retained", True):  # values the session let go, or the dump lacks
+                replay = getattr(self.app, "state", "") == "replay"
+                style, line = "dim", f"{line}  ({'not dumped' if replay else 'not retained'})"
             name = f"{t['name']} = {t['same_as']}" if t.get("same_as") else t["name"]
             self.add_row(
                 # Text, not a string: DataTable reads a string as markup ("x[ab]" loses "[ab]").
