@@ -25,6 +25,7 @@ from tensordbg.tui.commands import CONTROLS, palette
 from tensordbg.tui.errors import CrashFile, work
 from tensordbg.tui.profiler.view import DEFAULT_STEPS
 from tensordbg.tui.remote import (
+    OVER,
     ClientFactory,
     DebugClient,
     MalformedReply,
@@ -202,7 +203,7 @@ class TensorDbgApp(App[int]):
             self.main.show_connection_lost(
                 reason, self.state, reconnecting=self._connect is not None
             )
-            if self.state not in ("finished", "detached"):  # the header keeps saying how it ended
+            if self.state not in OVER:  # the header keeps saying how it ended
                 self.state = "disconnected"
             if self._connect is None:
                 return
@@ -265,7 +266,7 @@ class TensorDbgApp(App[int]):
     # --- keys ------------------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        over = self.state in ("finished", "detached")  # nothing is left to detach from
+        over = self.state in OVER  # nothing is left to detach from
         if action == "leave_replay":
             return self.screen is self.main and (self.remote.serves("goto") or over)
         if action in ("replay_step", "refuse_control"):

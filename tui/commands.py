@@ -10,6 +10,7 @@ from textual.app import SystemCommand
 from textual.screen import Screen
 
 from tensordbg.tui.profiler.view import VIEWS
+from tensordbg.tui.remote import OVER
 from tensordbg.tui.screens.main import TABS
 
 # Which control actions make sense in which state of the training.
@@ -47,7 +48,7 @@ def palette(app: Any, screen: Screen, own: Iterable[SystemCommand]) -> Iterable[
         )
     if app.remote.serves("goto"):  # a recorded run
         yield SystemCommand("Quit", "Close this recorded run (q)", app.action_leave_replay)
-    elif app.state in ("finished", "detached"):  # nothing is left to detach from
+    elif app.state in OVER:  # nothing is left to detach from
         yield SystemCommand("Quit", "Leave tensordbg (q)", app.action_leave_replay)
     else:
         yield SystemCommand(

@@ -44,6 +44,9 @@ from tensordbg.sources.contract import (
 )
 from tensordbg.transport.client import ConnectionLost, RemoteError
 
+OVER = frozenset({"finished", "detached"})
+"""The app states of a training that is over (a lost connection is not: it may come back)."""
+
 
 @runtime_checkable
 class DebugClient(Protocol):

@@ -56,7 +56,7 @@ class RulePanel(Vertical):
         Binding("r", "recheck", "Recheck"),
     ]
 
-    def __init__(self) -> None:
+    def __init__(self, heard: HeardHits) -> None:
         super().__init__(id="rule-panel")
         self._drawable = False  # set on mount; is_mounted is still False in on_mount
         self._rules: list[dict[str, Any]] = []
@@ -65,7 +65,7 @@ class RulePanel(Vertical):
         self._pending: dict[int, dict[str, Any]] = {}
         self._waiting = ""  # the change the note says waits for the training, if any
         self._available: list[dict[str, Any]] = []
-        self.heard = HeardHits()  # the main screen's: the Modules tab counts the same hits
+        self.heard = heard  # the hits the UI received (the Modules tab counts them too)
         self._redraw_due = False
         self.table: DataTable[Any] = Table(id="rule-table", cursor_type="row")
         self.result = Static("", id="rule-result")

@@ -16,12 +16,10 @@ from textual.widgets import Label, Sparkline, Static
 
 from tensordbg.tui.errors import work
 from tensordbg.tui.profiler.units import size
-from tensordbg.tui.remote import RequestFailed, remote_of
+from tensordbg.tui.remote import OVER, RequestFailed, remote_of
 
 POLL = 1.0  # seconds between requests while the tab is on screen
 KEPT = 600  # samples kept a device (ten minutes at 1 Hz)
-
-ENDED = ("finished", "detached", "disconnected")  # the app states past a training's end
 
 
 class GpuPane(VerticalScroll):
@@ -57,7 +55,7 @@ class GpuPane(VerticalScroll):
             self.head.update(Text("Asking the training for GPU samples…"))
 
     def on_show(self) -> None:
-        if getattr(self.app, "state", "") in ENDED and not self.polls:
+        if getattr(self.app, "state", "") in OVER and not self.polls:
             self.head.update(Text("The training has ended: no GPU samples to ask for."))
             return
         if self._timer is None and remote_of(self).serves("gpu"):
@@ -79,7 +77,7 @@ class GpuPane(VerticalScroll):
         try:
             reply = await remote_of(self).gpu(since=self.since)
         except RequestFailed:
-            if getattr(self.app, "state", "") in ENDED:  # no next poll will be answered
+            if getattr(self.app, "state", "") in OVER:  # no next poll will be answered
                 self.head.update(Text("The training has ended: no more GPU samples."))
             return  # the Log tab says why; the next poll tries again
         self.show(reply)

@@ -26,7 +26,7 @@ from tensordbg.tui.profiler.memory import MemoryPane
 from tensordbg.tui.profiler.operators import OperatorsPane
 from tensordbg.tui.profiler.overview import OverviewPane
 from tensordbg.tui.profiler.timeline import TimelineView
-from tensordbg.tui.remote import RequestFailed, remote_of
+from tensordbg.tui.remote import OVER, RequestFailed, remote_of
 
 DEFAULT_STEPS = 5
 HOW = (
@@ -202,7 +202,7 @@ class ProfilerView(Vertical, can_focus=True):
             return
         text = Text()
         p, report = self.progress, self.report
-        ended = getattr(self.app, "state", "") in ("finished", "detached", "disconnected")
+        ended = getattr(self.app, "state", "") in OVER
         if p and p.get("state") in ("pending", "running") and ended:
             text.append("The training ended while profiling: ", style="bold")
             text.append(

@@ -34,7 +34,7 @@ from tensordbg.tui.components.tensor_inspector import TensorInspector
 from tensordbg.tui.errors import reported, work
 from tensordbg.tui.messages import HitsFound, OpenTensor
 from tensordbg.tui.profiler.view import ProfilerView
-from tensordbg.tui.remote import RequestFailed, remote_of
+from tensordbg.tui.remote import OVER, RequestFailed, remote_of
 
 
 class Tab(NamedTuple):
@@ -100,9 +100,8 @@ class MainScreen(Screen):
         self.module_browser = ModuleBrowser()
         self.tensor_inspector = TensorInspector()
         self.provenance_view = ProvenanceView()
-        self.rule_panel = RulePanel()
         self.counted = HeardHits()  # the hits received, for the Rules and Modules tabs' counts
-        self.rule_panel.heard = self.counted
+        self.rule_panel = RulePanel(self.counted)
         self.event_log = EventLog()
         self.profiler_view = ProfilerView()
         self._welcomed = False
@@ -187,7 +186,7 @@ class MainScreen(Screen):
             self._step = payload.get("step", self._step)
             self.module_browser.step_moved(self._step)
             self._show_title()
-            if payload.get("state") and self._state not in ("finished", "detached"):
+            if payload.get("state") and self._state not in OVER:
                 self.app.state = payload["state"]  # type: ignore[attr-defined]
         elif event == "hit":
             self.hit_table.merge([payload])
@@ -264,7 +263,7 @@ class MainScreen(Screen):
         self.log_entry(f"cannot connect: {error}", "error")
 
     def show_connection_lost(self, reason: str, last_state: str, reconnecting: bool) -> None:
-        if last_state in ("finished", "detached"):
+        if last_state in OVER:
             what = f"The training has {last_state} and closed the connection"
         else:
             what = f"Connection lost ({reason}): the training finished or crashed"
