@@ -30,6 +30,32 @@ def wait_until(condition: Callable[[], object], timeout: float = DEADLINE) -> No
         time.sleep(0.01)
 
 
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> Callable[..., tuple[int, str, str]]:  # fmt: skip
+    """``cli(*args)`` runs the command line in this process, in ``tmp_path``, and gives its exit
+    code, stdout and stderr: for a mistake that must be said before any script runs or any UI
+    opens, without starting an interpreter (and importing torch) for each. Tests that run a
+    script go through ``python -m tensordbg.cli``, as a person does.
+
+    >>> code, out, err = cli("run", "--interval", "0", "train.py")
+    """
+    from tensordbg.cli import main
+
+    monkeypatch.chdir(tmp_path)
+
+    def run(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
 @pytest.fixture(autouse=True)
 def private_runtime_dir(
     tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch

@@ -272,20 +272,21 @@ def test_run_with_skip_drops_the_update_of_the_step_that_hit(script: Path):
     assert "trained" in done.stdout
 
 
-def test_run_refuses_an_unknown_rule_with_the_list_of_rules(script: Path):
-    done = tensordbg("run", "--rules", "NaN,Nonsense", str(script), "1", cwd=script.parent)
-    assert done.returncode == 2  # a mistake in the command line, not a hit (1)
-    assert "no rule named 'Nonsense'" in done.stderr and "VanishingGradient" in done.stderr
+def test_run_refuses_an_unknown_rule_with_the_list_of_rules(cli, script: Path):
+    code, out, err = cli("run", "--rules", "NaN,Nonsense", str(script), "1")
+    assert code == 2  # a mistake in the command line, not a hit (1)
+    assert "no rule named 'Nonsense'" in err and "VanishingGradient" in err
+    assert "trained" not in out
 
 
-def test_every_command_has_help_with_an_example(tmp_path: Path):
-    done = tensordbg("--help", cwd=tmp_path)
+def test_every_command_has_help_with_an_example(cli, tmp_path: Path):
+    done = tensordbg("--help", cwd=tmp_path)  # python -m tensordbg.cli, as the entry point runs
     assert done.returncode == 0
     assert "examples:" in done.stdout and "tensordbg demo" in done.stdout
-    for command in ("demo", "run", "tui"):
-        done = tensordbg(command, "--help", cwd=tmp_path)
-        assert done.returncode == 0
-        assert "examples:" in done.stdout and f"tensordbg {command}" in done.stdout
+    for command in ("demo", "run", "tui", "replay", "check", "diff"):
+        code, out, _ = cli(command, "--help")
+        assert code == 0
+        assert "examples:" in out and f"tensordbg {command}" in out
 
 
 def test_every_option_says_what_it_does():
@@ -303,10 +304,10 @@ def test_the_demo_without_ui_finds_the_broken_attention(tmp_path: Path):
     assert "step 25 forward: [NaN] blocks.0.attn.output" in done.stdout
 
 
-def test_a_listening_address_is_checked_before_the_script_runs(tmp_path: Path):
-    done = tensordbg("run", "--listen", "0.0.0.0:http", "train.py", cwd=tmp_path)
-    assert done.returncode == 2
-    assert "a listening address is HOST or HOST:PORT, not '0.0.0.0:http'" in done.stderr
+def test_a_listening_address_is_checked_before_the_script_runs(cli):
+    code, _, err = cli("run", "--listen", "0.0.0.0:http", "train.py")
+    assert code == 2
+    assert "a listening address is HOST or HOST:PORT, not '0.0.0.0:http'" in err
 
 
 def test_ctrl_c_in_a_watched_script_ends_it_with_one_line_and_no_traceback(tmp_path: Path):
@@ -348,17 +349,17 @@ def test_ctrl_c_reaches_the_ui_as_how_the_training_ended(tmp_path: Path, monkeyp
         (["run"], "tensordbg run: which script?"),
     ],
 )
-def test_a_mistyped_session_or_script_gets_one_line_and_exit_code_2(tmp_path, args, said):
+def test_a_mistyped_session_or_script_gets_one_line_and_exit_code_2(cli, tmp_path, args, said):
     """Before, the full-screen UI opened and retried for ever."""
     (tmp_path / "not_a_connection.json").write_text('{"hello": 1}')
     dead = {"protocol": 2, "run_id": "old", "rank": 0, "pid": 999999999,
             "host": socket.gethostname(), "script": "train.py", "started": 0.0,
             "endpoint": "ipc:///nowhere", "transport": "ipc", "key": "ab" * 32}  # fmt: skip
     (tmp_path / "dead.json").write_text(json.dumps(dead))
-    done = tensordbg(*args, cwd=tmp_path, timeout=30)
-    assert done.returncode == 2, done.stderr
-    assert said in done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    code, _, err = cli(*args)
+    assert code == 2, err
+    assert said in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
 def test_a_run_that_writes_a_dump_goes_on_at_a_hit_without_a_person(script: Path):
@@ -385,6 +386,9 @@ def test_a_rule_with_arguments_is_given_on_the_command_line_and_read_as_data(scr
                      "TensorRange(match='2', max_gt=1e-9)", str(script), "2",
                      cwd=script.parent)  # fmt: skip
     assert "[TensorRange] 2." in done.stderr, done.stderr  # module 2, by its match
+
+
+def test_a_rule_given_wrong_on_the_command_line_is_said_before_the_script_runs(cli, script):
     for spec, said in [
         ("TensorRange", "needs at least one bound"),
         ("TensorRange(max_gt=__import__('os'))", "max_gt= takes a plain value"),
@@ -393,13 +397,13 @@ def test_a_rule_with_arguments_is_given_on_the_command_line_and_read_as_data(scr
         ("TensorRange(maxgt=1)", "TensorRange has no maxgt=; it takes min_lt, max_gt, "),
         ("DeadActivation(threshold=0.1)", "it takes module_types, inactivity_threshold, "),
     ]:
-        done = tensordbg("run", "--rule", spec, str(script), cwd=script.parent)
-        assert done.returncode == 2 and said in done.stderr, (spec, done.stderr)
-        assert "Traceback" not in done.stderr
-    done = tensordbg("run", "--rules", "TensorRange", str(script), cwd=script.parent)
-    assert 'give TensorRange its arguments with --rule "TensorRange(...)"' in done.stderr
-    done = tensordbg("run", "--interval", "0", str(script), cwd=script.parent)
-    assert done.returncode == 2 and "at least 1" in done.stderr
+        code, out, err = cli("run", "--rule", spec, str(script))
+        assert code == 2 and said in err, (spec, err)
+        assert "Traceback" not in err and "trained" not in out
+    code, _, err = cli("run", "--rules", "TensorRange", str(script))
+    assert code == 2 and 'give TensorRange its arguments with --rule "TensorRange(...)"' in err
+    code, _, err = cli("run", "--interval", "0", str(script))
+    assert code == 2 and "at least 1" in err
 
 
 def test_a_script_that_attaches_and_exits_with_hits_prints_the_summary(tmp_path: Path):
@@ -441,31 +445,31 @@ def test_a_selection_that_leaves_no_module_watched_says_so_and_names_the_modules
     assert "leaves no module" not in matched.stderr and "[NaN] input[0]" in matched.stderr
 
 
-def test_tui_with_no_session_says_how_to_get_one_and_how_to_wait(tmp_path: Path):
-    done = tensordbg("tui", cwd=tmp_path, timeout=60)
-    assert done.returncode == 2  # as the other sessions it cannot open
-    assert "tensordbg tui: no tensordbg session is running for this user" in done.stderr
-    assert "tensordbg run script.py" in done.stderr and "tensordbg tui --wait 60" in done.stderr
+def test_tui_with_no_session_says_how_to_get_one_and_how_to_wait(cli):
+    code, _, err = cli("tui")
+    assert code == 2  # as the other sessions it cannot open
+    assert "tensordbg tui: no tensordbg session is running for this user" in err
+    assert "tensordbg run script.py" in err and "tensordbg tui --wait 60" in err
 
 
-def test_a_runtime_directory_others_can_read_is_one_sentence(tmp_path: Path, monkeypatch):
+def test_a_runtime_directory_others_can_read_is_one_sentence(cli, tmp_path: Path, monkeypatch):
     shared = tmp_path / "rt"
     shared.mkdir(mode=0o755)
     shared.chmod(0o755)
     monkeypatch.setenv("TENSORDBG_RUNTIME_DIR", str(shared))
-    done = tensordbg("tui", cwd=tmp_path, timeout=60)
-    assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert done.stderr.strip() == (
+    code, _, err = cli("tui")
+    assert code == 2 and "Traceback" not in err
+    assert err.strip() == (
         f"tensordbg tui: {shared} has mode 755: other users could reach its sessions; run "
         f"`chmod 700 {shared}`"
     )
 
 
-def test_an_unknown_option_is_said_with_its_commands_usage(tmp_path: Path):
-    done = tensordbg("check", str(tmp_path), "--bogus", cwd=tmp_path)
-    assert done.returncode == 2
-    assert done.stderr.startswith("usage: tensordbg check")
-    assert "tensordbg check: error: unrecognized arguments: --bogus" in done.stderr
+def test_an_unknown_option_is_said_with_its_commands_usage(cli, tmp_path: Path):
+    code, _, err = cli("check", str(tmp_path), "--bogus")
+    assert code == 2
+    assert err.startswith("usage: tensordbg check")
+    assert "tensordbg check: error: unrecognized arguments: --bogus" in err
 
 
 def test_a_loss_is_named_by_the_scripts_loss_like_name_for_it_among_its_aliases():

@@ -258,14 +258,12 @@ def test_tensordbg_run_writes_a_dump_without_changing_the_script(tmp_path):
     assert dump.tensor("loss").steps() == dump.steps()  # the loss the runner observes
 
 
-def test_tensordbg_run_says_dump_flags_need_a_dump_dir(tmp_path):
+def test_tensordbg_run_says_dump_flags_need_a_dump_dir(cli, tmp_path):
     (tmp_path / "train.py").write_text(RUN_SCRIPT)
-    done = subprocess.run(
-        [sys.executable, "-m", "tensordbg.cli", "run", "--dump-every", "2", "train.py"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 2
-    assert "give --dump-dir DIR too" in done.stderr and "Traceback" not in done.stderr
+    code, _, err = cli("run", "--dump-every", "2", "train.py")
+    assert code == 2
+    assert "give --dump-dir DIR too" in err and "Traceback" not in err
+    assert not (tmp_path / "dbg").exists()
 
 
 class MaskedAttention(nn.Module):

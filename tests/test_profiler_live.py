@@ -154,12 +154,11 @@ def test_a_profile_asked_for_from_the_ui_and_cut_off_by_the_scripts_end_is_print
     assert "tensordbg profile: 3 steps (5..7) on cpu" in done.stderr, done.stderr
 
 
-def test_tensordbg_run_profile_of_a_short_script_reports_the_steps_it_had(tmp_path: Path):
+def test_tensordbg_run_profile_of_a_short_script_reports_the_steps_it_had(cli, tmp_path: Path):
     done = tensordbg_run(tmp_path, "10", "5")
     assert done.returncode == 0, done.stderr
     assert "tensordbg profile: 3 steps (2..4)" in done.stderr
     assert "3 of 10 profiled steps" in done.stderr
-    bad = subprocess.run([sys.executable, "-m", "tensordbg.cli", "run", "--profile", "0", "x.py"],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert bad.returncode == 2 and "a number of steps from 1 to 1000" in bad.stderr
-    assert "Traceback" not in bad.stderr
+    code, _, err = cli("run", "--profile", "0", "x.py")
+    assert code == 2 and "a number of steps from 1 to 1000" in err
+    assert "Traceback" not in err
