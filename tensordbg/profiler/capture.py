@@ -39,6 +39,7 @@ from tensordbg.engine.handles import HandleGroup
 from tensordbg.profiler.report import ProfileReport
 
 MAX_STEPS = 1000
+KINETO_QUIET = "6"  # above Kineto's levels (VERBOSE 0 to USDT 5): none of its log lines
 FORWARD, BACKWARD, OPTIMIZER, PAUSED = (
     "tensordbg: forward",
     "tensordbg: backward",
@@ -238,6 +239,10 @@ class Profiler:
             if cuda:
                 run.device_index = session.device.index or 0
                 _memory_history(True)
+            # Kineto's own "USDT: ... profiler_start" and "profiler_stop" lines on stderr, at
+            # every start and stop, said nothing to a person (a user's own setting wins). It reads
+            # this when it first starts, so it holds for the process.
+            os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "memory allocated before profiling started"
                 profiler.start()
