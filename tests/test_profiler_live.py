@@ -155,6 +155,33 @@ def test_a_profile_asked_for_from_the_ui_and_cut_off_by_the_scripts_end_is_print
     assert "tensordbg profile: 3 steps (5..7) on cpu" in done.stderr, done.stderr
 
 
+def test_a_profile_cut_off_by_the_end_of_a_plain_python_script_is_printed_at_exit(
+    tmp_path: Path,
+):
+    """The same without ``tensordbg run``: the script attaches itself and ``python train.py``
+    runs it. Before, the summary thread died with the interpreter and the report was lost."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.replace(
+        "for step, (x, y)",
+        "import tensordbg\n"
+        "session = tensordbg.attach(model, optimizer=opt, server=False)\n"
+        "for step, (x, y)",
+    ).replace(
+        "    if step + 1 == int(sys.argv[1]):",
+        "    if step == 3:\n"
+        "        session.profile(10)\n"
+        "    if step + 1 == int(sys.argv[1]):",
+    ))  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, str(script), "8"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=180, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "trained" in done.stdout
+    assert "tensordbg: the training ended while profiling" in done.stderr, done.stderr
+    assert "tensordbg profile: 3 steps (5..7) on cpu" in done.stderr, done.stderr
+    assert done.stderr.count("tensordbg profile:") == 1
+
+
 def test_tensordbg_run_profile_of_a_short_script_reports_the_steps_it_had(cli, tmp_path: Path):
     done = tensordbg_run(tmp_path, "10", "5")
     assert done.returncode == 0, done.stderr

@@ -480,9 +480,8 @@ def _patterns(value: str | Sequence[str]) -> tuple[str, ...]:
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
-    for tensor in (*model.parameters(), *model.buffers()):
-        return tensor.device
-    return torch.device("cpu")
+    tensors = (*model.parameters(), *model.buffers())
+    return tensors[0].device if tensors else torch.device("cpu")
 
 
 def _forget(model_ref: weakref.ref[torch.nn.Module], session: Session) -> None:
@@ -492,8 +491,10 @@ def _forget(model_ref: weakref.ref[torch.nn.Module], session: Session) -> None:
 
 
 def _detach_at_exit(ref: weakref.ref[Session]) -> None:
-    session = ref()
-    if session is not None:
-        if session.summary_at_exit and session.hits and not session.detached:
-            print_summary(session)
-        session.detach(finished=True)
+    if (session := ref()) is None:
+        return
+    if session.summary_at_exit and session.hits and not session.detached:
+        print_summary(session)
+    session.detach(finished=True)
+    if session.profiling is not None:  # asked for (from the UI) and cut off by the exit
+        session.profiling.say_if_cut("tensordbg")

@@ -209,7 +209,8 @@ def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = 
         if run.profile_steps:
             _print_profile(run)
         for session in sessions:  # a profile the UI asked for, cut off by the script's end
-            _print_cut_profile(session, run.profiling)
+            if session.profiling is not None and session.profiling is not run.profiling:
+                session.profiling.say_if_cut("tensordbg run")
 
 
 def _print_profile(run: ScriptRun) -> None:
@@ -224,19 +225,6 @@ def _print_profile(run: ScriptRun) -> None:
         print(f"tensordbg run --profile: no report ({why})", file=sys.stderr, flush=True)
         return
     print(report.text(), file=sys.stderr, flush=True)
-
-
-def _print_cut_profile(session: Session, printed: Any) -> None:
-    """The report of a profile still being summarized when the script ended (asked for from
-    the UI, whose connection is gone): the steps done, as ``--profile`` prints them."""
-    handle = session.profiling
-    if handle is None or handle is printed or handle.state != "summarizing":
-        return
-    report = handle.wait(120)
-    if report is not None:
-        print(f"tensordbg run: the training ended while profiling; {handle.message}",
-              file=sys.stderr)  # fmt: skip
-        print(report.text(), file=sys.stderr, flush=True)
 
 
 def _chosen(rules: Sequence[Rule] | None, attach_args: dict[str, Any]) -> dict[str, Any]:

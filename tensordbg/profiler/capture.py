@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import getpass
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -76,6 +77,7 @@ class ProfileHandle:
         Chrome trace is already written (torch writes one once): ``report.trace``."""
         self._profiler = profiler
         self._finished = threading.Event()
+        self._said = False
 
     @property
     def done(self) -> bool:
@@ -88,6 +90,19 @@ class ProfileHandle:
         (the steps are profiled by the training thread)."""
         self._finished.wait(timeout)
         return self.report
+
+    def say_if_cut(self, who: str, timeout: float = 120) -> None:
+        """Print on stderr, once, the report of a profile that the training's end cut short
+        while it was being summarized: the steps done, as ``--profile`` prints them. Whoever
+        asked for it (the UI, gone with its connection; a script that did not wait) would
+        otherwise lose it with the process. ``who`` begins the line: ``"tensordbg run"``."""
+        if self.state != "summarizing" or self._said:
+            return
+        self._said = True
+        report = self.wait(timeout)
+        if report is not None:
+            print(f"{who}: the training ended while profiling; {self.message}", file=sys.stderr)
+            print(report.text(), file=sys.stderr, flush=True)
 
     def cancel(self) -> None:
         """Stop profiling now, without a report; the training goes on. From another thread it is
@@ -295,7 +310,10 @@ class Profiler:
             name="tensordbg-profile-summary",
             daemon=True,
         )
-        worker.start()
+        try:
+            worker.start()
+        except RuntimeError:  # at the interpreter's exit (3.12 starts no thread then): here
+            self._summarize(run, profiler, snapshot, message)
 
     # --- the summary thread --------------------------------------------------------------------
 
