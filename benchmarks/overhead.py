@@ -287,7 +287,16 @@ def _switch_off(session: tensordbg.Session, capabilities: int) -> None:
     if capabilities < 3:
         session.capture._hook_grad = lambda *args: None
     if capabilities < 4:
-        session.param_grad = lambda *args: None
+        vouchers = session.vouchers
+
+        def vouch_only(name: str, owner: str, owner_type: str, grad: torch.Tensor) -> None:
+            # A bias's gradient still vouches for the activation gradients it sums (else they
+            # would all be held to the pass's end and read there: the backward origin measured
+            # dearer than it is); nothing else of the parameter gradients is done.
+            if capabilities == 3 and vouchers.awaiting:
+                vouchers.settle(name, grad)
+
+        session.param_grad = vouch_only
         session._check_parameters = lambda *args: None
 
 

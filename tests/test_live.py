@@ -247,6 +247,29 @@ def test_pausing_step_after_step_compares_a_tensor_with_its_previous_step():
         assert second["previous"]["summary"] == first["summary"]
 
 
+@pytest.mark.parametrize("sync", ["deferred", "eager"])
+def test_the_step_before_a_forward_hit_is_compared_or_the_reason_it_cannot_be_is_given(sync):
+    """Paused at a NaN made at step 3: eager checks measured the tensor at step 2, deferred
+    checks did not (a clean step's activations are not read); the panel said only "no
+    statistics of this tensor from the previous step", which looked like a fault."""
+    with PausedTraining(sync=sync) as training:
+        training.wait_paused()
+        source = LiveSource(training.session)
+        stats = source.stats(source.info()["paused_at"]["ref"])
+        assert stats["step"] == 3
+        if sync == "eager":
+            assert stats["previous"]["step"] == 2 and "previous_why" not in stats
+        else:
+            assert stats["previous"] is None
+            assert (
+                "deferred checks (the CPU's default) measure a clean step's activations only"
+                in stats["previous_why"]
+                and "sync='eager'" in stats["previous_why"]
+            )
+        sliced = source.stats(source.info()["paused_at"]["ref"], "[0]")
+        assert sliced["previous"] is None and "previous_why" not in sliced  # a slice: none
+
+
 def test_a_tensor_a_module_returned_as_its_own_output_is_listed_under_it_too(paused):
     _, source = paused
     out = next(t for t in source.tensors() if t["name"] == "out.output")

@@ -404,6 +404,12 @@ def test_a_previous_step_that_recorded_little_says_so_instead_of_a_column_of_das
             )
             compare.show({"summary": now, "previous": {"step": 4, "summary": now}})
             assert compare.content.caption is None
+            # None at all, and the source says why: that reason, not a blank "none".
+            why = "deferred checks (the CPU's default) measure a clean step's activations only"
+            compare.show({"summary": now, "previous": None, "previous_why": why})
+            assert compare.content.caption == why
+            compare.show({"summary": now, "previous": None})
+            assert compare.content.caption == "no statistics of this tensor from the previous step"
             # An empty slice ([3:1]): its moments are none, not NaN.
             nothing = {
                 **dict.fromkeys(("mean", "std", "min", "max", "abs_mean"), math.nan),

@@ -94,6 +94,13 @@ class SyncMode:
     def why_not_kept(self, record: Record, retain_bytes: int) -> str:
         return f"the phase's tensors passed retain_bytes={retain_bytes // 2**20} MiB"
 
+    def why_not_measured(self, record: Record, interval: int) -> str:
+        """Why no earlier step has statistics of ``record``'s tensor, for the person comparing
+        it with the step before."""
+        if interval > 1:
+            return f"the steps between checks are not measured (interval={interval})"
+        return "no statistics of this tensor from an earlier step"
+
 
 class Eager(SyncMode):
     name = "eager"
@@ -179,6 +186,15 @@ class Deferred(SyncMode):
                 "it is not finite; this one was finite"
             )
         return super().why_not_kept(record, retain_bytes)
+
+    def why_not_measured(self, record: Record, interval: int) -> str:
+        if interval == 1 and record.stats.kind in LAZY_KINDS:
+            return (
+                "deferred checks (the CPU's default) measure a clean step's activations only "
+                "when its output, loss or gradients show a problem; sync='eager' measures each "
+                "one every step"
+            )
+        return super().why_not_measured(record, interval)
 
 
 MODES: dict[str, type[SyncMode]] = {m.name: m for m in (Eager, Batched, Deferred)}

@@ -313,6 +313,11 @@ class LiveSource(LiveProfiling):
                     before_step, before = self.session.previous[name]
                     previous = {"step": before_step, "summary": _brief(before)}
                 self._inspected[name] = (step, summary.as_dict())
+            why = {}
+            if previous is None and not index:
+                why["previous_why"] = self.session.sync.why_not_measured(
+                    record, self.session.interval
+                )
             return {
                 "ref": ref,
                 "name": record.stats.name,
@@ -323,6 +328,7 @@ class LiveSource(LiveProfiling):
                 "summary": summary.as_dict(),
                 "line": summary.line(view.shape, dtype),
                 "previous": previous,
+                **why,
             }
 
         return self._on_training_thread(work)

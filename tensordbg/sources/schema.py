@@ -164,6 +164,7 @@ class Stats(TypedDict):
     summary: Summary
     line: str  # the one-line summary a person reads
     previous: Previous | None  # the same tensor at the last step it was seen
+    previous_why: NotRequired[str]  # why there is none, when it is not plain
 
 
 @runtime_checkable

@@ -78,7 +78,9 @@ class StatsCompare(Static):
         if empty:
             table.caption = "the slice selects no value"
         elif not previous:
-            table.caption = "no statistics of this tensor from the previous step"
+            table.caption = (
+                stats.get("previous_why") or "no statistics of this tensor from the previous step"
+            )
         else:
             table.caption = _partial(previous["step"], before)
         self.update(table)
