@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from conftest import wait_until
 from paused import PausedTraining
 from test_hostile_client import RawClient
 
@@ -43,6 +44,27 @@ def test_a_ui_attaches_to_a_paused_training_inspects_and_continues():
             client.call("control", action="continue")
             training.wait(lambda: training.session.step >= 4)
         assert training.error is None
+
+
+def test_the_pause_line_says_how_to_inspect_only_when_no_ui_is_connected(capsys):
+    """A pause printed "inspect it: tensordbg tui" to a person already looking at it in the UI
+    (the demo's UI showed it at its end, from the training's output)."""
+    with PausedTraining(server=True) as training:
+        training.wait_paused()
+        err = capsys.readouterr().err
+        assert "tensordbg: training paused" in err and "inspect it: tensordbg tui" in err
+    connected = threading.Event()
+    wait = lambda step: connected.wait(30) if step == 3 else None  # noqa: E731
+    with PausedTraining(server=True, before_step=wait) as training:
+        training.attached.wait(30)
+        with SyncClient(training.session.server.info.path):
+            wait_until(lambda: training.session.server.clients == 1)
+            connected.set()
+            training.wait_paused()
+            err = capsys.readouterr().err
+    assert "tensordbg: training paused" in err
+    assert "the UI connected to it shows it; continue with c there" in err
+    assert "inspect it" not in err
 
 
 def test_when_the_ui_vanishes_while_paused_the_training_resumes_disarmed():

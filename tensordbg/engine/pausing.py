@@ -124,7 +124,9 @@ class Pausing:
 
 def _print_pause(session: Any, reason: str, hit: Hit | None) -> None:
     lines = [f"tensordbg: training paused ({session.at}): {reason}"]
-    if session.server is not None:
+    if session.server is not None and getattr(session.server, "clients", 0):
+        lines.append("  the UI connected to it shows it; continue with c there")
+    elif session.server is not None:
         lines.append(
             f"  inspect it: tensordbg tui      (run {session.run_id}, rank {session.rank}); "
             "continue with c there"
