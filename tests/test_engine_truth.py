@@ -227,12 +227,18 @@ def test_a_nan_in_a_sparse_gradient_is_found_in_the_gradient_not_blamed_on_the_o
 # --- attaching must not break the script ----------------------------------------------------
 
 
-def test_saving_and_copying_a_watched_model_work_and_the_copies_carry_no_hooks(watch):
+@pytest.mark.parametrize("profiling", [False, True])
+def test_saving_and_copying_a_watched_model_work_and_the_copies_carry_no_hooks(watch, profiling):
+    """Also in the steps of a profile, whose own hooks on the model broke both (a checkpoint
+    every step failed with "cannot pickle 'weakref.ReferenceType'")."""
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     session = watch(model, optimizer=opt, on_hit="record", rules=[NaN()])
-    model(torch.randn(3, 4)).sum().backward()
-    opt.step()
+    handle = session.profile(steps=3) if profiling else None
+    for _ in range(3 if profiling else 1):  # a profile starts at a step's end, warms up a step
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+    assert handle is None or handle.state == "running"
     buffer = io.BytesIO()
     torch.save(model, buffer)  # a whole-model checkpoint
     ema = copy.deepcopy(model)  # an EMA or "best model" copy

@@ -97,7 +97,11 @@ class HandleGroup:
 class Unhooked:
     """A hooked module's ``__reduce_ex__``: pickling or deep-copying the module (``torch.save``,
     ``copy.deepcopy``, an EMA or "best model" copy) gives it without tensordbg's hooks, as if it
-    had never been attached. The session's own state never leaves the process this way."""
+    had never been attached. The session's own state never leaves the process this way.
+
+    Its hooks are those it was made with, and any other hook of tensordbg's on the module at
+    the time of the copy (a profile's, installed for its steps only): a function of a
+    ``tensordbg`` module, or a method of an object of one."""
 
     _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
                    "_forward_hooks_with_kwargs", "_forward_hooks_always_called")  # fmt: skip
@@ -115,6 +119,17 @@ class Unhooked:
         state.pop("__reduce_ex__", None)
         for name in self._HOOK_DICTS:
             hooks = state.get(name)
-            if hooks and not self._ids.isdisjoint(hooks):
-                state[name] = type(hooks)((k, v) for k, v in hooks.items() if k not in self._ids)
+            if hooks and any(k in self._ids or _ours(v) for k, v in hooks.items()):
+                state[name] = type(hooks)(
+                    (k, v) for k, v in hooks.items() if k not in self._ids and not _ours(v)
+                )
         return (reduced[0], reduced[1], state, *reduced[3:])
+
+
+def _ours(hook: Any) -> bool:
+    """Whether ``hook`` is tensordbg's: a function of one of its modules (through a partial),
+    or a method of an object of a class of one."""
+    fn = getattr(hook, "func", hook)
+    owner = getattr(fn, "__self__", None)
+    where = type(owner).__module__ if owner is not None else getattr(fn, "__module__", None)
+    return isinstance(where, str) and where.partition(".")[0] == "tensordbg"
