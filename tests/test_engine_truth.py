@@ -495,6 +495,28 @@ def test_on_hit_skip_drops_a_bad_update_and_leaves_parameters_and_optimizer_stat
         session.detach()
 
 
+def test_a_nan_in_an_evaluation_under_no_grad_skips_no_update(watch):
+    """An evaluation between two steps (under no_grad) met a bad batch: its hit is recorded,
+    and the next step's healthy update lands (it was dropped: the evaluation's forward counts
+    in the step after it). A bad training batch is still skipped."""
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=opt, on_hit="skip", rules=[NaN()])
+    bad = torch.randn(3, 4)
+    bad[0, 0] = float("nan")
+    for step in range(5):
+        before = copy.deepcopy(model.state_dict())
+        model(bad if step == 3 else torch.randn(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        assert _bitwise_equal(before, model.state_dict()) == (step == 3), step
+        with torch.no_grad():  # the evaluation, after every step
+            model(bad)
+    assert session.skipped_updates == [3]
+    assert {h.step for h in session.hits if h.origin and h.phase == "forward"} == {1, 2, 3, 4, 5}
+
+
 def test_a_skip_drops_the_update_of_every_optimizer_of_the_step(capsys):
     """Two optimizers stepped one after the other are one step: the second's update of the NaN
     gradients is dropped too (it used to land: the step ended with the first optimizer)."""

@@ -150,6 +150,11 @@ class Capture:
         self._log_room = 0
         self._hot: dict[int, tuple[int, float]] | None = None  # finite outputs: version, mean
 
+    @property
+    def with_grad(self) -> bool:
+        """Whether the latest root forward ran with gradients (a backward can come of it)."""
+        return self._root_grad
+
     # --- installation ----------------------------------------------------------------------
 
     def install(self, model: torch.nn.Module, handles: HandleGroup) -> None:

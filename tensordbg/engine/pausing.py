@@ -82,8 +82,11 @@ class Pausing:
     def _skip_automatically(self, hit: Hit) -> None:
         """``on_hit="skip"``: a hit before the update skips that update; past
         ``max_skipped_steps`` in a row the training cannot recover this way, and the hit is
-        raised. A hit after the update (a parameter) can only be recorded."""
+        raised. A hit after the update (a parameter) can only be recorded, and so can one of
+        a forward without gradients (an evaluation under ``no_grad``): no update comes of it."""
         if self.phase == "optimizer" and not self._stepping:
+            return
+        if self.phase == "forward" and not self.capture.with_grad:
             return
         if self._skips_in_row >= self.amp.max_skipped_steps:
             if self.ranks is not None:
