@@ -517,6 +517,35 @@ def test_a_nan_in_an_evaluation_under_no_grad_skips_no_update(watch):
     assert {h.step for h in session.hits if h.origin and h.phase == "forward"} == {1, 2, 3, 4, 5}
 
 
+def test_a_skipped_step_that_left_batchnorm_statistics_nan_says_so_and_so_do_later_hits(
+    watch, capsys
+):
+    """The skip drops the update, but the bad batch's forward already wrote NaN into the
+    BatchNorm's running statistics: said at the skip, and a later evaluation's hit in that
+    BatchNorm names them instead of "its inputs and parameters were clean"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=opt, on_hit="skip", rules=[NaN()])
+    bad = torch.randn(6, 4)
+    bad[0, 0] = float("nan")
+    for step in range(3):
+        model(bad if step == 1 else torch.randn(6, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert session.skipped_updates == [1]
+    err = capsys.readouterr().err
+    assert "step 1: its update was skipped, but its forward left NaN or Inf in the buffers " \
+           "1.running_mean, 1.running_var" in err  # fmt: skip
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(6, 4))  # clean inputs, clean parameters
+    hit = next(h for h in session.hits if h.origin and h.step == 3)
+    assert hit.module == "1"
+    assert "its buffers 1.running_mean, 1.running_var hold NaN or Inf" in hit.message
+    assert "inputs and parameters were clean." not in hit.message
+
+
 def test_a_skip_drops_the_update_of_every_optimizer_of_the_step(capsys):
     """Two optimizers stepped one after the other are one step: the second's update of the NaN
     gradients is dropped too (it used to land: the step ended with the first optimizer)."""

@@ -8,9 +8,13 @@ origin are kept, and the log says so once.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, TextIO
+
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from tensordbg.engine.judge import ActiveRule
 from tensordbg.engine.records import Call, Record
@@ -38,7 +42,9 @@ class HitLog:
     >>> log.add(hit, active)        # False when the cap dropped it
     """
 
-    def __init__(self, log: Callable[[str, str], None], max_hits: int = MAX_HITS):
+    def __init__(self, log: Callable[[str, str], None], model: torch.nn.Module | None = None,
+                 max_hits: int = MAX_HITS):  # fmt: skip
+        self._model = weakref.ref(model) if model is not None else None
         self.hits: list[Hit] = []
         self.max_hits = max_hits
         self.capped = False
@@ -138,6 +144,7 @@ class HitLog:
                 kind,
                 path,
                 self.first_origin.get(condition, ""),
+                self.bad_buffers(path) if is_origin and kind == "output" and path else (),
             ),
             ref=stats.ref,
             call=module.index if module is not None else stats.call,
@@ -147,6 +154,25 @@ class HitLog:
         if is_origin and condition is not None:
             self.first_origin.setdefault(condition, hit.tensor)
         return hit
+
+    def bad_buffers(self, path: str | None = None) -> list[str]:
+        """The floating-point buffers holding a NaN or Inf: the module's own at ``path``, or
+        every one of the model's. A forward writes them (BatchNorm's running statistics), so
+        a bad batch leaves them so though its update is skipped, and a later clean batch
+        turns bad in that module with its inputs and parameters clean."""
+        model = self._model() if self._model is not None else None
+        if model is None:
+            return []
+        try:
+            module = model.get_submodule(path) if path is not None else model
+        except AttributeError:  # a module the path no longer names
+            return []
+        if path is not None and isinstance(module, _BatchNorm) and module.training:
+            return []  # it normalizes with the batch's statistics: its buffers fed nothing
+        found = (module.named_buffers(prefix=path, recurse=False)
+                 if path is not None else module.named_buffers())  # fmt: skip
+        return [name for name, b in found
+                if b.is_floating_point() and not bool(torch.isfinite(b).all())]  # fmt: skip
 
 
 def _summary(record: Record) -> dict[str, Any]:
@@ -158,11 +184,11 @@ def _summary(record: Record) -> dict[str, Any]:
     }
 
 
-def with_origin(
-    finding: Finding, is_origin: bool, condition: int | None, kind: str, module: str, first: str
-) -> str:
+def with_origin(finding: Finding, is_origin: bool, condition: int | None, kind: str,
+                module: str, first: str, bad_buffers: Sequence[str] = ()) -> str:  # fmt: skip
     """The finding's sentence, followed by where the value came from. Its advice (what the
-    condition usually means) is given where the condition arose, not repeated downstream."""
+    condition usually means) is given where the condition arose, not repeated downstream.
+    ``bad_buffers``: the module's buffers that are not finite (they fed its output)."""
     if condition is None:
         return finding.advised
     if not is_origin:
@@ -172,6 +198,11 @@ def with_origin(
                     f"step{source}: the update did not make it.")  # fmt: skip
         return f"{finding.message} It was passed on from upstream{source}, not produced here."
     note = _ORIGIN_NOTE.get((kind, bool(module)), _ORIGIN_NOTE[kind, True])
+    if bad_buffers:
+        names = ", ".join(bad_buffers[:4]) + (", ..." if len(bad_buffers) > 4 else "")
+        note = (f"Its inputs and parameters were clean, but its buffers {names} hold NaN or Inf: "
+                "an earlier forward wrote them (BatchNorm's running statistics after a bad "
+                "batch); reset them or load a checkpoint.")  # fmt: skip
     return f"{finding.advised} {note}"
 
 

@@ -12,6 +12,7 @@ hooks talk to, the :class:`~tensordbg.engine.capture.Sink`).
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Sequence
 from functools import partial
@@ -407,6 +408,13 @@ class Pipeline(Pausing, Pinpointing):
             self._skip_requested = self._skip_dropped = False
             self.skipped_updates.append(self.step)
             self._skips_in_row += 1
+            if bad := self.hitlog.bad_buffers():  # written by the forward: no skip undoes them
+                said = (f"step {self.step}: its update was skipped, but its forward left NaN or "
+                        f"Inf in the buffers {', '.join(bad[:4])}{', ...' * (len(bad) > 4)} "
+                        "(BatchNorm's running statistics, for one), which a skip cannot undo: "
+                        "reset them or load a checkpoint")  # fmt: skip
+                self.log(said, "warning")
+                print(f"tensordbg: {said}", file=sys.stderr, flush=True)
         else:
             self._skips_in_row = 0
         numbers = self.metrics.finish(self.step)

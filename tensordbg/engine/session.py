@@ -123,7 +123,7 @@ class Session(Pipeline, BackwardPhase, OptimizerPhase):
         self.control = ControlPlane(self.controller)
         self.ruleset = RuleSet(default_rules() if rules is None else rules, self.log)
         self.ruleset.keep_refinements = self.sync.on_device
-        self.hitlog = HitLog(self.log)
+        self.hitlog = HitLog(self.log, model)
         self.hitlog.rank = self.rank
         self.phases = PhaseQueue(self.retain_bytes)
         self.metrics = StepMetrics()

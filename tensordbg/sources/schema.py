@@ -109,8 +109,7 @@ class Info(TypedDict):
 
 
 class RunningRule(TypedDict):
-    """The rule check the training thread is in, when a person asks (a hanging rule blocks the
-    training: this says which)."""
+    """The rule check the training thread is in (a hanging rule blocks the training)."""
 
     rule: str
     tensor: str
@@ -164,7 +163,7 @@ class Stats(TypedDict):
     summary: Summary
     line: str  # the one-line summary a person reads
     previous: Previous | None  # the same tensor at the last step it was seen
-    previous_why: NotRequired[str]  # why there is none, when it is not plain
+    previous_why: NotRequired[str]  # why there is none
 
 
 @runtime_checkable
