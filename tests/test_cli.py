@@ -322,6 +322,26 @@ def test_ctrl_c_in_a_watched_script_ends_it_with_one_line_and_no_traceback(tmp_p
     assert "Traceback" not in done.stderr
 
 
+def test_ctrl_c_after_tensordbg_detached_does_not_name_a_step_it_no_longer_counts(
+    tmp_path: Path, monkeypatch, capsys
+):
+    """Detached at step 4 (q in the UI), interrupted two steps later: it said "at step 4"."""
+    from tensordbg.integrations.runner import run_script
+
+    path = tmp_path / "train.py"
+    path.write_text(SCRIPT.replace(
+        "    optimizer.step()\n",
+        "    optimizer.step()\n"
+        "    if step == 3:\n"
+        "        from tensordbg.api import attached_to\n"
+        "        attached_to(model).detach()\n",
+    ).replace('print("trained"', 'raise KeyboardInterrupt  # Ctrl-C\nprint("x"'))  # fmt: skip
+    monkeypatch.setattr(sys, "argv", [str(path)])
+    assert run_script(str(path), ["6"], on_hit="record", server=False) == 130
+    err = capsys.readouterr().err
+    assert "tensordbg run: interrupted (Ctrl-C); tensordbg had detached at step 4\n" in err, err
+
+
 def test_ctrl_c_reaches_the_ui_as_how_the_training_ended(tmp_path: Path, monkeypatch):
     """The UI's last word from the session says it was interrupted, not just "finished"."""
     from tensordbg.engine import session as session_module

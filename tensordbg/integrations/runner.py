@@ -191,7 +191,9 @@ def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = 
     except KeyboardInterrupt:
         session = run.sessions[-1] if run.sessions else None
         where = ""
-        if session is not None:  # between two steps (most of a script's time) there is no phase
+        if session is not None and session.detached:  # its step stopped counting there
+            where = f"; tensordbg had detached at step {session.step}"
+        elif session is not None:  # between two steps (most of a script's time) no phase
             where = f" at step {session.step}" + (f", {session.where}" if session.where else "")
         paused = session is not None and session.controller.state == "paused"
         print(f"tensordbg run: interrupted (Ctrl-C){where}"
