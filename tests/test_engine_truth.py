@@ -351,6 +351,14 @@ def test_a_short_slice_text_cannot_make_the_training_build_a_huge_result():
     assert apply_index(x, parse_index("[[0, 1], 5]"), max_elements=x.numel()).shape == (2,)
 
 
+def test_a_slice_typed_wrong_is_said_at_the_column_of_the_mistake():
+    """An unclosed bracket was said "near column 1" (Python names the parser's own wrapper)."""
+    with pytest.raises(SliceError, match=r"near column 8: '\[' was never closed"):
+        parse_index("99, foo[::-1")
+    with pytest.raises(SliceError, match="near column 3: invalid syntax"):
+        parse_index("0,,1")
+
+
 def test_a_slice_request_is_sized_before_it_is_made(paused_source):
     _, source = paused_source
     ref = source.info()["paused_at"]["ref"]  # a 16x32 tensor

@@ -35,6 +35,9 @@ def parse_index(text: str) -> Index:
         tree = ast.parse(f"_[{text}]", mode="eval")
     except SyntaxError as e:
         col = max((e.offset or 3) - 3, 0)
+        opened = _unclosed(text)
+        if opened is not None:  # Python names the wrapper's "_[": the person's bracket it is
+            col, e.msg = opened, f"'{text[opened]}' was never closed"
         raise SliceError(f"cannot read slice {text!r} near column {col + 1}: {e.msg}") from None
     node = tree.body
     if not isinstance(node, ast.Subscript) or not isinstance(node.value, ast.Name):
@@ -248,3 +251,14 @@ def slice_frame(
     grid_rows, grid_cols = grid_shape(shape)
     return {"shape": list(shape), "rows": grid_rows, "cols": grid_cols,
             "window": [list(rows), list(cols)]}  # fmt: skip
+
+
+def _unclosed(text: str) -> int | None:
+    """Where the first bracket of ``text`` that is never closed opens, if one is."""
+    stack: list[int] = []
+    for i, c in enumerate(text):
+        if c in "[(":
+            stack.append(i)
+        elif c in "])" and stack:
+            stack.pop()
+    return stack[0] if stack else None
