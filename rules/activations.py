@@ -6,7 +6,7 @@ import math
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
-from tensordbg.rules.base import Finding, Rule, _matches
+from tensordbg.rules.base import Finding, Rule, _matches, check_number, refusal
 from tensordbg.statistics import Stat, TensorStats, dead_unit_frac
 
 
@@ -36,9 +36,21 @@ class _UnitActivity(Rule):
         **selection: Any,
     ):
         super().__init__(**selection)
-        self.module_types = tuple(module_types)
+        # "GELU" is one type, not four letters; what is not a collection is refused below.
+        if isinstance(module_types, str):
+            module_types = (module_types,)
+        elif isinstance(module_types, (list, tuple, set, frozenset)):
+            module_types = tuple(module_types)
+        self.module_types = module_types
         self.inactivity_threshold = inactivity_threshold
         self.layer_threshold = layer_threshold
+
+    def check_params(self) -> None:
+        types = self.module_types
+        if not (isinstance(types, tuple) and all(isinstance(m, str) for m in types)):
+            raise refusal(self, "module_types", "names of module types, e.g. ('ReLU', 'GELU')")
+        check_number(self, "inactivity_threshold", above=0, most=1, noun="fraction")
+        check_number(self, "layer_threshold", least=0, below=1, noun="fraction")
 
     def _live_range(self, t: TensorStats) -> tuple[float, float] | None:
         """The open range (lo, hi) of live values of ``t``; None when it is not known."""
@@ -79,6 +91,10 @@ class DeadActivation(_UnitActivity):
     when it is positive in under ``inactivity_threshold`` = 1 % of its values; the layer is
     reported when more than ``layer_threshold`` = 50 % of its units are dead. Outputs of the
     ``module_types`` are judged, and any tensor named by an explicit ``match`` pattern.
+
+    ``module_types`` are names of module types (a single name is one type);
+    ``inactivity_threshold`` is a fraction above 0 (at 0 no unit is ever dead) and at most 1,
+    ``layer_threshold`` a fraction of 0 or more and below 1 (at 1 no layer ever fires).
 
     Example: ``DeadActivation(match="*.act.output")`` judges custom activations by name.
     """
@@ -127,6 +143,10 @@ class SaturatedActivation(_UnitActivity):
     inside them in under ``inactivity_threshold`` = 1 % of its values; the layer is reported when
     more than ``layer_threshold`` = 50 % of its units are saturated.
 
+    ``module_types`` names Tanh, Sigmoid or both; the two thresholds take the values
+    DeadActivation's take: ``inactivity_threshold`` a fraction above 0 and at most 1,
+    ``layer_threshold`` a fraction of 0 or more and below 1.
+
     Example: ``SaturatedActivation(module_types=("Sigmoid",))`` watches sigmoid gates only.
     """
 
@@ -147,22 +167,17 @@ class SaturatedActivation(_UnitActivity):
     ):
         super().__init__(module_types, inactivity_threshold, layer_threshold, **selection)
 
-    @property
-    def module_types(self) -> tuple[str, ...]:
-        return self._module_types
-
-    @module_types.setter
-    def module_types(self, types: Iterable[str]) -> None:
-        # A setter, so that set_params is refused an unknown type as the constructor is.
-        types = tuple(types)
-        unknown = set(types) - set(_LIVE_OUTPUT)
+    def check_params(self) -> None:
+        super().check_params()
+        unknown = set(self.module_types) - set(_LIVE_OUTPUT)
         if unknown:
             raise ValueError(
                 f"SaturatedActivation knows the saturation bounds of {', '.join(_LIVE_OUTPUT)} "
                 f"only, not of {', '.join(sorted(unknown))}; use TensorRange with "
                 "range_lo/range_hi and range_percentage_lt for other activations"
             )
-        self._module_types = types
+        if not self.module_types:
+            raise refusal(self, "module_types", "'Tanh', 'Sigmoid' or both")
 
     def applies(self, t: TensorStats) -> bool:
         return super().applies(t) and t.module_type in self.module_types

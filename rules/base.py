@@ -20,6 +20,9 @@ Writing a rule takes a subclass::
             super().__init__(**selection)
             self.limit = limit
 
+        def check_params(self):
+            check_number(self, "limit", above=0)  # ValueError: "LargeActivation: limit must ..."
+
         def check(self, t, state):
             peak = t.abs_max
             if peak is not None and peak > self.limit:
@@ -34,10 +37,13 @@ and, for others to install it, an entry point in the ``tensordbg.rules`` group::
 
 from __future__ import annotations
 
+import functools
 import inspect
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
+from numbers import Integral, Real
 from typing import Any, ClassVar
 
 from tensordbg.statistics import KINDS, Stat, TensorStats
@@ -94,7 +100,8 @@ class Rule:
 
     Constructor arguments other than ``match``, ``exclude`` and ``kinds`` are the rule's
     thresholds: store each under its own name, so :meth:`params` lists them and a person can edit
-    them from the UI.
+    them from the UI. :meth:`check_params` refuses the values the rule cannot judge with, once
+    the constructor has returned and after every :meth:`set_params`.
     """
 
     kinds: ClassVar[frozenset[str]] = frozenset(KINDS)
@@ -118,6 +125,22 @@ class Rule:
                     f"choose among {', '.join(KINDS)}"
                 )
             self.kinds = frozenset(kinds)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Thresholds are checked once the outermost constructor has set them all: a subclass
+        # that calls super().__init__() and then sets its own is checked after those.
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+
+        @functools.wraps(init)
+        def checked(self: Rule, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            if type(self).__init__ is checked:
+                self.check_params()
+
+        cls.__init__ = checked  # type: ignore[method-assign]
 
     @property
     def name(self) -> str:
@@ -179,23 +202,34 @@ class Rule:
 
     def params(self) -> dict[str, Any]:
         """The rule's thresholds by name, e.g. ``{"threshold": 1e-07}``."""
-        named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        names = [
-            n
-            for n, p in inspect.signature(type(self).__init__).parameters.items()
-            if n != "self" and n not in SELECTION_ARGS and p.kind in named
-        ]
-        return {n: getattr(self, n) for n in names if hasattr(self, n)}
+        return {n: getattr(self, n) for n in _thresholds(type(self)) if hasattr(self, n)}
 
     def set_params(self, **values: Any) -> None:
-        """Change thresholds, keeping each one's type; unknown names are an error."""
+        """Change thresholds, keeping each one's type; unknown names are an error, and so are
+        values :meth:`check_params` refuses: the rule then keeps every old value."""
         current = self.params()
-        for key, value in values.items():
+        for key in values:
             if key not in current:
                 raise ValueError(
                     f"{self.name} has no threshold {key!r}; it has {', '.join(current) or 'none'}"
                 )
-            setattr(self, key, _coerce(self.name, key, current[key], value))
+        optional = [n for n, p in _thresholds(type(self)).items() if p.default is None]
+        try:
+            for key, value in values.items():
+                if not (value is None and key in optional):  # a bound cleared
+                    value = _coerce(self.name, key, current[key], value)
+                setattr(self, key, value)
+            self.check_params()
+        except Exception:
+            for key in values:
+                setattr(self, key, current[key])
+            raise
+
+    def check_params(self) -> None:
+        """Raise ValueError, one sentence naming the threshold, the value and what it must be,
+        when a threshold is one the rule cannot judge with (see :func:`check_number` and
+        :func:`check_count`). Called once the constructor has returned and after every
+        :meth:`set_params`; by default every value is accepted."""
 
     def describe(self) -> str:
         """The first line of the rule's docstring."""
@@ -263,13 +297,98 @@ def among(t: TensorStats) -> str:
     return ", its only value" if t.numel == 1 else f" among {t.numel} values"
 
 
+def check_count(rule: Rule, name: str) -> None:
+    """Refuse threshold ``name`` of ``rule`` unless it is a whole number of 1 or more (a number
+    of steps, of norms kept): ``True`` and ``3.0`` are not.
+
+    >>> ExplodingGradient(window=0)
+    Traceback (most recent call last):
+    ValueError: ExplodingGradient: window must be a whole number of 1 or more, not 0
+    """
+    value = getattr(rule, name)
+    if not (isinstance(value, Integral) and not isinstance(value, bool) and value >= 1):
+        raise refusal(rule, name, "a whole number of 1 or more")
+
+
+def check_number(
+    rule: Rule,
+    name: str,
+    *,
+    above: float | None = None,
+    least: float | None = None,
+    below: float | None = None,
+    most: float | None = None,
+    noun: str = "number",
+    infinite: bool = False,
+    none: bool = False,
+) -> None:
+    """Refuse threshold ``name`` of ``rule`` unless it is a number within the bounds given
+    (``above``/``below`` exclude theirs, ``least``/``most`` include theirs): never ``True``,
+    NaN, or an infinity unless ``infinite``; None where ``none``. ``noun`` names what the
+    number is in the sentence ("fraction", "percentage").
+
+    >>> check_number(ExplodingGradient(), "max_norm", above=0)  # 1e6: accepted
+    """
+    value = getattr(rule, name)
+    if none and value is None:
+        return
+    ok = isinstance(value, Real) and not isinstance(value, bool) and not math.isnan(value)
+    ok = ok and (infinite or math.isfinite(value))
+    ok = ok and (above is None or value > above) and (least is None or value >= least)
+    ok = ok and (below is None or value < below) and (most is None or value <= most)
+    if ok:
+        return
+    low = high = ""
+    if above is not None:
+        low = f"above {above:g}"
+    elif least is not None:
+        low = f"of {least:g} or more"
+    if below is not None:
+        high = f"below {below:g}"
+    elif most is not None:
+        high = f"at most {most:g}"
+    if low == "above 0" and not high:
+        what = f"positive {noun}"
+    elif least is not None and most is not None:
+        what = f"{noun} from {least:g} to {most:g}"
+    else:
+        what = " ".join(filter(None, [noun, " and ".join(filter(None, [low, high]))]))
+    if isinstance(value, Real) and math.isinf(value) and not infinite:
+        what = f"finite {what}"  # "a positive number, not inf" would puzzle
+    others = [*(["inf"] if infinite else []), *(["None"] if none else [])]
+    raise refusal(rule, name, ", or ".join([f"a {what}", *others]))
+
+
+def refusal(rule: Rule, name: str, must: str, why: str = "") -> ValueError:
+    """The error that refuses ``rule``'s threshold ``name``: "Rule: name must be <must>, not
+    <its value>", then ``why`` after a semicolon when given."""
+    said = f"{rule.name}: {name} must be {must}, not {getattr(rule, name)!r}"
+    return ValueError(f"{said}; {why}" if why else said)
+
+
+def _thresholds(cls: type[Rule]) -> dict[str, inspect.Parameter]:
+    """The constructor arguments of ``cls`` that are thresholds, by name."""
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {
+        n: p
+        for n, p in inspect.signature(cls.__init__).parameters.items()
+        if n != "self" and n not in SELECTION_ARGS and p.kind in named
+    }
+
+
 def _matches(t: TensorStats, pattern: str) -> bool:
     return fnmatchcase(t.name, pattern) or fnmatchcase(t.module, pattern)
 
 
 def _coerce(rule: str, key: str, old: Any, new: Any) -> Any:
+    """``new`` in the type of the threshold's ``old`` value (the UI may send "30" for 30).
+    What would change its value (2.5 to 2, True to 1.0) is left for check_params to refuse."""
     if old is None or isinstance(new, type(old)):
         return new
+    if isinstance(new, bool) or (type(old) is int and isinstance(new, float)):
+        return new
+    if isinstance(old, tuple) and isinstance(new, str):
+        return (new,)  # one name, not a tuple of its letters
     try:
         if isinstance(old, bool):
             if isinstance(new, str):

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from fnmatch import fnmatchcase
 from typing import Any
 
-from tensordbg.rules.base import Finding, Rule
+from tensordbg.rules.base import Finding, Rule, check_count, check_number
 
 
 class RankDivergence(Rule):
@@ -25,6 +25,7 @@ class RankDivergence(Rule):
     Defaults: ``every`` = 10 steps (a norm per parameter every 10 steps costs well under 1 % of
     a step); ``rtol`` = 1e-5, far above the rounding of one norm computed with another thread
     count, far below any real drift. Added to the default rules when a job has several ranks.
+    ``every`` is a whole number of 1 or more, ``rtol`` a number of 0 or more (0: any difference).
 
     Example: ``RankDivergence(every=1, exclude="*.bias")`` checks every step.
     """
@@ -36,6 +37,10 @@ class RankDivergence(Rule):
         super().__init__(**selection)
         self.every = every
         self.rtol = rtol
+
+    def check_params(self) -> None:
+        check_count(self, "every")
+        check_number(self, "rtol", least=0)
 
     def silent_when_finite(self, t: Any) -> bool:
         return True

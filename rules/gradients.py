@@ -7,7 +7,16 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from tensordbg.rules.base import Finding, Refine, Rule, among, nonfinite_count
+from tensordbg.rules.base import (
+    Finding,
+    Refine,
+    Rule,
+    among,
+    check_count,
+    check_number,
+    nonfinite_count,
+    refusal,
+)
 from tensordbg.statistics import (
     ABS_MEAN,
     FINITE,
@@ -113,6 +122,10 @@ class ExplodingGradient(Rule):
     1e-13). When all gradients blow up at once, each passes the size the model had the step
     before. A gradient judged alone is compared with its own history only.
 
+    ``max_norm`` is a positive number, ``growth`` a number above 1 (the norm against its
+    median); ``window``, ``warmup`` and ``persist`` are whole numbers of 1 or more, ``warmup``
+    at most ``window``, since the rule keeps ``window`` norms of each gradient.
+
     Example: ``ExplodingGradient(growth=10.0, match="decoder.*")`` is stricter on the decoder;
     ``ExplodingGradient(persist=1)`` fires on the first step above the bar.
     """
@@ -136,6 +149,15 @@ class ExplodingGradient(Rule):
         self.window = window
         self.warmup = warmup
         self.persist = persist
+
+    def check_params(self) -> None:
+        check_number(self, "max_norm", above=0)
+        check_number(self, "growth", above=1)
+        for name in ("window", "warmup", "persist"):
+            check_count(self, name)
+        if self.warmup > self.window:
+            why = "the rule keeps the last window norms of a gradient"
+            raise refusal(self, "warmup", f"at most window ({self.window})", why)
 
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
         if t.nonfinite:
@@ -242,6 +264,9 @@ class VanishingGradient(Rule):
     at once: the parameter receives nothing (a dead or detached branch, a saturated unit).
     Frozen parameters are never judged.
 
+    ``threshold`` is a positive number, ``relative`` a positive number or ``math.inf``,
+    ``persist`` a whole number of 1 or more.
+
     Example: ``VanishingGradient(threshold=1e-9)`` uses MindInsight's stricter bound.
     """
 
@@ -262,6 +287,11 @@ class VanishingGradient(Rule):
         self.threshold = threshold
         self.relative = relative
         self.persist = persist
+
+    def check_params(self) -> None:
+        check_number(self, "threshold", above=0)
+        check_number(self, "relative", above=0, infinite=True)
+        check_count(self, "persist")
 
     def check_many(
         self, tensors: Sequence[TensorStats], state: dict[str, Any]

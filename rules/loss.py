@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tensordbg.rules.base import Finding, Rule
+from tensordbg.rules.base import Finding, Rule, check_count, check_number
 from tensordbg.statistics import MEAN, TensorStats
 
 
@@ -43,7 +43,8 @@ class LossNotDecreasing(Rule):
     accumulation), and every ``num_steps`` completed steps the mean of the latest window is
     compared with the mean of the window before. A step is complete when the next one is first
     observed, so the verdict on steps 10-19 comes with step 20's loss. Non-finite losses are left
-    to the NaN rule.
+    to the NaN rule. ``num_steps`` is a whole number of 1 or more, the two percentages are
+    numbers of 0 or more (with no upper bound: a negative loss can fall by more than 100 %).
 
     Example: ``LossNotDecreasing(num_steps=100, match="val_loss")`` watches a validation loss.
     """
@@ -64,6 +65,11 @@ class LossNotDecreasing(Rule):
         self.num_steps = num_steps
         self.diff_percent = diff_percent
         self.increase_threshold_percent = increase_threshold_percent
+
+    def check_params(self) -> None:
+        check_count(self, "num_steps")
+        check_number(self, "diff_percent", least=0)
+        check_number(self, "increase_threshold_percent", least=0)
 
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
         value = t.get(MEAN)

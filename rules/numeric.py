@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
 
-from tensordbg.rules.base import Finding, Rule, among, nonfinite_count
+from tensordbg.rules.base import Finding, Rule, among, check_number, nonfinite_count, refusal
 from tensordbg.statistics import (
     ABS_MEAN,
     FINITE,
@@ -76,6 +75,7 @@ class Overflow(Rule):
     Defaults: Inf as in MindInsight's "tensor overflow" and SageMaker's ExplodingTensor; for
     narrow dtypes, tensordbg also warns before the overflow, at ``near`` = 0.5 of the dtype's
     largest finite value (65504 for float16). float32 and float64 are judged on Inf only.
+    ``near`` is a fraction above 0 and at most 1: at 0 every value would be near.
 
     Example: ``Overflow(near=0.25)`` warns a float16 training at 16376 instead of 32752.
     """
@@ -87,6 +87,9 @@ class Overflow(Rule):
     def __init__(self, *, near: float = 0.5, **selection: Any):
         super().__init__(**selection)
         self.near = near
+
+    def check_params(self) -> None:
+        check_number(self, "near", above=0, most=1, noun="fraction")
 
     def stats_for(self, t: TensorStats) -> tuple[Stat, ...]:
         # The range only where values can come close to the dtype's largest.
@@ -136,7 +139,8 @@ class AllZero(Rule):
     """A tensor that is all zeros (or as close to it as ``threshold``, a fraction of elements).
 
     Defaults: SageMaker's AllZero fires at 100 % zeros, MindInsight's "tensor all zero" at
-    ``zero_percentage_ge`` 100; ``threshold`` = 1.0 is the same.
+    ``zero_percentage_ge`` 100; ``threshold`` = 1.0 is the same. ``threshold`` is a fraction
+    above 0 and at most 1: at 0 every tensor would be all zeros.
 
     Example: ``AllZero(threshold=0.99, kinds={"grad"})`` flags gradients that are 99 % zeros.
     """
@@ -147,6 +151,9 @@ class AllZero(Rule):
     def __init__(self, *, threshold: float = 1.0, **selection: Any):
         super().__init__(**selection)
         self.threshold = threshold
+
+    def check_params(self) -> None:
+        check_number(self, "threshold", above=0, most=1, noun="fraction")
 
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
         frac = t.get(ZERO_FRAC)
@@ -172,6 +179,17 @@ _SIMPLE_BOUNDS = (
     ("abs_mean_gt", ABS_MEAN, "mean |x|", ">"),
 )
 _PERCENT_BOUNDS = (("range_percentage_lt", "<"), ("range_percentage_gt", ">"))
+# Bounds that must not cross, and what would happen if they did: a tensor fires below the
+# first bound of a pair or above the second, so with the first above the second every tensor
+# would; no value lies within [range_lo, range_hi] when range_lo is above range_hi.
+_EVERY = "otherwise every tensor fires"
+_ORDERED = (
+    ("min_lt", "max_gt", _EVERY),
+    ("mean_lt", "mean_gt", _EVERY),
+    ("abs_mean_lt", "abs_mean_gt", _EVERY),
+    ("range_percentage_lt", "range_percentage_gt", _EVERY),
+    ("range_lo", "range_hi", "otherwise no value lies within the range"),
+)
 
 
 class TensorRange(Rule):
@@ -181,6 +199,12 @@ class TensorRange(Rule):
     conditions, whose parameters these are; each set bound is checked on its own and the message
     lists every one that fired. ``range_percentage_lt``/``_gt`` are percentages (0-100) of the
     elements within [``range_lo``, ``range_hi``]; leave one end None for an open range.
+
+    Each bound is a finite number or None; ``abs_mean_lt`` is positive and ``abs_mean_gt`` 0 or
+    more (mean |x| is never below 0), ``range_percentage_lt`` above 0 and at most 100,
+    ``range_percentage_gt`` 0 or more and below 100, ``range_lo`` at most ``range_hi``. A
+    ``_lt`` bound above its ``_gt`` (``min_lt`` above ``max_gt``) is refused: every tensor
+    would fire.
 
     Example: MindInsight's tanh saturation preset is
     ``TensorRange(range_lo=math.tanh(-8.8), range_hi=math.tanh(8.8), range_percentage_lt=0.1)``.
@@ -215,11 +239,42 @@ class TensorRange(Rule):
         self.range_hi = range_hi
         self.range_percentage_lt = range_percentage_lt
         self.range_percentage_gt = range_percentage_gt
-        _require_a_bound(self.params())
 
-    def set_params(self, **values: Any) -> None:
-        _require_a_bound({**self.params(), **values})
-        super().set_params(**values)
+    def check_params(self) -> None:
+        for name in ("min_lt", "max_gt", "mean_lt", "mean_gt", "range_lo", "range_hi"):
+            check_number(self, name, none=True)
+        check_number(self, "abs_mean_lt", above=0, none=True)
+        check_number(self, "abs_mean_gt", least=0, none=True)
+        percent = {"noun": "percentage", "none": True}
+        check_number(self, "range_percentage_lt", above=0, most=100, **percent)
+        check_number(self, "range_percentage_gt", least=0, below=100, **percent)
+        for lower, upper, why in _ORDERED:
+            low, high = getattr(self, lower), getattr(self, upper)
+            if low is not None and high is not None and low > high:
+                raise refusal(self, lower, f"at most {upper} ({high!r})", why)
+        self._require_a_bound()
+
+    def _require_a_bound(self) -> None:
+        """Refuse a TensorRange that could never fire, or whose range has no percentage bound."""
+        simple = [key for key, _, _, _ in _SIMPLE_BOUNDS]
+        percent = [key for key, _ in _PERCENT_BOUNDS]
+        has_percent = any(getattr(self, k) is not None for k in percent)
+        has_range = self.range_lo is not None or self.range_hi is not None
+        if has_percent and not has_range:
+            raise ValueError(
+                "TensorRange: range_percentage_lt/_gt need range_lo and/or range_hi, the range "
+                "whose share of values they bound"
+            )
+        if has_range and not has_percent:
+            raise ValueError(
+                "TensorRange: range_lo/range_hi need range_percentage_lt or range_percentage_gt, "
+                "the share of values within the range that should fire"
+            )
+        if not has_percent and all(getattr(self, k) is None for k in simple):
+            raise ValueError(
+                "TensorRange needs at least one bound, e.g. TensorRange(max_gt=1e4); choose "
+                f"among {', '.join(simple + percent)}"
+            )
 
     def _range(self) -> Stat | None:
         if self.range_percentage_lt is None and self.range_percentage_gt is None:
@@ -270,26 +325,3 @@ class TensorRange(Rule):
 
 def _crosses(value: float, op: str, bound: float) -> bool:
     return value < bound if op == "<" else value > bound
-
-
-def _require_a_bound(params: Mapping[str, Any]) -> None:
-    """Refuse a TensorRange that could never fire, or whose range has no percentage bound."""
-    simple = [key for key, _, _, _ in _SIMPLE_BOUNDS]
-    percent = [key for key, _ in _PERCENT_BOUNDS]
-    has_percent = any(params[k] is not None for k in percent)
-    has_range = params["range_lo"] is not None or params["range_hi"] is not None
-    if has_percent and not has_range:
-        raise ValueError(
-            "TensorRange: range_percentage_lt/_gt need range_lo and/or range_hi, the range "
-            "whose share of values they bound"
-        )
-    if has_range and not has_percent:
-        raise ValueError(
-            "TensorRange: range_lo/range_hi need range_percentage_lt or range_percentage_gt, "
-            "the share of values within the range that should fire"
-        )
-    if not has_percent and all(params[k] is None for k in simple):
-        raise ValueError(
-            "TensorRange needs at least one bound, e.g. TensorRange(max_gt=1e4); choose among "
-            f"{', '.join(simple + percent)}"
-        )

@@ -8,7 +8,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from tensordbg.rules.base import Finding, Rule
+from tensordbg.rules.base import Finding, Rule, check_count, check_number, refusal
 from tensordbg.rules.gradients import negligible, note_scale
 from tensordbg.statistics import (
     L2,
@@ -51,6 +51,9 @@ class WeightNotChanging(Rule):
     is a healthy gradient that does not reach the weight. An embedding whose rows got no
     gradient in a step is judged as a whole: its other rows moved, so it changed.
 
+    ``num_steps`` is a whole number of 1 or more; ``rtol`` and ``atol`` are numbers of 0 or more
+    (below 0 not even a parameter left as it was would count as unchanged).
+
     Example: ``WeightNotChanging(num_steps=10, exclude="*.bias")`` tolerates longer pauses.
     """
 
@@ -64,6 +67,11 @@ class WeightNotChanging(Rule):
         self.num_steps = num_steps
         self.rtol = rtol
         self.atol = atol
+
+    def check_params(self) -> None:
+        check_count(self, "num_steps")
+        check_number(self, "rtol", least=0)
+        check_number(self, "atol", least=0)
 
     def stats_for(self, t: TensorStats) -> tuple[Stat, ...]:
         if t.kind == "grad":
@@ -113,6 +121,10 @@ class WeightUpdateRatio(Rule):
     (MindInsight's "weight change too large/small" uses the same ratio). A healthy ratio is
     often around 1e-3.
 
+    ``large_threshold`` is a positive number, ``small_threshold`` 0 or more (0 turns the small
+    side off) and below ``large_threshold``, or every step would fire; ``epsilon`` is positive,
+    so that an all-zero parameter divides by it rather than by zero.
+
     Example: ``WeightUpdateRatio(large_threshold=1.0)`` uses MindInsight's recommended bound.
     """
 
@@ -131,6 +143,14 @@ class WeightUpdateRatio(Rule):
         self.large_threshold = large_threshold
         self.small_threshold = small_threshold
         self.epsilon = epsilon
+
+    def check_params(self) -> None:
+        check_number(self, "large_threshold", above=0)
+        check_number(self, "small_threshold", least=0)
+        if self.small_threshold >= self.large_threshold:
+            must = f"below large_threshold ({self.large_threshold!r})"
+            raise refusal(self, "small_threshold", must, "otherwise every step fires")
+        check_number(self, "epsilon", above=0)
 
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
         update, before = t.get(UPDATE_ABS_MEAN), t.get(PREV_ABS_MEAN)
@@ -190,6 +210,9 @@ class PoorInitialization(Rule):
       3-channel stem: raise ``variance_ratio`` for those;
     - MindInsight's optional bounds ``max_gt`` and ``min_lt`` on the initial values.
 
+    ``variance_ratio`` is a number above 1 (the spread is never below 1); ``max_gt`` and
+    ``min_lt`` are finite numbers or None, ``min_lt`` at most ``max_gt``, or every weight fires.
+
     Example: ``PoorInitialization(variance_ratio=100.0, max_gt=1.0)``.
     """
 
@@ -208,6 +231,14 @@ class PoorInitialization(Rule):
         self.variance_ratio = variance_ratio
         self.max_gt = max_gt
         self.min_lt = min_lt
+
+    def check_params(self) -> None:
+        check_number(self, "variance_ratio", above=1)
+        check_number(self, "max_gt", none=True)
+        check_number(self, "min_lt", none=True)
+        if self.max_gt is not None and self.min_lt is not None and self.min_lt > self.max_gt:
+            must = f"at most max_gt ({self.max_gt!r})"
+            raise refusal(self, "min_lt", must, "otherwise every weight fires")
 
     def check_phase(
         self, tensors: Sequence[TensorStats], state: dict[str, Any]

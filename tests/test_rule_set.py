@@ -11,6 +11,8 @@ from models import mlp
 from tensordbg.engine.judge import RuleSet
 from tensordbg.engine.records import Record
 from tensordbg.rules import ExplodingGradient, NaN, Overflow, Rule, default_rules
+from tensordbg.sources.contract import SourceError
+from tensordbg.sources.live import LiveSource
 from tensordbg.statistics import stats_from_numpy
 
 
@@ -53,3 +55,15 @@ def test_a_rule_that_raises_offline_is_disabled_with_a_warning_and_the_others_ju
         found = judge_offline(rules, np.array([np.nan]), "fc.output", "output")
     assert found == {"NaN": 1.0}
     assert not rules.active[0].enabled and said and "Broken" in said[0]
+
+
+def test_an_edit_the_rule_refuses_is_said_and_the_session_keeps_the_rule_as_it_was(watch):
+    # What the Rules tab's edit dialog sends: every threshold, max_norm typed as -5.
+    source = LiveSource(watch(mlp(), on_hit="record"))
+    rule = next(r for r in source.rules()["rules"] if r["name"] == "ExplodingGradient")
+    edit = {**rule["params"], "max_norm": -5.0}
+    with pytest.raises(SourceError) as refused:
+        source.set_rule(rule["id"], params=edit)
+    assert str(refused.value) == "ExplodingGradient: max_norm must be a positive number, not -5.0"
+    after = next(r for r in source.rules()["rules"] if r["id"] == rule["id"])
+    assert after["params"] == rule["params"] and after["params"]["max_norm"] == 1e6

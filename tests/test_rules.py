@@ -26,6 +26,7 @@ from tensordbg.rules import (
     NaN,
     Overflow,
     PoorInitialization,
+    RankDivergence,
     Rule,
     SaturatedActivation,
     TensorRange,
@@ -606,6 +607,113 @@ def test_thresholds_keep_their_type_and_unknown_names_are_refused():
     act = DeadActivation()
     act.set_params(module_types=["ReLU"])
     assert act.module_types == ("ReLU",)
+
+
+# --- thresholds a rule cannot judge with ----------------------------------------------------------
+
+# One value of each kind a rule refuses, and what it says. Floats where the rule's default is a
+# float: the edit dialog sends -5 for a float threshold as -5.0, so both ways say the same.
+REFUSED = [
+    (ExplodingGradient, {"max_norm": -5.0}, "max_norm must be a positive number, not -5.0"),
+    (ExplodingGradient, {"max_norm": math.inf}, "max_norm must be a finite positive number, "
+                                                "not inf"),
+    (ExplodingGradient, {"growth": 1.0}, "growth must be a number above 1, not 1.0"),
+    (ExplodingGradient, {"window": 0}, "window must be a whole number of 1 or more, not 0"),
+    (ExplodingGradient, {"window": 2.5}, "window must be a whole number of 1 or more, not 2.5"),
+    (ExplodingGradient, {"persist": True}, "persist must be a whole number of 1 or more, not True"),
+    (ExplodingGradient, {"warmup": 60}, "warmup must be at most window (50), not 60; the rule "
+                                         "keeps the last window norms of a gradient"),
+    (VanishingGradient, {"threshold": 0.0}, "threshold must be a positive number, not 0.0"),
+    (VanishingGradient, {"relative": math.nan}, "relative must be a positive number, or inf, "
+                                                "not nan"),
+    (VanishingGradient, {"persist": 0}, "persist must be a whole number of 1 or more, not 0"),
+    (WeightNotChanging, {"num_steps": -1}, "num_steps must be a whole number of 1 or more, not -1"),
+    (WeightNotChanging, {"atol": -1e-8}, "atol must be a number of 0 or more, not -1e-08"),
+    (WeightUpdateRatio, {"large_threshold": True}, "large_threshold must be a positive number, "
+                                                   "not True"),
+    (WeightUpdateRatio, {"small_threshold": 20.0}, "small_threshold must be below large_threshold "
+                                                   "(10.0), not 20.0; otherwise every step fires"),
+    (WeightUpdateRatio, {"epsilon": 0.0}, "epsilon must be a positive number, not 0.0"),
+    (Overflow, {"near": 2.0}, "near must be a fraction above 0 and at most 1, not 2.0"),
+    (AllZero, {"threshold": 0.0}, "threshold must be a fraction above 0 and at most 1, not 0.0"),
+    (DeadActivation, {"layer_threshold": 50.0}, "layer_threshold must be a fraction of 0 or more "
+                                                "and below 1, not 50.0"),
+    (DeadActivation, {"inactivity_threshold": -0.1}, "inactivity_threshold must be a fraction "
+                                                     "above 0 and at most 1, not -0.1"),
+    (DeadActivation, {"module_types": (1, 2)}, "module_types must be names of module types, e.g. "
+                                               "('ReLU', 'GELU'), not (1, 2)"),
+    (SaturatedActivation, {"module_types": ()}, "module_types must be 'Tanh', 'Sigmoid' or both, "
+                                                "not ()"),
+    (SaturatedActivation, {"layer_threshold": 1.0}, "layer_threshold must be a fraction of 0 or "
+                                                    "more and below 1, not 1.0"),
+    (LossNotDecreasing, {"num_steps": 0}, "num_steps must be a whole number of 1 or more, not 0"),
+    (LossNotDecreasing, {"diff_percent": -1.0}, "diff_percent must be a number of 0 or more, "
+                                                "not -1.0"),
+    (PoorInitialization, {"variance_ratio": 0.5}, "variance_ratio must be a number above 1, "
+                                                  "not 0.5"),
+    (PoorInitialization, {"max_gt": "1"}, "max_gt must be a number, or None, not '1'"),
+    (PoorInitialization, {"max_gt": 0.1, "min_lt": 0.5}, "min_lt must be at most max_gt (0.1), "
+                                                         "not 0.5; otherwise every weight fires"),
+    (RankDivergence, {"every": 0}, "every must be a whole number of 1 or more, not 0"),
+    (RankDivergence, {"rtol": -1e-5}, "rtol must be a number of 0 or more, not -1e-05"),
+    (TensorRange, {"max_gt": math.nan}, "max_gt must be a number, or None, not nan"),
+    (TensorRange, {"abs_mean_lt": 0.0}, "abs_mean_lt must be a positive number, or None, not 0.0"),
+    (TensorRange, {"range_lo": 0.0, "range_percentage_lt": 150.0},
+     "range_percentage_lt must be a percentage above 0 and at most 100, or None, not 150.0"),
+    (TensorRange, {"mean_lt": 1.0, "mean_gt": 0.0}, "mean_lt must be at most mean_gt (0.0), not "
+                                                    "1.0; otherwise every tensor fires"),
+    (TensorRange, {"range_lo": 1.0, "range_hi": 0.0, "range_percentage_lt": 5.0},
+     "range_lo must be at most range_hi (0.0), not 1.0; otherwise no value lies within the range"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("cls", "values", "said"), REFUSED, ids=[
+    f"{c.__name__}({', '.join(f'{k}={v!r}' for k, v in values.items())})"
+    for c, values, _ in REFUSED])  # fmt: skip
+def test_a_threshold_the_rule_cannot_judge_with_is_refused_when_made_and_when_edited(
+    cls, values, said
+):
+    said = f"{cls.__name__}: {said}"
+    with pytest.raises(ValueError) as made:
+        cls(**values)
+    assert str(made.value) == said
+    rule = make(cls)
+    before = rule.params()
+    with pytest.raises(ValueError) as edited:
+        rule.set_params(**values)  # what the UI's edit dialog does
+    assert str(edited.value) == said
+    assert rule.params() == before
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+def test_every_rule_passes_its_own_checks_and_takes_its_thresholds_back(name):
+    rule = make(builtin_rules()[name])
+    rule.check_params()
+    before = rule.params()
+    rule.set_params(**before)  # the edit dialog sends every threshold, changed or not
+    assert rule.params() == before
+
+
+def test_the_edges_of_what_a_threshold_takes_are_taken():
+    assert VanishingGradient(relative=math.inf).relative == math.inf  # threshold alone, documented
+    assert DeadActivation(module_types="GELU").module_types == ("GELU",)  # not four letters
+    assert WeightUpdateRatio(small_threshold=0.0).small_threshold == 0.0  # the small side off
+    assert TensorRange(range_lo=0.5, range_hi=0.5, range_percentage_gt=0.0).range_lo == 0.5
+    rule = PoorInitialization(max_gt=1.0)
+    rule.set_params(max_gt=None)  # an optional bound cleared in the edit dialog
+    assert rule.max_gt is None
+    rule = ExplodingGradient()
+    rule.set_params(window="30", warmup=30)
+    assert (rule.window, rule.warmup) == (30, 30)
+
+
+def test_a_threshold_refused_on_the_command_line_is_one_sentence_and_exit_status_2(cli):
+    code, out, err = cli("run", "--rule", "ExplodingGradient(max_norm=-5)", "train.py")
+    assert code == 2 and out == ""
+    assert err == (
+        "tensordbg: --rule 'ExplodingGradient(max_norm=-5)': ExplodingGradient: max_norm must "
+        "be a positive number, not -5\n"
+    )
 
 
 @pytest.mark.parametrize("name", BUILTIN)
