@@ -64,7 +64,8 @@ EXAMPLES = {
           tensordbg check runs/dbg --rule "TensorRange(match='*.attn.*', max_gt=1e4)"
 
         Exit status: 0 clean, 1 a rule hits (or, with --strict, could not judge a tensor),
-        2 the dump cannot be read.
+        2 the dump, or a step or values file of it, cannot be read, or a rule had nothing in
+        the dump it could judge (and no rule hit).
         """,
     "diff": """
         examples:

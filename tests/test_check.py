@@ -8,16 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from dumps import STATS, write_dump
+from dumps import STATS, step_tensors, write_dump
 from torch import nn
 
 import tensordbg
 from tensordbg.cli import main
 from tensordbg.dump import load
+from tensordbg.dump.writer import DumpWriter
 from tensordbg.offline.check import check_dump
 from tensordbg.offline.values import parse_stat
 from tensordbg.rules import NaN, TensorRange, VanishingGradient
-from tensordbg.statistics import MAX, MIN, in_range_frac
+from tensordbg.statistics import MAX, MIN, compute_numpy, in_range_frac
 
 
 def test_a_planted_nan_is_found_where_it_was_made_and_where_it_went(tmp_path: Path) -> None:
@@ -160,7 +161,9 @@ def test_the_command_exits_0_clean_1_on_a_hit_2_when_unreadable(
     assert main(["check", hit, "--rules", "Overflow"]) == 0
     capsys.readouterr()
     bare = str(write_dump(tmp_path / "bare", stats=(MIN, MAX), values=False, nan_at=None))
-    assert main(["check", bare, "--rules", "VanishingGradient"]) == 0
+    # VanishingGradient could judge none of its gradients: not a clean run (2), or with
+    # --strict, which fails on any tensor a rule could not judge, 1.
+    assert main(["check", bare, "--rules", "VanishingGradient"]) == 2
     assert main(["check", bare, "--rules", "VanishingGradient", "--strict"]) == 1
 
 
@@ -210,7 +213,7 @@ def test_the_json_report_follows_its_schema(
     assert main(["check", dump, "--json", "--rule", "TensorRange(max_gt=1e9)"]) == 1
     report = json.loads(capsys.readouterr().out)
     keys = "schema dump run_id rules ranks steps tensors complete clean findings unjudged"
-    assert set(report) == {*keys.split(), "reason_incomplete", "broken", "notes"}
+    assert set(report) == {*keys.split(), "reason_incomplete", "nothing_judged", "broken", "notes"}
     assert report["schema"] == 1 and report["clean"] is False and report["run_id"] == "replay01"
     assert report["rules"][-1].startswith("TensorRange(")
     first = report["findings"][0]
@@ -266,7 +269,8 @@ def test_a_broken_step_is_reported_and_the_others_are_checked(
     assert main(["check", str(dump)]) == 2  # not clean: a CI job must not pass what was unread
     out = capsys.readouterr().out
     assert f"step 3 of rank 0 was not checked: {index} line {cut + 1}" in out
-    assert "clean where it could be read, with unreadable steps" in out
+    assert out.splitlines()[-1].endswith("; not all of the dump could be read (see above)")
+    assert "clean" not in out.splitlines()[-1]
 
 
 def test_a_step_whose_values_file_is_cut_is_checked_on_the_statistics_of_its_index(
@@ -285,6 +289,114 @@ def test_a_step_whose_values_file_is_cut_is_checked_on_the_statistics_of_its_ind
     out = capsys.readouterr().out
     assert (f"step 3 of rank 0 was checked on the statistics of its index only: {step_file} "
             "is truncated") in out  # fmt: skip
+
+
+def test_a_values_file_altered_after_writing_is_broken_and_the_dump_is_not_clean(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One byte of a value flipped, its statistics whole: check read only the index, which
+    the rules judge, and called the dump clean (exit 0). Every values file is read against its
+    checksums: the step is judged on its index's statistics, named broken, and the verdict is
+    not "clean"."""
+    dump = write_dump(tmp_path / "run", nan_at=None)
+    step_file = _flip_a_value_byte(dump, step=4)
+    report = check_dump(load(dump))
+    assert report.steps == 6 and report.findings == [] and report.exit_code == 2
+    reason = f"{step_file} fails its checksum at net.2.weight: its bytes changed after writing"
+    assert report.broken == [{"step": 4, "rank": 0, "reason": reason, "statistics_checked": True}]
+    assert main(["check", str(dump)]) == 2
+    out = capsys.readouterr().out
+    assert f"step 4 of rank 0 was checked on the statistics of its index only: {reason}\n" in out
+    assert out.splitlines()[-1] == (
+        f"no finding by NaN, Overflow and ExplodingGradient over 54 tensors of 6 steps in {dump}; "
+        "not all of the dump could be read (see above)"
+    )
+    assert main(["check", str(dump), "--json"]) == 2
+    report_json = json.loads(capsys.readouterr().out)
+    assert report_json["clean"] is False and report_json["broken"][0]["reason"] == reason
+    # A NaN elsewhere is still found, and the broken step still said.
+    flipped = write_dump(tmp_path / "nan", nan_at=2)
+    _flip_a_value_byte(flipped, step=4)
+    assert main(["check", str(flipped)]) == 1
+    assert "step 4 of rank 0 was checked on the statistics" in capsys.readouterr().out
+
+
+def _flip_a_value_byte(dump: Path, step: int) -> Path:
+    """One bit pattern of a dumped value changed (net.2.weight, the step's last value), its
+    statistics in the index left whole; the step's values file."""
+    step_file = dump / "rank-0" / f"step-{step:08d}.safetensors"
+    data = bytearray(step_file.read_bytes())
+    data[-3] ^= 0xFF
+    step_file.write_bytes(bytes(data))
+    return step_file
+
+
+def _dump_without_loss(path: Path, nan_at: int | None = None) -> Path:
+    """write_dump's network, statistics only, without the loss: a run that never observed it."""
+    writer = DumpWriter(path, {"run_id": "noloss", "rules": [{"name": "NaN"}]})
+    for step in range(6):
+        entries = []
+        for entry, value in step_tensors(step, nan_at):
+            if entry["name"] != "loss":
+                stats = {str(s): v for s, v in compute_numpy(value, STATS).items()}
+                entries.append({**entry, "shape": list(value.shape), "dtype": str(value.dtype),
+                                "stats": stats})  # fmt: skip
+        writer.write_step(step, 0, entries, {}, [])
+    writer.close()
+    return path
+
+
+def test_a_rule_with_nothing_to_judge_is_said_in_the_verdict_and_is_not_clean(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """LossNotDecreasing on a dump that holds no loss judged nothing, and the verdict called it
+    clean (exit 0). The last line says which rule had nothing to judge and how to give it
+    something; the exit status is 2, as for a dump that could not all be read."""
+    dump = str(_dump_without_loss(tmp_path / "run"))
+    assert main(["check", dump, "--rules", "NaN,LossNotDecreasing"]) == 2
+    nothing = (
+        "nothing to judge for LossNotDecreasing: the dump holds no tensor it watches (a loss: "
+        "observe it with session.observe('loss', loss))"
+    )
+    out = capsys.readouterr().out
+    assert (
+        out.splitlines()[-1] == f"no finding by NaN over 48 tensors of 6 steps in {dump}; {nothing}"
+    )
+    assert main(["check", dump, "--rules", "NaN,LossNotDecreasing", "--json"]) == 2
+    report = json.loads(capsys.readouterr().out)
+    assert report["clean"] is False
+    assert report["nothing_judged"] == [{"rule": "LossNotDecreasing", "watched": 0,
+                                         "reason": nothing}]  # fmt: skip
+    # With a finding, the rule is not said to have "found nothing": it judged nothing.
+    hit = str(_dump_without_loss(tmp_path / "hit", nan_at=3))
+    assert main(["check", hit, "--rules", "NaN,LossNotDecreasing"]) == 1
+    verdict = capsys.readouterr().out.splitlines()[-1]
+    assert verdict == f"1 finding over 48 tensors of 6 steps in {hit}, by NaN (1); {nothing}"
+    # A rule that watches tensors but could judge none of them: the same.
+    updates = str(write_dump(tmp_path / "updates", nan_at=None, updates_at=range(6)))
+    assert main(["check", updates, "--rules", "WeightUpdateRatio"]) == 2
+    out = capsys.readouterr().out
+    assert "WeightUpdateRatio could not judge 12 tensors: it asks how the optimizer step" in out
+    assert out.splitlines()[-1] == (
+        f"no rule could judge anything in 66 tensors of 6 steps in {updates}; WeightUpdateRatio "
+        "could not judge any of the 12 tensors it watches (see above)"
+    )
+    assert main(["check", updates, "--rules", "WeightUpdateRatio", "--strict"]) == 1
+    capsys.readouterr()
+
+
+def test_a_rule_that_could_judge_some_tensors_only_keeps_the_verdict_from_saying_clean() -> None:
+    """Some tensors a rule watches unjudged, the others judged: exit 0 (``--strict`` fails it),
+    and the verdict says which rule could not judge how many."""
+    from tensordbg.offline.check import CheckReport, Unjudged
+
+    report = CheckReport("runs/x", "run1", ["NaN()", "VanishingGradient()"], [0], 6, 60)
+    report.unjudged.append(Unjudged("VanishingGradient", ["l2"], 3, "fc.weight.grad", 2))
+    assert report.exit_code == 0 and not report.clean and report.as_json()["clean"] is False
+    assert report.table().splitlines()[-1] == (
+        "no finding by NaN and VanishingGradient over 60 tensors of 6 steps in runs/x; "
+        "VanishingGradient could not judge 3 tensors (see above)"
+    )
 
 
 def test_an_incomplete_dump_says_the_reason_its_run_recorded(

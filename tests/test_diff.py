@@ -162,6 +162,27 @@ def test_a_step_one_dump_cannot_read_is_said_once(
     assert out.startswith("The runs agree on what could be read (45 tensors of 5 steps)")
 
 
+def test_a_values_file_whose_values_cannot_be_read_is_listed_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A byte of B's step 4 flipped in its first value: that value fails its checksum, and
+    each value of the step read after it fails with the same sentence. The step is listed once
+    as unreadable in B, in the text and in the JSON, not once per value."""
+    a, b = write_dump(tmp_path / "a"), write_dump(tmp_path / "b")
+    step_file = b / "rank-0" / "step-00000004.safetensors"
+    data = bytearray(step_file.read_bytes())
+    data[8 + int.from_bytes(data[:8], "little")] ^= 0xFF  # the first byte after the header
+    step_file.write_bytes(bytes(data))
+    reason = f"{step_file} fails its checksum at input[0]: its bytes changed after writing"
+    assert main(["diff", str(a), str(b)]) == 2
+    out = capsys.readouterr().out
+    assert out.count("Not compared, unreadable in B: ") == 1
+    assert f"Not compared, unreadable in B: {reason}" in out
+    assert main(["diff", str(a), str(b), "--json"]) == 2
+    report = json.loads(capsys.readouterr().out)
+    assert report["broken"] == [{"step": 4, "side": "B", "reason": reason}]
+
+
 def test_the_parting_step_says_what_later_differences_count_and_which_steps_were_unseen(
     tmp_path: Path,
 ) -> None:

@@ -268,6 +268,23 @@ def test_flipped_bytes_fail_the_checksum(tmp_path):
     assert load(tmp_path).tensor("scalar").value(1) == 2.5
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts descriptors in /proc")
+def test_verify_keeps_no_file_open_and_reads_the_ranks_asked(tmp_path):
+    """A mapped file holds a descriptor: verify() of a dump of thousands of steps kept one per
+    step and ran out of them. It closes what it mapped only to check."""
+    _write(tmp_path, steps=range(20))
+    path = tmp_path / "rank-0" / "step-00000007.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    dump = load(tmp_path)
+    assert dump.verify(ranks=[1]) == {}  # rank 0 not asked: not read
+    open_before = len(os.listdir("/proc/self/fd"))
+    assert list(dump.verify()) == [(7, 0)]
+    assert len(os.listdir("/proc/self/fd")) == open_before
+    assert dump.tensor("fc.output").value(3).shape == (3, 5)  # still readable after it
+
+
 def test_flipped_bytes_in_the_header_fail_at_first_read(tmp_path):
     _write(tmp_path)
     path = tmp_path / "rank-0" / "step-00000000.safetensors"

@@ -18,6 +18,7 @@ import json
 import mmap
 import os
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -251,28 +252,42 @@ class Dump:
         step was written before it ended, as a step that stopped on a hit)."""
         return dict(self._step_record(step, rank).raw.get("numbers") or {})
 
-    def verify(self) -> dict[tuple[int, int], str]:
-        """Read every file whole and check its checksums (its header's and each tensor's);
-        what fails joins :attr:`broken`, which is returned."""
+    def verify(self, ranks: Iterable[int] | None = None) -> dict[tuple[int, int], str]:
+        """Read every file (of ``ranks``, all by default) whole and check its checksums (its
+        header's and each tensor's); what fails joins :attr:`broken`, which is returned."""
+        ranks = set(self.ranks if ranks is None else ranks)
         for key, record in sorted(self._steps.items()):
-            if key in self.broken or record.file is None:
+            if key in self.broken or record.file is None or key[1] not in ranks:
                 continue
+            # A file mapped only to be checked is closed after it: a mapping holds a descriptor,
+            # and a dump of thousands of steps would run out of them.
+            kept = self._maps.get(key)
             try:
-                buffer, data_start = self._map(record)
+                buffer, data_start = kept or self._open(record)
             except DumpError:
                 continue
+            try:
+                self._verify_file(record, buffer, data_start)
+            finally:
+                if kept is None and isinstance(buffer, mmap.mmap):
+                    buffer.close()
+        return dict(self.broken)
+
+    def _verify_file(self, record: _Step, buffer: Any, data_start: int) -> None:
+        with memoryview(buffer) as whole:
             for raw in record.raw.get("entries", ()):
                 if "key" not in raw:
                     continue
                 start, end = raw["offsets"]
-                view = memoryview(buffer)[data_start + start : data_start + end]
-                if zlib.crc32(view) != raw.get("crc"):
-                    self.broken[key] = (
+                with whole[data_start + start : data_start + end] as view:
+                    crc = zlib.crc32(view)
+                if crc != raw.get("crc"):
+                    self.broken[(record.step, record.rank)] = (
                         f"{self._file(record)} fails its checksum at {raw['name']}: its bytes "
                         "changed after writing"
                     )
-                    break
-        return dict(self.broken)
+                    return
+                self._checked.add((record.step, record.rank, raw["name"]))
 
     # --- inside --------------------------------------------------------------------------------
 
@@ -407,8 +422,14 @@ class Dump:
     def _map(self, record: _Step) -> tuple[mmap.mmap, int]:
         key = (record.step, record.rank)
         cached = self._maps.get(key)
-        if cached is not None:
-            return cached
+        if cached is None:
+            cached = self._maps[key] = self._open(record)
+        return cached
+
+    def _open(self, record: _Step) -> tuple[mmap.mmap, int]:
+        """The step's file memory-mapped, and where its data starts; DumpError (and the step
+        broken) when it cannot be read or its header is not the one written."""
+        key = (record.step, record.rank)
         path = self._file(record)
         try:
             with open(path, "rb") as f:
@@ -424,7 +445,6 @@ class Dump:
             message = f"{path} fails its checksum in its header: it is not the file written"
             self.broken[key] = message
             raise DumpError(message)
-        self._maps[key] = (buffer, data_start)  # type: ignore[assignment]
         return buffer, data_start  # type: ignore[return-value]
 
 

@@ -5,7 +5,10 @@ set (:class:`tensordbg.engine.judge.RuleSet`): steps in order, tensors in execut
 a step, phase-wide rules at the end of each phase, each rule with its memory across steps. A
 statistic a rule needs that the dump does not hold is computed from the tensor's dumped value
 when there is one; when there is none, that rule cannot judge that tensor, and the report says
-so (``unjudged``) instead of counting it as passed.
+so (``unjudged``) instead of counting it as passed; a rule that judged nothing at all (the dump
+holds nothing it watches) is said too (``nothing_judged``), and the dump is not called clean.
+Every values file is read against its checksums first (:meth:`Dump.verify`): a step whose file
+was altered is judged on the statistics of its index, and listed as broken.
 
 >>> report = check_dump(tensordbg.load("runs/dbg"), rules=[NaN(), Overflow()])
 >>> report.findings[0].tensor, report.exit_code
@@ -14,226 +17,59 @@ so (``unjudged``) instead of counting it as passed.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from tensordbg.engine.judge import RuleSet
 from tensordbg.engine.records import Record
-from tensordbg.hit import said_of
+from tensordbg.offline.check_report import CheckReport, Finding, NothingJudged, Unjudged
 from tensordbg.offline.recorded_rules import recorded_rules
-from tensordbg.offline.sentences import listed, plural
+from tensordbg.offline.sentences import plural
 from tensordbg.offline.values import DumpedValue, stats_of
 from tensordbg.rules import Rule
-from tensordbg.statistics import FINITE, Stat, TensorStats
+from tensordbg.statistics import FINITE, KINDS, Stat, TensorStats
 
-SCHEMA_VERSION = 1
+__all__ = ["CheckReport", "Finding", "NothingJudged", "Unjudged", "check_dump"]
+
 HISTORY_RULES = {
     "ExplodingGradient": "ExplodingGradient's growth",
     "WeightNotChanging": "WeightNotChanging",
     "LossNotDecreasing": "LossNotDecreasing",
 }
+# What a tensor of each kind is, as "the dump holds no tensor it watches (...)" says.
+WATCHED = {
+    "input": "a module's input",
+    "output": "a module's output",
+    "grad_output": "the gradient of a module's output",
+    "grad_input": "the gradient of a module's input",
+    "param": "a parameter",
+    "grad": "a parameter's gradient",
+    "update": "a parameter's update (batched checks record one every step, deferred ones on the "
+    "step after a hit)",
+    "observed": "a value the training observes: observe it with session.observe(name, value)",
+}
+LOSS = "a loss: observe it with session.observe('loss', loss)"
 
 
 @dataclass(slots=True)
-class Finding:
-    """One rule that fired on one dumped tensor."""
+class _Tally:
+    """Per rule, across ranks: the tensors it watches and those it judged (by rule id: each
+    rank's rule set numbers the rules in their order), and those it could not judge (by rule
+    name and the statistics they lack)."""
 
-    step: int
-    rank: int
-    phase: str
-    order: int
-    tensor: str
-    module: str
-    kind: str
-    rule: str
-    value: float
-    threshold: float | None
-    message: str
-    """One sentence for a person: what, where, how much."""
-    origin: bool = False
-    """Whether the run named this tensor where the problem arose (a hit at its origin), not
-    a place it only reached."""
-    advice: str = ""
-    """What the rule's finding usually means and what to do, as the rule gives it: the table
-    gives each advice once, the JSON with each finding (its ``message`` ends with it)."""
-    named: str = ""
-    named_module: str = ""
-    named_kind: str = ""
-    """The tensor, module and kind the run's hit named, where it named the call whose own code
-    made the value (``output``, the model's own forward; a consumer's ``grad_input``) rather
-    than the one that returned it, under whose name ``tensor`` is dumped (``out.output``); ""
-    when the hit named ``tensor``."""
+    watched: Counter[int] = field(default_factory=Counter)
+    judged: Counter[int] = field(default_factory=Counter)
+    unjudged: dict[tuple[str, tuple[str, ...]], Unjudged] = field(default_factory=dict)
 
-    @property
-    def advised(self) -> str:  # the message followed by the advice
-        return f"{self.message} {self.advice}" if self.advice else self.message
-
-    @property
-    def shown(self) -> str:
-        """The tensor as the run named it, with the name it is dumped under when they differ."""
-        return f"{self.named} (dumped as {self.tensor})" if self.named else self.tensor
-
-    @property
-    def said(self) -> str:
-        """The message said of the tensor the run named."""
-        return said_of(self.message, self.tensor, self.named) if self.named else self.message
-
-
-@dataclass(slots=True)
-class Unjudged:
-    """A rule that could not judge some tensors: the dump holds neither the statistics it needs
-    nor the values to compute them from."""
-
-    rule: str
-    missing: list[str]
-    tensors: int
-    first_tensor: str
-    first_step: int
-
-
-@dataclass(slots=True)
-class CheckReport:
-    """What ``tensordbg check`` found; :meth:`as_json` is its documented JSON schema."""
-
-    path: str
-    run_id: str
-    rules: list[str]
-    ranks: list[int]
-    steps: int
-    tensors: int
-    findings: list[Finding] = field(default_factory=list)
-    unjudged: list[Unjudged] = field(default_factory=list)
-    broken: list[dict[str, Any]] = field(default_factory=list)
-    complete: bool = True
-    reason_incomplete: str = ""
-    notes: list[str] = field(default_factory=list)  # rules of the run that were not checked
-
-    @property
-    def exit_code(self) -> int:
-        """0 when no rule fired, 1 when one did, 2 when none did on the steps that could be
-        read but some could not."""
-        if self.findings:
-            return 1
-        return 2 if self.broken else 0
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "schema": SCHEMA_VERSION,
-            "dump": self.path,
-            "run_id": self.run_id,
-            "rules": self.rules,
-            "ranks": self.ranks,
-            "steps": self.steps,
-            "tensors": self.tensors,
-            "complete": self.complete,
-            "reason_incomplete": None if self.complete else self.reason_incomplete,
-            "clean": not self.findings,
-            "findings": [_finding_json(f) for f in self.findings],
-            "unjudged": [asdict(u) for u in self.unjudged],
-            "broken": self.broken,
-            "notes": self.notes,
-        }
-
-    def table(self, limit: int = 50) -> str:
-        """The report for a person: the findings in execution order (the first is where a
-        problem surfaced; with several ranks, by step, a step's origins first), the advice they
-        carry (each once), what could not be judged, and the broken steps."""
-        lines = []
-        # By step (rank 1's origin stays in view), a step's origins first (a weight's included).
-        rows = sorted(self._rows(), key=lambda row: (row[1].step, not row[1].origin))
-        width = max([18, *(len(rules) for rules, _ in rows[:limit])])
-        for rules, f in rows[:limit]:
-            rank = f" rank {f.rank}" if len(self.ranks) > 1 else ""
-            origin = "  <- origin" if f.origin else ""
-            lines.append(f"step {f.step}{rank} {f.phase:<9} {rules:<{width}} {f.shown}{origin}")
-            lines.append(f"    {f.said}")
-        if len(rows) > limit:
-            lines.append(f"... and {len(rows) - limit} more rows (--json lists every finding)")
-        lines.extend(self._advice())
-        for u in self.unjudged:
-            tensors = plural(u.tensors, "tensor")
-            first = f"(first: {u.first_tensor} at step {u.first_step})"
-            if all(m.startswith(("update_", "prev_")) for m in u.missing):
-                # Measured against the parameter before the step, which a dump never holds.
-                lines.append(
-                    f"{u.rule} could not judge {tensors}: it asks how the optimizer step changed "
-                    f"them ({', '.join(u.missing)}), which is measured against the parameter "
-                    f"before the step, and the dump holds no such measure for them {first}"
-                )
-            else:
-                lines.append(
-                    f"{u.rule} could not judge {tensors}: the dump holds no "
-                    f"{', '.join(u.missing)} for them nor their values {first}"
-                )
-        for b in self.broken:
-            if b["step"] < 0:  # the index itself, or its module tree
-                lines.append(f"rank {b['rank']} could not be read whole: {b['reason']}")
-            elif b.get("statistics_checked"):
-                lines.append(f"step {b['step']} of rank {b['rank']} was checked on the statistics "
-                             f"of its index only: {b['reason']}")  # fmt: skip
-            else:
-                lines.append(f"step {b['step']} of rank {b['rank']} was not checked: {b['reason']}")
-        lines.extend(self.notes)
-        if not self.complete:
-            reason = self.reason_incomplete or "the run stopped before it was closed"
-            lines.append(f"the dump is incomplete: {reason}")
-        lines.append(self._verdict(len(rows)))
-        origins = [f for f in self.findings if f.origin]
-        if origins:
-            first = min(origins, key=lambda f: (f.step, f.rank, f.order))
-            rank = f" of rank {first.rank}" if len(self.ranks) > 1 else ""
-            spread = len(self.findings) - len(origins)
-            lines.append(f"it arose at {first.shown}, step {first.step}{rank} ({first.rule}); "
-                         f"{spread} finding{'s are' if spread != 1 else ' is'} where it "
-                         "spread")  # fmt: skip
-        return "\n".join(lines)
-
-    def _verdict(self, rows: int) -> str:
-        """One line: what was found and by which rules, which rules found nothing, over what."""
-        if not self.steps and self.broken:
-            return f"nothing could be read: no step of {self.path} was checked (see above)"
-        if not self.steps:
-            return f"nothing to check: {self.path} holds no dumped step"
-        over = f"{plural(self.tensors, 'tensor')} of {plural(self.steps, 'step')} in {self.path}"
-        names = list(dict.fromkeys(r.split("(")[0] for r in self.rules))
-        n = len(self.findings)
-        if not n:
-            clean = "clean where it could be read, with unreadable steps" if self.broken else ""
-            return f"{clean or 'clean'}: {', '.join(names) or 'no rules'} over {over}"
-        by = Counter(f.rule for f in self.findings)
-        verdict = plural(n, "finding")
-        if n > rows:
-            verdict += f" ({n - rows} of them a second rule saying what another said)"
-        verdict += f" over {over}, by {listed([f'{r} ({c})' for r, c in by.items()])}"
-        quiet = [name for name in names if name not in by]
-        return verdict + (f"; {listed(quiet)} found nothing" if quiet else "")
-
-    def _rows(self) -> list[tuple[str, Finding]]:
-        """The findings as the table shows them: one row per tensor and fact, naming every rule
-        that found it. A NaN gradient fires NaN and ExplodingGradient with the same sentence;
-        two rules that say different things of a tensor keep a row each."""
-        rows: dict[tuple[int, int, str, str, str], tuple[list[str], Finding]] = {}
-        for f in self.findings:
-            rules, _ = rows.setdefault((f.step, f.rank, f.phase, f.tensor, f.message), ([], f))
-            rules.append(f.rule)
-        return [(", ".join(rules), f) for rules, f in rows.values()]
-
-    def _advice(self) -> list[str]:
-        """Each advice once, after the findings: a NaN that spread to 30 tensors is 30 findings
-        with the same advice, which live is given only where the NaN arose."""
-        found: dict[str, list[Finding]] = {}
-        for f in self.findings:
-            if f.advice:
-                found.setdefault(f.advice, []).append(f)
-        lines = []
-        for advice, findings in found.items():
-            n, rules = len(findings), ", ".join(dict.fromkeys(f.rule for f in findings))
-            which = f"the {n} {rules} findings" if n > 1 else f"the {rules} finding"
-            lines.append(f"about {which}: {advice}")
-        return lines
+    def cannot_judge(self, rule: str, missing: Sequence[Stat], tensor: str, step: int) -> None:
+        key = (rule, tuple(str(s) for s in missing))
+        found = self.unjudged.get(key)
+        if found is None:
+            self.unjudged[key] = Unjudged(rule, list(key[1]), 1, tensor, step)
+        else:
+            found.tensors += 1
 
 
 def check_dump(
@@ -257,7 +93,10 @@ def check_dump(
     )
     # The rules that compare a tensor with its earlier steps, as the note on undumped steps says.
     history = [HISTORY_RULES[r.name] for r in chosen if r.name in HISTORY_RULES]
-    unjudged: dict[tuple[str, tuple[str, ...]], Unjudged] = {}
+    tally = _Tally()
+    # A values file altered after writing is found only by reading it whole: a CI job must not
+    # pass a dump whose bytes are not those the run wrote.
+    dump.verify(ranks)
     for rank in ranks:
         # Each rank is its own training: its own rules' memory.
         ruleset = RuleSet(chosen, log=lambda message, level: None)
@@ -291,10 +130,47 @@ def check_dump(
                 continue
             report.steps += 1
             report.tensors += len(entries)
-            _judge_step(dump, ruleset, step, rank, entries, report, unjudged)
-    report.unjudged = list(unjudged.values())
+            _judge_step(dump, ruleset, step, rank, entries, report, tally)
+    report.unjudged = list(tally.unjudged.values())
+    if report.steps:
+        report.nothing_judged = _nothing_judged(chosen, tally)
     _mark_origins(report, dump)
     return report
+
+
+def _nothing_judged(rules: Sequence[Rule], tally: _Tally) -> list[NothingJudged]:
+    """The rules that judged no tensor: none they watch was dumped, or they could judge none of
+    those that were (a rule given twice counts as one, by its name)."""
+    first: dict[str, Rule] = {}
+    watched: Counter[str] = Counter()
+    judged: Counter[str] = Counter()
+    for rule_id, rule in enumerate(rules):
+        first.setdefault(rule.name, rule)
+        watched[rule.name] += tally.watched[rule_id]
+        judged[rule.name] += tally.judged[rule_id]
+    idle = []
+    for name, rule in first.items():
+        if judged[name]:
+            continue
+        if watched[name]:
+            reason = (f"{name} could not judge any of the {plural(watched[name], 'tensor')} it "
+                      "watches (see above)")  # fmt: skip
+        else:
+            reason = (f"nothing to judge for {name}: the dump holds no tensor it watches "
+                      f"({_watches(rule)})")  # fmt: skip
+        idle.append(NothingJudged(name, watched[name], reason))
+    return idle
+
+
+def _watches(rule: Rule) -> str:
+    """What a tensor ``rule`` watches is, in words: "a parameter's gradient"."""
+    kinds = [kind for kind in KINDS if kind in rule.kinds]
+    if kinds == ["observed"] and rule.match == ("*loss*",):
+        return LOSS
+    what = " or ".join(WATCHED[kind] for kind in kinds)
+    if rule.match != ("*",):
+        what = f"{what}, named {' or '.join(rule.match)}"
+    return what
 
 
 def _mark_origins(report: CheckReport, dump: Any) -> None:
@@ -326,7 +202,7 @@ def _judge_step(
     rank: int,
     entries: Sequence[Any],
     report: CheckReport,
-    unjudged: dict[tuple[str, tuple[str, ...]], Unjudged],
+    tally: _Tally,
 ) -> None:
     phase: str | None = None
     records: list[Record] = []
@@ -362,10 +238,17 @@ def _judge_step(
                 if missing and value is not None and value.fill(stats, missing):
                     missing = []
                 if missing:
-                    _note_unjudged(unjudged, active.rule.name, missing, entry.name, step)
+                    tally.cannot_judge(active.rule.name, missing, entry.name, step)
                 else:
                     kept.append(active)
             judged.append(tuple(kept))
+        tally.watched.update(applicable.rule_ids)
+        if judged == list(applicable.checks):
+            tally.judged.update(applicable.rule_ids)  # each rule had what it needs
+        else:  # a rule comparing a phase's tensors judges every one it applies to
+            asked = {active.id for group in judged for active in group}
+            tally.judged.update(i for i in applicable.rule_ids
+                                if i in asked or _phase_wide(ruleset, i))  # fmt: skip
         record.rule_ids = applicable.rule_ids
         record.checks = tuple(judged)
         measure = value.measure if value is not None else None
@@ -418,19 +301,9 @@ def _end_phase(ruleset: RuleSet, records: list[Record], rank: int, report: Check
         )
 
 
-def _note_unjudged(
-    unjudged: dict[tuple[str, tuple[str, ...]], Unjudged],
-    rule: str,
-    missing: Sequence[Stat],
-    tensor: str,
-    step: int,
-) -> None:
-    key = (rule, tuple(str(s) for s in missing))
-    found = unjudged.get(key)
-    if found is None:
-        unjudged[key] = Unjudged(rule, list(key[1]), 1, tensor, step)
-    else:
-        found.tensors += 1
+def _phase_wide(ruleset: RuleSet, rule_id: int) -> bool:
+    active = ruleset.get(rule_id)
+    return active is not None and active.phase_wide
 
 
 def _finding(ruleset: RuleSet, rule_id: int, finding: Any, entry: Any, step: int,
@@ -448,24 +321,3 @@ def _rule_name(ruleset: RuleSet, rule_id: int) -> str:
 
 def _threshold(value: Any) -> float | None:
     return None if value is None else float(value)
-
-
-def _finding_json(f: Finding) -> dict[str, Any]:
-    """A finding as the JSON schema has it: the tensor, module and kind the run named (the name
-    it is dumped under in ``stored_as``, "" when the same), its ``message`` followed by its
-    advice, as the run gave it, and no field of its own for the advice."""
-    row = asdict(f)
-    del row["advice"], row["named"], row["named_module"], row["named_kind"]
-    row["stored_as"] = ""
-    if f.named:
-        row.update(
-            tensor=f.named, module=f.named_module, kind=f.named_kind or f.kind, stored_as=f.tensor
-        )
-    row["message"] = f"{f.said} {f.advice}" if f.advice else f.said
-    return _jsonable(row)
-
-
-def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
-    """Non-finite numbers as strings: JSON has no NaN or Infinity."""
-    return {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
-            for k, v in row.items()}  # fmt: skip

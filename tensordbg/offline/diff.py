@@ -144,6 +144,12 @@ class DiffReport:
             }
         )
 
+    def unreadable(self, step: int, side: str, reason: str) -> None:
+        """A step (or a value of it) one side cannot read: listed once, however many of its
+        values could not be read (after the first, the step itself is broken)."""
+        if not any(b["step"] == step and b["side"] == side for b in self.broken):
+            self.broken.append({"step": step, "side": side, "reason": reason})
+
     def found(self, difference: Difference) -> None:
         """A tensor that differs: the first one, or one more after it."""
         if self.first is None:
@@ -234,7 +240,8 @@ def diff_dumps(
     broken_a = {s: why for (s, r), why in a.broken.items() if r == rank_a}
     broken_b = {s: why for (s, r), why in b.broken.items() if r == rank_b}
     for side, broken in (("A", broken_a), ("B", broken_b)):
-        report.broken += [{"step": s, "side": side, "reason": why} for s, why in broken.items()]
+        for s, why in broken.items():
+            report.unreadable(s, side, why)
     # An index that cannot be read whole leaves which steps its dump holds unknown: a step the
     # other dump holds is not "dumped only" there.
     if -1 not in broken_b:
@@ -248,12 +255,12 @@ def diff_dumps(
         try:
             entries_a = a.tensors(step, rank=rank_a)
         except DumpError as e:
-            report.broken.append({"step": step, "side": "A", "reason": str(e)})
+            report.unreadable(step, "A", str(e))
             continue
         try:
             entries_b = {e.name: e for e in b.tensors(step, rank=rank_b)}
         except DumpError as e:
-            report.broken.append({"step": step, "side": "B", "reason": str(e)})
+            report.unreadable(step, "B", str(e))
             continue
         report.steps += 1
         unpaired: dict[str, list[str]] = {"A": [], "B": []}
@@ -356,7 +363,7 @@ def _compare(
             try:
                 arrays.append(dump.tensor(ea.name, rank=rank).value(step))
             except DumpError as e:  # a values file cut or changed: its statistics still count
-                report.broken.append({"step": step, "side": side, "reason": str(e)})
+                report.unreadable(step, side, str(e))
         if len(arrays) == 2:
             report.values += 1
             value = _compare_values(*arrays, report)
