@@ -111,17 +111,26 @@ def nest_steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         holders = [(start, end) for start, end in others if start < t < end]
         return min(holders)[1] if holders else t  # the outermost one's end
 
+    def settled(t: float) -> float:
+        """``t`` moved out of the ranges, and written with three decimals still out of them."""
+        for _ in range(4):
+            t = outside(t)
+            for w in (_written(t), _written(t + 0.0005), _written(t - 0.0005)):
+                if outside(w) == w:
+                    return w
+        return _written(t)
+
     moved = {}
     for step in steps:
-        start, end = float(step["ts"]), float(step["ts"]) + float(step["dur"])
-        for _ in range(4):
-            start, end = outside(start), outside(end)
-            # As the file writes them (three decimals) and a viewer adds them up: a boundary at
-            # a range's very start (the next step's optimizer.step) can round into it.
-            ts, dur = _written(start), _written(max(0.0, end - start))
-            if outside(ts) == ts and outside(ts + dur) == ts + dur:
+        # As the file writes them (three decimals) and a viewer adds them up: a boundary at a
+        # range's very start or end can round, or add up, one float step into it.
+        ts = settled(float(step["ts"]))
+        end = settled(float(step["ts"]) + float(step["dur"]))
+        dur = _written(max(0.0, end - ts))
+        for fix in (0.0, 0.001, -0.001, 0.002, -0.002):
+            if outside(ts + (d := _written(max(0.0, dur + fix)))) == ts + d:
+                dur = d
                 break
-            start, end = ts, ts + dur
         moved[id(step)] = {**step, "ts": ts, "dur": dur}
     return [moved.get(id(e), e) for e in events]
 
