@@ -351,7 +351,8 @@ class VanishingGradient(Rule):
         streaks[t.name] = streaks.get(t.name, 0) + 1
         if mean == 0 and t.step == 0 and streaks[t.name] < self.persist:
             return None  # a zero at initialisation, which the first update may lift
-        return Finding(mean, self.threshold, self._message(t, mean, typical, bias))
+        earlier = state["scales"][t.name][2]  # noted: its scale at an earlier step (NaN: none)
+        return Finding(mean, self.threshold, self._message(t, mean, typical, bias, earlier))
 
     def _nonzero_mean(self, t: TensorStats) -> float | Refine | None:
         """mean |grad| over the nonzero elements (0.0 when all are zero), or None when a bound
@@ -378,7 +379,15 @@ class VanishingGradient(Rule):
             return None
         return Refine((ABS_MEAN, ZERO_FRAC))
 
-    def _message(self, t: TensorStats, mean: float, typical: float | None, bias: bool) -> str:
+    def _message(self, t: TensorStats, mean: float, typical: float | None, bias: bool,
+                 earlier: float = math.nan) -> str:  # fmt: skip
+        if mean == 0 and earlier > 0:  # it is connected: it had one
+            return (
+                f"{t.name} receives no gradient at all (mean |grad| 0, threshold "
+                f"{self.threshold:.3g}), though it had one before (root-mean-square "
+                f"{earlier:.3g}): the units it feeds have died or saturated since, as a learning "
+                "rate far too large makes them (WeightUpdateRatio measures the updates)."
+            )
         if mean == 0:
             message = (
                 f"{t.name} receives no gradient at all (mean |grad| 0, threshold "

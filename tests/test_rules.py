@@ -283,6 +283,19 @@ def test_vanishing_gradient_of_a_trainable_parameter():
     assert judge(VanishingGradient(), np.zeros(10), trainable=True, step=0, **GRAD) is None
     zero = judge(VanishingGradient(), np.zeros(10), trainable=True, step=1, **GRAD)
     assert zero.value == 0.0 and "receives no gradient at all" in zero.message
+    assert "not connected to the loss" in zero.message  # nothing says it ever had one
+
+
+def test_a_gradient_that_stops_after_steps_with_one_is_not_said_to_be_unconnected():
+    """A learning rate far too large saturates an LSTM's units at step 2: its weights, whose
+    gradients were healthy at steps 0 and 1, were said "not connected to the loss"."""
+    rule, state = VanishingGradient(), {}
+    for step in (0, 1):
+        assert judge(rule, np.full(10, 0.01), state, trainable=True, step=step, **GRAD) is None
+    dead = judge(rule, np.zeros(10), state, trainable=True, step=2, **GRAD)
+    assert dead.value == 0.0 and "receives no gradient at all" in dead.message
+    assert "though it had one before (root-mean-square 0.01)" in dead.message
+    assert "died or saturated since" in dead.message and "not connected" not in dead.message
 
 
 def test_a_bias_cancelled_by_construction_is_judged_with_its_modules_weight_of_the_same_pass():
