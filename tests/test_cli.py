@@ -342,6 +342,37 @@ def test_ctrl_c_after_tensordbg_detached_does_not_name_a_step_it_no_longer_count
     assert "tensordbg run: interrupted (Ctrl-C); tensordbg had detached at step 4\n" in err, err
 
 
+def test_run_says_a_second_model_apart_from_the_watched_one_is_not_watched(
+    tmp_path: Path, monkeypatch, capsys
+):
+    """A GAN whose generator and discriminator are two models: the first called is watched,
+    and the other was not, without a word ("watching Sequential" named neither)."""
+    from tensordbg.integrations.runner import run_script
+
+    path = tmp_path / "gan.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        G = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+        D = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        opt_g = torch.optim.SGD(G.parameters(), lr=0.01)
+        opt_d = torch.optim.SGD(D.parameters(), lr=0.01)
+        for step in range(3):
+            fake = G(torch.randn(8, 4))
+            d_loss = D(fake.detach()).mean() - D(torch.randn(8, 4)).mean()
+            opt_d.zero_grad(); d_loss.backward(); opt_d.step()
+            g_loss = -D(fake).mean()
+            opt_g.zero_grad(); g_loss.backward(); opt_g.step()
+    """))  # fmt: skip
+    monkeypatch.setattr(sys, "argv", [str(path)])
+    assert run_script(str(path), [], on_hit="record", server=False) == 0
+    err = capsys.readouterr().err
+    assert "tensordbg: watching Sequential (76 parameters)" in err  # G, called first
+    assert err.count("a model apart from the watched Sequential") == 1, err
+    assert "Sequential (49 parameters), a model apart from the watched Sequential, runs too " \
+           "and is not watched; to watch both, attach tensordbg in the script" in err  # fmt: skip
+
+
 def test_ctrl_c_reaches_the_ui_as_how_the_training_ended(tmp_path: Path, monkeypatch):
     """The UI's last word from the session says it was interrupted, not just "finished"."""
     from tensordbg.engine import session as session_module

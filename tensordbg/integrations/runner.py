@@ -49,6 +49,7 @@ class ScriptRun:
         """The sessions of the framework callbacks, one per training."""
         self._trainers = TrainerPatches(self._framework_callback, self._stand_down)
         self._module_hook: Any = None
+        self._watched: set[int] = set()  # the watched model's modules, and those said apart
         self._optimizer_hook: Any = None
         self._backward = torch.Tensor.backward
         implied = attach_args.get("on_hit") is None  # not given: a dump is for nobody watching
@@ -129,16 +130,20 @@ class ScriptRun:
             )
 
     def _on_module(self, module: torch.nn.Module, args: tuple) -> None:
-        if self.session is not None or not any(p.requires_grad for p in module.parameters()):
+        if self.session is not None:
+            self._another_model(module)
             return
-        self._module_hook.remove()
-        self._module_hook = None
+        if not any(p.requires_grad for p in module.parameters()):
+            return
         own = attached_to(module)
         if own is not None:  # the script attached tensordbg itself (with the command line's
-            if self.profile_steps:  # settings over its own: attach() says which)
+            self._module_hook.remove()  # settings over its own: attach() says which)
+            self._module_hook = None
+            if self.profile_steps:
                 self.profiling = own.profile(self.profile_steps)
             return
         self.session = attach(module, rules=self.rules, replaceable=True, **self.attach_args)
+        self._watched = {id(m) for m in module.modules()}
         # This very call began before the model's own hooks existed: enter it by hand.
         self.session.capture.on_enter(module, args, {})
         if self.profile_steps:
@@ -150,6 +155,25 @@ class ScriptRun:
             file=sys.stderr,
             flush=True,
         )
+
+    def _another_model(self, module: torch.nn.Module) -> None:
+        """A model apart from the watched one, called during the first step (a GAN's
+        discriminator beside its generator): said once, as not watched. The hook goes at the
+        first step's end: it costs nothing after it."""
+        session = self.session
+        if session is None or session.step > 0 or session.detached:
+            self._module_hook.remove()
+            self._module_hook = None
+            return
+        if id(module) in self._watched or not any(p.requires_grad for p in module.parameters()):
+            return
+        self._watched |= {id(m) for m in module.modules()}  # said once, with all it holds
+        watched, n = session.model, sum(p.numel() for p in module.parameters())
+        print(f"tensordbg: {type(module).__name__} ({n:,} "
+              f"parameters), a model apart from the watched {type(watched).__name__}, runs "
+              "too and is not watched; to watch both, attach tensordbg in the script to a "
+              "module holding them: tensordbg.attach(torch.nn.ModuleDict({'G': G, 'D': D}), "
+              "optimizer=[opt_g, opt_d])", file=sys.stderr, flush=True)  # fmt: skip
 
     def _on_optimizer(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         session = self.session
