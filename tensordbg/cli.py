@@ -193,6 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
         "'*.weight.grad' (repeatable)",
     )
     run.add_argument(
+        "--dump-max-bytes",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="with --dump-dir: bound the dump's size (500M, 2G): the oldest steps without hits "
+        "go first; steps with hits are kept",
+    )
+    run.add_argument(
         "--profile",
         type=_profile_steps,
         default=0,
@@ -344,6 +352,21 @@ def _profile_steps(text: str) -> int:
     return steps
 
 
+def _size(text: str) -> int:
+    """``500M``, ``2G``, ``1.5G`` or a number of bytes."""
+    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    number, unit = text.strip().upper().removesuffix("B"), ""
+    if number[-1:] in units:
+        number, unit = number[:-1], number[-1]
+    try:
+        size = int(float(number) * units[unit])
+    except (ValueError, OverflowError):
+        size = 0
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"a size such as 500M or 2G, not {text!r}")
+    return size
+
+
 def _run(args: argparse.Namespace) -> int:
     from tensordbg.integrations.runner import run_script
     from tensordbg.rules import default_rules
@@ -353,14 +376,16 @@ def _run(args: argparse.Namespace) -> int:
               "(see tensordbg run --help)", file=sys.stderr)  # fmt: skip
         return 2
 
-    if args.dump_dir is None and (args.dump_every or args.dump_tensors or args.on_hit == "dump"):
-        print("tensordbg run: --dump-every, --dump-tensors and --on-hit dump write into a dump: "
-              "give --dump-dir DIR too", file=sys.stderr)  # fmt: skip
+    if args.dump_dir is None and (args.dump_every or args.dump_tensors or args.on_hit == "dump"
+                                  or args.dump_max_bytes):  # fmt: skip
+        print("tensordbg run: --dump-every, --dump-tensors, --dump-max-bytes and --on-hit dump "
+              "write into a dump: give --dump-dir DIR too", file=sys.stderr)  # fmt: skip
         return 2
     dumps = {}
     if args.dump_dir is not None:
         dumps = {"dump_dir": args.dump_dir, "dump_every": args.dump_every,
-                 "dump_tensors": args.dump_tensors}  # fmt: skip
+                 "dump_tensors": args.dump_tensors,
+                 "dump_max_bytes": args.dump_max_bytes}  # fmt: skip
     rules = _rules(args.rules)
     if args.rule:
         rules = [*(default_rules() if rules is None else rules), *map(_rule, args.rule)]

@@ -413,6 +413,23 @@ def test_a_mistyped_session_or_script_gets_one_line_and_exit_code_2(cli, tmp_pat
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def test_a_runs_dump_is_bounded_from_the_command_line_and_keeps_its_hit(cli, script: Path):
+    code, _, err = cli("run", "--dump-dir", "dbg", "--dump-every", "1", "--dump-max-bytes",
+                       "24K", "--on-hit", "record", str(script), "40")  # fmt: skip
+    assert code == 1, err  # it hit (step 3), and finished
+    dump = tensordbg_load(script.parent / "dbg")
+    steps = dump.steps()
+    assert 3 in steps and 39 in steps  # the hit's step stays; the latest steps are there
+    assert len(steps) < 40  # the oldest steps without hits went
+    size = sum(f.stat().st_size for f in (script.parent / "dbg").rglob("*") if f.is_file())
+    assert size < 3 * 24 * 2**10
+    for text, said in [("0", "a size such as 500M or 2G, not '0'"), ("lots", "not 'lots'")]:
+        code, _, err = cli("run", "--dump-dir", "d", "--dump-max-bytes", text, str(script))
+        assert code == 2 and said in err
+    code, _, err = cli("run", "--dump-max-bytes", "1G", str(script))
+    assert code == 2 and "give --dump-dir DIR too" in err
+
+
 def test_a_run_that_writes_a_dump_goes_on_at_a_hit_without_a_person(script: Path):
     """``--dump-dir`` is for jobs nobody watches: without ``--on-hit`` a hit is dumped and the
     training goes on (it paused for a UI that never came)."""

@@ -392,6 +392,23 @@ def test_eviction_keeps_steps_with_hits_and_drops_the_oldest_others(tmp_path):
     assert [h.step for h in dump.hits] == [1, 6]
 
 
+def test_a_dump_whose_every_step_hits_stays_bounded_keeping_the_first_and_the_newest(tmp_path):
+    """A NaN that stays hits every step: steps with hits were never evicted, and a bounded
+    dump grew without bound (420 MB in 7 s for a small model)."""
+    value = np.zeros(25_000, dtype=np.float32)  # 100 kB a step
+    writer = DumpWriter(tmp_path, {}, max_bytes=450_000)
+    for step in range(12):
+        writer.write_step(step, 0, _entries({"x": value}), {"x": value}, [_hit(step)])
+    writer.close()
+    dump = load(tmp_path)
+    steps = dump.steps()
+    assert steps[0] == 0 and steps[-1] == 11  # where the problem arose, and the newest
+    assert steps == [0, *range(12 - len(steps) + 1, 12)]  # the oldest others went
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "rank-0").iterdir())
+    assert on_disk <= 450_000 + 4096
+    assert not dump.broken
+
+
 # --- atomicity --------------------------------------------------------------------------------
 
 

@@ -48,9 +48,11 @@ class DumpWriter:
     ``entries`` are the step's watched tensors in execution order (``name``, ``module``,
     ``phase``, ``kind``, ``shape``, ``dtype``, ``stats`` and optionally ``provenance``,
     ``module_type``, ``call``); ``values`` maps some of their names to numpy arrays (bfloat16 and
-    float8 as ``ml_dtypes`` arrays). A step with hits is never evicted under ``max_bytes``; the
-    oldest other steps are. Writing the same step again replaces it. Errors (a full disk) raise
-    ``OSError``: the caller decides; :meth:`fail` marks the dump incomplete.
+    float8 as ``ml_dtypes`` arrays). Under ``max_bytes`` the oldest steps without hits go first;
+    when the steps with hits alone pass it (a NaN that stays, hitting every step), those go
+    too, oldest first, but for the first (where the problem arose) and the newest. Writing the
+    same step again replaces it. Errors (a full disk) raise ``OSError``: the caller decides;
+    :meth:`fail` marks the dump incomplete.
     """
 
     def __init__(
@@ -269,14 +271,18 @@ class DumpWriter:
         target = self.max_bytes * 0.9
         total = self.total_bytes()
         gone: list[tuple[int, int]] = []
-        for key in sorted(self._written):
-            if total <= target:
-                break
-            written = self._written[key]
-            if written.keep:
-                continue
-            total -= written.nbytes + written.line_bytes
-            gone.append(key)
+        order = sorted(self._written)
+        kept = [key for key in order if self._written[key].keep]
+        spared = {*kept[:1], *order[-1:]}  # the first step with hits, and the newest step
+        for keep in (False, True):  # steps with hits go only when they alone pass the bound
+            for key in order:
+                written = self._written[key]
+                if total <= target:
+                    break
+                if written.keep != keep or key in spared or key in gone:
+                    continue
+                total -= written.nbytes + written.line_bytes
+                gone.append(key)
         if not gone:
             return
         for rank in {r for _, r in gone}:
