@@ -130,8 +130,8 @@ def train(
     except KeyboardInterrupt:  # `tensordbg demo` stops its training when the UI quits
         quit_ui = True
     if quit_ui:
-        print(f"step {step:3d}  the UI was closed: the demo's training stops here (a training of "
-              "yours would go on unwatched)", flush=True)  # fmt: skip
+        print(f"step {step:3d}  the UI was closed: a training of yours would go on unwatched; "
+              "the demo's stops here", flush=True)  # fmt: skip
     if threading.current_thread() is threading.main_thread():
         # The Ctrl-C that `tensordbg demo` sends when its UI quits stops the loop; one that
         # comes after the loop ended by itself (the loss went NaN) would interrupt the summary

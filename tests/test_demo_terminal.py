@@ -87,8 +87,9 @@ def test_q_in_the_demo_gives_the_terminal_back_at_once():
         terminal.wait_for("RUNNING", "Run F1", timeout=120)
         terminal.press("q")
         quit_at = time.monotonic()
-        terminal.wait_for("the UI was closed: the demo's training stops here",
-                          "the training's output, its end:", timeout=30)  # fmt: skip
+        terminal.wait_for("the UI was closed: a training of yours would go on unwatched; the "
+                          "demo's stops here", "the training's output, its end:",
+                          timeout=30)  # fmt: skip
         assert time.monotonic() - quit_at < 8  # under load; about 1.5 s on a quiet machine
     finally:
         terminal.close()
@@ -106,7 +107,10 @@ def test_q_at_the_hit_stops_the_demo_at_that_step_and_says_so(tmp_path: Path):
         assert list(tmp_path.glob("tensordbg-demo-*.log"))  # its log is in that directory
         terminal.press("q")
         screen = terminal.wait_for("the training's output, its end:", timeout=30)
-        assert "step   3  the UI was closed: the demo's training stops here" in screen
+        assert (
+            "step   3  the UI was closed: a training of yours would go on unwatched; the "
+            "demo's stops here"
+        ) in screen
         assert "NaN for 3 steps" not in screen
     finally:
         terminal.close()
