@@ -375,6 +375,29 @@ def test_a_training_ended_by_ctrl_c_is_not_shown_as_simply_finished() -> None:
     asyncio.run(flow())
 
 
+def test_f5_with_no_tensor_open_shows_the_provenance_of_the_highlighted_hit() -> None:
+    """It said "No tensor open" with the origin hit under the cursor: Enter had to come
+    first. The Tensor tab opens it too; a tensor already open stays."""
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            hits = await paused_on_the_two_hits(pilot)
+            await mounted(pilot)
+            assert hits.current is not None and hits.current["ref"] == 3
+            await pilot.press("f5")
+            tree = app.query_one(Tree)
+            await until(pilot, lambda: "net.2.output" in str(tree.root.label))
+            assert active_tab(app) == "provenance"
+            assert app.main.tensor_inspector.ref == 3
+            await pilot.press("f2", "down", "f4")  # another hit highlighted: the open one stays
+            await pilot.pause()
+            assert active_tab(app) == "tensor" and app.main.tensor_inspector.ref == 3
+
+    asyncio.run(flow())
+
+
 def test_a_previous_step_that_recorded_little_says_so_instead_of_a_column_of_dashes() -> None:
     """A replay's previous dumped step may hold only what its checks measured (whether the
     tensor was finite): its column of dashes says why."""

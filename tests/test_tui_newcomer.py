@@ -907,12 +907,15 @@ def test_tui_wait_without_a_run_id_waits_for_the_first_session_to_start(
 
 def test_f5_before_any_tensor_is_open_says_how_to_open_one() -> None:
     """F5 with no tensor open showed an empty source box under "No tensor open". The box says
-    what to do: open a tensor from the Hits tab or the Modules tab first."""
+    what to do: open a tensor from the Hits tab or the Modules tab first. (With a hit under
+    the Hits tab's cursor F5 opens that hit's: here the training has none yet.)"""
+    fake = FakeSource()
+    fake._hits = []
 
     async def flow() -> None:
-        app = TensorDbgApp(LocalClient(FakeSource()))
+        app = TensorDbgApp(LocalClient(fake))
         async with app.run_test(size=(80, 24)) as pilot:
-            await paused_on_the_two_hits(pilot)
+            await until(pilot, lambda: app.state == "paused")
             await pilot.press("f5")
             await until(pilot, lambda: app.query("#provenance-source"))
             await pilot.pause(0.1)

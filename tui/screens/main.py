@@ -409,6 +409,18 @@ class MainScreen(Screen):
         self.tensor_inspector.open(message.ref, message.name, message.text)
         self.provenance_view.load(message.ref, message.module, message.call)
 
+    def _open_highlighted_hit(self) -> None:
+        """The Tensor or Provenance tab with no tensor open: the highlighted hit's, as Enter on
+        it opens it (it said "No tensor open" with a hit under the cursor)."""
+        hit = self.hit_table.current if self.hit_table.is_mounted else None
+        if hit is None or self.tensor_inspector.ref is not None:
+            return
+        if not (self.tensor_inspector.is_mounted and self.provenance_view.is_mounted):
+            self.call_after_refresh(self._open_highlighted_hit)  # its tab is still mounting
+            return
+        self.tensor_inspector.open(hit["ref"], hit["tensor"], "")
+        self.provenance_view.load(hit["ref"], hit.get("module"), hit.get("call", 0))
+
     @on(Input.Changed, "#hit-filter")
     def _filter_hits(self, event: Input.Changed) -> None:
         self.hit_table.set_filter(event.value)
@@ -424,6 +436,8 @@ class MainScreen(Screen):
 
     @on(TabbedContent.TabActivated)
     def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        if event.pane.id in ("tensor", "provenance"):
+            self._open_highlighted_hit()
         # Keys go to the tab's main widget, unless the person is moving along the tab bar (a
         # switch asked for by a key, show_tab, moves them anyway).
         asked, self._focus_switch = self._focus_switch, None
