@@ -398,6 +398,35 @@ def test_f5_with_no_tensor_open_shows_the_provenance_of_the_highlighted_hit() ->
     asyncio.run(flow())
 
 
+def test_an_output_no_module_took_says_who_used_it_instead_of_a_bare_consumers_0() -> None:
+    """A block's attention output is used by the block's own code (x + attn(x)): "consumers
+    (0)" looked like a fault of the debugger."""
+    source = FakeSource()
+    original = source.provenance
+    source.provenance = lambda *args, **kwargs: {  # type: ignore[method-assign]
+        **original(*args, **kwargs),
+        "consumers": [],
+    }
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await paused_on_the_two_hits(pilot)
+            await mounted(pilot)
+            await pilot.press("enter")
+            app.main.show_tab("provenance")
+            tree = app.query_one(Tree)
+            await until(pilot, lambda: "net.2.output" in str(tree.root.label))
+            consumers = next(n for n in tree.root.children if "consumers" in str(n.label))
+            assert str(consumers.label) == "consumers (0)"
+            assert [str(n.label) for n in consumers.children] == [
+                "no module call took it: code between modules used it (x + self.attn(x)), or it "
+                "is what the model returned"
+            ]
+
+    asyncio.run(flow())
+
+
 def test_a_previous_step_that_recorded_little_says_so_instead_of_a_column_of_dashes() -> None:
     """A replay's previous dumped step may hold only what its checks measured (whether the
     tensor was finite): its column of dashes says why."""

@@ -111,6 +111,10 @@ class ProvenanceView(VerticalScroll):
             consumers.add_leaf(
                 f"{item['module'] or '(model)'}  {item['type']}, call {item['call']}"
             )
+        if not prov.get("consumers") and prov.get("kind") in ("output", "input"):
+            consumers.add_leaf(Text(
+                "no module call took it: code between modules used it (x + self.attn(x)), "
+                "or it is what the model returned", style="dim"))  # fmt: skip
         tree.root.expand()
         source = prov.get("source")
         self.query_one("#provenance-source", Static).update(
