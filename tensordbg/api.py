@@ -295,9 +295,13 @@ def _start_server(session: Session, remote: bool | str, ui_timeout: float | None
         )
         # Stopped by the session's detach, at exit too: after its last words ("finished"), which
         # the server's own exit handler, run first, would have cut off.
-        server.start(stop_at_exit=False)
+        info = server.start(stop_at_exit=False)
         session.server = server
         session.handles.callback(server.stop, "the UI server")
+        if remote:  # a UI elsewhere needs to be told where, and with which file
+            print(f"tensordbg: listening on {info.endpoint} (CURVE-encrypted); a UI connects "
+                  f"with this connection file, which holds its key: tensordbg tui {info.path}",
+                  file=sys.stderr, flush=True)  # fmt: skip
     except Exception as e:  # the debugger must never stop a training over its UI
         # With no UI to resume it, a pause would block for ever: hits are recorded instead.
         paused = session.on_hit == "pause"

@@ -165,7 +165,9 @@ def test_a_session_listens_only_on_a_private_local_socket_by_default():
     assert find_sessions() == []  # detach removes the connection file
 
 
-def test_attach_listens_where_remote_says():
+def test_attach_listens_where_remote_says_and_says_where_and_with_which_file(capsys):
+    """A UI on another machine needs the address and the connection file: nothing said
+    either (a local UI finds its session by itself: nothing is said then)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -173,5 +175,11 @@ def test_attach_listens_where_remote_says():
     try:
         assert session.server.info.endpoint == f"tcp://127.0.0.1:{port}"
         assert session.server.info.transport == "tcp"
+        err = capsys.readouterr().err
+        assert f"tensordbg: listening on tcp://127.0.0.1:{port} (CURVE-encrypted)" in err
+        assert f"tensordbg tui {session.server.info.path}" in err
     finally:
         session.detach()
+    local = tensordbg.attach(torch.nn.Linear(2, 2))
+    local.detach()
+    assert "listening" not in capsys.readouterr().err
