@@ -142,6 +142,9 @@ def report_with(**fields) -> ProfileReport:
          0.98),
         ({"outliers": [{"step": 2, "total": 0.03, "median": 0.01, "ratio": 3.0}]}, "StepOutlier",
          3.0),
+        ({"device": "cpu", "breakdown": [{"step": s, "forward": 0.001, "other": 0.03,
+                                          "total": 0.031} for s in (1, 2, 3)]},
+         "OutsideThePhases", 0.03 / 0.031),
     ],
 )  # fmt: skip
 def test_each_rule_speaks_past_its_threshold_with_the_number(fields, rule, value):

@@ -305,8 +305,30 @@ class CpuBound(AdviceRule):
         )
 
 
+class OutsideThePhases(AdviceRule):
+    """Much of the step is none of loading, forward, backward or the optimizer: the loop's own
+    Python between them (Holistic Trace Analysis counts such host time against the step). An
+    operator's advice would miss it: no operator runs then."""
+
+    name, threshold = "OutsideThePhases", 0.3
+
+    def check(self, report: ProfileReport) -> Advice | None:
+        share = report.share("other")
+        if share <= self.threshold:
+            return None
+        return self.advise(
+            share,
+            f"{_pct(share)} of the step is outside the DataLoader, forward, backward and optimizer "
+            f"(threshold {_pct(self.threshold)})",
+            "See what the training loop does between them (the trace's gaps): logging, "
+            ".item() or .cpu() every step, preprocessing outside the DataLoader, a sleep; do it "
+            "every N steps, or in DataLoader workers.",
+        )
+
+
 BUILTIN: tuple[type[AdviceRule], ...] = (
     DataLoaderShare,
+    OutsideThePhases,
     LowGpuUtilization,
     TensorCores,
     MemoryNearLimit,
