@@ -233,14 +233,17 @@ def profile(
     >>> print(session.profiling.wait(60).text())      # the ProfileHandle's report
     >>> session.detach()
 
+    A report nobody waited for is printed on stderr at the program's exit.
+
     ``attach_args`` are :func:`attach`'s (``server``, ``run_id``...); see
     :meth:`Session.profile` for the rest.
     """
     attach_args.setdefault("summary_at_exit", False)
     session = attach(model, optimizer, rules=[], on_hit="record", **attach_args)
     try:
-        session.profile(steps, record_shapes=record_shapes, profile_memory=profile_memory,
-                        with_stack=with_stack, directory=directory)  # fmt: skip
+        handle = session.profile(steps, record_shapes=record_shapes, profile_memory=profile_memory,
+                                 with_stack=with_stack, directory=directory)  # fmt: skip
+        handle.report_at_exit = True  # a script that never waits for it still sees it
     except BaseException:
         session.detach()
         raise

@@ -182,6 +182,25 @@ def test_a_profile_cut_off_by_the_end_of_a_plain_python_script_is_printed_at_exi
     assert done.stderr.count("tensordbg profile:") == 1
 
 
+@pytest.mark.parametrize("waits", [False, True])
+def test_a_profile_only_session_nobody_waited_for_prints_its_report_at_exit(tmp_path, waits):
+    """tensordbg.profile() in a script that never asks for the report printed nothing: the
+    profile was made and lost. A script that waits prints it itself, once."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.replace(
+        "for step, (x, y)",
+        "import tensordbg\n"
+        "session = tensordbg.profile(model, opt, steps=3, server=False)\n"
+        "for step, (x, y)",
+    ) + ("print(session.profiling.wait(60).text(), file=sys.stderr)\n" * waits))  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, str(script), "8"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=180, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("tensordbg profile: 3 steps (1..3) on cpu") == 1, done.stderr
+    assert "ended while profiling" not in done.stderr
+
+
 def test_tensordbg_run_profile_of_a_short_script_reports_the_steps_it_had(cli, tmp_path: Path):
     done = tensordbg_run(tmp_path, "10", "5")
     assert done.returncode == 0, done.stderr

@@ -7,7 +7,7 @@ telemetry from NVML.
 >>> print(report.text())
 
 - :mod:`.capture`: when the profiler runs (step boundaries from the session's bus), its ranges,
-  pauses and detach;
+  pauses and detach; :mod:`.handle`: what ``session.profile`` returns;
 - :mod:`.trace`: the exported Chrome trace and ``key_averages()`` as plain data;
 - :mod:`.summary`: from those to the report;
 - :mod:`.report`: :class:`ProfileReport`, plain data (what the UI draws, what a dump stores);
