@@ -927,6 +927,26 @@ def test_f5_before_any_tensor_is_open_says_how_to_open_one() -> None:
     asyncio.run(flow())
 
 
+def test_at_80_columns_every_tab_title_is_on_the_bar() -> None:
+    """At 80x24 the bar ended in "Profil": the titles with their keys take 85 columns. On a
+    narrow terminal they go without the keys; on a wide one the keys come back."""
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(FakeSource()))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await paused_on_the_two_hits(pilot)
+            await mounted(pilot)
+            await pilot.pause(0.1)
+            bar = screen_text(app).splitlines()[1]
+            assert bar.split() == ["Run", "Hits", "Modules", "Tensor", "Provenance", "Rules",
+                                   "Log", "Profile"]  # fmt: skip
+            await pilot.resize_terminal(120, 30)
+            await pilot.pause(0.1)
+            assert "Profile F8" in screen_text(app).splitlines()[1]
+
+    asyncio.run(flow())
+
+
 def test_at_80_by_24_a_module_line_cut_by_the_right_edge_ends_in_an_ellipsis() -> None:
     """At 80x24 the Modules tab's lines (a module's statistics are long) were cut at the right
     edge with nothing to say that they go on. A line whose text goes on ends in "…" left of the

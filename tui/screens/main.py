@@ -7,6 +7,7 @@ report back with messages. What routes the training's data survives its own erro
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, NamedTuple
 
@@ -56,6 +57,7 @@ TABS = (
 )
 """The tabs in order: the app's keys, the tab titles, the palette's entries and the widget that
 gets the keys on each tab all come from here."""
+TAB_KEYS_WIDTH = 90  # the columns the tab bar needs to name every tab's key beside its title
 
 
 class Later(Lazy):
@@ -134,6 +136,14 @@ class MainScreen(Screen):
                 with TabPane(f"{tab.title} {tab.key.upper()}", id=tab.pane):
                     yield from content[tab.pane]
         yield Footer()
+
+    def on_resize(self, event: events.Resize) -> None:
+        """Tab titles name their keys where the bar has room: at 80 columns the last tabs were
+        cut off it, the titles alone fit (the keys are in the palette)."""
+        wide, tabs = event.size.width >= TAB_KEYS_WIDTH, self.query_one(TabbedContent)
+        for tab in TABS:
+            with contextlib.suppress(Exception):  # a tab not mounted yet keeps its title
+                tabs.get_tab(tab.pane).label = tab.title + f" {tab.key.upper()}" * wide
 
     # --- what the app hands over -------------------------------------------------------------
 
