@@ -85,6 +85,16 @@ def test_a_slice_typed_fast_goes_to_the_slice_box_not_to_the_count() -> None:
             assert box.value == "[0, 1:3]"
             await until(pilot, lambda: inspector.text == "[0, 1:3]")
             assert app.focused is grid
+            # A slice refused keeps the keys in the box, to be mended; "[" after it starts a new
+            # one ("[1:x][0]" was typed), while "[" inside a text is typed as it is.
+            await type_at_once(pilot, "[1:x]\r")
+            assert app.focused is box and box.value == "[1:x]"
+            await type_at_once(pilot, "[2]\r")
+            await until(pilot, lambda: inspector.text == "[2]")
+            box.focus()
+            box.value, box.cursor_position = "[[0, 1]]", 1
+            await pilot.press("[")
+            assert box.value == "[[[0, 1]]"
 
     asyncio.run(flow())
 

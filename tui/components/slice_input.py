@@ -42,3 +42,11 @@ class SliceInput(Input):
 
     def action_leave(self) -> None:
         self.screen.focus_next()
+
+    def insert_text_at_cursor(self, text: str) -> None:
+        """A ``[`` typed after a whole slice (the one applied, or one refused: ``[1:x]``) starts
+        a new one, as ``[`` on the values does: ``[1:x][`` is never what a person means."""
+        value = self.value.strip()
+        if text == "[" and value.endswith("]") and self.cursor_position >= len(self.value):
+            self.value = ""
+        super().insert_text_at_cursor(text)
