@@ -116,3 +116,27 @@ def test_q_at_the_hit_stops_the_demo_at_that_step_and_says_so(tmp_path: Path):
         terminal.close()
     # Its end was shown: the demo leaves no log behind.
     assert not list(tmp_path.glob("tensordbg-demo-*.log"))
+
+
+@pytest.mark.timeout(300)
+def test_f5_then_f4_at_the_hit_stay_on_the_tab_asked_for_at_80_by_24():
+    """F5 at the hit (no tensor open yet) opened the hit's tensor and focused its values in
+    the hidden Tensor tab; from F4 on, the two tabs took the focus from each other twice a
+    second, at 100 % CPU, and the keys went to whichever tab was showing."""
+    terminal = Terminal(f"{sys.executable} -m tensordbg.cli demo --bad-step 3", 80, 24)
+    try:
+        terminal.wait_for("PAUSED", "● origin", timeout=120)
+        terminal.press("F5")
+        terminal.wait_for("produced by blocks.0.attn")
+        time.sleep(1.5)
+        terminal.press("F4")
+        terminal.wait_for("tensor[16,31,64] float32")
+        bars = set()
+        for _ in range(10):
+            time.sleep(0.3)
+            lines = terminal.screen().splitlines()
+            bars.add(lines[2] if len(lines) > 2 else "")  # the tab bar's underline
+        assert len(bars) == 1, bars
+        assert "slice, e.g." in terminal.screen()  # still the Tensor tab
+    finally:
+        terminal.close()

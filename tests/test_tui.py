@@ -398,6 +398,31 @@ def test_f5_with_no_tensor_open_shows_the_provenance_of_the_highlighted_hit() ->
     asyncio.run(flow())
 
 
+def test_f5_then_f4_on_a_hit_leaves_each_tab_where_the_person_put_it() -> None:
+    """F5 opened the hit's tensor and focused its values in the hidden Tensor tab: from F4 on,
+    the app switched between the two tabs by itself, twice a second, at 100 % CPU."""
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await paused_on_the_two_hits(pilot)
+            await mounted(pilot)
+            await pilot.press("f5")
+            tree = app.query_one(Tree)
+            await until(pilot, lambda: "net.2.output" in str(tree.root.label))
+            for pane in ("provenance", "tensor", "provenance", "tensor"):
+                if active_tab(app) != pane:
+                    await pilot.press("f4" if pane == "tensor" else "f5")
+                seen = set()
+                for _ in range(8):
+                    await pilot.pause(0.05)
+                    seen.add(active_tab(app))
+                assert seen == {pane}, (pane, seen)
+
+    asyncio.run(flow())
+
+
 def test_an_output_no_module_took_says_who_used_it_instead_of_a_bare_consumers_0() -> None:
     """A block's attention output is used by the block's own code (x + attn(x)): "consumers
     (0)" looked like a fault of the debugger."""

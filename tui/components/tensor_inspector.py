@@ -49,13 +49,16 @@ class TensorInspector(Vertical):
                 yield StatsCompare()
                 yield HistogramView()
 
-    def open(self, ref: int, name: str = "", text: str = "") -> None:
+    def open(self, ref: int, name: str = "", text: str = "", focus: bool = True) -> None:
+        """Show tensor ``ref``; ``focus``: its values take the keys (False from another tab:
+        focusing a widget of a hidden tab switches to that tab)."""
         self.ref, self.tensor_name = ref, name or f"tensor {ref}"
         self._opening = True  # until its first view arrives
         self.query_one(SliceInput).value = text
         self._show_error("")
         self.load(text)
-        self.query_one(TensorGrid).focus()
+        if focus:
+            self.query_one(TensorGrid).focus()
 
     def action_edit_slice(self) -> None:
         box = self.query_one(SliceInput)

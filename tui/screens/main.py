@@ -420,15 +420,15 @@ class MainScreen(Screen):
         self.provenance_view.load(message.ref, message.module, message.call)
 
     def _open_highlighted_hit(self) -> None:
-        """The Tensor or Provenance tab with no tensor open: the highlighted hit's, as Enter on
-        it opens it (it said "No tensor open" with a hit under the cursor)."""
+        """F4 or F5 with no tensor open: the highlighted hit's, as Enter opens it."""
         hit = self.hit_table.current if self.hit_table.is_mounted else None
         if hit is None or self.tensor_inspector.ref is not None:
             return
         if not (self.tensor_inspector.is_mounted and self.provenance_view.is_mounted):
             self.call_after_refresh(self._open_highlighted_hit)  # its tab is still mounting
             return
-        self.tensor_inspector.open(hit["ref"], hit["tensor"], "")
+        # Not focused: focusing the values from the Provenance tab switched to the Tensor tab.
+        self.tensor_inspector.open(hit["ref"], hit["tensor"], "", focus=False)
         self.provenance_view.load(hit["ref"], hit.get("module"), hit.get("call", 0))
 
     @on(Input.Changed, "#hit-filter")
