@@ -46,6 +46,8 @@ def note_scale(t: TensorStats, state: dict[str, Any]) -> float | None:
     if l2 is None or not math.isfinite(l2):
         return None
     scale = l2 / math.sqrt(t.numel)
+    if scale > 0:  # its latest nonzero scale: a gradient that stops had one (not unconnected)
+        state.setdefault("had", {})[t.name] = scale
     scales: dict[str, list[float]] = state.setdefault("scales", {})
     noted = scales.get(t.name)
     if noted is None:
@@ -351,7 +353,7 @@ class VanishingGradient(Rule):
         streaks[t.name] = streaks.get(t.name, 0) + 1
         if mean == 0 and t.step == 0 and streaks[t.name] < self.persist:
             return None  # a zero at initialisation, which the first update may lift
-        earlier = state["scales"][t.name][2]  # noted: its scale at an earlier step (NaN: none)
+        earlier = state.get("had", {}).get(t.name, math.nan)  # a scale it had (NaN: never)
         return Finding(mean, self.threshold, self._message(t, mean, typical, bias, earlier))
 
     def _nonzero_mean(self, t: TensorStats) -> float | Refine | None:

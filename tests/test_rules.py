@@ -296,6 +296,8 @@ def test_a_gradient_that_stops_after_steps_with_one_is_not_said_to_be_unconnecte
     assert dead.value == 0.0 and "receives no gradient at all" in dead.message
     assert "though it had one before (root-mean-square 0.01)" in dead.message
     assert "died or saturated since" in dead.message and "not connected" not in dead.message
+    still = judge(rule, np.zeros(10), state, trainable=True, step=3, **GRAD)  # and a step later
+    assert "though it had one before (root-mean-square 0.01)" in still.message
 
 
 def test_a_bias_cancelled_by_construction_is_judged_with_its_modules_weight_of_the_same_pass():
