@@ -371,6 +371,7 @@ def test_run_says_a_second_model_apart_from_the_watched_one_is_not_watched(
     assert err.count("a model apart from the watched Sequential") == 1, err
     assert "Sequential (49 parameters), a model apart from the watched Sequential, runs too " \
            "and is not watched; to watch both, attach tensordbg in the script" in err  # fmt: skip
+    assert "opt_g" not in err  # no name the script does not have
 
 
 def test_ctrl_c_reaches_the_ui_as_how_the_training_ended(tmp_path: Path, monkeypatch):
@@ -421,6 +422,7 @@ def test_a_runs_dump_is_bounded_from_the_command_line_and_keeps_its_hit(cli, scr
     steps = dump.steps()
     assert 3 in steps and 39 in steps  # the hit's step stays; the latest steps are there
     assert len(steps) < 40  # the oldest steps without hits went
+    assert "steps with hits went to keep the dump under max_bytes=24,576" in err  # said
     size = sum(f.stat().st_size for f in (script.parent / "dbg").rglob("*") if f.is_file())
     assert size < 3 * 24 * 2**10
     for text, said in [("0", "a size such as 500M or 2G, not '0'"), ("lots", "not 'lots'")]:

@@ -275,7 +275,7 @@ def test_detaching_while_profiling_leaves_nothing_behind_and_keeps_the_steps_don
             session.detach()
     report = handle.wait(30)
     assert handle.state == "done" and report.steps == [1, 2, 3]
-    assert "3 of 5" in report.message
+    assert "3 of its 5" in report.message
     assert not torch.autograd.profiler._is_profiler_enabled
     assert torch.autograd.backward is backward
     assert hooks_of(model, opt) == 0

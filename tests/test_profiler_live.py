@@ -205,7 +205,7 @@ def test_tensordbg_run_profile_of_a_short_script_reports_the_steps_it_had(cli, t
     done = tensordbg_run(tmp_path, "10", "5")
     assert done.returncode == 0, done.stderr
     assert "tensordbg profile: 3 steps (2..4)" in done.stderr
-    assert "3 of 10 profiled steps" in done.stderr
+    assert "3 of its 10 steps were profiled" in done.stderr
     code, _, err = cli("run", "--profile", "0", "x.py")
     assert code == 2 and "a number of steps from 1 to 1000" in err
     assert "Traceback" not in err

@@ -301,6 +301,10 @@ class DumpRecorder:
         if steps and self.session.rank == 0:  # where to look, once (a job's ranks share it)
             print(f"tensordbg: {steps} step{'s' * (steps != 1)} dumped in {root}: tensordbg "
                   f"replay {root}, tensordbg check {root}", file=sys.stderr)  # fmt: skip
+            if gone := len(self.writer.evicted_hits):
+                print(f"tensordbg: {gone} step{'s' * (gone != 1)} with hits went to keep the "
+                      f"dump under max_bytes={self.writer.max_bytes:,} (the first step with hits "
+                      "and the newest stay)", file=sys.stderr)  # fmt: skip
 
     # --- the writer thread -------------------------------------------------------------------
 

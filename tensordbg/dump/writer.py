@@ -80,6 +80,7 @@ class DumpWriter:
         }
         self.meta["format_version"] = fmt.FORMAT_VERSION
         self.evicted: list[tuple[int, int]] = []
+        self.evicted_hits: list[tuple[int, int]] = []  # steps with hits the bound took too
         self.closed = False
         self._dirs: dict[int, Path] = {}
         self._index: dict[int, BinaryIO] = {}
@@ -292,6 +293,8 @@ class DumpWriter:
             if written.file:
                 _unlink(self._dirs[rank] / written.file)
             self.evicted.append((step, rank))
+            if written.keep:
+                self.evicted_hits.append((step, rank))
 
     def _rewrite_index(self, rank: int, steps: set[int]) -> None:
         self._close_index(rank)  # the rewritten index is a new file: appended to from here

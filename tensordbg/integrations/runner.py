@@ -172,8 +172,9 @@ class ScriptRun:
         print(f"tensordbg: {type(module).__name__} ({n:,} "
               f"parameters), a model apart from the watched {type(watched).__name__}, runs "
               "too and is not watched; to watch both, attach tensordbg in the script to a "
-              "module holding them: tensordbg.attach(torch.nn.ModuleDict({'G': G, 'D': D}), "
-              "optimizer=[opt_g, opt_d])", file=sys.stderr, flush=True)  # fmt: skip
+              "module holding them, with their optimizers: tensordbg.attach(torch.nn.ModuleDict("
+              "{'G': your generator, 'D': this model}), optimizer=[both optimizers])",
+              file=sys.stderr, flush=True)  # fmt: skip
 
     def _on_optimizer(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         session = self.session

@@ -145,8 +145,8 @@ class Profiler:
                 self._end(
                     run,
                     "done",
-                    "the training was detached (or ended) after "
-                    f"{len(run.completed)} of {run.handle.steps} profiled steps",
+                    f"{len(run.completed)} of its {run.handle.steps} steps "
+                    f"{'was' if len(run.completed) == 1 else 'were'} profiled",
                 )
             else:
                 self._end(
