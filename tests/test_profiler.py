@@ -335,3 +335,31 @@ def test_operators_by_input_shape_and_their_flops_agree_with_key_averages():
     for op in rows:
         row = expected[("aten::addmm", op["input_shapes"])]
         assert op["calls"] == row.count and op["flops"] == row.flops > 0
+
+
+@pytest.mark.parametrize("message", ["", "1 of its 10 steps were profiled"])
+def test_a_profile_still_summarized_at_exit_is_printed_and_said_cut_only_when_it_was(
+    capsys, message
+):
+    """A profile whose steps were all done, still being summarized when the script exited,
+    was said "ended while profiling" (a CI run caught it); one the exit cut short still is."""
+    from tensordbg.profiler.handle import ProfileHandle
+
+    handle = ProfileHandle(10, profiler=None)
+    handle.state, handle.message = "summarizing", message
+    report = ProfileReport(device="cpu", steps=[1, 2, 3],
+                           breakdown=[{"step": s, "forward": 0.01, "total": 0.01}
+                                      for s in (1, 2, 3)])  # fmt: skip
+
+    def summarized() -> None:
+        time.sleep(0.2)
+        handle.report, handle.state = report, "done"
+        handle._finished.set()
+
+    threading.Thread(target=summarized).start()
+    handle.say_if_cut("tensordbg")
+    handle.say_if_cut("tensordbg")  # once
+    err = capsys.readouterr().err
+    assert err.count(report.text()) == 1
+    cut = f"tensordbg: the training ended while profiling; {message}\n"
+    assert (cut in err) == bool(message), err

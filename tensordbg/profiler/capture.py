@@ -240,7 +240,7 @@ class Profiler:
         if state != "done" or profiler is None or was not in ("warmup", "active"):
             self._finish(run, None, "cancelled" if state == "done" else state, message)
             return
-        run.handle.state = "summarizing"
+        run.handle.state, run.handle.message = "summarizing", message  # message: cut short
         run.handle.torch_profile = profiler
         run.wall = time.perf_counter() - run.clock[0] if run.clock else 0.0
         run.cpu = time.process_time() - run.clock[1] if run.clock else 0.0

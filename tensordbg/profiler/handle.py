@@ -58,11 +58,11 @@ class ProfileHandle:
         otherwise lose it with the process. So too a report nobody waited for, when
         :attr:`report_at_exit` (a session of ``tensordbg.profile``: nothing else shows it).
         ``who`` begins the line: ``"tensordbg run"``."""
-        cut = self.state == "summarizing"
+        summarizing = self.state == "summarizing"  # else lost with the process
         unread = self.report_at_exit and not self._waited and self.state in ("summarizing", "done")
-        if not (cut or unread) or self._said:
+        if not (summarizing or unread) or self._said:
             return
-        self._said = True
+        self._said, cut = True, bool(self.message)  # a message says how many steps were done
         report = self.wait(timeout)
         if report is not None:
             if cut:
