@@ -357,8 +357,8 @@ def test_a_profile_still_summarized_at_exit_is_printed_and_said_cut_only_when_it
         handle._finished.set()
 
     threading.Thread(target=summarized).start()
-    handle.say_if_cut("tensordbg")
-    handle.say_if_cut("tensordbg")  # once
+    handle.say_at_exit("tensordbg")
+    handle.say_at_exit("tensordbg")  # once
     err = capsys.readouterr().err
     assert err.count(report.text()) == 1
     cut = f"tensordbg: the training ended while profiling; {message}\n"

@@ -497,4 +497,4 @@ def _detach_at_exit(ref: weakref.ref[Session]) -> None:
         print_summary(session)
     session.detach(finished=True)
     if session.profiling is not None:  # asked for (from the UI) and cut off by the exit
-        session.profiling.say_if_cut("tensordbg")
+        session.profiling.say_at_exit("tensordbg")

@@ -237,7 +237,7 @@ def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = 
             _print_profile(run)
         for session in sessions:  # a profile the UI asked for, cut off by the script's end
             if session.profiling is not None and session.profiling is not run.profiling:
-                session.profiling.say_if_cut("tensordbg run")
+                session.profiling.say_at_exit("tensordbg run")
 
 
 def _print_profile(run: ScriptRun) -> None:

@@ -36,7 +36,7 @@ class ProfileHandle:
         self._finished = threading.Event()
         self._said = self._waited = False
         self.report_at_exit = False
-        """Print the report at the program's exit if nobody waited for it (``say_if_cut``)."""
+        """Print the report at the program's exit if nobody waited for it (``say_at_exit``)."""
 
     @property
     def done(self) -> bool:
@@ -51,7 +51,7 @@ class ProfileHandle:
         self._finished.wait(timeout)
         return self.report
 
-    def say_if_cut(self, who: str, timeout: float = 120) -> None:
+    def say_at_exit(self, who: str, timeout: float = 120) -> None:
         """Print on stderr, once, the report of a profile that the training's end cut short
         while it was being summarized: the steps done, as ``--profile`` prints them. Whoever
         asked for it (the UI, gone with its connection; a script that did not wait) would
