@@ -363,3 +363,15 @@ def test_a_profile_still_summarized_at_exit_is_printed_and_said_cut_only_when_it
     assert err.count(report.text()) == 1
     cut = f"tensordbg: the training ended while profiling; {message}\n"
     assert (cut in err) == bool(message), err
+
+
+def test_a_report_of_one_step_says_one_step_not_steps():
+    """A profile cut after its first step said "1 steps (11..11) ..., median step"."""
+    one = ProfileReport(device="cpu", steps=[11],
+                        breakdown=[{"step": 11, "forward": 0.01, "total": 0.01}])  # fmt: skip
+    first = one.text().splitlines()[0]
+    assert first.startswith("tensordbg profile: 1 step (11) on cpu, its step "), first
+    three = ProfileReport(device="cpu", steps=[2, 3, 4],
+                          breakdown=[{"step": s, "forward": 0.01, "total": 0.01}
+                                     for s in (2, 3, 4)])  # fmt: skip
+    assert three.text().startswith("tensordbg profile: 3 steps (2..4) on cpu, median step ")

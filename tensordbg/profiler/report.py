@@ -24,6 +24,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from tensordbg.offline.sentences import plural
+
 VERSION = 1
 
 # The categories of a breakdown row, in the order of the priority rule; "other" is the rest.
@@ -114,9 +116,10 @@ class ProfileReport:
             return f"tensordbg profile: no step was profiled. {self.message}".rstrip()
         median = times[len(times) // 2]
         first, last = self.steps[0], self.steps[-1]
+        span = f"{first}..{last}" if last != first else f"{first}"
         lines = [
-            f"tensordbg profile: {len(times)} steps ({first}..{last}) on {self.device}, "
-            f"median step {_ms(median)}"
+            f"tensordbg profile: {plural(len(times), 'step')} ({span}) on {self.device}, "
+            f"{'its' if len(times) == 1 else 'median'} step {_ms(median)}"
         ]
         shares = [(c, self.share(c)) for c in CATEGORIES]
         lines.append("  " + "  ".join(f"{c} {s:.1%}" for c, s in shares if s >= 0.0005))
