@@ -285,6 +285,24 @@ def test_verify_keeps_no_file_open_and_reads_the_ranks_asked(tmp_path):
     assert dump.tensor("fc.output").value(3).shape == (3, 5)  # still readable after it
 
 
+def test_reading_a_tensor_at_every_step_keeps_a_bounded_number_of_files_open(tmp_path, monkeypatch):
+    """Each step read stayed mapped, and a mapping holds a descriptor: reading one tensor across
+    the 932 steps of a dump failed with "Too many open files" under macOS's limit of 256."""
+    from tensordbg.dump import reader
+
+    monkeypatch.setattr(reader, "MAPS_KEPT", 4, raising=False)
+    _write(tmp_path, steps=range(30))
+    dump = load(tmp_path)
+    tensor = dump.tensor("fc.output")
+    open_before = len(os.listdir("/proc/self/fd"))
+    kept = tensor.value(0)  # an array the caller keeps: its file stays readable under it
+    for step in range(30):
+        assert _bits(tensor.value(step)) == _bits(_values()["fc.output"])
+    assert len(os.listdir("/proc/self/fd")) <= open_before + 4 + 1
+    assert _bits(kept) == _bits(_values()["fc.output"])
+    assert _bits(tensor.value(0)) == _bits(kept)  # mapped again once evicted
+
+
 def test_flipped_bytes_in_the_header_fail_at_first_read(tmp_path):
     _write(tmp_path)
     path = tmp_path / "rank-0" / "step-00000000.safetensors"

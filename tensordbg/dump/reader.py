@@ -14,10 +14,12 @@ sentence, and reading it raises :class:`DumpError`; every other step stays reada
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -32,6 +34,11 @@ from tensordbg.offline.sentences import step_runs
 # A tensor up to this size is checked against its checksum when its value is read; larger
 # ones are memory-mapped unchecked (a slice must read only that slice): Dump.verify() checks them.
 VERIFY_ON_READ = 64 * 2**20
+MAPS_KEPT = 64
+"""How many steps' files a :class:`Dump` keeps mapped at once. A mapping holds a file
+descriptor (Python's ``mmap`` keeps a copy of it), and a dump of thousands of steps read across
+them all (``dump.tensor(name)`` at every step, a replay walked end to end) would otherwise run
+out of descriptors: 1024 on most Linux desktops, 256 on macOS."""
 
 _HIT_FIELDS = {f.name for f in fields(Hit)}
 # Dumps written before entries said whether they are trainable: what held for them.
@@ -192,7 +199,7 @@ class Dump:
         self._steps: dict[tuple[int, int], _Step] = {}
         for rank in ranks:
             self._read_index(rank)
-        self._maps: dict[tuple[int, int], tuple[mmap.mmap, int]] = {}
+        self._maps: OrderedDict[tuple[int, int], tuple[mmap.mmap, int]] = OrderedDict()
         self._checked: set[tuple[int, int, str]] = set()
 
     def __repr__(self) -> str:
@@ -422,8 +429,16 @@ class Dump:
     def _map(self, record: _Step) -> tuple[mmap.mmap, int]:
         key = (record.step, record.rank)
         cached = self._maps.get(key)
-        if cached is None:
-            cached = self._maps[key] = self._open(record)
+        if cached is not None:
+            self._maps.move_to_end(key)
+            return cached
+        cached = self._maps[key] = self._open(record)
+        while len(self._maps) > MAPS_KEPT:  # the least recently read goes
+            buffer, _ = self._maps.popitem(last=False)[1]
+            if isinstance(buffer, mmap.mmap):
+                # Arrays that still view it keep it open until the last of them goes.
+                with contextlib.suppress(BufferError):
+                    buffer.close()
         return cached
 
     def _open(self, record: _Step) -> tuple[mmap.mmap, int]:
