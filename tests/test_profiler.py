@@ -369,8 +369,11 @@ def test_a_report_of_one_step_says_one_step_not_steps():
     """A profile cut after its first step said "1 steps (11..11) ..., median step"."""
     one = ProfileReport(device="cpu", steps=[11],
                         breakdown=[{"step": 11, "forward": 0.01, "total": 0.01}])  # fmt: skip
+    one.operators = [{"name": "enumerate(DataLoader)", "calls": 1, "self_cpu": 0.0004,
+                      "self_device": 0.0}]  # fmt: skip
     first = one.text().splitlines()[0]
     assert first.startswith("tensordbg profile: 1 step (11) on cpu, its step "), first
+    assert "      1 call   enumerate(DataLoader)" in one.text(), one.text()
     three = ProfileReport(device="cpu", steps=[2, 3, 4],
                           breakdown=[{"step": s, "forward": 0.01, "total": 0.01}
                                      for s in (2, 3, 4)])  # fmt: skip

@@ -201,6 +201,35 @@ def test_a_profile_only_session_nobody_waited_for_prints_its_report_at_exit(tmp_
     assert "ended while profiling" not in done.stderr
 
 
+READS = (
+    "import time\nwhile not handle.done: time.sleep(0.05)\n"
+    "print(handle.report.text(), file=sys.stderr)\n"
+)
+
+
+@pytest.mark.parametrize("reads", ["", READS])
+def test_a_profile_a_detach_cut_short_is_printed_at_exit_unless_the_script_read_it(tmp_path, reads):
+    """A profile still running when the script detached (the end of ``with attach(...)``) was
+    lost: the detach took the session's exit hook with it, so the report was never printed
+    and its trace never written."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.replace(
+        "for step, (x, y)",
+        "import tensordbg\n"
+        "session = tensordbg.attach(model, optimizer=opt, on_hit='record', server=False)\n"
+        "handle = session.profile(steps=5)\n"
+        "for step, (x, y)",
+    ).replace('print("trained")', 'session.detach()\nprint("trained")\n' + reads))  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, str(script), "4"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=180, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    said = "tensordbg: detached while profiling; 3 of its 5 steps were profiled"
+    assert (said in done.stderr) != bool(reads), done.stderr  # a script that read it printed it
+    assert done.stderr.count("tensordbg profile: 3 steps (1..3) on cpu") == 1, done.stderr
+    assert list(tmp_path.glob("tensordbg-*/*/trace-*.json.gz")), done.stderr
+
+
 def test_tensordbg_run_profile_of_a_short_script_reports_the_steps_it_had(cli, tmp_path: Path):
     done = tensordbg_run(tmp_path, "10", "5")
     assert done.returncode == 0, done.stderr

@@ -22,6 +22,7 @@ resumes, and when it is detached; the profiler follows those, on the training th
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import getpass
 import os
@@ -148,12 +149,22 @@ class Profiler:
                     f"{len(run.completed)} of its {run.handle.steps} steps "
                     f"{'was' if len(run.completed) == 1 else 'were'} profiled",
                 )
+                self._report_at_exit(run.handle)
             else:
                 self._end(
                     run,
                     "cancelled",
                     "the training was detached (or ended) before a step was profiled",
                 )
+
+    def _report_at_exit(self, handle: ProfileHandle) -> None:
+        """A detach cut the profile short: the session whose UI or exit would have shown its
+        report is gone, so it is printed at the program's exit unless the script reads it
+        first (``handle.wait()``, ``handle.report``). The trace is written then at the latest."""
+        if not self.session._exiting:
+            handle.cut_by = "detached"
+        handle.report_at_exit = True
+        atexit.register(handle.say_at_exit, "tensordbg")
 
     def _step_end(self, run: _Run, payload: Any) -> None:
         if run.state == "armed":

@@ -25,9 +25,7 @@ class ProfileHandle:
         """``pending`` (waiting for a step boundary), ``running``, ``summarizing``, ``done``,
         ``failed`` or ``cancelled``."""
         self.message = ""
-        self.report: ProfileReport | None = None
-        """The report, once the steps are profiled and summarized; None before (and after a
-        failure or a cancel)."""
+        self._report: ProfileReport | None = None
         self.torch_profile: Any = None
         """The ``torch.profiler.profile`` that recorded the steps, once they are done: for what
         the report leaves out (``key_averages(group_by_stack_n=5)``, ``export_stacks()``); its
@@ -36,7 +34,22 @@ class ProfileHandle:
         self._finished = threading.Event()
         self._said = self._waited = False
         self.report_at_exit = False
-        """Print the report at the program's exit if nobody waited for it (``say_at_exit``)."""
+        """Print the report at the program's exit if nobody read it (``say_at_exit``)."""
+        self.cut_by = "the training ended"
+        """What cut the profile short, when :attr:`message` says it was: the exit, or a
+        detach (the training went on unwatched)."""
+
+    @property
+    def report(self) -> ProfileReport | None:
+        """The report, once the steps are profiled and summarized; None before (and after a
+        failure or a cancel). Once read, it is not printed again at the program's exit."""
+        if self._report is not None:
+            self._waited = True
+        return self._report
+
+    @report.setter
+    def report(self, report: ProfileReport | None) -> None:
+        self._report = report
 
     @property
     def done(self) -> bool:
@@ -49,7 +62,7 @@ class ProfileHandle:
         (the steps are profiled by the training thread)."""
         self._waited = True
         self._finished.wait(timeout)
-        return self.report
+        return self._report
 
     def say_at_exit(self, who: str, timeout: float = 120) -> None:
         """Print on stderr, once, the report of a profile that the training's end cut short
@@ -66,7 +79,7 @@ class ProfileHandle:
         report = self.wait(timeout)
         if report is not None:
             if cut:
-                print(f"{who}: the training ended while profiling; {self.message}",
+                print(f"{who}: {self.cut_by} while profiling; {self.message}",
                       file=sys.stderr)  # fmt: skip
             print(report.text(), file=sys.stderr, flush=True)
 

@@ -129,7 +129,8 @@ class ProfileReport:
             lines.append("  top operators (self time):")
             for op in self.operators[:operators]:
                 own = op["self_cpu"] + op["self_device"]
-                lines.append(f"    {_ms(own):>10}  {op['calls']:>6} calls  {op['name']}")
+                calls = "call " if op["calls"] == 1 else "calls"
+                lines.append(f"    {_ms(own):>10}  {op['calls']:>6} {calls}  {op['name']}")
         memory = self.memory
         if memory.get("peak_allocated"):
             peak = f"  memory: peak {_bytes(memory['peak_allocated'])} allocated"
