@@ -1130,3 +1130,33 @@ def test_a_ui_is_told_whether_the_training_finished_or_goes_on_unwatched(watch, 
     model(torch.randn(2, 4))
     session.detach(finished=finished)
     assert heard[-1] == ("finished" if finished else "detached")
+
+
+@pytest.mark.parametrize("sync", ["eager", "batched", "deferred"])
+def test_a_recheck_at_a_pause_makes_no_hit_twice_and_keeps_passed_on_hits_so(sync):
+    """A recheck while paused at a deferred phase's origin judged the hits the phase had still
+    to make after the pause (its downstream tensors): each came twice, the recheck's copy
+    without its "passed on" sentence (the demo's Rules tab counted 17 NaN hits for 2)."""
+    rechecked: list[list] = []
+
+    def on_hit(hit) -> None:
+        if not rechecked:
+            rechecked.append(session.recheck())
+
+    def attach(model, optimizer):
+        nonlocal session
+        session = tensordbg.attach(model, optimizer=optimizer, on_hit=on_hit, server=False,
+                                   sync=sync)  # fmt: skip
+        return session
+
+    session = None
+    run = run_gpt(attach, steps=6, bad_step=4)
+    run.session.detach()
+    hits = run.session.hits
+    assert rechecked == [[]]  # nothing was missed: the rules did not change
+    twice = [(h.step, h.tensor, h.rule) for h in hits]
+    assert len(twice) == len(set(twice)), sorted(t for t in twice if twice.count(t) > 1)[:4]
+    downstream = [h for h in hits if not h.origin and h.kind == "output"]
+    assert downstream and all("passed on" in h.message for h in downstream)
+    weights = [h for h in hits if h.kind == "param"]  # the update wrote the gradient's NaN in
+    assert weights and all("from the gradient, which held it already" in h.message for h in weights)

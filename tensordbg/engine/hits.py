@@ -115,6 +115,7 @@ class HitLog:
         module: Call | None = None,
         kind: str | None = None,
         name: str | None = None,
+        by_gradient: bool = False,
     ) -> Hit:
         """The hit of one finding on one record; ``module``/``kind``/``name`` name another place
         when the value is reported where it was made (a parent's own code, a consumer's
@@ -145,6 +146,7 @@ class HitLog:
                 path,
                 self.first_origin.get(condition, ""),
                 self.bad_buffers(path) if is_origin and kind == "output" and path else (),
+                by_gradient,
             ),
             ref=stats.ref,
             call=module.index if module is not None else stats.call,
@@ -185,17 +187,23 @@ def _summary(record: Record) -> dict[str, Any]:
 
 
 def with_origin(finding: Finding, is_origin: bool, condition: int | None, kind: str,
-                module: str, first: str, bad_buffers: Sequence[str] = ()) -> str:  # fmt: skip
+                module: str, first: str, bad_buffers: Sequence[str] = (),
+                by_gradient: bool = False) -> str:  # fmt: skip
     """The finding's sentence, followed by where the value came from. Its advice (what the
     condition usually means) is given where the condition arose, not repeated downstream.
-    ``bad_buffers``: the module's buffers that are not finite (they fed its output)."""
+    ``bad_buffers``: the module's buffers that are not finite (they fed its output);
+    ``by_gradient``: a parameter's, which its gradient held before the step."""
     if condition is None:
         return finding.advised
     if not is_origin:
         source = f" (first produced at {first})" if first else ""
+        if kind == "param" and by_gradient:
+            return (f"{finding.message} The update wrote it in from the gradient, which held it "
+                    f"already{source}: skip such an update (k, or on_hit='skip') to keep the "
+                    "weights clean.")  # fmt: skip
         if kind == "param":
-            return (f"{finding.message} It came with its gradient or was so before this "
-                    f"step{source}: the update did not make it.")  # fmt: skip
+            return (f"{finding.message} It was so before this step{source}: the update did not "
+                    "make it.")  # fmt: skip
         return f"{finding.message} It was passed on from upstream{source}, not produced here."
     note = _ORIGIN_NOTE.get((kind, bool(module)), _ORIGIN_NOTE[kind, True])
     if bad_buffers:

@@ -44,6 +44,7 @@ class Verdict(NamedTuple):
     call: Call | None = None
     kind: str | None = None
     name: str | None = None
+    by_gradient: bool = False  # a parameter's condition that its gradient held before the step
 
 
 def condition_of(record: Record, rule_id: int) -> int | None:
@@ -90,11 +91,13 @@ class Attribution:
         if kind == "param":
             # Not made here if its gradient brought it, or if it was so already (a weight set to
             # Inf by hand stays Inf: its first check is the origin, the later ones are not).
-            upstream = self.grad_fired.get(record.param, set())
-            upstream = upstream | self.param_fired.get(record.param, set())
-            out = [Verdict(record, rule_id, finding,
-                           condition_of(record, rule_id) not in upstream)
-                   for rule_id, finding in record.findings.items()]  # fmt: skip
+            by_gradient = self.grad_fired.get(record.param, set())
+            upstream = by_gradient | self.param_fired.get(record.param, set())
+            out = []
+            for rule_id, finding in record.findings.items():
+                condition = condition_of(record, rule_id)
+                out.append(Verdict(record, rule_id, finding, condition not in upstream,
+                                   by_gradient=condition in by_gradient))  # fmt: skip
             if record.conditions:
                 self.param_fired[record.param] = set(record.conditions)
             else:

@@ -9,7 +9,9 @@ import sys
 import time
 from typing import Any
 
+from tensordbg.engine import origin
 from tensordbg.engine.control import DETACHED, STEP
+from tensordbg.engine.phases import records_of
 from tensordbg.hit import Hit, WatchpointHit
 
 FORKED_SAID = 20  # hits a forked process prints at most
@@ -98,6 +100,41 @@ class Pausing:
             )
         if not self._skip_requested:
             self._skip()
+
+    def recheck(self) -> list[Hit]:
+        """Judge the current phase again with the rules as they are now (edited thresholds,
+        added rules), without re-running the step; like MindInsight's recheck. Rules judge with
+        a copy of their memory, so a recheck does not count as another step. Returns the hits
+        that were not found before (they join ``session.hits``).
+
+        The origin of a condition is taken from the first judgement of the phase; a rule added
+        since is an origin wherever it fires (its propagation is not traced again)."""
+        self.rules_changed()
+        already = {(h.ref, h.rule) for h in self.hits}
+        origins = {h.ref for h in self.hits if h.origin}
+        found: list[Hit] = []
+        later = records_of(self.undrained)
+        for record in self.records:
+            stats = record.stats
+            applicable = self.ruleset.applicable(stats)
+            record.rule_ids = applicable.rule_ids
+            if id(record) in later:
+                # Judged after this pause, in execution order, with the rules as they are now
+                # (its origin traced then): judging it here too made each of its hits twice.
+                record.checks = applicable.checks
+                continue
+            missing = tuple(s for s in applicable.wanted if s not in stats.values)
+            tensor = record.held()
+            if missing and tensor is not None and stats.kind != "update":
+                stats.values.update(zip(missing, self.measure(stats, tensor, missing),
+                                        strict=True))  # fmt: skip
+            for rule_id, finding in self.ruleset.rejudge(record, already):
+                is_origin = not stats.nonfinite or stats.ref in origins
+                before = len(self.hits)
+                self._hit(origin.Verdict(record, rule_id, finding, is_origin))
+                found.extend(self.hits[before:])
+        self._pausing = []  # already paused: what a recheck finds is shown, not paused on
+        return found
 
     def forked(self) -> bool:
         """Whether this is a forked child of the attaching process (a DataLoader worker that

@@ -230,3 +230,15 @@ class PhaseQueue:
         self.by_ref = {}
         self.pending = []
         self.batch = StatsBatch()
+
+
+def records_of(events: list[Any]) -> set[int]:
+    """The ids of the records whose hits these events, still to be handled, will make."""
+    ids = set()
+    for event in events:
+        record = getattr(event, "record", None)
+        if record is not None:
+            ids.add(id(record))
+        elif type(event) is Exit:
+            ids.update(id(r) for _, r in event.call.outputs)
+    return ids

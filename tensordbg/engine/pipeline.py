@@ -306,12 +306,14 @@ class Pipeline(Pausing, Pinpointing):
         """Handle what the hooks saw, in execution order, pausing at each hit that asks for it
         there (as eager mode pauses in the hook), and nothing more once detached."""
         pending, self.phases.pending = self.phases.pending, []
-        for event in pending:
+        for i, event in enumerate(pending):
             if self.detached:
                 return
             self._handle(event)
             if self._pausing:
+                self.undrained = pending[i + 1 :]  # a recheck while paused leaves them be
                 self._pause_if_needed()
+                self.undrained = []
 
     def _start_phase(self, phase: str) -> None:
         if self.phase == "forward":
@@ -372,7 +374,8 @@ class Pipeline(Pausing, Pinpointing):
         if verdict.origin and self.ranks is not None and record.stats.kind in CARRIED_KINDS:
             carried = self.ranks.carried(record.stats.step)
         hit = self.hitlog.make(record, active, verdict.finding, verdict.origin and not carried,
-                               condition, verdict.call, verdict.kind, verdict.name)  # fmt: skip
+                               condition, verdict.call, verdict.kind, verdict.name,
+                               verdict.by_gradient)  # fmt: skip
         if carried:
             hit.message += f" {carried}"
         self._name_operation(hit, verdict, record)

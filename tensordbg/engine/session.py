@@ -133,6 +133,7 @@ class Session(Pipeline, BackwardPhase, OptimizerPhase):
         self.origins = origin.Attribution(self._owner_calls)
         self.optimizers: list[torch.optim.Optimizer] = []
         self._pausing: list[Hit] = []
+        self.undrained: list[Any] = []  # the phase's events after the pause under way
         self._forward_open = False
         self._backward_tasks: set[int] = set()
         self._loose: ActGradNote | None = None  # an activation gradient screened at the next
@@ -305,35 +306,6 @@ class Session(Pipeline, BackwardPhase, OptimizerPhase):
         """Forget which rules apply to which tensor (after a rule was added, edited, toggled)."""
         self.ruleset.changed()
         self._quiet_params = {}
-
-    def recheck(self) -> list[Hit]:
-        """Judge the current phase again with the rules as they are now (edited thresholds,
-        added rules), without re-running the step; like MindInsight's recheck. Rules judge with
-        a copy of their memory, so a recheck does not count as another step. Returns the hits
-        that were not found before (they join ``session.hits``).
-
-        The origin of a condition is taken from the first judgement of the phase; a rule added
-        since is an origin wherever it fires (its propagation is not traced again)."""
-        self.rules_changed()
-        already = {(h.ref, h.rule) for h in self.hits}
-        origins = {h.ref for h in self.hits if h.origin}
-        found: list[Hit] = []
-        for record in self.records:
-            stats = record.stats
-            applicable = self.ruleset.applicable(stats)
-            record.rule_ids = applicable.rule_ids
-            missing = tuple(s for s in applicable.wanted if s not in stats.values)
-            tensor = record.held()
-            if missing and tensor is not None and stats.kind != "update":
-                stats.values.update(zip(missing, self.measure(stats, tensor, missing),
-                                        strict=True))  # fmt: skip
-            for rule_id, finding in self.ruleset.rejudge(record, already):
-                is_origin = not stats.nonfinite or stats.ref in origins
-                before = len(self.hits)
-                self._hit(origin.Verdict(record, rule_id, finding, is_origin))
-                found.extend(self.hits[before:])
-        self._pausing = []  # already paused: what a recheck finds is shown, not paused on
-        return found
 
     def detach(self, *, finished: bool = False) -> None:
         """Remove every hook tensordbg installed, free every tensor it held, stop its server and
