@@ -180,7 +180,7 @@ def attach(
     if session.capture.unmatched:
         session.log(session.capture.unmatched, "warning")
         print(f"tensordbg: {session.capture.unmatched}", file=sys.stderr, flush=True)
-    if on_hit == "raise":  # an uncaught hit shows the user's frames only (tracebacks.py)
+    if on_hit in ("raise", "skip"):  # an uncaught hit shows the user's frames only (tracebacks.py)
         session.handles.callback(install_excepthook(), "excepthook")
     try:
         if dump_dir is not None:

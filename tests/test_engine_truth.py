@@ -766,7 +766,9 @@ def test_the_summary_counts_what_it_does_not_list(watch):
 def test_the_hook_that_shows_an_uncaught_hit_goes_at_detach_unless_an_error_is_on_its_way_up(
     watch, monkeypatch
 ):
-    """attach(on_hit="raise") puts its excepthook before the interpreter's; a detach takes it
+    """attach(on_hit="raise"), and "skip" (which raises once it gave up skipping: its traceback
+    ran through forty frames of PyTorch's and tensordbg's), put an excepthook before the
+    interpreter's; a detach takes it
     away, but not one made while an error propagates (a framework's teardown): the hook must
     still be there when the hit reaches the top."""
     import sys
@@ -774,6 +776,9 @@ def test_the_hook_that_shows_an_uncaught_hit_goes_at_detach_unless_an_error_is_o
     from tensordbg.tracebacks import shows_hits
 
     monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    session = watch(mlp(), on_hit="skip")  # it raises too, past max_skipped_steps in a row
+    assert shows_hits()
+    session.detach()
     session = watch(mlp(), on_hit="raise")
     assert shows_hits()
     session.detach()
