@@ -761,6 +761,9 @@ def test_the_summary_counts_what_it_does_not_list(watch):
     summary = session.summary()
     assert summary.startswith("tensordbg: 8 hits, 8 at their origin.")
     assert "... and 3 more at their origin (3 NaN)" in summary
+    one = watch(MakesNaN(), on_hit="record", rules=[NaN()])
+    one.model(torch.randn(2, 4))
+    assert one.summary().startswith("tensordbg: 1 hit, at its origin."), one.summary()
 
 
 def test_the_hook_that_shows_an_uncaught_hit_goes_at_detach_unless_an_error_is_on_its_way_up(

@@ -91,7 +91,12 @@ class HitLog:
             return "tensordbg: no hits."
         first = [h for h in self.hits if h.origin]
         total = len(self.hits)
-        lines = [f"tensordbg: {total} hit{'s' * (total != 1)}, {len(first)} at their origin."]
+        where = (
+            f"{len(first)} at their origin"
+            if total != 1
+            else f"{'' if first else 'not '}at its origin"
+        )
+        lines = [f"tensordbg: {total} hit{'s' * (total != 1)}, {where}."]
         for hit in first[:origins]:
             lines.append(f"  step {hit.step} {hit.phase}: [{hit.rule}] {hit.tensor}")
             lines.append(f"    {hit.message}")

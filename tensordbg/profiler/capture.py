@@ -154,7 +154,7 @@ class Profiler:
                 self._end(
                     run,
                     "cancelled",
-                    "the training was detached (or ended) before a step was profiled",
+                    "the training ended or was detached before a step was profiled",
                 )
 
     def _report_at_exit(self, handle: ProfileHandle) -> None:
