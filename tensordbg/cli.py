@@ -103,8 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = _command(commands, "demo", "train a small model that goes wrong, with the UI attached")
     demo.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
-    demo.add_argument("--bad-step", type=int, default=25, help="the step whose batch is broken")
-    demo.add_argument("--no-ui", action="store_true", help="print the hits instead of the UI")
+    demo.add_argument(
+        "--bad-step", type=int, default=25, help="the step whose batch is broken (default 25)"
+    )
+    demo.add_argument(
+        "--no-ui", action="store_true", help="print a summary of the hits instead of the UI"
+    )
     demo.set_defaults(handler=_demo)
 
     run = _command(commands, "run", "debug a training script without changing it")
@@ -215,7 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
     tui = _command(commands, "tui", "open the terminal UI on a running training")
     tui.add_argument("connection", nargs="?", help="a session's connection file")
     tui.add_argument("--run-id", help="the run to open (waits for it with --wait)")
-    tui.add_argument("--wait", type=float, default=0.0, help="seconds to wait for --run-id")
+    tui.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        help="seconds to wait for a training to start (the one of --run-id, else any)",
+    )
     tui.set_defaults(handler=_tui)
 
     replay = _command(commands, "replay", "open the terminal UI on a dump of a recorded run")
