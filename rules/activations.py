@@ -19,7 +19,8 @@ def _unit_dim(t: TensorStats) -> int:
 class _UnitActivity(Rule):
     """What DeadActivation and SaturatedActivation share: a unit (a channel of a conv map, a
     feature otherwise) is inactive when it is live in under ``inactivity_threshold`` of its
-    values, and the layer is reported when more than ``layer_threshold`` of its units are."""
+    values, and the layer is reported when more than ``layer_threshold`` of its units are. A
+    tensor that holds NaN or Inf is left to the NaN and Overflow rules."""
 
     kinds = frozenset({"output"})
     # For the message: what an inactive unit is called, what being live means, what to do.
@@ -67,6 +68,10 @@ class _UnitActivity(Rule):
         return () if stat is None else (stat,)
 
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
+        # A NaN is never live, so a NaN layer would look all dead (or saturated): the NaN and
+        # Overflow rules say what it holds, this one only what finite values do.
+        if t.nonfinite:
+            return None
         stat = self._stat(t)
         frac = t.get(stat) if stat is not None else None
         if frac is None or not frac > self.layer_threshold:
@@ -90,7 +95,8 @@ class DeadActivation(_UnitActivity):
     Defaults: SageMaker's DeadRelu. A unit (a channel of a conv map, a feature otherwise) is dead
     when it is positive in under ``inactivity_threshold`` = 1 % of its values; the layer is
     reported when more than ``layer_threshold`` = 50 % of its units are dead. Outputs of the
-    ``module_types`` are judged, and any tensor named by an explicit ``match`` pattern.
+    ``module_types`` are judged, and any tensor named by an explicit ``match`` pattern; one
+    that holds NaN or Inf is not (a NaN is never positive: the NaN rule says what it holds).
 
     ``module_types`` are names of module types (a single name is one type);
     ``inactivity_threshold`` is a fraction above 0 (at 0 no unit is ever dead) and at most 1,

@@ -219,12 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     tui = _command(commands, "tui", "open the terminal UI on a running training")
     tui.add_argument("connection", nargs="?", help="a session's connection file")
     tui.add_argument("--run-id", help="the run to open (waits for it with --wait)")
-    tui.add_argument(
-        "--wait",
-        type=float,
-        default=0.0,
-        help="seconds to wait for a training to start (the one of --run-id, else any)",
-    )
+    wait = "seconds to wait for a training to start (the one of --run-id, else any)"
+    tui.add_argument("--wait", type=float, default=0.0, help=wait)
     tui.set_defaults(handler=_tui)
 
     replay = _command(commands, "replay", "open the terminal UI on a dump of a recorded run")

@@ -17,7 +17,7 @@ from tensordbg.dump import load
 from tensordbg.dump.writer import DumpWriter
 from tensordbg.offline.check import check_dump
 from tensordbg.offline.values import parse_stat
-from tensordbg.rules import NaN, TensorRange, VanishingGradient
+from tensordbg.rules import DeadActivation, NaN, TensorRange, VanishingGradient
 from tensordbg.statistics import MAX, MIN, compute_numpy, in_range_frac
 
 
@@ -67,6 +67,46 @@ def test_check_agrees_with_the_live_verdicts_of_the_same_run(tmp_path: Path) -> 
     offline = {(f.step, f.rule, f.tensor) for f in report.findings}
     assert offline == live
     assert report.unjudged == []
+
+
+def test_a_nan_layer_is_not_called_dead_live_nor_offline(tmp_path: Path) -> None:
+    """A ReLU layer dead from the start (its bias far below 0), and at step 3 a batch of NaN:
+    DeadActivation says the layer is dead at steps 0-2, live and offline alike, and nothing at
+    step 3, where the layer holds NaN (the NaN rule's finding), not dead units."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with torch.no_grad():
+        model[0].bias.fill_(-100.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = tensordbg.attach(model, opt, rules=[NaN(), DeadActivation()], on_hit="record",
+                               server=False, dump_dir=tmp_path, dump_every=1,
+                               summary_at_exit=False)  # fmt: skip
+    for step in range(4):
+        x = torch.randn(16, 4) if step < 3 else torch.full((16, 4), float("nan"))
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    live = {(h.step, h.rule, h.tensor) for h in session.hits}
+    session.detach()
+    dead = {(step, "DeadActivation", "1.output") for step in range(3)}
+    assert {h for h in live if h[1] == "DeadActivation"} == dead
+    assert (3, "NaN", "1.output") in live
+    report = check_dump(load(tmp_path))
+    assert {(f.step, f.rule, f.tensor) for f in report.findings} == live
+
+
+def test_a_statistic_the_dump_lacks_is_said_in_words(tmp_path: Path) -> None:
+    """A run recorded without DeadActivation, its statistics only: check --rules DeadActivation
+    cannot judge its ReLU's output, and says what it lacks as a person would, not as
+    dead_unit_frac(0, inf, -1, 0.01)."""
+    dump = load(write_dump(tmp_path / "run", values=False, nan_at=None))
+    table = check_dump(dump, rules=[DeadActivation()]).table()
+    assert (
+        "DeadActivation could not judge 6 tensors: the dump holds neither their fraction of dead "
+        "units (a run with DeadActivation on dumps it) nor their values to compute it from "
+        "(first: net.1.output at step 0)"
+    ) in table.splitlines()
+    assert "dead_unit_frac" not in table
 
 
 def test_a_dump_of_one_hit_step_judges_a_bias_cancelled_by_construction_as_the_run_did(
@@ -128,7 +168,8 @@ def test_a_rule_that_needs_what_the_dump_lacks_says_so_instead_of_passing(tmp_pa
     assert report.findings == [] and len(report.unjudged) == 1
     unjudged = report.unjudged[0]
     assert unjudged.rule == "VanishingGradient" and unjudged.tensors == 12  # 2 grads x 6 steps
-    assert "VanishingGradient could not judge 12 tensors: the dump holds no l2" in report.table()
+    said = "VanishingGradient could not judge 12 tensors: the dump holds neither their L2 norm"
+    assert said in report.table()
     # With the values dumped, the statistic is computed from them and the rule judges.
     full = load(write_dump(tmp_path / "full", stats=(MIN, MAX), values=True, nan_at=None))
     assert check_dump(full, rules=[VanishingGradient()]).unjudged == []
@@ -161,10 +202,10 @@ def test_the_command_exits_0_clean_1_on_a_hit_2_when_unreadable(
     assert main(["check", hit, "--rules", "Overflow"]) == 0
     capsys.readouterr()
     bare = str(write_dump(tmp_path / "bare", stats=(MIN, MAX), values=False, nan_at=None))
-    # VanishingGradient could judge none of its gradients: not a clean run (2), or with
-    # --strict, which fails on any tensor a rule could not judge, 1.
+    # VanishingGradient could judge none of its gradients: not a clean run (2), with --strict
+    # too (it fails on any tensor a rule could not judge, and is never more lenient).
     assert main(["check", bare, "--rules", "VanishingGradient"]) == 2
-    assert main(["check", bare, "--rules", "VanishingGradient", "--strict"]) == 1
+    assert main(["check", bare, "--rules", "VanishingGradient", "--strict"]) == 2
 
 
 def test_the_table_gives_each_advice_once_and_the_json_with_every_finding(
@@ -381,8 +422,39 @@ def test_a_rule_with_nothing_to_judge_is_said_in_the_verdict_and_is_not_clean(
         f"no rule could judge anything in 66 tensors of 6 steps in {updates}; WeightUpdateRatio "
         "could not judge any of the 12 tensors it watches (see above)"
     )
-    assert main(["check", updates, "--rules", "WeightUpdateRatio", "--strict"]) == 1
+    assert main(["check", updates, "--rules", "WeightUpdateRatio", "--strict"]) == 2
     capsys.readouterr()
+
+
+def test_strict_fails_what_the_default_passes_and_never_passes_what_it_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rule that judged nothing exits 2; ``--strict`` made it 1, more lenient than without.
+    It exits 1 where the default passes a dump some of whose tensors a rule could not judge,
+    and keeps 2 where the default gives 2."""
+    updates = str(write_dump(tmp_path / "updates", nan_at=None, updates_at=range(6)))
+    assert main(["check", updates, "--rules", "WeightUpdateRatio"]) == 2
+    assert main(["check", updates, "--rules", "WeightUpdateRatio", "--strict"]) == 2
+    # The gradients of steps 1 and 2 judged from their values, the others not.
+    some = str(write_dump(tmp_path / "some", stats=(MIN, MAX), values=[1, 2], nan_at=None))
+    assert main(["check", some, "--rules", "VanishingGradient"]) == 0
+    assert main(["check", some, "--rules", "VanishingGradient", "--strict"]) == 1
+    capsys.readouterr()
+
+
+def test_a_step_whose_index_line_is_broken_is_not_counted_as_not_dumped(tmp_path: Path) -> None:
+    """Steps 0-5 but 2 dumped, step 4's index line altered: step 4 was dumped and could not be
+    read, so 1 step was not dumped, not 2."""
+    dump = write_dump(tmp_path / "run", steps=[0, 1, 3, 4, 5], nan_at=None)
+    index = dump / "rank-0" / "index.jsonl"
+    lines = index.read_bytes().splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if b'"step":4,' in line)
+    lines[at] = lines[at].replace(b'"dtype":"float32"', b'"dtype":"float64"', 1)
+    index.write_bytes(b"".join(lines))
+    report = check_dump(load(dump))
+    assert [(b["step"], b["statistics_checked"]) for b in report.broken] == [(4, False)]
+    notes = [note for note in report.notes if "not dumped" in note]
+    assert len(notes) == 1 and notes[0].startswith("rank 0: 1 of steps 0-5 was not dumped")
 
 
 def test_a_rule_that_could_judge_some_tensors_only_keeps_the_verdict_from_saying_clean() -> None:
@@ -487,5 +559,6 @@ def test_a_rule_on_updates_that_a_dump_cannot_judge_is_said_in_words() -> None:
     assert line.startswith(
         "WeightNotChanging could not judge 60 tensors: it asks how the optimizer"
     )
+    assert "(whether the step left the parameter unchanged)" in line and "update_" not in line
     assert "measured against the parameter before the step" in line
     assert line.endswith("(first: fc.weight.update at step 2)")

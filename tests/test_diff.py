@@ -12,6 +12,7 @@ from dumps import write_dump
 from tensordbg.cli import main
 from tensordbg.dump import load
 from tensordbg.offline.diff import diff_dumps
+from tensordbg.statistics import FINITE, MEAN
 
 
 def test_two_identical_seeded_runs_agree(tmp_path: Path) -> None:
@@ -69,6 +70,37 @@ def test_statistics_alone_find_the_change_when_no_values_were_dumped(tmp_path: P
         2, "net.1.output", "statistics")  # fmt: skip
     assert {"max", "l2"} <= {s.stat for s in report.first.stats} and report.values == 0
     assert "step 2, forward, net.1.output: " in report.text()
+
+
+def test_where_one_run_made_a_nan_the_sentence_says_so_in_words(tmp_path: Path) -> None:
+    """The same script with its NaN at step 3 in one run and step 5 in the other: the runs part
+    at step 3, said as a person would ("NaN in A (1 of 32 elements), finite in B"), not as the
+    statistics are named ("finite 0 in A, 1 in B; min nan in A, ...")."""
+    a = write_dump(tmp_path / "a", nan_at=3, values=False)
+    b = write_dump(tmp_path / "b", nan_at=5, values=False)
+    report = diff_dumps(load(a), load(b))
+    assert report.first.sentence() == (
+        "step 3, forward, net.2.output: NaN in A (1 of 32 elements), finite in B"
+    )
+    assert {s.stat for s in report.first.stats} >= {"finite", "nan", "min"}  # the JSON's names
+    # With the values: the first that differs is a NaN, no difference to measure.
+    c, d = write_dump(tmp_path / "c", nan_at=3), write_dump(tmp_path / "d", nan_at=5)
+    said = diff_dumps(load(c), load(d)).first.sentence()
+    assert said.startswith(
+        "step 3, forward, net.2.output: NaN in A (1 of 32 elements), finite in B; 1 of 32 "
+        "values differ, the first at [1, 2]: NaN in A, "
+    )
+    assert "largest difference" not in said
+    # A dump that holds only whether each tensor is finite, and its mean.
+    e = write_dump(tmp_path / "e", nan_at=3, values=False, stats=(FINITE, MEAN))
+    f = write_dump(tmp_path / "f", nan_at=5, values=False, stats=(FINITE, MEAN))
+    said = diff_dumps(load(e), load(f)).first.sentence()
+    assert said == "step 3, forward, net.2.output: not finite in A, finite in B"
+    # Other statistics by what they are, not by their names in the index.
+    g = write_dump(tmp_path / "g", values=False, change=(2, "net.1.output", (0, 0), 5.0))
+    said = diff_dumps(load(a), load(g)).first.sentence()
+    assert said.startswith("step 2, forward, net.1.output: maximum 2.84777 in A, 5 in B; mean ")
+    assert "mean magnitude" in said and "L2 norm" in said and "abs_mean" not in said
 
 
 def test_values_find_what_statistics_cannot_see(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from tensordbg.sources.replay import ReplaySource
 from tensordbg.transport.client import LocalClient
 from tensordbg.tui.app import TensorDbgApp
 from tensordbg.tui.components.connection_banner import ConnectionBanner
+from tensordbg.tui.components.histogram_view import HistogramView
 from tensordbg.tui.components.tensor_grid import TensorGrid
 
 
@@ -140,14 +141,48 @@ def test_a_backward_hit_named_after_the_call_that_took_the_value_shows_that_call
 
 
 def test_a_broken_step_is_shown_as_broken_and_the_others_stay_readable(dump: Path) -> None:
+    """A values file cut short: the step says so, its tensors keep the statistics of its
+    index, and only their values are unavailable, with the same sentence."""
     step_file = dump / "rank-0" / "step-00000002.safetensors"
     step_file.write_bytes(step_file.read_bytes()[:100])  # cut short
     source = ReplaySource(load(dump))
     info = source.goto(step=2)
     assert "truncated" in info["replay"]["broken"] and str(step_file) in info["replay"]["broken"]
-    assert source.tensors() == [] and source.modules()[2]["stats"] == {}
+    assert len(source.tensors()) == 9 and source.modules()[2]["stats"]["output"]["l2"] > 0
+    with pytest.raises(SourceError, match="truncated"):
+        source.slice(ref_of(source, "net.2.output"))
     assert source.goto(move=1)["replay"]["broken"] == ""
     assert len(source.tensors()) == 9
+
+
+def test_a_step_whose_values_changed_is_shown_broken_with_the_statistics_of_its_index(
+    dump: Path,
+) -> None:
+    """One byte of step 3's values flipped (the step of the NaN, where the replay opens), its
+    index whole: the banner gave no notice, and the tensor showed no statistics at all. The step
+    is said to be broken (its file is read whole when it is shown), its tensors show their
+    dumped statistics, and only their values say that they fail their checksum. Step 1's file,
+    changed too, is read only when step 1 is shown."""
+    for step in (1, 3):
+        step_file = dump / "rank-0" / f"step-{step:08d}.safetensors"
+        data = bytearray(step_file.read_bytes())
+        data[-3] ^= 0xFF  # net.2.weight, the step's last value
+        step_file.write_bytes(bytes(data))
+    loaded = load(dump)
+    source = ReplaySource(loaded)
+    reason = f"{step_file} fails its checksum at net.2.weight: its bytes changed after writing"
+    assert source.info()["replay"]["broken"] == reason
+    assert (1, 0) not in loaded.broken  # not read: a replay does not read every file whole
+    hit = source.hits()[0]
+    stats = source.stats(hit["ref"])
+    assert stats["summary"]["nan"] == 1 and "NaN×1!" in stats["line"] and stats["index"] == ""
+    weight = source.stats(ref_of(source, "net.2.weight"))  # the very tensor whose bytes changed
+    assert weight["summary"]["l2"] == loaded.indexed(3)[-1].stats["l2"] > 0
+    for ask in (lambda: source.histogram(hit["ref"]), lambda: source.stats(hit["ref"], "[1]")):
+        with pytest.raises(SourceError, match="fails its checksum"):
+            ask()
+    assert "fails its checksum" in source.goto(step=1)["replay"]["broken"]
+    assert source.goto(step=2)["replay"]["broken"] == ""
 
 
 def test_replay_of_what_is_not_a_dump_is_one_sentence_and_exit_2(
@@ -228,6 +263,33 @@ def test_a_hit_of_the_replay_opens_its_dumped_values(dump: Path) -> None:
             grid = app.query_one(TensorGrid)
             await until(pilot, lambda: grid.rows == 8 and grid.cell_text(1, 2))
             assert "nan" in grid.cell_text(1, 2).lower()
+
+    asyncio.run(flow())
+
+
+def test_the_ui_says_a_step_with_changed_values_is_broken_and_shows_its_statistics(
+    dump: Path,
+) -> None:
+    """The hit's step with one byte of its values flipped: the banner says the step is broken
+    and why, the hit's tensor opens with its dumped statistics, and the histogram says why it
+    cannot be drawn."""
+    step_file = dump / "rank-0" / "step-00000003.safetensors"
+    data = bytearray(step_file.read_bytes())
+    data[-3] ^= 0xFF
+    step_file.write_bytes(bytes(data))
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(ReplaySource(load(dump))))
+        async with app.run_test(size=SIZE) as pilot:
+            banner = app.query_one(ConnectionBanner)
+            await until(pilot, lambda: "this step is broken" in str(banner.content))
+            assert "fails its checksum at net.2.weight" in str(banner.content)
+            await until(pilot, lambda: app.main.hit_table.row_count == 1)
+            await pilot.press("enter")
+            summary = app.query_one("#tensor-summary")
+            await until(pilot, lambda: "NaN×1!" in str(summary.render()))
+            histogram = app.query_one(HistogramView)
+            await until(pilot, lambda: "fails its checksum" in str(histogram.render()))
 
     asyncio.run(flow())
 

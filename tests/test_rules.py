@@ -480,6 +480,19 @@ def test_dead_activation_is_quiet_on_a_healthy_relu_and_judges_only_activations(
     assert DeadActivation(match="*.act.output").applies(custom)
 
 
+def test_a_nan_or_infinite_activation_is_not_called_dead_nor_saturated():
+    """A NaN is never positive, so a layer of NaN looked 100% dead: the NaN rule says what it
+    holds, and the activation rules judge only finite tensors."""
+    relu = {"name": "enc.1.output", "kind": "output", "module_type": "ReLU"}
+    assert judge(DeadActivation(), np.full((16, 8), np.nan, np.float32), **relu) is None
+    dead = np.zeros((16, 8), np.float32)
+    dead[0, 0] = np.inf
+    assert judge(DeadActivation(), dead, **relu) is None
+    assert judge(DeadActivation(), np.zeros((16, 8), np.float32), **relu).value == 1.0
+    tanh = {"name": "t.output", "kind": "output", "module_type": "Tanh"}
+    assert judge(SaturatedActivation(), np.full((16, 8), np.nan), **tanh) is None
+
+
 def test_saturated_tanh_layer_is_found():
     pre = rng.standard_normal((64, 10))
     pre[:, :8] = rng.choice([-1, 1], (64, 8)) * rng.uniform(10, 30, (64, 8))

@@ -259,12 +259,23 @@ class Dump:
         step was written before it ended, as a step that stopped on a hit)."""
         return dict(self._step_record(step, rank).raw.get("numbers") or {})
 
-    def verify(self, ranks: Iterable[int] | None = None) -> dict[tuple[int, int], str]:
-        """Read every file (of ``ranks``, all by default) whole and check its checksums (its
-        header's and each tensor's); what fails joins :attr:`broken`, which is returned."""
+    def verify(self, ranks: Iterable[int] | None = None, steps: Iterable[int] | None = None,
+               max_bytes: int | None = None) -> dict[tuple[int, int], str]:  # fmt: skip
+        """Read every file (of ``ranks`` and ``steps``, all by default; none larger than
+        ``max_bytes``) whole and check its checksums (its header's and each tensor's); what
+        fails joins :attr:`broken`, which is returned.
+
+        >>> dump.verify([0], steps=[12]).get((12, 0), "")   # the file of one step only
+        ''
+        """
         ranks = set(self.ranks if ranks is None else ranks)
+        chosen = None if steps is None else set(steps)
         for key, record in sorted(self._steps.items()):
             if key in self.broken or record.file is None or key[1] not in ranks:
+                continue
+            if (chosen is not None and key[0] not in chosen) or (
+                max_bytes is not None and os.path.getsize(self._file(record)) > max_bytes
+            ):
                 continue
             # A file mapped only to be checked is closed after it: a mapping holds a descriptor,
             # and a dump of thousands of steps would run out of them.

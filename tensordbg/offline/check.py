@@ -107,15 +107,17 @@ def check_dump(
                                       "statistics_checked": checked})  # fmt: skip
         broken_steps = {s for s, r in dump.broken if r == rank}
         steps = dump.steps(rank)
-        if history and steps and len(steps) < steps[-1] + 1:
-            missing = steps[-1] + 1 - len(steps)
+        # A step whose index line is broken was dumped: it is unread, not undumped.
+        dumped = sorted(set(steps) | broken_steps - {-1})
+        if history and dumped and len(dumped) < dumped[-1] + 1:
+            missing = dumped[-1] + 1 - len(dumped)
             every = dump.meta.get("dump_every")
             held = {None: " (the dump holds only the steps with hits)", 0: "", 1: ""}.get(
                 every, f" (the dump holds one step in {every} and the steps with hits)"
             )
             were = "was" if missing == 1 else "were"
             notes.append(
-                f"rank {rank}: {missing} of steps 0-{steps[-1]} {were} not dumped{held}: rules "
+                f"rank {rank}: {missing} of steps 0-{dumped[-1]} {were} not dumped{held}: rules "
                 f"that compare a tensor with its earlier steps ({', '.join(history)}) saw only "
                 "the dumped ones"
             )

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tensordbg.hit import said_of
-from tensordbg.offline.sentences import listed, plural
+from tensordbg.offline.sentences import listed, plural, stat_words
 
 SCHEMA_VERSION = 1
 
@@ -156,19 +156,21 @@ class CheckReport:
             lines.append(f"... and {len(rows) - limit} more rows (--json lists every finding)")
         lines.extend(self._advice())
         for u in self.unjudged:
-            tensors = plural(u.tensors, "tensor")
+            tensors, missing = plural(u.tensors, "tensor"), listed(list(map(stat_words, u.missing)))
             first = f"(first: {u.first_tensor} at step {u.first_step})"
             if all(m.startswith(("update_", "prev_")) for m in u.missing):
                 # Measured against the parameter before the step, which a dump never holds.
                 lines.append(
                     f"{u.rule} could not judge {tensors}: it asks how the optimizer step changed "
-                    f"them ({', '.join(u.missing)}), which is measured against the parameter "
+                    f"them ({missing}), which is measured against the parameter "
                     f"before the step, and the dump holds no such measure for them {first}"
                 )
             else:
+                it = "it" if len(u.missing) == 1 else "them"
                 lines.append(
-                    f"{u.rule} could not judge {tensors}: the dump holds no "
-                    f"{', '.join(u.missing)} for them nor their values {first}"
+                    f"{u.rule} could not judge {tensors}: the dump holds neither their "
+                    f"{missing} (a run with {u.rule} on dumps {it}) nor their values to compute "
+                    f"{it} from {first}"
                 )
         for b in self.broken:
             if b["step"] < 0:  # the index itself, or its module tree

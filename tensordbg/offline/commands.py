@@ -71,8 +71,8 @@ def check(args: argparse.Namespace, *, rules: Parser, rule: Parser) -> int:
         print(json.dumps(report.as_json(), indent=1))
     else:
         print(report.table())
-    if args.strict and report.unjudged:
-        return 1
+    if args.strict and report.unjudged:  # at least 1: never more lenient than without it
+        return max(report.exit_code, 1)
     return report.exit_code
 
 

@@ -23,10 +23,13 @@ from typing import Any
 import numpy as np
 
 from tensordbg.dump.reader import DumpError
-from tensordbg.offline.sentences import plural, steps_listed
+from tensordbg.offline.sentences import listed, plural, stat_words, steps_listed
 
 SCHEMA_VERSION = 1
 CHUNK = 1 << 22  # elements compared at a time: memory stays bounded on huge tensors
+# The statistics that count a tensor's NaN and Inf (the diff says them as the NaN and Inf).
+_COUNTS = (("nan", "NaN"), ("posinf", "+Inf"), ("neginf", "-Inf"))
+_COUNTED = frozenset({"finite", *(name for name, _ in _COUNTS)})
 
 
 @dataclass(slots=True)
@@ -70,14 +73,37 @@ class Difference:
         if self.what.startswith("only in"):
             side = self.what[-1].upper()
             return f"{where}: dumped only in {side}, where it is not finite"
-        parts = [f"{s.stat} {_g(s.a)} in A, {_g(s.b)} in B" for s in self.stats[:4]]
+        finiteness = self._finiteness()
+        parts = [finiteness] if finiteness else []
+        # Beside a NaN or an Inf, a statistic it made NaN or infinite says nothing more.
+        shown = [s for s in self.stats if s.stat not in _COUNTED
+                 and not (finiteness and not math.isfinite(s.a + s.b))]  # fmt: skip
+        parts += [f"{stat_words(s.stat)} {_g(s.a)} in A, {_g(s.b)} in B" for s in shown[:4]]
         if self.values is not None:
             v = self.values
+            # A NaN against a number has no difference to measure: then none is said.
+            largest = f" (largest difference {_g(v.max_abs_diff)})" if v.max_abs_diff else ""
             parts.append(
                 f"{v.elements} of {v.numel} values differ, the first at {v.first_index}: "
-                f"{_g(v.a)} in A, {_g(v.b)} in B (largest difference {_g(v.max_abs_diff)})"
+                f"{_g(v.a)} in A, {_g(v.b)} in B{largest}"
             )
         return f"{where}: {'; '.join(parts)}"
+
+    def _finiteness(self) -> str:
+        """How the NaN and Inf of the two runs differ, from the dumped counts where there are
+        some: "NaN in A (128 of 128 elements), finite in B"; "" when they do not differ."""
+        differ = {s.stat: s for s in self.stats if s.stat in _COUNTED}
+        if not differ:
+            return ""
+        numel = math.prod(self.a_shape) if self.a_shape is not None else None
+        said = []
+        for side in ("A", "B"):
+            finite = getattr(differ["finite"], side.lower()) if "finite" in differ else None
+            counts = [(label, int(getattr(differ[name], side.lower())))
+                      for name, label in _COUNTS if name in differ]  # fmt: skip
+            head, tail = _nonfinite_words(finite, counts, numel)
+            said.append(f"{head} in {side}{tail}")
+        return ", ".join(said)
 
 
 @dataclass(slots=True)
@@ -289,6 +315,24 @@ def diff_dumps(
     return report
 
 
+def _nonfinite_words(finite: float | None, counts: list[tuple[str, int]],
+                     numel: int | None) -> tuple[str, str]:  # fmt: skip
+    """What one run's tensor holds of NaN and Inf, as the statistics that differ tell it: a
+    head ("NaN", "finite") and what follows the run's name (" (3 of 32 elements)")."""
+    if finite == 1.0:
+        return "finite", ""
+    held = [(label, n) for label, n in counts if n > 0]
+    among = f" of {plural(numel, 'element')}" if numel is not None else ""
+    if len(held) == 1:
+        return held[0][0], f" ({held[0][1]}{among})"
+    if held:
+        labels, each = listed([h[0] for h in held]), listed([f"{n} {label}" for label, n in held])
+        return labels, f" ({each}{among})"
+    if counts:
+        return f"no {' or '.join(label for label, _ in counts)}", ""
+    return "not finite", ""
+
+
 def _nonfinite(stats: dict[str, Any]) -> bool:
     """Whether a dumped tensor's statistics say it holds a NaN or an Inf."""
     counts = sum(float(stats.get(k) or 0.0) for k in ("nan", "posinf", "neginf"))
@@ -344,12 +388,13 @@ def _compare(
     a: Any, b: Any, report: DiffReport, step: int, ea: Any, eb: Any, values: bool
 ) -> Difference | None:
     def difference(what: str, **more: Any) -> Difference:
-        return Difference(step, ea.phase, ea.name, ea.module, ea.kind, what, **more)
+        return Difference(step, ea.phase, ea.name, ea.module, ea.kind, what,
+                          a_shape=list(ea.shape), b_shape=list(eb.shape), **more)  # fmt: skip
 
     if tuple(ea.shape) != tuple(eb.shape):
-        return difference("shape", a_shape=list(ea.shape), b_shape=list(eb.shape))
+        return difference("shape")
     if ea.dtype != eb.dtype:
-        return difference("dtype", a_shape=list(ea.shape), b_shape=list(eb.shape))
+        return difference("dtype")
     stats = [
         StatDifference(name, float(ea.stats[name]), float(eb.stats[name]))
         for name in ea.stats
@@ -410,7 +455,9 @@ def _bytes(x: np.ndarray) -> np.ndarray:
 
 
 def _g(x: float) -> str:
-    return f"{x:.6g}"
+    if math.isnan(x):
+        return "NaN"
+    return f"{x:.6g}" if math.isfinite(x) else ("Inf" if x > 0 else "-Inf")
 
 
 def _jsonable(value: Any) -> Any:

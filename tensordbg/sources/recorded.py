@@ -31,6 +31,19 @@ def source_line(value: Any) -> contract.SourceLine | None:
     }
 
 
+def operation(value: Any) -> dict[str, Any]:
+    """The dumped operation that made a hit's first NaN/Inf, checked field by field (a dump is
+    data from disk): ``{"operation": {...}}``, or nothing."""
+    if not isinstance(value, dict):
+        return {}
+    try:
+        fields = {key: str(value.get(key, "")) for key in ("op", "file", "function", "code")}
+        lines = {key: int(value.get(key, 0)) for key in ("line", "first_line")}
+        return {"operation": {**fields, **lines}}
+    except (TypeError, ValueError):
+        return {}
+
+
 def _listed(value: Any) -> list[Any]:
     return [value] if isinstance(value, str) else list(value or [])
 

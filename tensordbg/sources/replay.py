@@ -4,8 +4,10 @@ A replay is read, never driven: it serves :data:`~tensordbg.sources.contract.REP
 ``control``, no rule edits) and shows one dumped step at a time; :meth:`ReplaySource.goto` moves
 between them. Statistics come from the dump's index; values, slices and histograms from the
 memory-mapped safetensors file, so a slice of a huge tensor reads only that slice. A step whose
-file is broken is shown as broken (``info["replay"]["broken"]``), and every other step stays
-readable. numpy only: this module never imports torch.
+file is broken is shown as broken (``info["replay"]["broken"]``) with the statistics of its
+index, and every other step stays readable: the file of a step is read whole against its
+checksums when the step is shown, never the whole dump. numpy only: this module never imports
+torch.
 
 >>> source = ReplaySource(tensordbg.load("runs/dbg"))
 >>> source.goto(move=1)["step"]
@@ -66,6 +68,7 @@ class ReplaySource:
         self._refs: dict[tuple[int, str], int] = {}
         self._ref_keys: list[tuple[int, str]] = []
         self._entries: dict[int, dict[str, Any]] = {}  # step -> {name: entry}, read on demand
+        self._verified: set[int] = set()  # steps whose file was read whole (see _verify)
         for i, hit in enumerate(self._hits):
             hit["id"] = i
             hit["ref"] = self._ref(hit["step"], hit.get("stored_as") or hit["tensor"])
@@ -87,6 +90,16 @@ class ReplaySource:
         step = self.step if step is None else step
         return self._broken.get(step, "")
 
+    def _verify(self, step: int) -> None:
+        """Read the file of ``step`` (up to 256 MiB) whole against its checksums, once: a changed
+        byte is found when its step is shown, not when a slice reads it (values: as read)."""
+        if step not in self._verified:
+            self._verified.add(step)
+            verify = self.dump.verify([self.rank], steps=[step], max_bytes=2**28)
+            why = verify.get((step, self.rank))
+            if why and step not in self._broken:
+                self._broken[step] = str(why)
+
     def goto(self, step: int | None = None, move: int = 0) -> contract.Info:
         if step is not None:
             if step not in self.steps:
@@ -101,6 +114,7 @@ class ReplaySource:
     # --- the Source ------------------------------------------------------------------------
 
     def info(self) -> contract.Info:
+        self._verify(self.step)
         meta = self.dump.meta
         argv = meta.get("argv") or []
         modules = self.dump.modules
@@ -218,7 +232,7 @@ class ReplaySource:
 
     def stats(self, ref: int, text: str = "") -> contract.Stats:
         step, entry = self._entry(ref)
-        if entry.has_value:
+        if entry.has_value and not (self.broken(step) and text.strip() in ("", "[]")):
             index, view = self._view(step, entry, text)
             summary: dict[str, Any] = summarize_numpy(view).as_dict() if view.size else {"numel": 0}
             shape, line = list(view.shape), summarize_numpy(view).line(view.shape, entry.dtype)
@@ -340,7 +354,7 @@ class ReplaySource:
             "inputs": inputs,
             "consumers": [c for c in map(recorded.call_site, made.get("consumers") or []) if c],
             "source": recorded.source_line(made.get("source")),
-            **_operation(made.get("operation")),
+            **recorded.operation(made.get("operation")),
             "stack": [
                 [str(f[0]), int(f[1]), str(f[2])]
                 for f in made.get("stack") or []
@@ -374,15 +388,16 @@ class ReplaySource:
         return ref
 
     def _step_entries(self, step: int, quiet: bool = False) -> dict[str, Any]:
-        """The tensors of a dumped step by name, in execution order; a broken step has none
-        (``quiet``) or raises SourceError with the dump's sentence."""
+        """The tensors of a dumped step by name, in execution order, as its index lists them
+        (a broken values file loses the values, not the statistics); a step without a whole
+        index line has none (``quiet``) or raises SourceError with the dump's sentence."""
         entries = self._entries.get(step)
         if entries is None:
             try:
-                listed = [] if self.broken(step) else self.dump.tensors(step, rank=self.rank)
+                listed = self.dump.tensors(step, rank=self.rank)
             except Exception as e:  # the dump's own sentence (DumpError) for a broken file
-                self._broken[step] = str(e)
-                listed = []
+                self._broken.setdefault(step, str(e))
+                listed = self.dump.indexed(step, rank=self.rank) or []
             entries = self._entries[step] = {e.name: e for e in listed}
         if not entries and not quiet and self.broken(step):
             raise SourceError(f"step {step} cannot be read: {self.broken(step)}")
@@ -392,6 +407,7 @@ class ReplaySource:
         if not 0 <= ref < len(self._ref_keys):
             raise SourceError(f"there is no tensor {ref} in this replay")
         step, name = self._ref_keys[ref]
+        self._verify(step)  # a hit's own step, whichever is shown
         entry = self._step_entries(step).get(name)
         if entry is None:
             raise SourceError(f"{name} was not dumped at step {step}")
@@ -470,19 +486,6 @@ def _call_of(name: str) -> int:
 def _num(value: Any) -> float | None:
     """A recorded number as the Run tab takes it: NaN and Inf stay (it says where they are)."""
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def _operation(value: Any) -> dict[str, Any]:
-    """The dumped operation that made a hit's first NaN/Inf, checked field by field (a dump is
-    data from disk): ``{"operation": {...}}``, or nothing."""
-    if not isinstance(value, dict):
-        return {}
-    try:
-        fields = {key: str(value.get(key, "")) for key in ("op", "file", "function", "code")}
-        lines = {key: int(value.get(key, 0)) for key in ("line", "first_line")}
-        return {"operation": {**fields, **lines}}
-    except (TypeError, ValueError):
-        return {}
 
 
 def _nothing_dumped(dump: Any, broken: str) -> str:
