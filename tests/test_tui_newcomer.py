@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.text import Text
 from test_tui import SIZE, mounted, open_tensor, paused_on_the_two_hits, text_of, until
 from textual import events
+from textual.command import CommandPalette
 from textual.pilot import Pilot
 from textual.widgets import Label, Static, TabbedContent
 
@@ -528,6 +529,12 @@ def test_i_ignores_the_rule_of_the_hit_on_its_tensor() -> None:
             await until(pilot, lambda: app.state == "paused" and app.main.hit_table.current)
             titles = [c.title for c in app.get_system_commands(app.screen)]
             assert "Ignore this rule on this tensor" in titles
+            await pilot.press("ctrl+p")  # asked again with the palette open, as it asks
+            await until(pilot, lambda: isinstance(app.screen, CommandPalette))
+            titles = [c.title for c in app.get_system_commands(app.main)]
+            assert "Ignore this rule on this tensor" in titles
+            await pilot.press("escape")
+            await until(pilot, lambda: app.screen is app.main)
             await pilot.press("i")
             await until(pilot, lambda: source._rules[0]["exclude"] == ["net.2.output"])
             assert source._rules[1]["exclude"] == []
@@ -637,7 +644,7 @@ def test_on_hit_raise_shows_the_users_frames_and_the_summary_last(tmp_path: Path
     frames = [line for line in err.splitlines() if line.startswith('  File "')]
     assert frames and all("train.py" in line for line in frames), err
     assert "model(torch.ones(2, 4)).sum().backward()" in err  # the user's call
-    assert err.index("WatchpointHit:") < err.index("tensordbg: 1 hit, 1 at their origin"), err
+    assert err.index("WatchpointHit:") < err.index("tensordbg: 1 hit, at its origin"), err
 
 
 def test_the_add_rule_dialog_keeps_its_buttons_on_screen_at_80_by_24() -> None:
@@ -1086,5 +1093,109 @@ def test_the_hit_detail_shows_no_number_without_saying_what_it_is() -> None:
             assert "ExplodingGradient measured 2.5e+06 against its threshold 1e+06" in text_of(
                 detail
             )
+
+    asyncio.run(flow())
+
+
+# --- the second trial: tensordbg demo in tmux at 80x24 and 120x40 --------------------------------
+
+
+def footer_row(app: TensorDbgApp) -> tuple[list[str], list[str]]:
+    """The footer's keys a person can read whole, left of the palette key; and any key that
+    is cut (by the palette key or the screen's edge)."""
+    keys = list(app.screen.query("FooterKey"))
+    palette = next((k for k in keys if k.has_class("-command-palette")), None)
+    if palette is None:  # being laid out again
+        return [], []
+    others = [k for k in keys if k is not palette]
+    whole = [k.key for k in others if k.region.right <= palette.region.x]
+    return whole, [k.key for k in others if k.key not in whole]
+
+
+def test_at_80_columns_the_footer_keeps_whole_the_keys_a_person_needs_most() -> None:
+    """At 80x24 the footer ended in "q Detach & quit  i Ignore r": "/ Search" and "P Profile"
+    never showed, and the Rules tab's keys pushed the debugger's out even at 120 columns. A key
+    that does not fit is left out whole (the palette has it), the rarest first."""
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(FakeSource()))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await paused_on_the_two_hits(pilot)
+            await mounted(pilot)
+            await until(pilot, lambda: footer_row(app)[0][:2] == ["c", "n"])
+            whole, cut = footer_row(app)
+            assert whole == ["c", "n", "s", "q", "slash", "P"] and cut == []
+            assert "Search" in screen_text(app).splitlines()[-1]
+            titles = [c.title for c in app.get_system_commands(app.screen)]
+            assert {"Skip this update", "Ignore this rule on this tensor"} <= set(titles)
+            app.main.show_tab("rules")
+            await until(pilot, lambda: "space" in footer_row(app)[0])
+            whole, cut = footer_row(app)
+            assert {"c", "n", "s", "q", "space", "e"} <= set(whole) and cut == []
+            await pilot.resize_terminal(120, 40)
+            await until(pilot, lambda: "a" in footer_row(app)[0])
+            whole, cut = footer_row(app)
+            assert {"c", "n", "s", "q", "slash", "P", "space", "e", "a", "r"} <= set(whole)
+            assert cut == []
+
+    asyncio.run(flow())
+
+
+def test_at_80_by_24_a_row_two_rules_share_keeps_origin_and_passed_on_apart() -> None:
+    """After s in the demo, a row naming two rules ("ExplodingGradient, NaN") widened the rule
+    column and "where" shrank to "wh…" and "↳ …". The rule column gives up its cells first."""
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=(80, 24)) as pilot:
+            hits = await paused_on_the_two_hits(pilot)
+            origin, _ = source.hits()
+            grad = dict(origin, step=4, phase="backward", origin=False,
+                        tensor="blocks.1.attn.proj.weight.grad",
+                        message="blocks.1.attn.proj.weight.grad holds 3 NaN.")  # fmt: skip
+            source.emit("hit", dict(grad, id=2, rule="ExplodingGradient"))
+            source.emit("hit", dict(grad, id=3, rule="NaN"))
+            await until(pilot, lambda: hits.known == 4)
+            await pilot.pause(0.05)
+            lines = drawn_lines(hits)
+            assert lines[0].split()[:5] == ["step", "phase", "rule", "tensor", "where"]
+            assert "● origin" in lines[1] and "↳ passed on" in lines[2]
+            assert "↳ passed on" in lines[3] and "blocks.1.attn.proj.weight.grad" in lines[3]
+
+    asyncio.run(flow())
+
+
+def drawn_lines(widget: Any) -> list[str]:
+    return [strip.text for strip in widget.render_lines(widget.region.reset_offset)]
+
+
+def test_the_log_wraps_at_its_width_whether_it_was_on_screen_or_not() -> None:
+    """The Log tab wrapped a line at the full width while it was on screen, and at 78 columns
+    (of 120) the lines that came while another tab was."""
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(FakeSource()))
+        async with app.run_test(size=SIZE) as pilot:
+            await paused_on_the_two_hits(pilot)
+            await mounted(pilot)
+            log = app.main.event_log
+            app.main.show_tab("log")
+            await until(pilot, lambda: log.lines)
+            width = log.scrollable_content_region.width
+            app.main.log_entry("seen " * 40)  # 200 characters, on screen
+            app.main.show_tab("hits")
+            await until(pilot, lambda: not log.scrollable_content_region.width)
+            app.main.log_entry("unseen " * 30)  # 210, while the Hits tab is on screen
+            app.main.show_tab("log")
+            await until(pilot, lambda: "unseen" in log.lines[-1].text)
+            wrapped = [line.text.rstrip() for line in log.lines if "seen" in line.text]
+            assert max(len(line) for line in wrapped) > 100 and len(wrapped) == 4, wrapped
+            assert all(len(line) <= width for line in wrapped)
+            await pilot.resize_terminal(80, 24)  # wrapped again at the new width
+            await until(pilot, lambda: log.scrollable_content_region.width < width)
+            await pilot.pause(0.05)
+            wrapped = [line.text.rstrip() for line in log.lines if "seen" in line.text]
+            assert len(wrapped) > 4 and all(len(line) <= 78 for line in wrapped), wrapped
 
     asyncio.run(flow())

@@ -133,6 +133,60 @@ def test_a_profile_cut_off_by_the_trainings_end_is_not_shown_in_progress() -> No
     run(source, flow)
 
 
+def test_while_a_profile_is_pending_every_view_says_so_and_P_waits_for_it() -> None:
+    """After P and Enter at a pause the line said "Profiling the next 5 steps" while the views
+    below still said "Press P to profile", and P stayed in the footer."""
+    source = FakeSource()
+
+    async def flow(app: TensorDbgApp, pilot: Pilot) -> None:
+        await pilot.press("P")
+        await until(pilot, lambda: isinstance(app.screen, ProfileStepsScreen))
+        await pilot.press("enter")
+        profiler = app.main.profiler_view
+        await until(pilot, lambda: "Profiling the next 5 steps" in text_of(profiler.status))
+        for note in profiler._empty.values():
+            assert text_of(note).startswith("This view fills once the next 5 steps are profiled")
+        await until(pilot, lambda: "P" not in footer_keys(app))
+        titles = [c.title for c in app.get_system_commands(app.main)]
+        assert "Profile the next N steps" not in titles
+        source.run_profile(cpu_report(), steps=5)
+        await until(pilot, lambda: profiler.report is not None)
+        await until(pilot, lambda: "P" in footer_keys(app))
+
+    run(source, flow)
+
+
+def test_a_training_that_ended_says_so_in_every_view_not_press_P() -> None:
+    """After the training finished the views still said "Press P to profile…", a key that
+    does nothing any more; a profile that was still pending is said never to have started."""
+
+    async def flow(app: TensorDbgApp, pilot: Pilot) -> None:
+        profiler = await on_view(pilot, "overview")
+        source.emit("state", {"state": "finished", "step": 3})
+        await until(pilot, lambda: app.state == "finished")
+        await until(pilot, lambda: "has ended" in text_of(profiler._empty["overview"]))
+        for note in profiler._empty.values():
+            assert "Press P" not in text_of(note) and "has ended" in text_of(note)
+
+    source = FakeSource()
+    run(source, flow)
+
+    async def pending(app: TensorDbgApp, pilot: Pilot) -> None:
+        profiler = app.main.profiler_view
+        await pilot.press("P")
+        await until(pilot, lambda: isinstance(app.screen, ProfileStepsScreen))
+        await pilot.press("enter")
+        await until(pilot, lambda: "Profiling the next 5" in text_of(profiler.status))
+        source.emit("state", {"state": "finished", "step": 3})
+        await until(pilot, lambda: "before the profile started" in text_of(profiler.status))
+        assert "no step was profiled" in text_of(profiler.status)
+        note = text_of(profiler._empty["memory"])
+        assert note.startswith("No profile reached this UI: the training ended first"), note
+
+    source = FakeSource()
+    run(source, pending)
+
+
 def test_a_step_count_that_is_not_a_positive_number_gets_a_sentence_and_no_profile() -> None:
     source = FakeSource()
 
@@ -154,11 +208,13 @@ def test_a_step_count_that_is_not_a_positive_number_gets_a_sentence_and_no_profi
 
 def test_the_palette_offers_profiling_and_every_view() -> None:
     async def flow(app: TensorDbgApp, pilot: Pilot) -> None:
-        titles = [c.title for c in app.get_system_commands(app.main)]
-        assert "Profile the next N steps" in titles
-        assert "Show Profile" in titles
-        for view in VIEWS:
-            assert f"Show Profile: {view.title}" in titles
+        helps = {c.title: c.help for c in app.get_system_commands(app.main)}
+        assert "Profile the next N steps" in helps
+        assert "Show Profile" in helps
+        for n, view in enumerate(VIEWS, 1):
+            # Each said "(F8, then F8 again)": Memory, the fourth view, is not one F8 away.
+            help = helps[f"Show Profile: {view.title}"]
+            assert f"view {n} of {len(VIEWS)}" in help and "F8 again" not in help, help
 
     run(FakeSource(), flow)
 
@@ -300,7 +356,8 @@ def test_operators_drop_the_device_columns_on_a_cpu_and_keep_them_on_a_gpu() -> 
 def test_kernels_on_a_gpu_and_why_there_are_none_on_a_cpu() -> None:
     async def flow_cpu(app: TensorDbgApp, pilot: Pilot) -> None:
         profiler = await with_report(pilot, "kernels")
-        assert text_of(profiler.kernels.note) == "No kernels: profiled on the CPU: no kernels."
+        # Said once (it was "No kernels: profiled on the CPU: no kernels.").
+        assert text_of(profiler.kernels.note) == "Profiled on the CPU: no kernels."
         assert not profiler.kernels.table.display
 
     run(FakeSource(report=cpu_report()), flow_cpu)
@@ -448,11 +505,27 @@ def test_advisor_shows_each_rule_its_evidence_and_the_change_to_try() -> None:
 
     async def flow(app: TensorDbgApp, pilot: Pilot) -> None:
         profiler = await with_report(pilot, "advisor")
-        text = text_of(profiler.advisor.body)
+        text = drawn(profiler.advisor.body)
         for n, advice in enumerate(report["advice"], 1):
             assert f"{n}. {advice['rule']}" in text
-            assert f"evidence  {advice['evidence']}" in text
-            assert f"try       {advice['message']}" in text
+            assert f"   evidence  {advice['evidence']}" in text
+            assert f"   try       {advice['message']}" in text
+
+    run(FakeSource(report=report), flow)
+
+
+def test_advisor_keeps_a_sentence_that_wraps_beside_its_label() -> None:
+    """A "try" line that wrapped went on at the left edge, under the label."""
+    report = cpu_report()
+    report["advice"][0]["message"] = "Load the batches in parallel worker processes " * 4
+
+    async def flow(app: TensorDbgApp, pilot: Pilot) -> None:
+        await pilot.resize_terminal(80, 24)
+        profiler = await with_report(pilot, "advisor")
+        lines = drawn(profiler.advisor.body).splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("   try "))
+        wrapped = lines[start + 1]
+        assert wrapped.startswith(" " * 13) and wrapped[13] != " ", lines[start : start + 3]
 
     run(FakeSource(report=report), flow)
 
@@ -585,7 +658,7 @@ def test_the_demo_offers_profiling_and_every_tab_is_reachable_and_fills_from_a_r
             assert "aten::" in " ".join(r["name"] for r in profiler.operators.table.shown_rows())
             assert sum(len(r.starts) for r in profiler.timeline.rows) > 0
             if report["device"] == "cpu":
-                assert text_of(profiler.kernels.note).startswith("No kernels: ")
+                assert text_of(profiler.kernels.note) == "Profiled on the CPU: no kernels."
             assert "Profile of steps" in text_of(profiler.status)
             app.action_detach()
             await until(pilot, lambda: not app.is_running)

@@ -21,7 +21,7 @@ from textual.screen import Screen
 from textual.widgets import Input
 
 from tensordbg.sources.contract import SchemaError, Welcome
-from tensordbg.tui.commands import CONTROLS, palette
+from tensordbg.tui.commands import CONTROLS, DETACHED, palette
 from tensordbg.tui.errors import CrashFile, work
 from tensordbg.tui.profiler.view import DEFAULT_STEPS
 from tensordbg.tui.remote import (
@@ -60,7 +60,8 @@ class TensorDbgApp(App[int]):
     TITLE = "tensordbg"
     BINDINGS: list[Binding | tuple[str, str] | tuple[str, str, str]] = [  # noqa: RUF012
         # In the order the footer shows them: what a person needs first comes first, so that a
-        # narrow terminal cuts the rarer keys, never q.
+        # narrow terminal leaves out the rarer keys (the footer keeps c n s p q before the tab's
+        # own keys: tensordbg.tui.components.key_footer).
         Binding("c", "control('continue')", "Continue"),
         Binding("n", "control('next')", "Next hit"),
         Binding("s", "control('step')", "Step"),
@@ -69,13 +70,13 @@ class TensorDbgApp(App[int]):
         # keys that drive a training say why they do nothing (see check_action).
         Binding("n", "replay_step(1)", "Next dumped step"),
         Binding("p", "replay_step(-1)", "Previous dumped step"),
-        Binding("c,s,k", "refuse_control", show=False),
         Binding("q", "detach", "Detach & quit"),
         Binding("q", "leave_replay", "Quit"),  # a recorded run: there is nothing to detach
-        Binding("k", "control('skip')", "Skip"),
-        Binding("i", "ignore", "Ignore rule"),
         Binding("slash", "search", "Search"),
         Binding("P", "profile", "Profile"),
+        Binding("k", "control('skip')", "Skip"),
+        Binding("i", "ignore", "Ignore rule"),
+        Binding("c,s,k", "refuse_control", show=False),
         Binding("f9", "ranks", "Ranks", show=False),
         Binding("R", "next_rank", "Next rank", show=False),
         *(Binding(str(d), f"count({d})", show=False) for d in range(10)),
@@ -276,16 +277,26 @@ class TensorDbgApp(App[int]):
         if action in _MAIN_ACTIONS:
             if self.screen is not self.main:  # a dialog or the session list: its keys only
                 return False
-            if action == "ignore":  # on the hit the training is paused at, or the one chosen
-                return self.state == "paused" and self.main.hit_to_ignore() is not None
+            if action == "ignore":
+                return self.can_ignore()
             if action in ("tab", "search", "detach", "ranks", "next_rank"):
                 return True
-            if action == "profile":  # a training to profile (or to say why it cannot be)
-                return self.state in ("running", "paused")
+            if action == "profile":
+                return self.can_profile()
             if action == "count":  # digits typed into a text box are text
                 return self.state == "paused" and not isinstance(self.focused, Input)
             return parameters[0] in CONTROLS.get(self.state, ())
         return True
+
+    def can_ignore(self) -> bool:
+        """Whether ``i`` has a hit to act on: the one the training is paused at, or the one
+        chosen (asked by the footer and the palette alike, whichever screen is on top)."""
+        return self.state == "paused" and self.main.hit_to_ignore() is not None
+
+    def can_profile(self) -> bool:
+        """Whether ``P`` has a training to profile (or to say why it cannot be), with no profile
+        under way in it."""
+        return self.state in ("running", "paused") and not self.main.profiler_view.under_way
 
     def action_control(self, action: str) -> None:
         n, self._count = max(self._count, 1), 0
@@ -413,7 +424,7 @@ class TensorDbgApp(App[int]):
     def action_help_quit(self) -> None:
         """Ctrl-C (Textual binds it to this): say what quitting does to the training."""
         if self.remote.serves("control") and self.state in ("running", "paused"):
-            what = "q detaches the debugger and quits: the training goes on, unwatched"
+            what = f"q detaches the debugger and quits: {DETACHED}"
         else:
             what = "q quits"
         self.notify(f"Ctrl-C does not quit the UI: {what}.", title="Quit?", markup=False)

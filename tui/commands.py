@@ -13,6 +13,10 @@ from tensordbg.tui.profiler.view import VIEWS
 from tensordbg.tui.remote import OVER
 from tensordbg.tui.screens.main import TABS
 
+DETACHED = "the training goes on unwatched, unless it ends with the UI, as tensordbg demo's does"
+"""What q does to the training: the UI cannot tell a training of its own (tensordbg demo) from
+another, so it says what is true of both."""
+
 # Which control actions make sense in which state of the training.
 CONTROLS = {"paused": ("continue", "next", "step", "skip"), "running": ("pause",)}
 COMMANDS = (
@@ -40,7 +44,7 @@ def palette(app: Any, screen: Screen, own: Iterable[SystemCommand]) -> Iterable[
     for action, title, help in COMMANDS:
         if drivable and action in CONTROLS.get(app.state, ()):
             yield SystemCommand(title, help, lambda a=action: app.action_control(a))
-    if app.check_action("ignore", ()):
+    if app.can_ignore():  # not check_action: the palette, not the main screen, is on top
         yield SystemCommand(
             "Ignore this rule on this tensor",
             "The hit's rule stops judging its tensor, so c does not stop there again (i)",
@@ -52,7 +56,7 @@ def palette(app: Any, screen: Screen, own: Iterable[SystemCommand]) -> Iterable[
         yield SystemCommand("Quit", "Leave tensordbg (q)", app.action_leave_replay)
     else:
         yield SystemCommand(
-            "Detach and quit", "Let the training run on, and quit (q)", app.action_detach
+            "Detach and quit", f"Detach the debugger and quit: {DETACHED} (q)", app.action_detach
         )
     yield SystemCommand(
         "Search", "Filter the hits on the Hits tab, else the model tree (/)", app.action_search
@@ -63,16 +67,18 @@ def palette(app: Any, screen: Screen, own: Iterable[SystemCommand]) -> Iterable[
             f"Switch to the {tab.title} tab ({tab.key.upper()})",
             lambda p=tab.pane: app.main.show_tab(p),
         )
-    yield SystemCommand(
-        "Profile the next N steps",
-        "Run torch.profiler around the next steps; the Profile tab shows where the time "
-        "and memory went (P)",
-        app.action_profile,
-    )
-    for view in VIEWS:
+    if not app.main.profiler_view.under_way:  # the one under way says how far it has got
+        yield SystemCommand(
+            "Profile the next N steps",
+            "Run torch.profiler around the next steps; the Profile tab shows where the time "
+            "and memory went (P)",
+            app.action_profile,
+        )
+    for n, view in enumerate(VIEWS, 1):
         yield SystemCommand(
             f"Show Profile: {view.title}",
-            f"Switch to the {view.title} view of the Profile tab (F8, then F8 again)",
+            f"Switch to the {view.title} view of the Profile tab (view {n} of {len(VIEWS)}: "
+            "F8 opens the tab, then F8 moves to the next view)",
             lambda v=view.key: app.show_profile_view(v),
         )
     # A recheck judges the step the training is paused in.

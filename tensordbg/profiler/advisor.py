@@ -237,7 +237,7 @@ class StepOutlier(AdviceRule):
             f"of it {heaviest}",
             f"Look at what step {worst['step']} did "
             "differently (its batch, a checkpoint, an evaluation, garbage "
-            "collection) in the Timeline tab or the trace.",
+            "collection) in the Profile tab's Timeline view or the trace.",
         )
 
 

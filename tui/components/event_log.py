@@ -2,26 +2,61 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
+from collections import deque
 from typing import Any
 
 from rich.text import Text
+from textual import events
 from textual.widgets import RichLog
 
 LEVEL_STYLES = {"info": "", "error": "bold red", "warning": "yellow"}
+MAX_ENTRIES = 5000
+CHUNK = 200  # entries written a frame when many wait (5000 took the UI 1.7 s in one go)
 
 
 class EventLog(RichLog):
-    """One line per event; the newest at the bottom."""
+    """One line per event; the newest at the bottom, wrapped at the log's width.
+
+    RichLog wraps a line once, when it is written, at the width it has then: a line written
+    while the tab was hidden (no width) was wrapped at its 78-column minimum. Here an entry is
+    written while the log is on screen, else when it comes back (``on_resize``), and every
+    entry is wrapped again when the width changes."""
 
     def __init__(self) -> None:
-        super().__init__(id="event-log", max_lines=5000, wrap=True, markup=False)
+        super().__init__(id="event-log", max_lines=MAX_ENTRIES, wrap=True, markup=False)
+        self._entries: deque[Text] = deque(maxlen=MAX_ENTRIES)
+        self._unwritten = 0  # the newest entries, not written yet (the log was hidden)
+        self._wrapped_at = 0  # the width the lines were wrapped at
 
     def write_entry(self, text: str, level: str = "info") -> None:
         line = Text(time.strftime("%H:%M:%S "), style="dim")
         line.append(text, style=LEVEL_STYLES.get(level, ""))
-        self.write(line)
+        self._entries.append(line)
+        self._unwritten = min(self._unwritten + 1, MAX_ENTRIES)
+        if self._unwritten == 1:  # else those before it wait too: written in their turn
+            self._catch_up()
+
+    def on_resize(self, event: events.Resize) -> None:
+        self._catch_up()
+
+    def _catch_up(self) -> None:
+        """Write the entries that wait, oldest first, CHUNK a frame, at the log's width; all
+        of them again when the width changed. Hidden, the log has no width: they wait."""
+        width = self.scrollable_content_region.width
+        if not width:
+            return
+        if width != self._wrapped_at:
+            self._wrapped_at, self._unwritten = width, len(self._entries)
+            self.clear()
+        first = len(self._entries) - self._unwritten
+        for line in itertools.islice(self._entries, first, first + CHUNK):
+            self.write(line, width=width)
+        self._unwritten = max(self._unwritten - CHUNK, 0)
+        if self._unwritten:
+            self.call_after_refresh(self._catch_up)
 
     def write_event(self, event: str, payload: dict[str, Any]) -> None:
         self.write_entry(f"{event}: {describe_event(event, payload)}", payload.get("level", "info"))

@@ -27,6 +27,10 @@ from tensordbg.tui.messages import OpenTensor
 
 COLUMNS = ("step", "phase", "rule", "tensor", "where", "message")
 WHERE = {True: "● origin", False: "↳ passed on"}
+# Where the row does not fit, the rule column gives up cells first (a row two rules share names
+# both: "ExplodingGradient, NaN"), then the tensor's, down to these widths, so that "where"
+# stays whole: it tells the origin from what it passed on. The message is in the detail below.
+NARROWEST = {COLUMNS.index("rule"): 8, COLUMNS.index("tensor"): 16}
 
 
 def execution_order(hit: dict[str, Any]) -> tuple[int, bool, int]:
@@ -81,6 +85,7 @@ class HitTable(LineTable):
         self._row_of: dict[int, int] = {}  # a hit that shares a row -> the id of the row's hit
         self._query = ""
         self._widths = [len(c) for c in COLUMNS]
+        self._fitted = self._widths  # the widths drawn this frame (fitted to the screen)
         self._palette: dict[object, Any] = {}
         self._highlighted: int | None = None  # the hit id last announced
 
@@ -274,7 +279,19 @@ class HitTable(LineTable):
             True: self.styled(cursor, *rows),
             "header": base + self.get_component_rich_style("hit-table--header"),
         }
+        self._fitted = self._fit_widths(self.scrollable_content_region.width)
         return super().render_lines(crop)
+
+    def _fit_widths(self, width: int) -> list[int]:
+        """The columns' widths on a screen ``width`` cells wide (see NARROWEST); the message
+        takes what is left."""
+        widths = list(self._widths)
+        over = sum(widths[:-1]) + GAP * (len(widths) - 1) - width
+        for column, narrowest in NARROWEST.items():
+            cut = max(0, min(over, widths[column] - narrowest))
+            widths[column] -= cut
+            over -= cut
+        return widths
 
     def render_line(self, y: int) -> Strip:
         width = self.size.width
@@ -295,5 +312,5 @@ class HitTable(LineTable):
 
     def _strip(self, cells: tuple[str, ...], styles: list[Style], base: Style) -> Strip:
         # The message takes the rest of the line (HitDetail has it all).
-        row = self.cells(cells[:-1], self._widths, styles[:-1], base)
+        row = self.cells(cells[:-1], self._fitted, styles[:-1], base)
         return Strip([*row, Segment(cells[-1], styles[-1])])

@@ -365,8 +365,8 @@ class RunStatus(VerticalScroll):
             text.append("retaining ", style="dim")
             text.append(f"{info['retain_bytes'] / 2**20:.0f} MiB")
         if recorded:
-            text.append("\nread-only ", style="dim")
-            text.append("a recorded run: it cannot be continued, stepped or paused")
+            text.append("\nread-only", style="bold")
+            text.append(": a recorded run cannot be continued, stepped or paused", style="dim")
         return text
 
 

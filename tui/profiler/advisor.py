@@ -1,10 +1,13 @@
-"""The Advisor tab: each piece of advice with the rule that gave it, the measured number against
+"""The Advisor view: each piece of advice with the rule that gave it, the measured number against
 its threshold (the evidence), and the change to try."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from rich.console import Group, RenderableType
+from rich.padding import Padding
+from rich.table import Table
 from rich.text import Text
 from textual.containers import VerticalScroll
 from textual.widgets import Static
@@ -20,13 +23,19 @@ class AdvisorPane(VerticalScroll):
 
     def show(self, report: dict[str, Any]) -> None:
         advice = report.get("advice") or []
-        text = Text()
         if not advice:
-            text.append("No advice: no rule found a number past its threshold.", style="bold")
+            self.body.update(
+                Text("No advice: no rule found a number past its threshold.", style="bold")
+            )
+            return
+        items: list[RenderableType] = []
         for n, item in enumerate(advice, 1):
-            text.append(f"{n}. {item.get('rule', '?')}\n", style="bold yellow")
-            text.append("   evidence  ", style="dim")
-            text.append(f"{item.get('evidence', '')}\n")
-            text.append("   try       ", style="dim")
-            text.append(f"{item.get('message', '')}\n\n", style="bold")
-        self.body.update(text)
+            # A grid, so that a sentence that wraps stays beside its label (hanging indent).
+            grid = Table.grid(padding=(0, 2))
+            grid.add_column(style="dim", min_width=8, no_wrap=True)
+            grid.add_column()
+            grid.add_row("evidence", Text(str(item.get("evidence", ""))))
+            grid.add_row("try", Text(str(item.get("message", "")), style="bold"))
+            items.append(Text(f"{n}. {item.get('rule', '?')}", style="bold yellow"))
+            items.append(Padding(grid, (0, 0, 1, 3)))
+        self.body.update(Group(*items))

@@ -37,9 +37,9 @@ class KernelsPane(Vertical):
         kernels = report.get("kernels") or []
         self.table.set_rows(kernels)
         self.table.display = bool(kernels)
-        if not kernels:
-            why = report.get("kernels_note") or "the profile recorded no GPU kernels"
-            self.note.update(Text(f"No kernels: {why}.", style="bold"))
+        if not kernels:  # the note says why ("profiled on the CPU: no kernels") on its own
+            why = report.get("kernels_note") or "no kernels: the profile recorded no GPU kernels"
+            self.note.update(Text(f"{why[:1].upper()}{why[1:]}.", style="bold"))
             return
         total = sum(k.get("total") or 0.0 for k in kernels)
         tc = sum(k.get("total") or 0.0 for k in kernels if k.get("tensor_core"))

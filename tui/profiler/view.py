@@ -38,6 +38,13 @@ RECORDED = (
     "profile it while it runs with P in the UI, session.profile(steps={n}) or "
     "tensordbg run --profile {n} train.py."
 )
+ENDED = (
+    "The training has ended without a profile, and profiling needs a running training: next "
+    "time, press P while it runs (or use session.profile(steps={n}), or "
+    "tensordbg run --profile {n} train.py)."
+)
+PENDING = "This view fills once the next {n} steps are profiled (the line above says how far)."
+CUT_OFF = "No profile reached this UI: the training ended first (the line above says more)."
 
 
 class View(NamedTuple):
@@ -131,10 +138,24 @@ class ProfilerView(Vertical, can_focus=True):
 
     def profile_event(self, event: dict[str, Any]) -> None:
         """The ``profile`` event: how far the profile has got."""
-        self.progress = event
-        self._draw_status()
+        self._progressed(event)
         if event.get("state") == "done":
             self.fetch_report()
+
+    @property
+    def under_way(self) -> bool:
+        """Whether a profile is pending or running in a training that still runs (P waits)."""
+        p = self.progress or {}
+        return p.get("state") in ("pending", "running") and not self._ended
+
+    @property
+    def _ended(self) -> bool:
+        return getattr(self.app, "state", "") in OVER
+
+    def _progressed(self, progress: dict[str, Any]) -> None:
+        self.progress = progress
+        self._draw_status()
+        self.app.refresh_bindings()  # P is offered again once the profile is over
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -148,11 +169,9 @@ class ProfilerView(Vertical, can_focus=True):
         try:
             reply = await remote.profile(steps)
         except RequestFailed as e:
-            self.progress = {"state": "failed", "step": 0, "steps": steps, "message": e.message}
-            self._draw_status()
+            self._progressed({"state": "failed", "step": 0, "steps": steps, "message": e.message})
             return
-        self.progress = {"state": "pending", "step": 0, "steps": reply.get("steps", steps)}
-        self._draw_status()
+        self._progressed({"state": "pending", "step": 0, "steps": reply.get("steps", steps)})
 
     @work(group="profile-report", exclusive=True)
     async def fetch_report(self) -> None:
@@ -178,9 +197,7 @@ class ProfilerView(Vertical, can_focus=True):
             return
         self._draw_status()
         report = self.report
-        empty = self.how_to_profile()
         for note in self._empty.values():
-            note.update(Text(empty))
             note.display = report is None
         for pane in (self.overview, self.operators, self.kernels, self.memory, self.advisor):
             pane.display = report is not None
@@ -198,31 +215,34 @@ class ProfilerView(Vertical, can_focus=True):
         return (HOW if self.live else RECORDED).format(n=DEFAULT_STEPS)
 
     def _draw_status(self) -> None:
+        """The status line, and what the views say while there is no report: both say the
+        state the profile and the training are in now."""
         if not self._drawable:
             return
         text = Text()
-        p, report = self.progress, self.report
-        ended = getattr(self.app, "state", "") in OVER
-        if p and p.get("state") in ("pending", "running") and ended:
+        p, report, ended = self.progress or {}, self.report, self._ended
+        state = p.get("state")
+        if state == "pending" and ended:
+            text.append("The training ended before the profile started: ", style="bold")
+            text.append("no step was profiled.")
+        elif state == "running" and ended:
             text.append("The training ended while profiling: ", style="bold")
             text.append(
                 "the steps it profiled are summarized where it runs (tensordbg run prints the "
                 "report, and the trace is written); this UI no longer reaches it."
             )
-        elif p and p.get("state") == "pending":
+        elif state == "pending":
             text.append(f"Profiling the next {p.get('steps', '?')} steps: ", style="bold")
             text.append("it starts at the next step boundary")
             if getattr(self.app, "state", "") == "paused":
                 text.append(" (the training is paused: c continues it)")
             text.append(".")
-        elif p and p.get("state") == "running":
+        elif state == "running":
             text.append(f"Profiling {p.get('steps', '?')} steps", style="bold")
             text.append(f": {p['message']}…" if p.get("message") else "…")
-        elif p and p.get("state") in ("failed", "cancelled"):
-            text.append(f"The profile {p['state']}: ", style="bold red")
+        elif state in ("failed", "cancelled"):
+            text.append(f"The profile {state}: ", style="bold red")
             text.append(str(p.get("message") or "no reason given"))
-            if report is not None:
-                text.append(" (the views show the previous profile)", style="dim")
         elif report is not None:
             steps = report.get("steps") or []
             span = f"steps {steps[0]}–{steps[-1]}" if steps else "no steps"
@@ -231,8 +251,24 @@ class ProfilerView(Vertical, can_focus=True):
                 text.append("  ·  P profiles again", style="dim")
         else:  # each view below says how to get one: said once here would be said twice
             text.append("No profile yet.", style="bold")
+        if report is not None and state in ("pending", "running", "failed", "cancelled"):
+            text.append(" (the views show the previous profile)", style="dim")
         text.append("  ·  F8: next view", style="dim")
         self.status.update(text)
+        nothing = self._nothing_yet()
+        for note in self._empty.values():
+            note.update(Text(nothing))
+
+    def _nothing_yet(self) -> str:
+        """What each view says while there is no report."""
+        if not self.live:
+            return RECORDED.format(n=DEFAULT_STEPS)
+        if self.under_way:
+            return PENDING.format(n=(self.progress or {}).get("steps", "?"))
+        if not self._ended:
+            return HOW.format(n=DEFAULT_STEPS)
+        cut_off = (self.progress or {}).get("state") in ("pending", "running")
+        return CUT_OFF if cut_off else ENDED.format(n=DEFAULT_STEPS)
 
     # --- views and keys ----------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from textual.app import ComposeResult
 from textual.lazy import Lazy
 from textual.screen import Screen
 from textual.widget import Widget
-from textual.widgets import DataTable, Footer, Header, Input, TabbedContent, TabPane, Tabs, Tree
+from textual.widgets import DataTable, Header, Input, TabbedContent, TabPane, Tabs, Tree
 
 from tensordbg.sources.contract import Info, Welcome
 from tensordbg.tui.components.connection_banner import ConnectionBanner
@@ -25,6 +25,7 @@ from tensordbg.tui.components.heard_hits import HeardHits
 from tensordbg.tui.components.hit_detail import HitDetail
 from tensordbg.tui.components.hit_filter import HitFilter
 from tensordbg.tui.components.hit_table import HitTable
+from tensordbg.tui.components.key_footer import KeyFooter
 from tensordbg.tui.components.module_browser import ModuleBrowser
 from tensordbg.tui.components.module_table import ModuleTable
 from tensordbg.tui.components.provenance_view import ProvenanceView
@@ -135,7 +136,7 @@ class MainScreen(Screen):
             for tab in TABS:
                 with TabPane(f"{tab.title} {tab.key.upper()}", id=tab.pane):
                     yield from content[tab.pane]
-        yield Footer()
+        yield KeyFooter()
 
     def on_resize(self, event: events.Resize) -> None:
         """Tab titles name their keys where the bar has room: at 80 columns the last tabs were
@@ -209,7 +210,6 @@ class MainScreen(Screen):
             self._ended_by = payload.get("reason", "") if payload["state"] == "finished" else ""
             self.app.state = payload["state"]  # type: ignore[attr-defined]
             self._show_title()
-            self.profiler_view.training_state()
         elif event == "profile":
             self.profiler_view.profile_event(payload)
 
@@ -243,6 +243,7 @@ class MainScreen(Screen):
         """The training's state changed (the app's ``state`` reactive)."""
         before, self._state = self._state, state
         self.run_status.show_state(state)
+        self.profiler_view.training_state()  # a profile under way may have been cut off
         self._explain_ranges()
         if state != "running":
             self.run_status.show_running_rule(None)
@@ -265,11 +266,9 @@ class MainScreen(Screen):
     def show_connect_failed(self, error: str) -> None:
         """An attempt to (re)connect failed; another follows."""
         if self._lost_text:
-            text = f"{self._lost_text} Last attempt: {error}"
-            self.banner.show(text, "lost")
+            self.banner.show(f"{self._lost_text} Last attempt: {error}", "lost")
         else:
-            text = f"Cannot connect yet: {error}. Retrying…"
-            self.banner.show(text, "connecting")
+            self.banner.show(f"Cannot connect yet: {error}. Retrying…", "connecting")
         self.log_entry(f"cannot connect: {error}", "error")
 
     def show_connection_lost(self, reason: str, last_state: str, reconnecting: bool) -> None:

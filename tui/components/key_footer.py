@@ -1,0 +1,76 @@
+"""The footer of the main screen: the keys that work now, fitted to the terminal's width.
+
+Textual's Footer lays its keys out in a row and cuts the row at the right edge: at 80 columns it
+ended in "i Ignore r", and "/ Search" and "P Profile" never showed. This one leaves a key out
+whole when it does not fit, the least needed first, and turns compact (less space around each
+key) when that is what makes them fit; the palette (ctrl+p) offers every key it leaves out.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rich.cells import cell_len
+from textual import events
+from textual.app import ComposeResult
+from textual.widgets import Footer
+
+if TYPE_CHECKING:
+    from textual.widgets._footer import FooterKey  # what Footer.compose yields
+
+# The cells a key takes around its key and description, as Textual's FooterKey CSS lays it out:
+# " c Continue " (padding on both sides), or compact "c Continue" and a margin of one. The
+# palette key on the right edge takes as many compact or not (a border, and padding or margin).
+AROUND = {False: 3, True: 2}
+FIRST = frozenset("cnspq")
+"""The debugger's keys that drive the training (or move along a recorded run) and quit."""
+
+
+class KeyFooter(Footer):
+    """Keys left out whole, the least needed first: the keys in ``FIRST`` are kept before the
+    focused widget's (the tab's own), and those before the app's other keys (the app lists its
+    bindings in the order of need)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._width = 0  # the width it was laid out for
+
+    def compose(self) -> ComposeResult:
+        keys = list(super().compose())
+        if not keys:
+            return
+        palette = [k for k in keys if k.has_class("-command-palette")]
+        shown = [k for k in keys if k not in palette]
+        width = self._width = self.size.width or self.screen.size.width
+        for compact in (False, True):
+            room = width - sum(_cells(k, compact=False) for k in palette)
+            fits = self._fit(shown, room, compact)
+            if len(fits) == len(shown) or compact:
+                break
+        self.compact = compact
+        yield from (k for k in keys if k in fits or k in palette)
+
+    def _fit(self, keys: list[FooterKey], room: int, compact: bool) -> list[FooterKey]:
+        """The keys that fit in ``room`` cells, taken in the order of need."""
+        bindings = self.screen.active_bindings
+        app = self.app
+
+        def need(key: FooterKey) -> int:
+            if key.key in FIRST:
+                return 0
+            return 2 if key.key in bindings and bindings[key.key].node is app else 1
+
+        fits = []
+        for key in sorted(keys, key=need):  # stable: in the footer's order within a rank
+            if _cells(key, compact) <= room:
+                fits.append(key)
+                room -= _cells(key, compact)
+        return fits
+
+    def on_resize(self, event: events.Resize) -> None:
+        if event.size.width != self._width:  # laid out for another width
+            self.call_after_refresh(self.recompose)
+
+
+def _cells(key: FooterKey, compact: bool) -> int:
+    return cell_len(key.key_display) + cell_len(key.description) + AROUND[compact]
