@@ -465,7 +465,7 @@ def test_an_uncaught_hit_in_lightning_shows_the_users_frames_then_the_summary(tm
     assert f'File "{path}"' in err[start:]
     assert "tensordbg/engine" not in err and "torch/nn/modules" not in err
     assert err.index("tensordbg.hit.WatchpointHit: net.0.output holds") < err.index(
-        "tensordbg: 1 hit, 1 at their origin"
+        "tensordbg: 1 hit, at its origin"
     )
 
 
