@@ -449,6 +449,7 @@ def _demo(args: argparse.Namespace) -> int:
     if not sys.stdout.isatty():
         print("tensordbg demo needs a terminal; use `tensordbg demo --no-ui` to print the hits.")
         return 2
+    from tensordbg.profiler.handle import report_last
     from tensordbg.tui import run_tui
 
     run_id = f"demo{secrets.token_hex(3)}"
@@ -456,13 +457,9 @@ def _demo(args: argparse.Namespace) -> int:
         "w", prefix="tensordbg-demo-", suffix=".log", delete=False
     )
     env = {**os.environ, "TENSORDBG_RUN_ID": run_id}
-    training = subprocess.Popen(
-        [sys.executable, "-m", "tensordbg.demo", *demo_args],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env=env,
-    )
+    command = [sys.executable, "-m", "tensordbg.demo", *demo_args]
+    training = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env)  # fmt: skip
     stopped = False  # by us, below: not a failure of the training
     try:
         # Without alive, a training that dies before or after the UI connects is waited for
@@ -481,8 +478,7 @@ def _demo(args: argparse.Namespace) -> int:
                 training.wait(timeout=10)
         log.close()
     with open(log.name) as f:
-        tail = f.read().strip().splitlines()[-8:]
-    print("the training's output, its end:", *tail, sep="\n")
+        print("the training's output, its end:", *report_last(f.read()), sep="\n")
     if training.returncode and not stopped:
         print(
             f"The demo training failed (exit status {training.returncode}): its whole output "

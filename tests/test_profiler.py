@@ -378,3 +378,16 @@ def test_a_report_of_one_step_says_one_step_not_steps():
                           breakdown=[{"step": s, "forward": 0.01, "total": 0.01}
                                      for s in (2, 3, 4)])  # fmt: skip
     assert three.text().startswith("tensordbg profile: 3 steps (2..4) on cpu, median step ")
+
+
+def test_the_demo_shows_the_end_of_its_training_and_a_profile_report_its_exit_printed_whole():
+    """The demo prints the last 8 lines of its training's output: a profile cut by the
+    training's end, printed at its exit, filled them, and the training's own end was lost."""
+    from tensordbg.profiler.handle import report_last
+
+    own = [f"step {s:3d}  loss 1.0" for s in range(0, 30, 10)] + ["tensordbg: 1 hit"]
+    report = ["tensordbg: the training ended while profiling; 2 of its 5 steps were profiled",
+              "tensordbg profile: 2 steps (26..27) on cpu, median step 9 ms"] + [
+              f"  op {i}" for i in range(12)]  # fmt: skip
+    assert report_last("\n".join(own + report), lines=3) == own[-3:] + report
+    assert report_last("\n".join(own)) == own

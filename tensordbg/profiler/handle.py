@@ -90,3 +90,17 @@ class ProfileHandle:
 
     def __repr__(self) -> str:
         return f"<ProfileHandle {self.steps} steps, {self.state}>"
+
+
+def report_last(output: str, lines: int = 8) -> list[str]:
+    """The end of a process's output: its last ``lines`` before the report of a profile that
+    its exit printed (:meth:`ProfileHandle.say_at_exit`), then that report whole (``tensordbg
+    demo`` shows the end of its training's output: the report pushed the training's off it)."""
+    said = output.strip().splitlines()
+    starts = (
+        "tensordbg: detached while",
+        "tensordbg: the training ended while",
+        "tensordbg profile:",
+    )
+    report = next((i for i, line in enumerate(said) if line.startswith(starts)), len(said))
+    return said[:report][-lines:] + said[report:]
