@@ -294,22 +294,29 @@ def test_the_json_names_the_origin_as_the_run_and_the_table_did(
     ]
 
 
+def _alter_index_line(dump: Path, step: int) -> tuple[Path, int]:
+    """Change a dtype in the index line of ``step``: the line then fails its checksum. Returns
+    the index and the line's number."""
+    index = dump / "rank-0" / "index.jsonl"
+    lines = index.read_bytes().splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if f'"step":{step},'.encode() in line)
+    lines[at] = lines[at].replace(b'"dtype":"float32"', b'"dtype":"float64"', 1)
+    index.write_bytes(b"".join(lines))
+    return index, at + 1
+
+
 def test_a_broken_step_is_reported_and_the_others_are_checked(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A step whose index line fails its checksum is not checked; the others are."""
     dump = write_dump(tmp_path / "run", nan_at=3)
-    index = dump / "rank-0" / "index.jsonl"
-    lines = index.read_bytes().splitlines(keepends=True)
-    cut = next(i for i, line in enumerate(lines) if b'"step":3,' in line)
-    lines[cut] = lines[cut].replace(b'"dtype":"float32"', b'"dtype":"float64"', 1)
-    index.write_bytes(b"".join(lines))
+    index, line = _alter_index_line(dump, 3)
     report = check_dump(load(dump))
     assert report.steps == 5 and report.findings == []
     assert report.broken[0]["step"] == 3 and not report.broken[0]["statistics_checked"]
     assert main(["check", str(dump)]) == 2  # not clean: a CI job must not pass what was unread
     out = capsys.readouterr().out
-    assert f"step 3 of rank 0 was not checked: {index} line {cut + 1}" in out
+    assert f"step 3 of rank 0 was not checked: {index} line {line}" in out
     assert out.splitlines()[-1].endswith("; not all of the dump could be read (see above)")
     assert "clean" not in out.splitlines()[-1]
 
@@ -446,11 +453,7 @@ def test_a_step_whose_index_line_is_broken_is_not_counted_as_not_dumped(tmp_path
     """Steps 0-5 but 2 dumped, step 4's index line altered: step 4 was dumped and could not be
     read, so 1 step was not dumped, not 2."""
     dump = write_dump(tmp_path / "run", steps=[0, 1, 3, 4, 5], nan_at=None)
-    index = dump / "rank-0" / "index.jsonl"
-    lines = index.read_bytes().splitlines(keepends=True)
-    at = next(i for i, line in enumerate(lines) if b'"step":4,' in line)
-    lines[at] = lines[at].replace(b'"dtype":"float32"', b'"dtype":"float64"', 1)
-    index.write_bytes(b"".join(lines))
+    _alter_index_line(dump, 4)
     report = check_dump(load(dump))
     assert [(b["step"], b["statistics_checked"]) for b in report.broken] == [(4, False)]
     notes = [note for note in report.notes if "not dumped" in note]
