@@ -39,6 +39,7 @@ import torch
 
 from tensordbg.dump import format as fmt
 from tensordbg.dump.writer import DumpWriter
+from tensordbg.offline.sentences import plural
 from tensordbg.statistics import MEAN, TensorStats
 from tensordbg.statistics.batch import StatsBatch, on_host
 from tensordbg.statistics.torch_kernels import device_parts
@@ -299,10 +300,10 @@ class DumpRecorder:
             self.writer.close(complete=self.failed is None)
         steps, root = self.writer.steps_written, self.writer.root
         if steps and self.session.rank == 0:  # where to look, once (a job's ranks share it)
-            print(f"tensordbg: {steps} step{'s' * (steps != 1)} dumped in {root}: tensordbg "
+            print(f"tensordbg: {plural(steps, 'step')} dumped in {root}: tensordbg "
                   f"replay {root}, tensordbg check {root}", file=sys.stderr)  # fmt: skip
             if gone := len(self.writer.evicted_hits):
-                print(f"tensordbg: {gone} step{'s' * (gone != 1)} with hits went to keep the "
+                print(f"tensordbg: {plural(gone, 'step')} with hits went to keep the "
                       f"dump under max_bytes={self.writer.max_bytes:,} (the first step with hits "
                       "and the newest stay)", file=sys.stderr)  # fmt: skip
 

@@ -280,7 +280,7 @@ class DumpWriter:
                 written = self._written[key]
                 if total <= target:
                     break
-                if written.keep != keep or key in spared or key in gone:
+                if written.keep != keep or key in spared:  # each pass takes its own
                     continue
                 total -= written.nbytes + written.line_bytes
                 gone.append(key)

@@ -64,24 +64,40 @@ def _pct(x: float) -> str:
     return f"{x * 100:.1f} %"
 
 
-class DataLoaderShare(AdviceRule):
+class ShareOfStep(AdviceRule):
+    """Advice when one category of the step (:data:`~.report.CATEGORIES`) takes more than
+    ``threshold`` of its time. Subclasses set ``category``, ``evidence`` (a format with
+    ``{share}``) and implement :meth:`message`."""
+
+    category: ClassVar[str] = ""
+    evidence: ClassVar[str] = ""
+
+    def check(self, report: ProfileReport) -> Advice | None:
+        share = report.share(self.category)
+        if share <= self.threshold:
+            return None
+        evidence = self.evidence.format(share=_pct(share))
+        return self.advise(share, f"{evidence} (threshold {_pct(self.threshold)})",
+                           self.message(report))  # fmt: skip
+
+    def message(self, report: ProfileReport) -> str:
+        raise NotImplementedError
+
+
+class DataLoaderShare(ShareOfStep):
     """Loading batches takes a large share of the step (TensorBoard plugin: 5 %)."""
 
     name, threshold = "DataLoaderShare", 0.05
+    category, evidence = "DataLoader", "DataLoader {share} of the step time"
 
-    def check(self, report: ProfileReport) -> Advice | None:
-        share = report.share("DataLoader")
-        if share <= self.threshold:
-            return None
+    def message(self, report: ProfileReport) -> str:
         pin = (
             " pin_memory=True, and .to(device, non_blocking=True)" if report.device != "cpu" else ""
         )
-        return self.advise(
-            share,
-            f"DataLoader {_pct(share)} of the step time (threshold {_pct(self.threshold)})",
+        return (
             "Load batches in parallel with the training: "
             f"DataLoader(num_workers=4 or more, persistent_workers=True){pin}; "
-            "or make the Dataset's __getitem__ cheaper.",
+            "or make the Dataset's __getitem__ cheaper."
         )
 
 
@@ -198,20 +214,16 @@ class LaunchBound(AdviceRule):
         )
 
 
-class Communication(AdviceRule):
+class Communication(ShareOfStep):
     """Collective communication takes a large share of the step (10 %)."""
 
     name, threshold = "Communication", 0.1
+    category, evidence = "communication", "communication {share} of the step time"
 
-    def check(self, report: ProfileReport) -> Advice | None:
-        share = report.share("communication")
-        if share <= self.threshold:
-            return None
-        return self.advise(
-            share,
-            f"communication {_pct(share)} of the step time (threshold {_pct(self.threshold)})",
+    def message(self, report: ProfileReport) -> str:
+        return (
             "Communicate less often: gradient "
-            "accumulation (no_sync() between), or a larger batch per rank.",
+            "accumulation (no_sync() between), or a larger batch per rank."
         )
 
 
@@ -305,24 +317,20 @@ class CpuBound(AdviceRule):
         )
 
 
-class OutsideThePhases(AdviceRule):
+class OutsideThePhases(ShareOfStep):
     """Much of the step is none of loading, forward, backward or the optimizer: the loop's own
     Python between them (Holistic Trace Analysis counts such host time against the step). An
     operator's advice would miss it: no operator runs then."""
 
     name, threshold = "OutsideThePhases", 0.3
+    category = "other"
+    evidence = "{share} of the step is outside the DataLoader, forward, backward and optimizer"
 
-    def check(self, report: ProfileReport) -> Advice | None:
-        share = report.share("other")
-        if share <= self.threshold:
-            return None
-        return self.advise(
-            share,
-            f"{_pct(share)} of the step is outside the DataLoader, forward, backward and optimizer "
-            f"(threshold {_pct(self.threshold)})",
+    def message(self, report: ProfileReport) -> str:
+        return (
             "See what the training loop does between them (the trace's gaps): logging, "
             ".item() or .cpu() every step, preprocessing outside the DataLoader, a sleep; do it "
-            "every N steps, or in DataLoader workers.",
+            "every N steps, or in DataLoader workers."
         )
 
 

@@ -7,7 +7,10 @@ import sys
 import threading
 from typing import Any
 
-from tensordbg.profiler.report import ProfileReport
+from tensordbg.profiler.report import TITLE, ProfileReport
+
+CUT = "while profiling;"
+"""The words of the line :meth:`ProfileHandle.say_at_exit` puts before a cut profile's report."""
 
 
 class ProfileHandle:
@@ -65,8 +68,8 @@ class ProfileHandle:
         return self._report
 
     def say_at_exit(self, who: str, timeout: float = 120) -> None:
-        """Print on stderr, once, the report of a profile that the training's end cut short
-        while it was being summarized: the steps done, as ``--profile`` prints them. Whoever
+        """Print on stderr, once, the report of a profile that the training's end or a detach
+        cut short, still being summarized: the steps done, as ``--profile`` prints them. Whoever
         asked for it (the UI, gone with its connection; a script that did not wait) would
         otherwise lose it with the process. So too a report nobody waited for, when
         :attr:`report_at_exit` (a session of ``tensordbg.profile``: nothing else shows it).
@@ -79,8 +82,7 @@ class ProfileHandle:
         report = self.wait(timeout)
         if report is not None:
             if cut:
-                print(f"{who}: {self.cut_by} while profiling; {self.message}",
-                      file=sys.stderr)  # fmt: skip
+                print(f"{who}: {self.cut_by} {CUT} {self.message}", file=sys.stderr)
             print(report.text(), file=sys.stderr, flush=True)
 
     def cancel(self) -> None:
@@ -97,10 +99,6 @@ def report_last(output: str, lines: int = 8) -> list[str]:
     its exit printed (:meth:`ProfileHandle.say_at_exit`), then that report whole (``tensordbg
     demo`` shows the end of its training's output: the report pushed the training's off it)."""
     said = output.strip().splitlines()
-    starts = (
-        "tensordbg: detached while",
-        "tensordbg: the training ended while",
-        "tensordbg profile:",
-    )
-    report = next((i for i, line in enumerate(said) if line.startswith(starts)), len(said))
+    starts = (i for i, line in enumerate(said) if line.startswith(TITLE) or CUT in line)
+    report = next(starts, len(said))
     return said[:report][-lines:] + said[report:]

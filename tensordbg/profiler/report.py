@@ -27,6 +27,9 @@ from typing import Any
 from tensordbg.offline.sentences import plural
 
 VERSION = 1
+TITLE = "tensordbg profile:"
+"""How :meth:`ProfileReport.text` begins (``tensordbg demo`` finds a report in its training's
+output by it)."""
 
 # The categories of a breakdown row, in the order of the priority rule; "other" is the rest.
 DEVICE_CATEGORIES = ("kernel", "memcpy", "memset", "communication", "runtime")
@@ -113,12 +116,12 @@ class ProfileReport:
         """
         times = sorted(self.step_times)
         if not times:
-            return f"tensordbg profile: no step was profiled. {self.message}".rstrip()
+            return f"{TITLE} no step was profiled. {self.message}".rstrip()
         median = times[len(times) // 2]
         first, last = self.steps[0], self.steps[-1]
         span = f"{first}..{last}" if last != first else f"{first}"
         lines = [
-            f"tensordbg profile: {plural(len(times), 'step')} ({span}) on {self.device}, "
+            f"{TITLE} {plural(len(times), 'step')} ({span}) on {self.device}, "
             f"{'its' if len(times) == 1 else 'median'} step {_ms(median)}"
         ]
         shares = [(c, self.share(c)) for c in CATEGORIES]

@@ -261,12 +261,10 @@ class ProfilerView(Vertical, can_focus=True):
 
     def _nothing_yet(self) -> str:
         """What each view says while there is no report."""
-        if not self.live:
-            return RECORDED.format(n=DEFAULT_STEPS)
-        if self.under_way:
+        if self.live and self.under_way:
             return PENDING.format(n=(self.progress or {}).get("steps", "?"))
-        if not self._ended:
-            return HOW.format(n=DEFAULT_STEPS)
+        if not (self.live and self._ended):
+            return self.how_to_profile()
         cut_off = (self.progress or {}).get("state") in ("pending", "running")
         return CUT_OFF if cut_off else ENDED.format(n=DEFAULT_STEPS)
 

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 from textual import events, on
 from textual.app import ComposeResult
+from textual.css.query import NoMatches
 from textual.lazy import Lazy
 from textual.screen import Screen
 from textual.widget import Widget
@@ -143,7 +144,7 @@ class MainScreen(Screen):
         cut off it, the titles alone fit (the keys are in the palette)."""
         wide, tabs = event.size.width >= TAB_KEYS_WIDTH, self.query_one(TabbedContent)
         for tab in TABS:
-            with contextlib.suppress(Exception):  # a tab not mounted yet keeps its title
+            with contextlib.suppress(NoMatches):  # a tab not mounted yet keeps its title
                 tabs.get_tab(tab.pane).label = tab.title + f" {tab.key.upper()}" * wide
 
     # --- what the app hands over -------------------------------------------------------------
