@@ -9,6 +9,8 @@ import io
 import math
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -1112,6 +1114,24 @@ def footer_row(app: TensorDbgApp) -> tuple[list[str], list[str]]:
     return whole, [k.key for k in others if k.key not in whole]
 
 
+async def settled_footer(
+    pilot: Pilot, condition: Callable[[list[str]], bool], timeout: float = 10.0
+) -> tuple[list[str], list[str]]:
+    """The footer's row once ``condition`` holds on it and two reads a pause apart agree: the
+    footer lays itself out again after a change of bindings, more than once, and between two
+    passes it has no keys at all."""
+    deadline = time.monotonic() + timeout
+    seen = None
+    while True:
+        row = footer_row(pilot.app)
+        if condition(row[0]) and row == seen:
+            return row
+        seen = row if condition(row[0]) else None
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the footer never settled; last read {row}")
+        await pilot.pause(0.02)
+
+
 def test_at_80_columns_the_footer_keeps_whole_the_keys_a_person_needs_most() -> None:
     """At 80x24 the footer ended in "q Detach & quit  i Ignore r": "/ Search" and "P Profile"
     never showed, and the Rules tab's keys pushed the debugger's out even at 120 columns. A key
@@ -1122,19 +1142,16 @@ def test_at_80_columns_the_footer_keeps_whole_the_keys_a_person_needs_most() -> 
         async with app.run_test(size=(80, 24)) as pilot:
             await paused_on_the_two_hits(pilot)
             await mounted(pilot)
-            await until(pilot, lambda: footer_row(app)[0][:2] == ["c", "n"])
-            whole, cut = footer_row(app)
+            whole, cut = await settled_footer(pilot, lambda keys: keys[:2] == ["c", "n"])
             assert whole == ["c", "n", "s", "q", "slash", "P"] and cut == []
             assert "Search" in screen_text(app).splitlines()[-1]
             titles = [c.title for c in app.get_system_commands(app.screen)]
             assert {"Skip this update", "Ignore this rule on this tensor"} <= set(titles)
             app.main.show_tab("rules")
-            await until(pilot, lambda: "space" in footer_row(app)[0])
-            whole, cut = footer_row(app)
+            whole, cut = await settled_footer(pilot, lambda keys: "space" in keys)
             assert {"c", "n", "s", "q", "space", "e"} <= set(whole) and cut == []
             await pilot.resize_terminal(120, 40)
-            await until(pilot, lambda: "a" in footer_row(app)[0])
-            whole, cut = footer_row(app)
+            whole, cut = await settled_footer(pilot, lambda keys: "a" in keys)
             assert {"c", "n", "s", "q", "slash", "P", "space", "e", "a", "r"} <= set(whole)
             assert cut == []
 
