@@ -137,6 +137,18 @@ def _raised_from(cause: BaseException) -> BaseException:
         return e
 
 
+def test_a_detach_waits_for_the_watcher_to_leave_the_store(ranks):
+    """A daemon thread inside a store call (C++, the GIL released) when the interpreter exits
+    is stopped there, and the process aborts: "terminate called without an active exception",
+    exit status -6, for a rank whose training had ended well. Closing the link ends its
+    watcher before it returns, so no thread of ours is in the store at exit."""
+    for rank in ranks:
+        watcher = rank.ranks._watcher
+        assert watcher.is_alive()
+        rank.ranks.close()
+        assert not watcher.is_alive()
+
+
 def test_polling_the_store_at_a_safe_point_costs_one_small_read(ranks):
     rank0, _ = ranks
     start = time.perf_counter()

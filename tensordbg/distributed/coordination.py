@@ -49,6 +49,9 @@ ABORT_GRACE = 10.0
 """Seconds a rank told to stop (another rank raised) waits to reach a safe point before it
 exits anyway (it is stuck in a collective that will not complete)."""
 STORE_TIMEOUT = timedelta(seconds=30)
+CLOSE_WAIT = 2.0
+"""Seconds a detach waits for the watcher thread to leave the store call it is in (a round
+trip, a fraction of a millisecond, while the store is there)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +239,11 @@ class RankLink:
         self.closed = True
         self._closed_during = sys.exc_info()[1]  # an error on its way up keeps the excepthook
         self._stop.set()
+        if threading.current_thread() is not self._watcher:
+            # A daemon thread still inside a store call when the interpreter exits is stopped
+            # in the middle of C++ code, which aborts the whole process ("terminate called
+            # without an active exception"): the rank's job fails after its training ended.
+            self._watcher.join(CLOSE_WAIT)
 
     # --- internals -------------------------------------------------------------------------
 
