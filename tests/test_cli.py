@@ -108,6 +108,38 @@ def test_run_watches_two_optimizers_of_one_step_from_their_first_steps(tmp_path:
     assert {("0.weight", 3), ("2.weight", 3)} <= updated
 
 
+ACCUMULATING = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        for micro in range(4):  # gradient accumulation: four batches a step
+            x = torch.randn(16, 4)
+            if step == 2 and micro == 1:
+                x[0, 0] = float("nan")
+            (model(x).pow(2).mean() / 4).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    """
+)
+
+
+def test_run_watches_the_optimizer_the_script_made_from_step_0(tmp_path: Path):
+    """The optimizer was found only at its first step, after four micro-batches: until then
+    a step was one call of the model, the NaN of optimizer step 2 was named at step 5, and the
+    run began by saying that no optimizer was watched."""
+    script = tmp_path / "train.py"
+    script.write_text(ACCUMULATING)
+    done = tensordbg("run", "--on-hit", "record", str(script), cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert "step 2 forward: [NaN] #1.input[0]" in done.stderr
+    assert "no optimizer is watched" not in done.stderr
+
+
 TWO_LOSSES = textwrap.dedent(
     """
     import torch

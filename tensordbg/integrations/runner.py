@@ -1,11 +1,12 @@
 """``tensordbg run script.py``: debug a training script without changing it, like ``pdb``.
 
 Global hooks find the training: the first module with trainable parameters that is called is the
-model (tensordbg attaches to it as ``attach()`` would), every optimizer that steps it is watched
-from its first step on, and a scalar on which ``.backward()`` is called is observed as a loss, under
-the name the script gives it (``d_loss.backward()`` observes ``d_loss``; see :func:`loss_name`).
-The global module hook is removed as soon as the model is found, so the rest of the run pays
-only for the model's own hooks.
+model (tensordbg attaches to it as ``attach()`` would, with the optimizers the script made for it
+so far), an optimizer made later is watched from its first step on, and a scalar on which
+``.backward()`` is called is observed as a loss, under the name the script gives it
+(``d_loss.backward()`` observes ``d_loss``; see :func:`loss_name`). The global module hook is
+removed as soon as the model is found, so the rest of the run pays only for the model's own
+hooks.
 
 A script that trains with a framework's trainer (Hugging Face ``Trainer``, Lightning ``Trainer``)
 is watched through that framework's callback instead: each trainer the script makes gets one (see
@@ -19,6 +20,7 @@ import inspect
 import os
 import runpy
 import sys
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,6 +54,8 @@ class ScriptRun:
         self._watched: set[int] = set()  # the watched model's modules, and those said apart
         self._optimizer_hook: Any = None
         self._backward = torch.Tensor.backward
+        self._optimizer_init = torch.optim.Optimizer.__init__
+        self._made: list[weakref.ref[torch.optim.Optimizer]] = []  # the script's optimizers
         implied = attach_args.get("on_hit") is None  # not given: a dump is for nobody watching
         if implied:
             attach_args["on_hit"] = "dump" if attach_args.get("dump_dir") else "pause"
@@ -77,6 +81,13 @@ class ScriptRun:
             return original(tensor, *args, **kwargs)
 
         torch.Tensor.backward = backward  # type: ignore[method-assign]
+        made, init = self._made, self._optimizer_init
+
+        def optimizer_init(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+            init(optimizer, *args, **kwargs)
+            made.append(weakref.ref(optimizer))
+
+        torch.optim.Optimizer.__init__ = optimizer_init  # type: ignore[method-assign]
         self._trainers.install()
 
     @property
@@ -96,6 +107,8 @@ class ScriptRun:
         for session in self.framework_sessions:
             session.detach(finished=True)
         torch.Tensor.backward = self._backward  # type: ignore[method-assign]
+        torch.optim.Optimizer.__init__ = self._optimizer_init  # type: ignore[method-assign]
+        self._made = []
         for handle in (self._module_hook, self._optimizer_hook):
             if handle is not None:
                 handle.remove()
@@ -142,7 +155,12 @@ class ScriptRun:
             if self.profile_steps:
                 self.profiling = own.profile(self.profile_steps)
             return
-        self.session = attach(module, rules=self.rules, replaceable=True, **self.attach_args)
+        # The optimizers the script made for it, watched from step 0: one found only at its
+        # first step leaves the steps before it counted as model calls (four micro-batches of
+        # gradient accumulation were four steps), and the first says no optimizer is watched.
+        optimizers = [o for ref in self._made if (o := ref()) is not None and _steps(o, module)]
+        self.session = attach(module, optimizer=optimizers or None, rules=self.rules,
+                              replaceable=True, **self.attach_args)  # fmt: skip
         self._watched = {id(m) for m in module.modules()}
         # This very call began before the model's own hooks existed: enter it by hand.
         self.session.capture.on_enter(module, args, {})
@@ -252,6 +270,12 @@ def _print_profile(run: ScriptRun) -> None:
         print(f"tensordbg run --profile: no report ({why})", file=sys.stderr, flush=True)
         return
     print(report.text(), file=sys.stderr, flush=True)
+
+
+def _steps(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> bool:
+    """Whether ``optimizer`` updates any parameter of ``module``."""
+    params = {id(p) for p in module.parameters()}
+    return any(id(p) in params for group in optimizer.param_groups for p in group["params"])
 
 
 def _chosen(rules: Sequence[Rule] | None, attach_args: dict[str, Any]) -> dict[str, Any]:
