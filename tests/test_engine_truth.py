@@ -258,6 +258,27 @@ def test_saving_and_copying_a_watched_model_work_and_the_copies_carry_no_hooks(w
     assert "__reduce_ex__" not in vars(model[0])  # detach undid that too
 
 
+@pytest.mark.filterwarnings("ignore:.*deprecated")
+def test_scripting_a_watched_model_works_and_the_scripted_one_carries_no_hooks(watch):
+    """torch.jit.script compiles a module's forward hooks with it: scripting an attached model
+    (a TorchScript export at the end of a training) failed on tensordbg's hooks with "try
+    blocks aren't supported"."""
+    import torch.jit._recursive as recursive
+
+    torch_hook_stubs = recursive.get_hook_stubs
+    model = mlp()
+    session = watch(model, on_hit="record", rules=[NaN()])
+    scripted = torch.jit.script(model)
+    x = torch.randn(3, 4)
+    assert torch.equal(scripted(x), model(x))
+    _forward_with_a_nan(scripted)  # the scripted module is not watched
+    assert session.hits == []
+    _forward_with_a_nan(model)  # the model still is
+    assert [h.tensor for h in session.hits if h.origin] == ["input[0]"]
+    session.detach()
+    assert recursive.get_hook_stubs is torch_hook_stubs  # detach undid that too
+
+
 def _forward_with_a_nan(model: nn.Module) -> None:
     x = torch.randn(3, 4)
     x[0, 0] = float("nan")

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import torch
 
-from tensordbg.engine.handles import HandleGroup, Unhooked
+from tensordbg.engine.handles import HandleGroup, Unhooked, hide_from_torchscript
 from tensordbg.engine.pinpoint import draws_random, random_state
 from tensordbg.engine.records import Call, Record, new_record, tensor_leaves
 from tensordbg.engine.sites import user_site
@@ -175,6 +175,7 @@ class Capture:
                 owner_type = type(model.get_submodule(owner)).__name__
                 hook = param_hook(self.session, name, owner, owner_type)
                 handles.add(param.register_post_accumulate_grad_hook(hook))
+        hide_from_torchscript(handles)
         handles.callback(self.reset)
         handles.callback(self.new_step)
 

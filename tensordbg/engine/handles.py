@@ -133,3 +133,52 @@ def _ours(hook: Any) -> bool:
     owner = getattr(fn, "__self__", None)
     where = type(owner).__module__ if owner is not None else getattr(fn, "__module__", None)
     return isinstance(where, str) and where.partition(".")[0] == "tensordbg"
+
+
+_script_lock = threading.Lock()
+_script_users = 0
+_hook_stubs: Callable[[Any], Any] | None = None  # torch's, while tensordbg's stands in for it
+
+
+def hide_from_torchscript(handles: HandleGroup) -> None:
+    """Let ``torch.jit.script(model)`` work while attached, until ``handles`` close.
+
+    TorchScript compiles a module's forward hooks with its forward, and tensordbg's are Python
+    it cannot compile: scripting an attached model failed with "try blocks aren't supported",
+    pointing into tensordbg. While a session is attached, the compiler lists each module's
+    hooks without tensordbg's: the scripted module has none of them, as a copy has none
+    (:class:`Unhooked`), and the model keeps them."""
+    global _script_users, _hook_stubs
+    import torch.jit._recursive as recursive
+
+    with _script_lock:
+        if _script_users == 0:
+            if not callable(getattr(recursive, "get_hook_stubs", None)):
+                return  # a torch that lists hooks elsewhere: scripting fails as it did
+            _hook_stubs = recursive.get_hook_stubs
+            recursive.get_hook_stubs = _hook_stubs_without_ours
+        _script_users += 1
+    handles.callback(_release_torchscript, "TorchScript's view of the hooks")
+
+
+def _release_torchscript() -> None:
+    global _script_users, _hook_stubs
+    import torch.jit._recursive as recursive
+
+    with _script_lock:
+        _script_users -= 1
+        if _script_users == 0 and _hook_stubs is not None:
+            recursive.get_hook_stubs, _hook_stubs = _hook_stubs, None
+
+
+def _hook_stubs_without_ours(module: torch.nn.Module) -> Any:
+    hidden = {}
+    for name in ("_forward_hooks", "_forward_pre_hooks"):
+        hooks = vars(module).get(name)
+        if hooks and any(_ours(h) for h in hooks.values()):
+            hidden[name] = hooks
+            vars(module)[name] = type(hooks)((k, v) for k, v in hooks.items() if not _ours(v))
+    try:
+        return _hook_stubs(module)
+    finally:
+        vars(module).update(hidden)
