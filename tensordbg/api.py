@@ -15,6 +15,7 @@ import torch
 
 from tensordbg.distributed.identity import RankIdentity
 from tensordbg.distributed.models import unwrap, watch_local_shards
+from tensordbg.engine.capture import Capture
 from tensordbg.engine.session import (
     DEFAULT_RETAIN,
     DEFAULT_UPDATE_BUDGET,
@@ -177,9 +178,9 @@ def attach(
     if replaced is not None:  # the run id printed for it is not this session's
         print(f"tensordbg: this attach() replaces the session tensordbg run made for the model "
               f"(run {replaced}): run {session.run_id}", file=sys.stderr, flush=True)  # fmt: skip
-    if session.capture.unmatched:
-        session.log(session.capture.unmatched, "warning")
-        print(f"tensordbg: {session.capture.unmatched}", file=sys.stderr, flush=True)
+    if unmatched := _unmatched(model, session.capture):
+        session.log(unmatched, "warning")
+        print(f"tensordbg: {unmatched}", file=sys.stderr, flush=True)
     if on_hit in ("raise", "skip"):  # an uncaught hit shows the user's frames only (tracebacks.py)
         session.handles.callback(install_excepthook(), "excepthook")
     try:
@@ -318,6 +319,22 @@ def _start_server(session: Session, remote: bool | str, ui_timeout: float | None
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+def _unmatched(model: torch.nn.Module, capture: Capture) -> str | None:
+    """What to say when ``include``/``exclude`` leave only the root watched, though it has
+    modules."""
+    include, exclude = capture.include, capture.exclude
+    names = [path for path, _ in model.named_modules() if path]
+    if not (include or exclude) or not names or len(capture.paths) > 1:
+        return None
+    given = " with ".join(f"{what}={list(patterns)}" for what, patterns in
+                          (("include", include), ("exclude", exclude)) if patterns)  # fmt: skip
+    return (
+        f"{given} leaves no module of {type(model).__name__} watched: only its own inputs "
+        f"and outputs, the gradients and the parameters are; its modules are named "
+        f"{', '.join(repr(n) for n in names[:4])}{', ...' * (len(names) > 4)}"
+    )
 
 
 __all__ = ["attach", "attached_to", "profile"]

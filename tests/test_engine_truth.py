@@ -224,6 +224,30 @@ def test_a_nan_in_a_sparse_gradient_is_found_in_the_gradient_not_blamed_on_the_o
     assert not any(h.kind == "param" and h.origin for h in session.hits)
 
 
+@pytest.mark.parametrize("sync", MODES)
+def test_a_layer_unfrozen_after_attach_has_its_gradient_watched(watch, sync):
+    """Frozen at attach (fine-tuning a head first), unfrozen and given to the optimizer later:
+    its gradient had no hook, so a NaN gradient went unseen, and the NaN weight it made was
+    blamed on the optimizer with "the gradient was clean"."""
+    torch.manual_seed(0)
+    model = mlp()
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    session = watch(model, optimizer=opt, on_hit="record", rules=[NaN()], sync=sync)
+    for step in range(4):
+        if step == 1:
+            model[0].requires_grad_(True)
+            opt.add_param_group({"params": list(model[0].parameters())})
+        if step == 2:
+            model[0].weight.register_hook(lambda grad: grad * float("nan"))
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    first = next(h for h in session.hits if h.origin)
+    assert (first.tensor, first.step, first.phase) == ("0.weight.grad", 2, "backward")
+    assert not any(h.kind == "param" and h.origin for h in session.hits)
+
+
 # --- attaching must not break the script ----------------------------------------------------
 
 

@@ -111,6 +111,7 @@ class Capture:
         exclude: tuple[str, ...],
     ):
         self.session = session
+        self.include, self.exclude = include, exclude  # module path patterns
         self.paths: dict[int, str] = {}
         self.random: set[int] = set()  # modules that draw random numbers (dropout) in forward
         self.types: dict[int, str] = {}
@@ -129,8 +130,6 @@ class Capture:
             self.direct_params[id(module)] = tuple(
                 f"{path}.{n}" if path else n for n, _ in module.named_parameters(recurse=False)
             )
-        self.unmatched = _unmatched(model, self.paths, include, exclude)
-        """A sentence when include/exclude leave no module below the root watched."""
         self.stack: list[Call] = []
         self.root: Call | None = None
         self.calls_by_path: dict[str, list[Call]] = {}
@@ -149,6 +148,8 @@ class Capture:
         self._log_dtypes: frozenset[torch.dtype] = frozenset()
         self._log_room = 0
         self._hot: dict[int, tuple[int, float]] | None = None  # finite outputs: version, mean
+        self._handles: HandleGroup | None = None
+        self._frozen: list[tuple[str, torch.Tensor, str, str]] = []  # parameters not hooked
 
     @property
     def with_grad(self) -> bool:
@@ -169,15 +170,27 @@ class Capture:
             )
             # torch.save(model) and copy.deepcopy(model) see the module without these hooks.
             handles.patch(module, "__reduce_ex__", Unhooked(module, {pre.id, post.id}))
+        self._handles = handles
         for name, param in model.named_parameters():
-            if param.requires_grad:
-                owner = name.rpartition(".")[0]
-                owner_type = type(model.get_submodule(owner)).__name__
-                hook = param_hook(self.session, name, owner, owner_type)
-                handles.add(param.register_post_accumulate_grad_hook(hook))
+            owner = name.rpartition(".")[0]
+            self._frozen.append((name, param, owner, type(model.get_submodule(owner)).__name__))
+        self._watch_unfrozen()
         hide_from_torchscript(handles)
         handles.callback(self.reset)
         handles.callback(self.new_step)
+
+    def _watch_unfrozen(self) -> None:
+        """Hook the gradient of each parameter that has none and needs one: at attach, and at a
+        root forward after one frozen at attach became trainable (a backbone unfrozen after a
+        warm-up: unhooked, its NaN gradient went unseen, and the NaN weight it made was blamed
+        on the optimizer, "the gradient was clean")."""
+        frozen = self._frozen
+        if any(param.requires_grad for _, param, _, _ in frozen):
+            self._frozen = [entry for entry in frozen if not entry[1].requires_grad]
+            for name, param, owner, owner_type in frozen:
+                if param.requires_grad:
+                    hook = param_hook(self.session, name, owner, owner_type)
+                    self._handles.add(param.register_post_accumulate_grad_hook(hook))
 
     def reset(self) -> None:
         """Start a new root forward. The calls of the step's earlier root forwards stay in
@@ -315,6 +328,8 @@ class Capture:
                invocation: Any = None, is_root: bool = False) -> None:  # fmt: skip
         session = self.session
         if is_root:
+            if self._frozen:
+                self._watch_unfrozen()
             session.begin_forward()
             self.reset()
         index = self._counts.get(key, 0)
@@ -449,21 +464,6 @@ class Capture:
 def _memory(t: torch.Tensor) -> tuple[Any, ...]:
     """Where a tensor's values are and how they are laid out: equal for a tensor's aliases."""
     return (t.data_ptr(), t.device, t.dtype, t.shape, t.stride())
-
-
-def _unmatched(model: torch.nn.Module, paths: dict[int, str], include: tuple[str, ...],
-               exclude: tuple[str, ...]) -> str | None:  # fmt: skip
-    """What to say when the selection leaves only the root watched, though it has modules."""
-    names = [path for path, _ in model.named_modules() if path]
-    if not (include or exclude) or not names or len(paths) > 1:
-        return None
-    given = " with ".join(f"{what}={list(patterns)}" for what, patterns in
-                          (("include", include), ("exclude", exclude)) if patterns)  # fmt: skip
-    return (
-        f"{given} leaves no module of {type(model).__name__} watched: only its own inputs "
-        f"and outputs, the gradients and the parameters are; its modules are named "
-        f"{', '.join(repr(n) for n in names[:4])}{', ...' * (len(names) > 4)}"
-    )
 
 
 def _selected(path: str, include: tuple[str, ...], exclude: tuple[str, ...]) -> bool:
