@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 import multiprocessing
 import os
 import threading
@@ -246,6 +247,57 @@ def test_a_layer_unfrozen_after_attach_has_its_gradient_watched(watch, sync):
     first = next(h for h in session.hits if h.origin)
     assert (first.tensor, first.step, first.phase) == ("0.weight.grad", 2, "backward")
     assert not any(h.kind == "param" and h.origin for h in session.hits)
+
+
+def test_an_optimizer_made_after_attach_is_watched_in_place_of_the_one_it_replaces(watch, capsys):
+    """A second phase of the training with a new optimizer over the same parameters: the one
+    given to attach never stepped again, so no step ended (steps 2 to 5 were all "step 2"),
+    and the new optimizer's updates went unchecked."""
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = mlp()  # another model's optimizer steps too: not this session's
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    session = watch(model, optimizer=opt, on_hit="record", rules=[NaN()])
+    for step in range(6):
+        if step == 2:
+            opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        if step == 4:
+            model[0].weight.register_hook(lambda grad: grad * float("nan"))
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        other(torch.randn(3, 4)).sum().backward()
+        other_opt.step()
+    assert session.step == 6
+    assert session.optimizers == [opt]
+    first = next(h for h in session.hits if h.origin)
+    assert (first.tensor, first.step, first.phase) == ("0.weight.grad", 4, "backward")
+    err = capsys.readouterr().err
+    assert err.count("watched from now on") == 1
+    said = "step 2: Adam steps the model's parameters and is watched from now on, in place of SGD"
+    assert said in err
+
+
+def test_an_optimizer_of_part_of_the_model_made_after_attach_is_watched_beside_the_first(watch):
+    """A head's own optimizer, made after attach (or not passed to it): both step each step,
+    one step of the count, and the head's updates are checked too."""
+    torch.manual_seed(0)
+    model = mlp()
+    body = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    session = watch(model, optimizer=body, on_hit="record", rules=[NaN()])
+    head = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    for step in range(4):
+        model(torch.randn(3, 4)).sum().backward()
+        body.step()
+        if step == 2:
+            head.param_groups[0]["lr"] = math.nan  # its update writes NaN in
+        head.step()
+        body.zero_grad()
+        head.zero_grad()
+    assert session.step == 4 and session.optimizers == [body, head]
+    first = next(h for h in session.hits if h.origin)
+    assert (first.tensor, first.step, first.phase) == ("2.weight", 2, "optimizer")
 
 
 # --- attaching must not break the script ----------------------------------------------------

@@ -42,6 +42,7 @@ class OptimizerPhase:
     generator step) shows that they step apart: from then on a step ends with the first
     optimizer's, each of its steps one of the count."""
 
+    _optimizer_hooks: dict[int, tuple[Any, Any]]
     _stepped: frozenset[int] = frozenset()
     """The watched optimizers that stepped in this step."""
     _steps_apart = False
@@ -71,6 +72,57 @@ class OptimizerPhase:
         return (f"Step {self.step}: {listed(made)} stepped already, {its[len(made) > 1]} update "
                 f"made; {listed(left)} will drop {its[len(left) > 1]} gradients, "
                 f"{its[len(left) > 1]} weights and state staying as they are.")  # fmt: skip
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Watch an optimizer's steps (``attach(optimizer=...)`` calls this). A step ends once
+        each watched optimizer has stepped."""
+        if optimizer in self.optimizers or self.detached:
+            return
+        self.optimizers.append(optimizer)
+        hooks = (optimizer.register_step_pre_hook(self._before_step),
+                 optimizer.register_step_post_hook(self._after_step))  # fmt: skip
+        self._optimizer_hooks[id(optimizer)] = hooks
+        for hook in hooks:
+            self.handles.add(hook)
+        self.handles.callback(self.optimizers.clear, "optimizers")
+
+    def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer that steps the model's parameters and is not watched (made after
+        attach: a new one for a second phase of the training): watched from this very step on,
+        in place of each watched one whose parameters it holds all of (those step no more, and
+        a step that waited for them never ended: every later step was counted as one)."""
+        if optimizer in self.optimizers or self.detached or not self.active:
+            return
+        held = _held(optimizer)
+        if not any(key in self.params for key in held):
+            return  # another model's (a GAN's other half, watched by its own session or none)
+        replaced = [o for o in self.optimizers if _held(o) <= held]
+        for old in replaced:
+            self.optimizers.remove(old)
+            for hook in self._optimizer_hooks.pop(id(old), ()):
+                hook.remove()
+            self._stepped -= {id(old)}
+        had = len(self.optimizers) + len(replaced)
+        self.attach_optimizer(optimizer)
+        if had:
+            # Right after a step ended, with no forward since, it is that step's tail.
+            step = self.step - (self.step > 0 and self._root_forwards == self._forwards_at_end)
+            instead = f", in place of {listed([type(o).__name__ for o in replaced])}"
+            message = (
+                f"step {step}: {type(optimizer).__name__} steps the model's parameters and "
+                f"is watched from now on{instead if replaced else ''}"
+            )
+            self.log(message, "warning")
+            print(f"tensordbg: {message}", file=sys.stderr, flush=True)
+
+    def _any_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any,
+                            kwargs: Any) -> None:  # fmt: skip
+        """The global step pre-hook: every optimizer's step, watched or not, comes here first."""
+        if self.optimizers and optimizer not in self.optimizers:
+            try:
+                self.adopt_optimizer(optimizer)
+            except Exception as e:
+                self.fault(e)
 
     def check_parameters(self) -> None:
         """Check every parameter now (``attach`` does it once: a NaN or a poor initialization
@@ -381,3 +433,8 @@ def _drop_gradients(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         for param in group["params"]:
             param.grad = None
+
+
+def _held(optimizer: torch.optim.Optimizer) -> set[int]:
+    """The ids of the parameters an optimizer updates."""
+    return {id(p) for group in optimizer.param_groups for p in group["params"]}

@@ -21,6 +21,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tensordbg.engine import origin
 from tensordbg.engine.amp import MixedPrecision
@@ -151,6 +152,7 @@ class Session(Pipeline, BackwardPhase, OptimizerPhase):
         self.skipped_updates: list[int] = []
         """Steps whose update tensordbg skipped (:meth:`skip_step`, ``on_hit="skip"``)."""
         self._stepping: dict[torch.optim.Optimizer, list[Param]] = {}  # between pre and post hook
+        self._optimizer_hooks: dict[int, tuple[Any, Any]] = {}  # each watched optimizer's
         self.capture = Capture(self, model, _patterns(include), _patterns(exclude))
         try:
             self.capture.install(model, self.handles)
@@ -158,6 +160,7 @@ class Session(Pipeline, BackwardPhase, OptimizerPhase):
                 opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer
                 for opt in opts:
                     self.attach_optimizer(opt)
+                self.handles.add(register_optimizer_step_pre_hook(self._any_optimizer_step))
             self.amp.install(self.handles, self._guarded(self._after_scaler_update))
             _attached[model] = self
             self.handles.callback(partial(_forget, weakref.ref(model), self), "attached model")
@@ -270,16 +273,6 @@ class Session(Pipeline, BackwardPhase, OptimizerPhase):
             self._end_phase()
         except Exception as e:
             self.fault(e)
-
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Watch an optimizer's steps (``attach(optimizer=...)`` calls this). A step ends once
-        each watched optimizer has stepped (see :class:`.optimizer.OptimizerPhase`)."""
-        if optimizer in self.optimizers or self.detached:
-            return
-        self.optimizers.append(optimizer)
-        self.handles.add(optimizer.register_step_pre_hook(self._before_step))
-        self.handles.add(optimizer.register_step_post_hook(self._after_step))
-        self.handles.callback(self.optimizers.clear, "optimizers")
 
     def add_rule(self, rule: Rule) -> ActiveRule:
         """Add a rule to this session (it gets its own copy and memory). From another thread,

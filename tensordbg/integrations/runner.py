@@ -195,11 +195,8 @@ class ScriptRun:
               file=sys.stderr, flush=True)  # fmt: skip
 
     def _on_optimizer(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        session = self.session
-        if session is None or optimizer in session.optimizers:
-            return
-        if any(id(p) in session.params for g in optimizer.param_groups for p in g["params"]):
-            session.attach_optimizer(optimizer)  # its pre-hook runs for this very step too
+        if self.session is not None:  # one that steps the model: its pre-hook runs for this
+            self.session.adopt_optimizer(optimizer)  # very step too
 
 
 def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = None,
