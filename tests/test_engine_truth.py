@@ -300,6 +300,70 @@ def test_an_optimizer_of_part_of_the_model_made_after_attach_is_watched_beside_t
     assert (first.tensor, first.step, first.phase) == ("2.weight", 2, "optimizer")
 
 
+@pytest.mark.parametrize("sync", MODES)
+@pytest.mark.parametrize("norm", ["weight_norm", "spectral_norm"])
+def test_a_parametrized_weight_gets_one_hook_and_one_origin(watch, sync, norm):
+    """weight_norm and spectral_norm hand their parameters to the parametrization as arguments:
+    each step left one more hook on them (200 after 200 steps, each firing at every backward
+    with its own step's record), and a NaN from the loss was named twice, the second time at
+    the parametrization's gradient, judged against an old step's record. An EMA copy of such a
+    model failed ("cannot pickle '_thread.lock'")."""
+    torch.manual_seed(0)
+    wrap = getattr(nn.utils.parametrizations, norm)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), wrap(nn.Linear(8, 1)))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    session = watch(model, optimizer=opt, on_hit="record", rules=[NaN()], sync=sync)
+    weight = model[2].parametrizations.weight
+    original = weight.original if norm == "spectral_norm" else weight.original0
+    for step in range(5):
+        out = model(torch.randn(8, 4))
+        if step == 4:
+            out = out * math.nan
+        out.pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert len(original._backward_hooks) == 1
+    assert [(h.tensor, h.step) for h in session.hits if h.origin] == [("2.grad_output", 4)]
+    ema = copy.deepcopy(model)  # its class copies the instance's dict: it failed on our hooks
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in ema.modules())
+    assert all(not vars(m).keys() & {"__deepcopy__", "__reduce_ex__"} for m in ema.modules())
+    session.detach()
+    assert not original._backward_hooks  # detach takes it off
+
+
+def test_a_lazy_module_is_watched_from_its_first_forward(watch):
+    """attach before a LazyLinear's first forward raised ("Attempted to use an uninitialized
+    parameter"): its parameters get their gradient hooks once they have their shapes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.LazyLinear(1))
+    session = watch(model, on_hit="record", rules=[NaN()])
+    model(torch.randn(8, 4)).sum().backward()  # the parameters take their shapes
+    model[0].register_forward_hook(lambda m, i, o: o * math.nan)
+    model(torch.randn(8, 4)).sum().backward()
+    grads = {h.tensor for h in session.hits if h.kind == "grad"}
+    assert {"0.weight.grad", "2.weight.grad"} <= grads
+
+
+@pytest.mark.parametrize("sync", MODES)
+def test_without_a_watched_optimizer_a_weight_a_nan_gradient_made_is_no_origin(watch, sync):
+    """Without an optimizer given, the parameters a step changed are checked when it ends:
+    those a NaN gradient had made NaN were each named an origin, "the gradient was clean"."""
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # not given to attach
+    session = watch(model, on_hit="record", rules=[NaN()], sync=sync)
+    for step in range(3):
+        out = model(torch.randn(3, 4))
+        if step == 1:
+            out = out * math.nan
+        out.sum().backward()
+        opt.step()
+        opt.zero_grad()
+    model(torch.randn(3, 4))
+    assert any(h.kind == "param" for h in session.hits)  # checked, and NaN
+    assert [(h.tensor, h.step) for h in session.hits if h.origin] == [("4.grad_output", 1)]
+
+
 # --- attaching must not break the script ----------------------------------------------------
 
 

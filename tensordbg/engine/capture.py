@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 import sys
 import weakref
-from collections.abc import Callable
 from fnmatch import fnmatchcase
 from functools import partial
 from types import CodeType
@@ -38,6 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
+from tensordbg.engine.grad_hooks import GradHooks
 from tensordbg.engine.handles import HandleGroup, Unhooked, hide_from_torchscript
 from tensordbg.engine.pinpoint import draws_random, random_state
 from tensordbg.engine.records import Call, Record, new_record, tensor_leaves
@@ -148,8 +148,7 @@ class Capture:
         self._log_dtypes: frozenset[torch.dtype] = frozenset()
         self._log_room = 0
         self._hot: dict[int, tuple[int, float]] | None = None  # finite outputs: version, mean
-        self._handles: HandleGroup | None = None
-        self._frozen: list[tuple[str, torch.Tensor, str, str]] = []  # parameters not hooked
+        self.grad_hooks: GradHooks | None = None
 
     @property
     def with_grad(self) -> bool:
@@ -160,6 +159,7 @@ class Capture:
 
     def install(self, model: torch.nn.Module, handles: HandleGroup) -> None:
         """Hook every selected module's forward, and every trainable parameter's gradient."""
+        self.grad_hooks = GradHooks(self.session, handles, self._on_grad)
         self.random = {id(m) for m in model.modules() if id(m) in self.paths and draws_random(m)}
         for module in model.modules():
             if id(module) not in self.paths:
@@ -169,28 +169,14 @@ class Capture:
                 module.register_forward_hook(self._on_exit, with_kwargs=True, always_call=True)
             )
             # torch.save(model) and copy.deepcopy(model) see the module without these hooks.
-            handles.patch(module, "__reduce_ex__", Unhooked(module, {pre.id, post.id}))
-        self._handles = handles
-        for name, param in model.named_parameters():
-            owner = name.rpartition(".")[0]
-            self._frozen.append((name, param, owner, type(model.get_submodule(owner)).__name__))
-        self._watch_unfrozen()
+            unhooked = Unhooked(module, {pre.id, post.id})
+            handles.patch(module, "__reduce_ex__", unhooked)
+            if hasattr(type(module), "__deepcopy__"):
+                handles.patch(module, "__deepcopy__", unhooked.deepcopy)
+        self.grad_hooks.watch_parameters(model)
         hide_from_torchscript(handles)
         handles.callback(self.reset)
         handles.callback(self.new_step)
-
-    def _watch_unfrozen(self) -> None:
-        """Hook the gradient of each parameter that has none and needs one: at attach, and at a
-        root forward after one frozen at attach became trainable (a backbone unfrozen after a
-        warm-up: unhooked, its NaN gradient went unseen, and the NaN weight it made was blamed
-        on the optimizer, "the gradient was clean")."""
-        frozen = self._frozen
-        if any(param.requires_grad for _, param, _, _ in frozen):
-            self._frozen = [entry for entry in frozen if not entry[1].requires_grad]
-            for name, param, owner, owner_type in frozen:
-                if param.requires_grad:
-                    hook = param_hook(self.session, name, owner, owner_type)
-                    self._handles.add(param.register_post_accumulate_grad_hook(hook))
 
     def reset(self) -> None:
         """Start a new root forward. The calls of the step's earlier root forwards stay in
@@ -219,6 +205,7 @@ class Capture:
         self._seen.clear()  # a tensor made by one root forward and used by the next is one record
         self._outputs.clear()
         self._counts.clear()  # a module's calls are numbered across the step's root forwards
+        self.grad_hooks.forget_dead_leaves()
 
     # --- forward -------------------------------------------------------------------------------
 
@@ -328,8 +315,7 @@ class Capture:
                invocation: Any = None, is_root: bool = False) -> None:  # fmt: skip
         session = self.session
         if is_root:
-            if self._frozen:
-                self._watch_unfrozen()
+            self.grad_hooks.watch_waiting()
             session.begin_forward()
             self.reset()
         index = self._counts.get(key, 0)
@@ -394,6 +380,7 @@ class Capture:
         session.exit(call)
         if not self.stack:
             self._log = self._hot = None
+            self.grad_hooks.watch_waiting()  # a lazy module's parameters have their shapes now
             session.end_forward(call)
 
     # --- records --------------------------------------------------------------------------------
@@ -437,7 +424,7 @@ class Capture:
             return
         record.grad_hooked = True
         if node is None:  # a leaf: only a tensor hook sees its gradient
-            t.register_hook(partial(self._on_grad, record))
+            self.grad_hooks.hook_leaf(t, record)
         else:
             node, output_nr = node
             # A pre-hook on the node that made this value: the gradient of this very version,
@@ -470,24 +457,3 @@ def _selected(path: str, include: tuple[str, ...], exclude: tuple[str, ...]) -> 
     if include and not any(fnmatchcase(path, p) for p in include):
         return False
     return not any(fnmatchcase(path, p) for p in exclude)
-
-
-def param_hook(
-    session: Sink, name: str, owner: str, owner_type: str
-) -> Callable[[torch.Tensor], None]:
-    """A post-accumulate-grad hook that hands the parameter's gradient to the session."""
-
-    @torch.compiler.disable
-    def hook(param: torch.Tensor) -> None:
-        if not session.active:
-            return
-        try:
-            grad = param.grad
-            if grad is not None and grad.layout is torch.sparse_coo:
-                grad = grad.coalesce().values()  # the rows it has: a sparse embedding's update
-            if grad is not None and watchable(grad):
-                session.param_grad(name, owner, owner_type, grad)
-        except Exception as e:
-            session.fault(e)
-
-    return hook

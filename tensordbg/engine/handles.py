@@ -125,6 +125,29 @@ class Unhooked:
                 )
         return (reduced[0], reduced[1], state, *reduced[3:])
 
+    def deepcopy(self, memo: dict[int, Any]) -> Any:
+        """``__deepcopy__`` of a module whose class has its own, which copies the instance's
+        ``__dict__`` as it is (a parametrized module's: ``weight_norm``, ``spectral_norm``),
+        hooks and all: ``copy.deepcopy`` of one failed, "cannot pickle '_thread.lock'". It
+        copies the module as it is without tensordbg's hooks."""
+        module = self._module()
+        if module is None:
+            raise TypeError("this module is gone")
+        state = vars(module)
+        kept = {n: state[n] for n in (*self._HOOK_DICTS, "__reduce_ex__", "__deepcopy__")
+                if n in state}  # fmt: skip
+        for name in self._HOOK_DICTS:
+            if hooks := kept.get(name):
+                state[name] = type(hooks)(
+                    (k, v) for k, v in hooks.items() if k not in self._ids and not _ours(v)
+                )
+        state.pop("__reduce_ex__", None)
+        state.pop("__deepcopy__", None)
+        try:
+            return type(module).__deepcopy__(module, memo)
+        finally:
+            state.update(kept)
+
 
 def _ours(hook: Any) -> bool:
     """Whether ``hook`` is tensordbg's: a function of one of its modules (through a partial),

@@ -146,6 +146,9 @@ class OptimizerPhase:
         changed = [p for p, now, then in zip(params, versions, before, strict=True) if now != then]
         self._say_what_is_not_watched(bool(changed))
         if changed:
+            # The step's gradients are final: a parameter a NaN gradient made NaN is no origin
+            # (it was called one, "the gradient was clean").
+            self.origins.gradients_final(self.phases.records)
             self._start_phase("optimizer")
             self._check_parameters(changed, None)
 
