@@ -140,6 +140,18 @@ def test_run_watches_the_optimizer_the_script_made_from_step_0(tmp_path: Path):
     assert "no optimizer is watched" not in done.stderr
 
 
+def test_run_watches_a_lazy_model_called_before_its_parameters_have_shapes(tmp_path: Path):
+    """The model is found at its first call, when a LazyLinear's parameters have no shape yet:
+    counting them for the "watching" line raised out of the script."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.replace("nn.Linear(4, 8)", "nn.LazyLinear(8)"))
+    done = tensordbg("run", "--on-hit", "record", str(script), "6", cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert "trained 6 steps" in done.stdout
+    assert "watching Sequential (9 parameters)" in done.stderr  # the LazyLinear's not counted
+    assert "step 3 forward: [NaN] input[0]" in done.stderr
+
+
 TWO_LOSSES = textwrap.dedent(
     """
     import torch

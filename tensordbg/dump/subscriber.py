@@ -39,6 +39,7 @@ import torch
 
 from tensordbg.dump import format as fmt
 from tensordbg.dump.writer import DumpWriter
+from tensordbg.engine.params import parameter_count
 from tensordbg.offline.sentences import plural
 from tensordbg.statistics import MEAN, TensorStats
 from tensordbg.statistics.batch import StatsBatch, on_host
@@ -401,7 +402,7 @@ def _modules(session: Any) -> list[dict[str, Any]]:
             "path": path,
             "type": type(module).__name__,
             "depth": path.count(".") + 1 if path else 0,
-            "params": sum(p.numel() for p in module.parameters()),
+            "params": parameter_count(module),
             "hits": 0,
             "calls": calls.get(path, 0),
             "stats": {},

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from tensordbg.engine.records import Record, new_record
 from tensordbg.statistics import Stat
@@ -88,6 +89,12 @@ class Param:
 
 SAMPLE = 64
 """How many evenly spaced elements of a parameter :func:`sample_moved` compares."""
+
+
+def parameter_count(module: torch.nn.Module) -> int:
+    """The number of parameter elements of ``module``, those of a lazy module's parameters that
+    have no shape yet left out (``numel()`` of one raises)."""
+    return sum(p.numel() for p in module.parameters() if not is_lazy(p))
 
 
 def sample_of(t: torch.Tensor) -> torch.Tensor:

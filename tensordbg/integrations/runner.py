@@ -30,6 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tensordbg.api import COMMAND_LINE, CommandLine, attach, attached_to
 from tensordbg.engine.hits import print_summary
+from tensordbg.engine.params import parameter_count
 from tensordbg.engine.session import Session
 from tensordbg.hit import WatchpointHit
 from tensordbg.integrations.frameworks import TrainerPatches, TrainingWatch
@@ -136,7 +137,7 @@ class ScriptRun:
         if model is not None:
             print(
                 f"tensordbg: watching {type(model).__name__} "
-                f"({sum(p.numel() for p in model.parameters()):,} parameters) through its "
+                f"({parameter_count(model):,} parameters) through its "
                 f"trainer, run {session.run_id}",
                 file=sys.stderr,
                 flush=True,
@@ -168,7 +169,7 @@ class ScriptRun:
             self.profiling = self.session.profile(self.profile_steps)
         print(
             f"tensordbg: watching {type(module).__name__} "
-            f"({sum(p.numel() for p in module.parameters()):,} parameters), "
+            f"({parameter_count(module):,} parameters), "
             f"run {self.session.run_id}",
             file=sys.stderr,
             flush=True,
@@ -186,7 +187,7 @@ class ScriptRun:
         if id(module) in self._watched or not any(p.requires_grad for p in module.parameters()):
             return
         self._watched |= {id(m) for m in module.modules()}  # said once, with all it holds
-        watched, n = session.model, sum(p.numel() for p in module.parameters())
+        watched, n = session.model, parameter_count(module)
         print(f"tensordbg: {type(module).__name__} ({n:,} "
               f"parameters), a model apart from the watched {type(watched).__name__}, runs "
               "too and is not watched; to watch both, attach tensordbg in the script to a "
