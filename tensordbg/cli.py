@@ -457,14 +457,15 @@ def _demo(args: argparse.Namespace) -> int:
         "w", prefix="tensordbg-demo-", suffix=".log", delete=False
     )
     env = {**os.environ, "TENSORDBG_RUN_ID": run_id}
-    command = [sys.executable, "-m", "tensordbg.demo", *demo_args]
+    command = [sys.executable, "-m", "tensordbg.demo", *demo_args, "--ends-with-ui"]
     training = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=env)  # fmt: skip
     stopped = False  # by us, below: not a failure of the training
     try:
         # Without alive, a training that dies before or after the UI connects is waited for
         # (and reconnected to) for ever.
-        code = run_tui(run_id=run_id, wait=120.0, alive=lambda: training.poll() is None)
+        code = run_tui(run_id=run_id, wait=120.0, alive=lambda: training.poll() is None,
+                       ends_training=True)  # fmt: skip
     finally:
         # The demo's training is the demo's: quitting the UI ends it at once (Ctrl-C, then
         # harder), rather than leaving the person before a silent terminal until it ends.

@@ -99,14 +99,20 @@ def batches(steps: int, bad_step: int, seed: int = 0):
 
 
 def train(
-    steps: int = 60, bad_step: int = 25, on_hit: str = "pause", server: bool = True
+    steps: int = 60,
+    bad_step: int = 25,
+    on_hit: str = "pause",
+    server: bool = True,
+    ends_with_ui: bool = False,
 ) -> tensordbg.Session:
-    """Train the demo model with tensordbg attached; returns the session (detached)."""
+    """Train the demo model with tensordbg attached; returns the session (detached).
+    ``ends_with_ui``: an interrupt is `tensordbg demo`'s UI quitting (it stops the training
+    rather than detach: its q would have said that the training goes on)."""
     torch.manual_seed(0)
     model = TinyGPT()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     session = tensordbg.attach(model, optimizer=optimizer, on_hit=on_hit, server=server)
-    bad_losses, step, quit_ui = 0, 0, False
+    bad_losses, step, interrupted = 0, 0, False
     try:
         for step, tokens in enumerate(batches(steps, bad_step)):
             logits = model(tokens[:, :-1])
@@ -116,9 +122,6 @@ def train(
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            if session.detached:  # the UI's q: the demo's training is only there to be watched
-                quit_ui = True
-                break
             value = loss.item()
             if step % 10 == 0:
                 print(f"step {step:3d}  loss {value:.4f}", flush=True)
@@ -127,11 +130,13 @@ def train(
                 print(f"step {step:3d}  the loss has been NaN for 3 steps: stopping", flush=True)
                 break
             time.sleep(0.05)  # slow enough to watch in the UI
-    except KeyboardInterrupt:  # `tensordbg demo` stops its training when the UI quits
-        quit_ui = True
-    if quit_ui:
-        print(f"step {step:3d}  the UI was closed: a training of yours would go on unwatched; "
-              "the demo's stops here", flush=True)  # fmt: skip
+    except KeyboardInterrupt:  # Ctrl-C, or `tensordbg demo`'s UI quitting
+        interrupted = True
+    if interrupted and ends_with_ui:
+        print(f"step {step:3d}  the UI quit: the demo's training stops here (q lets a training "
+              "of yours go on, unwatched)", flush=True)  # fmt: skip
+    elif interrupted:
+        print(f"step {step:3d}  interrupted: the training stops here", flush=True)
     if threading.current_thread() is threading.main_thread():
         # The Ctrl-C that `tensordbg demo` sends when its UI quits stops the loop; one that
         # comes after the loop ended by itself (the loss went NaN) would interrupt the summary
@@ -151,9 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--bad-step", type=int, default=25)
     parser.add_argument("--no-ui", action="store_true", help="record hits and print them")
+    parser.add_argument("--ends-with-ui", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     on_hit = "record" if args.no_ui else "pause"
-    session = train(args.steps, args.bad_step, on_hit=on_hit, server=not args.no_ui)
+    session = train(args.steps, args.bad_step, on_hit=on_hit, server=not args.no_ui,
+                    ends_with_ui=args.ends_with_ui)  # fmt: skip
     tensordbg.engine.hits.print_summary(session, sys.stdout)
     return 0
 

@@ -202,14 +202,36 @@ def test_ctrl_q_detaches_like_q_and_the_palette_quits_one_way() -> None:
             await mounted(pilot)
             helps = {c.title: c.help for c in app.get_system_commands(app.screen)}
             assert "Detach and quit" in helps and "Quit" not in helps
-            # True of tensordbg demo too, whose training ends with its UI.
-            assert (
-                "the training goes on unwatched, unless it ends with the UI"
-                in helps["Detach and quit"]
-            )
+            assert "the training goes on unwatched (q)" in helps["Detach and quit"]
             await pilot.press("ctrl+q")
             await until(pilot, lambda: not app.is_running)
         assert source.controls == [("detach", 1)]
+        assert app.return_code == 0
+
+    asyncio.run(flow())
+
+
+@pytest.mark.parametrize("key", ["q", "ctrl+q"])
+def test_a_training_that_ends_with_the_ui_is_quit_not_detached(key: str) -> None:
+    """tensordbg demo's UI: q detached its training, which then said "detached: the training
+    goes on unwatched" and stopped the next moment (the demo stops it with its UI). Its q is
+    "Quit", says what it does, and detaches nothing: the demo stops the training itself."""
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source), ends_training=True)
+        async with app.run_test(size=SIZE) as pilot:
+            await paused_on_the_two_hits(pilot)
+            await mounted(pilot)
+            assert app.active_bindings["q"].binding.description == "Quit"
+            helps = {c.title: c.help for c in app.get_system_commands(app.screen)}
+            assert "Detach and quit" not in helps
+            assert helps["Quit"] == (
+                "Quit: the training stops with the UI, as tensordbg demo's does (q)"
+            )
+            await pilot.press(key)
+            await until(pilot, lambda: not app.is_running)
+        assert source.controls == []
         assert app.return_code == 0
 
     asyncio.run(flow())
@@ -1269,7 +1291,9 @@ def test_a_ui_on_a_training_that_ended_says_it_exited_and_stops_reconnecting(
             banner = app.query_one(ConnectionBanner)
             await until(pilot, lambda: "has ended" in text_of(banner))
             # This process (the training's, here) lives on: the session ended, nothing more.
-            assert f"The session of run end1 (pid {os.getpid()}) has ended" in text_of(banner)
+            # It said it finished: not "its training exited or goes on unwatched".
+            ended = f"The session of run end1 (pid {os.getpid()}) has ended: its training finished."
+            assert text_of(banner).startswith(ended)
             assert text_of(banner).endswith("Press q to quit.")
             assert app.main.title.startswith("FINISHED")  # the header says how it ended
             log = app.main.event_log

@@ -162,18 +162,20 @@ def test_a_malformed_event_is_reported_and_the_connection_stays() -> None:
     asyncio.run(flow())
 
 
-def test_ctrl_c_says_what_quitting_does_to_the_training() -> None:
+@pytest.mark.parametrize("ends_training", [False, True], ids=["training", "demo"])
+def test_ctrl_c_says_what_quitting_does_to_the_training(ends_training: bool) -> None:
     """Ctrl-C does not quit a Textual app; the note it gets says that q detaches and quits and
-    that the training goes on unwatched (Textual's own said only "ctrl+q to quit")."""
+    that the training goes on unwatched (Textual's own said only "ctrl+q to quit"); in
+    tensordbg demo, whose training ends with its UI, that q quits and the training stops."""
     source = FakeSource()
+    said = "the training stops with the UI" if ends_training else "goes on unwatched."
 
     async def flow() -> None:
-        app = TensorDbgApp(LocalClient(source))
+        app = TensorDbgApp(LocalClient(source), ends_training=ends_training)
         async with app.run_test(size=SIZE, notifications=True) as pilot:
             await paused_on_the_two_hits(pilot)
             await pilot.press("ctrl+c")
-            # Not "the training goes on": tensordbg demo's ends with its UI.
-            await until(pilot, lambda: notified(app, "goes on unwatched, unless it ends with"))
+            await until(pilot, lambda: notified(app, said))
             assert app.is_running and source.controls == []  # nothing was asked of it
 
     asyncio.run(flow())

@@ -9,6 +9,7 @@ import io
 import math
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -388,6 +389,68 @@ def test_steps_the_ui_never_heard_of_are_a_gap_in_the_curve_not_the_value_before
     asyncio.run(flow())
 
 
+def test_steps_the_ui_has_not_read_yet_are_not_called_lost() -> None:
+    """A fast run: status events leave steps out, and the UI reads them from the training's
+    history half a second later at most. Meanwhile the title said "steps 11–14 not received",
+    as if they were lost; it says so only of steps the history, once read, did not have."""
+    source = FakeSource()
+    with_history(source, loss=[3.0 - step / 10 for step in range(10)])
+    source.state, source.paused_at, source.step = "running", None, 10
+    held, reading = threading.Event(), threading.Event()
+    every_step = FakeSource()
+    with_history(every_step, loss=[3.0 - step / 10 for step in range(20)])
+
+    def info() -> dict[str, Any]:  # the training's reply is slow to come
+        reading.set()
+        held.wait(10)
+        return {**every_step.info(), "state": "running", "step": 20}
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "running")
+            await until(pilot, lambda: app.query_one("#loss-spark").size.height == 4)
+            source.info = info  # type: ignore[method-assign]
+            for step in (10, 15, 19):
+                last = {"step": step, "loss": 2.0, "grad_norm": 1.0, "steps_per_sec": 90.0}
+                source.emit("status", {"state": "running", "step": step + 1, "hits_total": 2,
+                                       "phase": "optimizer", "last": last})  # fmt: skip
+            await until(pilot, lambda: app.main.run_status._history["step"][-1] == 19)
+            await asyncio.to_thread(reading.wait, 10)
+            await pilot.pause(0.1)
+            assert "not received" not in title(app, "loss")
+            held.set()
+            await until(pilot, lambda: app.main.run_status._history["step"] == list(range(20)))
+            await pilot.pause(0.1)
+            assert title(app, "loss") == "Loss  1.1 … 3 over steps 0–19"
+
+    try:
+        asyncio.run(flow())
+    finally:
+        held.set()
+
+
+def test_at_80_columns_a_curve_title_wraps_rather_than_being_cut() -> None:
+    """The demo's Run tab at 80 columns ended its loss title in "3 non-finite at steps 26–28,
+    not dra": the title is a line the right edge cut. It wraps."""
+    source = FakeSource()
+    falling = [4.2615 - step * (4.2615 - 0.3051) / 25 for step in range(26)]
+    with_history(source, loss=falling + [math.nan] * 3)  # "Loss  0.3051 … 4.262 over steps 0–28"
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await run_tab(pilot)
+            label = app.query_one("#loss-label", Label)
+            said = "3 non-finite at steps 26–28, not drawn"
+            await until(pilot, lambda: said in title(app, "loss") and label.size.height == 2)
+            await pilot.pause(0.1)
+            shown = " ".join(line.strip() for line in screen_text(app).splitlines())
+            assert said in shown
+
+    asyncio.run(flow())
+
+
 def test_at_80_by_24_the_run_tab_scrolls_by_keys_to_the_gradient_norm() -> None:
     """Paused on a hit at 80x24, the hit's message takes several lines and the gradient-norm
     curve falls below the screen; PageDown and Down did nothing on the Run tab (its keys went
@@ -450,6 +513,21 @@ def test_the_log_writes_numbers_for_people_not_dicts_and_17_digits() -> None:
     assert describe_event("custom", {"ratio": 1 / 3, "where": {"x": 2.0000000001}}) == (
         "ratio 0.3333, where {x 2}"
     )
+
+
+def test_the_log_gives_a_state_the_reason_of_that_state_not_of_the_last_pause() -> None:
+    """The training sends the reason of its last pause with every state event: quitting the
+    demo after c, the Log said "detached at step 29 (NaN hit: ...)", as if the hit of step 25
+    had detached it."""
+    hit = "NaN hit: blocks.0.attn.output holds 1984 NaN among 31744 values."
+    assert describe_event("state", {"state": "paused", "step": 25, "reason": hit}) == (
+        f"paused at step 25 ({hit})"
+    )
+    for state in ("running", "detached"):
+        line = describe_event("state", {"state": state, "step": 29, "reason": hit})
+        assert line == f"{state} at step 29"
+    ended = {"state": "finished", "step": 29, "reason": "interrupted (Ctrl-C)"}
+    assert describe_event("state", ended) == "finished at step 29 (interrupted (Ctrl-C))"
 
 
 def test_slash_on_the_hits_tab_filters_the_hits_and_end_goes_to_the_last_hit() -> None:

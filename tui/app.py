@@ -21,10 +21,11 @@ from textual.screen import Screen
 from textual.widgets import Input
 
 from tensordbg.sources.contract import SchemaError, Welcome
-from tensordbg.tui.commands import CONTROLS, DETACHED, palette
+from tensordbg.tui.commands import CONTROLS, DETACHED, ENDS_WITH_UI, palette
 from tensordbg.tui.errors import CrashFile, work
 from tensordbg.tui.profiler.view import DEFAULT_STEPS
 from tensordbg.tui.remote import (
+    ENDED,
     OVER,
     ClientFactory,
     DebugClient,
@@ -71,7 +72,7 @@ class TensorDbgApp(App[int]):
         Binding("n", "replay_step(1)", "Next dumped step"),
         Binding("p", "replay_step(-1)", "Previous dumped step"),
         Binding("q", "detach", "Detach & quit"),
-        Binding("q", "leave_replay", "Quit"),  # a recorded run: there is nothing to detach
+        Binding("q", "leave", "Quit"),  # nothing to detach from (see nothing_to_detach)
         Binding("slash", "search", "Search"),
         Binding("P", "profile", "Profile"),
         Binding("k", "control('skip')", "Skip"),
@@ -94,8 +95,12 @@ class TensorDbgApp(App[int]):
         sessions: Sequence[Any] = (),
         reconnect_delay: float = 1.0,
         crash_file: CrashFile | None = None,
+        ends_training: bool = False,
     ) -> None:
         super().__init__()
+        self.ends_training = ends_training
+        """The training ends when this UI quits (``tensordbg demo``'s): q quits, it does not
+        detach, for the training would not go on unwatched."""
         self._client: DebugClient | None = None
         self._connect: ClientFactory | None = None
         if isinstance(client, DebugClient):
@@ -174,7 +179,9 @@ class TensorDbgApp(App[int]):
                 try:
                     client = await self._connect(path)
                 except TrainingExited as e:
-                    self.main.show_training_exited(str(e))
+                    finished = self.state == "finished"  # it said so: not "exited or goes on"
+                    why = str(e).replace(ENDED, "its training finished") if finished else str(e)
+                    self.main.show_training_exited(why)
                     return
                 except Exception as e:
                     self.main.show_connect_failed(str(e) or type(e).__name__)
@@ -267,13 +274,12 @@ class TensorDbgApp(App[int]):
     # --- keys ------------------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        over = self.state in OVER  # nothing is left to detach from
-        if action == "leave_replay":
-            return self.screen is self.main and (self.remote.serves("goto") or over)
+        if action == "leave":
+            return self.screen is self.main and self.nothing_to_detach()
         if action in ("replay_step", "refuse_control"):
             return self.screen is self.main and self.remote.serves("goto")
-        if action == "detach" and self.screen is self.main and (self.remote.serves("goto") or over):
-            return False  # q quits a recorded run, or a training that is over (leave_replay)
+        if action == "detach" and self.screen is self.main and self.nothing_to_detach():
+            return False  # q is "Quit" (leave)
         if action in _MAIN_ACTIONS:
             if self.screen is not self.main:  # a dialog or the session list: its keys only
                 return False
@@ -287,6 +293,11 @@ class TensorDbgApp(App[int]):
                 return self.state == "paused" and not isinstance(self.focused, Input)
             return parameters[0] in CONTROLS.get(self.state, ())
         return True
+
+    def nothing_to_detach(self) -> bool:
+        """Whether q only quits: a recorded run, a training that is over, or one that ends
+        with the UI."""
+        return self.remote.serves("goto") or self.state in OVER or self.ends_training
 
     def can_ignore(self) -> bool:
         """Whether ``i`` has a hit to act on: the one the training is paused at, or the one
@@ -403,8 +414,8 @@ class TensorDbgApp(App[int]):
     def action_detach(self) -> None:
         self._detach_and_exit()
 
-    def action_leave_replay(self) -> None:
-        self._detach_and_exit()  # a recorded run's source has nothing to detach: it closes
+    def action_leave(self) -> None:
+        self._detach_and_exit()  # with nothing to detach from, it only closes
 
     def action_profile(self) -> None:
         """Ask how many steps, then profile them (the Profile tab follows it)."""
@@ -423,7 +434,9 @@ class TensorDbgApp(App[int]):
 
     def action_help_quit(self) -> None:
         """Ctrl-C (Textual binds it to this): say what quitting does to the training."""
-        if self.remote.serves("control") and self.state in ("running", "paused"):
+        if self.ends_training and self.state in ("running", "paused"):
+            what = f"q quits, and {ENDS_WITH_UI}"
+        elif self.remote.serves("control") and self.state in ("running", "paused"):
             what = f"q detaches the debugger and quits: {DETACHED}"
         else:
             what = "q quits"
@@ -436,8 +449,10 @@ class TensorDbgApp(App[int]):
 
     @work(group="control", exclusive=True)
     async def _detach_and_exit(self) -> None:
-        """Quit, letting the training run on: the debugger detaches first."""
+        """Quit, letting the training run on: the debugger detaches first (unless the training
+        ends with the UI: it would say it goes on unwatched, and then stop)."""
         can_detach = self.remote.serves("control") and self.state in ("running", "paused")
+        can_detach = can_detach and not self.ends_training
         if self.remote.client is not None and can_detach:
             with contextlib.suppress(RequestFailed):  # quit anyway: a lost client detaches too
                 await self.remote.control("detach")

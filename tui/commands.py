@@ -13,9 +13,9 @@ from tensordbg.tui.profiler.view import VIEWS
 from tensordbg.tui.remote import OVER
 from tensordbg.tui.screens.main import TABS
 
-DETACHED = "the training goes on unwatched, unless it ends with the UI, as tensordbg demo's does"
-"""What q does to the training: the UI cannot tell a training of its own (tensordbg demo) from
-another, so it says what is true of both."""
+DETACHED = "the training goes on unwatched"
+"""What q does to the training (one that ends with the UI, tensordbg demo's, is not detached)."""
+ENDS_WITH_UI = "the training stops with the UI, as tensordbg demo's does"
 
 # Which control actions make sense in which state of the training.
 CONTROLS = {"paused": ("continue", "next", "step", "skip"), "running": ("pause",)}
@@ -51,9 +51,11 @@ def palette(app: Any, screen: Screen, own: Iterable[SystemCommand]) -> Iterable[
             app.action_ignore,
         )
     if app.remote.serves("goto"):  # a recorded run
-        yield SystemCommand("Quit", "Close this recorded run (q)", app.action_leave_replay)
+        yield SystemCommand("Quit", "Close this recorded run (q)", app.action_leave)
     elif app.state in OVER:  # nothing is left to detach from
-        yield SystemCommand("Quit", "Leave tensordbg (q)", app.action_leave_replay)
+        yield SystemCommand("Quit", "Leave tensordbg (q)", app.action_leave)
+    elif app.ends_training:
+        yield SystemCommand("Quit", f"Quit: {ENDS_WITH_UI} (q)", app.action_leave)
     else:
         yield SystemCommand(
             "Detach and quit", f"Detach the debugger and quit: {DETACHED} (q)", app.action_detach

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from tensordbg.tui.remote import TrainingExited
+from tensordbg.tui.remote import ENDED, TrainingExited
 
 if TYPE_CHECKING:
     from tensordbg.tui.app import TensorDbgApp
@@ -20,6 +20,7 @@ def run_tui(
     run_id: str | None = None,
     wait: float = 0.0,
     alive: Callable[[], bool] | None = None,
+    ends_training: bool = False,
 ) -> int:
     """Open the debugger UI on a training session and return the exit status.
 
@@ -27,8 +28,9 @@ def run_tui(
     lists them when there are several, and with ``run_id`` the UI waits up to ``wait`` seconds
     for that run's connection file to appear (``tensordbg demo`` starts the training and the UI
     together). ``alive()``, when given, says whether the training's process still runs: once it
-    says no, the UI stops waiting and reconnecting. Errors the UI survived are counted on exit,
-    with the path of the file that holds their details.
+    says no, the UI stops waiting and reconnecting. ``ends_training``: the caller stops the
+    training when the UI quits (``tensordbg demo``), so q quits without detaching. Errors the UI
+    survived are counted on exit, with the path of the file that holds their details.
 
     >>> run_tui()                                   # the only session of this user
     >>> run_tui(run_id="demo7f3a", wait=30)         # a training that is starting now
@@ -38,7 +40,8 @@ def run_tui(
 
     try:
         problem = _unreachable(conn, run_id, wait) if alive is None else None
-        app = None if problem else session_app(conn, run_id=run_id, wait=wait, alive=alive)
+        app = None if problem else session_app(conn, run_id=run_id, wait=wait, alive=alive,
+                                               ends_training=ends_training)  # fmt: skip
     except ConnectionFileError as e:  # the runtime directory is not private, say
         problem = str(e)
     if problem is not None:  # a mistyped path or run: say so at once, not in a UI that retries
@@ -95,6 +98,7 @@ def session_app(
     run_id: str | None = None,
     wait: float = 0.0,
     alive: Callable[[], bool] | None = None,
+    ends_training: bool = False,
 ) -> TensorDbgApp | None:
     """The app on the session ``run_tui`` would open (None when there is none to open), not yet
     running: the connection is made, and remade after a drop, by the app itself."""
@@ -133,7 +137,7 @@ def session_app(
         reached[str(path)] = reached[client.info.run_id] = client.info
         return client
 
-    return TensorDbgApp(connect, sessions=sessions)
+    return TensorDbgApp(connect, sessions=sessions, ends_training=ends_training)
 
 
 def exited(info: Any) -> str:
@@ -148,7 +152,7 @@ def exited(info: Any) -> str:
     if not is_live(info):
         return f"the training of {run} has exited"
     if info.path is not None and not info.path.exists():
-        return f"the session of {run} has ended: its training exited or goes on unwatched"
+        return f"the session of {run} has ended: {ENDED}"
     return ""
 
 

@@ -45,6 +45,9 @@ from tensordbg.sources.contract import (
 from tensordbg.transport.client import ConnectionLost, RemoteError
 
 OVER = frozenset({"finished", "detached"})
+ENDED = "its training exited or goes on unwatched"
+"""Why a session whose connection file is gone has ended, as far as the file can tell (a UI
+that saw the training finish says that instead)."""
 """The app states of a training that is over (a lost connection is not: it may come back)."""
 
 

@@ -71,7 +71,10 @@ def describe_event(event: str, payload: dict[str, Any]) -> str:
             f"({payload.get('phase')}, {where}): {payload.get('message')}"
         )
     if event == "state":
-        reason = f" ({payload['reason']})" if payload.get("reason") else ""
+        # Why it paused, how it finished; the training sends the last pause's reason with
+        # every state ("running at step 26 (NaN hit: ...)" read as if it ran because of it).
+        said = payload.get("state") in ("paused", "finished") and payload.get("reason")
+        reason = f" ({payload['reason']})" if said else ""
         return f"{payload.get('state')} at step {payload.get('step')}{reason}"
     if event == "log":
         return str(payload.get("message", payload))

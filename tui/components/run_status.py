@@ -5,31 +5,22 @@ from __future__ import annotations
 
 import math
 import time
-from bisect import bisect_left
-from collections.abc import Iterator, Sequence
 from itertools import pairwise
 from typing import Any
 
-from rich.color import Color, blend_rgb
-from rich.console import Console, ConsoleOptions
-from rich.segment import Segment
-from rich.style import Style
 from rich.table import Table
 from rich.text import Text
-from textual.app import ComposeResult, RenderResult
+from textual.app import ComposeResult
 from textual.containers import VerticalScroll
-from textual.renderables.sparkline import Sparkline as SparklineRenderable
-from textual.widgets import Label, Sparkline, Static
+from textual.widgets import Label, Static
 
 from tensordbg.offline.sentences import step_runs
+from tensordbg.tui.components.step_sparkline import FLAT, StepSparkline, finite, flat
 from tensordbg.tui.errors import work
 from tensordbg.tui.remote import RequestFailed, remote_of
 
 HISTORY = 500  # steps kept for the sparklines
 FILL_EVERY = 0.5  # seconds at least between requests for the steps status events left out
-FLAT = 1e-3  # a curve whose spread is within this fraction of its magnitude is drawn flat
-MARK = "×"  # a column whose steps' values are all non-finite
-MARK_STYLE = Style(color="red", bold=True)
 SERIES = ("step", "loss", "grad_norm", "steps_per_sec")
 STATE_STYLES = {
     "paused": "bold black on yellow",
@@ -38,74 +29,6 @@ STATE_STYLES = {
     "finished": "bold white on blue",
     "detached": "bold white on blue",
 }
-
-
-class StepSparkline(Sparkline):
-    """A curve with each step at its own place across the width: a step has a column (or
-    several), and a column that covers several steps draws their mean. A step received without
-    a value (not measured) between two with one continues the curve; a step never received (the
-    status events left it out and the history could not be read, as when the run ended just
-    after) is a gap, not drawn as if it held the value before it; a step whose value is not
-    finite is a red ``×`` at the bottom, not a bar. A flat series is a level line at half height.
-
-    Textual's sparkline spreads the values it is given over the width whatever their steps (the
-    points after a gap, or before a run of NaN, were drawn at other steps' places), and scales
-    a series to its own extent: the rounding noise of a loss that does not move filled the
-    whole height, a constant one lay along the bottom as if there were no data."""
-
-    def __init__(self, **options: Any) -> None:
-        super().__init__(**options)
-        self._steps: list[int] = []
-        self._values: list[Any] = []
-
-    def plot(self, steps: Sequence[int], values: Sequence[Any]) -> None:
-        """Draw ``values`` (numbers, NaN, infinities or None) at their ``steps`` (ascending)."""
-        self._steps, self._values = list(steps), list(values)
-        self.refresh()
-
-    def render(self) -> RenderResult:
-        drawn = super().render()  # for the colours the widget's styles give
-        if not isinstance(drawn, SparklineRenderable):
-            return drawn
-        columns = _columns(self._steps, self._values, self.size.width)
-        flat = bool(_finite(self._values)) and _flat(_finite(self._values))
-        return Bars(columns, self.size.height, flat, drawn.min_color, drawn.max_color)
-
-
-class Bars:
-    """Columns drawn as bars ``height`` rows high, as Textual's sparkline draws its bars:
-    a number's bar is as high as it is within the columns' range (half height when ``flat``),
-    coloured from ``low`` to ``high`` style; ``MARK`` is a non-finite step; None is blank."""
-
-    BARS = SparklineRenderable.BARS
-
-    def __init__(self, columns: list[float | str | None], height: int, flat: bool,
-                 low: Style, high: Style) -> None:  # fmt: skip
-        self.columns, self.height, self.flat = columns, height, flat
-        self.low = (low.color or Color.default()).get_truecolor()
-        self.high = (high.color or Color.default()).get_truecolor()
-        numbers = [c for c in columns if isinstance(c, float)]
-        self.bottom = min(numbers, default=0.0)
-        self.extent = max(numbers, default=0.0) - self.bottom or 1.0
-
-    def __rich_console__(self, console: Console, options: ConsoleOptions) -> Iterator[Segment]:
-        for row in reversed(range(self.height)):
-            for column in self.columns:
-                yield self._cell(column, row)
-            if row:
-                yield Segment.line()
-
-    def _cell(self, column: float | str | None, row: int) -> Segment:
-        if column is None:
-            return Segment(" ")
-        if isinstance(column, str):
-            return Segment(column if row == 0 else " ", MARK_STYLE if row == 0 else None)
-        ratio = 0.5 if self.flat else (column - self.bottom) / self.extent
-        level = int(ratio * (len(self.BARS) * self.height - 1)) - row * len(self.BARS)
-        if level < 0:
-            return Segment(" ")
-        colour = Color.from_triplet(blend_rgb(self.low, self.high, ratio))
-        return Segment(self.BARS[min(level, len(self.BARS) - 1)], Style(color=colour))
 
 
 class RunStatus(VerticalScroll):
@@ -122,6 +45,9 @@ class RunStatus(VerticalScroll):
         self._fill_due = False  # the steps status events left out are asked for
         self._filled_at = 0.0  # when they were last (time.monotonic())
         self._filled_to: int | None = None  # the last step of the history that came then
+        # Steps missing up to here are lost: the training's history, read since, lacked them
+        # (or could not be read). Those after it are on their way, and not called lost.
+        self._lost_to: int | None = None
 
     def compose(self) -> ComposeResult:
         yield Static(id="run-state")
@@ -134,12 +60,15 @@ class RunStatus(VerticalScroll):
 
     def on_mount(self) -> None:
         self._drawable = True
+        if self._unsettled():  # steps left out before the widget could ask for them
+            self._ask_for_missed()
         self._draw_now()
 
     def show_info(self, info: dict[str, Any]) -> None:
         self._info = dict(info)
         history = info.get("history") or {}
         self._history = {k: list(history.get(k, []))[-HISTORY:] for k in SERIES}
+        self._lost_to = self._history["step"][-1] if self._history["step"] else None
         self._state = info.get("state", self._state)
         self._draw_now()
 
@@ -190,8 +119,9 @@ class RunStatus(VerticalScroll):
         have crossed the reply)."""
         try:
             info = await remote_of(self).info()
-        except RequestFailed:
-            return  # the connection is down: the info of the next one has every step
+        except RequestFailed:  # the connection is down: the info of the next one has every step
+            self._settle()
+            return
         finally:
             self._fill_due, self._filled_at = False, time.monotonic()
         if not self._same_run(info):
@@ -199,8 +129,22 @@ class RunStatus(VerticalScroll):
         end, before = self._merge_history(info.get("history") or {}), self._filled_to
         self._filled_to = end
         if end is not None and end != before and _missing(self._history["step"]):
+            self._lost_to = max(end, self._lost_to if self._lost_to is not None else end)
             self._ask_for_missed()
+        else:
+            self._settle()
         self._draw()
+
+    def _settle(self) -> None:
+        """Nothing more will be asked for: the steps still missing are lost."""
+        steps = self._history["step"]
+        self._lost_to = steps[-1] if steps else None
+        self._draw()
+
+    def _unsettled(self) -> bool:
+        """Whether steps are missing that were not asked for yet."""
+        lost_to = self._lost_to if self._lost_to is not None else -1
+        return any(b - a > 1 and a >= lost_to for a, b in pairwise(self._history["step"]))
 
     def _same_run(self, info: dict[str, Any]) -> bool:
         return all(info.get(k) == self._info.get(k) for k in ("run_id", "rank"))
@@ -274,7 +218,7 @@ class RunStatus(VerticalScroll):
         for key, name, title in (("loss", "loss", "Loss"), ("grad_norm", "grad", "Gradient norm")):
             values = self._history[key]
             self.query_one(f"#{name}-spark", StepSparkline).plot(steps, values)
-            label = _curve_title(title, steps, values, self._recorded)
+            label = _curve_title(title, steps, values, self._recorded, self._lost_to)
             self.query_one(f"#{name}-label", Label).update(label)
         self.query_one("#run-session", Static).update(self._session())
 
@@ -374,24 +318,28 @@ def _number(value: float) -> str:
     return f"{value:.4g}" if math.isfinite(value) else {"nan": "NaN"}.get(str(value), str(value))
 
 
-def _curve_title(title: str, steps: list[Any], values: list[Any], recorded: bool) -> Text:
+def _curve_title(
+    title: str, steps: list[Any], values: list[Any], recorded: bool, lost_to: int | None
+) -> Text:
     """``Loss  0.31 … 4.26 over steps 0–28  3 non-finite at steps 26–28, not drawn``: the
     curve's scale, and the points it cannot draw (marked ``×`` where they are, or left blank
     where the step never reached the UI: ``steps 20–24 not received``; ``not dumped`` in a
-    ``recorded`` run); ``not measured at steps 0–79`` where no step has a value."""
+    ``recorded`` run); ``not measured at steps 0–79`` where no step has a value. Only the
+    steps missing after a step up to ``lost_to`` are named: those after it are still asked
+    for, and a fast run's steps are not lost because the UI has not read them yet."""
     text = Text(title, style="bold")
     if not steps:
         return text
-    finite = _finite(values)
+    numbers = finite(values)
     if all(v is None for v in values):
         text.append(f"  not measured at {_steps_text(steps)}", style="dim")
         return text
-    if finite:
-        text.append(f"  {_scale(finite)}")
-    if len(finite) > 1 and min(finite) == max(finite):  # the value says itself: at every step
-        every = "every step" if len(finite) == len(values) else "every step drawn"
+    if numbers:
+        text.append(f"  {_scale(numbers)}")
+    if len(numbers) > 1 and min(numbers) == max(numbers):  # the value says itself: at every step
+        every = "every step" if len(numbers) == len(values) else "every step drawn"
         text.append(f" at {every}, {steps[0]}–{steps[-1]}", style="dim")
-    elif len(finite) == 1 and len(steps) == 1:
+    elif len(numbers) == 1 and len(steps) == 1:
         text.append(f" at step {steps[0]}", style="dim")
     else:
         text.append(f" over {_steps_text(steps)}", style="dim")
@@ -399,8 +347,9 @@ def _curve_title(title: str, steps: list[Any], values: list[Any], recorded: bool
     if bad:
         where = f"step {bad[0]}" if len(bad) == 1 else f"steps {step_runs(bad, dash='–')}"
         text.append(f"  {len(bad)} non-finite at {where}, not drawn", style="bold red")
-    gaps = [(a + 1, b - 1) for a, b in pairwise(steps) if b - a > 1]
-    if gaps:  # left blank: status events left them out, and the history was not read since
+    lost = lost_to if lost_to is not None else -1
+    gaps = [(a + 1, b - 1) for a, b in pairwise(steps) if b - a > 1 and a < lost]
+    if gaps:  # left blank: status events left them out, and the history did not have them
         count = sum(last - first + 1 for first, last in gaps)
         ranges = ", ".join(str(f) if f == t else f"{f}–{t}" for f, t in gaps)
         where = f"{count} steps" if len(gaps) > 3 else f"step{'s' * (count != 1)} {ranges}"
@@ -423,64 +372,9 @@ def _scale(values: list[float]) -> str:
     digits = next(d for d in range(4, 18) if f"{low:.{d}g}" != f"{high:.{d}g}")
     form = ".4g" if digits == 4 else f"#.{digits}g"  # trailing zeros are significant then
     span = f"{low:{form}} … {high:{form}}"
-    return f"{span}, flat within {FLAT:.1%}" if _flat(values) else span
-
-
-def _flat(values: Sequence[float]) -> bool:
-    """Whether the values spread over no more than ``FLAT`` of their magnitude: a level with
-    noise on it, which scaled to its own extent would look like wild swings."""
-    low, high = min(values), max(values)
-    return high - low <= FLAT * max(abs(low), abs(high))
-
-
-def _columns(steps: list[int], values: list[Any], width: int) -> list[float | str | None]:
-    """What each of ``width`` columns draws of the steps it covers (steps ``steps[0]`` to
-    ``steps[-1]`` spread evenly, so that each step is at its own place): the mean of their
-    finite values; ``MARK`` where their values are all non-finite; where they have no value,
-    the value of the column before when a later column has one (the curve goes on over steps
-    not measured), else None; None where none of its steps was received (a gap)."""
-    if not steps or width <= 0:
-        return []
-    span = steps[-1] - steps[0] + 1
-    out: list[float | str | None] = []
-    received: list[bool] = []
-    for column in range(width):
-        first = column * span // width
-        end = max((column + 1) * span // width, first + 1)
-        lo, hi = bisect_left(steps, steps[0] + first), bisect_left(steps, steps[0] + end)
-        given = [v for v in values[lo:hi] if v is not None]
-        finite = _finite(given)
-        out.append(_mean(finite) if finite else MARK if given else None)
-        received.append(hi > lo)
-    return _carry_over(out, received)
-
-
-def _carry_over(
-    columns: list[float | str | None], received: list[bool]
-) -> list[float | str | None]:
-    """Columns without a value take the number of the column before them, when one follows
-    that has a value (a step not measured lies between measured ones); a column none of whose
-    steps was ``received`` stays empty, and no value is carried across it."""
-    last = max((i for i, c in enumerate(columns) if c is not None), default=-1)
-    held: float | str | None = None
-    out: list[float | str | None] = []
-    for i, (column, heard) in enumerate(zip(columns, received, strict=True)):
-        if not heard:
-            held = None
-        elif column is not None:
-            held = column if isinstance(column, float) else None
-        out.append(column if column is not None or i > last or not heard else held)
-    return out
+    return f"{span}, flat within {FLAT:.1%}" if flat(values) else span
 
 
 def _missing(steps: list[int]) -> bool:
     """Whether steps are missing between the first and the last."""
     return any(b - a > 1 for a, b in pairwise(steps))
-
-
-def _finite(values: list[Any]) -> list[float]:
-    return [float(v) for v in values if v is not None and math.isfinite(v)]
-
-
-def _mean(values: Any) -> float:
-    return sum(values) / len(values)
