@@ -364,6 +364,32 @@ def test_without_a_watched_optimizer_a_weight_a_nan_gradient_made_is_no_origin(w
     assert [(h.tensor, h.step) for h in session.hits if h.origin] == [("4.grad_output", 1)]
 
 
+class Huge(nn.Module):
+    """Finite values near float32's largest (up to 3e38): their sum is past its range."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x) * 1e38 + 2e38
+
+
+@pytest.mark.parametrize("sync", MODES)
+def test_finite_values_whose_sum_overflows_are_recorded_finite(watch, sync, tmp_path):
+    """The "finite" screen is a sum, which NaN and Inf poison, and so does a sum past the
+    dtype's range: such a tensor was recorded as not finite (with no NaN and no Inf counted),
+    and `tensordbg diff` said two runs part where it was finite in both."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 64), Huge(), nn.Tanh(), nn.Linear(64, 1))
+    x = torch.randn(8, 4)
+    huge = model[1](model[0](x))
+    assert torch.isfinite(huge).all() and not torch.isfinite(huge.sum())
+    session = watch(model, on_hit="record", rules=[NaN()], sync=sync, dump_dir=tmp_path,
+                    dump_every=1)  # fmt: skip
+    with torch.no_grad():
+        model(x)
+    session.detach()
+    entry = next(e for e in tensordbg.load(tmp_path).tensors(0) if e.name == "1.output")
+    assert entry.stats["finite"] == 1.0 and session.hits == []
+
+
 # --- attaching must not break the script ----------------------------------------------------
 
 

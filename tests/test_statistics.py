@@ -578,3 +578,14 @@ def test_an_empty_slice_is_said_empty_not_nan():
                     "float32")  # fmt: skip
     assert line == "tensor[0,3] float32 n=0 empty"
     assert "nan" not in describe({"numel": 4, "min": 0.0, "max": 1.0, "mean": 0.5}).lower()
+
+
+@pytest.mark.parametrize("stats", [(FINITE,), (FINITE, MEAN), (FINITE, MEAN, L2)])
+def test_finite_values_whose_sum_overflows_read_finite_on_the_host(stats):
+    """A sum (or the squares of a norm) past float32's range is not a NaN or an Inf: on the host
+    the screen settles it with one element-wise pass, only then."""
+    huge = torch.full((64,), 3e38)
+    values = dict(zip(stats, host_stats(huge, stats), strict=True))
+    assert values[FINITE] == 1.0
+    huge[5] = math.inf
+    assert host_stats(huge, stats)[0] == 0.0

@@ -24,7 +24,7 @@ from typing import Any
 from tensordbg.engine.records import NONFINITE, Record
 from tensordbg.rules import Rule
 from tensordbg.rules.base import Finding, Refine
-from tensordbg.statistics import NAN, NEGINF, POSINF, Stat, TensorStats
+from tensordbg.statistics import FINITE, NAN, NEGINF, POSINF, Stat, TensorStats
 from tensordbg.statistics.torch_kernels import SCREEN
 
 COUNTS = (NAN, POSINF, NEGINF)
@@ -235,6 +235,8 @@ class RuleSet:
             # Which of NaN and Inf, and how many: counted only for unhealthy tensors.
             stats.values.update(zip(COUNTS, measure(stats, COUNTS), strict=True))
             nonfinite = stats.nonfinite
+            if nonfinite is False:  # a sum of finite values past the dtype's range said not
+                stats.values[FINITE] = 1.0
         loud, quiet = record.checks or ((), ())
         for active in loud + quiet if nonfinite is not False else loud:
             if not active.enabled:

@@ -174,8 +174,17 @@ def _rounded(bound: float, dtype: torch.dtype, up: bool) -> float:
     return value
 
 
+def _exactly_finite(x: Tensor, screened: bool) -> float:
+    """1.0 when every element of ``x`` is finite, given what a screen said: a screen that says
+    finite is right, one that says not may be a sum (or squares) of finite values past the
+    dtype's range (elements near 1e37 in float32), which one element-wise pass settles."""
+    return 1.0 if screened or bool(torch.isfinite(x).all()) else 0.0
+
+
 # When no statistic computed anyway tells (see _witnesses): the sum, which NaN and Inf poison.
-@_kernel("finite", host=lambda x, n, cache, p: 1.0 if math.isfinite(_sum(x).item()) else 0.0)
+# On the host a sum that is not finite is settled at once; on a device, by the counts of NaN
+# and Inf the engine asks for then.
+@_kernel("finite", host=lambda x, n, cache, p: _exactly_finite(x, math.isfinite(_sum(x).item())))
 def _finite(x: Tensor, n: int, cache: Cache, p: Params) -> Tensor:
     return torch.isfinite(_sum(x))
 
@@ -465,7 +474,7 @@ def host_stats(t: Tensor, stats: Sequence[Stat]) -> list[float]:
     reading a value costs nothing; on CUDA each read synchronizes (batched mode avoids that)."""
     x = _reducible(t.detach())
     if len(stats) == 1 and stats[0] == FINITE:  # most tensors, most steps: one sum, no plan
-        return [1.0 if math.isfinite(_sum(x).item()) else 0.0]
+        return [1.0 if math.isfinite(_sum(x).item()) else _exactly_finite(x, False)]
     plan = _plan(stats)
     if plan.needs_prev is not None:
         raise ValueError(f"statistic {plan.needs_prev} needs the previous value: update_stats")
@@ -475,7 +484,7 @@ def host_stats(t: Tensor, stats: Sequence[Stat]) -> list[float]:
     cache: Cache = {}
     values = [read(x, n, cache, params) for read, params in plan.host_kernels]
     if plan.witnesses:
-        values.append(float(all(math.isfinite(values[i]) for i in plan.witnesses)))
+        values.append(_exactly_finite(x, all(math.isfinite(values[i]) for i in plan.witnesses)))
     return [values[i] for i in plan.order]
 
 
