@@ -7,6 +7,7 @@ import weakref
 
 import torch
 from models import mlp
+from paused import PausedTraining
 from torch import nn
 
 from tensordbg.rules import NaN
@@ -103,3 +104,22 @@ def test_without_an_optimizer_detach_completes_the_last_step_and_keeps_its_loss(
     session.detach()
     assert [(step, loss) for step, loss, _, _ in session.history] == [(0, 3.0), (1, 2.0), (2, 1.0)]
     assert session.step == 3
+
+
+def test_a_state_event_gives_the_pauses_reason_only_while_paused():
+    """Every state event carried the last pause's reason: "running at step 3 (NaN hit: ...)"
+    read as if the training ran because of it."""
+    events: list[dict] = []
+
+    def listen(step: int) -> None:  # on the training thread, before the pause can come
+        if step == 0:
+            training.session.bus.subscribe(lambda e, p: events.append(p), events={"state"})
+
+    training = PausedTraining(before_step=listen)
+    with training:
+        training.wait_paused()
+        training.session.controller.resume()
+        training.wait(lambda: any(p["state"] == "running" for p in events))
+    said = [(p["state"], bool(p.get("reason"))) for p in events]
+    assert ("paused", True) in said and ("running", True) not in said, said
+    assert ("running", False) in said

@@ -458,8 +458,10 @@ class Pipeline(Pausing, Pinpointing):
             self._boundary(completed_step=True)
 
     def _on_state(self, state: str) -> None:
-        self.bus.publish("state", {"state": state, "step": self.step,
-                                   "reason": self.controller.reason})  # fmt: skip
+        # The reason is the pause's: "running at step 26 (NaN hit: ...)" read as if it ran
+        # because of it. (How a training finished comes with the session's detach.)
+        reason = self.controller.reason if state == "paused" else ""
+        self.bus.publish("state", {"state": state, "step": self.step, "reason": reason})
 
 
 def _measure(measure: Any, tensor: torch.Tensor, stats: TensorStats, wanted: Any) -> list[float]:
