@@ -175,15 +175,13 @@ def _rounded(bound: float, dtype: torch.dtype, up: bool) -> float:
 
 
 def _exactly_finite(x: Tensor, screened: bool) -> float:
-    """1.0 when every element of ``x`` is finite, given what a screen said: a screen that says
-    finite is right, one that says not may be a sum (or squares) of finite values past the
-    dtype's range (elements near 1e37 in float32), which one element-wise pass settles."""
+    """1.0 when every element of ``x`` is finite, given what a screen said: one that says not
+    may be a sum (or squares) of finite values past the dtype's range, settled element-wise."""
     return 1.0 if screened or bool(torch.isfinite(x).all()) else 0.0
 
 
-# When no statistic computed anyway tells (see _witnesses): the sum, which NaN and Inf poison.
-# On the host a sum that is not finite is settled at once; on a device, by the counts of NaN
-# and Inf the engine asks for then.
+# When no statistic computed anyway tells (see _witnesses): the sum, which NaN and Inf poison
+# (a sum that is not finite is settled on the host; on a device, by the NaN and Inf counts).
 @_kernel("finite", host=lambda x, n, cache, p: _exactly_finite(x, math.isfinite(_sum(x).item())))
 def _finite(x: Tensor, n: int, cache: Cache, p: Params) -> Tensor:
     return torch.isfinite(_sum(x))
