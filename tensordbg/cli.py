@@ -23,7 +23,7 @@ from tensordbg.rules import available_rules
 EXAMPLES = {
     "tensordbg": """
         examples:
-          tensordbg demo                 a tiny GPT trains until a batch breaks it; the UI opens
+          tensordbg demo                 a tiny GPT trains until a batch breaks it
           tensordbg run train.py --epochs 3
           tensordbg tui                  open the UI on a running training
 
@@ -31,41 +31,42 @@ EXAMPLES = {
         """,
     "demo": """
         examples:
-          tensordbg demo                 a tiny GPT trains until a batch breaks it; the UI opens
-          tensordbg demo --no-ui         the same training, hits printed as text
+          tensordbg demo          a tiny GPT trains until a batch breaks it, in the UI
+          tensordbg demo --no-ui  the same training, hits printed as text
         """,
     "run": """
         examples:
           tensordbg run train.py --epochs 3
           tensordbg run --rules default,DeadActivation --on-hit record train.py
           tensordbg run --include 'encoder.*' --sync batched train.py
-          tensordbg run --profile 5 train.py      profile 5 steps; summary and advice at the end
+          tensordbg run --profile 5 train.py   profile 5 steps; a summary and advice
 
-        The script runs as __main__ with its own arguments; the first module with trainable
-        parameters it calls is watched, with the first optimizer that steps it. A Hugging Face
-        or Lightning Trainer gets tensordbg's callback instead. Open the UI with
-        `tensordbg tui` in another terminal.
+        The script runs as __main__ with its own arguments; the first module with
+        trainable parameters it calls is watched, with the optimizers made for it (and
+        one made later, from its first step). A Hugging Face or Lightning Trainer gets
+        tensordbg's callback instead. Open the UI with `tensordbg tui` in another
+        terminal.
         """,
     "tui": """
         examples:
-          tensordbg tui                               the only running session, or a list
+          tensordbg tui                              the only session, or a list
           tensordbg tui /run/user/1000/tensordbg/3f2a1c9e-0.json
-          tensordbg tui --run-id 3f2a1c9e --wait 30   wait for a training that is starting
+          tensordbg tui --run-id 3f2a1c9e --wait 30  wait for a training starting now
         """,
     "replay": """
         examples:
-          tensordbg replay runs/dbg             the UI over a dump; n / p: next / previous step
+          tensordbg replay runs/dbg     the UI over a dump; n / p: next / previous step
           tensordbg replay runs/dbg --rank 1 --step 120
         """,
     "check": """
         examples:
-          tensordbg check runs/dbg                          the run's own rules, a table
+          tensordbg check runs/dbg                     the run's own rules, a table
           tensordbg check runs/dbg --rules default,DeadActivation --json
           tensordbg check runs/dbg --rule "TensorRange(match='*.attn.*', max_gt=1e4)"
 
-        Exit status: 0 clean, 1 a rule hits (or, with --strict, could not judge a tensor),
-        2 the dump, or a step or values file of it, cannot be read, or a rule had nothing in
-        the dump it could judge (and no rule hit).
+        Exit status: 0 clean, 1 a rule hits (or, with --strict, could not judge a
+        tensor), 2 the dump, or a step or values file of it, cannot be read, or a
+        rule had nothing in the dump it could judge (and no rule hit).
         """,
     "diff": """
         examples:
@@ -73,7 +74,8 @@ EXAMPLES = {
           tensordbg diff runs/a runs/b --rtol 1e-3 --atol 1e-6 --json
           tensordbg diff runs/ddp runs/ddp --ranks 0,1     rank 0 against rank 1
 
-        Exit status: 0 the runs agree, 1 they differ, 2 a dump cannot be read.
+        Exit status: 0 the runs agree, 1 they differ, 2 a dump cannot be read, or part
+        of one cannot and the runs agree on what could be read.
         """,
 }
 

@@ -565,3 +565,20 @@ def test_a_rule_on_updates_that_a_dump_cannot_judge_is_said_in_words() -> None:
     assert "(whether the step left the parameter unchanged)" in line and "update_" not in line
     assert "measured against the parameter before the step" in line
     assert line.endswith("(first: fc.weight.update at step 2)")
+
+
+def test_advice_given_to_some_of_a_rules_findings_says_how_many_of_them():
+    """ExplodingGradient gives one advice for a NaN gradient and another for a norm past its
+    bound: "about the 388 ExplodingGradient findings" read wrong beside the 433 the summary
+    counted."""
+    from tensordbg.offline.check_report import CheckReport, Finding
+
+    def finding(step: int, advice: str) -> Finding:
+        return Finding(step, 0, "backward", 0, "w.grad", "", "grad", "ExplodingGradient", 1e9,
+                       1e4, "w.grad is large", advice=advice)  # fmt: skip
+
+    report = CheckReport("d", "r", ["ExplodingGradient"], [0], 3, 3)
+    report.findings = [finding(0, "clip it"), finding(1, "clip it"), finding(2, "find the NaN")]
+    table = report.table()
+    assert "about 2 of the 3 ExplodingGradient findings: clip it" in table
+    assert "about 1 of the 3 ExplodingGradient findings: find the NaN" in table

@@ -604,3 +604,13 @@ def test_a_loss_is_named_by_the_scripts_loss_like_name_for_it_among_its_aliases(
 class _Frame:
     def __init__(self, f_locals: dict[str, object]):
         self.f_locals = f_locals
+
+
+@pytest.mark.parametrize("command", ["", "demo", "run", "tui", "replay", "check", "diff"])
+def test_every_help_fits_an_80_column_terminal(cli, monkeypatch, command):
+    """The examples and the exit statuses are laid out by hand: lines of 81 to 88 columns
+    wrapped in an 80-column terminal, breaking the examples' columns."""
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, _ = cli(*[c for c in (command, "--help") if c])
+    assert code == 0
+    assert [line for line in out.splitlines() if len(line) > 79] == []

@@ -280,3 +280,47 @@ def test_the_library_refuses_a_tolerance_that_is_no_tolerance_too(tmp_path: Path
     a, b = write_dump(tmp_path / "a"), write_dump(tmp_path / "b")
     with pytest.raises(ValueError, match="a tolerance is a finite number, 0 or more"):
         diff_dumps(load(a), load(b), **bad)
+
+
+def test_the_diff_says_where_the_run_that_hit_named_its_origin(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The model's own code between two modules made the NaN: a dump under deferred checks
+    holds no statistics of that value, so the first difference is the next module's output,
+    and the diff named only that. It now adds where B's session, live, said the value was made."""
+    import torch
+    from torch import nn
+
+    import tensordbg
+    from tensordbg.rules import NaN
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+            self.broken = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            return self.b(torch.log(h - 100) if self.broken else h)
+
+    for run, bad_step in (("a", None), ("b", 2)):
+        model = Model()
+        session = tensordbg.attach(model, on_hit="record", rules=[NaN()], server=False,
+                                   dump_dir=tmp_path / run, dump_every=1, sync="deferred",
+                                   summary_at_exit=False)  # fmt: skip
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for step in range(4):
+                model.broken = step == bad_step
+                model(torch.randn(3, 4))
+        session.detach()
+    report = diff_dumps(load(tmp_path / "a"), load(tmp_path / "b"))
+    assert (report.first.step, report.first.tensor) == (2, "b.output")
+    [origin] = report.origins
+    assert (origin["side"], origin["rule"], origin["tensor"]) == ("B", "NaN", "output")
+    assert "the model's own forward code between its submodules" in origin["message"]
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    said = capsys.readouterr().out.splitlines()
+    assert said[1].startswith("B named an origin at that step, live: [NaN] output (forward): ")

@@ -251,9 +251,13 @@ class CheckReport:
             if f.advice:
                 found.setdefault(f.advice, []).append(f)
         lines = []
+        by_rule = Counter(f.rule for f in self.findings)
         for advice, findings in found.items():
-            n, rules = len(findings), ", ".join(dict.fromkeys(f.rule for f in findings))
+            n, named = len(findings), list(dict.fromkeys(f.rule for f in findings))
+            rules, total = ", ".join(named), sum(by_rule[r] for r in named)
             which = f"the {n} {rules} findings" if n > 1 else f"the {rules} finding"
+            if n < total:  # the rule's other findings get other advice (a NaN, a blow-up)
+                which = f"{n} of the {total} {rules} findings"
             lines.append(f"about {which}: {advice}")
         return lines
 

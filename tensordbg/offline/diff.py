@@ -26,6 +26,7 @@ from tensordbg.dump.reader import DumpError
 from tensordbg.offline.sentences import listed, plural, stat_words, steps_listed
 
 SCHEMA_VERSION = 1
+ORIGINS_SAID = 3  # hits at their origin the text says at the first difference's step
 CHUNK = 1 << 22  # elements compared at a time: memory stays bounded on huge tensors
 # The statistics that count a tensor's NaN and Inf (the diff says them as the NaN and Inf).
 _COUNTS = (("nan", "NaN"), ("posinf", "+Inf"), ("neginf", "-Inf"))
@@ -131,6 +132,12 @@ class DiffReport:
     """Tensors a step of one dump recorded and the same step of the other did not, per step and
     side: ``{"step", "side", "tensors", "why"}``. Not compared, and not counted as a difference
     of the numbers: ``why`` says what makes a step record other tensors."""
+    origins: list[dict[str, Any]] = field(default_factory=list)
+    """The hits at their origin each run recorded at the first difference's step, as the
+    session said them live: ``{"side", "rule", "tensor", "phase", "message"}``. A dump holds
+    no statistics of a value the model's own code made between two modules (deferred checks
+    do not measure it on a clean step): the first difference is then the next module's
+    output, and the hit says where the value was made."""
 
     @property
     def exit_code(self) -> int:
@@ -167,6 +174,7 @@ class DiffReport:
                 "only_in_b": self.only_in_b,
                 "broken": self.broken,
                 "unpaired": self.unpaired,
+                "origins": self.origins,
             }
         )
 
@@ -192,6 +200,12 @@ class DiffReport:
                 one = self.later == 1
                 lines.append(f"After it, {plural(self.later, 'more tensor')} differ{'s' * one} "
                              f"in {'its' if one else 'their'} statistics.")  # fmt: skip
+            for o in self.origins[:ORIGINS_SAID]:
+                lines.append(f"{o['side']} named an origin at that step, live: [{o['rule']}] "
+                             f"{o['tensor']} ({o['phase']}): {o['message']}")  # fmt: skip
+            if len(self.origins) > ORIGINS_SAID:
+                lines.append(f"... and {len(self.origins) - ORIGINS_SAID} more origins there "
+                             "(--json lists them).")  # fmt: skip
         elif not self.steps and self.broken:
             lines.append("Nothing compared: no step both dumps hold could be read (see below).")
         elif not self.steps:
@@ -312,6 +326,12 @@ def diff_dumps(
         before = [s for s in compared if s < report.first.step]
         start = before[-1] + 1 if before else 0
         report.not_compared_before = list(range(start, report.first.step))
+        for side, dump, rank in (("A", a, rank_a), ("B", b, rank_b)):
+            report.origins += [
+                {"side": side, "rule": h.rule, "tensor": h.tensor, "phase": h.phase,
+                 "message": h.message}
+                for h in dump.hits if h.rank == rank and h.step == report.first.step and h.origin
+            ]  # fmt: skip
     return report
 
 
