@@ -134,6 +134,14 @@ def attach(
             over instead of refusing (``tensordbg run`` attaches this way, so a script that
             attaches tensordbg itself keeps its own settings).
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"attach() takes the model, a torch.nn.Module, not {type(model).__name__}")
+    opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer or []
+    if not isinstance(opts, (list, tuple)) or not all(
+        isinstance(o, torch.optim.Optimizer) for o in opts
+    ):
+        raise TypeError(f"optimizer= is a torch.optim.Optimizer or a list of them, not "
+                        f"{type(optimizer).__name__}")  # fmt: skip
     under_run = COMMAND_LINE.active and not replaceable  # the script's own, under tensordbg run
     if under_run:
         summary_at_exit = False  # tensordbg run prints it, and counts its hits in its exit code

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 from models import mlp
 from paused import PausedTraining
@@ -123,3 +124,31 @@ def test_a_state_event_gives_the_pauses_reason_only_while_paused():
     said = [(p["state"], bool(p.get("reason"))) for p in events]
     assert ("paused", True) in said and ("running", True) not in said, said
     assert ("running", False) in said
+
+
+def test_a_loss_observed_as_a_number_is_watched(watch):
+    """Scripts log ``loss.item()``: observing that number dropped it unseen, a NaN included."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=opt, on_hit="record", rules=[NaN()])
+    for value in (1.5, float("nan")):
+        model(torch.randn(3, 4)).sum().backward()
+        session.observe("loss", value)
+        opt.step()
+        opt.zero_grad()
+    assert [(h.rule, h.tensor, h.step) for h in session.hits] == [("NaN", "loss", 1)]
+    with pytest.raises(TypeError, match=r"observe\(\) takes a tensor or a number, not NoneType"):
+        session.observe("loss", None)
+
+
+def test_attach_says_which_argument_is_not_what_it_takes():
+    """A string for the model or the optimizer failed inside attach with an AttributeError
+    ("'str' object has no attribute 'modules'")."""
+    import tensordbg
+
+    with pytest.raises(TypeError, match=r"attach\(\) takes the model, a torch\.nn\.Module, not"):
+        tensordbg.attach("model")
+    with pytest.raises(TypeError, match=r"optimizer= is a torch\.optim\.Optimizer or a list of"):
+        tensordbg.attach(mlp(), optimizer="adam", server=False)
+    with pytest.raises(TypeError, match=r"optimizer= is a torch\.optim\.Optimizer or a list of"):
+        tensordbg.attach(mlp(), optimizer=[object()], server=False)

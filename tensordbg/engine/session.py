@@ -10,6 +10,7 @@ in one :class:`~.handles.HandleGroup`; what happens is published on its :class:`
 from __future__ import annotations
 
 import atexit
+import numbers
 import os
 import secrets
 import threading
@@ -238,9 +239,15 @@ class Session(Pipeline, BackwardPhase, OptimizerPhase):
         return self.phases.by_ref.get(ref)
 
     @torch.compiler.disable
-    def observe(self, name: str, tensor: torch.Tensor) -> None:
+    def observe(self, name: str, tensor: torch.Tensor | float) -> None:
         """Watch any extra tensor (kind ``"observed"``), e.g. the loss: ``session.observe("loss",
-        loss)``. A scalar named like ``loss`` also feeds the loss curve in the UI."""
+        loss)``, or a number (``loss.item()``, which scripts log: a NaN given so was dropped
+        unseen). A scalar named like ``loss`` also feeds the loss curve in the UI. Integer
+        tensors are not watched (they hold no NaN)."""
+        if isinstance(tensor, numbers.Real) and not isinstance(tensor, bool):
+            tensor = torch.tensor(float(tensor), dtype=torch.float64)
+        elif not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"observe() takes a tensor or a number, not {type(tensor).__name__}")
         if not self.active or not watchable(tensor):
             return
         try:
