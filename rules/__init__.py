@@ -10,7 +10,7 @@ group (see :mod:`tensordbg.rules.base`).
 """
 
 from tensordbg.rules.activations import DeadActivation, SaturatedActivation
-from tensordbg.rules.base import Finding, Refine, Rule
+from tensordbg.rules.base import Finding, Refine, Rule, check_count, check_number
 from tensordbg.rules.catalog import BUILTIN, available_rules, builtin_rules, default_rules
 from tensordbg.rules.distributed import RankDivergence
 from tensordbg.rules.gradients import ExplodingGradient, VanishingGradient
@@ -41,5 +41,7 @@ __all__ = [
     "WeightUpdateRatio",
     "available_rules",
     "builtin_rules",
+    "check_count",
+    "check_number",
     "default_rules",
 ]

@@ -8,7 +8,7 @@ the same rule runs on statistics computed by numpy.
 
 Writing a rule takes a subclass::
 
-    from tensordbg.rules import Finding, Rule
+    from tensordbg.rules import Finding, Rule, check_number
     from tensordbg.statistics import MAX, MIN
 
     class LargeActivation(Rule):

@@ -377,3 +377,28 @@ def test_vanishing_gradients_get_the_same_verdicts_and_sentences_as_the_default_
     default = run("deferred")
     assert {"0.weight.grad", "3.weight.grad"} <= {t for t, _, _ in default}  # 3's input shrank
     assert run(DEFERRED_ON_DEVICE if sync == "deferred-on-device" else sync) == default
+
+
+def test_the_rule_written_in_the_rule_interfaces_docstring_works_as_shown():
+    """The example a person copies to write a rule called check_number, which tensordbg.rules
+    did not export: the rule was disabled at attach with a NameError."""
+    import textwrap
+
+    import tensordbg
+    import tensordbg.rules.base as base
+
+    doc = base.__doc__
+    code = textwrap.dedent(doc.split("Writing a rule takes a subclass::")[1].split("and, for")[0])
+    space: dict = {}
+    exec(compile(code, "rules/base.py docstring", "exec"), space)  # the docstring, as copied
+    LargeActivation = space["LargeActivation"]
+    with pytest.raises(ValueError, match="LargeActivation: limit must be"):
+        LargeActivation(limit=-1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    session = tensordbg.attach(model, rules=[LargeActivation(limit=0.5)], on_hit="record",
+                               server=False, summary_at_exit=False)  # fmt: skip
+    try:
+        model(torch.randn(4, 4) * 100)
+        assert {h.rule for h in session.hits} == {"LargeActivation"}
+    finally:
+        session.detach()
