@@ -324,3 +324,44 @@ def test_the_diff_says_where_the_run_that_hit_named_its_origin(
     assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
     said = capsys.readouterr().out.splitlines()
     assert said[1].startswith("B named an origin at that step, live: [NaN] output (forward): ")
+
+
+def test_a_loss_observed_at_each_micro_batch_is_compared_micro_batch_by_micro_batch(
+    tmp_path: Path,
+) -> None:
+    """Gradient accumulation observes the loss four times a step, each under the name ``loss``:
+    two runs that agree agree on each of the four (the diff paired the first of one run with
+    the last of the other, and said two identical runs parted at step 0's loss); the run whose
+    second micro-batch of step 2 is poisoned parts there."""
+    import torch
+    from torch import nn
+
+    import tensordbg
+    from tensordbg.rules import NaN, Overflow
+
+    for run, bad_step in (("a", None), ("b", None), ("c", 2)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        session = tensordbg.attach(model, optimizer=optimizer, on_hit="record", server=False,
+                                   rules=[NaN(), Overflow()], dump_dir=tmp_path / run,
+                                   dump_every=1, summary_at_exit=False)  # fmt: skip
+        x = torch.randn(4, 16, 4)
+        for step in range(3):
+            for micro in range(4):
+                batch = x[micro].clone()
+                if step == bad_step and micro == 1:
+                    batch[0, 0] = float("inf")
+                loss = model(batch).square().mean() / 4
+                session.observe("loss", loss)
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        session.detach()
+    a, b, c = (load(tmp_path / run) for run in "abc")
+    assert sum(e.name == "loss" for e in a.tensors(0)) == 4
+    report = diff_dumps(a, b)
+    assert report.first is None and report.exit_code == 0
+    assert report.tensors == diff_dumps(a, a).tensors
+    report = diff_dumps(a, c)
+    assert (report.first.step, report.first.tensor) == (2, "#1.input[0]")

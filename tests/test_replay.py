@@ -7,6 +7,7 @@ NaN at step 3, the step the dump's one hit names.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import ml_dtypes
@@ -25,7 +26,9 @@ from tensordbg.transport.client import LocalClient
 from tensordbg.tui.app import TensorDbgApp
 from tensordbg.tui.components.connection_banner import ConnectionBanner
 from tensordbg.tui.components.histogram_view import HistogramView
+from tensordbg.tui.components.stats_compare import StatsCompare
 from tensordbg.tui.components.tensor_grid import TensorGrid
+from tensordbg.tui.messages import OpenTensor
 
 
 @pytest.fixture
@@ -364,5 +367,130 @@ def test_the_run_tab_of_a_replay_says_where_the_loss_was_not_finite(tmp_path: Pa
             run = app.query_one(RunStatus)
             label = run.query_one("#loss-label")
             await until(pilot, lambda: "2 non-finite at steps 3–4" in str(label.render()))
+
+    asyncio.run(flow())
+
+
+def loss_and_gradient_dumps(tmp_path: Path) -> tuple[Path, Path]:
+    """Two dumps of real sessions: ``run``, whose loss the script made -Inf at step 2 (a log of
+    0, outside the model); ``grad``, whose one step hit ExplodingGradient everywhere, so that
+    the gradients of the Tanh's output, which its bias vouched for, were never held."""
+    import torch
+    from torch import nn
+
+    import tensordbg
+    from tensordbg.rules import ExplodingGradient
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tensordbg.attach(model, opt, on_hit="dump", server=False, dump_dir=tmp_path / "run",
+                          summary_at_exit=False) as session:  # fmt: skip
+        for step in range(3):
+            out = model(torch.randn(16, 4))
+            loss = torch.log(out.abs() * (0.0 if step == 2 else 1.0)).mean()
+            session.observe("loss", loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tensordbg.attach(
+        model,
+        opt,
+        on_hit="dump",
+        server=False,
+        dump_dir=tmp_path / "grad",
+        rules=[ExplodingGradient(max_norm=1e-9)],
+        summary_at_exit=False,
+    ):
+        model(torch.randn(16, 4)).pow(2).mean().backward()
+        opt.step()
+    return tmp_path / "run", tmp_path / "grad"
+
+
+def test_a_loss_made_outside_the_model_is_not_said_to_come_from_it(tmp_path: Path) -> None:
+    """The script's loss turned Inf (a log of 0): the dump recorded that no module made it,
+    and the replay's Provenance said the model did. A gradient the step let go says why its
+    values are not there, not that dump_tensors would have kept them (it chooses only the
+    values of periodic steps)."""
+    run, grad = loss_and_gradient_dumps(tmp_path)
+    source = ReplaySource(load(run))
+    loss_ref = next(h["ref"] for h in source.hits() if h["tensor"] == "loss")
+    assert source.provenance(loss_ref)["producer"] is None
+    source = ReplaySource(load(grad))
+    let_go = [t for t in source.tensors() if not t["retained"]]
+    assert let_go[0]["name"].endswith("grad_output")
+    with pytest.raises(SourceError) as why:
+        source.slice(let_go[0]["ref"])
+    assert "dump_tensors" not in str(why.value)
+    assert "a step with a hit keeps the values the training still held" in str(why.value)
+
+
+def test_the_tensor_tab_says_why_it_has_no_values_and_no_moments(tmp_path: Path) -> None:
+    """A tensor whose values were not dumped filled the grid with "?" (the reason was only in
+    the Log tab); a loss that is all -Inf showed NaN for its mean, min and max, which are over
+    the finite values and so are none."""
+    run, grad = loss_and_gradient_dumps(tmp_path)
+
+    async def flow(path: Path, open_it: Callable[[ReplaySource], tuple[int, str]],
+                   check: Callable[[TensorDbgApp], bool]) -> None:  # fmt: skip
+        source = ReplaySource(load(path))
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "replay")
+            app.main.post_message(OpenTensor(*open_it(source)))
+            await until(pilot, lambda: check(app))
+
+    def let_go(source: ReplaySource) -> tuple[int, str]:
+        tensor = next(t for t in source.tensors() if not t["retained"])
+        return tensor["ref"], tensor["name"]
+
+    def grid_says_why(app: TensorDbgApp) -> bool:
+        if not app.query(TensorGrid):
+            return False
+        grid = app.query_one(TensorGrid)
+        lines = [grid.render_line(y).text for y in range(3)]
+        return "No values to show: only the statistics of" in lines[0] and "?" not in "".join(lines)
+
+    asyncio.run(flow(grad, let_go, grid_says_why))
+
+    def loss(source: ReplaySource) -> tuple[int, str]:
+        return next(h["ref"] for h in source.hits() if h["tensor"] == "loss"), "loss"
+
+    def no_moments(app: TensorDbgApp) -> bool:
+        if not app.query(StatsCompare):
+            return False
+        table = app.query_one(StatsCompare).content
+        if not hasattr(table, "columns"):
+            return False
+        now = [str(c) for c in table.columns[1]._cells]
+        return now[:6] == ["–"] * 6 and now[8] == "1" and "no finite value" in table.caption
+
+    asyncio.run(flow(run, loss, no_moments))
+
+
+def test_the_rules_keys_of_a_replay_say_a_recorded_run_cannot_change_its_rules(
+    dump: Path,
+) -> None:
+    """Space, e, a and r on the Rules tab of a replay did nothing, without a word (c, s and k
+    say that a recorded run cannot be driven)."""
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(ReplaySource(load(dump))))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "replay")
+            app.main.show_tab("rules")
+            await until(pilot, lambda: app.main.rule_panel.table.row_count > 0)
+            app.main.rule_panel.table.focus()
+            await until(pilot, lambda: app.focused is app.main.rule_panel.table)
+            for key, said in (("space", "change a rule"), ("r", "judge a step again")):
+                app.clear_notifications()
+                await pilot.press(key)
+                await until(pilot, lambda said=said: any(
+                    "recorded run" in str(n.message) and said in str(n.message)
+                    for n in app._notifications))  # fmt: skip
+            assert "Toggle" not in [b.binding.description for b in app.active_bindings.values()
+                                    if b.binding.show]  # fmt: skip
 
     asyncio.run(flow())

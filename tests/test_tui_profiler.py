@@ -668,3 +668,44 @@ def test_the_demo_offers_profiling_and_every_tab_is_reachable_and_fills_from_a_r
     finally:
         training.terminate()
         training.wait(timeout=30)
+
+
+def test_operators_at_80_columns_keep_the_times_in_view_beside_a_long_name() -> None:
+    """A backward operator's long name ("autograd::engine::evaluate_function: ...") made the
+    name column 52 wide: at 80 columns only the calls were left in view, and the times the
+    table is sorted by were off the right edge. The name gives way, cut with an ellipsis (the
+    input shapes, last, may still be cut at the edge)."""
+    report = cpu_report()
+    report["operators"][0]["name"] = "autograd::engine::evaluate_function: AddmmBackward0"
+
+    async def main() -> None:
+        app = TensorDbgApp(LocalClient(FakeSource(report=report)))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.state == "paused")
+            await mounted(pilot)
+            table = (await with_report(pilot, "operators")).operators.table
+            heading, *rows = drawn(table).splitlines()
+            assert "self CPU ▼" in heading and "total CPU" in heading, heading
+            assert any(row.startswith("autograd::engine::") and "…" in row[:30] for row in rows)
+
+    asyncio.run(main())
+
+
+def test_gpu_whose_request_fails_says_why_instead_of_asking_for_good() -> None:
+    """The training stopped answering (it exited while the UI had not heard it finish): the
+    GPU view said "Asking the training for GPU samples…" for as long as it was open."""
+    from tensordbg.sources.contract import SourceError
+
+    source = FakeSource(report=cuda_report(), gpus=2)
+
+    def refuse(since: float = 0.0) -> dict[str, Any]:
+        raise SourceError("not connected to a training")
+
+    source.gpu = refuse  # type: ignore[method-assign]
+
+    async def flow(app: TensorDbgApp, pilot: Pilot) -> None:
+        profiler = await on_view(pilot, "gpu")
+        await until(pilot, lambda: "No GPU samples" in text_of(profiler.gpu.head))
+        assert "not connected to a training" in text_of(profiler.gpu.head)
+
+    run(source, flow)

@@ -16,7 +16,7 @@ listing the two dumps.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -298,7 +298,7 @@ def diff_dumps(
             report.unreadable(step, "A", str(e))
             continue
         try:
-            entries_b = {e.name: e for e in b.tensors(step, rank=rank_b)}
+            entries_b = b.tensors(step, rank=rank_b)
         except DumpError as e:
             report.unreadable(step, "B", str(e))
             continue
@@ -386,22 +386,31 @@ def _why_unpaired(step: int, sync: tuple[str, str], hit_steps: set[int], kinds: 
     )
 
 
-def _in_order(entries_a: list[Any], entries_b: dict[str, Any]) -> list[tuple[Any, Any]]:
-    """The tensors of one step of both dumps as pairs, in execution order: A's order, with
-    each tensor only B holds in its place in B's order; a tensor one dump lacks is paired
-    with None."""
-    names_a = {e.name for e in entries_a}
-    only_b = sorted((e for e in entries_b.values() if e.name not in names_a), key=lambda e: e.order)
+def _in_order(entries_a: list[Any], entries_b: list[Any]) -> list[tuple[Any, Any]]:
+    """The tensors of one step of both dumps as pairs, in execution order (A's, with a tensor
+    only B holds in its place in B's), one that a dump lacks paired with None; a name met k
+    times (a loss observed at each micro-batch) pairs its k-th in A with its k-th in B."""
+    keyed_b = dict(zip(_keys(entries_b), entries_b, strict=True))
+    keyed_a = dict(zip(_keys(entries_a), entries_a, strict=True))  # in A's order
+    only_b = sorted((e for k, e in keyed_b.items() if k not in keyed_a), key=lambda e: e.order)
     walk: list[tuple[Any, Any]] = []
     i = 0
-    for entry_a in entries_a:
-        entry_b = entries_b.get(entry_a.name)
+    for key, entry_a in keyed_a.items():
+        entry_b = keyed_b.get(key)
         while entry_b is not None and i < len(only_b) and only_b[i].order < entry_b.order:
             walk.append((None, only_b[i]))
             i += 1
         walk.append((entry_a, entry_b))
     walk += [(None, e) for e in only_b[i:]]
     return walk
+
+
+def _keys(entries: list[Any]) -> Iterator[tuple[str, int]]:
+    """Each tensor's name, with how many of that name came before it in the step."""
+    seen: dict[str, int] = {}
+    for entry in entries:
+        seen[entry.name] = seen.get(entry.name, -1) + 1
+        yield entry.name, seen[entry.name]
 
 
 def _compare(

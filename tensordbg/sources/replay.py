@@ -101,13 +101,10 @@ class ReplaySource:
                 self._broken[step] = str(why)
 
     def goto(self, step: int | None = None, move: int = 0) -> contract.Info:
-        if step is not None:
-            if step not in self.steps:
-                near = min(self.steps, key=lambda s: abs(s - step))
-                raise SourceError(f"step {step} was not dumped; the nearest dumped step is {near}")
-            index = self.steps.index(step)
-        else:
-            index = self.index
+        if step is not None and step not in self.steps:
+            near = min(self.steps, key=lambda s: abs(s - step))
+            raise SourceError(f"step {step} was not dumped; the nearest dumped step is {near}")
+        index = self.index if step is None else self.steps.index(step)
         self.index = min(max(index + move, 0), len(self.steps) - 1)
         return self.info()
 
@@ -315,11 +312,13 @@ class ReplaySource:
         made = entry.provenance if isinstance(entry.provenance, dict) else {}
         types = {str(m.get("path", "")): str(m.get("type", "")) for m in self.dump.modules}
         producer = made.get("producer")
-        if not isinstance(producer, dict):
+        if "producer" not in made:  # no provenance dumped: the module the tensor is named after
             producer = {"module": entry.module, "type": types.get(entry.module, ""), "call": 0}
+        elif not isinstance(producer, dict):  # None: made outside any module (a script's loss)
+            producer = None
         entries = self._step_entries(step, quiet=True)
         shown, kind = entry.name, entry.kind
-        if module is not None and producer == {**producer, "module": module, "call": call}:
+        if module is not None and producer == {**(producer or {}), "module": module, "call": call}:
             # Written with the provenance of the call the hit names: the name it gives.
             shown, kind = str(made.get("name", shown)), str(made.get("kind", kind))
         hit = next((h for h in self._hits if h["ref"] == ref and h["module"] == module), None)
@@ -414,10 +413,11 @@ class ReplaySource:
         return step, entry
 
     def _no_value(self, step: int, entry: Any) -> str:
-        return (
-            f"only the statistics of {entry.name} were dumped at step {step}, not its values: "
-            "dump them with dump_tensors=[pattern] to slice them"
-        )
+        said = f"only the statistics of {entry.name} were dumped at step {step}, not its values"
+        if any(h["step"] == step for h in self._hits):  # dump_tensors chose nothing there
+            return (f"{said}: a step with a hit keeps the values the training still held when "
+                    "its phases ended, from the phase that hit on")  # fmt: skip
+        return f"{said}: dump_tensors=[pattern] chooses which values a periodic step keeps"
 
     def _view(self, step: int, entry: Any, text: str) -> tuple[str, np.ndarray]:
         if not entry.has_value:

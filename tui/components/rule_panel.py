@@ -54,6 +54,9 @@ class RulePanel(Vertical):
         Binding("e", "edit", "Edit"),
         Binding("a", "add", "Add"),
         Binding("r", "recheck", "Recheck"),
+        # A recorded run serves none of them: the keys say why rather than do nothing.
+        Binding("space,e,a", "refuse('set_rule')", show=False),
+        Binding("r", "refuse('recheck')", show=False),
     ]
 
     def __init__(self, heard: HeardHits) -> None:
@@ -196,7 +199,12 @@ class RulePanel(Vertical):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in ACTIONS["paused"]:  # the footer shows only what the state allows
             return action in ACTIONS.get(self.app.state, ())  # type: ignore[attr-defined]
+        if action == "refuse":
+            return not self.app.remote.serves(str(parameters[0]))  # type: ignore[attr-defined]
         return True
+
+    def action_refuse(self, method: str) -> None:
+        self._served(method)  # the person is told why
 
     def _served(self, method: str) -> bool:
         """Whether the session serves ``method``; if not, the person is told why."""

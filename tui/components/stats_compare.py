@@ -66,8 +66,11 @@ class StatsCompare(Static):
         table.add_column(f"step {previous['step']}" if previous else "previous", justify="right")
         table.add_column("Δ", justify="right", no_wrap=True)
         empty = now.get("numel") == 0  # an empty slice has no moments (its NaN means none)
+        # Moments are over the finite values: with none, the NaN they hold means none, not NaN.
+        unfinite = sum(now.get(k) or 0 for k in ALARMS)
+        none_finite = not empty and now.get("numel") is not None and unfinite >= now["numel"]
         for key, label in ROWS:
-            value = None if empty and key not in COUNTS else now.get(key)
+            value = None if (empty or none_finite) and key not in COUNTS else now.get(key)
             style = "bold red" if key in ALARMS and value else ""
             table.add_row(
                 label,
@@ -77,6 +80,8 @@ class StatsCompare(Static):
             )
         if empty:
             table.caption = "the slice selects no value"
+        elif none_finite:
+            table.caption = "no finite value: mean, std, min, max and the norms are of finite ones"
         elif not previous:
             table.caption = (
                 stats.get("previous_why") or "no statistics of this tensor from the previous step"

@@ -10,6 +10,7 @@ Requests run in async workers; decoding and formatting a block in a thread worke
 from __future__ import annotations
 
 import math
+import textwrap
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import ClassVar
@@ -219,7 +220,8 @@ class TensorGrid(ScrollView, can_focus=True):
         width = self.size.width
         base = self.rich_style
         if not self._rows:
-            text = self.message if y == 0 else ""
+            lines = textwrap.wrap(self.message, max(width, 20)) if self.message else []
+            text = lines[y] if y < len(lines) else ""
             return Strip([Segment(text, base)]).extend_cell_length(width, base).crop(0, width)
         index = base + self.get_component_rich_style("tensor-grid--index", partial=True)
         c0, c1 = self._visible_columns()
@@ -306,10 +308,12 @@ class TensorGrid(ScrollView, can_focus=True):
         ]
         try:
             reply = await remote_of(self).slice(self._ref, self._text, window)
-        except RequestFailed:  # logged by the app; the block shows "?" rather than retrying
+        except RequestFailed as e:  # logged by the app; the block shows "?" rather than retrying
             if generation == self._generation:
                 self._pending.discard(key)
                 self._failed.add(key)
+                if not self._blocks:  # no value of it at all (a tensor whose values were not
+                    self.clear(f"No values to show: {e.message}")  # kept): say why, not "?"s
                 self.refresh()
             return
         if generation == self._generation:

@@ -76,9 +76,11 @@ class GpuPane(VerticalScroll):
         self.polls += 1
         try:
             reply = await remote_of(self).gpu(since=self.since)
-        except RequestFailed:
+        except RequestFailed as e:
             if getattr(self.app, "state", "") in OVER:  # no next poll will be answered
                 self.head.update(Text("The training has ended: no more GPU samples."))
+            elif not self.devices:  # nothing shown yet: "Asking…" would stay for good
+                self.head.update(Text(f"No GPU samples: {e.message} (asked again each second)"))
             return  # the Log tab says why; the next poll tries again
         self.show(reply)
 

@@ -20,6 +20,7 @@ from textual.strip import Strip
 from tensordbg.tui.components.line_table import GAP, MOVES, LineTable
 
 MAX_NAME = 70  # columns the name may take
+MIN_NAME = 24  # ... and what it keeps when the numbers need the room
 
 
 class Column(NamedTuple):
@@ -121,11 +122,27 @@ class RowTable(LineTable):
         self._show_rows()
 
     def _show_rows(self) -> None:
-        width = sum(self._widths) + GAP * len(self._widths)
-        self.virtual_size = Size(width, len(self._shown) + 1)
+        self._fit_width()
         if self.is_attached:
             self.scroll_to(y=0, animate=False, immediate=True)
         self.refresh()
+
+    def _fit_width(self) -> None:
+        width = sum(self._fitted()) + GAP * len(self._widths)
+        self.virtual_size = Size(width, len(self._shown) + 1)
+
+    def on_resize(self) -> None:
+        self._fit_width()
+
+    def _fitted(self) -> list[int]:
+        """The columns' widths, the name's narrowed (to MIN_NAME at most) so that the numbers
+        fit beside it: at 80 columns a long operator's name left room for the calls alone, and
+        the times were off the right edge."""
+        widths = list(self._widths)
+        if widths:
+            room = self.scrollable_content_region.width - sum(widths[1:]) - GAP * len(widths)
+            widths[0] = min(widths[0], max(room, MIN_NAME))
+        return widths
 
     # --- keys --------------------------------------------------------------------------------
 
@@ -138,7 +155,7 @@ class RowTable(LineTable):
 
     def _heading_clicked(self, x: int) -> None:
         """Sort by the column clicked."""
-        for column, width in zip(self.columns, self._widths, strict=True):
+        for column, width in zip(self.columns, self._fitted(), strict=True):
             if x < width + GAP:
                 self.sort_by(column.key)
                 return
@@ -182,7 +199,7 @@ class RowTable(LineTable):
 
     def _strip(self, cells: list[str], styles: list[Style], base: Style) -> Strip:
         right = [c.numeric for c in self.columns]
-        return self.cells(cells, self._widths, styles, base, right)
+        return self.cells(cells, self._fitted(), styles, base, right)
 
     def on_focus(self) -> None:
         self.refresh()
