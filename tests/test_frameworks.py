@@ -442,6 +442,23 @@ def test_tensordbg_run_watches_a_framework_script_without_changing_it(tmp_path, 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("script", [HF_SCRIPT, LIGHTNING_SCRIPT], ids=["hf", "lightning"])
+def test_tensordbg_run_profiles_a_framework_script(tmp_path, script):
+    """Under a trainer the session is the callback's: --profile started none ("no model was
+    found, nothing was profiled")."""
+    path = tmp_path / "train.py"
+    path.write_text(f"OUT = {str(tmp_path / 'out')!r}\n" + textwrap.dedent(script))
+    done = subprocess.run(
+        [sys.executable, "-m", "tensordbg.cli", "run", "--on-hit", "record", "--profile", "2",
+         str(path)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert "trained" in done.stdout, done.stderr[-3000:]
+    assert "tensordbg profile: 2 steps" in done.stderr, done.stderr[-3000:]
+    assert "nothing was profiled" not in done.stderr
+
+
+@pytest.mark.slow
 def test_an_uncaught_hit_in_lightning_shows_the_users_frames_then_the_summary(tmp_path):
     """Lightning tears down (the callback detaches) before the hit reaches the top: the
     traceback still leaves tensordbg's and PyTorch's frames out, and the summary comes after."""

@@ -589,3 +589,19 @@ def test_finite_values_whose_sum_overflows_read_finite_on_the_host(stats):
     assert values[FINITE] == 1.0
     huge[5] = math.inf
     assert host_stats(huge, stats)[0] == 0.0
+
+
+def test_a_summary_of_finite_values_whose_sums_overflow_has_finite_moments():
+    """Values near float32's largest: the summary of a hit read "mean nan, std nan" though
+    every value is finite (its sums passed the range). They match float64's."""
+    from tensordbg.statistics.summaries import summarize
+
+    huge = (torch.rand(1001, generator=torch.Generator().manual_seed(0)) * 2 - 1) * 3e38
+    huge[::3] = 2.5e38
+    assert torch.isfinite(huge).all()
+    summary = summarize(huge)
+    exact = huge.double()
+    assert math.isclose(summary.mean, exact.mean().item(), rel_tol=1e-5, abs_tol=1e30)
+    assert math.isclose(summary.std, exact.std(unbiased=False).item(), rel_tol=1e-5)
+    assert math.isclose(summary.abs_mean, exact.abs().mean().item(), rel_tol=1e-5)
+    assert math.isclose(summary.l2, exact.norm().item(), rel_tol=1e-5)

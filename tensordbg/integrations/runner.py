@@ -133,6 +133,8 @@ class ScriptRun:
 
     def _framework_attached(self, session: Session) -> None:
         self.framework_sessions.append(session)
+        if self.profile_steps and self.profiling is None:  # --profile under a trainer
+            self.profiling = session.profile(self.profile_steps)
         model = session.model
         if model is not None:
             print(

@@ -59,8 +59,15 @@ def summary_vector(t: Tensor) -> Tensor:
         cache: Cache = {}
         m = x.numel()
         lo_hi = torch.stack(_aminmax(x, cache)).to(_F64)
-        rest = [kernel(x, m, cache, ()).to(_F64) for kernel in _MOMENT_KERNELS]
-        moments = torch.cat((lo_hi, torch.stack(rest)))
+        rest = torch.stack([kernel(x, m, cache, ()).to(_F64) for kernel in _MOMENT_KERNELS])
+        if not bool(torch.isfinite(rest).all()):
+            # Finite values whose sums pass the dtype's range (near 3e38 in float32) read
+            # "mean nan, std nan": the moments are of degree one, so they are taken over the
+            # values scaled into [-1, 1] and scaled back.
+            scale = lo_hi.abs().max()
+            y, shared = x / scale.to(x.dtype), {}
+            rest = torch.stack([k(y, m, shared, ()).to(_F64) for k in _MOMENT_KERNELS]) * scale
+        moments = torch.cat((lo_hi, rest))
     return torch.cat((counts, moments))
 
 
