@@ -1351,3 +1351,31 @@ def test_the_rules_table_thresholds_cell_lists_only_those_that_are_set() -> None
 
     assert thresholds({"min_lt": None, "max_gt": 1.0, "mean_lt": None}) == "max_gt=1.0"
     assert thresholds({"min_lt": None}) == "–"
+
+
+def test_a_ui_whose_training_vanished_offers_quit_not_detach(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A training that went without saying it ended (killed): the banner said "Press q to
+    quit" while the footer still offered "q Detach & quit"."""
+    monkeypatch.setenv("TENSORDBG_RUNTIME_DIR", str(tmp_path))
+    server = Server(FakeSource(), run_id="gone1", rank=0, script="train.py")
+    server.start()
+    app = session_app(run_id="gone1", wait=10.0)
+    assert app is not None
+
+    async def flow() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "paused")
+            await asyncio.to_thread(server.stop)  # no "finished" first
+            banner = app.query_one(ConnectionBanner)
+            # The client calls it lost after 10 s of silence (SERVER_TIMEOUT).
+            await until(pilot, lambda: "has ended" in text_of(banner), timeout=30)
+            q = [b.binding.action for b in app.screen.active_bindings.values()
+                 if b.binding.key == "q" and b.enabled]  # fmt: skip
+            assert q == ["leave"]
+
+    try:
+        asyncio.run(flow())
+    finally:
+        server.stop()

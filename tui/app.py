@@ -99,6 +99,8 @@ class TensorDbgApp(App[int]):
     ) -> None:
         super().__init__()
         self.ends_training = ends_training
+        self.exited = False
+        """The training's session is gone, though it never said it ended (its process died)."""
         """The training ends when this UI quits (``tensordbg demo``'s): q quits, it does not
         detach, for the training would not go on unwatched."""
         self._client: DebugClient | None = None
@@ -182,6 +184,8 @@ class TensorDbgApp(App[int]):
                     finished = self.state == "finished"  # it said so: not "exited or goes on"
                     why = str(e).replace(ENDED, "its training finished") if finished else str(e)
                     self.main.show_training_exited(why)
+                    self.exited = True  # q quits: there is nothing left to detach
+                    self.refresh_bindings()
                     return
                 except Exception as e:
                     self.main.show_connect_failed(str(e) or type(e).__name__)
@@ -297,7 +301,8 @@ class TensorDbgApp(App[int]):
     def nothing_to_detach(self) -> bool:
         """Whether q only quits: a recorded run, a training that is over, or one that ends
         with the UI."""
-        return self.remote.serves("goto") or self.state in OVER or self.ends_training
+        return (self.remote.serves("goto") or self.state in OVER or self.ends_training
+                or self.exited)  # fmt: skip
 
     def can_ignore(self) -> bool:
         """Whether ``i`` has a hit to act on: the one the training is paused at, or the one
