@@ -40,6 +40,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -377,7 +378,20 @@ def _thresholds(cls: type[Rule]) -> dict[str, inspect.Parameter]:
 
 
 def _matches(t: TensorStats, pattern: str) -> bool:
-    return fnmatchcase(t.name, pattern) or fnmatchcase(t.module, pattern)
+    """``pattern`` against the tensor's name and module; a later call's tensor (``loss#2``, the
+    third loss observed in a step; ``enc#1.output``) is also matched under the name its first
+    call's has (``loss``, ``enc.output``)."""
+    if fnmatchcase(t.name, pattern) or fnmatchcase(t.module, pattern):
+        return True
+    return t.call > 0 and fnmatchcase(first_call_name(t.name), pattern)
+
+
+def first_call_name(name: str) -> str:
+    """``name`` without the call numbers ``#k`` that later calls' tensors carry."""
+    return _CALL_NUMBER.sub("", name) if "#" in name else name
+
+
+_CALL_NUMBER = re.compile(r"^#\d+\.|#\d+(?=\.|$)")  # the root's own: "#1.input[0]"
 
 
 def _coerce(rule: str, key: str, old: Any, new: Any) -> Any:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import math
 import weakref
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from models import mlp
 from paused import PausedTraining
 from torch import nn
 
+from tensordbg.engine.records import new_record
 from tensordbg.rules import NaN
 
 
@@ -152,3 +155,37 @@ def test_attach_says_which_argument_is_not_what_it_takes():
         tensordbg.attach(mlp(), optimizer="adam", server=False)
     with pytest.raises(TypeError, match=r"optimizer= is a torch\.optim\.Optimizer or a list of"):
         tensordbg.attach(mlp(), optimizer=[object()], server=False)
+
+
+def test_a_loss_observed_at_each_micro_batch_is_a_tensor_per_micro_batch(watch, tmp_path):
+    """Four micro-batches a step observed four tensors named "loss": a dump kept only the last
+    one's value, and the replay showed it for a hit on the second. The k-th is loss#k, as a
+    module's k-th call is; a rule's match="loss" covers them all, and the curve averages them."""
+    import tensordbg
+    from tensordbg.rules import LossNotDecreasing
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rules = [NaN(), LossNotDecreasing(match="loss")]
+    session = watch(model, optimizer=opt, on_hit="record", rules=rules, dump_dir=tmp_path,
+                    dump_every=1)  # fmt: skip
+    for step in range(2):
+        for micro in range(4):
+            loss = model(torch.randn(3, 4)).pow(2).mean() + micro
+            if step == 1 and micro == 1:
+                loss = loss * float("nan")
+            session.observe("loss", loss)
+            (loss / 4).backward()
+        opt.step()
+        opt.zero_grad()
+    assert session.metrics.history[0][1] == pytest.approx(1.5, abs=1.0)  # the four averaged
+    [hit] = [h for h in session.hits if h.origin]
+    assert (hit.tensor, hit.step) == ("loss#1", 1)
+    later = new_record(torch.tensor(1.0), "loss#1", "observed", "forward", 1, call=1).stats
+    assert LossNotDecreasing(match="loss").applies(later)
+    assert not LossNotDecreasing(match="loss").applies(replace(later, name="lossy", call=0))
+    session.detach()
+    dump = tensordbg.load(tmp_path)
+    names = [e.name for e in dump.tensors(1) if e.kind == "observed"]
+    assert names == ["loss", "loss#1", "loss#2", "loss#3"]
+    assert math.isnan(dump.tensor("loss#1").value(1)) and dump.tensor("loss#3").value(1) > 2

@@ -7,6 +7,7 @@ import math
 import time
 from collections import deque
 
+from tensordbg.rules.base import first_call_name
 from tensordbg.statistics import L2, MEAN, TensorStats
 
 HISTORY = 512
@@ -49,10 +50,11 @@ class StepMetrics:
         values in a step (gradient accumulation) averaged; a NaN loss too, so the step's loss
         says NaN rather than being left out. Another loss (a GAN's second) is a tensor of its
         own, not averaged into it."""
-        if "loss" in stats.name.lower() and stats.numel == 1:
+        name = first_call_name(stats.name) if stats.call else stats.name  # loss#1: loss
+        if "loss" in name.lower() and stats.numel == 1:
             if self.loss_name is None:
-                self.loss_name = stats.name
-            value = stats.values.get(MEAN) if stats.name == self.loss_name else None
+                self.loss_name = name
+            value = stats.values.get(MEAN) if name == self.loss_name else None
             if value is not None:
                 self._loss.append(value)
 

@@ -424,6 +424,7 @@ class Pipeline(Pausing, Pinpointing):
         self.step += 1
         self.between_steps = True
         self.capture.new_step()
+        self.observed_calls.clear()
         self.hitlog.end_step()
         self.publish()
         self.bus.publish("step_end", numbers)

@@ -154,6 +154,7 @@ class Session(Pipeline, BackwardPhase, OptimizerPhase):
         """Steps whose update tensordbg skipped (:meth:`skip_step`, ``on_hit="skip"``)."""
         self._stepping: dict[torch.optim.Optimizer, list[Param]] = {}  # between pre and post hook
         self._optimizer_hooks: dict[int, tuple[Any, Any]] = {}  # each watched optimizer's
+        self.observed_calls: dict[str, int] = {}  # this step's observe() calls, by name
         self.capture = Capture(self, model, _patterns(include), _patterns(exclude))
         try:
             self.capture.install(model, self.handles)
@@ -251,7 +252,12 @@ class Session(Pipeline, BackwardPhase, OptimizerPhase):
         if not self.active or not watchable(tensor):
             return
         try:
-            record = new_record(tensor, name, "observed", self.phase, self.step)
+            # The k-th of a name in a step is name#k, as a module's k-th call is (a loss at each
+            # micro-batch: one name, and a dump kept only the last of its values).
+            call = self.observed_calls.get(name, 0)
+            self.observed_calls[name] = call + 1
+            named = f"{name}#{call}" if call else name
+            record = new_record(tensor, named, "observed", self.phase, self.step, call=call)
             self.collect(record, tensor, extra=(MEAN,))
             self._after_hook()
         except Exception as e:
