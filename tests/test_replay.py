@@ -482,9 +482,11 @@ def test_the_rules_keys_of_a_replay_say_a_recorded_run_cannot_change_its_rules(
             await until(pilot, lambda: app.state == "replay")
             app.main.show_tab("rules")
             await until(pilot, lambda: app.main.rule_panel.table.row_count > 0)
-            app.main.rule_panel.table.focus()
-            await until(pilot, lambda: app.focused is app.main.rule_panel.table)
+            table = app.main.rule_panel.table
+            await pilot.pause()  # the tab's own focus move lands first
             for key, said in (("space", "change a rule"), ("r", "judge a step again")):
+                table.focus()
+                await until(pilot, lambda: app.focused is table)
                 app.clear_notifications()
                 await pilot.press(key)
                 await until(pilot, lambda said=said: any(
