@@ -424,8 +424,7 @@ def test_steps_the_ui_has_not_read_yet_are_not_called_lost() -> None:
             assert "not received" not in title(app, "loss")
             held.set()
             await until(pilot, lambda: app.main.run_status._history["step"] == list(range(20)))
-            await pilot.pause(0.1)
-            assert title(app, "loss") == "Loss  1.1 … 3 over steps 0–19"
+            await until(pilot, lambda: title(app, "loss") == "Loss  1.1 … 3 over steps 0–19")
 
     try:
         asyncio.run(flow())
@@ -447,9 +446,11 @@ def test_at_80_columns_a_curve_title_wraps_rather_than_being_cut() -> None:
             label = app.query_one("#loss-label", Label)
             said = "3 non-finite at steps 26–28, not drawn"
             await until(pilot, lambda: said in title(app, "loss") and label.size.height == 2)
-            await pilot.pause(0.1)
-            shown = " ".join(line.strip() for line in screen_text(app).splitlines())
-            assert said in shown
+
+            def shown() -> str:
+                return " ".join(line.strip() for line in screen_text(app).splitlines())
+
+            await until(pilot, lambda: said in shown())  # on the screen, whole
 
     asyncio.run(flow())
 
