@@ -1266,18 +1266,26 @@ def test_the_comparison_writes_non_finite_statistics_as_the_grid_does() -> None:
     ]  # fmt: skip
 
 
+def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+           run_id: str) -> tuple[FakeSource, Server, TensorDbgApp]:  # fmt: skip
+    """A FakeSource served as run ``run_id`` in a private runtime directory, and the app
+    ``tensordbg tui --run-id`` would open on it (not yet running)."""
+    monkeypatch.setenv("TENSORDBG_RUNTIME_DIR", str(tmp_path))
+    source = FakeSource()
+    server = Server(source, run_id=run_id, rank=0, script="train.py")
+    server.start()
+    app = session_app(run_id=run_id, wait=10.0)
+    assert app is not None
+    return source, server, app
+
+
 def test_a_ui_on_a_training_that_ended_says_it_exited_and_stops_reconnecting(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``tensordbg tui`` on a training whose script ends: the UI says FINISHED, then that its
     session has ended (its connection file is gone), once, and stops trying to reconnect (it
     repeated "cannot read connection file" every second)."""
-    monkeypatch.setenv("TENSORDBG_RUNTIME_DIR", str(tmp_path))
-    source = FakeSource()
-    server = Server(source, run_id="end1", rank=0, script="train.py")
-    server.start()
-    app = session_app(run_id="end1", wait=10.0)
-    assert app is not None
+    source, server, app = served(tmp_path, monkeypatch, "end1")
 
     async def flow() -> None:
         async with app.run_test(size=SIZE) as pilot:
@@ -1358,11 +1366,7 @@ def test_a_ui_whose_training_vanished_offers_quit_not_detach(
 ) -> None:
     """A training that went without saying it ended (killed): the banner said "Press q to
     quit" while the footer still offered "q Detach & quit"."""
-    monkeypatch.setenv("TENSORDBG_RUNTIME_DIR", str(tmp_path))
-    server = Server(FakeSource(), run_id="gone1", rank=0, script="train.py")
-    server.start()
-    app = session_app(run_id="gone1", wait=10.0)
-    assert app is not None
+    _, server, app = served(tmp_path, monkeypatch, "gone1")
 
     async def flow() -> None:
         async with app.run_test(size=SIZE) as pilot:

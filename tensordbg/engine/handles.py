@@ -111,18 +111,12 @@ class Unhooked:
         self._ids = frozenset(hook_ids)
 
     def __call__(self, protocol: int) -> tuple[Any, ...]:
-        module = self._module()
-        if module is None:
-            raise TypeError("this module is gone")
+        module = self._live()
         reduced = type(module).__reduce_ex__(module, protocol)
         state = dict(reduced[2])
-        state.pop("__reduce_ex__", None)
-        for name in self._HOOK_DICTS:
-            hooks = state.get(name)
-            if hooks and any(k in self._ids or _ours(v) for k, v in hooks.items()):
-                state[name] = type(hooks)(
-                    (k, v) for k, v in hooks.items() if k not in self._ids and not _ours(v)
-                )
+        for name in _PATCHED:
+            state.pop(name, None)
+        state.update(self._without_ours(state))
         return (reduced[0], reduced[1], state, *reduced[3:])
 
     def deepcopy(self, memo: dict[int, Any]) -> Any:
@@ -130,23 +124,36 @@ class Unhooked:
         ``__dict__`` as it is (a parametrized module's: ``weight_norm``, ``spectral_norm``),
         hooks and all: ``copy.deepcopy`` of one failed, "cannot pickle '_thread.lock'". It
         copies the module as it is without tensordbg's hooks."""
-        module = self._module()
-        if module is None:
-            raise TypeError("this module is gone")
+        module = self._live()
         state = vars(module)
-        kept = {n: state[n] for n in (*self._HOOK_DICTS, "__reduce_ex__", "__deepcopy__")
-                if n in state}  # fmt: skip
-        for name in self._HOOK_DICTS:
-            if hooks := kept.get(name):
-                state[name] = type(hooks)(
-                    (k, v) for k, v in hooks.items() if k not in self._ids and not _ours(v)
-                )
-        state.pop("__reduce_ex__", None)
-        state.pop("__deepcopy__", None)
+        kept = {n: state[n] for n in (*self._HOOK_DICTS, *_PATCHED) if n in state}
+        state.update(self._without_ours(kept))
+        for name in _PATCHED:
+            state.pop(name, None)
         try:
             return type(module).__deepcopy__(module, memo)
         finally:
             state.update(kept)
+
+    def _live(self) -> torch.nn.Module:
+        module = self._module()
+        if module is None:
+            raise TypeError("this module is gone")
+        return module
+
+    def _without_ours(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The hook dicts of ``state`` that hold a hook of tensordbg's, without it."""
+        out = {}
+        for name in self._HOOK_DICTS:
+            hooks = state.get(name)
+            if hooks and any(k in self._ids or _ours(v) for k, v in hooks.items()):
+                out[name] = type(hooks)(
+                    (k, v) for k, v in hooks.items() if k not in self._ids and not _ours(v)
+                )
+        return out
+
+
+_PATCHED = ("__reduce_ex__", "__deepcopy__")  # what capture puts on a hooked module itself
 
 
 def _ours(hook: Any) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from tensordbg.engine.origin import Verdict
-from tensordbg.engine.params import Digest, Param, ParamWatch, sample_moved
+from tensordbg.engine.params import Digest, Param, ParamWatch, held_params, sample_moved
 from tensordbg.engine.phases import Judged
 from tensordbg.engine.records import Record, param_grad_record
 from tensordbg.offline.sentences import listed
@@ -93,10 +93,10 @@ class OptimizerPhase:
         a step that waited for them never ended: every later step was counted as one)."""
         if optimizer in self.optimizers or self.detached or not self.active:
             return
-        held = _held(optimizer)
+        held = held_params(optimizer)
         if not any(key in self.params for key in held):
             return  # another model's (a GAN's other half, watched by its own session or none)
-        replaced = [o for o in self.optimizers if _held(o) <= held]
+        replaced = [o for o in self.optimizers if held_params(o) <= held]
         for old in replaced:
             self.optimizers.remove(old)
             for hook in self._optimizer_hooks.pop(id(old), ()):
@@ -436,8 +436,3 @@ def _drop_gradients(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         for param in group["params"]:
             param.grad = None
-
-
-def _held(optimizer: torch.optim.Optimizer) -> set[int]:
-    """The ids of the parameters an optimizer updates."""
-    return {id(p) for group in optimizer.param_groups for p in group["params"]}

@@ -91,6 +91,11 @@ SAMPLE = 64
 """How many evenly spaced elements of a parameter :func:`sample_moved` compares."""
 
 
+def held_params(optimizer: torch.optim.Optimizer) -> set[int]:
+    """The ids of the parameters ``optimizer`` updates."""
+    return {id(p) for group in optimizer.param_groups for p in group["params"]}
+
+
 def parameter_count(module: torch.nn.Module) -> int:
     """The number of parameter elements of ``module``, those of a lazy module's parameters that
     have no shape yet left out (``numel()`` of one raises)."""

@@ -30,7 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tensordbg.api import COMMAND_LINE, CommandLine, attach, attached_to
 from tensordbg.engine.hits import print_summary
-from tensordbg.engine.params import parameter_count
+from tensordbg.engine.params import held_params, parameter_count
 from tensordbg.engine.session import Session
 from tensordbg.hit import WatchpointHit
 from tensordbg.integrations.frameworks import TrainerPatches, TrainingWatch
@@ -274,8 +274,7 @@ def _print_profile(run: ScriptRun) -> None:
 
 def _steps(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> bool:
     """Whether ``optimizer`` updates any parameter of ``module``."""
-    params = {id(p) for p in module.parameters()}
-    return any(id(p) in params for group in optimizer.param_groups for p in group["params"])
+    return not held_params(optimizer).isdisjoint(id(p) for p in module.parameters())
 
 
 def _chosen(rules: Sequence[Rule] | None, attach_args: dict[str, Any]) -> dict[str, Any]:
