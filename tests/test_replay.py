@@ -478,6 +478,7 @@ def test_the_rules_keys_of_a_replay_say_a_recorded_run_cannot_change_its_rules(
 
     async def flow() -> None:
         app = TensorDbgApp(LocalClient(ReplaySource(load(dump))))
+        app.NOTIFICATION_TIMEOUT = 60  # a notice must not expire before a loaded CI reads it
         async with app.run_test(size=SIZE) as pilot:
             await until(pilot, lambda: app.state == "replay")
             app.main.show_tab("rules")

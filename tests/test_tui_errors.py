@@ -122,6 +122,7 @@ def test_a_bug_in_a_widget_is_reported_and_the_ui_goes_on(
 
     async def flow() -> None:
         app = TensorDbgApp(LocalClient(FakeSource()))
+        app.NOTIFICATION_TIMEOUT = 60  # under load the second comes after the first's 5 s
         async with app.run_test(size=SIZE, notifications=True) as pilot:
             await paused_on_the_two_hits(pilot)
             with monkeypatch.context() as patch:
