@@ -33,14 +33,15 @@ from overhead import CONFIGS, GPT, Runner, machine
 
 import tensordbg
 from tensordbg.engine.capture import Capture
+from tensordbg.engine.grad_hooks import GradHooks
 from tensordbg.engine.session import Session
 
 # The hooks, as the session installs them: (class, method, what the table calls it).
 HOOKS = [
     (Capture, "on_enter", "module pre-hooks"),
     (Capture, "_on_exit", "module post-hooks (the root's: the forward's records)"),
-    (Capture, "_on_node_grad", "activation-gradient hooks"),
-    (Capture, "_on_grad", "activation-gradient hooks"),
+    (GradHooks, "_on_node_grad", "activation-gradient hooks"),
+    (GradHooks, "on_grad", "activation-gradient hooks"),
     (Session, "param_grad", "parameter-gradient hooks"),
     (Session, "_end_backward", "end of the backward pass"),
     (Session, "_before_step", "optimizer step pre-hook"),

@@ -204,6 +204,7 @@ def attach(
                   "their values are checked on this rank's local shard; their gradients and "
                   "updates are not watched", file=sys.stderr, flush=True)  # fmt: skip
         if identity.distributed:
+            session.hook_parameters()  # a rank's own gradients, before the all-reduce
             _link_ranks(session, identity)
         if server:
             _start_server(session, remote, ui_timeout)

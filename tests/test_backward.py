@@ -12,7 +12,7 @@ from models import SqrtOfSquare
 from torch import nn
 
 from tensordbg.engine import backward
-from tensordbg.engine.backward import PASSES_NONFINITE_ON, Vouchers
+from tensordbg.engine.vouching import PASSES_NONFINITE_ON, Vouchers
 from tensordbg.rules import NaN
 
 MODES = ("eager", "batched", "deferred", DEFERRED_ON_DEVICE)
@@ -45,25 +45,27 @@ def reads(monkeypatch) -> list[torch.Size]:
     return read
 
 
-@pytest.mark.parametrize("retain_bytes", [2**20, 0])
-def test_the_bias_gradient_vouches_and_the_output_gradient_is_not_read(
-    watch, monkeypatch, retain_bytes
-):
+def norm_passes(monkeypatch) -> list[int]:
+    """How many gradients each norm pass of the backward phase reads, as they come."""
+    passes: list[int] = []
+    real = backward.norms_of
+    monkeypatch.setattr(backward, "norms_of", lambda ts: passes.append(len(ts)) or real(ts))
+    return passes
+
+
+def test_a_clean_pass_reads_in_its_hooks_only_the_gradients_nothing_vouches_for(watch, monkeypatch):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.LayerNorm(16))
-    read = reads(monkeypatch)
-    session = watch(model, on_hit="record", sync="deferred", retain_bytes=retain_bytes)
+    read, passes = reads(monkeypatch), norm_passes(monkeypatch)
+    session = watch(model, on_hit="record", sync="deferred")
     model(torch.randn(3, 4)).sum().backward()
-    # ReLU's output has no bias of its own behind it: read in its hook. Both Linears' outputs
-    # are vouched for by their biases' gradients (read instead: shape (16,)). The model's
-    # output (the LayerNorm's) is always read where it is made, as a sentinel. A gradient is
-    # held for its bias only within retain_bytes; else it is read in its hook.
-    if retain_bytes:
-        assert sorted(read) == sorted([torch.Size([3, 16])] + [torch.Size([16])] * 2)
-    else:
-        assert read == [torch.Size([3, 16])] * 3
-    grads = [r.stats.name for r in session.phases.records if r.stats.kind == "grad_output"]
-    assert session.hits == [] and grads == ["3.grad_output"]
+    # ReLU's output gradient: a ReLU's backward drops a NaN where its input was negative, so
+    # the first Linear's bias does not vouch for it: read in its hook. Both Linears' outputs and
+    # the LayerNorm's (the model's) are vouched for by their biases: not read, nor hooked. The
+    # six parameter gradients are read once, at the end of the pass, in one norm pass.
+    assert read == [torch.Size([3, 16])]
+    assert passes == [6]
+    assert session.hits == []
 
 
 @pytest.mark.parametrize("sync", MODES)
@@ -160,9 +162,9 @@ def test_only_modules_whose_backward_sums_into_their_bias_are_trusted():
 
 def test_a_bias_vouches_through_activations_and_for_a_residual_stream(watch, monkeypatch):
     """GELU's and Dropout's output gradients are vouched for by the Linear's bias before them;
-    the residual block's output gradient is the very tensor its inner Linear's output gets
-    (the addition passes it on), which that Linear's bias vouches for. Only the biases' small
-    gradients are read; the first Linear's input (the model's input) needs no gradient."""
+    the residual block's output gradient reaches its inner Linear's output whole (the addition
+    hands it on), which that Linear's bias vouches for. None is read in a hook; the first
+    Linear's input (the model's input) needs no gradient."""
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(4, 16), nn.GELU(), nn.Dropout(0.1), Residual(16), nn.Linear(16, 16),
@@ -171,7 +173,7 @@ def test_a_bias_vouches_through_activations_and_for_a_residual_stream(watch, mon
     read = reads(monkeypatch)
     session = watch(model, on_hit="record", sync="deferred")
     model(torch.randn(3, 4)).sum().backward()
-    assert read == [torch.Size([16])] * 3  # 4.bias, 3.inner.bias, 0.bias
+    assert read == []
     assert session.hits == []
 
 

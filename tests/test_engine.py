@@ -1027,22 +1027,26 @@ def _update_records(watch, learning_rates: list[float], sync: str = "auto"):
     return session, made, suspects
 
 
+@pytest.mark.parametrize("sync", ["eager", "deferred"])
 @pytest.mark.parametrize("exact", [False, True])
-def test_a_table_that_changes_where_its_norm_cannot_tell_is_compared_from_a_sample(watch, exact):
+def test_a_table_that_changes_where_its_norm_cannot_tell_is_compared_from_a_sample(
+    watch, exact, sync
+):
     """Adam moves every row of an embedding by about its learning rate, in directions that
-    leave the table's norm where it was within MindInsight's tolerance (rtol 1e-5): the norm
-    cannot tell that it changed, so it is a suspect every other step. Once a full copy showed
-    that a sample of its elements tells, a sample is taken before the step instead of a copy
-    of the table. When it stops changing (learning rate 0 from step 8), the sample cannot tell
-    (step 9, not measured), a copy is taken again, and WeightNotChanging fires on the third
-    unchanged step measured (step 12). With the default, exact test, the norm tells at every
-    step that the table moved: nothing is copied or sampled until it stops (step 8, not
-    measured), and the rule fires at step 11."""
+    leave the table's norm where it was within MindInsight's tolerance (rtol 1e-5). Eager
+    checks digest a parameter by its norm, which cannot tell that it changed, so it is a
+    suspect every other step; once a full copy showed that a sample of its elements tells, a
+    sample is taken before the step instead of a copy of the table. When it stops changing
+    (learning rate 0 from step 8), the sample cannot tell (step 9, not measured), a copy is
+    taken again, and WeightNotChanging fires on the third unchanged step measured (step 12).
+    Deferred checks digest it by a sample of its elements, which tells at every step that it
+    moved, as the norm does with the default, exact test: nothing is copied or sampled until
+    it stops (step 8, not measured), and the rule fires at step 11."""
     torch.manual_seed(0)
     model = nn.Embedding(1000, 64)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     rule = WeightNotChanging() if exact else WeightNotChanging(rtol=1e-5, atol=1e-8)
-    session = watch(model, optimizer=optimizer, on_hit="record", rules=[rule])
+    session = watch(model, optimizer=optimizer, on_hit="record", rules=[rule], sync=sync)
     taken: list[tuple[set[str], set[str]]] = []
     before_step = session.weights.before_step
 
@@ -1059,7 +1063,7 @@ def test_a_table_that_changes_where_its_norm_cannot_tell_is_compared_from_a_samp
         optimizer.zero_grad()
     copies = [step for step, (copied, _) in enumerate(taken) if copied]
     samples = [step for step, (_, sampled) in enumerate(taken) if sampled]
-    if exact:
+    if exact or sync == "deferred":
         assert (copies, samples) == ([9, 10, 11, 12, 13], [])
         assert [(h.step, h.tensor) for h in session.hits] == [(11, "weight.update")]
         return
@@ -1087,15 +1091,23 @@ def test_a_sample_of_a_parameter_proves_a_change_and_nothing_else():
     assert not sample_moved(nan, before, 1e-5, 1e-8)  # a NaN proves nothing
 
 
-def test_deferred_keeps_the_bad_activation_gradient_and_says_why_a_clean_one_is_not_kept(watch):
-    """Deferred mode reads each activation gradient in its hook and keeps only those that are
-    not finite (holding them all until the pass ends made every step fault in fresh memory):
-    at the hit, the origin's gradient can be inspected, a clean one says why it cannot."""
+@pytest.mark.parametrize("vouched", [False, True])
+def test_deferred_keeps_the_bad_activation_gradient_and_says_why_a_clean_one_is_not_kept(
+    watch, vouched
+):
+    """Deferred mode keeps an activation gradient only when it is not finite (holding them all
+    until the pass ends made every step fault in fresh memory). One read in its hook can be
+    inspected at the hit; one a parameter's gradient vouched for (and so never read) says why
+    it was not kept, and so does a clean one."""
     from tensordbg.sources.contract import SourceError
     from tensordbg.sources.live import LiveSource
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), SqrtOfSquare(), nn.Linear(4, 2))
+    # sqrt's backward makes NaN in the gradient of its input: the first Linear's output, which
+    # that Linear's bias vouches for; behind a ReLU (which drops a NaN), nothing does.
+    first = [nn.Linear(4, 4)] if vouched else [nn.Linear(4, 4), nn.ReLU()]
+    model = nn.Sequential(*first, SqrtOfSquare(), nn.Linear(4, 2))
+    sqrt = str(len(first))
     with torch.no_grad():
         model[0].weight.zero_()
         model[0].bias.zero_()
@@ -1105,18 +1117,23 @@ def test_deferred_keeps_the_bad_activation_gradient_and_says_why_a_clean_one_is_
         if not hit.origin:
             return
         source = LiveSource(session)
-        clean = next(r for r in session.phases.records if r.stats.name == "1.grad_output")
+        clean = next(r for r in session.phases.records if r.stats.name == f"{sqrt}.grad_output")
         assert clean.stats.values and not clean.conditions
-        with pytest.raises(SourceError, match="keep it only when it is not finite"):
+        with pytest.raises(SourceError, match="keep an activation gradient only when it is not"):
             source.stats(clean.stats.ref, "")
-        seen.append(source.stats(hit.ref, "")["line"])
+        if vouched:
+            with pytest.raises(SourceError, match=r"judge this gradient from 0\.bias's gradient"):
+                source.stats(hit.ref, "")
+        else:
+            seen.append(source.stats(hit.ref, "")["line"])
 
     session = watch(model, on_hit=at_hit, rules=[NaN()], sync="deferred")
     model(torch.randn(3, 4)).sum().backward()
     [origin] = origins(session)
-    assert origin.module == "1" and origin.phase == "backward"
-    [line] = seen
-    assert "nan" in line.lower()
+    assert (origin.module, origin.tensor) == (sqrt, f"{sqrt}.grad_input[0]")
+    if not vouched:
+        [line] = seen
+        assert "nan" in line.lower()
 
 
 @pytest.mark.parametrize("finished", [False, True])

@@ -1,12 +1,19 @@
 """The backward phase of the session's pipeline: activation and parameter gradients.
 
-In deferred mode a clean pass costs little. A parameter's gradient is only noted in its hook (a
-hook runs cold) and all of them are measured together when the pass ends, from one norm each. An
-activation's gradient on the host is screened while it is in the cache (in its hook, or in the
-next one, which most often gets the very same tensor, and then the same voucher), unless a
-parameter's gradient will vouch for it (:class:`Vouchers`); on a device it is kept and read
-only if the pass shows a problem. Once a pass shows one, every gradient after it is collected
-where it is made, as in eager mode, so that origins are named as precisely there.
+Deferred checks on the host (the CPU's default) read as little as a clean pass allows. Each
+parameter's gradient is measured when the pass ends, all of them in one norm pass, without a
+hook of their own: the gradients the pass made are those that changed. A parameter's gradient
+vouches for the gradients of activations it sums (:mod:`.vouching`): those get no hook at all,
+and the norms say whether they were finite. The gradients nothing vouches for are screened in
+their hooks while they are in the cache. A pass whose norms or screens show a problem is read
+in execution order at its end, so the origin is named as eager checks name it; a gradient
+vouched for by a parameter that is not finite is then judged from it, not kept.
+
+Deferred checks on a device note the gradients and keep them, to be read only if the pass shows
+a problem (a read in a hook would synchronize); a float16 gradient, whose bias's sum may
+overflow where it did not, is held until its bias's gradient is read (:class:`Vouchers`). Once
+such a pass shows a problem, every gradient after it is collected where it is made, as in
+eager mode.
 
 Part of :class:`~tensordbg.engine.session.Session`, like :mod:`.pipeline` and :mod:`.optimizer`.
 """
@@ -14,158 +21,28 @@ Part of :class:`~tensordbg.engine.session.Session`, like :mod:`.pipeline` and :m
 from __future__ import annotations
 
 import math
+import weakref
+from typing import Any
 
 import torch
-from torch import nn
 
-from tensordbg.engine.params import Param
 from tensordbg.engine.phases import ActGradNote, Gradient, Judged, ParamGradNote
 from tensordbg.engine.records import Record, grad_record, is_model_output, param_grad_record
-from tensordbg.statistics import FINITE, L2
+from tensordbg.engine.vouching import GradientPlan
+from tensordbg.statistics import FINITE, L2, NAN
 from tensordbg.statistics.batch import norm_only, norms_of
-from tensordbg.statistics.torch_kernels import SCREEN, dtype_name, host_stats, norm_parts
-
-# Modules whose backward sums every element of their output's gradient into their bias's
-# gradient (over the batch, and the positions or pixels): Linear, convolutions, the norms.
-SUMMED_INTO_BIAS = (
-    nn.Linear,
-    nn.Bilinear,
-    nn.Conv1d,
-    nn.Conv2d,
-    nn.Conv3d,
-    nn.ConvTranspose1d,
-    nn.ConvTranspose2d,
-    nn.ConvTranspose3d,
-    nn.LayerNorm,
-    nn.GroupNorm,
-    nn.modules.batchnorm._BatchNorm,
-)
-# Modules whose backward multiplies their output's gradient element by element by a derivative
-# (or dropout's mask and scale): a NaN or Inf there stays one in their input's gradient, even
-# where the factor is 0 (NaN * 0 is NaN, Inf * 0 too). So a bias that vouches for the gradient
-# of their input vouches for their output's (tests/test_backward.py checks each on torch).
-PASSES_NONFINITE_ON = (
-    nn.GELU,
-    nn.SiLU,
-    nn.Mish,
-    nn.Tanh,
-    nn.Sigmoid,
-    nn.Softplus,
-    nn.ELU,
-    nn.LeakyReLU,
-    nn.Dropout,
-    nn.Dropout1d,
-    nn.Dropout2d,
-    nn.Dropout3d,
-)
-CHAIN = 4  # how many such modules in a row a bias vouches through
-
-
-class Vouchers:
-    """Activation gradients that a bias's gradient vouches for, so that they are not read.
-
-    The bias gradient of a Linear (or a convolution, or a LayerNorm, GroupNorm or BatchNorm) is
-    the sum of every element of its output's gradient: one NaN among them makes it NaN, one Inf
-    makes it Inf or NaN. So when the bias gradient is finite, the output's gradient is too, and
-    its read (the largest cost of a clean deferred backward on the host) is saved; the bias
-    gradient, a few kilobytes, is read instead. The output's gradient is held until the bias's
-    gradient arrives, which the autograd engine computes right after it, and read as before if it
-    is not finite, or never arrives (``torch.autograd.grad``, a frozen bias). A bias gradient that
-    accumulates (gradient accumulation, a module called twice) vouches just as well: a sum of
-    values of which one is not finite is not finite.
-
-    The bias vouches through an activation or a dropout applied to its module's output (a
-    Linear's, then GELU, then Dropout: up to ``CHAIN`` of them): their backward multiplies the
-    gradient element by element, so a NaN or Inf in their output's gradient is one in the
-    gradient of the module's output, which the bias sums. Only modules whose ``forward`` is the
-    one of these classes are trusted (a subclass that rewrites it may not behave so), and no
-    activation that works in place.
-    """
-
-    def __init__(self, model: nn.Module, budget: int) -> None:
-        self.budget = budget
-        """The bytes the held gradients may take at once (the session's ``retain_bytes``)."""
-        self.held = 0
-        names = {id(p): name for name, p in model.named_parameters()}
-        self.bias_of: dict[str, str] = {}
-        """Module path -> the name of the bias whose gradient vouches for its output's."""
-        for path, module in model.named_modules():
-            bias = getattr(module, "bias", None)
-            if isinstance(bias, nn.Parameter) and id(bias) in names and _sums_into_bias(module):
-                self.bias_of[path] = names[id(bias)]
-        self.passes_on = {path for path, module in model.named_modules()
-                          if _passes_nonfinite_on(module)}  # fmt: skip
-        """Module paths whose input's voucher vouches for their output's gradient too."""
-        self.awaiting: dict[str, list[ActGradNote]] = {}
-        """Bias name -> the notes of the gradients it will vouch for, each holding its gradient."""
-
-    def hold(self, forward: Record, grad: torch.Tensor, params: dict[str, Param],
-             same: ActGradNote | None = None) -> ActGradNote | None:  # fmt: skip
-        """A note holding ``grad`` until its module's bias gradient vouches for it; None when
-        no bias will (the gradient is then screened where it is). ``same``: the note of an
-        earlier gradient that is this very tensor, vouched for with it."""
-        bias = self.voucher(forward)
-        param = params.get(bias) if bias is not None else None
-        nbytes = grad.nbytes
-        if param is None or not param.param.requires_grad or self.held + nbytes > self.budget:
-            return None
-        self.held += nbytes
-        note = ActGradNote(forward, grad.shape, grad.dtype, grad)
-        waiting = self.awaiting.setdefault(bias, [])
-        if same is not None:
-            self.held += nbytes
-            waiting.append(same)
-        waiting.append(note)
-        return note
-
-    def voucher(self, forward: Record) -> str | None:
-        """The bias whose gradient will vouch for the gradient of ``forward``, if any."""
-        made_by = forward.producer  # set for a module's outputs only
-        for _ in range(CHAIN + 1):
-            if made_by is None:
-                return None
-            bias = self.bias_of.get(made_by.path)
-            if bias is not None or made_by.path not in self.passes_on or len(made_by.inputs) != 1:
-                return bias
-            made_by = made_by.inputs[0][1].producer  # what made its input: whose bias sums it
-        return None
-
-    def settle(self, name: str, grad: torch.Tensor) -> bool:
-        """Parameter ``name``'s gradient arrived: if it is a bias others wait for and it is
-        finite, their gradients are finite and let go. False when it is not finite."""
-        notes = self.awaiting.pop(name, None)
-        if notes is None:
-            return True
-        self.held -= sum(note.grad.nbytes for note in notes)
-        if host_stats(grad, SCREEN)[0] != 1.0:
-            return False  # the notes keep their gradients, to be read
-        for note in notes:
-            note.grad = None
-        return True
-
-    def unsettled(self) -> list[ActGradNote]:
-        """The notes whose bias gradient never came this pass (and forget them)."""
-        notes = [note for waiting in self.awaiting.values() for note in waiting]
-        self.awaiting, self.held = {}, 0
-        return notes
-
-
-def _passes_nonfinite_on(module: nn.Module) -> bool:
-    kind = next((k for k in PASSES_NONFINITE_ON if isinstance(module, k)), None)
-    return (
-        kind is not None
-        and type(module).forward is kind.forward
-        and not getattr(module, "inplace", False)
-    )
-
-
-def _sums_into_bias(module: nn.Module) -> bool:
-    kind = next((k for k in SUMMED_INTO_BIAS if isinstance(module, k)), None)
-    return kind is not None and type(module).forward is kind.forward
+from tensordbg.statistics.torch_kernels import SCREEN, dtype_name, host_stats, norm_parts, watchable
 
 
 class BackwardPhase:
     """Part of :class:`~tensordbg.engine.session.Session`: its backward hooks."""
+
+    plan: GradientPlan | None = None
+    """The gradients vouched for at the end of the pass (deferred checks on the host), or None:
+    every watched gradient has a hook (then parameters' too)."""
+    _pass_bad = False
+    """A gradient screened in its hook this pass was not finite (read at the pass's end)."""
+    _order_cache: tuple[tuple[str, ...], list[Any]] | None = None
 
     def begin_backward(self) -> None:
         """Called by every backward hook: the first one of a pass ends the forward phase and
@@ -182,11 +59,51 @@ class BackwardPhase:
             torch.autograd.Variable._execution_engine.queue_callback(
                 lambda: self._end_backward(task)
             )
+            if self.plan is not None and self.plan.planned:
+                # What this pass computes without its voucher's gradient is hooked now.
+                for record, node, output_nr in self.plan.not_computed():
+                    self.capture.grad_hooks.hook_node(record, node, output_nr)
+
+    def plans_gradients(self) -> bool:
+        """Whether activation gradients are vouched for at the end of the pass (no hook)."""
+        return self.plan is not None
+
+    def hook_parameters(self) -> None:
+        """Hook every parameter's gradient and every watched activation gradient from now on:
+        several ranks (DDP) read a rank's own gradients before the all-reduce writes them."""
+        if self.plan is not None:
+            self.plan = None
+            self.capture.grad_hooks.hook_parameters()
+
+    @torch.compiler.disable
+    def pass_started(self, grads: tuple) -> None:
+        """The hook of a model output whose gradient is vouched for: it only starts the pass."""
+        if not self.active:
+            return
+        try:
+            self.begin_backward()
+        except Exception as e:
+            self.fault(e)
+
+    def plan_gradients(self, seen: list[tuple[Record, Any, int]],
+                       calls: dict[str, int]) -> list[tuple[Record, Any, int]]:  # fmt: skip
+        """At a root forward's end: of its tensors that need a gradient (a record, the autograd
+        node that made it, its output number), those to hook; the others are vouched for at
+        the end of the pass (see :mod:`.vouching`). ``calls``: each module's calls since the
+        last pass."""
+        assert self.plan is not None
+        quiet, loud = [], []
+        for item in seen:
+            (quiet if self.ruleset.grads_quiet(item[0].stats.dtype) else loud).append(item)
+        return loud + self.plan.plan(quiet, calls)
 
     def activation_grad(self, forward: Record, grad: torch.Tensor) -> None:
         """The gradient of a watched forward tensor. A clean deferred backward only notes it
         (it becomes a record only if the pass turns out bad); otherwise it is collected."""
         self.begin_backward()
+        if self.plan is not None:
+            self._screen_in_hook(forward, grad)
+            return
         if (
             self.sync.notes_gradients(self.triggered)
             and not is_model_output(forward)
@@ -211,6 +128,166 @@ class BackwardPhase:
                 self.phases.pending.append(ActGradNote(forward, grad.shape, grad.dtype, grad))
                 return
         self._collect_grad(forward, grad)
+
+    def _screen_in_hook(self, forward: Record, grad: torch.Tensor) -> None:
+        """Deferred on the host: a gradient nothing vouches for, screened while it is in the
+        cache. Finite, it is only noted; else its statistics are taken now and the pass is
+        read at its end (never in a hook: the vouched gradients' verdicts come only then)."""
+        if not self.ruleset.grads_quiet(dtype_name(grad.dtype)):
+            self._collect_late(grad_record(forward, grad, self.step), grad)
+        elif host_stats(grad, SCREEN)[0] == 1.0:
+            self.phases.pending.append(ActGradNote(forward, grad.shape, grad.dtype, None))
+        else:
+            self._pass_bad = True
+            self._collect_late(grad_record(forward, grad, self.step), grad)
+
+    def _collect_late(self, record: Record, tensor: torch.Tensor | None) -> None:
+        """Register and measure a record now, to be judged and attributed at the end of the
+        pass, in execution order."""
+        self._prepare(record, tensor)
+        if tensor is not None and record.wanted:
+            self.screen(record, tensor)
+        self.judge(record, tensor)
+        if record.findings or record.conditions:
+            self._pass_bad = True
+        self.phases.pending += [Judged(record), Gradient(record)]
+
+    def _note_param_grads(self) -> set[str]:
+        """Deferred on the host: the parameter gradients this pass made (or changed: gradients
+        accumulate), noted for the pass's one norm pass. Parameters have no hooks there."""
+        seen = self._grads_seen
+        pending = self.phases.pending
+        noted = set()
+        for p in self._backward_order():
+            grad = p.param.grad
+            if grad is None or not p.param.requires_grad:
+                continue
+            last = seen.get(p.name)
+            if last is not None and last[0]() is grad and last[1] == grad._version:
+                continue  # not touched by this pass
+            seen[p.name] = (weakref.ref(grad), grad._version)
+            if grad.layout is torch.sparse_coo:
+                grad = grad.coalesce().values()  # the rows it has: a sparse embedding's update
+            if watchable(grad):
+                pending.append(ParamGradNote(p.name, p.owner, p.owner_type, grad))
+                noted.add(p.name)
+        return noted
+
+    def end_unseen_pass(self) -> None:
+        """At a boundary (the optimizer's step, the next root forward): a backward pass that no
+        hook saw (its loss reached no hooked tensor) changed parameter gradients: its end is
+        checked here, as the autograd engine's callback would have."""
+        if self.plan is None or self.phase == "backward" or not self.grads_changed():
+            return
+        if self._forward_open or self.phases.busy():
+            self._end_phase()
+        self._start_phase("backward")
+        self._end_phase()
+
+    def _backward_order(self) -> list[Any]:
+        """The parameters in the order a backward pass makes their gradients, as their hooks
+        would have seen them: their modules' in reverse order of first call (nearest the loss
+        first), a module's own in the order autograd accumulates them."""
+        paths = tuple(self.capture.calls_by_path)
+        cached = self._order_cache
+        if cached is not None and cached[0] == paths:
+            return cached[1]
+        first = {path: i for i, path in enumerate(paths)}
+        rank = self.plan.param_order if self.plan is not None else {}
+
+        def key(p: Any) -> tuple[float, int]:
+            path = p.owner
+            while path not in first and path:
+                path = path.rpartition(".")[0]
+            return -first.get(path, -1), rank.get(p.name, 0)
+
+        order = sorted(self.weights.params.values(), key=key)
+        self._order_cache = (paths, order)
+        return order
+
+    def grads_changed(self) -> bool:
+        """Whether a parameter gradient changed since the last pass's end: a pass no hook saw
+        (its loss reached no hooked tensor), whose end is then checked at the next boundary."""
+        seen = self._grads_seen
+        for p in self.weights.params.values():
+            grad = p.param.grad
+            if grad is not None and p.param.requires_grad:
+                last = seen.get(p.name)
+                if last is None or last[0]() is not grad or last[1] != grad._version:
+                    return True
+        return False
+
+    def _judge_plan(self, noted: set[str]) -> None:
+        """At the end of a pass on the host: the planned gradients' verdicts from their
+        vouchers' norms. A pass that showed a problem is read in execution order."""
+        assert self.plan is not None
+        vouchers = self._vouchers(noted)
+        finite = {name: stats.nonfinite is False for name, stats in vouchers.items()}
+        self.plan.not_finite = {n for n in self.plan.not_finite if n not in finite} | {
+            n for n, ok in finite.items() if not ok
+        }
+        clean, bad = self.plan.judged(finite)
+        listed = bad or self._pass_bad or self.triggered or self.dumps_all()
+        if listed:  # the phase's records list every watched gradient, these as finite
+            self.phases.pending += [ActGradNote(p.forward, *_like(p.forward), None) for p in clean]
+        for p in bad:
+            record = grad_record(p.forward, None, self.step, _like(p.forward))
+            # Its voucher takes every element of it: not finite, so is it. A NaN in it would be
+            # one there too: a voucher without NaN (an Inf alone) shows that it holds an Inf.
+            record.stats.values = {FINITE: 0.0}
+            if vouchers[p.voucher].has_nan is False:
+                record.stats.values[NAN] = 0.0
+            record.voucher = p.voucher
+            self._collect_late(record, None)
+        self.capture.calls_since_pass = {}
+        if bad or self._pass_bad:
+            self.triggered = True
+        if listed:
+            self._in_execution_order()
+            if not self.triggered:  # a dumped step: its notes are read now (else when settled)
+                self._read_notes(gradients_of_activations=True)
+
+    def _vouchers(self, noted: set[str]) -> dict[str, Any]:
+        """The statistics of each parameter gradient of this pass (``noted``), as its record
+        has them; screened now where no rule asked (a rule on activation gradients only)."""
+        found: dict[str, Any] = {}
+        for record in self.phases.records:
+            if record.stats.kind == "grad" and record.param in noted:
+                stats = record.stats
+                if FINITE not in stats.values and (grad := record.held()) is not None:
+                    stats.values[FINITE] = host_stats(grad, SCREEN)[0]
+                found[record.param] = stats
+        return found
+
+    def _in_execution_order(self) -> None:
+        """Put the pass's events in an order autograd could have run them in: an activation's
+        gradient before those of what made it (reverse forward order), a parameter's gradient
+        right after its module's output gradients. Planned gradients had no hook to place them."""
+        key: float = math.inf
+        keyed = []
+        by_param: dict[str, float] = {}
+        for i, event in enumerate(self.phases.pending):
+            record = getattr(event, "record", None)
+            forward = getattr(event, "forward", None)
+            param = event.name if type(event) is ParamGradNote else None
+            if record is not None and record.grad_of is not None:
+                forward = record.grad_of
+            elif record is not None and record.stats.kind == "grad":
+                param = record.param
+            if forward is not None:
+                key = -forward.stats.ref
+            elif param:
+                if param not in by_param:
+                    by_param[param] = self._param_key(param)
+                key = by_param[param]
+            keyed.append((key, i, event))
+        keyed.sort(key=lambda k: (k[0], k[1]))
+        self.phases.pending = [event for _, _, event in keyed]
+
+    def _param_key(self, name: str) -> float:
+        refs = [r.stats.ref for call in self._owner_calls(name) for _, r in call.outputs]
+        rank = self.plan.param_order.get(name, 0) if self.plan is not None else 0
+        return 0.5 - min(refs) + rank * 1e-3 if refs else math.inf
 
     def _collect_grad(self, forward: Record, grad: torch.Tensor) -> None:
         record = grad_record(forward, grad, self.step)
@@ -368,3 +445,8 @@ class BackwardPhase:
             self._end_phase()
         except Exception as e:
             self.fault(e)
+
+
+def _like(forward: Record) -> tuple[torch.Size, torch.dtype]:
+    """The shape and dtype of the gradient of ``forward``: its own."""
+    return torch.Size(forward.stats.shape), getattr(torch, forward.stats.dtype)

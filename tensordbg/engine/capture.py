@@ -31,7 +31,6 @@ import math
 import sys
 import weakref
 from fnmatch import fnmatchcase
-from functools import partial
 from types import CodeType
 from typing import Any, Protocol
 
@@ -64,12 +63,17 @@ class Sink(Protocol):
     def collect_input(self, call: Call, record: Record, tensor: torch.Tensor) -> None: ...
     def enter(self, call: Call) -> None: ...
     def exit(self, call: Call) -> None: ...
-    def end_forward(self, root: Call) -> None: ...
+    def end_forward(self, root: Call, listed: bool = True) -> None: ...
     def logs_forward(self) -> frozenset[torch.dtype]: ...
+    def plans_gradients(self) -> bool: ...
+    def lists_forward(self) -> bool: ...
+    def keep_unlisted(self, record: Record, tensor: torch.Tensor) -> None: ...
+    def plan_gradients(self, seen: list[tuple[Record, Any, int]],
+                       calls: dict[str, int]) -> list[tuple[Record, Any, int]]: ...  # fmt: skip
+    def pass_started(self, grads: tuple) -> None: ...
     def log_budget(self) -> int: ...
     def screens_noted(self) -> bool: ...
     def boundary_wanted(self) -> bool: ...
-    def activation_grad(self, forward: Record, grad: torch.Tensor) -> None: ...
     def param_grad(self, name: str, owner: str, owner_type: str, grad: torch.Tensor) -> None: ...
     def fault(self, error: Exception) -> None: ...
 
@@ -149,6 +153,10 @@ class Capture:
         self._log_room = 0
         self._hot: dict[int, tuple[int, float]] | None = None  # finite outputs: version, mean
         self.grad_hooks: GradHooks | None = None
+        self._planning: list[tuple[Record, Any, int]] = []  # gradients the session may vouch for
+        self._listing = True  # calls and records join the phase's events as they are made
+        self.calls_since_pass: dict[str, int] = {}
+        """How often each module was called since the last backward pass ended."""
 
     @property
     def with_grad(self) -> bool:
@@ -159,7 +167,7 @@ class Capture:
 
     def install(self, model: torch.nn.Module, handles: HandleGroup) -> None:
         """Hook every selected module's forward, and every trainable parameter's gradient."""
-        self.grad_hooks = GradHooks(self.session, handles, self._on_grad)
+        self.grad_hooks = GradHooks(self.session, handles)
         self.random = {id(m) for m in model.modules() if id(m) in self.paths and draws_random(m)}
         for module in model.modules():
             if id(module) not in self.paths:
@@ -173,7 +181,7 @@ class Capture:
             handles.patch(module, "__reduce_ex__", unhooked)
             if hasattr(type(module), "__deepcopy__"):
                 handles.patch(module, "__deepcopy__", unhooked.deepcopy)
-        self.grad_hooks.watch_parameters(model)
+        self.grad_hooks.watch_parameters(model, hooked=not self.session.plans_gradients())
         hide_from_torchscript(handles)
         handles.callback(self.reset)
         handles.callback(self.new_step)
@@ -192,6 +200,7 @@ class Capture:
             }
         self._root_calls = []
         self._root_grad = torch.is_grad_enabled()
+        self._planning = []
         self.stack.clear()
         self.root = None
         self._skipping = 0
@@ -257,7 +266,15 @@ class Capture:
                         self._screen_hot(seen)
                     self._logged(seen)
                     return
-                self.replay(resume=False)
+                # The calls and records are made now; the phase's events for them only if it
+                # turns out to need them (see Pipeline.end_forward).
+                self._listing = self.session.lists_forward()
+                try:
+                    self.replay(resume=False)
+                    self._exit(seen)
+                finally:
+                    self._listing = True
+                return
             self._exit(seen)
         except Exception as e:
             session.fault(e)
@@ -337,6 +354,7 @@ class Capture:
             self.root = call
         self.calls_by_path.setdefault(call.path, []).append(call)
         self._root_calls.append(call)
+        self.calls_since_pass[call.path] = self.calls_since_pass.get(call.path, 0) + 1
         self.stack.append(call)
         for suffix, t, version, node in seen:
             record = self._known(t, version)
@@ -346,13 +364,16 @@ class Capture:
                 self._remember(t, record)
                 if is_root:
                     session.collect(record, t)
-                else:
+                elif self._listing:
                     session.collect_input(call, record, t)
+                else:
+                    session.keep_unlisted(record, t)
             if not aliased or node is not False:  # a detached alias: no gradient reaches it
                 record.consumers.append(call)
             call.inputs.append((suffix, record))
             self._hook_grad(t, node, record)
-        session.enter(call)
+        if self._listing:
+            session.enter(call)
         if is_root:
             self._start_log()  # the root's children may be noted, and replayed when it returns
 
@@ -367,7 +388,10 @@ class Capture:
                 record = self._new_record(t, version, call, "output", suffix)
                 record.producer = call
                 self._remember(t, record)
-                session.collect(record, t)
+                if self._listing:
+                    session.collect(record, t)
+                else:
+                    session.keep_unlisted(record, t)
                 hot = self._hot.get(id(t), _COLD) if self._hot else _COLD
                 if hot[0] == version and record.lazy and record.wanted == SCREEN:
                     record.stats.values = {FINITE: 1.0, MEAN: hot[1]}  # read in its hook
@@ -377,11 +401,26 @@ class Capture:
                 self._outputs[_memory(t)] = record
             call.outputs.append((suffix, record))
             self._hook_grad(t, node, record)
-        session.exit(call)
+        if self._listing:
+            session.exit(call)
         if not self.stack:
             self._log = self._hot = None
             self.grad_hooks.watch_waiting()  # a lazy module's parameters have their shapes now
-            session.end_forward(call)
+            if self._planning:
+                self._plan(seen, call)
+            session.end_forward(call, listed=self._listing)
+
+    def _plan(self, seen: list[Seen], root: Call) -> None:
+        """The root returned: hook the gradients nothing vouches for (see engine/vouching.py),
+        and have the model's outputs start the backward pass whatever they get."""
+        planning, self._planning = self._planning, []
+        hooks = self.session.plan_gradients(planning, self.calls_since_pass)
+        for record, node, output_nr in hooks:
+            self.grad_hooks.hook_node(record, node, output_nr)
+        hooked = {id(record) for record, _, _ in hooks}
+        for (_, record), (_, _, _, node) in zip(root.outputs, seen, strict=False):
+            if node and id(record) not in hooked:
+                node[0].register_prehook(self.session.pass_started)
 
     # --- records --------------------------------------------------------------------------------
 
@@ -425,27 +464,10 @@ class Capture:
         record.grad_hooked = True
         if node is None:  # a leaf: only a tensor hook sees its gradient
             self.grad_hooks.hook_leaf(t, record)
+        elif self.session.plans_gradients():
+            self._planning.append((record, *node))  # hooked, or not, when the root returns
         else:
-            node, output_nr = node
-            # A pre-hook on the node that made this value: the gradient of this very version,
-            # as Tensor.register_hook gives it, for a fifth of its cost (it runs every forward).
-            node.register_prehook(partial(self._on_node_grad, record, output_nr))
-
-    def _on_node_grad(self, forward: Record, index: int, grads: tuple) -> None:
-        grad = grads[index] if index < len(grads) else None
-        if grad is not None:
-            self._on_grad(forward, grad)
-
-    @torch.compiler.disable
-    def _on_grad(self, forward: Record, grad: torch.Tensor) -> None:
-        session = self.session
-        if not session.active or not watchable(grad):
-            return None
-        try:
-            session.activation_grad(forward, grad)
-        except Exception as e:
-            session.fault(e)
-        return None
+            self.grad_hooks.hook_node(record, *node)
 
 
 def _memory(t: torch.Tensor) -> tuple[Any, ...]:

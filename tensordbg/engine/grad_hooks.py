@@ -1,17 +1,19 @@
-"""The hooks capture keeps on tensors for the session's life: each parameter's gradient hook, and
-one tensor hook per leaf that a module gets as an argument.
+"""The gradient hooks capture installs: each parameter's (where deferred checks on the host do
+not read them at a pass's end instead), one tensor hook per leaf that a module gets as an
+argument, and a pre-hook on the autograd node of each forward tensor whose gradient is read.
 
 A tensor hook stays on its tensor until removed, and a parameter outlives every step: hooks made
 per step piled up on it (a parameter handed to a module as an argument, as ``weight_norm`` and
 ``spectral_norm`` hand theirs to the parametrization, got one more hook a step, each firing at
 every backward with its own step's record). Here each tensor gets one hook, once, which hands
-its gradient to the tensor's latest record.
+its gradient to the tensor's latest record. A node's pre-hook goes with the autograd graph.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -30,25 +32,36 @@ class Sink(Protocol):
     @property
     def active(self) -> bool: ...
     def param_grad(self, name: str, owner: str, owner_type: str, grad: torch.Tensor) -> None: ...
+    def activation_grad(self, forward: Record, grad: torch.Tensor) -> None: ...
     def fault(self, error: Exception) -> None: ...
 
 
 class GradHooks:
     """Installed by :meth:`.capture.Capture.install`; every hook goes at detach."""
 
-    def __init__(self, session: Sink, handles: HandleGroup,
-                 on_grad: Callable[[Record, torch.Tensor], None]):  # fmt: skip
+    params_hooked = True
+    """Whether parameters' gradients are hooked (deferred checks on the host read them at a
+    pass's end instead: engine/backward.py)."""
+
+    def __init__(self, session: Sink, handles: HandleGroup):
         self.session = session
         self.handles = handles
-        self._on_grad = on_grad
         self._waiting: list[tuple[str, torch.Tensor, str, str]] = []  # parameters not hooked
         self._leaves: dict[int, tuple[weakref.ref, list[Record], Any]] = {}
         handles.callback(self._unhook_leaves, "the leaves' gradient hooks")
 
-    def watch_parameters(self, model: torch.nn.Module) -> None:
+    def watch_parameters(self, model: torch.nn.Module, hooked: bool = True) -> None:
+        """Know the model's parameters; ``hooked``: hook their gradients now (else at
+        :meth:`hook_parameters`: deferred checks on the host read them at a pass's end)."""
         for name, param in model.named_parameters():
             owner = name.rpartition(".")[0]
             self._waiting.append((name, param, owner, type(model.get_submodule(owner)).__name__))
+        self.params_hooked = hooked
+        self.watch_waiting()
+
+    def hook_parameters(self) -> None:
+        """Hook every parameter's gradient from now on."""
+        self.params_hooked = True
         self.watch_waiting()
 
     def watch_waiting(self) -> None:
@@ -58,7 +71,7 @@ class GradHooks:
         weight it made was blamed on the optimizer, "the gradient was clean"), or a lazy
         module's parameter took its shape (``nn.LazyLinear``: at the end of the first forward)."""
         waiting = self._waiting
-        if not waiting or not any(_hookable(param) for _, param, _, _ in waiting):
+        if not self.params_hooked or not any(_hookable(param) for _, param, _, _ in waiting):
             return
         self._waiting = [entry for entry in waiting if not _hookable(entry[1])]
         for name, param, owner, owner_type in waiting:
@@ -76,9 +89,32 @@ class GradHooks:
 
         @torch.utils.hooks.unserializable_hook  # torch.save(model) leaves it out, and quietly
         def hook(grad: torch.Tensor) -> None:
-            self._on_grad(latest[0], grad)
+            self.on_grad(latest[0], grad)
 
         self._leaves[id(t)] = (weakref.ref(t), latest, t.register_hook(hook))
+
+    def hook_node(self, record: Record, node: Any, output_nr: int) -> None:
+        """Hand the gradient of the node's output ``output_nr`` (a forward tensor's, at the
+        version ``record`` is of) to the session: a pre-hook on the node that made it, the
+        gradient of this very version as Tensor.register_hook gives it, for a fifth of its cost
+        (it runs every forward). It goes with the autograd graph."""
+        node.register_prehook(partial(self._on_node_grad, record, output_nr))
+
+    def _on_node_grad(self, forward: Record, index: int, grads: tuple) -> None:
+        grad = grads[index] if index < len(grads) else None
+        if grad is not None:
+            self.on_grad(forward, grad)
+
+    @torch.compiler.disable
+    def on_grad(self, forward: Record, grad: torch.Tensor) -> None:
+        session = self.session
+        if not session.active or not watchable(grad):
+            return None
+        try:
+            session.activation_grad(forward, grad)
+        except Exception as e:
+            session.fault(e)
+        return None
 
     def forget_dead_leaves(self) -> None:
         """Let go of the leaves that are gone (a batch that needed a gradient)."""
@@ -89,6 +125,7 @@ class GradHooks:
         for _, _, handle in self._leaves.values():
             handle.remove()
         self._leaves.clear()
+        self._waiting = []  # detached: no parameter is kept alive
 
 
 def _hookable(param: torch.Tensor) -> bool:

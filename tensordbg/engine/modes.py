@@ -52,6 +52,12 @@ class SyncMode:
     """A value made between modules is screened only once its call's output turns out bad."""
     keeps_unscreened = False
     """Tensors are kept unscreened until the phase shows a problem (deferred)."""
+    vouches_at_pass_end = False
+    """Parameter gradients are read at the end of a backward pass, and the activation
+    gradients they vouch for get no hook (deferred on the host: engine/vouching.py)."""
+    samples_parameters = False
+    """After a clean step's update, parameters are read in a sample of each and a rotating
+    share whole, not all of them (deferred on the host: engine/params.py)."""
 
     def collect(self, session: Session, record: Record, tensor: torch.Tensor, silent: bool,
                 kept: bool) -> None:  # fmt: skip
@@ -147,6 +153,7 @@ class Deferred(SyncMode):
 
     def __init__(self, on_device: bool = False):
         self.on_device = on_device
+        self.vouches_at_pass_end = self.samples_parameters = not on_device
 
     def collect(self, session: Session, record: Record, tensor: torch.Tensor, silent: bool,
                 kept: bool) -> None:  # fmt: skip
@@ -180,10 +187,18 @@ class Deferred(SyncMode):
         return not triggered
 
     def why_not_kept(self, record: Record, retain_bytes: int) -> str:
+        if record.voucher:
+            return (
+                f"deferred checks judge this gradient from {record.voucher}'s gradient, which "
+                "takes every element of it (a NaN or Inf here is one there), and do not keep "
+                f"it; {record.voucher}'s gradient is not finite, so neither is this one. "
+                "sync='eager' keeps it"
+            )
         if record.stats.kind in ("grad_output", "grad_input"):
             return (
-                "deferred checks read an activation gradient in its hook and keep it only when "
-                "it is not finite; this one was finite"
+                "deferred checks keep an activation gradient only when it is not finite (read "
+                "in its hook, or judged from a parameter's gradient that takes every element "
+                "of it); this one was finite"
             )
         return super().why_not_kept(record, retain_bytes)
 

@@ -217,6 +217,7 @@ class OptimizerPhase:
             if id(optimizer) in self._stepped:  # again before the others: they step apart
                 self._steps_apart = True
                 self._end_step()
+            self.end_unseen_pass()
             if self.phases.busy() or self._forward_open:
                 self._end_phase()
             if self.ranks is not None:
@@ -291,10 +292,22 @@ class OptimizerPhase:
                 (quiet if p.param.dtype in NORMED else loud).append(p)
             else:
                 loud.append(p)
+        sampled = self.sync.samples_parameters
+        if sampled:  # the digest is a sample of each parameter's elements, all in one read
+            digests, finite = self.weights.sampled(quiet)
+            ranges.update(digests)
+            if finite and after_step and not recorded and self._update_was_clean():
+                # A clean step's update: each sample, and a rotating share of the parameters
+                # whole (each one every ROTATION steps); a NaN it wrote elsewhere is found
+                # there, or by the forward that meets it (this module's README says more).
+                turn = self.weights.rotation(quiet)
+                if all(math.isfinite(n) for n in norms_of([p.param.detach() for p in turn])):
+                    quiet = []
         norms = norms_of([p.param.detach() for p in quiet])
         for p, norm in zip(quiet, norms, strict=True):
             if math.isfinite(norm):
-                ranges[p.name] = Digest.of_norm(norm, p.param.numel())
+                if not sampled:
+                    ranges[p.name] = Digest.of_norm(norm, p.param.numel())
                 self.origins.param_clean(p.name)  # finite again, if it was not
                 if recorded:
                     self._listed(p, {FINITE: 1.0, L2: norm})
@@ -343,6 +356,11 @@ class OptimizerPhase:
         self._pause_if_needed()
         self.phases.release()
         self.weights.snapshots, self.weights.samples = {}, {}
+
+    def _update_was_clean(self) -> bool:
+        """Whether this step's gradients and the parameters before it were all finite: then a
+        parameter the update made not finite can only come of the optimizer's own arithmetic."""
+        return not (self.origins.grad_fired or self.origins.param_fired)
 
     def _listed(self, p: Param, values: dict[Stat, float]) -> None:
         """A record of a parameter the quiet path found clean, from what it measured (no

@@ -57,13 +57,24 @@ class Digest:
     def of_norm(cls, norm: float, numel: int) -> Digest:
         return cls("norm", (norm,), numel)
 
+    @classmethod
+    def of_sample(cls, values: tuple[float, ...]) -> Digest:
+        """The values of ``SAMPLE`` fixed elements (:func:`sample_of`): one that moved by more
+        than the tolerance proves the change."""
+        return cls("sample", values, len(values))
+
     @property
     def complete(self) -> bool:
-        return all(v is not None for v in self.values)
+        return self.kind == "sample" or all(v is not None for v in self.values)
 
     def moved_from(self, before: Digest, rtol: float, atol: float) -> bool:
         if before.kind != self.kind:
             return False
+        if self.kind == "sample":
+            if not (rtol or atol):
+                return self.values != before.values
+            return any(abs(a - b) > atol + rtol * abs(b)
+                       for a, b in zip(self.values, before.values, strict=True))  # fmt: skip
         slack = atol * math.sqrt(self.numel) if self.kind == "norm" else atol
         return any(
             a is not None and b is not None and abs(a - b) > slack + rtol * abs(b)
@@ -89,6 +100,8 @@ class Param:
 
 SAMPLE = 64
 """How many evenly spaced elements of a parameter :func:`sample_moved` compares."""
+ROTATION = 8
+"""Sampled checks read every parameter whole at least once in this many steps."""
 
 
 def held_params(optimizer: torch.optim.Optimizer) -> set[int]:
@@ -144,6 +157,8 @@ class ParamWatch:
         self.unsettled: set[str] | None = None
         """Parameters whose latest update record did not say "changed" (None: none made yet)."""
         self._offset = 0
+        self._turn = 0  # where the next rotation starts
+        self._views: dict[str, tuple[int, torch.Tensor]] = {}  # each parameter's sample
 
     def owned(
         self, optimizer: torch.optim.Optimizer, optimizers: Sequence[torch.optim.Optimizer]
@@ -190,6 +205,51 @@ class ParamWatch:
                 budget -= size
                 taken += 1
         self._offset = start + taken  # a model larger than the budget rotates
+
+    def sampled(self, params: list[Param]) -> tuple[dict[str, Digest], bool]:
+        """Each parameter's digest from ``SAMPLE`` fixed elements, all read in one pass, and
+        whether they are all finite (deferred checks on the host, after a clean step's update:
+        a NaN the update wrote elsewhere is found by the rotation, or by the next forward)."""
+        if not params:
+            return {}, True
+        views = [self._sample_view(p) for p in params]
+        values = torch.cat(views)
+        finite = bool(torch.isfinite(values).all())
+        flat = values.tolist()
+        digests, start = {}, 0
+        for p, view in zip(params, views, strict=True):
+            end = start + view.numel()
+            digests[p.name] = Digest.of_sample(tuple(flat[start:end]))
+            start = end
+        return digests, finite
+
+    def _sample_view(self, p: Param) -> torch.Tensor:
+        """``SAMPLE`` evenly spaced elements of the parameter, as a view kept while the
+        parameter keeps its memory (an optimizer updates in place)."""
+        known = self._views.get(p.name)
+        param = p.param
+        if known is not None and known[0] == param.data_ptr():
+            return known[1]
+        view = sample_of(param)[:SAMPLE]
+        if param.is_contiguous():
+            self._views[p.name] = (param.data_ptr(), view)
+        return view
+
+    def rotation(self, params: list[Param]) -> list[Param]:
+        """The parameters whose turn it is to be read whole: about a ``ROTATION``-th of the
+        bytes, continuing where the last step's turn ended."""
+        if not params:
+            return []
+        total = sum(p.param.numel() * p.param.element_size() for p in params)
+        start = self._turn % len(params)
+        taken, size = [], 0
+        for p in params[start:] + params[:start]:
+            if size * ROTATION >= total:
+                break
+            taken.append(p)
+            size += p.param.numel() * p.param.element_size()
+        self._turn = start + len(taken)
+        return taken
 
     def sample_verdict(self, p: Param, moved: bool) -> None:
         """Note whether the sample alone told that ``p`` changed at its last exact comparison
@@ -294,3 +354,4 @@ class ParamWatch:
         self.by_name = {}
         self.snapshots = {}
         self.samples = {}
+        self._views = {}

@@ -25,12 +25,10 @@ from tensordbg.engine.judge import ActiveRule
 from tensordbg.engine.pausing import Pausing
 from tensordbg.engine.phases import Enter, Exit, Gradient, Judged, Snapshot
 from tensordbg.engine.pinpoint import Pinpointing
-from tensordbg.engine.records import NONFINITE, Call, Record
+from tensordbg.engine.records import Record
 from tensordbg.hit import CARRIED_KINDS, Hit
 from tensordbg.statistics import Stat, TensorStats
-from tensordbg.statistics.torch_kernels import SCREEN, dtype_name, host_stats, watchable
-
-NOTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # logs_forward
+from tensordbg.statistics.torch_kernels import SCREEN, host_stats
 
 
 class Pipeline(Pausing, Pinpointing):
@@ -56,26 +54,6 @@ class Pipeline(Pausing, Pinpointing):
 
     # --- hooks call these (capture.py) -----------------------------------------------------
 
-    def begin_forward(self) -> None:
-        """A root forward starts: close what is open, count the step, honour pause requests."""
-        if self._detach_requested():
-            return
-        if self._forward_open or self.phases.busy():
-            self._end_phase()
-        if not self.optimizers and self._root_forwards:
-            self._check_changed_parameters()
-            self._end_step()
-        if self._skip_dropped and self._steps_apart:
-            # Done: the next gradients are new ones (a WGAN's critic, whose steps these are).
-            # Stepping together, the step's later optimizers still have theirs to drop (a GAN's
-            # generator, after its discriminator's forward and update).
-            self._skip_requested = False
-        self._root_forwards += 1
-        self._start_phase("forward")
-        self._forward_open = True
-        self.origins.begin_forward()
-        self._boundary()
-
     def collect(self, record: Record, tensor: torch.Tensor, extra: tuple[Stat, ...] = ()) -> None:
         """A tensor was seen: register it, keep it for inspection, and have the sync mode
         compute what the rules need of it."""
@@ -83,78 +61,10 @@ class Pipeline(Pausing, Pinpointing):
         if record.wanted:
             self.sync.collect(self, record, tensor, silent, kept)
 
-    def collect_input(self, call: Call, record: Record, tensor: torch.Tensor) -> None:
-        """An input made by code between modules. Eager mode screens it only if the call's
-        output turns out bad (then it tells who made the value); other modes collect it."""
-        if not self.sync.screens_inputs_later:
-            self.collect(record, tensor)
-            return
-        self.phases.register(record)
-        self.sync.retain(self, record, tensor)
-        call.unscreened.append((record, tensor))
-
-    def enter(self, call: Call) -> None:
-        self._process(Enter(call))
-
-    def exit(self, call: Call) -> None:
-        if call.unscreened or self.sync.screens_inputs_later:
-            if any(r.conditions for _, r in call.outputs):
-                # Inputs made by code between modules, screened now that it matters: this
-                # call's own, and those it got from its parent unchanged (a wrapper handing its
-                # input to a child: the parent's code made it, not the child).
-                late = {id(r): (r, t) for r, t in call.unscreened}
-                for _, record in call.inputs:
-                    if record.hidden and not record.judged and id(record) not in late:
-                        late[id(record)] = (record, record.held())
-                for record, tensor in late.values():
-                    if tensor is not None and not record.judged:
-                        self.collect(record, tensor)
-                if any(r.conditions for _, r in call.inputs):
-                    origin.enter(call)  # what the inputs showed, now that they are screened
-            call.unscreened = []
-        self._process(Exit(call))
-
-    def end_forward(self, root: Call) -> None:
-        """The root forward returned. Deferred mode screens the model's outputs now. With a
-        backward to come, the forward phase stays open so the loss observed after it joins it;
-        otherwise it ends here."""
-        for _, record in root.outputs:
-            if record.lazy and record.tensor is not None:
-                if self.sync.on_device:  # judged with the phase's transfer
-                    self.sync.to_batch(self, record, record.tensor)
-                    continue
-                self.screen(record, record.tensor)
-                if record.stats.nonfinite:
-                    self.triggered = True
-        self._after_hook()
-        backward_expected = torch.is_grad_enabled() and any(r.grad_hooked for _, r in root.outputs)
-        if not backward_expected:
-            self._end_phase()
-
-    def logs_forward(self) -> frozenset[torch.dtype]:
-        """Activation dtypes whose module calls the hooks may only note (see capture.py): in
-        deferred mode until a problem shows, those whose rules speak only of NaN and Inf."""
-        if not self.sync.notes_forward(self.triggered):
-            return frozenset()
-        return frozenset(d for d in NOTED_DTYPES if self.ruleset.activations_quiet(dtype_name(d)))
-
-    def screens_noted(self) -> bool:
-        """Whether the calls the hooks note have their outputs screened in the hook: on the
-        host, on a step that is dumped whatever happens (its statistics are all wanted)."""
-        return not self.sync.on_device and self.dumps_all()
-
     def dumps_all(self) -> bool:
         """Whether this step is dumped whatever happens: its statistics are all wanted (the
         activation gradients' too, read on a device with the phase's transfer)."""
         return self.dumps is not None and self.dumps.periodic(self.step)
-
-    def log_budget(self) -> int:
-        """The bytes the forward log may hold: what the phase may still keep (retain_bytes)."""
-        return self.phases.retain_bytes - self.phases.retained
-
-    def boundary_wanted(self) -> bool:
-        """Whether another thread waits for a boundary (a pause, a rule change)."""
-        return bool(self.control.pending or self.controller.pause_requested)
 
     # --- statistics and judging (the sync modes call these) --------------------------------
 
@@ -232,30 +142,6 @@ class Pipeline(Pausing, Pinpointing):
             for verdict in self.origins.grad(event.record):
                 self._hit(verdict)
 
-    def _check_own_params(self, call: Call) -> None:
-        """A call about to be named the origin of a NaN/Inf: read its own parameters first.
-        They were checked after the last step, but code may have changed them since (a weight
-        set by hand, a load): then the parameter is the origin, and the sentence says so."""
-        if not call.params or NONFINITE in call.fired_in or NONFINITE in call.origin_below:
-            return
-        if not any(NONFINITE in r.conditions for _, r in call.outputs):
-            return
-        for name in call.params:
-            p = self.weights.by_name.get(name)
-            if p is None or name in self.origins.param_fired or not watchable(p.param):
-                continue
-            record = p.record("param", name, self.step)
-            record.stats.phase = self.phase
-            applicable = self.ruleset.applicable(record.stats)
-            record.rule_ids, record.checks = applicable.rule_ids, applicable.checks
-            record.wanted = applicable.wanted or SCREEN
-            tensor = p.param.detach()
-            self.screen(record, tensor)
-            if record.stats.nonfinite:
-                self.phases.register(record)
-                self.judge(record, tensor)
-                self.report(record)
-
     def _after_hook(self) -> None:
         """What a hook does last: judge now (eager, or deferred once the phase showed a
         problem) and pause if a hit or a request asks for it."""
@@ -268,6 +154,14 @@ class Pipeline(Pausing, Pinpointing):
     ) -> tuple[bool, bool]:
         """:meth:`collect` up to measuring: the record's rules and statistics, its place in the
         phase. Whether it is kept, and whether its rules speak only of NaN and Inf."""
+        silent = self._applicable(record, extra)
+        self.phases.register(record)
+        kept = tensor is not None and self.sync.retain(self, record, tensor)
+        return kept, silent
+
+    def _applicable(self, record: Record, extra: tuple[Stat, ...] = ()) -> bool:
+        """The record's rules and the statistics they want; whether its rules speak only of
+        NaN and Inf."""
         screen_only = self.interval > 1 and self.step % self.interval != 0
         applicable = self.ruleset.applicable(record.stats, screen_only)
         wanted = applicable.wanted
@@ -278,13 +172,12 @@ class Pipeline(Pausing, Pinpointing):
         record.rule_ids = applicable.rule_ids
         record.checks = applicable.checks
         record.wanted = wanted
-        self.phases.register(record)
-        kept = tensor is not None and self.sync.retain(self, record, tensor)
-        return kept, applicable.silent
+        return applicable.silent
 
     def _settle(self) -> None:
         """Screen what a deferred phase kept, judge everything pending in execution order, and
         pause if a hit asks for it."""
+        self._list_forward()
         self._read_notes(gradients_of_activations=True)
         for event in self.phases.pending:
             if type(event) is Judged and event.record.lazy and event.record.tensor is not None:
@@ -320,6 +213,8 @@ class Pipeline(Pausing, Pinpointing):
             self.capture.forget_invocations()
         self.vouchers.unsettled()  # a pass that did not end: its notes are gone
         self._loose = None
+        self._pass_bad = False
+        self._unlisted = None
         self.phases.start(phase)
         self.between_steps = False
         self.amp.new_phase()
@@ -331,9 +226,13 @@ class Pipeline(Pausing, Pinpointing):
         hit asks for it, and let go of the phase's tensors."""
         self._forward_open = False
         self._screen_unvouched()
+        planned = self.plan is not None and self.phase == "backward"
+        noted = self._note_param_grads() if planned else set()
         # A step dumped whatever happens holds every watched tensor's statistics: the
         # activation gradients too, screened in their hooks (on the host: nothing more to read).
         self._read_notes(gradients_of_activations=self.dumps_all())
+        if planned:
+            self._judge_plan(noted)
         self._screen_kept_gradients()
         self._fetch()
         if self.sync.on_device:
@@ -421,6 +320,8 @@ class Pipeline(Pausing, Pinpointing):
         else:
             self._skips_in_row = 0
         numbers = self.metrics.finish(self.step)
+        if self.plan is not None:
+            self.plan.clear()  # gradients no pass computed (a forward with no backward)
         self.step += 1
         self.between_steps = True
         self.capture.new_step()

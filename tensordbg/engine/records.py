@@ -99,6 +99,7 @@ class Record:
     conditions: set[int] = field(default_factory=set)
     grad_hooked: bool = False
     weak: weakref.ref[torch.Tensor] | None = None
+    voucher: str = ""  # a gradient not kept, judged from this parameter's (engine/vouching.py)
 
     def held(self) -> torch.Tensor | None:
         """The tensor, if it can still be shown: kept by the session, or (eager mode, which keeps

@@ -26,10 +26,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tensordbg.engine import origin
 from tensordbg.engine.amp import MixedPrecision
-from tensordbg.engine.backward import BackwardPhase, Vouchers
+from tensordbg.engine.backward import BackwardPhase
 from tensordbg.engine.bus import EventBus, extend
 from tensordbg.engine.capture import Capture
 from tensordbg.engine.control import ControlPlane, PauseController
+from tensordbg.engine.forward import ForwardPhase
 from tensordbg.engine.handles import HandleGroup
 from tensordbg.engine.hits import HitLog, print_summary
 from tensordbg.engine.judge import ActiveRule, RuleSet
@@ -40,6 +41,7 @@ from tensordbg.engine.params import Param, ParamWatch
 from tensordbg.engine.phases import EAGER_WINDOW, EMPTY, ActGradNote, PhaseQueue
 from tensordbg.engine.pipeline import Pipeline
 from tensordbg.engine.records import Call, Record, new_record
+from tensordbg.engine.vouching import GradientPlan, Vouchers
 from tensordbg.hit import Hit, WatchpointHit
 from tensordbg.rules import Rule, default_rules
 from tensordbg.statistics import MEAN, TensorStats
@@ -62,7 +64,7 @@ def attached_to(model: torch.nn.Module) -> Session | None:
         id(other) in mine or any(m is model for m in other.modules()))), None)  # fmt: skip
 
 
-class Session(Pipeline, BackwardPhase, OptimizerPhase):
+class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
     """A training under watch. Made by :func:`tensordbg.attach`; see there for the arguments.
 
     >>> with tensordbg.attach(model, optimizer=opt, on_hit="record") as session:
@@ -131,6 +133,10 @@ class Session(Pipeline, BackwardPhase, OptimizerPhase):
         self.metrics = StepMetrics()
         self.weights = ParamWatch(model, int(update_budget))
         self.vouchers = Vouchers(model, self.retain_bytes)
+        if self.sync.vouches_at_pass_end:
+            self.plan = GradientPlan(self.vouchers, {p.name: p.param for p in self.params.values()})
+        self._grads_seen: dict[str, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._unlisted: tuple[Call, int] | None = None  # a root forward not listed, where it goes
         self.amp = MixedPrecision(scaler, int(max_skipped_steps))
         self.origins = origin.Attribution(self._owner_calls)
         self.optimizers: list[torch.optim.Optimizer] = []
@@ -340,6 +346,9 @@ class Session(Pipeline, BackwardPhase, OptimizerPhase):
         self.control.close()
         self.phases.clear()
         self.weights.clear()
+        if self.plan is not None:
+            self.plan.forget()
+        self._order_cache = None
         self.amp.clear()
         self.capture.reset()
         self._stepping = {}

@@ -347,25 +347,25 @@ class TensorStats:
         """True or False when known; None when only "something is not finite" is known."""
         if self.summary is not None:
             return self.summary.nan > 0
-        if NAN in self.values:
-            return self.values[NAN] > 0
-        if self.values.get(FINITE) == 1.0:
-            return False
-        lo, hi = self.values.get(MIN), self.values.get(MAX)
-        if lo is None or hi is None:
-            return None
-        return math.isnan(lo) or math.isnan(hi)
+        values = self.values
+        if NAN in values or values.get(FINITE) == 1.0:
+            return values.get(NAN, 0.0) > 0
+        if values.get(FINITE) == 0.0 == values.get(POSINF) == values.get(NEGINF):
+            return True  # not finite, and no Inf: a NaN
+        lo, hi = values.get(MIN), values.get(MAX)
+        return None if lo is None or hi is None else math.isnan(lo) or math.isnan(hi)
 
     @property
     def has_inf(self) -> bool | None:
         """True or False when known. A NaN hides an Inf from the range, so then only counts tell."""
         if self.summary is not None:
             return self.summary.posinf + self.summary.neginf > 0
-        if POSINF in self.values and NEGINF in self.values:
-            return self.values[POSINF] + self.values[NEGINF] > 0
-        if self.values.get(FINITE) == 1.0:
-            return False
-        lo, hi = self.values.get(MIN), self.values.get(MAX)
+        values = self.values
+        if POSINF in values and NEGINF in values:
+            return values[POSINF] + values[NEGINF] > 0
+        if values.get(FINITE) == 1.0 or values.get(FINITE) == 0.0 == values.get(NAN):
+            return values.get(FINITE) == 0.0  # screened finite; or not finite, and no NaN
+        lo, hi = values.get(MIN), values.get(MAX)
         if lo is None or hi is None:
             return None
         if math.isinf(lo) or math.isinf(hi):

@@ -1,0 +1,198 @@
+"""The forward phase of the session's pipeline: module calls, their inputs and outputs, and the
+model's outputs screened when the root returns.
+
+Deferred checks note a root forward's module calls in its hooks and make its calls and records
+in one loop when the root returns (capture.py). On the host, while nothing shows a problem, the
+records join the phase without events: a clean forward has nothing to judge or attribute. When
+the model's outputs, the observed loss or a pause need them, they are listed in execution order
+where the hooks would have put them (:meth:`ForwardPhase._list_forward`).
+
+Part of :class:`~tensordbg.engine.session.Session`, like :mod:`.pipeline`, :mod:`.backward` and
+:mod:`.optimizer`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tensordbg.engine import origin
+from tensordbg.engine.phases import Enter, Exit
+from tensordbg.engine.records import NONFINITE, Call, Record
+from tensordbg.statistics.torch_kernels import SCREEN, dtype_name, watchable
+
+NOTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # logs_forward
+
+
+class ForwardPhase:
+    """Part of :class:`~tensordbg.engine.session.Session`: its forward hooks."""
+
+    def begin_forward(self) -> None:
+        """A root forward starts: close what is open, count the step, honour pause requests."""
+        if self._detach_requested():
+            return
+        self.end_unseen_pass()
+        if self._forward_open or self.phases.busy():
+            self._end_phase()
+        if not self.optimizers and self._root_forwards:
+            self._check_changed_parameters()
+            self._end_step()
+        if self._skip_dropped and self._steps_apart:
+            # Done: the next gradients are new ones (a WGAN's critic, whose steps these are).
+            # Stepping together, the step's later optimizers still have theirs to drop (a GAN's
+            # generator, after its discriminator's forward and update).
+            self._skip_requested = False
+        self._root_forwards += 1
+        self._start_phase("forward")
+        self._forward_open = True
+        self.origins.begin_forward()
+        self._boundary()
+
+    def collect_input(self, call: Call, record: Record, tensor: torch.Tensor) -> None:
+        """An input made by code between modules. Eager mode screens it only if the call's
+        output turns out bad (then it tells who made the value); other modes collect it."""
+        if not self.sync.screens_inputs_later:
+            self.collect(record, tensor)
+            return
+        self.phases.register(record)
+        self.sync.retain(self, record, tensor)
+        call.unscreened.append((record, tensor))
+
+    def enter(self, call: Call) -> None:
+        self._process(Enter(call))
+
+    def exit(self, call: Call) -> None:
+        if call.unscreened or self.sync.screens_inputs_later:
+            if any(r.conditions for _, r in call.outputs):
+                # Inputs made by code between modules, screened now that it matters: this
+                # call's own, and those it got from its parent unchanged (a wrapper handing its
+                # input to a child: the parent's code made it, not the child).
+                late = {id(r): (r, t) for r, t in call.unscreened}
+                for _, record in call.inputs:
+                    if record.hidden and not record.judged and id(record) not in late:
+                        late[id(record)] = (record, record.held())
+                for record, tensor in late.values():
+                    if tensor is not None and not record.judged:
+                        self.collect(record, tensor)
+                if any(r.conditions for _, r in call.inputs):
+                    origin.enter(call)  # what the inputs showed, now that they are screened
+            call.unscreened = []
+        self._process(Exit(call))
+
+    def lists_forward(self) -> bool:
+        """Whether a root forward's calls and records join the phase's events as its hooks
+        replay them: not in deferred checks on the host while nothing needs them (they are
+        listed when the phase shows a problem: :meth:`_list_forward`)."""
+        return (
+            not self.sync.vouches_at_pass_end
+            or self.triggered
+            or self.dumps_all()
+            or self.bus.wants("phase_end")
+        )
+
+    def keep_unlisted(self, record: Record, tensor: torch.Tensor) -> None:
+        """A forward record made while the forward is not listed: registered in the phase (the
+        UI lists it) and kept for inspection, its statistics not computed."""
+        self.phases.register(record)
+        self.sync.retain(self, record, tensor)
+        record.lazy = True
+
+    def _list_forward(self) -> None:
+        """The phase shows a problem: the unlisted forward's calls and records join its events
+        where the hooks would have put them, in execution order, before what came after."""
+        unlisted, self._unlisted = self._unlisted, None
+        if unlisted is None:
+            return
+        root, mark = unlisted
+        pending = self.phases.pending
+        after = pending[mark:]
+        del pending[mark:]
+        self._list_call(root)
+        pending += after
+
+    def _list_call(self, call: Call) -> None:
+        pending = self.phases.pending
+        if call.parent is not None:  # the root's own start was listed when it came
+            for _, record in call.inputs:
+                if record.producer is None and record.consumers[0] is call and record.hidden:
+                    self._list_record(record)
+            pending.append(Enter(call))
+        for child in call.children:
+            self._list_call(child)
+        for _, record in call.outputs:
+            if record.producer is call:
+                self._list_record(record)
+        pending.append(Exit(call))
+
+    def _list_record(self, record: Record) -> None:
+        """What :meth:`collect` does for a record already registered and kept."""
+        silent = self._applicable(record)
+        tensor = record.held()
+        if record.wanted and tensor is not None:
+            self.sync.collect(self, record, tensor, silent, record.tensor is not None)
+
+    def end_forward(self, root: Call, listed: bool = True) -> None:
+        """The root forward returned. Deferred mode screens the model's outputs now. With a
+        backward to come, the forward phase stays open so the loss observed after it joins it;
+        otherwise it ends here. ``listed``: its calls and records joined the phase's events
+        (else :meth:`_list_forward` lists them if the phase shows a problem)."""
+        if not listed:
+            self._unlisted = (root, len(self.phases.pending))
+        for _, record in root.outputs:
+            if not listed and record.producer is not None and not record.wanted:
+                self._applicable(record)  # an unlisted output: its screen is wanted all the same
+            tensor = record.tensor if listed else record.held()
+            if record.lazy and tensor is not None:
+                if self.sync.on_device:  # judged with the phase's transfer
+                    self.sync.to_batch(self, record, tensor)
+                    continue
+                self.screen(record, tensor)
+                if record.stats.nonfinite:
+                    self.triggered = True
+        self._after_hook()
+        backward_expected = torch.is_grad_enabled() and any(r.grad_hooked for _, r in root.outputs)
+        if not backward_expected:
+            self._end_phase()
+
+    def logs_forward(self) -> frozenset[torch.dtype]:
+        """Activation dtypes whose module calls the hooks may only note (see capture.py): in
+        deferred mode until a problem shows, those whose rules speak only of NaN and Inf."""
+        if not self.sync.notes_forward(self.triggered):
+            return frozenset()
+        return frozenset(d for d in NOTED_DTYPES if self.ruleset.activations_quiet(dtype_name(d)))
+
+    def screens_noted(self) -> bool:
+        """Whether the calls the hooks note have their outputs screened in the hook: on the
+        host, on a step that is dumped whatever happens (its statistics are all wanted)."""
+        return not self.sync.on_device and self.dumps_all()
+
+    def log_budget(self) -> int:
+        """The bytes the forward log may hold: what the phase may still keep (retain_bytes)."""
+        return self.phases.retain_bytes - self.phases.retained
+
+    def boundary_wanted(self) -> bool:
+        """Whether another thread waits for a boundary (a pause, a rule change)."""
+        return bool(self.control.pending or self.controller.pause_requested)
+
+    def _check_own_params(self, call: Call) -> None:
+        """A call about to be named the origin of a NaN/Inf: read its own parameters first.
+        They were checked after the last step, but code may have changed them since (a weight
+        set by hand, a load): then the parameter is the origin, and the sentence says so."""
+        if not call.params or NONFINITE in call.fired_in or NONFINITE in call.origin_below:
+            return
+        if not any(NONFINITE in r.conditions for _, r in call.outputs):
+            return
+        for name in call.params:
+            p = self.weights.by_name.get(name)
+            if p is None or name in self.origins.param_fired or not watchable(p.param):
+                continue
+            record = p.record("param", name, self.step)
+            record.stats.phase = self.phase
+            applicable = self.ruleset.applicable(record.stats)
+            record.rule_ids, record.checks = applicable.rule_ids, applicable.checks
+            record.wanted = applicable.wanted or SCREEN
+            tensor = p.param.detach()
+            self.screen(record, tensor)
+            if record.stats.nonfinite:
+                self.phases.register(record)
+                self.judge(record, tensor)
+                self.report(record)
