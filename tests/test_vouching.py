@@ -242,3 +242,56 @@ def test_a_clean_step_keeps_no_plan_and_reads_no_vouched_gradient(watch, monkeyp
     per_step = sorted(set(read))
     assert len(read) == 3 * len(per_step)
     assert all(".attn.proj.input" in name for name in per_step), per_step
+
+
+class NaNRowSGD(torch.optim.SGD):
+    """SGD whose update at step ``at`` writes NaN into row ``row`` of the first parameter, from
+    finite gradients (an optimizer's own arithmetic: eps=0 on rows with no gradient, say)."""
+
+    def __init__(self, params, at: int, row: int) -> None:
+        super().__init__(params, lr=0.01)
+        self.at, self.row, self.steps = at, row, 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        super().step(closure)
+        if self.steps == self.at:
+            self.param_groups[0]["params"][0][self.row] = float("nan")
+        self.steps += 1
+
+
+class TableAndSpares(nn.Module):
+    """An embedding table and nine more parameters of its size: a rotating eighth of the
+    parameters' bytes is two of them a step, the table's turn every fifth step (0, 5, ...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(1000, 16)
+        self.spares = nn.ModuleList(nn.Linear(16, 1000, bias=False) for _ in range(9))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.table(tokens)
+
+
+@pytest.mark.parametrize("used", [False, True])
+def test_a_nan_an_update_writes_outside_the_sample_is_found(watch, used):
+    """After a clean step's update, deferred checks read each parameter's sample and a rotating
+    eighth of them whole. A NaN the update of step 2 writes in a row outside the sample is
+    found by the forward that uses it (step 3), which names the parameter; when no forward
+    uses it, by the rotation (the table's turn, at step 5, within ROTATION steps)."""
+    from tensordbg.engine.params import ROTATION
+
+    torch.manual_seed(0)
+    model = TableAndSpares()
+    optimizer = NaNRowSGD(model.parameters(), at=2, row=999)  # not among the sampled elements
+    session = watch(model, optimizer=optimizer, on_hit="record", rules=[NaN()])
+    for step in range(2 + ROTATION):
+        tokens = torch.randint(0, 999, (32,))
+        if used and step == 3:
+            tokens[0] = 999
+        model(tokens).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    first = next(h for h in session.hits if h.origin)
+    assert (first.tensor, first.kind) == ("table.weight", "param")
+    assert (first.step, first.phase) == ((3, "forward") if used else (5, "optimizer"))
