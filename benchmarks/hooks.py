@@ -34,6 +34,7 @@ from overhead import CONFIGS, GPT, Runner, machine
 import tensordbg
 from tensordbg.engine.capture import Capture
 from tensordbg.engine.grad_hooks import GradHooks
+from tensordbg.engine.params import ParamWatch
 from tensordbg.engine.session import Session
 
 # The hooks, as the session installs them: (class, method, what the table calls it).
@@ -42,13 +43,15 @@ HOOKS = [
     (Capture, "_on_exit", "module post-hooks (the root's: the forward's records)"),
     (GradHooks, "_on_node_grad", "activation-gradient hooks"),
     (GradHooks, "on_grad", "activation-gradient hooks"),
-    (Session, "param_grad", "parameter-gradient hooks"),
-    (Session, "_end_backward", "end of the backward pass"),
+    (Session, "param_grad", "parameter-gradient hooks (several ranks, eager)"),
+    (Session, "pass_started", "start of the backward pass"),
+    (Session, "_end_backward", "end of the backward pass (parameter gradients, rules)"),
     (Session, "_before_step", "optimizer step pre-hook"),
     (Session, "_after_step", "optimizer step post-hook"),
     (Session, "observe", "observe (the loss)"),
 ]
 READERS = ("host_stats", "norms_of")  # every read of a tensor on the host goes through these
+READING_METHODS = [(ParamWatch, "sampled")]  # and the parameters' samples after an update
 
 
 class Clock:
@@ -91,6 +94,8 @@ class Clock:
                 fn = getattr(module, name, None)
                 if fn is not None and getattr(fn, "__module__", "").startswith("tensordbg"):
                     setattr(module, name, self.reader(fn))
+        for cls, name in READING_METHODS:
+            setattr(cls, name, self.reader(getattr(cls, name)))
 
     def clear(self) -> None:
         self.inside.clear()

@@ -166,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the default mode built up one capability at a time: idle hooks (installed, doing "
         "nothing), guards (model output, loss), "
-        "+ forward origin (module hooks), + backward origin (activation gradients), + gradient "
-        "and weight checks (the default)",
+        "+ forward origin (module hooks), + backward origin (activation and parameter "
+        "gradients), + weight checks (the default)",
     )
     parser.add_argument(
         "--floor",
@@ -242,20 +242,27 @@ CAPABILITIES = [
     ("idle hooks", "auto", 0),  # every hook installed, each returning at once: torch's dispatch
     ("guards", "auto", 1),  # the model's output and the loss (the root's hooks only)
     ("+fwd origin", "auto", 2),  # every module's call and output: the forward origin
-    ("+bwd origin", "auto", 3),  # activation gradients: the origin of a backward-only NaN
-    ("+grad/weight", "auto", 4),  # parameter gradients and weights: the default, whole
+    # The activation gradients no parameter gradient vouches for, and the parameter gradients
+    # (read at the pass's end, they vouch for the rest): the origin of a backward-only NaN.
+    ("+bwd origin", "auto", 3),
+    ("+weights", "auto", 4),  # the weights after a clean update (sampled): the default, whole
 ]
 
 
 def watch_floor(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Hooks that read what the default reads on a clean CPU step, and nothing more: the
-    model's output (its sum), the gradient of every module output that no bias vouches for
-    (its sum, in its hook), each vouching bias's gradient as it comes, one norm pass over all
-    parameter gradients before the step and one over all parameters after it. No call, record,
-    rule or phase: what is left between this and the default is bookkeeping."""
-    vouched = (nn.Linear, nn.LayerNorm, nn.GELU, nn.Sequential)  # a bias sums their gradient
-    biases = {id(m.bias) for m in model.modules() if isinstance(m, vouched[:2])}
-    grads: list[torch.Tensor] = []
+    """Hooks that read what the default reads on a clean CPU step of this model, and nothing
+    more: the model's output (its sum); the one activation gradient per block that no parameter
+    gradient vouches for (the attention's output, made by the block's own code: its sum, in its
+    hook); one norm pass over the parameter gradients when the pass ends; after the update, a
+    sample of each parameter (``SAMPLE`` elements) and a rotating eighth of them (by count)
+    whole. No call, record, rule or phase: what is left between this and the default is
+    bookkeeping."""
+    from torch.autograd import Variable
+
+    from tensordbg.engine.params import ROTATION, SAMPLE, sample_of
+
+    params = list(model.parameters())
+    turn = [0]
 
     def read(t: torch.Tensor) -> bool:
         return math.isfinite(t.sum().item())
@@ -264,31 +271,30 @@ def watch_floor(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         if grad_outputs[0] is not None:
             read(grad_outputs[0])
 
+    def pass_ended() -> None:
+        grads = [p.grad for p in params if p.grad is not None]
+        all(math.isfinite(n) for n in torch.stack(torch._foreach_norm(grads)).tolist())
+
     def output(module: nn.Module, args: tuple, out: object) -> None:
         if module is model:
             read(out)
-        hooked = isinstance(out, torch.Tensor) and out.grad_fn is not None
-        if hooked and not isinstance(module, vouched):
-            out.grad_fn.register_prehook(read_grad)
+            out.grad_fn.register_prehook(lambda g: Variable._execution_engine.queue_callback(
+                pass_ended))  # fmt: skip
 
-    def gradient(param: torch.Tensor) -> None:
-        grads.append(param.grad)
-        if id(param) in biases:
-            read(param.grad)
-
-    def before_step(*args: object) -> None:
-        all(math.isfinite(n) for n in torch.stack(torch._foreach_norm(grads)).tolist())
-        grads.clear()
+    def proj_input(module: nn.Module, args: tuple) -> None:
+        if args[0].grad_fn is not None:
+            args[0].grad_fn.register_prehook(read_grad)
 
     def after_step(*args: object) -> None:
-        weights = [p.detach() for p in model.parameters()]
-        all(math.isfinite(n) for n in torch.stack(torch._foreach_norm(weights)).tolist())
+        torch.isfinite(torch.cat([sample_of(p)[:SAMPLE] for p in params])).all().item()
+        whole = params[turn[0] % len(params) :][: max(1, len(params) // ROTATION)]
+        turn[0] += len(whole)
+        all(math.isfinite(n) for n in torch.stack(torch._foreach_norm(whole)).tolist())
 
-    for module in model.modules():
+    for name, module in model.named_modules():
         module.register_forward_hook(output)
-    for param in model.parameters():
-        param.register_post_accumulate_grad_hook(gradient)
-    optimizer.register_step_pre_hook(before_step)
+        if name.endswith(".proj"):
+            module.register_forward_pre_hook(proj_input)
     optimizer.register_step_post_hook(after_step)
 
 
@@ -298,19 +304,13 @@ def _switch_off(session: tensordbg.Session, capabilities: int) -> None:
     if capabilities == 0:
         session.broken = True  # as after an internal error: every hook returns at once
         return
-    if capabilities < 3:
-        session.capture._hook_grad = lambda *args: None
-    if capabilities < 4:
-        vouchers = session.vouchers
-
-        def vouch_only(name: str, owner: str, owner_type: str, grad: torch.Tensor) -> None:
-            # A bias's gradient still vouches for the activation gradients it sums (else they
-            # would all be held to the pass's end and read there: the backward origin measured
-            # dearer than it is); nothing else of the parameter gradients is done.
-            if capabilities == 3 and vouchers.awaiting:
-                vouchers.settle(name, grad)
-
-        session.param_grad = vouch_only
+    if capabilities < 3:  # no activation gradient is hooked, no parameter gradient read
+        session.plan_gradients = lambda seen, calls: []
+        session.capture.grad_hooks.hook_node = lambda *args: None
+        session.capture.grad_hooks.hook_leaf = lambda *args: None
+        session._note_param_grads = lambda: set()
+        session.grads_changed = lambda: False
+    if capabilities < 4:  # no weight is read after the update
         session._check_parameters = lambda *args: None
 
 

@@ -997,3 +997,35 @@ def test_a_forked_child_prints_twenty_hits_then_says_more_are_not_printed(watch,
     assert len([line for line in lines if "[NaN]" in line]) == FORKED_SAID
     assert [line for line in lines if "more hits" in line] == [lines[-1]]
     assert f"{FORKED_SAID} at most" in lines[0]
+
+
+@pytest.mark.parametrize("sync", MODES)
+def test_an_optimizer_whose_step_calls_its_parents_counts_one_step(watch, sync):
+    """torch runs the step hooks of each class's step: a subclass of SGD that clamps the
+    weights after ``super().step()`` ran them twice a step, and each iteration counted as two
+    steps (a NaN at the third was said to be at step 4)."""
+
+    class ClampedSGD(torch.optim.SGD):
+        @torch.no_grad()
+        def step(self, closure=None):
+            loss = super().step(closure)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.clamp_(-10, 10)
+            return loss
+
+    torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)  # SGD's own step is hooked now too
+    torch.manual_seed(0)
+    model = mlp()
+    opt = ClampedSGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=opt, on_hit="record", rules=[NaN()], sync=sync)
+    for step in range(4):
+        x = torch.randn(3, 4)
+        if step == 2:
+            x[0, 0] = float("nan")
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert session.step == 4
+    first = next(h for h in session.hits if h.origin)
+    assert (first.step, first.phase) == (2, "forward")

@@ -123,7 +123,10 @@ def test_tensordbg_run_profile_prints_the_summary_the_advice_and_the_trace(tmp_p
     assert "trained" in done.stdout
     err = done.stderr
     assert "tensordbg profile: 3 steps (2..4) on cpu" in err
-    assert "top operators" in err and "aten::addmm" in err
+    # Which operators lead is the machine's noise (addmm is 7th of 8 on an idle one): that
+    # the model's operators are listed is what is certain.
+    operators = err.split("top operators (self time):")[1].split("memory:")[0]
+    assert "aten::" in operators
     assert "advice:" in err
     assert "USDT" not in err and "profiler_start" not in err  # Kineto's lines for itself
     trace = next(line.split()[1] for line in err.splitlines() if line.strip().startswith("trace:"))

@@ -233,7 +233,7 @@ def test_a_clean_step_keeps_no_plan_and_reads_no_vouched_gradient(watch, monkeyp
     real = backward.BackwardPhase._screen_in_hook
 
     def spy(self, forward, grad):
-        read.append(forward.stats.name)
+        read.append(self._record_of(forward).stats.name)
         return real(self, forward, grad)
 
     monkeypatch.setattr(backward.BackwardPhase, "_screen_in_hook", spy)
@@ -244,17 +244,21 @@ def test_a_clean_step_keeps_no_plan_and_reads_no_vouched_gradient(watch, monkeyp
     assert all(".attn.proj.input" in name for name in per_step), per_step
 
 
-class NaNRowSGD(torch.optim.SGD):
-    """SGD whose update at step ``at`` writes NaN into row ``row`` of the first parameter, from
-    finite gradients (an optimizer's own arithmetic: eps=0 on rows with no gradient, say)."""
+class NaNRowSGD(torch.optim.Optimizer):
+    """Plain SGD whose update at step ``at`` writes NaN into row ``row`` of the first parameter,
+    from finite gradients (an optimizer's own arithmetic: eps=0 on rows with no gradient, say).
+    Its own step, not SGD's through super(): torch runs the step hooks of each class's step."""
 
     def __init__(self, params, at: int, row: int) -> None:
-        super().__init__(params, lr=0.01)
+        super().__init__(params, {"lr": 0.01})
         self.at, self.row, self.steps = at, row, 0
 
     @torch.no_grad()
     def step(self, closure=None):
-        super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
         if self.steps == self.at:
             self.param_groups[0]["params"][0][self.row] = float("nan")
         self.steps += 1

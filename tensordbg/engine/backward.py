@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from tensordbg.engine.pending import LightTensor, resolved
 from tensordbg.engine.phases import ActGradNote, Gradient, Judged, ParamGradNote
 from tensordbg.engine.records import Record, grad_record, is_model_output, param_grad_record
 from tensordbg.engine.vouching import GradientPlan
@@ -85,16 +86,20 @@ class BackwardPhase:
         except Exception as e:
             self.fault(e)
 
-    def plan_gradients(self, seen: list[tuple[Record, Any, int]],
-                       calls: dict[str, int]) -> list[tuple[Record, Any, int]]:  # fmt: skip
-        """At a root forward's end: of its tensors that need a gradient (a record, the autograd
-        node that made it, its output number), those to hook; the others are vouched for at
-        the end of the pass (see :mod:`.vouching`). ``calls``: each module's calls since the
-        last pass."""
-        assert self.plan is not None
+    def plan_gradients(self, seen: list[tuple[Any, Any, int, str]],
+                       calls: dict[str, int]) -> list[tuple[Any, Any, int]]:  # fmt: skip
+        """At a root forward's end: of its tensors that need a gradient (a record or what
+        stands for it, the autograd node that made it, its output number, its dtype), those to
+        hook; the others are vouched for at the end of the pass (see :mod:`.vouching`).
+        ``calls``: each module's calls since the last pass."""
+        if self.plan is None:  # every gradient is hooked (several ranks)
+            return [item[:3] for item in seen]
         quiet, loud = [], []
         for item in seen:
-            (quiet if self.ruleset.grads_quiet(item[0].stats.dtype) else loud).append(item)
+            if self.ruleset.grads_quiet(item[3]):
+                quiet.append(item)
+            else:
+                loud.append(item[:3])
         return loud + self.plan.plan(quiet, calls)
 
     def activation_grad(self, forward: Record, grad: torch.Tensor) -> None:
@@ -134,12 +139,18 @@ class BackwardPhase:
         cache. Finite, it is only noted; else its statistics are taken now and the pass is
         read at its end (never in a hook: the vouched gradients' verdicts come only then)."""
         if not self.ruleset.grads_quiet(dtype_name(grad.dtype)):
-            self._collect_late(grad_record(forward, grad, self.step), grad)
+            self._collect_late(grad_record(self._record_of(forward), grad, self.step), grad)
         elif host_stats(grad, SCREEN)[0] == 1.0:
             self.phases.pending.append(ActGradNote(forward, grad.shape, grad.dtype, None))
         else:
             self._pass_bad = True
-            self._collect_late(grad_record(forward, grad, self.step), grad)
+            self._collect_late(grad_record(self._record_of(forward), grad, self.step), grad)
+
+    def _record_of(self, forward: Any) -> Record:
+        """The record of a forward tensor, made now if it was pending (engine/pending.py)."""
+        if isinstance(forward, LightTensor) and forward.record is None:
+            self.materialize_forward()
+        return resolved(forward)
 
     def _collect_late(self, record: Record, tensor: torch.Tensor | None) -> None:
         """Register and measure a record now, to be judged and attributed at the end of the
@@ -188,7 +199,7 @@ class BackwardPhase:
         """The parameters in the order a backward pass makes their gradients, as their hooks
         would have seen them: their modules' in reverse order of first call (nearest the loss
         first), a module's own in the order autograd accumulates them."""
-        paths = tuple(self.capture.calls_by_path)
+        paths = tuple(self.capture.call_counts())
         cached = self._order_cache
         if cached is not None and cached[0] == paths:
             return cached[1]
@@ -229,9 +240,11 @@ class BackwardPhase:
         clean, bad = self.plan.judged(finite)
         listed = bad or self._pass_bad or self.triggered or self.dumps_all()
         if listed:  # the phase's records list every watched gradient, these as finite
-            self.phases.pending += [ActGradNote(p.forward, *_like(p.forward), None) for p in clean]
+            forwards = [self._record_of(p.forward) for p in clean]
+            self.phases.pending += [ActGradNote(f, *_like(f), None) for f in forwards]
         for p in bad:
-            record = grad_record(p.forward, None, self.step, _like(p.forward))
+            forward = self._record_of(p.forward)
+            record = grad_record(forward, None, self.step, _like(forward))
             # Its voucher takes every element of it: not finite, so is it. A NaN in it would be
             # one there too: a voucher without NaN (an Inf alone) shows that it holds an Inf.
             record.stats.values = {FINITE: 0.0}
@@ -269,6 +282,8 @@ class BackwardPhase:
         for i, event in enumerate(self.phases.pending):
             record = getattr(event, "record", None)
             forward = getattr(event, "forward", None)
+            if forward is not None:
+                event.forward = forward = self._record_of(forward)
             param = event.name if type(event) is ParamGradNote else None
             if record is not None and record.grad_of is not None:
                 forward = record.grad_of
@@ -352,11 +367,12 @@ class BackwardPhase:
                 record = param_grad_record(event.name, event.owner, event.owner_type,
                                            event.grad, self.step)  # fmt: skip
             elif event.grad is not None:  # kept (on its device, or for a voucher), read now
-                record = grad_record(event.forward, event.grad, self.step)
+                record = grad_record(self._record_of(event.forward), event.grad, self.step)
             else:  # screened in its hook or vouched for: finite, and not kept
                 # Listed only: its rules speak only of NaN and Inf (grads_quiet), so judging it
                 # and attributing it (events for a clean gradient) would find nothing.
-                record = grad_record(event.forward, None, self.step, (event.shape, event.dtype))
+                forward = self._record_of(event.forward)
+                record = grad_record(forward, None, self.step, (event.shape, event.dtype))
                 record.stats.values = {FINITE: 1.0}
                 record.judged = True
                 self.phases.register(record)

@@ -27,7 +27,6 @@ recomputes it) is skipped, so nothing is counted twice.
 
 from __future__ import annotations
 
-import math
 import sys
 import weakref
 from fnmatch import fnmatchcase
@@ -38,15 +37,15 @@ import torch
 
 from tensordbg.engine.grad_hooks import GradHooks
 from tensordbg.engine.handles import HandleGroup, Unhooked, hide_from_torchscript
+from tensordbg.engine.pending import COLD, ForwardLog, PendingForward, Seen
 from tensordbg.engine.pinpoint import draws_random, random_state
 from tensordbg.engine.records import Call, Record, new_record, tensor_leaves
 from tensordbg.engine.sites import user_site
 from tensordbg.statistics import FINITE, MEAN
-from tensordbg.statistics.torch_kernels import SCREEN, host_stats, watchable
+from tensordbg.statistics.torch_kernels import SCREEN, watchable
 
 _PURE_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
 _NEVER_CALLED = (torch.nn.ModuleList, torch.nn.ModuleDict)
-_COLD = (-1, math.nan)  # an output not screened in its hook: no version of it
 
 
 class Sink(Protocol):
@@ -78,12 +77,6 @@ class Sink(Protocol):
     def fault(self, error: Exception) -> None: ...
 
 
-Seen = tuple[str, torch.Tensor, int, Any]
-"""A tensor as a forward hook saw it: its path in the value, itself, its version, and how to hook
-its gradient (the autograd node that made it and its output number; None for a leaf that needs a
-gradient; False when it needs none)."""
-
-
 def _as_seen(leaves: list[tuple[str, torch.Tensor]]) -> list[Seen]:
     seen: list[Seen] = []
     for suffix, t in leaves:
@@ -104,7 +97,7 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class Capture:
+class Capture(ForwardLog):
     """Installs the hooks on a model and turns what they see into records for the session."""
 
     def __init__(
@@ -155,6 +148,10 @@ class Capture:
         self.grad_hooks: GradHooks | None = None
         self._planning: list[tuple[Record, Any, int]] = []  # gradients the session may vouch for
         self._listing = True  # calls and records join the phase's events as they are made
+        self.pending: list[PendingForward] = []
+        """This step's root forwards whose calls and records are not made yet (pending.py)."""
+        self._made: list[Record] | None = None  # while a pending forward is made: its records
+        self._structure = False  # ... and whether they join no phase (a later phase's need)
         self.calls_since_pass: dict[str, int] = {}
         """How often each module was called since the last backward pass ended."""
 
@@ -214,6 +211,7 @@ class Capture:
         self._seen.clear()  # a tensor made by one root forward and used by the next is one record
         self._outputs.clear()
         self._counts.clear()  # a module's calls are numbered across the step's root forwards
+        self.pending = []
         self.grad_hooks.forget_dead_leaves()
 
     # --- forward -------------------------------------------------------------------------------
@@ -234,13 +232,18 @@ class Capture:
             leaves = tensor_leaves(args, "")
             if kwargs:
                 leaves += tensor_leaves(kwargs, "")
-            seen = _as_seen(leaves)
+            log = self._log
+            seen = self._note(leaves) if log is not None and self._open else None
+            if seen is None:
+                if log is not None and self._open:
+                    self.replay(resume=False)  # a tensor its rules must see at once: live from here
+                seen = _as_seen(leaves)
             self._open += 1
             drawn = random_state(seen) if module.training and id(module) in self.random else None
             invocation = (module, args, kwargs, seen, drawn)
             if self._log is not None and self._open > 1:
                 self._log.append((id(module), seen, site, invocation))
-                self._logged(seen)
+                self._noted()
                 return
             self._enter(id(module), seen, site, invocation, is_root=self._open == 1)
         except Exception as e:
@@ -258,16 +261,23 @@ class Capture:
             return
         self._open -= 1
         try:
-            seen = _as_seen(tensor_leaves(output, "")) if output is not None else []
-            if self._log is not None:
-                if self._open:
+            leaves = tensor_leaves(output, "") if output is not None else []
+            if self._log is not None and self._open:
+                seen = self._note(leaves)
+                if seen is not None:
                     self._log.append((None, seen, None, None))
                     if self._hot is not None:
                         self._screen_hot(seen)
-                    self._logged(seen)
+                    self._noted()
+                    return
+                self.replay(resume=False)  # a tensor its rules must see at once: live from here
+            seen = _as_seen(leaves)
+            if self._log is not None:
+                if self.session.defers_forward(seen):
+                    self._defer(seen)  # no call or record: only what the backward needs
                     return
                 # The calls and records are made now; the phase's events for them only if it
-                # turns out to need them (see Pipeline.end_forward).
+                # turns out to need them (see ForwardPhase.end_forward).
                 self._listing = self.session.lists_forward()
                 try:
                     self.replay(resume=False)
@@ -279,54 +289,11 @@ class Capture:
         except Exception as e:
             session.fault(e)
 
-    def _logged(self, seen: list[Seen]) -> None:
-        """Count what the forward log holds. Replay it when a tensor its rules must see at once
-        comes (a float16 activation, for the range rules), when it passes the phase's budget,
-        or when the training must stop at the next boundary (a pause, a change of rules)."""
-        for entry in seen:
-            t = entry[1]
-            if t.dtype not in self._log_dtypes:
-                self.replay(resume=False)  # the rest of this forward is handled in its hooks
-                return
-            self._log_bytes += t.numel() * t.element_size()
-        if self._log_bytes > self._log_room or self.session.boundary_wanted():
-            self.replay()
-
-    def replay(self, resume: bool = True) -> None:
-        """Turn the module calls the hooks only noted into calls and records, in their order, in
-        one warm loop (see :meth:`Sink.logs_forward`); ``resume``: note again after it."""
-        log, self._log = self._log, None
-        self._log_bytes = 0
-        for key, seen, site, invocation in log or ():
-            if key is None:
-                self._exit(seen)
-            else:
-                self._enter(key, seen, site, invocation)
-        if resume and self.stack:
-            self._start_log()
-
     def forget_invocations(self) -> None:
         """Let go of the arguments of this step's module calls (the forward phase ended)."""
         for calls in self.calls_by_path.values():
             for call in calls:
                 call.invocation = None
-
-    def _start_log(self) -> None:
-        self._log_dtypes = self.session.logs_forward()
-        self._log = [] if self._log_dtypes else None
-        self._log_room = self.session.log_budget()
-        self._hot = {} if self._log is not None and self.session.screens_noted() else None
-
-    def _screen_hot(self, seen: list[Seen]) -> None:
-        """Screen a noted call's outputs now, while they are in the cache (a dumped step holds
-        statistics of every watched tensor: read at the phase's end, they are out of it). The
-        screen's one sum gives the mean too: two dumps part where an activation's mean does.
-        On a device they are left to the dump, which reads them all in one transfer."""
-        for _, t, version, _ in seen:
-            if self._hot.get(id(t), _COLD)[0] != version and self.session.sync.reads_free(t):
-                mean = host_stats(t, (MEAN,))[0]
-                if math.isfinite(mean):
-                    self._hot[id(t)] = (version, mean)  # once: a wrapper returns its child's
 
     def _enter(self, key: int, seen: list[Seen], site: tuple[CodeType, int] | None,
                invocation: Any = None, is_root: bool = False) -> None:  # fmt: skip
@@ -354,7 +321,9 @@ class Capture:
             self.root = call
         self.calls_by_path.setdefault(call.path, []).append(call)
         self._root_calls.append(call)
-        self.calls_since_pass[call.path] = self.calls_since_pass.get(call.path, 0) + 1
+        made = self._made
+        if made is None:  # a pending forward's calls were counted when the light pass met them
+            self.calls_since_pass[call.path] = self.calls_since_pass.get(call.path, 0) + 1
         self.stack.append(call)
         for suffix, t, version, node in seen:
             record = self._known(t, version)
@@ -367,11 +336,15 @@ class Capture:
                 elif self._listing:
                     session.collect_input(call, record, t)
                 else:
-                    session.keep_unlisted(record, t)
+                    session.keep_unlisted(record, t, self._structure)
             if not aliased or node is not False:  # a detached alias: no gradient reaches it
                 record.consumers.append(call)
             call.inputs.append((suffix, record))
-            self._hook_grad(t, node, record)
+            if made is None:
+                self._hook_grad(t, node, record)
+            else:  # hooked when the root returned, or vouched for
+                record.grad_hooked = record.grad_hooked or node is not False
+                made.append(record)
         if self._listing:
             session.enter(call)
         if is_root:
@@ -382,6 +355,7 @@ class Capture:
             return
         session = self.session
         call = self.stack.pop()
+        made = self._made
         for suffix, t, version, node in seen:
             record = self._known(t, version)
             if record is None:
@@ -391,19 +365,23 @@ class Capture:
                 if self._listing:
                     session.collect(record, t)
                 else:
-                    session.keep_unlisted(record, t)
-                hot = self._hot.get(id(t), _COLD) if self._hot else _COLD
+                    session.keep_unlisted(record, t, self._structure)
+                hot = self._hot.get(id(t), COLD) if self._hot else COLD
                 if hot[0] == version and record.lazy and record.wanted == SCREEN:
                     record.stats.values = {FINITE: 1.0, MEAN: hot[1]}  # read in its hook
             elif record.producer is not None and record.producer is not call:
                 record.passed_up.append(call)
-            if call.parent is None:
+            if call.parent is None and not self._structure:
                 self._outputs[_memory(t)] = record
             call.outputs.append((suffix, record))
-            self._hook_grad(t, node, record)
+            if made is None:
+                self._hook_grad(t, node, record)
+            else:
+                record.grad_hooked = record.grad_hooked or node is not False
+                made.append(record)
         if self._listing:
             session.exit(call)
-        if not self.stack:
+        if not self.stack and made is None:
             self._log = self._hot = None
             self.grad_hooks.watch_waiting()  # a lazy module's parameters have their shapes now
             if self._planning:
@@ -414,15 +392,8 @@ class Capture:
         """The root returned: hook the gradients nothing vouches for (see engine/vouching.py),
         and have the model's outputs start the backward pass whatever they get."""
         planning, self._planning = self._planning, []
-        hooks = self.session.plan_gradients(planning, self.calls_since_pass)
-        for record, node, output_nr in hooks:
-            self.grad_hooks.hook_node(record, node, output_nr)
-        hooked = {id(record) for record, _, _ in hooks}
-        for (_, record), (_, _, _, node) in zip(root.outputs, seen, strict=False):
-            if node and id(record) not in hooked:
-                node[0].register_prehook(self.session.pass_started)
-
-    # --- records --------------------------------------------------------------------------------
+        outputs = [record for _, record in root.outputs]
+        self._hook_planned(planning, outputs, seen)
 
     def _known(self, t: torch.Tensor, version: int) -> Record | None:
         """The record of this very tensor at this very version, if it was seen in this forward."""
@@ -464,8 +435,8 @@ class Capture:
         record.grad_hooked = True
         if node is None:  # a leaf: only a tensor hook sees its gradient
             self.grad_hooks.hook_leaf(t, record)
-        elif self.session.plans_gradients():
-            self._planning.append((record, *node))  # hooked, or not, when the root returns
+        elif self.session.plans_gradients():  # hooked, or not, when the root returns
+            self._planning.append((record, *node, record.stats.dtype))
         else:
             self.grad_hooks.hook_node(record, *node)
 

@@ -13,12 +13,14 @@ Part of :class:`~tensordbg.engine.session.Session`, like :mod:`.pipeline`, :mod:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from tensordbg.engine import origin
 from tensordbg.engine.phases import Enter, Exit
 from tensordbg.engine.records import NONFINITE, Call, Record
-from tensordbg.statistics.torch_kernels import SCREEN, dtype_name, watchable
+from tensordbg.statistics.torch_kernels import SCREEN, dtype_name, host_stats, watchable
 
 NOTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # logs_forward
 
@@ -30,6 +32,9 @@ class ForwardPhase:
         """A root forward starts: close what is open, count the step, honour pause requests."""
         if self._detach_requested():
             return
+        if any(p.phase == self.phase_serial for p in self.capture.pending):
+            self.materialize_forward()  # it may share tensors with this one (a GAN's G and D)
+        self._step_depth.clear()  # an optimizer step that raised is over
         self.end_unseen_pass()
         if self._forward_open or self.phases.busy():
             self._end_phase()
@@ -83,18 +88,45 @@ class ForwardPhase:
         replay them: not in deferred checks on the host while nothing needs them (they are
         listed when the phase shows a problem: :meth:`_list_forward`)."""
         return (
-            not self.sync.vouches_at_pass_end
+            self.plan is None  # every gradient is hooked, against its record (several ranks)
             or self.triggered
             or self.dumps_all()
             or self.bus.wants("phase_end")
         )
 
-    def keep_unlisted(self, record: Record, tensor: torch.Tensor) -> None:
+    def defers_forward(self, seen: list[Any]) -> bool:
+        """Whether a root forward that returned ``seen`` (its outputs as its hook saw them) is
+        left pending (see pending.py): deferred checks on the host, when nothing needs its
+        calls and records now and its outputs are finite (read here: the forward's guard)."""
+        if self.lists_forward() or self.boundary_wanted():
+            return False
+        return all(not watchable(t) or host_stats(t, SCREEN)[0] == 1.0 for _, t, _, _ in seen)
+
+    def keep_unlisted(self, record: Record, tensor: Any, structure: bool = False) -> None:
         """A forward record made while the forward is not listed: registered in the phase (the
-        UI lists it) and kept for inspection, its statistics not computed."""
+        UI lists it) and kept for inspection, its statistics not computed. ``structure``: made
+        for a later phase's need (a backward pass that shows a problem): numbered only."""
+        if structure:
+            self.phases.number(record)
+            return
         self.phases.register(record)
         self.sync.retain(self, record, tensor)
         record.lazy = True
+
+    def materialize_forward(self) -> None:
+        """Make the calls and records of the step's pending forwards now (see pending.py):
+        into the forward phase they belong to if it is the one under way."""
+        if self.capture.pending:
+            self.capture.materialize(self.phase_serial if self.phase == "forward" else None)
+
+    def unlisted(self, root: Call, mark: int) -> None:
+        """The records of a root forward were made without its events, which go at ``mark``
+        in the phase's pending events if it shows a problem (:meth:`_list_forward`)."""
+        self._unlisted = (root, mark)
+
+    def phase_mark(self) -> int:
+        """Where the events of what a hook sees now go in the phase's pending events."""
+        return len(self.phases.pending)
 
     def _list_forward(self) -> None:
         """The phase shows a problem: the unlisted forward's calls and records join its events
@@ -130,11 +162,18 @@ class ForwardPhase:
         if record.wanted and tensor is not None:
             self.sync.collect(self, record, tensor, silent, record.tensor is not None)
 
-    def end_forward(self, root: Call, listed: bool = True) -> None:
+    def end_forward(self, root: Call, listed: bool = True, deferred: bool | None = None) -> None:
         """The root forward returned. Deferred mode screens the model's outputs now. With a
         backward to come, the forward phase stays open so the loss observed after it joins it;
         otherwise it ends here. ``listed``: its calls and records joined the phase's events
-        (else :meth:`_list_forward` lists them if the phase shows a problem)."""
+        (else :meth:`_list_forward` lists them if the phase shows a problem). ``deferred``:
+        they were not made (its outputs were screened finite), and whether one needs a
+        gradient."""
+        if deferred is not None:
+            self._after_hook()
+            if not (torch.is_grad_enabled() and deferred):
+                self._end_phase()
+            return
         if not listed:
             self._unlisted = (root, len(self.phases.pending))
         for _, record in root.outputs:

@@ -45,6 +45,9 @@ class OptimizerPhase:
     _optimizer_hooks: dict[int, tuple[Any, Any]]
     _stepped: frozenset[int] = frozenset()
     """The watched optimizers that stepped in this step."""
+    _step_depth: dict[int, int]
+    """Each optimizer's steps under way: a subclass's step calling its parent's runs the hooks
+    again inside the first (cleared at each root forward: a step that raised ends there)."""
     _steps_apart = False
     _ever_stepped: frozenset[int] = frozenset()
     _forwards_at_end = -1
@@ -196,8 +199,12 @@ class OptimizerPhase:
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any,
                      kwargs: Any) -> tuple[Any, Any] | None:  # fmt: skip
         """The optimizer's step pre-hook. A step given a closure runs the forward and backward
-        inside it (Lightning, LBFGS): the gradients are final only once the closure returned."""
-        if self.broken or self._detach_requested():
+        inside it (Lightning, LBFGS): the gradients are final only once the closure returned.
+        A subclass whose step calls ``super().step()`` runs the hooks once more inside: only
+        the outermost step counts."""
+        depth = self._step_depth.get(id(optimizer), 0)
+        self._step_depth[id(optimizer)] = depth + 1
+        if depth or self.broken or self._detach_requested():
             return None
         if _skips_inside(optimizer):  # as if the scaler had not called it (see amp.py)
             self._stepping[optimizer] = SKIPPED_INSIDE
@@ -246,7 +253,9 @@ class OptimizerPhase:
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any,
                     kwargs: Any) -> None:  # fmt: skip
-        if not self.active:
+        depth = self._step_depth.get(id(optimizer), 1) - 1
+        self._step_depth[id(optimizer)] = depth
+        if depth or not self.active:
             return
         try:
             owned = self._stepping.pop(optimizer, None)

@@ -62,6 +62,7 @@ class Pausing:
         if self.ranks is not None and self.ranks.defer(reason, hit):
             return  # every rank pauses together at its next safe point (distributed/)
         _print_pause(self, reason, hit)
+        self.materialize_forward()  # what a person may look at while it is paused
         self.publish()
         self.bus.publish("pause", {"state": "paused", "step": self.step, "reason": reason})
         started = time.perf_counter()

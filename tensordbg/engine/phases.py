@@ -127,6 +127,12 @@ class PhaseQueue:
         """Whether anything of the phase waits to be handled."""
         return bool(self.pending) or bool(len(self.batch))
 
+    def number(self, record: Record) -> None:
+        """Give a record its reference, without a place in the phase (a forward record made for
+        a later phase's need: only its place in execution order counts)."""
+        record.stats.ref = self._next_ref
+        self._next_ref += 1
+
     def register(self, record: Record) -> None:
         """Give a record its reference (what the UI asks for it by) and its place in the phase."""
         stats = record.stats

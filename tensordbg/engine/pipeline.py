@@ -177,6 +177,7 @@ class Pipeline(Pausing, Pinpointing):
     def _settle(self) -> None:
         """Screen what a deferred phase kept, judge everything pending in execution order, and
         pause if a hit asks for it."""
+        self.materialize_forward()
         self._list_forward()
         self._read_notes(gradients_of_activations=True)
         for event in self.phases.pending:
@@ -215,6 +216,7 @@ class Pipeline(Pausing, Pinpointing):
         self._loose = None
         self._pass_bad = False
         self._unlisted = None
+        self.phase_serial += 1
         self.phases.start(phase)
         self.between_steps = False
         self.amp.new_phase()
@@ -225,6 +227,8 @@ class Pipeline(Pausing, Pinpointing):
         """Bring the phase's statistics over (batched), judge, run phase-wide rules, pause if a
         hit asks for it, and let go of the phase's tensors."""
         self._forward_open = False
+        if self.phase == "forward" and self.capture.pending:
+            self.capture.let_go()
         self._screen_unvouched()
         planned = self.plan is not None and self.phase == "backward"
         noted = self._note_param_grads() if planned else set()
@@ -335,14 +339,15 @@ class Pipeline(Pausing, Pinpointing):
         """Publish what readers on other threads may see (:class:`~.phases.Snapshot`)."""
         self.published = Snapshot(
             dict(self.metrics.latest),
-            {path: len(calls) for path, calls in list(self.capture.calls_by_path.items())},
+            self.capture.call_counts(),
             [r for r in self.phases.records if not r.hidden],
         )
 
     def snapshot(self) -> Snapshot:
         """What a reader may see now: fresh on the training thread (nothing changes under it
-        there), else the last one published."""
+        there, a clean forward's records made for it), else the last one published."""
         if threading.current_thread() is self.controller.training_thread:
+            self.materialize_forward()
             self.publish()
         return self.published
 

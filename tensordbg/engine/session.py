@@ -137,6 +137,7 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
             self.plan = GradientPlan(self.vouchers, {p.name: p.param for p in self.params.values()})
         self._grads_seen: dict[str, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._unlisted: tuple[Call, int] | None = None  # a root forward not listed, where it goes
+        self.phase_serial = 0  # phases started so far: which one a pending forward belongs to
         self.amp = MixedPrecision(scaler, int(max_skipped_steps))
         self.origins = origin.Attribution(self._owner_calls)
         self.optimizers: list[torch.optim.Optimizer] = []
@@ -159,6 +160,7 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         self.skipped_updates: list[int] = []
         """Steps whose update tensordbg skipped (:meth:`skip_step`, ``on_hit="skip"``)."""
         self._stepping: dict[torch.optim.Optimizer, list[Param]] = {}  # between pre and post hook
+        self._step_depth = {}
         self._optimizer_hooks: dict[int, tuple[Any, Any]] = {}  # each watched optimizer's
         self.observed_calls: dict[str, int] = {}  # this step's observe() calls, by name
         self.capture = Capture(self, model, _patterns(include), _patterns(exclude))
@@ -240,9 +242,11 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
     @property
     def records(self) -> list[Record]:
         """The watched tensors of the current (or last) phase, in execution order."""
+        self.materialize_forward()
         return [r for r in self.phases.records if not r.hidden]
 
     def record(self, ref: int) -> Record | None:
+        self.materialize_forward()
         return self.phases.by_ref.get(ref)
 
     @torch.compiler.disable

@@ -222,14 +222,17 @@ class Vouchers:
 
 class Planned:
     """A forward tensor whose gradient a parameter's vouches for: no hook, judged at the end
-    of the pass from the voucher's norm."""
+    of the pass from the voucher's norm. ``forward``: its record, or what stands for it until
+    the record is made (engine/pending.py)."""
 
-    __slots__ = ("forward", "node", "output_nr", "owner", "voucher")
+    __slots__ = ("dtype", "forward", "node", "output_nr", "owner", "voucher")
 
-    def __init__(self, forward: Record, node: Any, output_nr: int, voucher: str, owner: str):
+    def __init__(self, forward: Any, node: Any, output_nr: int, dtype: str, voucher: str,
+                 owner: str):  # fmt: skip
         self.forward = forward
         self.node = node
         self.output_nr = output_nr
+        self.dtype = dtype
         self.voucher = voucher  # the parameter's name
         self.owner = owner  # the path of the module whose call adds into it
 
@@ -251,36 +254,35 @@ class GradientPlan:
         self.not_finite: set[str] = set()
         """Parameters whose gradient was not finite at the last pass's end."""
 
-    def plan(self, seen: list[tuple[Record, Any, int]],
-             calls: dict[str, int]) -> list[tuple[Record, Any, int]]:  # fmt: skip
-        """Split the forward tensors ``seen`` (a record, the autograd node that made it and its
-        output number) into those vouched for (kept in the plan) and those to hook (returned,
-        with the earlier planned ones that ``calls`` made unsound: a module called again)."""
+    def plan(self, seen: list[tuple[Any, Any, int, str]],
+             calls: dict[str, int]) -> list[tuple[Any, Any, int]]:  # fmt: skip
+        """Split the forward tensors ``seen`` (a record, or what stands for it; the autograd
+        node that made it; its output number; its dtype) into those vouched for (kept in the
+        plan) and those to hook (returned, with the earlier planned ones that ``calls`` made
+        unsound: a module called again)."""
         table = self.vouchers.voucher_of
-        hook: list[tuple[Record, Any, int]] = []
+        hook: list[tuple[Any, Any, int]] = []
         found: dict[tuple[int, int], Planned] = {}
         rest = []
-        for record, node, nr in seen:
-            name = self.vouchers.voucher(record, table)
+        for forward, node, nr, dtype in seen:
+            name = self.vouchers.voucher(forward, table)
             if name is None:
-                rest.append((record, node, nr))
+                rest.append((forward, node, nr, dtype))
                 continue
-            owner = name.rpartition(".")[0]
-            planned = Planned(record, node, nr, name, owner)
+            planned = Planned(forward, node, nr, dtype, name, name.rpartition(".")[0])
             found[id(node), nr] = planned
-            if record.producer is not None and record.producer.path not in self._ordered:
-                self._learn_order(record.producer.path, node)
-        for planned in found.values():
-            self.planned.append(planned)
-        for record, node, nr in rest:
+            if forward.producer is not None and forward.producer.path not in self._ordered:
+                self._learn_order(forward.producer.path, node)
+        self.planned.extend(found.values())
+        for forward, node, nr, dtype in rest:
             via = _carried_to(node, found, CARRY_DEPTH)
             if via is None:
-                hook.append((record, node, nr))
+                hook.append((forward, node, nr))
                 continue
-            self.planned.append(Planned(record, node, nr, via.voucher, via.owner))
+            self.planned.append(Planned(forward, node, nr, dtype, via.voucher, via.owner))
         return hook + self.unsound(calls)
 
-    def unsound(self, calls: dict[str, int]) -> list[tuple[Record, Any, int]]:
+    def unsound(self, calls: dict[str, int]) -> list[tuple[Any, Any, int]]:
         """The planned gradients whose voucher can no longer vouch (taken out of the plan): its
         module called again, or its gradient not finite already (an earlier pass of gradients
         that accumulate: a sum of which one is not finite says nothing of the others)."""
@@ -291,7 +293,7 @@ class GradientPlan:
                 param is not None
                 and param.requires_grad
                 and calls.get(p.owner, 0) <= 1
-                and p.forward.stats.dtype in _WIDE_NAMES
+                and p.dtype in _WIDE_NAMES
                 and (p.voucher not in self.not_finite or param.grad is None)
             )
             (keep if sound else out).append(p)
