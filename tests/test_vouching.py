@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tensordbg.engine.vouching import CARRY_NODES, Vouchers
-from tensordbg.rules import NaN
+from tensordbg.rules import NaN, Overflow
 
 MODES = ("eager", "batched", "deferred", DEFERRED_ON_DEVICE)
 BAD = [float("nan"), float("inf"), float("-inf")]
@@ -80,6 +80,8 @@ def _carried(a: torch.Tensor, b: torch.Tensor) -> dict[str, torch.Tensor]:
         "EluBackward0": F.elu(a * 30), "LeakyReluBackward0": F.leaky_relu(a * 30, 0.0),
         "MishBackward0": F.mish(a * 30),
         "NativeDropoutBackward0": torch.native_dropout(a, 0.5, True)[0],
+        "UnbindBackward0": a.unbind(0)[1], "SplitBackward0": a.split(2)[1],
+        "SplitWithSizesBackward0": a.split([1, 2])[1],
     }  # fmt: skip
 
 
@@ -101,6 +103,36 @@ def test_each_carrying_node_is_what_torch_makes_and_keeps_a_nan_in_each_inputs_g
         grad[index] = bad
         for g in torch.autograd.grad(out, inputs, grad, retain_graph=True):
             assert not g.isfinite().all(), index
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", ["random", "zero keys", "zero values", "zero queries",
+                                  "saturated softmax", "all zero"])  # fmt: skip
+def test_attention_hands_a_nan_in_its_outputs_gradient_to_its_querys_keys_and_values(case, causal):
+    """ATTENTION_NODES: one NaN or Inf anywhere in the gradient of attention's output (the
+    fused CPU kernel, no dropout) is one in the gradients of the query, the key and the value,
+    also where a factor is zero (keys, values or queries all zero, a softmax saturated to 0/1)."""
+    from tensordbg.engine.vouching import ATTENTION_NODES
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 3) for _ in range(3))
+    if case in ("zero keys", "all zero"):
+        k.zero_()
+    if case in ("zero values", "all zero"):
+        v.zero_()
+    if case in ("zero queries", "all zero"):
+        q.zero_()
+    if case == "saturated softmax":
+        q, k = q * 100, k * 100
+    inputs = [t.requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    assert type(out.grad_fn).__name__ in ATTENTION_NODES
+    for bad in BAD:
+        for index in itertools.product(*map(range, out.shape)):
+            grad = torch.zeros(out.shape)
+            grad[index] = bad
+            for g in torch.autograd.grad(out, inputs, grad, retain_graph=True):
+                assert not g.isfinite().all(), (bad, index)
 
 
 def test_which_parameter_vouches_for_which_module():
@@ -160,6 +192,54 @@ def test_a_backward_nan_behind_a_voucher_is_named_where_eager_checks_name_it(wat
     model(x).sum().backward()
     [origin] = [h for h in session.hits if h.origin]
     assert (origin.module, origin.tensor) == (sqrt, f"{sqrt}.grad_input[0]")
+
+
+class Attending(nn.Module):
+    """Two pre-norm transformer blocks (fused attention, a residual stream) and a head."""
+
+    def __init__(self, dim: int = 32, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"ln1": nn.LayerNorm(dim), "qkv": nn.Linear(dim, 3 * dim),
+                           "proj": nn.Linear(dim, dim), "ln2": nn.LayerNorm(dim),
+                           "mlp": nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(),
+                                                nn.Linear(2 * dim, dim))})
+            for _ in range(2)
+        )  # fmt: skip
+        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        for block in self.blocks:
+            qkv = block["qkv"](block["ln1"](x)).view(b, t, 3, self.heads, d // self.heads)
+            q, k, v = (u.transpose(1, 2) for u in qkv.unbind(2))
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + block["proj"](attn.transpose(1, 2).reshape(b, t, d))
+            x = x + block["mlp"](block["ln2"](x))
+        return self.head(self.ln(x))
+
+
+@pytest.mark.parametrize("sync", MODES)
+def test_an_overflow_in_a_residual_blocks_backward_is_named_where_eager_checks_name_it(watch, sync):
+    """The second block's output projection makes an Inf in its input's gradient (a huge weight
+    column, a zero input column: its forward is finite); everything before it in the backward
+    pass is finite. The residual stream's gradients are vouched for by the nearest bias (the
+    block's last Linear, which sums exactly them), not by the embedding-side parameters that
+    the Inf reaches later: no mode names a gradient of the stream, nearer the loss, instead."""
+    torch.manual_seed(0)
+    model = Attending()
+    proj, qkv = model.blocks[1]["proj"], model.blocks[1]["qkv"]
+    with torch.no_grad():
+        proj.weight[:, 3] = 3e38
+        qkv.weight[2 * 32 + 3] = 0.0  # the value's column 3, hence the attention's: zero
+        qkv.bias[2 * 32 + 3] = 0.0
+    session = watch(model, on_hit="record", rules=[NaN(), Overflow()], sync=sync)
+    out = model(torch.randn(2, 6, 32))
+    assert out.isfinite().all()
+    (out.sum() * 1e5).backward()
+    origins = [(h.module, h.tensor) for h in session.hits if h.origin]
+    assert origins == [("blocks.1.proj", "blocks.1.proj.grad_input[0]")]
 
 
 class Twice(nn.Module):

@@ -10,7 +10,8 @@ output, and the gradient itself need not be read. The same holds through what ca
 or Inf on element by element: an activation or a dropout applied to that output
 (``PASSES_NONFINITE_ON``), and autograd operations that add, multiply, move or reshape the
 gradient but never drop an element of it (``CARRY_NODES``: a residual stream's addition hands
-the very gradient on).
+the very gradient on; ``ATTENTION_NODES``: attention without dropout hands a NaN in its
+output's gradient to the gradients of its query, key and value).
 
 Two ways of using this, by sync mode:
 
@@ -92,8 +93,14 @@ CARRY_NODES = frozenset({
     "ExpandBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1",
     "SqueezeBackward2", "SelectBackward0", "SliceBackward0", "GeluBackward0", "SiluBackward0",
     "TanhBackward0", "SigmoidBackward0", "SoftplusBackward0", "EluBackward0",
-    "LeakyReluBackward0", "MishBackward0", "NativeDropoutBackward0",
+    "LeakyReluBackward0", "MishBackward0", "NativeDropoutBackward0", "UnbindBackward0",
+    "SplitBackward0", "SplitWithSizesBackward0",
 })  # fmt: skip
+# Attention without dropout: a NaN or Inf in row i of the output's gradient reaches the whole
+# row i of the query's gradient and, through the softmax's backward (the row's sum of gradient
+# times output), of the key's and the value's at the positions row i attends to (itself among
+# them, when causal). With dropout an element's factor may be dropped: not carried.
+ATTENTION_NODES = frozenset({"ScaledDotProductFlashAttentionForCpuBackward0"})
 CARRY_DEPTH = 6  # how many such nodes a gradient is followed through
 # Gradients whose voucher's sum cannot overflow where they did not: float16's can.
 WIDE = frozenset({torch.float32, torch.float64, torch.bfloat16})
@@ -368,15 +375,29 @@ _WIDE_NAMES = frozenset(str(d).removeprefix("torch.") for d in WIDE)
 
 def _carried_to(node: Any, vouched: dict[tuple[int, int], Planned], depth: int) -> Planned | None:
     """The vouched tensor the gradient of ``node``'s output reaches whole through autograd
-    nodes that carry every element on (``CARRY_NODES``), if any."""
-    if node is None or depth <= 0 or type(node).__name__ not in CARRY_NODES:
-        return None
-    for fn, nr in node.next_functions:
-        if fn is None:
-            continue
-        found = vouched.get((id(fn), nr))
-        if found is None:
-            found = _carried_to(fn, vouched, depth - 1)
-        if found is not None:
-            return found
+    nodes that carry every element on (``CARRY_NODES``), if any: the nearest one (fewest nodes
+    between, breadth first), whose gradient is the most nearly this one alone. A residual
+    stream's gradient is vouched for by the block's last bias, which sums exactly it, not by
+    the embedding far down the stream, which sums it with every block's."""
+    level = [node]
+    for _ in range(depth):
+        below = []
+        for n in level:
+            if n is None or not _carries(n):
+                continue
+            for fn, nr in n.next_functions:
+                if fn is None:
+                    continue
+                found = vouched.get((id(fn), nr))
+                if found is not None:
+                    return found
+                below.append(fn)
+        if not below:
+            return None
+        level = below
     return None
+
+
+def _carries(node: Any) -> bool:
+    name = type(node).__name__
+    return name in CARRY_NODES or (name in ATTENTION_NODES and not node._saved_dropout_p)
