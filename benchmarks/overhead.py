@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         return ranks_main(args)
     device = args.device
     name = args.model or ("gpt2-small" if device == "cuda" else "encoder-256")
-    rounds = args.rounds or (40 if device == "cpu" else 50)
+    rounds = args.rounds or (100 if device == "cpu" else 50)
     dtype = torch.bfloat16 if device == "cuda" else None
     vocab, seq, dim, layers, heads, batch = CONFIGS[name]
 

@@ -37,7 +37,7 @@ from tensordbg.statistics.batch import on_host
 SNAPSHOT_STATS = frozenset({"update_abs_mean", "prev_abs_mean"})
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Digest:
     """What tells cheaply that a step changed a parameter: its range (minimum, maximum), or its
     norm (float32 and float64 parameters: one pass over all of them). A digest that moved by more
@@ -159,6 +159,9 @@ class ParamWatch:
         self._offset = 0
         self._turn = 0  # where the next rotation starts
         self._views: dict[str, tuple[int, torch.Tensor]] = {}  # each parameter's sample
+        # The parameters sampled last, their samples, where each lies in the read, and the read
+        self._sampling: tuple[list[tuple[str, int]], list[torch.Tensor], list[tuple[str, int, int]],
+                              torch.Tensor] | None = None  # fmt: skip
 
     def owned(
         self, optimizer: torch.optim.Optimizer, optimizers: Sequence[torch.optim.Optimizer]
@@ -212,16 +215,26 @@ class ParamWatch:
         a NaN the update wrote elsewhere is found by the rotation, or by the next forward)."""
         if not params:
             return {}, True
-        views = [self._sample_view(p) for p in params]
-        values = torch.cat(views)
-        finite = bool(torch.isfinite(values).all())
+        key = [(p.name, p.param.data_ptr()) for p in params]
+        cached = self._sampling
+        if cached is None or cached[0] != key:
+            views = [self._sample_view(p) for p in params]
+            spans, start = [], 0
+            for p, view in zip(params, views, strict=True):
+                spans.append((p.name, start, start + view.numel()))
+                start += view.numel()
+            wide = any(v.dtype == torch.float64 for v in views)
+            out = torch.empty(start, dtype=torch.float64 if wide else torch.float32)
+            cached = self._sampling = (key, views, spans, out)
+        _, views, spans, out = cached
+        if not all(p.param.is_contiguous() for p in params):
+            views = [self._sample_view(p) for p in params]  # a copy each time: not kept
+            self._sampling = None
+        values = torch.cat(views, out=out)
+        finite = math.isfinite(values.sum(dtype=torch.float64).item())
         flat = values.tolist()
-        digests, start = {}, 0
-        for p, view in zip(params, views, strict=True):
-            end = start + view.numel()
-            digests[p.name] = Digest.of_sample(tuple(flat[start:end]))
-            start = end
-        return digests, finite
+        of_sample = Digest.of_sample
+        return {name: of_sample(tuple(flat[a:b])) for name, a, b in spans}, finite
 
     def _sample_view(self, p: Param) -> torch.Tensor:
         """``SAMPLE`` evenly spaced elements of the parameter, as a view kept while the
@@ -355,3 +368,4 @@ class ParamWatch:
         self.snapshots = {}
         self.samples = {}
         self._views = {}
+        self._sampling = None

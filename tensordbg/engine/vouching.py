@@ -260,6 +260,7 @@ class GradientPlan:
         self._ordered: set[str] = set()
         self.not_finite: set[str] = set()
         """Parameters whose gradient was not finite at the last pass's end."""
+        self._accumulators: dict[int, tuple[torch.Tensor, Any]] = {}
 
     def plan(self, seen: list[tuple[Any, Any, int, str]],
              calls: dict[str, int]) -> list[tuple[Any, Any, int]]:  # fmt: skip
@@ -321,9 +322,7 @@ class GradientPlan:
             ok = executes.get(p.voucher)
             if ok is None:
                 param = self.params[p.voucher]
-                ok = executes[p.voucher] = param.requires_grad and will(
-                    get_gradient_edge(param).node
-                )
+                ok = executes[p.voucher] = param.requires_grad and will(self._accumulator(param))
             (keep if ok else out).append(p)
         self.planned = keep
         return [(p.forward, p.node, p.output_nr) for p in out]
@@ -345,9 +344,18 @@ class GradientPlan:
     def clear(self) -> None:
         self.planned = []
 
+    def _accumulator(self, param: torch.Tensor) -> Any:
+        """The autograd node that accumulates ``param``'s gradient, kept: the same one from
+        step to step (torch keeps it only while a graph uses it, and would make a new one)."""
+        known = self._accumulators.get(id(param))
+        if known is None or known[0] is not param:
+            known = self._accumulators[id(param)] = (param, get_gradient_edge(param).node)
+        return known[1]
+
     def forget(self) -> None:
         """Let go of every parameter (at detach)."""
         self.planned, self.params, self._names = [], {}, {}
+        self._accumulators = {}
 
     def _learn_order(self, path: str, node: Any) -> None:
         """The order in which autograd accumulates module ``path``'s parameter gradients, from
