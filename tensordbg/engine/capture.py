@@ -37,7 +37,7 @@ import torch
 
 from tensordbg.engine.grad_hooks import GradHooks
 from tensordbg.engine.handles import HandleGroup, Unhooked, hide_from_torchscript
-from tensordbg.engine.pending import COLD, ForwardLog, PendingForward, Seen
+from tensordbg.engine.pending import COLD, ForwardLog, PendingForward, Seen, grad_edge
 from tensordbg.engine.pinpoint import draws_random, random_state
 from tensordbg.engine.records import Call, Record, new_record, tensor_leaves
 from tensordbg.engine.sites import user_site
@@ -82,12 +82,7 @@ def _as_seen(leaves: list[tuple[str, torch.Tensor]]) -> list[Seen]:
     for suffix, t in leaves:
         if not watchable(t):
             continue
-        if t.requires_grad:
-            node = t.grad_fn
-            grad = None if node is None else (node, t.output_nr)
-        else:
-            grad = False
-        seen.append((suffix, t, t._version, grad))
+        seen.append((suffix, t, t._version, grad_edge(t)))
     return seen
 
 

@@ -264,12 +264,7 @@ class ForwardLog:
             if not nbytes:
                 continue
             total += nbytes
-            if t.requires_grad:
-                node = t.grad_fn
-                grad = None if node is None else (node, t.output_nr)
-            else:
-                grad = False
-            seen.append((suffix, t, t._version, grad))
+            seen.append((suffix, t, t._version, grad_edge(t)))
         self._log_bytes = total
         return seen
 
@@ -308,3 +303,12 @@ class ForwardLog:
                 mean = host_stats(t, (MEAN,))[0]
                 if math.isfinite(mean):
                     self._hot[id(t)] = (version, mean)  # once: a wrapper returns its child's
+
+
+def grad_edge(t: torch.Tensor) -> tuple[Any, int] | bool | None:
+    """Where ``t``'s gradient will come from, as a hook sees it now: the autograd node that made
+    this version and its output number; None for a leaf; False when it needs no gradient."""
+    if not t.requires_grad:
+        return False
+    node = t.grad_fn
+    return None if node is None else (node, t.output_nr)
