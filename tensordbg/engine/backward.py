@@ -138,13 +138,12 @@ class BackwardPhase:
         """Deferred on the host: a gradient nothing vouches for, screened while it is in the
         cache. Finite, it is only noted; else its statistics are taken now and the pass is
         read at its end (never in a hook: the vouched gradients' verdicts come only then)."""
-        if not self.ruleset.grads_quiet(dtype_name(grad.dtype)):
-            self._collect_late(grad_record(self._record_of(forward), grad, self.step), grad)
-        elif host_stats(grad, SCREEN)[0] == 1.0:
-            self.phases.pending.append(ActGradNote(forward, grad.shape, grad.dtype, None))
-        else:
+        if self.ruleset.grads_quiet(dtype_name(grad.dtype)):
+            if host_stats(grad, SCREEN)[0] == 1.0:
+                self.phases.pending.append(ActGradNote(forward, grad.shape, grad.dtype, None))
+                return
             self._pass_bad = True
-            self._collect_late(grad_record(self._record_of(forward), grad, self.step), grad)
+        self._collect_late(grad_record(self._record_of(forward), grad, self.step), grad)
 
     def _record_of(self, forward: Any) -> Record:
         """The record of a forward tensor, made now if it was pending (engine/pending.py)."""

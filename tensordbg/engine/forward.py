@@ -1,11 +1,12 @@
 """The forward phase of the session's pipeline: module calls, their inputs and outputs, and the
 model's outputs screened when the root returns.
 
-Deferred checks note a root forward's module calls in its hooks and make its calls and records
-in one loop when the root returns (capture.py). On the host, while nothing shows a problem, the
-records join the phase without events: a clean forward has nothing to judge or attribute. When
-the model's outputs, the observed loss or a pause need them, they are listed in execution order
-where the hooks would have put them (:meth:`ForwardPhase._list_forward`).
+Deferred checks note a root forward's module calls in its hooks (capture.py, pending.py). On
+the host, while nothing needs them, a root forward whose outputs are finite makes no call and no
+record: it is left pending, and made only when something asks (:meth:`materialize_forward`).
+Its records then join the phase without events: a clean forward has nothing to judge or
+attribute. When the model's outputs, the observed loss or a pause need them, they are listed in
+execution order where the hooks would have put them (:meth:`ForwardPhase._list_forward`).
 
 Part of :class:`~tensordbg.engine.session.Session`, like :mod:`.pipeline`, :mod:`.backward` and
 :mod:`.optimizer`.
@@ -175,7 +176,7 @@ class ForwardPhase:
                 self._end_phase()
             return
         if not listed:
-            self._unlisted = (root, len(self.phases.pending))
+            self.unlisted(root, self.phase_mark())
         for _, record in root.outputs:
             if not listed and record.producer is not None and not record.wanted:
                 self._applicable(record)  # an unlisted output: its screen is wanted all the same

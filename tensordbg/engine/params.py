@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.nn.parameter import is_lazy
@@ -158,9 +159,8 @@ class ParamWatch:
         """Parameters whose latest update record did not say "changed" (None: none made yet)."""
         self._offset = 0
         self._turn = 0  # where the next rotation starts
-        self._views: dict[str, tuple[int, torch.Tensor]] = {}  # each parameter's sample
         # The parameters sampled last, their samples, where each lies in the read, and the read
-        self._sampling: tuple[list[tuple[str, int]], list[torch.Tensor], list[tuple[str, int, int]],
+        self._sampling: tuple[list[Any], list[torch.Tensor], list[tuple[str, int, int]],
                               torch.Tensor] | None = None  # fmt: skip
 
     def owned(
@@ -215,38 +215,27 @@ class ParamWatch:
         a NaN the update wrote elsewhere is found by the rotation, or by the next forward)."""
         if not params:
             return {}, True
-        key = [(p.name, p.param.data_ptr()) for p in params]
+        key = [(p.name, p.param.data_ptr(), p.param.stride()) for p in params]
         cached = self._sampling
         if cached is None or cached[0] != key:
-            views = [self._sample_view(p) for p in params]
+            views = [sample_of(p.param)[:SAMPLE] for p in params]
             spans, start = [], 0
             for p, view in zip(params, views, strict=True):
                 spans.append((p.name, start, start + view.numel()))
                 start += view.numel()
             wide = any(v.dtype == torch.float64 for v in views)
             out = torch.empty(start, dtype=torch.float64 if wide else torch.float32)
-            cached = self._sampling = (key, views, spans, out)
+            cached = (key, views, spans, out)
+            # Views of the parameters' memory, kept while it stays (an optimizer updates in
+            # place); a parameter that is not contiguous gives a copy, made again each time.
+            contiguous = all(p.param.is_contiguous() for p in params)
+            self._sampling = cached if contiguous else None
         _, views, spans, out = cached
-        if not all(p.param.is_contiguous() for p in params):
-            views = [self._sample_view(p) for p in params]  # a copy each time: not kept
-            self._sampling = None
         values = torch.cat(views, out=out)
         finite = math.isfinite(values.sum(dtype=torch.float64).item())
         flat = values.tolist()
         of_sample = Digest.of_sample
         return {name: of_sample(tuple(flat[a:b])) for name, a, b in spans}, finite
-
-    def _sample_view(self, p: Param) -> torch.Tensor:
-        """``SAMPLE`` evenly spaced elements of the parameter, as a view kept while the
-        parameter keeps its memory (an optimizer updates in place)."""
-        known = self._views.get(p.name)
-        param = p.param
-        if known is not None and known[0] == param.data_ptr():
-            return known[1]
-        view = sample_of(param)[:SAMPLE]
-        if param.is_contiguous():
-            self._views[p.name] = (param.data_ptr(), view)
-        return view
 
     def rotation(self, params: list[Param]) -> list[Param]:
         """The parameters whose turn it is to be read whole: about a ``ROTATION``-th of the
@@ -367,5 +356,4 @@ class ParamWatch:
         self.by_name = {}
         self.snapshots = {}
         self.samples = {}
-        self._views = {}
         self._sampling = None

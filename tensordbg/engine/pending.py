@@ -99,7 +99,7 @@ class PendingForward:
         """Each module's calls in it."""
         self.released = False
 
-    def light_pass(self, paths: dict[int, str], known: Any, dtype_name: Any
+    def light_pass(self, paths: dict[int, str], known: Any
                    ) -> tuple[list[tuple[Any, Any, int, str]], list[tuple[Any, Any]]]:  # fmt: skip
         """Walk the log as a replay would, without making calls or records: the tensors that
         need a gradient, made by autograd nodes as ``(light tensor, node, output number,
@@ -179,7 +179,7 @@ class ForwardLog:
         self._log = self._hot = None
         pending = PendingForward(root, log, self.session.phase_mark(), dict(self._counts),
                                  self.session.phase_serial)  # fmt: skip
-        needing, leaves = pending.light_pass(self.paths, self._known, dtype_name)
+        needing, leaves = pending.light_pass(self.paths, self._known)
         for light, t in leaves:  # a leaf handed to a module (a parametrization's weight)
             self.grad_hooks.hook_leaf(t, light)
         for path, n in pending.counts.items():
@@ -204,11 +204,7 @@ class ForwardLog:
             self._made, self._structure, self._listing = [], structure, False
             self.stack.append(pending.root)
             try:
-                for key, seen, site, invocation in pending.log:
-                    if key is None:
-                        self._exit(seen)
-                    else:
-                        self._enter(key, seen, site, invocation)
+                self._replay(pending.log)
                 pending.resolve(self._made)
             finally:
                 self._counts = counts
@@ -279,13 +275,17 @@ class ForwardLog:
         one warm loop (see :meth:`Sink.logs_forward`); ``resume``: note again after it."""
         log, self._log = self._log, None
         self._log_bytes = 0
-        for key, seen, site, invocation in log or ():
+        self._replay(log or ())
+        if resume and self.stack:
+            self._start_log()
+
+    def _replay(self, log: list[Entry]) -> None:
+        """Make the calls and records of ``log``'s entries, as their hooks would have."""
+        for key, seen, site, invocation in log:
             if key is None:
                 self._exit(seen)
             else:
                 self._enter(key, seen, site, invocation)
-        if resume and self.stack:
-            self._start_log()
 
     def _start_log(self) -> None:
         self._log_dtypes = self.session.logs_forward()
