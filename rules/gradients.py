@@ -274,7 +274,8 @@ class VanishingGradient(Rule):
 
     kinds = frozenset({"grad"})
     # Screened with bounds from the norm; mean |grad| and the share of zeros are computed only
-    # for a gradient near the threshold (see _nonzero_mean).
+    # for a gradient whose bounds reach neither the threshold nor relative times the model's
+    # typical gradient (see _nonzero_mean).
     needs = (L2,)
 
     def __init__(
@@ -302,10 +303,10 @@ class VanishingGradient(Rule):
         typical gradient is the same for each, whichever statistics came with it (batched
         checks have what a Refine asks from the second step on; deferred ones ask again), and
         so is each weight that a bound shows learning, for its module's bias."""
+        scales = [note_scale(t, state) for t in tensors]
         noted = []
-        for t in tensors:
-            scale = note_scale(t, state)
-            mean = self._nonzero_mean(t) if t.trainable else None
+        for t, scale in zip(tensors, scales, strict=True):
+            mean = self._nonzero_mean(t, state) if t.trainable else None
             if t.trainable and mean is None:
                 # Learning, a bound shows: a bias of its module judged before it in this pass
                 # (the autograd engine makes a bias's gradient first) sees it so.
@@ -316,7 +317,7 @@ class VanishingGradient(Rule):
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | Refine | None:
         # Noted before a refinement too: the same value again when check is called back.
         scale = note_scale(t, state)
-        mean = self._nonzero_mean(t) if t.trainable and scale is not None else None
+        mean = self._nonzero_mean(t, state) if t.trainable and scale is not None else None
         return self._verdict(t, state, scale, mean)
 
     def _verdict(self, t: TensorStats, state: dict[str, Any], scale: float | None,
@@ -356,9 +357,10 @@ class VanishingGradient(Rule):
         earlier = state.get("had", {}).get(t.name, math.nan)  # a scale it had (NaN: never)
         return Finding(mean, self.threshold, self._message(t, mean, typical, bias, earlier))
 
-    def _nonzero_mean(self, t: TensorStats) -> float | Refine | None:
+    def _nonzero_mean(self, t: TensorStats, state: dict[str, Any]) -> float | Refine | None:
         """mean |grad| over the nonzero elements (0.0 when all are zero), or None when a bound
-        already shows that it reaches the threshold."""
+        already shows that it does not vanish: it reaches the threshold, or ``relative`` times
+        the model's typical gradient."""
         mean, zeros = t.get(ABS_MEAN), t.get(ZERO_FRAC)
         if mean is not None and zeros is not None:
             return mean / (1.0 - zeros) if zeros < 1.0 else 0.0
@@ -374,12 +376,25 @@ class VanishingGradient(Rule):
             return 0.0  # all zeros: no pass needed (nor the tensor, gone in batched mode)
         if l2 is not None and l2 / n >= self.threshold:
             return None
+        if l2 is not None and self._above_typical(l2 / n, t, state):
+            # A large table's gradient, most of its rows zero (an embedding's): L2 / n is far
+            # below the threshold, but not below the model's typical gradient times relative.
+            return None
         peak = t.abs_max
         if peak is None:
             return Refine((MIN, MAX))
         if l2 is not None and peak > 0 and l2 * l2 / (n * peak) >= self.threshold:
             return None
         return Refine((ABS_MEAN, ZERO_FRAC))
+
+    def _above_typical(self, bound: float, t: TensorStats, state: dict[str, Any]) -> bool:
+        """Whether ``bound``, a lower bound on the gradient's mean |grad|, already reaches
+        ``relative`` times the model's typical gradient (as :meth:`_verdict` computes it): then
+        the gradient does not vanish, whatever its mean."""
+        if self.relative == math.inf:
+            return False
+        typical = typical_scale(state, t.name)
+        return typical is not None and bound >= self.relative * typical
 
     def _message(self, t: TensorStats, mean: float, typical: float | None, bias: bool,
                  earlier: float = math.nan) -> str:  # fmt: skip

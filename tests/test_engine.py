@@ -14,6 +14,7 @@ import torch
 from conftest import DEADLINE, DEFERRED_ON_DEVICE, wait_until
 from models import GptRun, LogHead, SqrtOfSquare, mlp, run_gpt, train_gpt
 from torch import nn
+from torch.nn import functional as F
 
 import tensordbg
 from tensordbg.engine.session import EAGER_WINDOW
@@ -107,6 +108,81 @@ def test_checks_on_a_device_read_no_tensor_alone_in_a_clean_step(watch, monkeypa
     assert [r for r in reads if 0 < r[0] < 6] == []  # step 0 may answer a rule's Refine
     first = origins(session)[0]
     assert (first.module, first.kind, first.step) == ("blocks.0.attn", "output", 6)
+
+
+class NormAbove(Rule):
+    """Fires on every parameter gradient whose norm is above ``bound``."""
+
+    kinds = frozenset({"grad"})
+    needs = (L2,)
+
+    def __init__(self, *, bound: float = 0.0, **selection):
+        super().__init__(**selection)
+        self.bound = bound
+
+    def check(self, t, state):
+        norm = t.get(L2)
+        return Finding(norm, self.bound, f"{t.name}: {norm}") if norm > self.bound else None
+
+
+@pytest.mark.parametrize("sync", MODES)
+def test_a_rule_added_or_turned_off_between_steps_judges_the_parameter_gradients_from_the_next(
+    watch, sync
+):
+    """What a parameter gradient's record is checked for is not kept from one step to the next
+    when the rules change: a rule added after step 1 judges every gradient of step 2 on, and
+    one turned off after step 3 judges none of step 4."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = watch(model, optimizer=optimizer, on_hit="record", sync=sync)
+    x, y = torch.randn(16, 4), torch.randn(16, 2)
+    added = None
+    for step in range(5):
+        if step == 2:
+            added = session.add_rule(NormAbove(match="*.grad"))
+        if step == 4:
+            added.enabled = False
+            session.rules_changed()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    steps = sorted({h.step for h in session.hits if h.rule == added.rule.name})
+    assert steps == [2, 3]
+    named = {h.tensor for h in session.hits if h.rule == added.rule.name and h.step == 2}
+    assert named == {f"{n}.grad" for n, _ in model.named_parameters()}
+
+
+def test_deferred_checks_of_a_language_model_read_no_tensor_alone_in_a_clean_step(
+    watch, monkeypatch
+):
+    """An embedding table's gradient is mostly zero rows: its bound from the norm (mean |grad|
+    >= L2 / n) is below VanishingGradient's threshold every step here, but not below the
+    model's typical gradient times ``relative``, which decides it without reading the table
+    again (it read the table's min and max every step)."""
+    from tensordbg.engine.pipeline import Pipeline
+
+    reads = []
+    measure = Pipeline.measure
+    monkeypatch.setattr(Pipeline, "measure", lambda self, stats, *a: reads.append(
+        (self.step, stats.name)) or measure(self, stats, *a))  # fmt: skip
+    torch.manual_seed(0)
+    vocab = 4096
+    model = nn.Sequential(nn.Embedding(vocab, 64), nn.Linear(64, 64), nn.Tanh(),
+                          nn.Linear(64, vocab))  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    session = watch(model, optimizer=optimizer, on_hit="record", sync="deferred")
+    bounds = []
+    for _ in range(6):
+        tokens = torch.randint(0, vocab, (16, 65))
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1)).backward()
+        table = model[0].weight.grad
+        bounds.append(table.norm().item() / table.numel())
+        optimizer.step()
+        optimizer.zero_grad()
+    assert max(bounds) < VanishingGradient().threshold  # the bound alone does not decide
+    assert [r for r in reads if r[0] > 0] == []
+    assert session.hits == []
 
 
 # --- where a problem started -------------------------------------------------------------------

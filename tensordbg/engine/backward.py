@@ -30,7 +30,7 @@ from tensordbg.engine.pending import LightTensor, resolved
 from tensordbg.engine.phases import ActGradNote, Gradient, Judged, ParamGradNote
 from tensordbg.engine.records import Record, grad_record, is_model_output, param_grad_record
 from tensordbg.engine.vouching import GradientPlan
-from tensordbg.statistics import FINITE, L2, NAN
+from tensordbg.statistics import FINITE, L2, NAN, TensorStats
 from tensordbg.statistics.batch import norm_only, norms_of
 from tensordbg.statistics.torch_kernels import SCREEN, dtype_name, host_stats, norm_parts, watchable
 
@@ -44,6 +44,8 @@ class BackwardPhase:
     _pass_bad = False
     """A gradient screened in its hook this pass was not finite (read at the pass's end)."""
     _order_cache: tuple[tuple[str, ...], list[Any]] | None = None
+    _grad_makings: dict[str, tuple[Any, ...]]
+    """Per parameter: what its gradient's last record was made of (see _param_grad_record)."""
 
     def begin_backward(self) -> None:
         """Called by every backward hook: the first one of a pass ends the forward phase and
@@ -363,10 +365,11 @@ class BackwardPhase:
                 self.phases.pending.append(event)
                 continue
             if type(event) is ParamGradNote:
-                record = param_grad_record(event.name, event.owner, event.owner_type,
-                                           event.grad, self.step)  # fmt: skip
+                record, kept, silent, by_norm = self._param_grad_record(event)
             elif event.grad is not None:  # kept (on its device, or for a voucher), read now
                 record = grad_record(self._record_of(event.forward), event.grad, self.step)
+                kept, silent = self._prepare(record, event.grad)
+                by_norm = norm_only(record, event.grad)
             else:  # screened in its hook or vouched for: finite, and not kept
                 # Listed only: its rules speak only of NaN and Inf (grads_quiet), so judging it
                 # and attributing it (events for a clean gradient) would find nothing.
@@ -376,8 +379,7 @@ class BackwardPhase:
                 record.judged = True
                 self.phases.register(record)
                 continue
-            kept, silent = self._prepare(record, event.grad)
-            if record.wanted and norm_only(record, event.grad):
+            if record.wanted and by_norm:
                 together.append((record, event.grad))  # measured below, all at once
                 self.phases.pending.append(Judged(record))
             elif record.wanted:
@@ -385,6 +387,34 @@ class BackwardPhase:
             self.phases.pending.append(Gradient(record))
         if together:
             self._judge_norms(together)
+
+    def _param_grad_record(self, note: ParamGradNote) -> tuple[Record, bool, bool, bool]:
+        """The record of a noted parameter gradient, prepared as :meth:`_prepare` prepares
+        one; whether it is kept, whether its rules speak only of NaN and Inf, and whether its
+        statistics all come from its norm. What stays from step to step (its rules, what they
+        want) is the last step's, while the rules and the gradient's dtype and shape stay."""
+        grad = note.grad
+        made = self._grad_makings.get(note.name)
+        interval_step = self.interval > 1 and self.step % self.interval != 0
+        if (made is None or interval_step or made[0] is not grad.dtype or made[1] != grad.shape
+                or not self.ruleset.still(made[2], made[3])):  # fmt: skip
+            record = param_grad_record(note.name, note.owner, note.owner_type, grad, self.step)
+            kept, silent = self._prepare(record, grad)
+            by_norm = norm_only(record, grad)
+            if not interval_step:
+                applicable = self.ruleset.applicable(record.stats)
+                self._grad_makings[note.name] = (grad.dtype, grad.shape, record.stats,
+                                                 applicable, by_norm, record.nbytes)  # fmt: skip
+            return record, kept, silent, by_norm
+        _, _, was, applicable, by_norm, nbytes = made
+        stats = TensorStats(was.name, note.owner, "grad", "backward", self.step, was.shape,
+                            was.dtype, {}, note.owner_type, 0, True)  # fmt: skip
+        record = Record(stats, None, grad._version, nbytes, param=note.name,
+                        rule_ids=applicable.rule_ids, checks=applicable.checks,
+                        wanted=applicable.wanted)  # fmt: skip
+        self.phases.register(record)
+        kept = self.sync.retain(self, record, grad)
+        return record, kept, applicable.silent, by_norm
 
     def _judge_norms(self, together: list[tuple[Record, torch.Tensor]]) -> None:
         """Screen and judge records that want only ``finite`` and ``l2``, from one norm each;

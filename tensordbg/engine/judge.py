@@ -143,6 +143,11 @@ class RuleSet:
                               found.checks, found.silent)  # fmt: skip
         return found
 
+    def still(self, stats: TensorStats, applicable: Applicable) -> bool:
+        """Whether ``applicable`` (an answer of :meth:`applicable` for a tensor like ``stats``,
+        not ``screen_only``) is still the answer: no rule was added, changed or disabled."""
+        return self._applicable.get(_key(stats)) is applicable
+
     def _find(self, stats: TensorStats, refined: tuple[Stat, ...]) -> Applicable:
         ids: list[int] = []
         wanted: dict[Stat, None] = {}

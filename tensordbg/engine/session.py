@@ -136,6 +136,7 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         if self.sync.vouches_at_pass_end:
             self.plan = GradientPlan(self.vouchers, {p.name: p.param for p in self.params.values()})
         self._grads_seen: dict[str, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._grad_makings = {}
         self._unlisted: tuple[Call, int] | None = None  # a root forward not listed, where it goes
         self.phase_serial = 0  # phases started so far: which one a pending forward belongs to
         self.amp = MixedPrecision(scaler, int(max_skipped_steps))
@@ -353,6 +354,7 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         if self.plan is not None:
             self.plan.forget()
         self._order_cache = None
+        self._grad_makings = {}
         self.amp.clear()
         self.capture.reset()
         self._stepping = {}
