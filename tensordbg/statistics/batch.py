@@ -3,6 +3,7 @@ host (:class:`StatsBatch`); the norms of many tensors in one pass (:func:`norms_
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,6 +13,7 @@ from torch import Tensor
 from tensordbg.statistics.torch_kernels import finish
 
 _F64 = torch.float64
+_DOTTED = (torch.float32, _F64)
 # Parts batched together: their device, dtype, and whether they are 0-d (stacked) or vectors.
 _Group = tuple[torch.device, torch.dtype, bool]
 
@@ -102,4 +104,8 @@ def norms_of(tensors: Sequence[Tensor]) -> list[float]:
     the caller measures that tensor exactly."""
     if not tensors:
         return []
+    if all(t.is_cpu and t.dtype in _DOTTED for t in tensors):
+        # One BLAS dot each: on the host ~1.6x faster than _foreach_norm (53 gradients of a
+        # 4.2 M parameter model: 0.37 ms against 0.61-0.86 ms), as _l2_host reads one norm.
+        return [math.sqrt(torch.dot(f, f).item()) for f in (t.reshape(-1) for t in tensors)]
     return torch.stack(torch._foreach_norm(list(tensors))).tolist()  # float64 if any is
