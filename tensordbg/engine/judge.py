@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
 
+import torch
+
 from tensordbg.engine.records import NONFINITE, Record
 from tensordbg.rules import Rule
 from tensordbg.rules.base import Finding, Refine
@@ -62,6 +64,26 @@ class Applicable:
     """Per-tensor rules: those that can speak about a finite tensor, then the others."""
     silent: bool
     """All of them are silent on a finite tensor (a deferred session may leave it unscreened)."""
+
+
+@dataclass(slots=True, frozen=True)
+class Prepared:
+    """What a tensor's record was prepared with, to make the next one of the same tensor (a
+    parameter's gradient, every step) without asking again: its rules, whether its norm
+    alone gives what they want, its size."""
+
+    dtype: torch.dtype
+    shape: torch.Size
+    stats: TensorStats
+    rules: Applicable
+    by_norm: bool
+    nbytes: int
+
+    def fits(self, tensor: torch.Tensor, ruleset: RuleSet) -> bool:
+        """Whether ``tensor``'s record is prepared as this one was: the same dtype and shape,
+        and the same rules (none added, changed or disabled since)."""
+        return (tensor.dtype is self.dtype and tensor.shape == self.shape
+                and ruleset.still(self.stats, self.rules))  # fmt: skip
 
 
 class RuleSet:

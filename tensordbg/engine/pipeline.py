@@ -155,9 +155,13 @@ class Pipeline(Pausing, Pinpointing):
         """:meth:`collect` up to measuring: the record's rules and statistics, its place in the
         phase. Whether it is kept, and whether its rules speak only of NaN and Inf."""
         silent = self._applicable(record, extra)
+        return self._place(record, tensor), silent
+
+    def _place(self, record: Record, tensor: torch.Tensor | None) -> bool:
+        """Register a record in its phase and keep its tensor as the sync mode says: whether
+        it is kept."""
         self.phases.register(record)
-        kept = tensor is not None and self.sync.retain(self, record, tensor)
-        return kept, silent
+        return tensor is not None and self.sync.retain(self, record, tensor)
 
     def _applicable(self, record: Record, extra: tuple[Stat, ...] = ()) -> bool:
         """The record's rules and the statistics they want; whether its rules speak only of

@@ -1,5 +1,5 @@
 """Statistics of many tensors at once: a phase's, waiting on the device for one transfer to the
-host (:class:`StatsBatch`); the norms of many tensors in one pass (:func:`norms_of`)."""
+host (:class:`StatsBatch`); the norms of many tensors at once (:func:`norms_of`)."""
 
 from __future__ import annotations
 
@@ -99,9 +99,9 @@ def norm_only(record: Any, tensor: Tensor) -> bool:
 
 
 def norms_of(tensors: Sequence[Tensor]) -> list[float]:
-    """The L2 norms of float32/float64 tensors as Python floats, in one pass over all of them
-    (one read of the host). A norm that is not finite may be squares past the dtype's range:
-    the caller measures that tensor exactly."""
+    """The L2 norms of float32/float64 tensors as Python floats, each tensor read once. A norm
+    that is not finite may be squares past the dtype's range: the caller measures that tensor
+    exactly."""
     if not tensors:
         return []
     if all(t.is_cpu and t.dtype in _DOTTED for t in tensors):
