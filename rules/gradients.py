@@ -42,21 +42,31 @@ def note_scale(t: TensorStats, state: dict[str, Any]) -> float | None:
     before it): the model's scale. Returns it; None when the norm was not computed or is not
     finite. The root-mean-square is never below mean |g| and costs no pass of its own: the norm
     is computed for every gradient."""
-    l2 = t.get(L2)
-    if l2 is None or not math.isfinite(l2):
-        return None
-    scale = l2 / math.sqrt(t.numel)
-    if scale > 0:  # its latest nonzero scale: a gradient that stops had one (not unconnected)
-        state.setdefault("had", {})[t.name] = scale
+    return note_scales((t,), state)[0]
+
+
+def note_scales(tensors: Sequence[TensorStats], state: dict[str, Any]) -> list[float | None]:
+    """:func:`note_scale` of each gradient in turn (a pass's, in one loop)."""
+    had: dict[str, float] = state.setdefault("had", {})
     scales: dict[str, list[float]] = state.setdefault("scales", {})
-    noted = scales.get(t.name)
-    if noted is None:
-        scales[t.name] = [t.step, scale, math.nan]
-    elif noted[0] == t.step:
-        noted[1] = scale  # again in the same step (accumulated gradients, a refinement)
-    else:
-        noted[0], noted[1], noted[2] = t.step, scale, noted[1]
-    return scale
+    out: list[float | None] = []
+    for t in tensors:
+        l2 = t.values.get(L2)
+        if l2 is None or not math.isfinite(l2):
+            out.append(None)
+            continue
+        scale = l2 / math.sqrt(t.numel)
+        if scale > 0:  # its latest nonzero scale: a gradient that stops had one (not unconnected)
+            had[t.name] = scale
+        noted = scales.get(t.name)
+        if noted is None:
+            scales[t.name] = [t.step, scale, math.nan]
+        elif noted[0] == t.step:
+            noted[1] = scale  # again in the same step (accumulated gradients, a refinement)
+        else:
+            noted[0], noted[1], noted[2] = t.step, scale, noted[1]
+        out.append(scale)
+    return out
 
 
 def typical_scale(state: dict[str, Any], name: str, before: int | None = None) -> float | None:
@@ -160,6 +170,43 @@ class ExplodingGradient(Rule):
         if self.warmup > self.window:
             why = "the rule keeps the last window norms of a gradient"
             raise refusal(self, "warmup", f"at most window ({self.window})", why)
+
+    def check_many(
+        self, tensors: Sequence[TensorStats], state: dict[str, Any]
+    ) -> list[Finding | Refine | None]:
+        """:meth:`check` of each in turn. A finite gradient whose norm is within ``growth`` x
+        the smallest of its window (most of them, most steps) has no verdict to reach: it is
+        only noted (its norm, its scale), all in one loop. The others are checked as they come;
+        the model's typical gradient they are compared with is the same either way (each
+        gradient's scale from before this step)."""
+        verdicts: list[Finding | Refine | None] = []
+        quiet: list[TensorStats] = []
+        streaks: dict[str, int] = state.setdefault("above", {})
+        growth, window, warmup, max_norm = self.growth, self.window, self.warmup, self.max_norm
+        for t in tensors:
+            values = t.values
+            norm = values.get(L2)
+            history = state.get(t.name)
+            if (
+                norm is None
+                or not norm <= max_norm  # NaN too
+                or values.get(FINITE) != 1.0
+                or t.summary is not None
+                or history is None
+                or len(history) < warmup
+                or not ((low := min(history)) > 0 and norm <= growth * low)
+            ):
+                verdicts.append(self.check(t, state))
+                continue
+            history.append(norm)
+            if len(history) > window:
+                del history[:-window]
+            if streaks:
+                streaks.pop(t.name, None)
+            quiet.append(t)
+            verdicts.append(None)
+        note_scales(quiet, state)
+        return verdicts
 
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
         if t.nonfinite:
@@ -303,7 +350,7 @@ class VanishingGradient(Rule):
         typical gradient is the same for each, whichever statistics came with it (batched
         checks have what a Refine asks from the second step on; deferred ones ask again), and
         so is each weight that a bound shows learning, for its module's bias."""
-        scales = [note_scale(t, state) for t in tensors]
+        scales = note_scales(tensors, state)
         noted = []
         for t, scale in zip(tensors, scales, strict=True):
             mean = self._nonzero_mean(t, state) if t.trainable else None
@@ -312,7 +359,20 @@ class VanishingGradient(Rule):
                 # (the autograd engine makes a bias's gradient first) sees it so.
                 _note_weight(t, state, learning=True)
             noted.append((t, scale, mean))
-        return [self._verdict(t, state, scale, mean) for t, scale, mean in noted]
+        seen: set[str] = state.setdefault("seen", set())
+        streaks: dict[str, int] = state.setdefault("low", {})
+        verdicts: list[Finding | Refine | None] = []
+        for t, scale, mean in noted:
+            if mean is None and scale is not None and t.trainable:
+                # What _verdict makes of a gradient a bound shows learning (its weight noted
+                # above): most of them, most steps.
+                seen.add(t.name)
+                if streaks:
+                    streaks.pop(t.name, None)
+                verdicts.append(None)
+            else:
+                verdicts.append(self._verdict(t, state, scale, mean))
+        return verdicts
 
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | Refine | None:
         # Noted before a refinement too: the same value again when check is called back.

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tensordbg.rules.base import Finding, Rule, check_count, check_number, refusal
-from tensordbg.rules.gradients import negligible, note_scale
+from tensordbg.rules.gradients import THRESHOLD, negligible, note_scale, note_scales
 from tensordbg.statistics import (
     L2,
     MAX,
@@ -77,6 +77,33 @@ class WeightNotChanging(Rule):
         if t.kind == "grad":
             return (L2,)
         return (update_unchanged(self.rtol, self.atol),)
+
+    def check_many(
+        self, tensors: Sequence[TensorStats], state: dict[str, Any]
+    ) -> list[Finding | None]:
+        """:meth:`check` of each in turn, a pass's gradients in one loop: a gradient whose
+        root-mean-square reaches the threshold is not negligible whatever the others are; one
+        below it is checked where it comes (the others' scales as :meth:`check` sees them)."""
+        if any(t.kind != "grad" for t in tensors):
+            return [self.check(t, state) for t in tensors]
+        start = 0
+        for i, t in enumerate(tensors):
+            l2 = t.values.get(L2)
+            if l2 is None or not (math.isfinite(l2) and l2 / math.sqrt(t.numel) >= THRESHOLD):
+                self._learning(tensors[start:i], state)
+                self.check(t, state)
+                start = i + 1
+        self._learning(tensors[start:], state)
+        return [None] * len(tensors)
+
+    @staticmethod
+    def _learning(tensors: Sequence[TensorStats], state: dict[str, Any]) -> None:
+        """Note gradients whose root-mean-square reaches VanishingGradient's threshold: their
+        scales, and that each one's parameter is not idle."""
+        idle: dict[str, bool] = state.setdefault("idle", {})
+        note_scales(tensors, state)
+        for t in tensors:
+            idle[t.name.removesuffix(".grad")] = False
 
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
         # Per parameter: whether its latest measured gradient was negligible.

@@ -11,7 +11,7 @@ from conftest import DEFERRED_ON_DEVICE
 from models import SqrtOfSquare
 from torch import nn
 
-from tensordbg.engine import backward
+from tensordbg.engine import backward, param_grads
 from tensordbg.engine.vouching import PASSES_NONFINITE_ON, Vouchers
 from tensordbg.rules import NaN
 
@@ -48,8 +48,8 @@ def reads(monkeypatch) -> list[torch.Size]:
 def norm_passes(monkeypatch) -> list[int]:
     """How many gradients each norm pass of the backward phase reads, as they come."""
     passes: list[int] = []
-    real = backward.norms_of
-    monkeypatch.setattr(backward, "norms_of", lambda ts: passes.append(len(ts)) or real(ts))
+    real = param_grads.norms_of
+    monkeypatch.setattr(param_grads, "norms_of", lambda ts: passes.append(len(ts)) or real(ts))
     return passes
 
 

@@ -418,16 +418,16 @@ def test_a_dumped_step_on_a_device_reads_its_activations_and_their_gradients_in_
     deferred checks as they run on a device, and the dump's tensors count as not on the
     host.)"""
     from tensordbg.dump import subscriber
-    from tensordbg.engine import backward, modes
+    from tensordbg.engine import modes, param_grads
     from tensordbg.engine import session as engine
 
     monkeypatch.setattr(subscriber, "on_host", lambda tensor: False)
     monkeypatch.setattr(engine, "choose", lambda sync, device: modes.Deferred(on_device=True))
     flushes, norms = [], []
-    real_flush, real_norms = subscriber.StatsBatch.flush, backward.norms_of
+    real_flush, real_norms = subscriber.StatsBatch.flush, param_grads.norms_of
     monkeypatch.setattr(subscriber.StatsBatch, "flush",
                         lambda self: flushes.append(len(self)) or real_flush(self))  # fmt: skip
-    monkeypatch.setattr(backward, "norms_of",
+    monkeypatch.setattr(param_grads, "norms_of",
                         lambda ts: norms.append(len(ts)) or real_norms(ts))  # fmt: skip
     _train_dumped(_model(), tmp_path, steps=2, dump_every=1, sync="deferred")
     # One transfer a phase, and the dump's own of what the forward left unscreened: at attach

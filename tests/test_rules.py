@@ -316,6 +316,46 @@ def test_a_bias_cancelled_by_construction_is_judged_with_its_modules_weight_of_t
     assert rule.check(nan, state) is None and rule.check(bias, state) is None
 
 
+@pytest.mark.parametrize(
+    "make", [ExplodingGradient, WeightNotChanging], ids=["exploding", "weights"]
+)
+def test_a_pass_judged_together_gets_the_verdicts_and_memory_of_one_check_after_another(make):
+    """The engine hands a clean pass's gradients to a rule together (check_many), which takes a
+    short way for most of them: over 40 steps of 9 gradients, with a one-step spike, a norm that
+    grows x1.6 a step, a gradient that falls below 1e-7, an exact zero, a NaN and an Inf, it
+    reaches exactly what check reaches one gradient after another, and keeps the same memory."""
+    rule = make(window=12, warmup=6) if make is ExplodingGradient else make()  # windows roll
+    walk = np.random.default_rng(3)
+    one, many = {}, {}
+    fired = []
+    for step in range(40):
+        pass_ = []
+        for i in range(9):
+            norm = float(walk.uniform(0.5, 2.0)) * 10.0 ** (i - 4)
+            if i == 0 and step == 20:
+                norm *= 1e3  # a spike, gone the next step
+            if i == 6 and step >= 25:
+                norm *= 1.6 ** (step - 24)  # growing: fires once it persists
+            if i == 2 and step >= 30:
+                norm = 1e-12  # falls below VanishingGradient's threshold
+            values = grad(norm)
+            if i == 3 and step % 7 == 6:
+                values = np.zeros(4)
+            if i == 4 and step == 33:
+                values = np.array([1.0, np.nan, 0.0, 2.0])
+            if i == 5 and step == 35:
+                values = np.array([1.0, np.inf, 0.0, 2.0])
+            where = {"module": f"layers.{i}", "trainable": True, "step": step, "kind": "grad"}
+            pass_.append(tensor(rule, values, name=f"layers.{i}.weight.grad", **where))
+        alone = [rule.check(t, one) for t in pass_]
+        together = rule.check_many(pass_, many)
+        assert [str(f) for f in together] == [str(f) for f in alone], f"step {step}"
+        fired += [t.name for t, f in zip(pass_, alone, strict=True) if f is not None]
+    assert many == one
+    if make is ExplodingGradient:  # the NaN, the Inf and the growth; not the spike
+        assert {f.split(".")[1] for f in fired} == {"4", "5", "6"}
+
+
 def test_vanishing_gradient_is_quiet_on_healthy_or_frozen_parameters():
     assert judge(VanishingGradient(), np.full(10, 1e-3), trainable=True, **GRAD) is None
     assert judge(VanishingGradient(), np.zeros(10), trainable=False, **GRAD) is None

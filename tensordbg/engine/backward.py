@@ -21,31 +21,29 @@ Part of :class:`~tensordbg.engine.session.Session`, like :mod:`.pipeline` and :m
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any
 
 import torch
 
-from tensordbg.engine.judge import Prepared
+from tensordbg.engine.param_grads import ParamGradients
 from tensordbg.engine.pending import LightTensor, resolved
 from tensordbg.engine.phases import ActGradNote, Gradient, Judged, ParamGradNote
 from tensordbg.engine.records import Record, grad_record, is_model_output, param_grad_record
 from tensordbg.engine.vouching import GradientPlan
-from tensordbg.statistics import FINITE, L2, NAN, TensorStats
-from tensordbg.statistics.batch import norm_only, norms_of
-from tensordbg.statistics.torch_kernels import SCREEN, dtype_name, host_stats, norm_parts, watchable
+from tensordbg.statistics import FINITE, NAN
+from tensordbg.statistics.batch import norm_only
+from tensordbg.statistics.torch_kernels import SCREEN, dtype_name, host_stats
 
 
-class BackwardPhase:
-    """Part of :class:`~tensordbg.engine.session.Session`: its backward hooks."""
+class BackwardPhase(ParamGradients):
+    """Part of :class:`~tensordbg.engine.session.Session`: its backward hooks (the parameter
+    gradients at a pass's end: :class:`~.param_grads.ParamGradients`)."""
 
     plan: GradientPlan | None = None
     """The gradients vouched for at the end of the pass (deferred checks on the host), or None:
     every watched gradient has a hook (then parameters' too)."""
     _pass_bad = False
     """A gradient screened in its hook this pass was not finite (read at the pass's end)."""
-    _order_cache: tuple[tuple[str, ...], list[Any]] | None = None
-    _grad_makings: dict[str, Prepared]
 
     def begin_backward(self) -> None:
         """Called by every backward hook: the first one of a pass ends the forward phase and
@@ -164,27 +162,6 @@ class BackwardPhase:
             self._pass_bad = True
         self.phases.pending += [Judged(record), Gradient(record)]
 
-    def _note_param_grads(self) -> set[str]:
-        """Deferred on the host: the parameter gradients this pass made (or changed: gradients
-        accumulate), noted for the pass's norms. Parameters have no hooks there."""
-        seen = self._grads_seen
-        pending = self.phases.pending
-        noted = set()
-        for p in self._backward_order():
-            grad = p.param.grad
-            if grad is None or not p.param.requires_grad:
-                continue
-            last = seen.get(p.name)
-            if last is not None and last[0]() is grad and last[1] == grad._version:
-                continue  # not touched by this pass
-            seen[p.name] = (weakref.ref(grad), grad._version)
-            if grad.layout is torch.sparse_coo:
-                grad = grad.coalesce().values()  # the rows it has: a sparse embedding's update
-            if watchable(grad):
-                pending.append(ParamGradNote(p.name, p.owner, p.owner_type, grad))
-                noted.add(p.name)
-        return noted
-
     def end_unseen_pass(self) -> None:
         """At a boundary (the optimizer's step, the next root forward): a backward pass that no
         hook saw (its loss reached no hooked tensor) changed parameter gradients: its end is
@@ -195,39 +172,6 @@ class BackwardPhase:
             self._end_phase()
         self._start_phase("backward")
         self._end_phase()
-
-    def _backward_order(self) -> list[Any]:
-        """The parameters in the order a backward pass makes their gradients, as their hooks
-        would have seen them: their modules' in reverse order of first call (nearest the loss
-        first), a module's own in the order autograd accumulates them."""
-        paths = tuple(self.capture.call_counts())
-        cached = self._order_cache
-        if cached is not None and cached[0] == paths:
-            return cached[1]
-        first = {path: i for i, path in enumerate(paths)}
-        rank = self.plan.param_order if self.plan is not None else {}
-
-        def key(p: Any) -> tuple[float, int]:
-            path = p.owner
-            while path not in first and path:
-                path = path.rpartition(".")[0]
-            return -first.get(path, -1), rank.get(p.name, 0)
-
-        order = sorted(self.weights.params.values(), key=key)
-        self._order_cache = (paths, order)
-        return order
-
-    def grads_changed(self) -> bool:
-        """Whether a parameter gradient changed since the last pass's end: a pass no hook saw
-        (its loss reached no hooked tensor), whose end is then checked at the next boundary."""
-        seen = self._grads_seen
-        for p in self.weights.params.values():
-            grad = p.param.grad
-            if grad is not None and p.param.requires_grad:
-                last = seen.get(p.name)
-                if last is None or last[0]() is not grad or last[1] != grad._version:
-                    return True
-        return False
 
     def _judge_plan(self, noted: set[str]) -> None:
         """At the end of a pass on the host: the planned gradients' verdicts from their
@@ -356,10 +300,11 @@ class BackwardPhase:
         norm are measured together (:func:`norms_of`: one pass over all of them)."""
         notes = (ParamGradNote, ActGradNote) if gradients_of_activations else (ParamGradNote,)
         pending = self.phases.pending
+        together, self._by_norm = self._by_norm, []  # noted with their records: measured below
         if not any(type(e) in notes for e in pending):
+            self._judge_norms(together)
             return
         self.phases.pending = []
-        together: list[tuple[Record, torch.Tensor]] = []
         for event in pending:
             if type(event) not in notes:
                 self.phases.pending.append(event)
@@ -385,78 +330,7 @@ class BackwardPhase:
             elif record.wanted:
                 self.sync.collect(self, record, event.grad, silent, kept)
             self.phases.pending.append(Gradient(record))
-        if together:
-            self._judge_norms(together)
-
-    def _param_grad_record(self, note: ParamGradNote) -> tuple[Record, bool, bool, bool]:
-        """The record of a noted parameter gradient, prepared as :meth:`_prepare` prepares
-        one; whether it is kept, whether its rules speak only of NaN and Inf, and whether its
-        statistics all come from its norm. Its rules and what they want are the last step's
-        while they still fit (:class:`Prepared`: 0.15 ms a step less for the benchmark's 53
-        gradients)."""
-        grad = note.grad
-        made = self._grad_makings.get(note.name)
-        interval_step = self.interval > 1 and self.step % self.interval != 0
-        if made is None or interval_step or not made.fits(grad, self.ruleset):
-            record = param_grad_record(note.name, note.owner, note.owner_type, grad, self.step)
-            kept, silent = self._prepare(record, grad)
-            by_norm = norm_only(record, grad)
-            if not interval_step:
-                self._grad_makings[note.name] = Prepared(
-                    grad.dtype, grad.shape, record.stats, self.ruleset.applicable(record.stats),
-                    by_norm, record.nbytes)  # fmt: skip
-            return record, kept, silent, by_norm
-        was, rules = made.stats, made.rules
-        stats = TensorStats(was.name, note.owner, "grad", "backward", self.step, was.shape,
-                            was.dtype, {}, note.owner_type, 0, True)  # fmt: skip
-        record = Record(stats, None, grad._version, made.nbytes, param=note.name,
-                        rule_ids=rules.rule_ids, checks=rules.checks,
-                        wanted=rules.wanted)  # fmt: skip
-        return record, self._place(record, grad), rules.silent, made.by_norm
-
-    def _judge_norms(self, together: list[tuple[Record, torch.Tensor]]) -> None:
-        """Screen and judge records that want only ``finite`` and ``l2``, from one norm each;
-        on a device, the norms join the phase's transfer and the records are judged after it."""
-        if self.sync.on_device and not any(self.amp.scales(r.stats) for r, _ in together):
-            norms = torch._foreach_norm([t for _, t in together], 2, dtype=torch.float64)
-            for (record, _), norm in zip(together, norms, strict=True):
-                slot = self.phases.batch.add_parts(*norm_parts(norm, record.wanted))
-                self.phases.awaits(record, record.wanted, slot)
-            return
-        norms = norms_of([t for _, t in together])
-        finite: list[Record] = []
-        tensors: list[torch.Tensor] = []
-        for (record, tensor), norm in zip(together, norms, strict=True):
-            if math.isfinite(norm):
-                found = {FINITE: 1.0, L2: norm}
-                values = [found[s] for s in record.wanted]
-                if self.amp.scales(record.stats):
-                    values = self.amp.unscale(record.wanted, values)
-                record.stats.values = dict(zip(record.wanted, values, strict=True))
-                record.lazy = False
-                finite.append(record)
-                tensors.append(tensor)
-                continue
-            self.screen(record, tensor)  # a NaN or Inf, or squares past the dtype's range
-            self.judge(record, tensor)
-            if record.findings or record.conditions:
-                self.triggered = True
-        self.judge_finite(finite, tensors)  # each rule once for all of them
-        if any(record.findings or record.conditions for record in finite):
-            self.triggered = True
-
-    def _judge_clean_gradients(self) -> None:
-        """On a device, a pass's finite parameter gradients are judged together once their
-        statistics arrived, as deferred checks judge them on the host: each rule sees every
-        gradient's scale before it refines any (VanishingGradient's typical gradient), so the
-        modes give the same verdicts."""
-        clean = [
-            e.record for e in self.phases.pending
-            if type(e) is Judged and e.record.stats.kind == "grad" and not e.record.judged
-            and e.record.stats.values.get(FINITE) == 1.0
-        ]  # fmt: skip
-        if clean:
-            self.judge_finite(clean, [r.held() for r in clean])
+        self._judge_norms(together)
 
     def _screen_kept_gradients(self) -> None:
         """Deferred on a device: the activation gradients the pass kept unread are screened

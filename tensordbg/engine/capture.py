@@ -333,7 +333,7 @@ class Capture(ForwardLog):
                 else:
                     session.keep_unlisted(record, t, self._structure)
             if not aliased or node is not False:  # a detached alias: no gradient reaches it
-                record.consumers.append(call)
+                record.consumed_by(call)
             call.inputs.append((suffix, record))
             if made is None:
                 self._hook_grad(t, node, record)
@@ -365,7 +365,7 @@ class Capture(ForwardLog):
                 if hot[0] == version and record.lazy and record.wanted == SCREEN:
                     record.stats.values = {FINITE: 1.0, MEAN: hot[1]}  # read in its hook
             elif record.producer is not None and record.producer is not call:
-                record.passed_up.append(call)
+                record.passed_up_to(call)
             if call.parent is None and not self._structure:
                 self._outputs[_memory(t)] = record
             call.outputs.append((suffix, record))

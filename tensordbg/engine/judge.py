@@ -77,7 +77,18 @@ class Prepared:
     stats: TensorStats
     rules: Applicable
     by_norm: bool
+    """Its statistics all come from its norm (and the rules want some)."""
     nbytes: int
+    param: str
+
+    def record(self, owner: str, owner_type: str, step: int, version: int) -> Record:
+        """A new record of the tensor, as prepared: its statistics not computed yet."""
+        was, rules = self.stats, self.rules
+        stats = TensorStats(was.name, owner, was.kind, was.phase, step, was.shape, was.dtype,
+                            {}, owner_type, 0, was.trainable)  # fmt: skip
+        return Record(stats, None, version, self.nbytes, param=self.param,
+                      rule_ids=rules.rule_ids, checks=rules.checks,
+                      wanted=rules.wanted)  # fmt: skip
 
     def fits(self, tensor: torch.Tensor, ruleset: RuleSet) -> bool:
         """Whether ``tensor``'s record is prepared as this one was: the same dtype and shape,
@@ -279,12 +290,12 @@ class RuleSet:
             finally:
                 self.running = None
             if finding is not None:
-                record.findings[active.id] = finding
+                record.find(active.id, finding)
         if nonfinite:
-            record.conditions.add(NONFINITE)
+            record.fire(NONFINITE)
         for rule_id in record.findings:
             if self.propagates(rule_id):
-                record.conditions.add(rule_id)
+                record.fire(rule_id)
 
     def judge_finite(self, records: Sequence[Record], measure: Callable[[Record], Measure | None]
                      ) -> None:  # fmt: skip
@@ -315,7 +326,7 @@ class RuleSet:
                     if finding is not None:
                         found.append((record, finding))
                 for record, finding in found:
-                    record.findings[active.id] = finding
+                    record.find(active.id, finding)
             except Exception as e:
                 self.disable(active, e)
             finally:
@@ -323,7 +334,7 @@ class RuleSet:
         for record in records:
             for rule_id in record.findings:
                 if self.propagates(rule_id):
-                    record.conditions.add(rule_id)
+                    record.fire(rule_id)
 
     def _refine(
         self, stats: TensorStats, ask: Refine, active: ActiveRule, measure: Measure | None
@@ -365,7 +376,7 @@ class RuleSet:
             for stats, finding in verdicts:
                 record = by_stats.get(id(stats))
                 if record is not None:
-                    record.findings[active.id] = finding
+                    record.find(active.id, finding)
                     found.append((record, active.id, finding))
         return found
 

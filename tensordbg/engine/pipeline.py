@@ -252,8 +252,10 @@ class Pipeline(Pausing, Pinpointing):
             # anything; what the screened records say (the loss for the curve) is all there is.
             pending, self.phases.pending = self.phases.pending, []
             for event in pending:
-                if type(event) is Judged and not event.record.lazy:
-                    self.report(event.record)
+                if type(event) is not Judged or event.record.lazy:
+                    continue
+                if event.record.findings or event.record.stats.kind != "grad":
+                    self.report(event.record)  # (a clean gradient has nothing to report)
         self._drain()
         self._judge_phase()
         self._publish_phase()

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, field
-from types import CodeType
+from types import CodeType, MappingProxyType
 from typing import Any
 
 import torch
@@ -72,6 +72,12 @@ class Call:
             call = call.parent
 
 
+NO_FINDINGS: Mapping[int, Any] = MappingProxyType({})
+"""The findings of a record that has none (most of them): shared, read-only; the record gets a
+dict of its own at its first (:meth:`Record.find`). So do its conditions, consumers and the
+calls it was passed up to (a frozenset, tuples): a clean step's records allocate none."""
+
+
 @dataclass(eq=False, slots=True)
 class Record:
     """One watched tensor (one version of it) within a phase: its statistics and, while the
@@ -83,8 +89,8 @@ class Record:
     nbytes: int
     suffix: str = ""
     producer: Call | None = None
-    passed_up: list[Call] = field(default_factory=list)
-    consumers: list[Call] = field(default_factory=list)
+    passed_up: Sequence[Call] = ()
+    consumers: Sequence[Call] = ()
     grad_of: Record | None = None
     param: str = ""
     hidden: bool = False
@@ -95,11 +101,35 @@ class Record:
     judged: bool = False
     sentinel: bool = False  # the model's output gradient: always screened at once
     slot: int = -1
-    findings: dict[int, Any] = field(default_factory=dict)
-    conditions: set[int] = field(default_factory=set)
+    findings: Mapping[int, Any] = field(default_factory=lambda: NO_FINDINGS)
+    conditions: Set[int] = frozenset()
     grad_hooked: bool = False
     weak: weakref.ref[torch.Tensor] | None = None
     voucher: str = ""  # a gradient not kept, judged from this parameter's (engine/vouching.py)
+
+    def find(self, rule_id: int, finding: Any) -> None:
+        """Add a rule's finding."""
+        if self.findings is NO_FINDINGS:
+            self.findings = {}
+        self.findings[rule_id] = finding  # type: ignore[index]
+
+    def fire(self, condition: int) -> None:
+        """Add a condition it carries (:mod:`.origin`: NaN/Inf, or a rule that propagates)."""
+        if type(self.conditions) is frozenset:
+            self.conditions = set(self.conditions)
+        self.conditions.add(condition)  # type: ignore[attr-defined]
+
+    def consumed_by(self, call: Call) -> None:
+        """A call took it as an input."""
+        if type(self.consumers) is tuple:
+            self.consumers = []
+        self.consumers.append(call)  # type: ignore[attr-defined]
+
+    def passed_up_to(self, call: Call) -> None:
+        """A call returned it, made by one of its children."""
+        if type(self.passed_up) is tuple:
+            self.passed_up = []
+        self.passed_up.append(call)  # type: ignore[attr-defined]
 
     def held(self) -> torch.Tensor | None:
         """The tensor, if it can still be shown: kept by the session, or (eager mode, which keeps

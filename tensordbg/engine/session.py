@@ -137,6 +137,7 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
             self.plan = GradientPlan(self.vouchers, {p.name: p.param for p in self.params.values()})
         self._grads_seen: dict[str, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._grad_makings = {}
+        self._by_norm = []
         self._unlisted: tuple[Call, int] | None = None  # a root forward not listed, where it goes
         self.phase_serial = 0  # phases started so far: which one a pending forward belongs to
         self.amp = MixedPrecision(scaler, int(max_skipped_steps))
@@ -355,6 +356,7 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
             self.plan.forget()
         self._order_cache = None
         self._grad_makings = {}
+        self._by_norm = []
         self.amp.clear()
         self.capture.reset()
         self._stepping = {}
