@@ -46,6 +46,10 @@ EXAMPLES = {
         one made later, from its first step). A Hugging Face or Lightning Trainer gets
         tensordbg's callback instead. Open the UI with `tensordbg tui` in another
         terminal.
+
+        exit code: the script's own, except 1 when it exits 0 after a watchpoint
+        hit (as a linter: a CI job fails when something hit); 2 for a mistake in the
+        rules given; 130 after Ctrl-C.
         """,
     "tui": """
         examples:

@@ -333,6 +333,15 @@ def test_every_command_has_help_with_an_example(cli, tmp_path: Path):
         assert "examples:" in out and f"tensordbg {command}" in out
 
 
+def test_run_says_in_its_help_what_its_exit_codes_mean(cli):
+    """A new user's run ended 1 after the training finished: the help says why."""
+    code, out, _ = cli("run", "--help")
+    assert code == 0
+    said = " ".join(out.split())
+    assert "exit code: the script's own, except 1 when it exits 0 after a watchpoint hit" in said
+    assert "130 after Ctrl-C" in said
+
+
 def test_every_option_says_what_it_does():
     commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     for name, command in commands.choices.items():
