@@ -80,6 +80,11 @@ class Prepared:
     """Its statistics all come from its norm (and the rules want some)."""
     nbytes: int
     param: str
+    key: tuple[Any, ...] = field(init=False)
+    """What decides which rules apply to it (:meth:`RuleSet.still` looks it up)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", _key(self.stats))
 
     def record(self, owner: str, owner_type: str, step: int, version: int) -> Record:
         """A new record of the tensor, as prepared: its statistics not computed yet."""
@@ -94,7 +99,7 @@ class Prepared:
         """Whether ``tensor``'s record is prepared as this one was: the same dtype and shape,
         and the same rules (none added, changed or disabled since)."""
         return (tensor.dtype is self.dtype and tensor.shape == self.shape
-                and ruleset.still(self.stats, self.rules))  # fmt: skip
+                and ruleset.still(self.key, self.rules))  # fmt: skip
 
 
 class RuleSet:
@@ -176,10 +181,11 @@ class RuleSet:
                               found.checks, found.silent)  # fmt: skip
         return found
 
-    def still(self, stats: TensorStats, applicable: Applicable) -> bool:
-        """Whether ``applicable`` (an answer of :meth:`applicable` for a tensor like ``stats``,
-        not ``screen_only``) is still the answer: no rule was added, changed or disabled."""
-        return self._applicable.get(_key(stats)) is applicable
+    def still(self, key: tuple[Any, ...], applicable: Applicable) -> bool:
+        """Whether ``applicable`` (an answer of :meth:`applicable` for a tensor of ``key``,
+        :func:`_key`, not ``screen_only``) is still the answer: no rule was added, changed or
+        disabled."""
+        return self._applicable.get(key) is applicable
 
     def _find(self, stats: TensorStats, refined: tuple[Stat, ...]) -> Applicable:
         ids: list[int] = []
@@ -302,21 +308,37 @@ class RuleSet:
         """:meth:`judge` of many records known finite, each rule called once for all those it
         looks at (:meth:`Rule.check_many`, in their order): a clean pass's parameter gradients.
         A rule that raises is disabled and says nothing of any of them."""
-        by_rule: dict[int, tuple[ActiveRule, list[Record]]] = {}
+        alike: dict[tuple[ActiveRule, ...], list[Record]] = {}  # most: the same rules
         for record in records:
             record.judged = True
-            for active in record.checks[0] if record.checks else ():  # the others are silent
-                mine = by_rule.get(active.id)
-                if mine is None:
-                    by_rule[active.id] = (active, [record])
-                else:
-                    mine[1].append(record)
+            loud = record.checks[0] if record.checks else ()  # the others are silent
+            same = alike.get(loud)
+            if same is None:
+                alike[loud] = [record]
+            else:
+                same.append(record)
+        by_rule: dict[int, tuple[ActiveRule, list[Record]]] = {}
+        if len(alike) == 1:
+            for loud, same in alike.items():
+                by_rule = {active.id: (active, same) for active in loud}
+        else:  # each rule's in their order
+            for record in records:
+                for active in record.checks[0] if record.checks else ():
+                    mine = by_rule.get(active.id)
+                    if mine is None:
+                        by_rule[active.id] = (active, [record])
+                    else:
+                        mine[1].append(record)
+        stats_of: dict[int, list[TensorStats]] = {}  # by list: the rules share one, most often
         for active, mine in by_rule.values():
             if not active.enabled:
                 continue
             self.running = (active, mine[0].stats, perf_counter())
             try:
-                verdicts = active.rule.check_many([r.stats for r in mine], active.state)
+                tensors = stats_of.get(id(mine))
+                if tensors is None:
+                    tensors = stats_of[id(mine)] = [r.stats for r in mine]
+                verdicts = active.rule.check_many(list(tensors), active.state)  # its own
                 if len(verdicts) != len(mine):
                     raise ValueError(f"check_many gave {len(verdicts)} verdicts for {len(mine)}")
                 found = []

@@ -54,15 +54,16 @@ class ParamGradients:
             if grad is None or not p.param.requires_grad:
                 continue
             name = p.name
-            last = seen.get(name)
-            if last is not None and last[0]() is grad and last[1] == grad._version:
+            last, version = seen.get(name), grad._version
+            if last is not None and last[0]() is grad and last[1] == version:
                 continue  # not touched by this pass
-            seen[name] = (weakref.ref(grad), grad._version)
+            seen[name] = (weakref.ref(grad), version)
             if grad.layout is torch.sparse_coo:
                 grad = grad.coalesce().values()  # the rows it has: a sparse embedding's update
+                version = grad._version
             made = makings.get(name)
             if made is not None and made.by_norm and not fresh and made.fits(grad, ruleset):
-                record = made.record(p.owner, p.owner_type, step, grad._version)
+                record = made.record(p.owner, p.owner_type, step, version)
                 self._place(record, grad)
                 by_norm.append((record, grad))
                 pending += [Judged(record), Gradient(record)]
