@@ -67,8 +67,8 @@ class Sink(Protocol):
     def plans_gradients(self) -> bool: ...
     def lists_forward(self) -> bool: ...
     def keep_unlisted(self, record: Record, tensor: torch.Tensor) -> None: ...
-    def plan_gradients(self, seen: list[tuple[Record, Any, int]],
-                       calls: dict[str, int]) -> list[tuple[Record, Any, int]]: ...  # fmt: skip
+    def plan_gradients(self, seen: list[tuple[Record, Any, int]], calls: dict[str, int],
+                       roots: list[Any]) -> list[tuple[Record, Any, int]]: ...  # fmt: skip
     def pass_started(self, grads: tuple) -> None: ...
     def log_budget(self) -> int: ...
     def screens_noted(self) -> bool: ...
@@ -139,6 +139,7 @@ class Capture(ForwardLog):
         self._log_bytes = 0
         self._log_dtypes: frozenset[torch.dtype] = frozenset()
         self._log_room = 0
+        self._log_whole = True
         self._hot: dict[int, tuple[int, float]] | None = None  # finite outputs: version, mean
         self.grad_hooks: GradHooks | None = None
         self._planning: list[tuple[Record, Any, int]] = []  # gradients the session may vouch for
@@ -268,7 +269,7 @@ class Capture(ForwardLog):
                 self.replay(resume=False)  # a tensor its rules must see at once: live from here
             seen = _as_seen(leaves)
             if self._log is not None:
-                if self.session.defers_forward(seen):
+                if self._log_whole and self.session.defers_forward(seen):
                     self._defer(seen)  # no call or record: only what the backward needs
                     return
                 # The calls and records are made now; the phase's events for them only if it

@@ -233,7 +233,8 @@ class ForwardLog:
                       seen: list[Any]) -> None:  # fmt: skip
         """Hook the gradients the session cannot vouch for; the model's outputs (``outputs``,
         as their hooks ``seen`` them) start the backward pass whatever they get."""
-        hooks = self.session.plan_gradients(planning, self.calls_since_pass)
+        roots = [node[0] for *_, node in seen if node]
+        hooks = self.session.plan_gradients(planning, self.calls_since_pass, roots)
         for record, node, output_nr in hooks:
             self.grad_hooks.hook_node(record, node, output_nr)
         hooked = {id(record) for record, _, _ in hooks}
@@ -277,7 +278,7 @@ class ForwardLog:
         self._log_bytes = 0
         self._replay(log or ())
         if resume and self.stack:
-            self._start_log()
+            self._start_log(whole=False)
 
     def _replay(self, log: list[Entry]) -> None:
         """Make the calls and records of ``log``'s entries, as their hooks would have."""
@@ -287,7 +288,10 @@ class ForwardLog:
             else:
                 self._enter(key, seen, site, invocation)
 
-    def _start_log(self) -> None:
+    def _start_log(self, whole: bool = True) -> None:
+        """Note the calls from here on; ``whole``: from the root's start (else the log follows a
+        replay in the middle of the forward, and only a whole log can be left pending)."""
+        self._log_whole = whole
         self._log_dtypes = self.session.logs_forward()
         self._log = [] if self._log_dtypes else None
         self._log_room = self.session.log_budget()
