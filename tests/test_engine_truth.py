@@ -32,6 +32,7 @@ from tensordbg.sources.slicing import (
     parse_index,
     result_shape,
 )
+from tensordbg.statistics.registry import FINITE
 
 MODES = ("eager", "batched", "deferred", DEFERRED_ON_DEVICE)
 
@@ -210,6 +211,85 @@ def test_every_mode_names_the_parents_own_code_not_the_child_it_handed_the_value
         session.detach()
     assert all(found[sync] == found["eager"] for sync in MODES), found
     assert all(not t.startswith(("b.", "head.")) for t, _ in found["eager"]), found
+
+
+class Residual(nn.Module):
+    def __init__(self, bad=False):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.bad = NaNBackward() if bad else nn.Identity()
+        self.into = bad == "in"  # on the block's input, not its output
+
+    def forward(self, x):
+        if self.into:
+            return x + self.lin(self.bad(x))
+        return x + self.bad(self.lin(x))
+
+
+BACKWARD_ORIGINS = {
+    # Deferred checks judged the gradient of NaNBackward's output from the bias below it (its
+    # gradient reaches that one whole, through the addition), so named it, finite as it was,
+    # the origin: the bias's gradient also held what NaNBackward's own backward made.
+    "after an activation": (
+        lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), NaNBackward(), nn.Linear(8, 2)),
+        "2.grad_input[0]",
+    ),
+    "nested": (
+        lambda: nn.Sequential(
+            nn.Linear(4, 8), nn.Sequential(nn.Tanh(), NaNBackward()), nn.Linear(8, 2)
+        ),
+        "1.1.grad_input[0]",
+    ),
+    # A residual stream: the NaN made above it, in a block, and after it.
+    "above a residual": (
+        lambda: nn.Sequential(nn.Linear(4, 8), Residual(), NaNBackward(), nn.Linear(8, 2)),
+        "2.grad_input[0]",
+    ),
+    "in a residual block": (
+        lambda: nn.Sequential(nn.Linear(4, 8), Residual(bad=True), Residual(), nn.Linear(8, 2)),
+        "1.bad.grad_input[0]",
+    ),
+    "below a residual": (
+        lambda: nn.Sequential(nn.Linear(4, 8), NaNBackward(), Residual(), nn.Linear(8, 2)),
+        "1.grad_input[0]",
+    ),
+    "into a residual block": (
+        lambda: nn.Sequential(nn.Linear(4, 8), Residual(bad="in"), nn.Linear(8, 2)),
+        "1.bad.grad_input[0]",
+    ),
+}
+
+
+@pytest.mark.parametrize("shape", BACKWARD_ORIGINS)
+def test_every_mode_names_where_a_backward_nan_was_made_and_the_same_hits(watch, shape):
+    """A NaN made by a backward alone, where deferred checks judge gradients from the
+    parameters' below them: each mode names the operation that made it, and hits the same
+    tensors. A gradient a mode did not read has no verdict; one it did has eager's."""
+    make, expected = BACKWARD_ORIGINS[shape]
+    found, verdicts = {}, {}
+    for sync in MODES:
+        torch.manual_seed(0)
+        model = make()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        session = watch(model, optimizer=opt, on_hit="record", rules=[NaN()], sync=sync)
+        model(torch.randn(3, 4)).sum().backward()
+        session.flush()
+        records = session.snapshot().records
+        verdicts[sync] = {r.stats.name: r.stats.values.get(FINITE) for r in records
+                          if r.stats.kind in ("grad_output", "grad_input")}  # fmt: skip
+        opt.step()
+        session.flush()
+        found[sync] = (origins(session), [h.tensor for h in session.hits])
+        session.detach()
+    assert found["eager"][0] == [(expected, "grad_input")], found["eager"]
+    assert all(found[sync] == found["eager"] for sync in MODES), found
+    eager = verdicts["eager"]
+    assert None not in eager.values() and 0.0 in eager.values() and 1.0 in eager.values(), eager
+    for sync in MODES:
+        assert verdicts[sync].keys() == eager.keys(), (sync, verdicts)
+        assert all(v in (None, eager[name]) for name, v in verdicts[sync].items()), (sync, verdicts)
+    if shape == "into a residual block":  # its gradient reaches a clean bias's: it is finite
+        assert verdicts["deferred"]["1.grad_output"] == 1.0, verdicts
 
 
 def test_a_nan_in_a_sparse_gradient_is_found_in_the_gradient_not_blamed_on_the_optimizer(watch):
@@ -517,6 +597,59 @@ def test_weights_updated_by_hand_are_said_once_to_be_unwatched(watch, capsys):
 
 
 # --- requests and signals that cannot hurt the training -------------------------------------
+
+
+class AsksMidForward(nn.Module):
+    """The identity; once given a session, it has another thread ask that training for a
+    change while this forward runs (as the UI's server does: a profile, a rule edited). The
+    change waits for the training's next hook: in the middle of the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.session, self.applied_in = None, []
+
+    def forward(self, x):
+        if self.session is not None:
+            session, self.session = self.session, None
+            change = lambda: self.applied_in.append(session.phase)  # noqa: E731
+            asker = threading.Thread(target=session.control.submit, args=(change,))
+            asker.start()
+            asker.join(DEADLINE)
+        return x
+
+
+@pytest.mark.parametrize("sync", MODES)
+def test_a_change_asked_for_in_the_middle_of_a_forward_keeps_the_step_watched(watch, sync):
+    """A request that lands while the forward runs, two modules deep: the change runs on the
+    training thread at the next hook, and the rest of that forward is still known as it was
+    (deferred checks once named nothing: the forward's remaining log was read as if it began
+    at the root, the engine stopped watching with an internal error, and a profile asked for
+    from the UI at the demo's first step never started). The backward's NaN of that step is
+    named where it was made, and the next step is watched."""
+    asks = AsksMidForward()
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 8),
+        nn.Sequential(nn.Sequential(asks, nn.Tanh()), NaNBackward()),
+        nn.Linear(8, 2),
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        session = watch(model, optimizer=opt, on_hit="record", rules=[NaN()], sync=sync)
+        asks.session = session
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        session.flush()
+    assert asks.applied_in == ["forward"]
+    assert not session.broken and not [w for w in caught if "internal error" in str(w.message)]
+    assert session.step == 2
+    backward = origins(session, "backward")
+    assert backward and all(t.startswith("1.1") for t, _ in backward), backward
+    assert {h.step for h in session.hits if h.origin} == {0}  # step 1's NaN: a repeat
+    assert {h.step for h in session.hits} == {0, 1}
 
 
 @pytest.fixture

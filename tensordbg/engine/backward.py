@@ -86,12 +86,13 @@ class BackwardPhase(ParamGradients):
         except Exception as e:
             self.fault(e)
 
-    def plan_gradients(self, seen: list[tuple[Any, Any, int, str]],
-                       calls: dict[str, int]) -> list[tuple[Any, Any, int]]:  # fmt: skip
+    def plan_gradients(self, seen: list[tuple[Any, Any, int, str]], calls: dict[str, int],
+                       roots: list[Any]) -> list[tuple[Any, Any, int]]:  # fmt: skip
         """At a root forward's end: of its tensors that need a gradient (a record or what
         stands for it, the autograd node that made it, its output number, its dtype), those to
         hook; the others are vouched for at the end of the pass (see :mod:`.vouching`).
-        ``calls``: each module's calls since the last pass."""
+        ``calls``: each module's calls since the last pass; ``roots``: the autograd nodes of
+        the forward's outputs."""
         if self.plan is None:  # every gradient is hooked (several ranks)
             return [item[:3] for item in seen]
         quiet, loud = [], []
@@ -100,7 +101,7 @@ class BackwardPhase(ParamGradients):
                 quiet.append(item)
             else:
                 loud.append(item[:3])
-        return loud + self.plan.plan(quiet, calls)
+        return loud + self.plan.plan(quiet, calls, roots)
 
     def activation_grad(self, forward: Record, grad: torch.Tensor) -> None:
         """The gradient of a watched forward tensor. A clean deferred backward only notes it
@@ -182,11 +183,16 @@ class BackwardPhase(ParamGradients):
         self.plan.not_finite = {n for n in self.plan.not_finite if n not in finite} | {
             n for n, ok in finite.items() if not ok
         }
-        clean, bad = self.plan.judged(finite)
+        clean, bad, unread = self.plan.judged(finite)
         listed = bad or self._pass_bad or self.triggered or self.dumps_all()
         if listed:  # the phase's records list every watched gradient, these as finite
             forwards = [self._record_of(p.forward) for p in clean]
             self.phases.pending += [ActGradNote(f, *_like(f), None) for f in forwards]
+        for p in unread:  # its voucher says nothing of it: not read, no verdict
+            forward = self._record_of(p.forward)
+            record = grad_record(forward, None, self.step, _like(forward))
+            record.voucher = p.voucher
+            self._collect_late(record, None)
         for p in bad:
             forward = self._record_of(p.forward)
             record = grad_record(forward, None, self.step, _like(forward))

@@ -30,6 +30,7 @@ import torch
 from tensordbg.engine.phases import Judged
 from tensordbg.engine.records import Record
 from tensordbg.statistics.batch import on_host
+from tensordbg.statistics.registry import FINITE
 from tensordbg.statistics.torch_kernels import device_parts, device_stats
 
 if TYPE_CHECKING:
@@ -187,6 +188,13 @@ class Deferred(SyncMode):
         return not triggered
 
     def why_not_kept(self, record: Record, retain_bytes: int) -> str:
+        if record.voucher and FINITE not in record.stats.values:
+            return (
+                f"deferred checks judge this gradient from {record.voucher}'s gradient, which "
+                "takes every element of it but of others too (it reaches a tensor that other "
+                f"operations also use); {record.voucher}'s gradient is not finite, which says "
+                "nothing of this one, and it was not read. sync='eager' reads it"
+            )
         if record.voucher:
             return (
                 f"deferred checks judge this gradient from {record.voucher}'s gradient, which "

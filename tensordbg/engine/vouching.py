@@ -232,16 +232,22 @@ class Planned:
     of the pass from the voucher's norm. ``forward``: its record, or what stands for it until
     the record is made (engine/pending.py)."""
 
-    __slots__ = ("dtype", "forward", "node", "output_nr", "owner", "voucher")
+    __slots__ = ("dtype", "forward", "node", "output_nr", "owner", "via", "voucher")
 
     def __init__(self, forward: Any, node: Any, output_nr: int, dtype: str, voucher: str,
-                 owner: str):  # fmt: skip
+                 owner: str, via: Planned | None = None):  # fmt: skip
         self.forward = forward
         self.node = node
         self.output_nr = output_nr
         self.dtype = dtype
         self.voucher = voucher  # the parameter's name
         self.owner = owner  # the path of the module whose call adds into it
+        self.via = via
+        """The vouched tensor its gradient is carried on to (:func:`_carried_to`), if it is
+        vouched for that way: it reaches that one whole, so a finite voucher says it is finite;
+        but that one's gradient may hold others too (``x + f(x)``: ``x``'s gradient adds
+        ``f``'s backward), so a voucher that is not finite says something of it only when the
+        gradient it reaches is its alone (:meth:`GradientPlan._carried_verdicts`)."""
 
 
 class GradientPlan:
@@ -261,13 +267,17 @@ class GradientPlan:
         self.not_finite: set[str] = set()
         """Parameters whose gradient was not finite at the last pass's end."""
         self._accumulators: dict[int, tuple[torch.Tensor, Any]] = {}
+        self.roots: list[Any] = []
+        """The output nodes of the forwards whose gradients are planned (kept while some are)."""
 
-    def plan(self, seen: list[tuple[Any, Any, int, str]],
-             calls: dict[str, int]) -> list[tuple[Any, Any, int]]:  # fmt: skip
+    def plan(self, seen: list[tuple[Any, Any, int, str]], calls: dict[str, int],
+             roots: list[Any] = ()) -> list[tuple[Any, Any, int]]:  # fmt: skip
         """Split the forward tensors ``seen`` (a record, or what stands for it; the autograd
         node that made it; its output number; its dtype) into those vouched for (kept in the
         plan) and those to hook (returned, with the earlier planned ones that ``calls`` made
-        unsound: a module called again)."""
+        unsound: a module called again). ``roots``: the nodes of the forward's outputs (the
+        graph a pass that shows a problem is looked at in)."""
+        self.roots += roots
         table = self.vouchers.voucher_of
         hook: list[tuple[Any, Any, int]] = []
         found: dict[tuple[int, int], Planned] = {}
@@ -287,7 +297,7 @@ class GradientPlan:
             if via is None:
                 hook.append((forward, node, nr))
                 continue
-            self.planned.append(Planned(forward, node, nr, dtype, via.voucher, via.owner))
+            self.planned.append(Planned(forward, node, nr, dtype, via.voucher, via.owner, via))
         return hook + self.unsound(calls)
 
     def unsound(self, calls: dict[str, int]) -> list[tuple[Any, Any, int]]:
@@ -327,10 +337,13 @@ class GradientPlan:
         self.planned = keep
         return [(p.forward, p.node, p.output_nr) for p in out]
 
-    def judged(self, finite: dict[str, bool]) -> tuple[list[Planned], list[Planned]]:
+    def judged(self, finite: dict[str, bool]
+               ) -> tuple[list[Planned], list[Planned], list[Planned]]:  # fmt: skip
         """At a pass's end, given which parameter gradients the pass made and whether each is
         finite: the planned gradients they vouch for (taken out of the plan), those whose
-        voucher is finite and those whose voucher is not."""
+        voucher is finite, those whose voucher is not (so neither are they), and those whose
+        voucher is not finite but says nothing of them (carried on to a gradient that holds
+        others too: not read, no verdict)."""
         keep, clean, bad = [], [], []
         for p in self.planned:
             ok = finite.get(p.voucher)
@@ -339,10 +352,40 @@ class GradientPlan:
             else:
                 (clean if ok else bad).append(p)
         self.planned = keep
-        return clean, bad
+        unread: list[Planned] = []
+        if any(p.via is not None for p in bad):
+            bad, more_clean, unread = self._carried_verdicts(clean, bad, finite)
+            clean += more_clean
+        if not keep:
+            self.roots = []
+        return clean, bad, unread
+
+    def _carried_verdicts(self, clean: list[Planned], bad: list[Planned],
+                          finite: dict[str, bool]
+                          ) -> tuple[list[Planned], list[Planned], list[Planned]]:  # fmt: skip
+        """The carried gradients of ``bad`` judged again, from every vouched tensor they reach
+        through carrying nodes (not only the nearest): finite when one of those is vouched
+        finite (it holds the whole of theirs); not finite when one whose voucher is not gets
+        nothing but theirs (every node on the way there, and that tensor, is fed only from
+        nodes on the way: :func:`_fed_by`); else not known. Only on a pass that showed a
+        problem: it walks the whole graph."""
+        targets = {(id(p.node), p.output_nr): finite[p.voucher] for p in clean + bad
+                   if p.via is None}  # fmt: skip
+        carried = [p for p in bad if p.via is not None]
+        consumers = _consumers(self.roots + [p.node for p in carried])
+        still_bad, now_clean, unread = [p for p in bad if p.via is None], [], []
+        for p in carried:
+            reached = _reached(p.node, targets, CARRY_DEPTH)
+            if any(targets[key] for key in reached):
+                now_clean.append(p)
+            elif any(_fed_by(p.node, key, consumers, CARRY_DEPTH) for key in reached):
+                still_bad.append(p)
+            else:
+                unread.append(p)
+        return still_bad, now_clean, unread
 
     def clear(self) -> None:
-        self.planned = []
+        self.planned, self.roots = [], []
 
     def _accumulator(self, param: torch.Tensor) -> Any:
         """The autograd node that accumulates ``param``'s gradient, kept: the same one from
@@ -355,7 +398,7 @@ class GradientPlan:
     def forget(self) -> None:
         """Let go of every parameter (at detach)."""
         self.planned, self.params, self._names = [], {}, {}
-        self._accumulators = {}
+        self._accumulators, self.roots = {}, []
 
     def _learn_order(self, path: str, node: Any) -> None:
         """The order in which autograd accumulates module ``path``'s parameter gradients, from
@@ -409,3 +452,74 @@ def _carried_to(node: Any, vouched: dict[tuple[int, int], Planned], depth: int) 
 def _carries(node: Any) -> bool:
     name = type(node).__name__
     return name in CARRY_NODES or (name in ATTENTION_NODES and not node._saved_dropout_p)
+
+
+def _consumers(roots: list[Any]) -> dict[Any, list[int]]:
+    """The nodes of the autograd graph below ``roots`` that take each (node id, output
+    number)'s gradient, and each node id's (whatever the output)."""
+    consumers: dict[Any, list[int]] = {}
+    seen: set[int] = set()
+    stack = [n for n in roots if n is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        for fn, nr in node.next_functions:
+            if fn is not None:
+                consumers.setdefault((id(fn), nr), []).append(id(node))
+                consumers.setdefault(id(fn), []).append(id(node))
+                stack.append(fn)
+    return consumers
+
+
+def _reached(node: Any, targets: dict[tuple[int, int], bool], depth: int) -> set[tuple[int, int]]:
+    """The vouched tensors (keys of ``targets``) that ``node``'s output gradient reaches
+    through carrying nodes."""
+    found: set[tuple[int, int]] = set()
+    level, seen = [node], set()
+    for _ in range(depth):
+        below = []
+        for n in level:
+            for fn, nr in n.next_functions:
+                if fn is None:
+                    continue
+                if (id(fn), nr) in targets:
+                    found.add((id(fn), nr))
+                elif _carries(fn) and id(fn) not in seen:
+                    seen.add(id(fn))
+                    below.append(fn)
+        level = below
+    return found
+
+
+def _fed_by(node: Any, target: tuple[int, int], consumers: dict[Any, list[int]],
+            depth: int) -> bool:  # fmt: skip
+    """Whether the gradient of ``target`` is made from ``node``'s output gradient alone: every
+    node on the ways from ``node`` to it (through carrying nodes), and ``target`` itself, takes
+    gradients only from ``node`` or nodes on those ways. Then a NaN or Inf in ``target``'s
+    gradient came through ``node``'s (the carrying nodes make none of their own)."""
+    way: set[int] = set()
+    memo: dict[int, bool] = {}
+
+    def leads(n: Any, d: int) -> bool:
+        if id(n) in memo:
+            return memo[id(n)]
+        memo[id(n)] = False
+        found = False
+        for fn, nr in n.next_functions:
+            if fn is None:
+                continue
+            if (id(fn), nr) == target or (d > 1 and _carries(fn) and leads(fn, d - 1)):
+                found = True
+        if found:
+            way.add(id(n))
+        memo[id(n)] = found
+        return found
+
+    if not leads(node, depth):
+        return False
+    inside = way | {id(node)}
+    return all(c in inside for c in consumers.get(target, ())) and all(
+        c in inside for n in way - {id(node)} for c in consumers.get(n, ())
+    )
