@@ -31,6 +31,7 @@ They are loaded once per process; one that fails to load or raises is skipped wi
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable, Collection
 from importlib.metadata import entry_points
@@ -101,11 +102,14 @@ class _Subscription:
 
 
 class EventBus:
-    """Publish-subscribe for one session."""
+    """Publish-subscribe for one session. Subscribing is safe from any thread: the list of
+    subscriptions and what each event is wanted by are replaced whole, never changed under the
+    training thread that reads them."""
 
     def __init__(self) -> None:
-        self._subscriptions: list[_Subscription] = []
-        self._wanted: dict[str, bool] = {}
+        self._subscriptions: tuple[_Subscription, ...] = ()
+        self._wanted: dict[str, bool] = dict.fromkeys(EVENTS, False)
+        self._lock = threading.Lock()
 
     def subscribe(
         self, callback: Subscriber, events: Collection[str] | None = None
@@ -120,29 +124,36 @@ class EventBus:
         if not callable(callback):
             raise TypeError(f"a subscriber is a callable, not {type(callback).__name__}")
         subscription = _Subscription(callback, chosen)
-        self._subscriptions.append(subscription)
-        self._wanted.clear()
+        with self._lock:
+            self._subscriptions = (*self._subscriptions, subscription)
+            self._rewant()
 
         def unsubscribe() -> None:
-            if subscription in self._subscriptions:
-                self._subscriptions.remove(subscription)
-                self._wanted.clear()
+            with self._lock:
+                if subscription in self._subscriptions:
+                    self._subscriptions = tuple(
+                        s for s in self._subscriptions if s is not subscription
+                    )
+                    self._rewant()
 
         return unsubscribe
 
+    def _rewant(self) -> None:
+        """What each event is wanted by, from the subscriptions now (under the lock): a new
+        dict, so that a reader on another thread sees the old one or this one whole."""
+        live = [s for s in self._subscriptions if not s.failed]
+        self._wanted = {
+            event: any(s.events is None or event in s.events for s in live) for event in EVENTS
+        }
+
     def wants(self, event: str) -> bool:
         """Whether anyone listens to ``event`` (so a costly payload need not be built)."""
-        wanted = self._wanted.get(event)
-        if wanted is None:
-            wanted = self._wanted[event] = any(
-                s.events is None or event in s.events for s in self._subscriptions
-            )
-        return wanted
+        return self._wanted.get(event, False)
 
     def publish(self, event: str, payload: Any) -> None:
-        if not self.wants(event):
+        if not self._wanted.get(event, False):
             return
-        for subscription in list(self._subscriptions):
+        for subscription in self._subscriptions:
             if subscription.failed or not (
                 subscription.events is None or event in subscription.events
             ):
@@ -151,7 +162,8 @@ class EventBus:
                 subscription.callback(event, payload)
             except Exception as e:  # a subscriber's fault must not stop the training
                 subscription.failed = True
-                self._wanted.clear()
+                with self._lock:
+                    self._rewant()
                 name = getattr(subscription.callback, "__qualname__", repr(subscription.callback))
                 warnings.warn(
                     f"tensordbg: the subscriber {name} raised {type(e).__name__}: {e} on a "
