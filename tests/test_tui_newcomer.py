@@ -936,6 +936,45 @@ def test_a_training_held_by_a_rule_that_hangs_says_which_rule_in_the_run_tab(mon
         session.detach()
 
 
+def test_a_training_tensordbg_stopped_watching_says_so_in_the_run_tab(monkeypatch) -> None:
+    """tensordbg's own fault stops the watching, never the training: the Run tab says the
+    training runs unwatched and why, to the UI connected then and to one that connects later
+    (it said RUNNING, as if every step were checked)."""
+    import warnings as warnings_module
+
+    from models import two_linears
+
+    model = two_linears()
+    session = tensordbg.attach(model, server=False, on_hit="record", summary_at_exit=False)
+
+    def explode(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("tensordbg bug")
+
+    async def flow(fails: bool) -> None:
+        app = TensorDbgApp(LocalClient(LiveSource(session)))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "running")
+            if fails:
+                assert "NOT WATCHED" not in state_line(app)
+                for name, module in list(sys.modules.items()):
+                    if name.startswith("tensordbg.engine.") and hasattr(module, "host_stats"):
+                        monkeypatch.setattr(module, "host_stats", explode)
+                with warnings_module.catch_warnings(record=True):
+                    warnings_module.simplefilter("always")
+                    model(torch.randn(3, 4)).sum().backward()
+                assert session.broken
+            await until(pilot, lambda: "NOT WATCHED" in state_line(app))
+            line = " ".join(state_line(app).split())
+            assert "RUNNING" in line and "RuntimeError: tensordbg bug" in line, line
+
+    try:
+        asyncio.run(flow(fails=True))
+        asyncio.run(flow(fails=False))  # a UI that connects later
+        assert "tensordbg bug" in LiveSource(session).info()["unwatched"]
+    finally:
+        session.detach()
+
+
 def test_the_log_keeps_what_happened_not_a_line_per_step() -> None:
     """Steps' numbers are the Run tab's: the log writing a line a step drowned the hits, the
     pauses and the warnings in it."""

@@ -14,7 +14,8 @@ from models import SqrtOfSquare
 from torch import nn
 from torch.nn import functional as F
 
-from tensordbg.engine.vouching import CARRY_NODES, Vouchers
+from tensordbg.engine.carrying import CARRY_NODES
+from tensordbg.engine.vouching import Vouchers
 from tensordbg.rules import NaN, Overflow
 
 MODES = ("eager", "batched", "deferred", DEFERRED_ON_DEVICE)
@@ -112,7 +113,7 @@ def test_attention_hands_a_nan_in_its_outputs_gradient_to_its_querys_keys_and_va
     """ATTENTION_NODES: one NaN or Inf anywhere in the gradient of attention's output (the
     fused CPU kernel, no dropout) is one in the gradients of the query, the key and the value,
     also where a factor is zero (keys, values or queries all zero, a softmax saturated to 0/1)."""
-    from tensordbg.engine.vouching import ATTENTION_NODES
+    from tensordbg.engine.carrying import ATTENTION_NODES
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 5, 3) for _ in range(3))

@@ -114,7 +114,7 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         self.rank = int(rank if rank is not None else os.environ.get("RANK", 0))
         self.step = 0
         self.phase = "forward"
-        self.broken = False
+        self.broken = ""  # why tensordbg stopped watching (its own fault), once it did
         self.detached = False
         self.triggered = False
         """Deferred mode: the phase showed a problem, so everything it kept is screened."""
@@ -419,7 +419,7 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         """tensordbg's own fault: say so once, stop watching, never stop the training."""
         if self.broken:
             return
-        self.broken = True
+        self.broken = f"tensordbg's internal error ({type(error).__name__}: {error})"
         detail = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         warnings.warn(
             "tensordbg hit an internal error and stopped watching this training (the training "
@@ -428,6 +428,8 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
             stacklevel=3,
         )
         self.log(f"internal error, watching stopped: {error}", "error")
+        said = {"state": self.controller.state, "step": self.step, "unwatched": self.broken}
+        self.bus.publish("state", said)  # a UI shows it: the training runs, unwatched
 
     def _owner_calls(self, param: str) -> list[Call]:
         """The calls that used a parameter: its module's, or, when that module was never called

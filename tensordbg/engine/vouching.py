@@ -40,6 +40,9 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
+from tensordbg.engine.carrying import CARRY_DEPTH, carried_to, fed_by
+from tensordbg.engine.carrying import consumers as graph_consumers
+from tensordbg.engine.carrying import reached as reached_from
 from tensordbg.engine.phases import ActGradNote
 from tensordbg.engine.records import Record
 from tensordbg.statistics.torch_kernels import SCREEN, host_stats
@@ -82,26 +85,6 @@ PASSES_NONFINITE_ON = (
     nn.Dropout3d,
 )
 CHAIN = 4  # how many such modules in a row a parameter vouches through
-# Autograd nodes that hand every element of the gradient they get to the gradient of each of
-# their inputs, added, multiplied (by anything: NaN * 0 is NaN), summed over a broadcast or
-# moved, never dropped or masked (ReLU's backward and clamp's drop; they are not here).
-# tests/test_vouching.py makes each with torch and checks it.
-CARRY_NODES = frozenset({
-    "AddBackward0", "SubBackward0", "RsubBackward0", "RsubBackward1", "MulBackward0",
-    "DivBackward0", "NegBackward0", "CloneBackward0", "ToCopyBackward0", "ViewBackward0",
-    "UnsafeViewBackward0", "TransposeBackward0", "TransposeBackward1", "PermuteBackward0",
-    "ExpandBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1",
-    "SqueezeBackward2", "SelectBackward0", "SliceBackward0", "GeluBackward0", "SiluBackward0",
-    "TanhBackward0", "SigmoidBackward0", "SoftplusBackward0", "EluBackward0",
-    "LeakyReluBackward0", "MishBackward0", "NativeDropoutBackward0", "UnbindBackward0",
-    "SplitBackward0", "SplitWithSizesBackward0",
-})  # fmt: skip
-# Attention without dropout: a NaN or Inf in row i of the output's gradient reaches the whole
-# row i of the query's gradient and, through the softmax's backward (the row's sum of gradient
-# times output), of the key's and the value's at the positions row i attends to (itself among
-# them, when causal). With dropout an element's factor may be dropped: not carried.
-ATTENTION_NODES = frozenset({"ScaledDotProductFlashAttentionForCpuBackward0"})
-CARRY_DEPTH = 6  # how many such nodes a gradient is followed through
 # Gradients whose voucher's sum cannot overflow where they did not: float16's can.
 WIDE = frozenset({torch.float32, torch.float64, torch.bfloat16})
 
@@ -243,11 +226,11 @@ class Planned:
         self.voucher = voucher  # the parameter's name
         self.owner = owner  # the path of the module whose call adds into it
         self.via = via
-        """The vouched tensor its gradient is carried on to (:func:`_carried_to`), if it is
-        vouched for that way: it reaches that one whole, so a finite voucher says it is finite;
-        but that one's gradient may hold others too (``x + f(x)``: ``x``'s gradient adds
-        ``f``'s backward), so a voucher that is not finite says something of it only when the
-        gradient it reaches is its alone (:meth:`GradientPlan._carried_verdicts`)."""
+        """The vouched tensor its gradient is carried on to (:func:`~.carrying.carried_to`),
+        if it is vouched for that way: it reaches that one whole, so a finite voucher says it
+        is finite; but that one's gradient may hold others too (``x + f(x)``: ``x``'s gradient
+        adds ``f``'s backward), so a voucher that is not finite says something of it only when
+        the gradient it reaches is its alone (:meth:`GradientPlan._carried_verdicts`)."""
 
 
 class GradientPlan:
@@ -293,7 +276,7 @@ class GradientPlan:
                 self._learn_order(forward.producer.path, node)
         self.planned.extend(found.values())
         for forward, node, nr, dtype in rest:
-            via = _carried_to(node, found, CARRY_DEPTH)
+            via = carried_to(node, found, CARRY_DEPTH)
             if via is None:
                 hook.append((forward, node, nr))
                 continue
@@ -367,18 +350,18 @@ class GradientPlan:
         through carrying nodes (not only the nearest): finite when one of those is vouched
         finite (it holds the whole of theirs); not finite when one whose voucher is not gets
         nothing but theirs (every node on the way there, and that tensor, is fed only from
-        nodes on the way: :func:`_fed_by`); else not known. Only on a pass that showed a
+        nodes on the way: :func:`~.carrying.fed_by`); else not known. Only on a pass that showed a
         problem: it walks the whole graph."""
         targets = {(id(p.node), p.output_nr): finite[p.voucher] for p in clean + bad
                    if p.via is None}  # fmt: skip
         carried = [p for p in bad if p.via is not None]
-        consumers = _consumers(self.roots + [p.node for p in carried])
+        consumers = graph_consumers(self.roots + [p.node for p in carried])
         still_bad, now_clean, unread = [p for p in bad if p.via is None], [], []
         for p in carried:
-            reached = _reached(p.node, targets, CARRY_DEPTH)
+            reached = reached_from(p.node, targets, CARRY_DEPTH)
             if any(targets[key] for key in reached):
                 now_clean.append(p)
-            elif any(_fed_by(p.node, key, consumers, CARRY_DEPTH) for key in reached):
+            elif any(fed_by(p.node, key, consumers, CARRY_DEPTH) for key in reached):
                 still_bad.append(p)
             else:
                 unread.append(p)
@@ -422,104 +405,3 @@ class GradientPlan:
 
 
 _WIDE_NAMES = frozenset(str(d).removeprefix("torch.") for d in WIDE)
-
-
-def _carried_to(node: Any, vouched: dict[tuple[int, int], Planned], depth: int) -> Planned | None:
-    """The vouched tensor the gradient of ``node``'s output reaches whole through autograd
-    nodes that carry every element on (``CARRY_NODES``), if any: the nearest one (fewest nodes
-    between, breadth first), whose gradient is the most nearly this one alone. A residual
-    stream's gradient is vouched for by the block's last bias, which sums exactly it, not by
-    the embedding far down the stream, which sums it with every block's."""
-    level = [node]
-    for _ in range(depth):
-        below = []
-        for n in level:
-            if n is None or not _carries(n):
-                continue
-            for fn, nr in n.next_functions:
-                if fn is None:
-                    continue
-                found = vouched.get((id(fn), nr))
-                if found is not None:
-                    return found
-                below.append(fn)
-        if not below:
-            return None
-        level = below
-    return None
-
-
-def _carries(node: Any) -> bool:
-    name = type(node).__name__
-    return name in CARRY_NODES or (name in ATTENTION_NODES and not node._saved_dropout_p)
-
-
-def _consumers(roots: list[Any]) -> dict[Any, list[int]]:
-    """The nodes of the autograd graph below ``roots`` that take each (node id, output
-    number)'s gradient, and each node id's (whatever the output)."""
-    consumers: dict[Any, list[int]] = {}
-    seen: set[int] = set()
-    stack = [n for n in roots if n is not None]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        for fn, nr in node.next_functions:
-            if fn is not None:
-                consumers.setdefault((id(fn), nr), []).append(id(node))
-                consumers.setdefault(id(fn), []).append(id(node))
-                stack.append(fn)
-    return consumers
-
-
-def _reached(node: Any, targets: dict[tuple[int, int], bool], depth: int) -> set[tuple[int, int]]:
-    """The vouched tensors (keys of ``targets``) that ``node``'s output gradient reaches
-    through carrying nodes."""
-    found: set[tuple[int, int]] = set()
-    level, seen = [node], set()
-    for _ in range(depth):
-        below = []
-        for n in level:
-            for fn, nr in n.next_functions:
-                if fn is None:
-                    continue
-                if (id(fn), nr) in targets:
-                    found.add((id(fn), nr))
-                elif _carries(fn) and id(fn) not in seen:
-                    seen.add(id(fn))
-                    below.append(fn)
-        level = below
-    return found
-
-
-def _fed_by(node: Any, target: tuple[int, int], consumers: dict[Any, list[int]],
-            depth: int) -> bool:  # fmt: skip
-    """Whether the gradient of ``target`` is made from ``node``'s output gradient alone: every
-    node on the ways from ``node`` to it (through carrying nodes), and ``target`` itself, takes
-    gradients only from ``node`` or nodes on those ways. Then a NaN or Inf in ``target``'s
-    gradient came through ``node``'s (the carrying nodes make none of their own)."""
-    way: set[int] = set()
-    memo: dict[int, bool] = {}
-
-    def leads(n: Any, d: int) -> bool:
-        if id(n) in memo:
-            return memo[id(n)]
-        memo[id(n)] = False
-        found = False
-        for fn, nr in n.next_functions:
-            if fn is None:
-                continue
-            if (id(fn), nr) == target or (d > 1 and _carries(fn) and leads(fn, d - 1)):
-                found = True
-        if found:
-            way.add(id(n))
-        memo[id(n)] = found
-        return found
-
-    if not leads(node, depth):
-        return False
-    inside = way | {id(node)}
-    return all(c in inside for c in consumers.get(target, ())) and all(
-        c in inside for n in way - {id(node)} for c in consumers.get(n, ())
-    )

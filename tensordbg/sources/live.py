@@ -98,6 +98,7 @@ class LiveSource(LiveProfiling):
             "retain_bytes": s.retain_bytes,
             "started": self.started,
             "running_rule": s.ruleset.running_rule(),
+            "unwatched": s.broken if not s.detached else "",
             "world_size": s.ranks.identity.world_size if s.ranks is not None else 1,
             "history": {
                 "step": [h[0] for h in history],

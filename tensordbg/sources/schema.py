@@ -1,6 +1,5 @@
-"""The schema of every reply and event on the wire between a source and a UI: plain
-TypedDicts, whose field names are the protocol. :mod:`.checking` validates values against them;
-:mod:`.contract` says which request answers with which."""
+"""The schema of every reply and event on the wire between a source and a UI: plain TypedDicts
+(field names are the protocol); :mod:`.checking` validates, :mod:`.contract` pairs requests."""
 
 from __future__ import annotations
 
@@ -12,8 +11,7 @@ if sys.version_info >= (3, 11):
 else:  # typing's TypedDict learnt NotRequired in 3.11
     from typing_extensions import NotRequired, TypedDict
 
-TrainingState = Literal["running", "paused", "detached", "finished", "replay"]
-"""``replay``: a recorded run (a dump), shown one dumped step at a time."""
+TrainingState = Literal["running", "paused", "detached", "finished", "replay"]  # replay: a dump
 
 
 class Summary(TypedDict, total=False):
@@ -104,6 +102,7 @@ class Info(TypedDict):
     capabilities: list[str]  # the requests the source serves; filled in by dispatch()
     started: NotRequired[float]  # time.time() when the source started serving
     running_rule: NotRequired[RunningRule | None]  # a rule check under way on the training thread
+    unwatched: NotRequired[str]  # why tensordbg stopped watching (its own fault); "" while it is
     replay: NotRequired[Replay]  # a recorded run only
     world_size: NotRequired[int]  # ranks in the job (torchrun's WORLD_SIZE); 1 for one process
 
@@ -324,6 +323,7 @@ class StateEvent(TypedDict):
     state: TrainingState
     step: int
     reason: NotRequired[str]  # why it paused, when it did; how it finished, when not by itself
+    unwatched: NotRequired[str]  # as Info's: sent when tensordbg stops watching
 
 
 class LogEvent(TypedDict):

@@ -182,6 +182,9 @@ class RunStatus(VerticalScroll):
         said = event["state"] in ("paused", "finished")  # why it paused, how it finished
         self._info["pause_reason"] = event.get("reason", "") if said else ""
         self._info["paused_at"] = None
+        if "unwatched" in event:  # tensordbg stopped watching; the state may be the same
+            self._info["unwatched"] = event["unwatched"]
+            self._draw()
 
     def show_running_rule(self, running: dict[str, Any] | None) -> None:
         """What the training, silent for a while, is doing: a rule check under way (None: it
@@ -241,6 +244,10 @@ class RunStatus(VerticalScroll):
             line.append(f"\n{hit.get('message', '')}")
         elif state in ("paused", "finished") and info.get("pause_reason"):
             line.append(f"  ({info['pause_reason']})")
+        if info.get("unwatched") and state in ("running", "paused"):
+            line.append("\nNOT WATCHED: ", style="bold red")
+            line.append(f"{info['unwatched']} stopped the watching; the training goes on without "
+                        "checks (its stderr has the traceback: please report it)")  # fmt: skip
         running = info.get("running_rule") if state == "running" else None
         if running:
             line.append("\nin rule ", style="bold")
