@@ -93,7 +93,9 @@ class BackwardPhase(ParamGradients):
         hook; the others are vouched for at the end of the pass (see :mod:`.vouching`).
         ``calls``: each module's calls since the last pass; ``roots``: the autograd nodes of
         the forward's outputs."""
-        if self.plan is None:  # every gradient is hooked (several ranks)
+        if self.plan is None or self.forward_bad:
+            # Every gradient is hooked: several ranks; or a forward that showed a problem (its
+            # saved NaN or Inf make gradients that no voucher can tell apart): read like eager.
             return [item[:3] for item in seen]
         quiet, loud = [], []
         for item in seen:

@@ -29,6 +29,12 @@ NOTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # 
 class ForwardPhase:
     """Part of :class:`~tensordbg.engine.session.Session`: its forward hooks."""
 
+    forward_bad = False
+    """A forward of this step hit, or its outputs were not finite: its saved tensors may hold
+    NaN or Inf, which a backward multiplies into gradients that no parameter's gradient can
+    then vouch for (a derivative at NaN is NaN), so its backward is read whole, as eager
+    checks read it (:meth:`~.backward.BackwardPhase.plan_gradients`)."""
+
     def begin_forward(self) -> None:
         """A root forward starts: close what is open, count the step, honour pause requests."""
         if self._detach_requested():
@@ -101,7 +107,10 @@ class ForwardPhase:
         calls and records now and its outputs are finite (read here: the forward's guard)."""
         if self.lists_forward() or self.boundary_wanted():
             return False
-        return all(not watchable(t) or host_stats(t, SCREEN)[0] == 1.0 for _, t, _, _ in seen)
+        if all(not watchable(t) or host_stats(t, SCREEN)[0] == 1.0 for _, t, _, _ in seen):
+            return True
+        self.forward_bad = True
+        return False
 
     def keep_unlisted(self, record: Record, tensor: Any, structure: bool = False) -> None:
         """A forward record made while the forward is not listed: registered in the phase (the

@@ -279,6 +279,8 @@ class Pipeline(Pausing, Pinpointing):
         if active is None:
             return
         record = verdict.record
+        if record.stats.phase == "forward" and record.stats.nonfinite:
+            self.forward_bad = True  # its backward is read whole (engine/forward.py)
         condition = origin.condition_of(record, verdict.rule_id)
         if verdict.origin and self.ranks is not None and record.stats.kind in CARRIED_KINDS:
             carried = self.ranks.carried(record.stats.step)
@@ -334,6 +336,7 @@ class Pipeline(Pausing, Pinpointing):
             self.plan.clear()  # gradients no pass computed (a forward with no backward)
         self.step += 1
         self.between_steps = True
+        self.forward_bad = False
         self.capture.new_step()
         self.observed_calls.clear()
         self.hitlog.end_step()

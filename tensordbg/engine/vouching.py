@@ -326,7 +326,9 @@ class GradientPlan:
         finite: the planned gradients they vouch for (taken out of the plan), those whose
         voucher is finite, those whose voucher is not (so neither are they), and those whose
         voucher is not finite but says nothing of them (carried on to a gradient that holds
-        others too: not read, no verdict)."""
+        others too: not read, no verdict). The forward saved no NaN or Inf (else every gradient
+        was hooked: :meth:`~.backward.BackwardPhase.plan_gradients`), so the nodes on the way
+        make none of their own."""
         keep, clean, bad = [], [], []
         for p in self.planned:
             ok = finite.get(p.voucher)
@@ -350,8 +352,8 @@ class GradientPlan:
         through carrying nodes (not only the nearest): finite when one of those is vouched
         finite (it holds the whole of theirs); not finite when one whose voucher is not gets
         nothing but theirs (every node on the way there, and that tensor, is fed only from
-        nodes on the way: :func:`~.carrying.fed_by`); else not known. Only on a pass that showed a
-        problem: it walks the whole graph."""
+        nodes on the way: :func:`~.carrying.fed_by`); else not known. Only on a pass that
+        showed a problem: it walks the whole graph."""
         targets = {(id(p.node), p.output_nr): finite[p.voucher] for p in clean + bad
                    if p.via is None}  # fmt: skip
         carried = [p for p in bad if p.via is not None]
