@@ -185,11 +185,13 @@ class BackwardPhase(ParamGradients):
         self.plan.not_finite = {n for n in self.plan.not_finite if n not in finite} | {
             n for n, ok in finite.items() if not ok
         }
-        clean, bad, unread = self.plan.judged(finite)
+        clean, bad, unread, read = self.plan.judged(finite)
         listed = bad or self._pass_bad or self.triggered or self.dumps_all()
         if listed:  # the phase's records list every watched gradient, these as finite
             forwards = [self._record_of(p.forward) for p in clean]
             self.phases.pending += [ActGradNote(f, *_like(f), None) for f in forwards]
+        for p, grad in read:  # kept: read now that its voucher is not finite
+            self._collect_late(grad_record(self._record_of(p.forward), grad, self.step), grad)
         for p in unread:  # its voucher says nothing of it: not read, no verdict
             forward = self._record_of(p.forward)
             record = grad_record(forward, None, self.step, _like(forward))

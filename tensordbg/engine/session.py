@@ -135,6 +135,7 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         self.vouchers = Vouchers(model, self.retain_bytes)
         if self.sync.vouches_at_pass_end:
             self.plan = GradientPlan(self.vouchers, {p.name: p.param for p in self.params.values()})
+            self.plan.take = self.phases.take
         self._grads_seen: dict[str, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._grad_makings = {}
         self._by_norm = []

@@ -34,6 +34,8 @@ Two ways of using this, by sync mode:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -252,6 +254,11 @@ class GradientPlan:
         self._accumulators: dict[int, tuple[torch.Tensor, Any]] = {}
         self.roots: list[Any] = []
         """The output nodes of the forwards whose gradients are planned (kept while some are)."""
+        self.kept: dict[int, torch.Tensor] = {}
+        """The gradients of carried planned tensors (by the Planned's id), kept until their
+        voucher's verdict: read only if it is not finite (their gradient may be finite then)."""
+        self.take: Callable[[int], bool] = lambda nbytes: False
+        """Whether ``nbytes`` more may be kept (the session's phase budget, retain_bytes)."""
 
     def plan(self, seen: list[tuple[Any, Any, int, str]], calls: dict[str, int],
              roots: list[Any] = ()) -> list[tuple[Any, Any, int]]:  # fmt: skip
@@ -280,8 +287,16 @@ class GradientPlan:
             if via is None:
                 hook.append((forward, node, nr))
                 continue
-            self.planned.append(Planned(forward, node, nr, dtype, via.voucher, via.owner, via))
+            planned = Planned(forward, node, nr, dtype, via.voucher, via.owner, via)
+            node.register_prehook(partial(self._keep, planned))
+            self.planned.append(planned)
         return hook + self.unsound(calls)
+
+    def _keep(self, planned: Planned, grads: tuple) -> None:
+        """A carried planned tensor's gradient: kept (a reference, not read) within budget."""
+        grad = grads[planned.output_nr] if planned.output_nr < len(grads) else None
+        if grad is not None and self.take(grad.nbytes):
+            self.kept[id(planned)] = grad
 
     def unsound(self, calls: dict[str, int]) -> list[tuple[Any, Any, int]]:
         """The planned gradients whose voucher can no longer vouch (taken out of the plan): its
@@ -320,15 +335,17 @@ class GradientPlan:
         self.planned = keep
         return [(p.forward, p.node, p.output_nr) for p in out]
 
-    def judged(self, finite: dict[str, bool]
-               ) -> tuple[list[Planned], list[Planned], list[Planned]]:  # fmt: skip
+    def judged(
+        self, finite: dict[str, bool]
+    ) -> tuple[list[Planned], list[Planned], list[Planned], list[tuple[Planned, torch.Tensor]]]:
         """At a pass's end, given which parameter gradients the pass made and whether each is
         finite: the planned gradients they vouch for (taken out of the plan), those whose
-        voucher is finite, those whose voucher is not (so neither are they), and those whose
+        voucher is finite, those whose voucher is not (so neither are they), those whose
         voucher is not finite but says nothing of them (carried on to a gradient that holds
-        others too: not read, no verdict). The forward saved no NaN or Inf (else every gradient
-        was hooked: :meth:`~.backward.BackwardPhase.plan_gradients`), so the nodes on the way
-        make none of their own."""
+        others too: not read, no verdict), and those read for it (kept: not finite, with
+        their gradient). The forward saved no NaN or Inf (else every gradient was hooked:
+        :meth:`~.backward.BackwardPhase.plan_gradients`), so the nodes on the way make none of
+        their own."""
         keep, clean, bad = [], [], []
         for p in self.planned:
             ok = finite.get(p.voucher)
@@ -338,12 +355,24 @@ class GradientPlan:
                 (clean if ok else bad).append(p)
         self.planned = keep
         unread: list[Planned] = []
+        read: list[tuple[Planned, torch.Tensor]] = []
         if any(p.via is not None for p in bad):
-            bad, more_clean, unread = self._carried_verdicts(clean, bad, finite)
+            guessed = []
+            for p in bad:
+                grad = self.kept.pop(id(p), None) if p.via is not None else None
+                if grad is None:
+                    guessed.append(p)
+                elif host_stats(grad, SCREEN)[0] == 1.0:
+                    clean.append(p)
+                else:
+                    read.append((p, grad))
+            bad, more_clean, unread = self._carried_verdicts(clean, guessed, finite)
             clean += more_clean
+        for p in clean:
+            self.kept.pop(id(p), None)
         if not keep:
-            self.roots = []
-        return clean, bad, unread
+            self.roots, self.kept = [], {}
+        return clean, bad, unread, read
 
     def _carried_verdicts(self, clean: list[Planned], bad: list[Planned],
                           finite: dict[str, bool]
@@ -370,7 +399,7 @@ class GradientPlan:
         return still_bad, now_clean, unread
 
     def clear(self) -> None:
-        self.planned, self.roots = [], []
+        self.planned, self.roots, self.kept = [], [], {}
 
     def _accumulator(self, param: torch.Tensor) -> Any:
         """The autograd node that accumulates ``param``'s gradient, kept: the same one from
@@ -383,7 +412,7 @@ class GradientPlan:
     def forget(self) -> None:
         """Let go of every parameter (at detach)."""
         self.planned, self.params, self._names = [], {}, {}
-        self._accumulators, self.roots = {}, []
+        self._accumulators, self.roots, self.kept = {}, [], {}
 
     def _learn_order(self, path: str, node: Any) -> None:
         """The order in which autograd accumulates module ``path``'s parameter gradients, from
