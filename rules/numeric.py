@@ -53,9 +53,11 @@ class NaN(Rule):
             return Finding(
                 1.0,
                 None,
-                f"{t.name} holds NaN or Inf among {t.numel} values (the tensor was not kept, so "
-                "they were not counted).",
-                "Look at it with sync='eager' or a larger retain_bytes.",
+                f"{t.name} holds NaN or Inf among {t.numel} values (not counted: its values "
+                "were not kept).",
+                "Opening it says why it was not kept; sync='eager' keeps and counts every "
+                "tensor. A NaN usually comes from 0/0, log or sqrt of a negative or zero value, "
+                "or an overflow just before.",
             )
         if not t.has_nan:
             return None
