@@ -197,7 +197,7 @@ class MainScreen(Screen):
             self.rule_panel.training_moved()
             self._step = payload.get("step", self._step)
             self.module_browser.step_moved(self._step)
-            self._show_title()
+            self.call_after_refresh(self._show_title)  # with the Run tab's numbers, not before
             if payload.get("state") and self._state not in OVER:
                 self.app.state = payload["state"]  # type: ignore[attr-defined]
         elif event == "hit":
