@@ -190,7 +190,7 @@ class BackwardPhase(ParamGradients):
         if listed:  # the phase's records list every watched gradient, these as finite
             forwards = [self._record_of(p.forward) for p in clean]
             self.phases.pending += [ActGradNote(f, *_like(f), None) for f in forwards]
-        for p, grad in read:  # kept: read now that its voucher is not finite
+        for p, grad in read:  # kept: read now that its voucher is not finite (finite or not)
             self._collect_late(grad_record(self._record_of(p.forward), grad, self.step), grad)
         for p in unread:  # its voucher says nothing of it: not read, no verdict
             forward = self._record_of(p.forward)

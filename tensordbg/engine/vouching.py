@@ -217,22 +217,22 @@ class Planned:
     of the pass from the voucher's norm. ``forward``: its record, or what stands for it until
     the record is made (engine/pending.py)."""
 
-    __slots__ = ("dtype", "forward", "node", "output_nr", "owner", "via", "voucher")
+    __slots__ = ("carried", "dtype", "forward", "node", "output_nr", "owner", "voucher")
 
     def __init__(self, forward: Any, node: Any, output_nr: int, dtype: str, voucher: str,
-                 owner: str, via: Planned | None = None):  # fmt: skip
+                 owner: str, carried: bool = False):  # fmt: skip
         self.forward = forward
         self.node = node
         self.output_nr = output_nr
         self.dtype = dtype
         self.voucher = voucher  # the parameter's name
         self.owner = owner  # the path of the module whose call adds into it
-        self.via = via
-        """The vouched tensor its gradient is carried on to (:func:`~.carrying.carried_to`),
-        if it is vouched for that way: it reaches that one whole, so a finite voucher says it
-        is finite; but that one's gradient may hold others too (``x + f(x)``: ``x``'s gradient
-        adds ``f``'s backward), so a voucher that is not finite says something of it only when
-        the gradient it reaches is its alone (:meth:`GradientPlan._carried_verdicts`)."""
+        self.carried = carried
+        """Vouched for by being carried on to a vouched tensor (:func:`~.carrying.carried_to`):
+        it reaches that one whole, so a finite voucher says it is finite; but that one's
+        gradient may hold others too (``x + f(x)``: ``x``'s gradient adds ``f``'s backward), so
+        a voucher that is not finite says nothing of it by itself: it is kept and read then,
+        or judged from the graph (:meth:`GradientPlan._carried_verdicts`)."""
 
 
 class GradientPlan:
@@ -287,7 +287,7 @@ class GradientPlan:
             if via is None:
                 hook.append((forward, node, nr))
                 continue
-            planned = Planned(forward, node, nr, dtype, via.voucher, via.owner, via)
+            planned = Planned(forward, node, nr, dtype, via.voucher, via.owner, carried=True)
             node.register_prehook(partial(self._keep, planned))
             self.planned.append(planned)
         return hook + self.unsound(calls)
@@ -342,10 +342,10 @@ class GradientPlan:
         finite: the planned gradients they vouch for (taken out of the plan), those whose
         voucher is finite, those whose voucher is not (so neither are they), those whose
         voucher is not finite but says nothing of them (carried on to a gradient that holds
-        others too: not read, no verdict), and those read for it (kept: not finite, with
-        their gradient). The forward saved no NaN or Inf (else every gradient was hooked:
-        :meth:`~.backward.BackwardPhase.plan_gradients`), so the nodes on the way make none of
-        their own."""
+        others too: not read, no verdict), and those kept for it, with their gradient, to be
+        read and judged as they are. The forward saved no NaN or Inf (else every gradient was
+        hooked: :meth:`~.backward.BackwardPhase.plan_gradients`), so the nodes on the way make
+        none of their own."""
         keep, clean, bad = [], [], []
         for p in self.planned:
             ok = finite.get(p.voucher)
@@ -356,14 +356,12 @@ class GradientPlan:
         self.planned = keep
         unread: list[Planned] = []
         read: list[tuple[Planned, torch.Tensor]] = []
-        if any(p.via is not None for p in bad):
+        if any(p.carried for p in bad):
             guessed = []
             for p in bad:
-                grad = self.kept.pop(id(p), None) if p.via is not None else None
+                grad = self.kept.pop(id(p), None) if p.carried else None
                 if grad is None:
                     guessed.append(p)
-                elif host_stats(grad, SCREEN)[0] == 1.0:
-                    clean.append(p)
                 else:
                     read.append((p, grad))
             bad, more_clean, unread = self._carried_verdicts(clean, guessed, finite)
@@ -384,10 +382,10 @@ class GradientPlan:
         nodes on the way: :func:`~.carrying.fed_by`); else not known. Only on a pass that
         showed a problem: it walks the whole graph."""
         targets = {(id(p.node), p.output_nr): finite[p.voucher] for p in clean + bad
-                   if p.via is None}  # fmt: skip
-        carried = [p for p in bad if p.via is not None]
+                   if not p.carried}  # fmt: skip
+        carried = [p for p in bad if p.carried]
         consumers = graph_consumers(self.roots + [p.node for p in carried])
-        still_bad, now_clean, unread = [p for p in bad if p.via is None], [], []
+        still_bad, now_clean, unread = [p for p in bad if not p.carried], [], []
         for p in carried:
             reached = reached_from(p.node, targets, CARRY_DEPTH)
             if any(targets[key] for key in reached):
