@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -23,16 +24,22 @@ class Terminal:
 
     def __init__(self, command: str, width: int = 160, height: int = 45):
         self.name = f"tdbg-{uuid.uuid4().hex[:8]}"
+        # A tmux server of its own (its own socket, no user config): with the shared default
+        # server, a session started while the previous test's server was exiting (its last
+        # session killed) failed with "server exited unexpectedly" (CI, 2026-12-05).
+        self.socket = Path(tempfile.gettempdir()) / f"{self.name}.tmux"
+        self.tmux = ["tmux", "-S", str(self.socket), "-f", os.devnull]
         env = {**os.environ, "TERM": "xterm-256color"}
+        env.pop("TMUX", None)  # run from inside tmux, it is still a server of its own
         subprocess.run(
-            ["tmux", "new-session", "-d", "-s", self.name, "-x", str(width), "-y", str(height),
-             f"{command}; sleep 120"],  # keep the pane after the command ends, to read it
+            [*self.tmux, "new-session", "-d", "-s", self.name, "-x", str(width),
+             "-y", str(height), f"{command}; sleep 120"],  # keep the pane to read it at the end
             check=True, env=env,
         )  # fmt: skip
 
     def screen(self) -> str:
         return subprocess.run(
-            ["tmux", "capture-pane", "-p", "-t", self.name], capture_output=True, text=True
+            [*self.tmux, "capture-pane", "-p", "-t", self.name], capture_output=True, text=True
         ).stdout
 
     def wait_for(self, *texts: str, timeout: float = 60.0) -> str:
@@ -45,10 +52,11 @@ class Terminal:
         raise AssertionError(f"never saw {texts!r} on the screen:\n{self.screen()}")
 
     def press(self, *keys: str) -> None:
-        subprocess.run(["tmux", "send-keys", "-t", self.name, *keys], check=True)
+        subprocess.run([*self.tmux, "send-keys", "-t", self.name, *keys], check=True)
 
     def close(self) -> None:
-        subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True)
+        subprocess.run([*self.tmux, "kill-server"], capture_output=True)
+        self.socket.unlink(missing_ok=True)
 
 
 @pytest.mark.timeout(300)
@@ -100,8 +108,8 @@ def test_q_at_the_hit_stops_the_demo_at_that_step_and_says_so(tmp_path: Path):
     rather than running on unwatched until its loss had been NaN for three steps. The closing
     lines say it once: the UI's q detached the training, which printed "detached: the training
     goes on unwatched" just above the demo's line saying that it stops."""
-    # A temporary directory of its own (in the command: a running tmux server would not pass
-    # the environment on), so that no other run's log can come or go in it meanwhile.
+    # A temporary directory of its own (set in the command itself, whatever environment tmux
+    # passes on), so that no other run's log can come or go in it meanwhile.
     terminal = Terminal(f"TMPDIR={tmp_path} {sys.executable} -m tensordbg.cli demo --bad-step 3")
     try:
         terminal.wait_for("PAUSED", "● origin", timeout=120)
