@@ -450,6 +450,31 @@ def test_f5_then_f4_on_a_hit_leaves_each_tab_where_the_person_put_it() -> None:
     asyncio.run(flow())
 
 
+def test_tabs_asked_for_in_quick_succession_end_on_the_last_one_and_stay_there() -> None:
+    """Each tab switch focuses the new tab's main widget a little later; focusing a widget
+    switches to its tab. Switches asked for faster than that (the Log tab, the Hits tab, then a
+    tensor opened) left late focuses for tabs no longer asked for: the app switched back to one
+    of them, or between them for ever, and the tensor opened last was not on screen."""
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(FakeSource()))
+        async with app.run_test(size=SIZE) as pilot:
+            await paused_on_the_two_hits(pilot)
+            await mounted(pilot)
+            for _ in range(3):
+                app.main.show_tab("log")
+                app.main.show_tab("hits")
+                app.main.post_message(OpenTensor(3, "net.2.output"))
+                seen = []
+                for _ in range(10):
+                    await pilot.pause(0.05)
+                    seen.append(active_tab(app))
+                assert set(seen[2:]) == {"tensor"}, seen
+                assert isinstance(app.focused, TensorGrid)
+
+    asyncio.run(flow())
+
+
 def test_an_output_no_module_took_says_who_used_it_instead_of_a_bare_consumers_0() -> None:
     """A block's attention output is used by the block's own code (x + attn(x)): "consumers
     (0)" looked like a fault of the debugger."""

@@ -14,7 +14,6 @@ from typing import Any, NamedTuple
 from textual import events, on
 from textual.app import ComposeResult
 from textual.css.query import NoMatches
-from textual.lazy import Lazy
 from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import DataTable, Header, Input, TabbedContent, TabPane, Tabs, Tree
@@ -27,6 +26,7 @@ from tensordbg.tui.components.hit_detail import HitDetail
 from tensordbg.tui.components.hit_filter import HitFilter
 from tensordbg.tui.components.hit_table import HitTable
 from tensordbg.tui.components.key_footer import KeyFooter
+from tensordbg.tui.components.later import Later
 from tensordbg.tui.components.module_browser import ModuleBrowser
 from tensordbg.tui.components.module_table import ModuleTable
 from tensordbg.tui.components.provenance_view import ProvenanceView
@@ -60,29 +60,6 @@ TABS = (
 """The tabs in order: the app's keys, the tab titles, the palette's entries and the widget that
 gets the keys on each tab all come from here."""
 TAB_KEYS_WIDTH = 90  # the columns the tab bar needs to name every tab's key beside its title
-
-
-class Later(Lazy):
-    """Textual's Lazy (the widget is mounted after the first screen is up), except that when
-    the app is quitting by then (q pressed at once) nothing is mounted: Lazy raises MountError
-    into the app, which then exits with a traceback."""
-
-    def __init__(self, widget: Widget) -> None:
-        super().__init__(widget)
-        self._widget = widget
-
-    async def mount_composed_widgets(self, widgets: list[Widget]) -> None:
-        parent = self.parent
-        if not isinstance(parent, Widget):
-            return
-
-        async def mount() -> None:
-            if not (parent.is_attached and self.is_attached):
-                return
-            await parent.mount(self._widget, after=self)
-            await self.remove()
-
-        self.call_after_refresh(mount)
 
 
 # A running training that has sent nothing for this long is asked what it is doing: a rule that
@@ -459,11 +436,13 @@ class MainScreen(Screen):
 
     def _focus_tab(self, pane: Widget, tries: int = 10) -> None:
         """Focus a tab's main widget once it is mounted, unless the keys are already in the tab
-        (focus moves later than it is asked for: "[" may have sent them to the slice box)."""
+        (focus moves later than asked: "[" may have sent them to the slice box) or another tab
+        was asked for since (focusing would switch back: two late focuses did so for ever)."""
 
         def focus() -> None:
             nonlocal tries
-            if self.focused is not None and pane in self.focused.ancestors:
+            focused, active = self.focused, self.query_one(TabbedContent).active
+            if active != pane.id or (focused is not None and pane in focused.ancestors):
                 return
             target = self._focus_target(pane.id or "")
             if target is not None:
