@@ -31,6 +31,8 @@ class Terminal:
         self.tmux = ["tmux", "-S", str(self.socket), "-f", os.devnull]
         env = {**os.environ, "TERM": "xterm-256color"}
         env.pop("TMUX", None)  # run from inside tmux, it is still a server of its own
+        for size in ("COLUMNS", "LINES"):  # the pane's size, not these (pytest-xdist sets 80x24)
+            env.pop(size, None)
         subprocess.run(
             [*self.tmux, "new-session", "-d", "-s", self.name, "-x", str(width),
              "-y", str(height), f"{command}; sleep 120"],  # keep the pane to read it at the end
