@@ -68,7 +68,9 @@ def test_the_demo_pauses_at_the_broken_attention_and_lets_a_person_inspect_it():
         # Stopped on the hit, the Hits tab comes forward with the origin under the cursor.
         terminal.wait_for("PAUSED", "● origin", "↳ passed on", timeout=120)
         terminal.wait_for("[NaN] blocks.0.attn.output  output of blocks.0.attn", "Enter opens")
-        terminal.press("Enter")  # open its tensor
+        # To the Log tab and back, then open its tensor, typed at once: the Enter was lost
+        # while the Hits tab's focus had not landed yet.
+        terminal.press("F7", "F2", "Enter")
         # The Tensor tab (the hit's detail on the Hits tab shows the same statistics)
         terminal.wait_for("compared with the previous step", "tensor[16,31,64] float32",
                           "NaN×1984")  # fmt: skip

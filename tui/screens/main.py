@@ -304,6 +304,9 @@ class MainScreen(Screen):
         # sibling in its own tab, and a tab whose widget takes the focus is switched back to.
         self.set_focus(None)
         tabs.active = pane
+        target = self._focus_target(pane) if focus else None
+        if target is not None and target.is_mounted:  # now: "F2 Enter" typed at once
+            self.set_focus(target)
 
     def focus_search(self) -> None:
         """``/``: on the Hits tab, filter the hits; on the profile's operators, search them;
