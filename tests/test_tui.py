@@ -68,10 +68,13 @@ async def paused_on_the_two_hits(pilot: Pilot) -> HitTable:
 
 
 async def open_tensor(pilot: Pilot, ref: int, name: str, part: type[W]) -> W:
-    """Once paused, open tensor ``ref`` as Enter on it would; its ``part`` once it is there."""
+    """Once paused, open tensor ``ref`` as Enter on it would; its ``part`` once it is there and
+    the tensor is on screen (a part of the tensor opened before is there at once)."""
     app = pilot.app
     await until(pilot, lambda: app.state == "paused")
     app.main.post_message(OpenTensor(ref, name))
+    inspector = app.main.tensor_inspector
+    await until(pilot, lambda: inspector.ref == ref and active_tab(app) == "tensor")
     await until(pilot, lambda: app.query(part))
     return app.query_one(part)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from fake_source import FakeSource
-from test_tui import SIZE, active_tab, paused_on_the_two_hits, text_of, until
+from test_tui import SIZE, open_tensor, paused_on_the_two_hits, text_of, until
 from textual.pilot import Pilot
 from textual.widgets import Static
 
@@ -27,8 +27,8 @@ from tensordbg.tui.app import TensorDbgApp
 from tensordbg.tui.components import histogram_view
 from tensordbg.tui.components.connection_banner import ConnectionBanner
 from tensordbg.tui.components.stats_compare import StatsCompare
+from tensordbg.tui.components.tensor_grid import TensorGrid
 from tensordbg.tui.errors import CrashFile
-from tensordbg.tui.messages import OpenTensor
 
 TUI = Path(__file__).parents[1] / "tui"
 
@@ -51,14 +51,6 @@ async def in_the_log(pilot: Pilot, text: str) -> None:
     app = pilot.app
     app.main.show_tab("log")
     await until(pilot, lambda: text in log_text(app))
-
-
-async def opened(pilot: Pilot, ref: int, name: str) -> None:
-    """Open a tensor and wait for its tab: the Log tab, shown before, would be hidden again
-    (the Log writes what it is given once it is shown)."""
-    app = pilot.app
-    app.main.post_message(OpenTensor(ref, name))
-    await until(pilot, lambda: app.main.tensor_inspector.ref == ref and active_tab(app) == "tensor")
 
 
 def crash_text(app: TensorDbgApp) -> str:
@@ -135,10 +127,10 @@ def test_a_bug_in_a_widget_is_reported_and_the_ui_goes_on(
             await paused_on_the_two_hits(pilot)
             with monkeypatch.context() as patch:
                 patch.setattr(StatsCompare, "show", broken_show)
-                await opened(pilot, 2, "net.1.output")
+                await open_tensor(pilot, 2, "net.1.output", TensorGrid)
                 await in_the_log(pilot, "error in TensorInspector.load: KeyError: 'summary'")
             monkeypatch.setattr(histogram_view, "draw", broken_draw)
-            await opened(pilot, 3, "net.2.output")  # on to the histogram
+            await open_tensor(pilot, 3, "net.2.output", TensorGrid)  # on to the histogram
             await in_the_log(pilot, "HistogramView.show")
             assert "ZeroDivisionError: no bins to draw" in log_text(app)
             await until(pilot, lambda: len(notifications(app)) >= 2)
