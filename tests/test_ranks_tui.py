@@ -7,6 +7,7 @@ import asyncio
 from typing import Any
 
 from fake_source import FakeSource
+from textual import events
 from textual.app import App
 from textual.widgets import DataTable
 
@@ -131,3 +132,56 @@ def test_the_ui_opens_a_job_once_and_shift_r_moves_to_the_next_rank(private_runt
     finally:
         for server in servers:
             server.stop()
+
+
+class HeldClient(LocalClient):
+    """A rank whose answers to ``info`` wait until the test lets them through."""
+
+    def __init__(self, source: FakeRank):
+        super().__init__(source)
+        self.held = asyncio.Event()
+        self.waiting = asyncio.Event()
+
+    async def call(self, method: str, /, **params: Any) -> Any:
+        if method == "info":
+            self.waiting.set()
+            await self.held.wait()
+        return getattr(self.source, method)(**params)  # at once: no await after the hold
+
+
+class Reporting(Host):
+    """The debugger's app reports a worker's error to the person (``report_error``)."""
+
+    def __init__(self, screen: RanksScreen):
+        super().__init__(screen)
+        self.errors: list[str] = []
+
+    def report_error(self, error: BaseException, where: str) -> None:
+        self.errors.append(f"{where}: {error!r}")
+
+
+def test_closing_the_ranks_list_while_a_rank_is_slow_to_answer_reports_no_error() -> None:
+    """The refresh that was waiting on a rank when the person chose one finds its tables gone:
+    that is the screen closing, not an error to show (CI saw it as a NoMatches at shutdown)."""
+
+    async def flow() -> None:
+        slow = HeldClient(FakeRank(1))
+        app = Reporting(RanksScreen("job7", {0: slow}, current=0, every=30))
+
+        def hook(message: Any) -> None:  # the rank answers while the screen is being taken down
+            sender = getattr(message._sender, "id", "")
+            if isinstance(message, events.Unmount) and sender == "ranks-table":
+                slow.held.set()
+
+        async with app.run_test(size=(120, 40), message_hook=hook) as pilot:
+            await asyncio.wait_for(slow.waiting.wait(), 10)
+            app.ranks_screen.dismiss(0)
+            for _ in range(40):
+                await pilot.pause(0.05)
+                if app.chosen:
+                    break
+            await pilot.pause(0.2)
+            assert slow.held.is_set() and app.chosen == [0]
+        assert app.errors == []
+
+    asyncio.run(flow())

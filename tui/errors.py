@@ -4,7 +4,9 @@ private crash file, whose path the command prints on exit. No error quits the UI
 
 Every worker of the UI is started through :func:`work` (Textual's ``@work``, guarded), and the
 handlers that route the training's data through :func:`reported`; both hand an error to the app's
-``report_error``, the one place errors are handled.
+``report_error``, the one place errors are handled. An error raised while its widget is being
+taken down (a worker that resumed after its screen was closed and found its tables gone) is the
+closing, not a bug, and is not shown.
 
 >>> @work(group="inspect", exclusive=True)
 ... async def load(self, text: str) -> None: ...
@@ -166,10 +168,18 @@ def _guarded(method: F, in_thread: bool) -> Callable[..., Any]:
 
 
 def _report(node: DOMNode, error: Exception, where: str) -> None:
+    if _taken_down(node):
+        return
     report = getattr(node.app, "report_error", None)
     if report is None:  # not the debugger's app (a widget tested alone): Textual's way
         raise error
     report(error, where)
+
+
+def _taken_down(node: DOMNode) -> bool:
+    """Whether the node is being removed, or was: Textual prunes a closed screen's children
+    before it cancels the screen's workers, and a worker can resume in between."""
+    return bool(node._pruning or node._closing or node._closed or not node.is_attached)
 
 
 def _where(node: DOMNode, method: Callable[..., Any]) -> str:
