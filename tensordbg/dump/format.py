@@ -32,8 +32,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
+
+from tensordbg.dtypes import numpy_dtype
 
 FORMAT_VERSION = 1
 META = "meta.json"
@@ -41,24 +42,8 @@ INDEX = "index.jsonl"
 RANK_DIR = re.compile(r"^rank-(\d+)$")
 TMP_SUFFIX = ".tmp"
 
-# numpy dtype name <-> safetensors dtype code. bfloat16 and float8 are ml_dtypes' numpy dtypes.
-NUMPY_DTYPES: dict[str, np.dtype] = {
-    "float64": np.dtype(np.float64),
-    "float32": np.dtype(np.float32),
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
-    "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
-    "int64": np.dtype(np.int64),
-    "int32": np.dtype(np.int32),
-    "int16": np.dtype(np.int16),
-    "int8": np.dtype(np.int8),
-    "uint8": np.dtype(np.uint8),
-    "uint16": np.dtype(np.uint16),
-    "uint32": np.dtype(np.uint32),
-    "uint64": np.dtype(np.uint64),
-    "bool": np.dtype(np.bool_),
-}
+# numpy dtype name <-> safetensors dtype code. bfloat16 and float8 are ml_dtypes' numpy dtypes
+# (tensordbg.dtypes.numpy_dtype, which imports ml_dtypes at the first of them).
 SAFETENSORS_CODES: dict[str, str] = {
     "float64": "F64",
     "float32": "F32",
@@ -79,11 +64,16 @@ SAFETENSORS_CODES: dict[str, str] = {
 DTYPE_OF_CODE = {code: name for name, code in SAFETENSORS_CODES.items()}
 
 
+def stored_dtype(name: str) -> np.dtype | None:
+    """The numpy dtype of a dump's dtype name; None for one a dump does not store."""
+    return numpy_dtype(name) if name in SAFETENSORS_CODES else None
+
+
 def dtype_name(dtype: np.dtype) -> str:
     """The dump's name of a numpy dtype (torch's names: ``float32``, ``bfloat16``...)."""
     name = np.dtype(dtype).name
-    if name not in NUMPY_DTYPES:
-        known = ", ".join(NUMPY_DTYPES)
+    if name not in SAFETENSORS_CODES:
+        known = ", ".join(SAFETENSORS_CODES)
         raise ValueError(f"a dump stores {known}; not {name}")
     return name
 

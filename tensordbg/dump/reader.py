@@ -418,7 +418,7 @@ class Dump:
         raw = next(e for e in record.raw["entries"] if e.get("key") and e["name"] == name)
         buffer, data_start = self._map(record)
         start, end = raw["offsets"]
-        dtype = fmt.NUMPY_DTYPES.get(entry.dtype)
+        dtype = fmt.stored_dtype(entry.dtype)
         path = self._file(record)
         if dtype is None:
             raise DumpError(f"{path} holds {name} as {entry.dtype}, which this reader cannot read")

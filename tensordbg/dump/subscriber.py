@@ -33,10 +33,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import torch
 
+from tensordbg.dtypes import numpy_dtype
 from tensordbg.dump import format as fmt
 from tensordbg.dump.writer import DumpWriter
 from tensordbg.engine.params import parameter_count
@@ -53,9 +53,9 @@ a write for a moment (a hit step's fsync), and are not dropped for it."""
 
 # torch dtypes numpy cannot hold, as the integer type of the same width and the ml_dtypes view.
 _VIEWS = {
-    torch.bfloat16: (torch.int16, ml_dtypes.bfloat16),
-    torch.float8_e4m3fn: (torch.uint8, ml_dtypes.float8_e4m3fn),
-    torch.float8_e5m2: (torch.uint8, ml_dtypes.float8_e5m2),
+    torch.bfloat16: (torch.int16, "bfloat16"),
+    torch.float8_e4m3fn: (torch.uint8, "float8_e4m3fn"),
+    torch.float8_e5m2: (torch.uint8, "float8_e5m2"),
 }
 
 
@@ -358,7 +358,7 @@ def _numpy(tensor: torch.Tensor) -> np.ndarray:
     view = _VIEWS.get(tensor.dtype)
     tensor = tensor.contiguous()
     if view is not None:
-        return tensor.view(view[0]).numpy().view(view[1])
+        return tensor.view(view[0]).numpy().view(numpy_dtype(view[1]))
     return tensor.numpy()
 
 

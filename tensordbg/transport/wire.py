@@ -23,9 +23,10 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import msgpack
 import numpy as np
+
+from tensordbg.dtypes import EXTENDED, numpy_dtype
 
 PROTOCOL_VERSION = 2
 
@@ -55,31 +56,31 @@ class DType:
 
     name: str  # torch's name, e.g. "bfloat16"
     storage: str  # numpy dtype of the words on the wire, e.g. "<u2"
-    values: np.dtype  # what the words mean, e.g. ml_dtypes.bfloat16
 
-
-def _dtype(name: str, storage: str, values: type | str | None = None) -> DType:
-    return DType(name, storage, np.dtype(storage if values is None else values))
+    @property
+    def values(self) -> np.dtype:
+        """What the words mean, e.g. ml_dtypes.bfloat16 (imported at the first such array)."""
+        return numpy_dtype(self.name) if self.name in EXTENDED else np.dtype(self.storage)
 
 
 # numpy has no bfloat16 or fp8: they travel as raw words tagged with their dtype name.
 DTYPES: dict[str, DType] = {
     d.name: d
     for d in (
-        _dtype("float64", "<f8"),
-        _dtype("float32", "<f4"),
-        _dtype("float16", "<f2"),
-        _dtype("bfloat16", "<u2", ml_dtypes.bfloat16),
-        _dtype("float8_e4m3fn", "|u1", ml_dtypes.float8_e4m3fn),
-        _dtype("float8_e4m3fnuz", "|u1", ml_dtypes.float8_e4m3fnuz),
-        _dtype("float8_e5m2", "|u1", ml_dtypes.float8_e5m2),
-        _dtype("float8_e5m2fnuz", "|u1", ml_dtypes.float8_e5m2fnuz),
-        _dtype("int64", "<i8"),
-        _dtype("int32", "<i4"),
-        _dtype("int16", "<i2"),
-        _dtype("int8", "|i1"),
-        _dtype("uint8", "|u1"),
-        _dtype("bool", "|b1"),
+        DType("float64", "<f8"),
+        DType("float32", "<f4"),
+        DType("float16", "<f2"),
+        DType("bfloat16", "<u2"),
+        DType("float8_e4m3fn", "|u1"),
+        DType("float8_e4m3fnuz", "|u1"),
+        DType("float8_e5m2", "|u1"),
+        DType("float8_e5m2fnuz", "|u1"),
+        DType("int64", "<i8"),
+        DType("int32", "<i4"),
+        DType("int16", "<i2"),
+        DType("int8", "|i1"),
+        DType("uint8", "|u1"),
+        DType("bool", "|b1"),
     )
 }
 
