@@ -66,6 +66,8 @@ def test_nan_and_overflow_in_a_layers_output(watch, sync):
     output = next(h for h in hits_of(session, "Overflow") if h.tensor == "1.output")
     assert not output.origin and "first produced at 1.bias" in output.message
     assert "inputs and parameters were clean" not in output.message
+    # Its inputs were clean: the sentence names its own parameter, not "upstream".
+    assert "passed on from this module's own parameters 1.bias" in output.message
     assert any(h.rule == "NaN" and h.phase == "backward" for h in session.hits)  # Inf - Inf
     # The Inf is the one origin; the NaN it turns into is passed on from it. The gradient of the
     # loss is +Inf in output column 0, so 1.weight.grad[0] sums +Inf times activations of both

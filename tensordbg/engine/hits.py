@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any, TextIO
 
@@ -152,6 +152,9 @@ class HitLog:
                 self.first_origin.get(condition, ""),
                 self.bad_buffers(path) if is_origin and kind == "output" and path else (),
                 by_gradient,
+                self.bad_params(path)
+                if not is_origin and kind == "output" and path is not None
+                else (),
             ),
             ref=stats.ref,
             call=module.index if module is not None else stats.call,
@@ -178,8 +181,24 @@ class HitLog:
             return []  # it normalizes with the batch's statistics: its buffers fed nothing
         found = (module.named_buffers(prefix=path, recurse=False)
                  if path is not None else module.named_buffers())  # fmt: skip
-        return [name for name, b in found
-                if b.is_floating_point() and not bool(torch.isfinite(b).all())]  # fmt: skip
+        return _not_finite(found)
+
+    def bad_params(self, path: str) -> list[str]:
+        """The module's own parameters holding a NaN or Inf (an earlier update, or a hand,
+        wrote them): the value its output passes on though its inputs were clean."""
+        model = self._model() if self._model is not None else None
+        try:
+            module = model.get_submodule(path) if model is not None else None
+        except AttributeError:
+            return []
+        if module is None:
+            return []
+        return _not_finite(module.named_parameters(prefix=path, recurse=False))
+
+
+def _not_finite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    return [name for name, t in named
+            if t.is_floating_point() and not bool(torch.isfinite(t.detach()).all())]  # fmt: skip
 
 
 def _summary(record: Record) -> dict[str, Any]:
@@ -193,11 +212,12 @@ def _summary(record: Record) -> dict[str, Any]:
 
 def with_origin(finding: Finding, is_origin: bool, condition: int | None, kind: str,
                 module: str, first: str, bad_buffers: Sequence[str] = (),
-                by_gradient: bool = False) -> str:  # fmt: skip
+                by_gradient: bool = False, bad_params: Sequence[str] = ()) -> str:  # fmt: skip
     """The finding's sentence, followed by where the value came from. Its advice (what the
     condition usually means) is given where the condition arose, not repeated downstream.
     ``bad_buffers``: the module's buffers that are not finite (they fed its output);
-    ``by_gradient``: a parameter's, which its gradient held before the step."""
+    ``by_gradient``: a parameter's, which its gradient held before the step; ``bad_params``:
+    the module's own parameters that are not finite (an output passed on from them)."""
     if condition is None:
         return finding.advised
     if not is_origin:
@@ -209,14 +229,22 @@ def with_origin(finding: Finding, is_origin: bool, condition: int | None, kind: 
         if kind == "param":
             return (f"{finding.message} It was so before this step{source}: the update did not "
                     "make it.")  # fmt: skip
+        if bad_params:
+            return (f"{finding.message} It was passed on from this module's own parameters "
+                    f"{_names(bad_params)}, which held NaN or Inf before this forward{source}, "
+                    "not produced here.")  # fmt: skip
         return f"{finding.message} It was passed on from upstream{source}, not produced here."
     note = _ORIGIN_NOTE.get((kind, bool(module)), _ORIGIN_NOTE[kind, True])
     if bad_buffers:
-        names = ", ".join(bad_buffers[:4]) + (", ..." if len(bad_buffers) > 4 else "")
-        note = (f"Its inputs and parameters were clean, but its buffers {names} hold NaN or Inf: "
+        note = (f"Its inputs and parameters were clean, but its buffers {_names(bad_buffers)} "
+                "hold NaN or Inf: "
                 "an earlier forward wrote them (BatchNorm's running statistics after a bad "
                 "batch); reset them or load a checkpoint.")  # fmt: skip
     return f"{finding.advised} {note}"
+
+
+def _names(names: Sequence[str]) -> str:
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
 _ORIGIN_NOTE = {
