@@ -217,3 +217,26 @@ def _draws(seed: int) -> list[float]:
     torch.randn(3, 4)
     drop = nn.Dropout(0.5)
     return [float(drop(torch.ones(()))) for _ in range(2)]
+
+
+def test_a_forward_that_makes_its_nan_only_once_says_so_instead_of_naming_nothing() -> None:
+    """A NaN made on a counter's third call: the re-run is the fourth, which makes none.
+    The hit says why no operation is named (found trying the UI as a new user: the line
+    was silently missing)."""
+
+    class Counted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return torch.log(x - 10) if self.calls == 3 else x
+
+    model = nn.Sequential(nn.Linear(4, 4), Counted())
+    with watched(model) as session, torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(3, 4))
+    origin = next(h for h in session.hits if h.origin)
+    assert origin.tensor == "1.output"
+    assert "came from" not in origin.message and "made no NaN this time" in origin.message

@@ -54,11 +54,13 @@ class FirstBad(TorchFunctionMode):
         super().__init__()
         self.nan = nan
         self.found: dict[str, Any] | None = None
+        self.met = False  # a result held the bad value, whether this forward made it or not
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
         if self.found is None and _holds_bad(result, self.nan):
+            self.met = True
             # An operation that was handed the bad value (a weight that was NaN already) did
             # not make it: nothing is named.
             given = [*args, *kwargs.values()]
@@ -88,16 +90,25 @@ class Pinpointing:
         self._pinpointed_step = self.step
         nan = bool(torch.isnan(tensor).any())
         found = name_operation(self, call, nan)
-        if found is not None:
+        if found is NOT_MADE_AGAIN:
+            hit.message += (f" Its forward, run again to name the operation, made no "
+                            f"{'NaN' if nan else 'Inf'} this time: it depends on something the "
+                            "first run changed (a counter, a global, a draw not from torch's "
+                            "streams), so the operation is not named.")  # fmt: skip
+        elif found is not None:
             call.operation = found
             hit.message += sentence(call, found, nan)
+
+
+NOT_MADE_AGAIN: dict[str, Any] = {"op": ""}
+"""What :func:`name_operation` returns when the re-run ran whole and made no such value."""
 
 
 def name_operation(session: Any, call: Call, nan: bool) -> dict[str, Any] | None:
     """The operation inside ``call``'s forward that made the first NaN (``nan``; else Inf) of
     its output, as ``{"op", "file", "line", "function", "code", "first_line"}``; None when it
     cannot be named (the call's inputs changed since, the module is compiled or talks to other
-    ranks, the re-run made no such value)."""
+    ranks, the re-run raised); :data:`NOT_MADE_AGAIN` when the re-run made no such value."""
     invocation = call.invocation
     if invocation is None:
         return None
@@ -120,7 +131,7 @@ def name_operation(session: Any, call: Call, nan: bool) -> dict[str, Any] | None
             pass
         except Exception:  # the re-run is a courtesy: whatever it raises, the hit stands
             return None
-    return watch.found
+    return watch.found if watch.met else NOT_MADE_AGAIN
 
 
 # Modules that draw from the random streams in their forward: a re-run of a forward that holds
