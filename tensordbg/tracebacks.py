@@ -101,3 +101,15 @@ def _print_hit(error: BaseException) -> bool:
     if error.summary_after:  # the hits, after the traceback (a framework detached first)
         print(error.summary_after, file=sys.stderr, flush=True)
     return True
+
+
+def script_ended_by() -> str:
+    """At exit, how the script ended when it did not end by itself, as the UI says it: the
+    exception Python printed at the top level (``sys.last_value``); "" for a normal end. Not in
+    IPython, where ``sys.last_value`` is any earlier cell's error."""
+    error = getattr(sys, "last_value", None)
+    if error is None or "IPython" in sys.modules or isinstance(error, SystemExit):
+        return ""
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted (Ctrl-C)"
+    return f"stopped by {type(error).__name__}"

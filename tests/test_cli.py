@@ -623,3 +623,31 @@ def test_every_help_fits_an_80_column_terminal(cli, monkeypatch, command):
     code, out, _ = cli(*[c for c in (command, "--help") if c])
     assert code == 0
     assert [line for line in out.splitlines() if len(line) > 79] == []
+
+
+@pytest.mark.parametrize("ending, said", [
+    ("raise KeyboardInterrupt  # Ctrl-C", "interrupted (Ctrl-C)"),
+    ("raise ValueError('bad batch')", "stopped by ValueError"),
+    ("pass", None),
+])  # fmt: skip
+def test_a_script_that_attached_itself_tells_the_ui_how_it_ended(tmp_path: Path, ending, said):
+    """Not only under ``tensordbg run``: a plain ``python train.py`` that attached and was
+    stopped by Ctrl-C or an error is not shown as simply "finished" (found trying the UI as a
+    new user)."""
+    path = tmp_path / "train.py"
+    path.write_text(textwrap.dedent(f"""
+        import json, torch
+        from torch import nn
+        import tensordbg
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        session = tensordbg.attach(model, optimizer=opt, on_hit="record", server=False,
+                                   summary_at_exit=False)
+        session.bus.subscribe(lambda e, p: print(json.dumps(p), flush=True), {{"state"}})
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward(); opt.step(); opt.zero_grad()
+        {ending}
+    """))  # fmt: skip
+    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=60)
+    last = json.loads(done.stdout.strip().splitlines()[-1])
+    assert last["state"] == "finished" and last.get("reason") == said, done.stdout + done.stderr

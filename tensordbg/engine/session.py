@@ -46,6 +46,7 @@ from tensordbg.hit import Hit, WatchpointHit
 from tensordbg.rules import Rule, default_rules
 from tensordbg.statistics import MEAN, TensorStats
 from tensordbg.statistics.torch_kernels import watchable
+from tensordbg.tracebacks import script_ended_by
 
 ON_HIT = ("pause", "raise", "record", "skip", "dump")
 DEFAULT_RETAIN = 256 * 2**20
@@ -344,8 +345,7 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
             self._finish_step()
         self.detached = True
         self.publish()
-        # The UI's q lets the training go on unwatched ("detached"); at exit it is over.
-        state = "finished" if self._exiting else "detached"
+        state = "finished" if self._exiting else "detached"  # q: it goes on unwatched
         ended = {"reason": self.ended_by} if self._exiting and self.ended_by else {}
         self.bus.publish("state", {"state": state, "step": self.step, **ended})
         self.bus.publish("detach", {"state": "detached", "step": self.step})
@@ -491,6 +491,7 @@ def _forget(model_ref: weakref.ref[torch.nn.Module], session: Session) -> None:
 def _detach_at_exit(ref: weakref.ref[Session]) -> None:
     if (session := ref()) is None:
         return
+    session.ended_by = session.ended_by or script_ended_by()  # an error, a Ctrl-C: the UI says
     if session.summary_at_exit and session.hits and not session.detached:
         print_summary(session)
     session.detach(finished=True)
