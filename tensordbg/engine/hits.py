@@ -170,12 +170,8 @@ class HitLog:
         every one of the model's. A forward writes them (BatchNorm's running statistics), so
         a bad batch leaves them so though its update is skipped, and a later clean batch
         turns bad in that module with its inputs and parameters clean."""
-        model = self._model() if self._model is not None else None
-        if model is None:
-            return []
-        try:
-            module = model.get_submodule(path) if path is not None else model
-        except AttributeError:  # a module the path no longer names
+        module = self._module(path)
+        if module is None:
             return []
         if path is not None and isinstance(module, _BatchNorm) and module.training:
             return []  # it normalizes with the batch's statistics: its buffers fed nothing
@@ -186,14 +182,21 @@ class HitLog:
     def bad_params(self, path: str) -> list[str]:
         """The module's own parameters holding a NaN or Inf (an earlier update, or a hand,
         wrote them): the value its output passes on though its inputs were clean."""
-        model = self._model() if self._model is not None else None
-        try:
-            module = model.get_submodule(path) if model is not None else None
-        except AttributeError:
-            return []
+        module = self._module(path)
         if module is None:
             return []
         return _not_finite(module.named_parameters(prefix=path, recurse=False))
+
+    def _module(self, path: str | None) -> torch.nn.Module | None:
+        """The model's module at ``path`` (the model for None); None when the model is gone or
+        the path no longer names a module."""
+        model = self._model() if self._model is not None else None
+        if model is None:
+            return None
+        try:
+            return model.get_submodule(path) if path is not None else model
+        except AttributeError:
+            return None
 
 
 def _not_finite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
