@@ -314,7 +314,7 @@ class GradientPlan:
             )
             (keep if sound else out).append(p)
         self.planned = keep
-        return [(p.forward, p.node, p.output_nr) for p in out]
+        return _released(out)
 
     def not_computed(self) -> list[tuple[Record, Any, int]]:
         """At a pass's start: the planned gradients this pass computes while their voucher's
@@ -333,7 +333,7 @@ class GradientPlan:
                 ok = executes[p.voucher] = param.requires_grad and will(self._accumulator(param))
             (keep if ok else out).append(p)
         self.planned = keep
-        return [(p.forward, p.node, p.output_nr) for p in out]
+        return _released(out)
 
     def judged(
         self, finite: dict[str, bool]
@@ -370,6 +370,7 @@ class GradientPlan:
             self.kept.pop(id(p), None)
         if not keep:
             self.roots, self.kept = [], {}
+        _released(clean + bad + unread + [p for p, _ in read])
         return clean, bad, unread, read
 
     def _carried_verdicts(self, clean: list[Planned], bad: list[Planned],
@@ -397,6 +398,7 @@ class GradientPlan:
         return still_bad, now_clean, unread
 
     def clear(self) -> None:
+        _released(self.planned)
         self.planned, self.roots, self.kept = [], [], {}
 
     def _accumulator(self, param: torch.Tensor) -> Any:
@@ -409,6 +411,7 @@ class GradientPlan:
 
     def forget(self) -> None:
         """Let go of every parameter (at detach)."""
+        _released(self.planned)
         self.planned, self.params, self._names = [], {}, {}
         self._accumulators, self.roots, self.kept = {}, [], {}
 
@@ -431,6 +434,18 @@ class GradientPlan:
                     else:
                         following.append(nxt)
             frontier = following
+
+
+def _released(planned: list[Planned]) -> list[tuple[Any, Any, int]]:
+    """Planned gradients taken out of the plan let go of their nodes: each forward tensor, its
+    node and output number. A carried one's node holds a hook that holds it (:meth:`_keep`), a
+    cycle through autograd's C++ that Python's collector cannot break: kept, it kept the node
+    and every node before it in the graph alive, a step's worth at each step."""
+    taken = []
+    for p in planned:
+        taken.append((p.forward, p.node, p.output_nr))
+        p.node = None
+    return taken
 
 
 _WIDE_NAMES = frozenset(str(d).removeprefix("torch.") for d in WIDE)
