@@ -363,6 +363,27 @@ def test_a_backward_hit_named_after_the_module_that_took_the_value_shows_that_mo
     assert [i["name"] for i in live["inputs"]] == ["0.output"]  # abs's input
 
 
+@pytest.mark.parametrize("sync", ["eager", "batched", "deferred"])
+def test_a_bad_backward_is_dumped_in_the_order_autograd_made_it(tmp_path, sync):
+    """Each module's output gradient, then its parameters' gradients, from the loss back. A
+    deferred pass registers at its end the gradients it vouched for and those of the
+    parameters: ``tensordbg check`` and Dump.tensors numbered the model's output gradient,
+    made first, last of the step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), _Abs(), nn.Linear(16, 4))
+    nn.init.zeros_(model[0].bias)
+    x = torch.randn(4, 8)
+    x[1] = 0  # abs's backward divides 0 by 0
+    with tensordbg.attach(model, on_hit="record", server=False, summary_at_exit=False,
+                          sync=sync, dump_dir=tmp_path) as session:  # fmt: skip
+        model(x).pow(2).mean().backward()
+        assert any(h.origin for h in session.hits)
+    names = [e.name for e in tensordbg.load(tmp_path).tensors(0) if e.phase == "backward"]
+    order = ["2.grad_output", "2.bias.grad", "2.weight.grad", "0.grad_output",
+             "0.bias.grad", "0.weight.grad"]  # fmt: skip
+    assert [n for n in names if n in order] == order, names
+
+
 def test_a_periodic_steps_dumped_value_keeps_where_it_came_from(tmp_path):
     """Values dumped on periodic steps (dump_tensors) carry their provenance, as a hit step's
     do: the replay names the module that made the value, its input and the line that called it."""

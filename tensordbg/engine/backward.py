@@ -253,6 +253,30 @@ class BackwardPhase(ParamGradients):
             keyed.append((key, i, event))
         keyed.sort(key=lambda k: (k[0], k[1]))
         self.phases.pending = [event for _, _, event in keyed]
+        self._records_late = True
+
+    _records_late = False
+    """This pass registered records at its end (vouched gradients, parameter gradients read
+    there): the phase's records are put in execution order before it is published."""
+
+    def _records_in_execution_order(self) -> None:
+        """The phase's records in the order :meth:`_in_execution_order` gives its events, so
+        that the UI, a dump and ``tensordbg check`` number them as autograd made them (a record
+        of another kind keeps its place after the one before it)."""
+        self._records_late = False
+        key: float = -math.inf
+        keyed = []
+        by_param: dict[str, float] = {}
+        for i, record in enumerate(self.phases.records):
+            if record.grad_of is not None:
+                key = -record.grad_of.stats.ref
+            elif record.stats.kind == "grad" and record.param:
+                if record.param not in by_param:
+                    by_param[record.param] = self._param_key(record.param)
+                key = by_param[record.param]
+            keyed.append((key, i, record))
+        keyed.sort(key=lambda k: (k[0], k[1]))
+        self.phases.records = [record for _, _, record in keyed]
 
     def _param_key(self, name: str) -> float:
         refs = [r.stats.ref for call in self._owner_calls(name) for _, r in call.outputs]

@@ -257,6 +257,8 @@ class Pipeline(Pausing, Pinpointing):
                 if event.record.findings or event.record.stats.kind != "grad":
                     self.report(event.record)  # (a clean gradient has nothing to report)
         self._drain()
+        if self._records_late:
+            self._records_in_execution_order()
         self._judge_phase()
         self._publish_phase()
         self._pause_if_needed()
