@@ -46,7 +46,8 @@ def test_a_replay_opens_at_its_first_hit_and_says_it_is_a_recording(dump: Path) 
     assert info["live"] is False and info["state"] == "replay"
     assert info["step"] == 3 and info["paused_at"]["tensor"] == "net.2.output"
     assert info["replay"] == {"path": str(dump), "recorded": "2026-11-24T10:30:00+00:00",
-                              "complete": True, "steps": 6, "index": 3, "broken": ""}  # fmt: skip
+                              "complete": True, "steps": 6, "index": 3, "broken": "",
+                              "lost": ""}  # fmt: skip
     assert info["run_id"] == "replay01" and info["script"] == "train.py"
     assert info["capabilities"] == sorted(REPLAY)
     with pytest.raises(SourceError) as refused:
@@ -293,6 +294,26 @@ def test_the_ui_says_a_step_with_changed_values_is_broken_and_shows_its_statisti
             await until(pilot, lambda: "NaN×1!" in str(summary.render()))
             histogram = app.query_one(HistogramView)
             await until(pilot, lambda: "fails its checksum" in str(histogram.render()))
+
+    asyncio.run(flow())
+
+
+def test_the_ui_says_when_the_dumps_index_is_cut_short(dump: Path) -> None:
+    """The index's last line gone (a copy cut short): ``tensordbg check`` said the later steps
+    are missing, the replay listed the others as if they were all. Its banner says so now, on
+    every step it shows."""
+    index = dump / "rank-0" / "index.jsonl"
+    lines = index.read_bytes().splitlines(keepends=True)
+    index.write_bytes(b"".join(lines[:-1]))
+    source = ReplaySource(load(dump))
+    assert all("cut short" in source.goto(step=step)["replay"]["lost"] for step in source.steps)
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(ReplaySource(load(dump))))
+        async with app.run_test(size=SIZE) as pilot:
+            banner = app.query_one(ConnectionBanner)
+            await until(pilot, lambda: "cut short" in str(banner.content))
+            assert "the steps after its last line are missing" in str(banner.content)
 
     asyncio.run(flow())
 

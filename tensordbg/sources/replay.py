@@ -6,8 +6,7 @@ between them. Statistics come from the dump's index; values, slices and histogra
 memory-mapped safetensors file, so a slice of a huge tensor reads only that slice. A step whose
 file is broken is shown as broken (``info["replay"]["broken"]``) with the statistics of its
 index, and every other step stays readable: the file of a step is read whole against its
-checksums when the step is shown, never the whole dump. numpy only: this module never imports
-torch.
+checksums when the step is shown, never the whole dump. numpy only: it never imports torch.
 
 >>> source = ReplaySource(tensordbg.load("runs/dbg"))
 >>> source.goto(move=1)["step"]
@@ -142,6 +141,7 @@ class ReplaySource:
                 "steps": len(self.steps),
                 "index": self.index,
                 "broken": self.broken(),
+                "lost": self._broken.get(-1, ""),
             },
         }
 

@@ -15,10 +15,9 @@ TrainingState = Literal["running", "paused", "detached", "finished", "replay"]  
 
 
 class Summary(TypedDict, total=False):
-    """What is known of a tensor's statistics: every field of
-    :meth:`tensordbg.statistics.Summary.as_dict` when they were computed, else the ones the rules
-    asked for, and any other statistic by name (``zero_frac``...); moments are over finite
-    elements. Listings add the tensor's ``shape``, ``dtype`` and the ``step`` it is from."""
+    """What is known of a tensor's statistics: all of :meth:`tensordbg.statistics.Summary.as_dict`
+    when computed, else those the rules asked for, and any statistic by name (``zero_frac``...);
+    moments are over finite elements. Listings add ``shape``, ``dtype`` and its ``step``."""
 
     numel: int
     # Counts, but numbers in general: a partial summary carries the rules' values, floats.
@@ -76,6 +75,7 @@ class Replay(TypedDict):
     steps: int  # dumped steps of this rank, broken ones included
     index: int  # the position of the shown step among them, from 0
     broken: str  # why the shown step cannot be read; "" when it can
+    lost: str  # why some steps are not listed (an index cut short); "" when none is lost
 
 
 class Info(TypedDict):

@@ -210,8 +210,11 @@ class MainScreen(Screen):
         text = f"Replay of run {info['run_id']} ({info['script']}){recorded} · {where}"
         if not replay["complete"]:
             text += " · the run stopped before its dump was closed"
+        lost = replay.get("lost", "")  # the dump's own damage: steps that cannot be listed
         if replay["broken"]:
             self.banner.show(f"{text} · this step is broken: {replay['broken']}", "lost")
+        elif lost:
+            self.banner.show(f"{text} · {lost}", "lost")
         else:
             self.banner.show(f"{text} · n / p: next / previous dumped step", "replay")
         self._replay_text = f"step {info['step']} ({replay['index'] + 1}/{replay['steps']})"
