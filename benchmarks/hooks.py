@@ -36,6 +36,7 @@ from tensordbg.engine.capture import Capture
 from tensordbg.engine.grad_hooks import GradHooks
 from tensordbg.engine.params import ParamWatch
 from tensordbg.engine.session import Session
+from tensordbg.engine.vouching import GradientPlan
 
 # The hooks, as the session installs them: (class, method, what the table calls it).
 HOOKS = [
@@ -43,6 +44,7 @@ HOOKS = [
     (Capture, "_on_exit", "module post-hooks (the root's: the forward's records)"),
     (GradHooks, "_on_node_grad", "activation-gradient hooks"),
     (GradHooks, "on_grad", "activation-gradient hooks"),
+    (GradientPlan, "_keep", "activation gradients kept for a voucher (residuals)"),
     (Session, "param_grad", "parameter-gradient hooks (several ranks, eager)"),
     (Session, "pass_started", "start of the backward pass"),
     (Session, "_end_backward", "end of the backward pass (parameter gradients, rules)"),
