@@ -67,6 +67,23 @@ def test_run_debugs_a_script_without_changing_it(script: Path):
     assert "[NaN] input[0]" in done.stderr and "step 3 forward" in done.stderr
 
 
+def test_run_gives_the_script_the_file_argv_and_path_python_gives_it(tmp_path: Path):
+    """A script finds its data next to itself (``os.path.dirname(__file__)``): under tensordbg
+    run, started by a relative name, its ``__file__`` was relative where python's is absolute
+    (since 3.9), and ``dirname`` gave "" (found trying the product as a new user)."""
+    (tmp_path / "train.py").write_text(
+        "import os, sys\nprint(repr(__file__), repr(sys.argv[1:]), repr(sys.path[0]))\n"
+        "print(os.path.isabs(__file__), os.path.dirname(__file__) != '')\n"
+        "print(os.path.samefile(sys.argv[0], __file__))\n"
+    )
+    plain = subprocess.run([sys.executable, "train.py", "a"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=60)  # fmt: skip
+    watched = tensordbg("run", "train.py", "a", cwd=tmp_path)
+    assert plain.returncode == watched.returncode == 0, watched.stderr
+    assert watched.stdout == plain.stdout
+    assert plain.stdout.splitlines()[1:] == ["True True", "True"]
+
+
 TWO_OPTIMIZERS = textwrap.dedent(
     """
     import torch

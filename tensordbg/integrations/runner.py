@@ -219,7 +219,9 @@ def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = 
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     run.install()
     try:
-        runpy.run_path(script, run_name="__main__")
+        # An absolute __file__, as python gives it (since 3.9); runpy makes sys.argv[0] the same
+        # path (python keeps it as typed: the same file).
+        runpy.run_path(os.path.abspath(script), run_name="__main__")
         return 1 if run.hit() else 0
     except SystemExit as e:
         code = e.code
