@@ -189,8 +189,8 @@ def attach(
     if unmatched := _unmatched(model, session.capture):
         session.log(unmatched, "warning")
         print(f"tensordbg: {unmatched}", file=sys.stderr, flush=True)
-    if on_hit in ("raise", "skip"):  # an uncaught hit shows the user's frames only (tracebacks.py)
-        session.handles.callback(install_excepthook(), "excepthook")
+    # An uncaught hit, or a Ctrl-C at a pause, shows the user's frames only (tracebacks.py).
+    session.handles.callback(install_excepthook(), "excepthook")
     try:
         if dump_dir is not None:
             from tensordbg.dump.subscriber import DumpRecorder

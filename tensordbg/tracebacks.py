@@ -3,15 +3,18 @@ frames only. The hit is raised from inside a module hook, so Python's traceback 
 through PyTorch's ``Module.__call__`` and tensordbg's pipeline, forty lines that push the line
 that matters off the screen.
 
-``tensordbg run`` prints it this way; ``attach(on_hit="raise")`` installs :func:`excepthook`
-while the session is attached, for a ``WatchpointHit`` that nobody catches (other exceptions go
-to the hook that was there before). ``TENSORDBG_FULL_TRACEBACK=1`` keeps every frame.
+``tensordbg run`` prints it this way; ``attach`` installs :func:`install_excepthook`'s hook
+while the session is attached, for a ``WatchpointHit`` that nobody catches and a Ctrl-C that
+stopped the training inside tensordbg (paused at a hit: sixteen frames of tensordbg's and
+PyTorch's); other exceptions go to the hook that was there before.
+``TENSORDBG_FULL_TRACEBACK=1`` keeps every frame.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import sysconfig
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -20,11 +23,18 @@ from typing import Any
 
 _PACKAGE = str(Path(__file__).resolve().parent)
 _HIDDEN = (_PACKAGE + os.sep, os.sep + "torch" + os.sep, os.sep + "runpy.py")
+_PATHS = sysconfig.get_paths()
+_STDLIB = _PATHS["stdlib"] + os.sep
+_INSTALLED = (_PATHS["purelib"] + os.sep, _PATHS["platlib"] + os.sep)
 
 
 def _hidden(filename: str) -> bool:
     path = os.path.abspath(filename)
     return any(part in path for part in _HIDDEN) or filename.startswith("<frozen ")
+
+
+def _stdlib(filename: str) -> bool:
+    return filename.startswith(_STDLIB) and not filename.startswith(_INSTALLED)
 
 
 def format_user_traceback(error: BaseException) -> str:
@@ -33,7 +43,11 @@ def format_user_traceback(error: BaseException) -> str:
     frames = traceback.extract_tb(error.__traceback__)
     header = "Traceback (most recent call last):\n"
     if os.environ.get("TENSORDBG_FULL_TRACEBACK") != "1":
-        users = [f for f in frames if not _hidden(f.filename)]
+        users, inside = [], False
+        for f in frames:  # past tensordbg's first frame, the standard library's are its own
+            inside = inside or f.filename.startswith(_PACKAGE + os.sep)
+            if not (_hidden(f.filename) or (inside and _stdlib(f.filename))):
+                users.append(f)
         if users and len(users) < len(frames):
             frames = traceback.StackSummary.from_list(users)
             header = (
@@ -88,19 +102,31 @@ def chain_excepthook(handle: Callable[[BaseException], bool]) -> Callable[[], No
 
 
 def install_excepthook() -> Callable[[], None]:
-    """Print an uncaught WatchpointHit with :func:`format_user_traceback`; returns the undo."""
+    """Print an uncaught WatchpointHit, and a Ctrl-C that came while tensordbg ran (a pause),
+    with :func:`format_user_traceback`; returns the undo."""
     return chain_excepthook(_print_hit)
 
 
 def _print_hit(error: BaseException) -> bool:
     from tensordbg.hit import WatchpointHit
 
+    if isinstance(error, KeyboardInterrupt) and _inside_tensordbg(error.__traceback__):
+        print(format_user_traceback(error), end="", file=sys.stderr, flush=True)
+        return True
     if not isinstance(error, WatchpointHit):
         return False
     print(format_user_traceback(error), end="", file=sys.stderr, flush=True)
     if error.summary_after:  # the hits, after the traceback (a framework detached first)
         print(error.summary_after, file=sys.stderr, flush=True)
     return True
+
+
+def _inside_tensordbg(tb: TracebackType | None) -> bool:
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.startswith(_PACKAGE + os.sep):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def script_ended_by() -> str:

@@ -392,6 +392,44 @@ def test_ctrl_c_in_a_watched_script_ends_it_with_one_line_and_no_traceback(tmp_p
     assert "Traceback" not in done.stderr
 
 
+CTRL_C_INSIDE = textwrap.dedent(
+    """
+    import torch, tensordbg
+    from torch import nn
+    from tensordbg.rules import Rule
+    from tensordbg.statistics import FINITE
+
+    class CtrlC(Rule):
+        \"\"\"Ctrl-C while tensordbg runs, as at a pause waiting for the UI.\"\"\"
+
+        kinds = frozenset({"output"})
+        needs = (FINITE,)
+
+        def check(self, t, state):
+            if t.step == 2:
+                raise KeyboardInterrupt
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    tensordbg.attach(model, rules=[CtrlC()], server=False, summary_at_exit=False)
+    for step in range(4):
+        model(torch.randn(3, 4)).sum().backward()  # the user's line
+    """
+)
+
+
+def test_ctrl_c_inside_tensordbg_shows_the_users_frames_only(tmp_path: Path):
+    """A Ctrl-C at a pause in a script that attached itself printed sixteen frames of
+    tensordbg's, PyTorch's and threading's under the user's line (found trying the product as a
+    new user); it shows the user's line, as an uncaught hit does. The exit stays Python's."""
+    (tmp_path / "train.py").write_text(CTRL_C_INSIDE)
+    done = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode in (-2, 130), done.stderr  # killed by SIGINT, as python is
+    assert "frames left out" in done.stderr and "# the user's line" in done.stderr
+    assert "tensordbg/engine" not in done.stderr and "torch/nn" not in done.stderr
+    assert done.stderr.rstrip().endswith("KeyboardInterrupt")
+
+
 def test_ctrl_c_after_tensordbg_detached_does_not_name_a_step_it_no_longer_counts(
     tmp_path: Path, monkeypatch, capsys
 ):
