@@ -1067,13 +1067,14 @@ def test_f5_before_any_tensor_is_open_says_how_to_open_one() -> None:
     asyncio.run(flow())
 
 
-def test_at_80_columns_every_tab_title_is_on_the_bar() -> None:
-    """At 80x24 the bar ended in "Profil": the titles with their keys take 85 columns. On a
-    narrow terminal they go without the keys; on a wide one the keys come back."""
+def test_on_a_narrow_terminal_every_tab_title_is_on_the_bar() -> None:
+    """At 80x24 the bar ended in "Profil": the titles with their keys take 85 columns. At 80
+    the tabs close up to keep their keys (test_tui_first_use); narrower still, they go without
+    the keys; on a wide one the keys come back."""
 
     async def flow() -> None:
         app = TensorDbgApp(LocalClient(FakeSource()))
-        async with app.run_test(size=(80, 24)) as pilot:
+        async with app.run_test(size=(70, 24)) as pilot:
             await paused_on_the_two_hits(pilot)
             await mounted(pilot)
             await pilot.pause(0.1)

@@ -73,6 +73,10 @@ class TensorDbgApp(App[int]):
         Binding("p", "replay_step(-1)", "Previous dumped step"),
         Binding("q", "detach", "Detach & quit"),
         Binding("q", "leave", "Quit"),  # nothing to detach from (see nothing_to_detach)
+        # Textual's ctrl+q, which said "Quit": it does what q does, and the keys panel says so.
+        Binding("ctrl+q", "detach", "Detach & quit", show=False, priority=True),
+        Binding("ctrl+q", "leave", "Quit", show=False, priority=True),
+        Binding("ctrl+q", "quit", "Quit as q does", show=False, priority=True),  # on a dialog
         Binding("slash", "search", "Search"),
         Binding("P", "profile", "Profile"),
         Binding("k", "control('skip')", "Skip"),
@@ -278,6 +282,8 @@ class TensorDbgApp(App[int]):
     # --- keys ------------------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "quit":  # the main screen's ctrl+q is detach or leave, named as q's
+            return self.screen is not self.main
         if action == "leave":
             return self.screen is self.main and self.nothing_to_detach()
         if action in ("replay_step", "refuse_control"):

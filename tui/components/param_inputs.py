@@ -37,9 +37,14 @@ class ParamInputs(Vertical):
     def compose(self) -> ComposeResult:
         if not self._params:
             yield Label("This rule has no thresholds.", classes="param-none")
+        # The names' column is as wide as the longest name (increase_threshold_percent was cut
+        # to "increase_threshold_pe"); past half the row, a name folds onto a second line.
+        width = max((len(name) + 1 for name in self._params), default=0)  # + its padding
         for name, value in self._params.items():
             with Horizontal(classes="param-row"):
-                yield Label(name, classes="param-name")
+                label = Label(name, classes="param-name")
+                label.styles.width = width
+                yield label
                 yield Input("" if value is None else repr(value), name=name, classes="param-input")
 
     def values(self) -> dict[str, Any]:

@@ -229,14 +229,14 @@ class RulePanel(Vertical):
         if rule is None or not self._served("set_rule"):
             return
 
-        def edited(params: dict[str, Any] | None) -> None:
-            if params is not None:
-                self._change(
-                    f"{rule['name']} thresholds",
-                    lambda remote: remote.set_rule(rule["id"], params=params),
-                )
+        def edited(reply: Rule | None) -> None:
+            if reply is not None:
+                self._made(f"{rule['name']} thresholds", reply)
 
-        self.app.push_screen(RuleEditScreen(rule), edited)
+        async def send(params: dict[str, Any]) -> Rule:
+            return await remote_of(self).set_rule(rule["id"], params=params)
+
+        self.app.push_screen(RuleEditScreen(rule, send), edited)
 
     def action_add(self) -> None:
         if not self._served("add_rule"):
@@ -245,14 +245,14 @@ class RulePanel(Vertical):
             self._say("No rules are available to add.", error=True)
             return
 
-        def chosen(spec: dict[str, Any] | None) -> None:
-            if spec is not None:
-                self._change(
-                    f"{spec['name']} added on {spec['match']}",
-                    lambda remote: remote.add_rule(spec["name"], spec["match"], spec["params"]),
-                )
+        def added(reply: Rule | None) -> None:
+            if reply is not None:
+                self._made(f"{reply['name']} added on {', '.join(reply['match'])}", reply)
 
-        self.app.push_screen(RuleAddScreen(self._available), chosen)
+        async def send(spec: dict[str, Any]) -> Rule:
+            return await remote_of(self).add_rule(spec["name"], spec["match"], spec["params"])
+
+        self.app.push_screen(RuleAddScreen(self._available, send), added)
 
     @work(group="rule-change")
     async def _change(self, what: str, request: Callable[[Remote], Awaitable[Rule]]) -> None:
@@ -262,6 +262,10 @@ class RulePanel(Vertical):
         except RequestFailed as e:
             self._say(f"{what}: refused: {e.message}", error=True)
             return
+        self._made(what, reply)
+
+    def _made(self, what: str, reply: Rule) -> None:
+        """The training took a change: the rules are shown as they are (or will be)."""
         if reply.get("pending"):
             self._pending[reply["id"]] = dict(reply)
             self._waiting = what

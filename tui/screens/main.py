@@ -60,6 +60,8 @@ TABS = (
 """The tabs in order: the app's keys, the tab titles, the palette's entries and the widget that
 gets the keys on each tab all come from here."""
 TAB_KEYS_WIDTH = 90  # the columns the tab bar needs to name every tab's key beside its title
+CLOSE_TAB_KEYS_WIDTH = sum(len(f" {tab.title} {tab.key}") for tab in TABS) + 1
+"""The columns it needs with one column between the tabs (78: an 80-column terminal)."""
 
 
 # A running training that has sent nothing for this long is asked what it is doing: a rule that
@@ -117,12 +119,15 @@ class MainScreen(Screen):
         yield KeyFooter()
 
     def on_resize(self, event: events.Resize) -> None:
-        """Tab titles name their keys where the bar has room: at 80 columns the last tabs were
-        cut off it, the titles alone fit (the keys are in the palette)."""
-        wide, tabs = event.size.width >= TAB_KEYS_WIDTH, self.query_one(TabbedContent)
+        """Tab titles name their keys: at 80 columns the last tabs were cut off the bar, so
+        there the tabs close up (``-close``: one column between them, not two) and keep their
+        keys; a narrower terminal shows the titles alone (the keys are in the palette)."""
+        width, tabs = event.size.width, self.query_one(TabbedContent)
+        keyed = width >= CLOSE_TAB_KEYS_WIDTH
+        tabs.set_class(keyed and width < TAB_KEYS_WIDTH, "-close")
         for tab in TABS:
             with contextlib.suppress(NoMatches):  # a tab not mounted yet keeps its title
-                tabs.get_tab(tab.pane).label = tab.title + f" {tab.key.upper()}" * wide
+                tabs.get_tab(tab.pane).label = tab.title + f" {tab.key.upper()}" * keyed
 
     # --- what the app hands over -------------------------------------------------------------
 
@@ -144,10 +149,11 @@ class MainScreen(Screen):
         table.set_hits(hits)
         self.counted.clear()
         self._count_hits(hits)
+        pid = f", pid {info.get('pid')}" if info.get("live", True) else ""  # a replay has none
         self.log_entry(
             f"connected to {info.get('script')} (run {info.get('run_id')}, rank "
-            f"{info.get('rank')}, pid {info.get('pid')}): {info.get('state')} at step "
-            f"{info.get('step')}, {len(hits)} hits"
+            f"{info.get('rank')}{pid}): {info.get('state')} at step {info.get('step')}, "
+            f"{len(hits)} hits"
         )
         self._state = info.get("state", "running")
         self.app.state = self._state  # type: ignore[attr-defined]

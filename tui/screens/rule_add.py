@@ -2,28 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
-from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
-from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
-from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static
 
 from tensordbg.tui.components.dialog_body import DialogBody
 from tensordbg.tui.components.param_inputs import ParamInputs
+from tensordbg.tui.components.rule_doc import RuleDoc
+from tensordbg.tui.screens.rule_dialog import RuleDialog, Send
 
 
-class RuleAddScreen(ModalScreen[dict[str, Any] | None]):
-    """Dismissed with ``{"name", "match", "params"}`` (params: the thresholds changed from the
-    rule's defaults), or None when cancelled."""
+class RuleAddScreen(RuleDialog):
+    """Sends ``send({"name", "match", "params"})`` (params: the thresholds changed from the
+    rule's defaults)."""
 
-    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "cancel", "Cancel")]
-
-    def __init__(self, available: list[dict[str, Any]]) -> None:
-        super().__init__()
+    def __init__(self, available: list[dict[str, Any]], send: Send) -> None:
+        super().__init__(send)
         self.available = {rule["name"]: rule for rule in available}
 
     def compose(self) -> ComposeResult:
@@ -44,7 +41,7 @@ class RuleAddScreen(ModalScreen[dict[str, Any] | None]):
             allow_blank=first is None,
             id="rule-choice",
         )
-        yield Static(first.get("doc", "") if first else "No rules to add.", classes="dialog-doc")
+        yield RuleDoc(first.get("doc", "") if first else "No rules to add.")
         yield Label("on tensors matching (a glob on the tensor name)")
         yield Input("*", id="rule-match")
         yield ParamInputs(first["params"] if first else {})
@@ -55,7 +52,7 @@ class RuleAddScreen(ModalScreen[dict[str, Any] | None]):
         rule = self.available.get(str(event.value))
         if rule is None:
             return
-        self.query_one(".dialog-doc", Static).update(rule.get("doc", ""))
+        self.query_one(RuleDoc).show(rule.get("doc", ""))
         await self.query_one(ParamInputs).remove()
         await self.query_one(DialogBody).mount(
             ParamInputs(rule["params"]), before=self.query_one(".dialog-error")
@@ -70,13 +67,9 @@ class RuleAddScreen(ModalScreen[dict[str, Any] | None]):
         try:
             params = self.query_one(ParamInputs).values()
         except ValueError as e:
-            self.query_one(".dialog-error", Static).update(Text(str(e), style="bold red"))
+            self.say_error(str(e))
             return
         defaults = self.available[str(name)]["params"]
         changed = {k: v for k, v in params.items() if v != defaults.get(k)}
         match = self.query_one("#rule-match", Input).value.strip() or "*"
-        self.dismiss({"name": name, "match": match, "params": changed})
-
-    @on(Button.Pressed, "#cancel")
-    def action_cancel(self) -> None:
-        self.dismiss(None)
+        self.send({"name": name, "match": match, "params": changed})

@@ -2,27 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
-from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
-from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
-from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
 from tensordbg.tui.components.dialog_body import DialogBody
 from tensordbg.tui.components.param_inputs import ParamInputs
+from tensordbg.tui.components.rule_doc import RuleDoc
+from tensordbg.tui.screens.rule_dialog import RuleDialog, Send
 
 
-class RuleEditScreen(ModalScreen[dict[str, Any] | None]):
-    """Dismissed with the new thresholds, or None when cancelled."""
+class RuleEditScreen(RuleDialog):
+    """Sends the thresholds typed (``send(params)``): an emptied field is None, which a
+    threshold that can be off (a TensorRange bound) takes and one that needs a number refuses,
+    the dialog staying open with the other edits."""
 
-    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "cancel", "Cancel")]
-
-    def __init__(self, rule: dict[str, Any]) -> None:
-        super().__init__()
+    def __init__(self, rule: dict[str, Any], send: Send) -> None:
+        super().__init__(send)
         self.rule = rule
 
     def compose(self) -> ComposeResult:
@@ -33,7 +32,7 @@ class RuleEditScreen(ModalScreen[dict[str, Any] | None]):
             )
             with DialogBody():  # the buttons stay on screen
                 if self.rule.get("doc"):
-                    yield Static(self.rule["doc"], classes="dialog-doc")
+                    yield RuleDoc(self.rule["doc"])
                 yield ParamInputs(self.rule.get("params") or {})
                 yield Static("", classes="dialog-error")
             with Horizontal(classes="dialog-buttons"):
@@ -46,10 +45,6 @@ class RuleEditScreen(ModalScreen[dict[str, Any] | None]):
         try:
             params = self.query_one(ParamInputs).values()
         except ValueError as e:
-            self.query_one(".dialog-error", Static).update(Text(str(e), style="bold red"))
+            self.say_error(str(e))
             return
-        self.dismiss(params)
-
-    @on(Button.Pressed, "#cancel")
-    def action_cancel(self) -> None:
-        self.dismiss(None)
+        self.send(params)

@@ -1,0 +1,300 @@
+"""What a second new-user trial of the UI found, each driven as that person did: the keys panel,
+the dialogs (where they open, what they say, what they keep), a replay's log and an 80x24
+terminal.
+
+Like test_tui, each test runs the real app headless against the numpy-only FakeSource.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from fake_source import FakeSource
+from test_tui import SIZE, mounted, paused_on_the_two_hits, text_of, until
+from test_tui_errors import in_the_log, log_text
+from test_tui_newcomer import screen_text
+from textual.pilot import Pilot
+from textual.widgets import Input, Static
+from textual.widgets._key_panel import BindingsTable
+
+from tensordbg.sources.contract import SourceError
+from tensordbg.transport.client import LocalClient
+from tensordbg.tui.app import TensorDbgApp
+from tensordbg.tui.components.rule_doc import RuleDoc, plain
+from tensordbg.tui.screens.main import TABS
+from tensordbg.tui.screens.profile_steps import ProfileStepsScreen
+from tensordbg.tui.screens.rule_add import RuleAddScreen
+from tensordbg.tui.screens.rule_edit import RuleEditScreen
+
+Check = Callable[[TensorDbgApp, Pilot], Awaitable[None]]
+
+
+def run(source: FakeSource, check: Check, size: tuple[int, int] = SIZE, **options: Any) -> None:
+    """Run ``check(app, pilot)`` on the UI paused on the FakeSource's two hits, every tab there."""
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source), **options)
+        async with app.run_test(size=size) as pilot:
+            await paused_on_the_two_hits(pilot)
+            await mounted(pilot)
+            await check(app, pilot)
+
+    asyncio.run(flow())
+
+
+async def edit_rule(app: TensorDbgApp, pilot: Pilot, row: int) -> RuleEditScreen:
+    """The edit dialog of the rule on ``row`` of the Rules tab."""
+    panel = app.main.rule_panel
+    await pilot.press("f6")
+    await until(pilot, lambda: panel.current is not None)
+    panel.table.move_cursor(row=row)
+    await pilot.press("e")
+    await until(pilot, lambda: isinstance(app.screen, RuleEditScreen))
+    await pilot.pause(0.1)
+    return app.screen  # type: ignore[return-value]
+
+
+def keys_panel_rows(app: TensorDbgApp) -> list[str]:
+    """The rows of the keys panel (ctrl+p, "Keys"), each "keys  description"."""
+    table = app.screen.query_one(BindingsTable).render_bindings_table()
+    keys, descriptions = table.columns
+    return [
+        f"{key}  {description}"
+        for key, description in zip(keys._cells, descriptions._cells, strict=True)
+    ]
+
+
+# --- 1. ctrl+q -----------------------------------------------------------------------------------
+
+
+def test_the_keys_panel_says_ctrl_q_detaches_as_q_does() -> None:
+    """The keys panel listed ctrl+q as Textual's "Quit ... return to the command prompt", while
+    it detaches from the training as q does: it is listed with q, under q's description."""
+
+    async def check(app: TensorDbgApp, pilot: Pilot) -> None:
+        app.action_show_help_panel()
+        await until(pilot, lambda: app.screen.query(BindingsTable))
+        rows = keys_panel_rows(app)
+        assert "^q q  Detach & quit" in rows, rows
+        assert not any("command prompt" in row for row in rows)
+
+    run(FakeSource(), check)
+
+
+def test_where_q_only_quits_the_keys_panel_says_ctrl_q_only_quits() -> None:
+    async def check(app: TensorDbgApp, pilot: Pilot) -> None:
+        assert app.active_bindings["ctrl+q"].binding.description == "Quit"
+        app.action_show_help_panel()
+        await until(pilot, lambda: app.screen.query(BindingsTable))
+        assert "^q q  Quit" in keys_panel_rows(app)
+        await pilot.press("ctrl+q")
+        await until(pilot, lambda: not app.is_running)
+
+    source = FakeSource()
+    run(source, check, ends_training=True)
+    assert source.controls == []  # the training ends with this UI: nothing is detached
+
+
+def test_ctrl_q_on_a_dialog_still_detaches_and_quits() -> None:
+    source = FakeSource()
+
+    async def check(app: TensorDbgApp, pilot: Pilot) -> None:
+        await pilot.press("P")
+        await until(pilot, lambda: isinstance(app.screen, ProfileStepsScreen))
+        await pilot.press("ctrl+q")
+        await until(pilot, lambda: not app.is_running)
+
+    run(source, check)
+    assert source.controls == [("detach", 1)]
+
+
+# --- 2. the profile dialog -----------------------------------------------------------------------
+
+
+def test_the_profile_dialog_opens_in_the_middle_of_the_screen_as_the_others_do() -> None:
+    """P's dialog opened at the top left of the terminal."""
+
+    async def check(app: TensorDbgApp, pilot: Pilot) -> None:
+        await pilot.press("P")
+        await until(pilot, lambda: isinstance(app.screen, ProfileStepsScreen))
+        await pilot.pause(0.1)
+        dialog = app.screen.query_one(".dialog").region
+        width, height = SIZE
+        assert abs(dialog.x - (width - dialog.right)) <= 1, dialog
+        assert abs(dialog.y - (height - dialog.bottom)) <= 1, dialog
+
+    run(FakeSource(), check)
+
+
+# --- 3. a threshold the training refuses ---------------------------------------------------------
+
+
+class StrictSource(FakeSource):
+    """Its VanishingGradient has two thresholds, which need numbers; an edit is checked whole
+    before any of it is made, as the live session checks it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._rules[1]["params"] = {"threshold": 1e-7, "window": 10}
+
+    def set_rule(
+        self, id: int, enabled: bool | None = None, params: dict[str, Any] | None = None
+    ) -> Any:
+        for key, value in (params or {}).items():
+            if value is None:
+                raise SourceError(f"VanishingGradient.{key} takes a number, not None")
+        return super().set_rule(id, enabled, params)
+
+
+def test_an_emptied_threshold_is_refused_in_the_dialog_which_keeps_the_other_edits() -> None:
+    """Emptying one threshold sent None, which the training refused, and the dialog closed: the
+    other edits made in it were lost. The dialog stays open, says why, and keeps them."""
+    source = StrictSource()
+
+    async def check(app: TensorDbgApp, pilot: Pilot) -> None:
+        dialog = await edit_rule(app, pilot, row=1)
+        threshold, window = dialog.query(Input)
+        threshold.value = "1e-5"
+        window.value = ""
+        error = dialog.query_one(".dialog-error", Static)
+        await pilot.press("enter")
+        await until(pilot, lambda: app.screen is not dialog or "refused" in text_of(error))
+        assert app.screen is dialog, "the dialog closed, and the threshold typed was lost"
+        assert "VanishingGradient.window takes a number, not None" in text_of(error)
+        assert threshold.value == "1e-5"
+        assert source._rules[1]["params"] == {"threshold": 1e-7, "window": 10}
+
+        window.value = "20"
+        await pilot.press("enter")
+        await until(pilot, lambda: app.screen is app.main)
+        assert source._rules[1]["params"] == {"threshold": 1e-5, "window": 20}
+        panel = app.main.rule_panel
+        await until(pilot, lambda: panel.current["params"]["window"] == 20)
+        assert "VanishingGradient thresholds." in text_of(panel.result)
+
+    run(source, check)
+
+
+def test_a_rule_the_training_refuses_to_add_keeps_the_add_dialog_open() -> None:
+    source = FakeSource()
+
+    def refuse(name: str, match: str = "*", params: dict[str, Any] | None = None) -> Any:
+        raise SourceError("TensorRange.max_gt takes a number, not 'x'")
+
+    source.add_rule = refuse  # type: ignore[method-assign]
+
+    async def check(app: TensorDbgApp, pilot: Pilot) -> None:
+        await pilot.press("f6")
+        await until(pilot, lambda: app.main.rule_panel.current is not None)
+        await pilot.press("a")
+        await until(pilot, lambda: isinstance(app.screen, RuleAddScreen))
+        app.screen.query_one("#rule-match", Input).value = "net.*"
+        app.screen.query_one("#save").press()
+        error = app.screen.query_one(".dialog-error", Static)
+        await until(pilot, lambda: "refused" in text_of(error))
+        assert "max_gt takes a number" in text_of(error)
+        assert app.screen.query_one("#rule-match", Input).value == "net.*"
+
+    run(source, check)
+
+
+# --- 4. descriptions -----------------------------------------------------------------------------
+
+SPHINX_DOC = (
+    "A tensor that is all zeros (or as close to it as ``threshold``); see :meth:`~Rule.check` "
+    "and :class:`TensorRange`, or `the guide`."
+)
+PLAIN_DOC = (
+    "A tensor that is all zeros (or as close to it as threshold); see Rule.check and "
+    "TensorRange, or the guide."
+)
+
+
+def test_plain_strips_restructuredtext_and_leaves_other_text_as_written() -> None:
+    assert plain(SPHINX_DOC) == PLAIN_DOC
+    assert plain("net.[ab]* holds 2 NaN") == "net.[ab]* holds 2 NaN"
+
+
+def test_a_rules_description_shows_without_its_restructuredtext_markup() -> None:
+    """The dialogs showed descriptions (docstrings) with ``threshold`` and :meth:`x` in them."""
+    source = FakeSource()
+    source._rules[1]["doc"] = SPHINX_DOC
+    rules = source.rules()
+    source.rules = lambda: {  # type: ignore[method-assign]
+        **rules,
+        "available": [{"name": "TensorRange", "doc": SPHINX_DOC, "params": {"max_gt": None}}],
+    }
+
+    async def check(app: TensorDbgApp, pilot: Pilot) -> None:
+        dialog = await edit_rule(app, pilot, row=1)
+        assert text_of(dialog.query_one(RuleDoc)) == PLAIN_DOC
+        await pilot.press("escape")
+        await until(pilot, lambda: app.screen is app.main)
+        await pilot.press("a")
+        await until(pilot, lambda: isinstance(app.screen, RuleAddScreen))
+        assert text_of(app.screen.query_one(RuleDoc)) == PLAIN_DOC
+
+    run(source, check)
+
+
+# --- 5. long threshold names ---------------------------------------------------------------------
+
+
+def test_at_80_columns_a_long_threshold_name_is_shown_whole() -> None:
+    """LossNotDecreasing's increase_threshold_percent showed as "increase_threshold_pe"."""
+    source = FakeSource()
+    source._rules[1]["params"] = {"num_steps": 10, "increase_threshold_percent": 5.0}
+
+    async def check(app: TensorDbgApp, pilot: Pilot) -> None:
+        await edit_rule(app, pilot, row=1)
+        assert "increase_threshold_percent" in screen_text(app)
+        assert all(box.region.width >= 20 for box in app.screen.query(Input))
+
+    run(source, check, size=(80, 24))
+
+
+# --- 6. a replay's log ---------------------------------------------------------------------------
+
+
+def test_a_replay_names_no_process_in_the_log(tmp_path: Path) -> None:
+    """tensordbg replay's Log said "pid 0": a recorded run has no process."""
+    from dumps import write_dump
+
+    from tensordbg.dump import load
+    from tensordbg.sources.replay import ReplaySource
+
+    source = ReplaySource(load(write_dump(tmp_path / "run")))
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "replay")
+            await mounted(pilot)
+            await in_the_log(pilot, "connected to")
+            assert "rank 0)" in log_text(app) and "pid" not in log_text(app)
+
+    asyncio.run(flow())
+
+
+# --- 7. 80 x 24 ----------------------------------------------------------------------------------
+
+
+def test_at_80_by_24_every_tab_names_its_key_and_the_footer_ends_whole() -> None:
+    """At 80x24 the tab bar dropped its F-keys (with them it was cut) and the footer could end
+    cut: the tabs close up to keep their keys, the footer keeps the palette key whole."""
+
+    async def check(app: TensorDbgApp, pilot: Pilot) -> None:
+        await pilot.pause(0.1)
+        lines = screen_text(app).splitlines()
+        bar, footer = lines[1], lines[23]
+        for tab in TABS:
+            assert f"{tab.title} {tab.key.upper()}" in bar, bar  # "Provenance F5"
+        assert footer.rstrip().endswith("^p palette"), footer
+        await pilot.resize_terminal(120, 30)
+        await pilot.pause(0.1)
+        assert "Provenance F5  Rules F6" in screen_text(app).splitlines()[1]
+
+    run(FakeSource(), check, size=(80, 24))
