@@ -233,9 +233,8 @@ class Rule:
         :meth:`set_params`; by default every value is accepted."""
 
     def describe(self) -> str:
-        """The first line of the rule's docstring."""
-        doc = inspect.getdoc(type(self)) or self.name
-        return doc.strip().splitlines()[0]
+        """The first paragraph of the rule's docstring, on one line: :func:`summary_of`."""
+        return summary_of(type(self))
 
     def __repr__(self) -> str:
         args = [f"{k}={v!r}" for k, v in self.params().items()]
@@ -244,6 +243,13 @@ class Rule:
         if self.exclude:
             args.append(f"exclude={self.exclude!r}")
         return f"{self.name}({', '.join(args)})"
+
+
+def summary_of(cls: type[Rule]) -> str:
+    """The first paragraph of a rule's docstring, on one line (its first line alone stopped
+    mid-sentence: "... unchanged for ``num_steps`` steps in a row")."""
+    doc = (inspect.getdoc(cls) or cls.__name__).strip()
+    return " ".join(doc.split("\n\n")[0].split())
 
 
 def judge_array(
@@ -413,5 +419,10 @@ def _coerce(rule: str, key: str, old: Any, new: Any) -> Any:
         if isinstance(old, tuple):
             return tuple(new)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{rule}.{key} takes a {type(old).__name__}, not {new!r}") from e
+        kind = type(old).__name__
+        raise ValueError(f"{rule}.{key} takes {_article(kind)} {kind}, not {new!r}") from e
     return new
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"

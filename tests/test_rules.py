@@ -659,7 +659,10 @@ def test_every_rule_lists_its_thresholds_and_documents_its_defaults(name):
     assert list(make(cls).params()) == thresholds
     doc = inspect.getdoc(cls)
     assert "Defaults" in doc and "Example" in doc
-    assert make(cls).describe() == doc.splitlines()[0]
+    # The UI's one-line description is the docstring's first paragraph, a whole sentence (the
+    # first line alone cut WeightNotChanging's mid-sentence).
+    described = make(cls).describe()
+    assert described == " ".join(doc.split("\n\n")[0].split()) and described.endswith(".")
 
 
 def test_thresholds_keep_their_type_and_unknown_names_are_refused():
@@ -672,6 +675,8 @@ def test_thresholds_keep_their_type_and_unknown_names_are_refused():
         rule.set_params(limit=3)
     with pytest.raises(ValueError, match=r"ExplodingGradient\.growth takes a float"):
         rule.set_params(growth="fast")
+    with pytest.raises(ValueError, match=r"ExplodingGradient\.window takes an int, not 'x'"):
+        rule.set_params(window="x")
     act = DeadActivation()
     act.set_params(module_types=["ReLU"])
     assert act.module_types == ("ReLU",)

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from tensordbg.rules import Rule, available_rules
+from tensordbg.rules.base import summary_of
 from tensordbg.sources import contract
 
 
@@ -57,11 +58,6 @@ def plain(value: Any) -> Any:
     return value
 
 
-def _doc(cls: type[Rule]) -> str:
-    doc = inspect.getdoc(cls) or cls.__name__
-    return doc.strip().splitlines()[0]
-
-
 def _default_params(cls: type[Rule]) -> dict[str, Any]:
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     out = {}
@@ -74,7 +70,7 @@ def _default_params(cls: type[Rule]) -> dict[str, Any]:
 
 def available() -> list[contract.AvailableRule]:
     """Every installed rule with its default thresholds, as the Rules tab lists them."""
-    return [{"name": name, "doc": _doc(cls), "params": _default_params(cls)}
+    return [{"name": name, "doc": summary_of(cls), "params": _default_params(cls)}
             for name, cls in available_rules().items()]  # fmt: skip
 
 
