@@ -84,6 +84,20 @@ def test_the_keys_panel_says_ctrl_q_detaches_as_q_does() -> None:
     run(FakeSource(), check)
 
 
+def test_the_keys_panel_lists_the_count_keys_once_with_what_they_do() -> None:
+    """Ten rows of bare digits, with no description, were listed for the count typed before a
+    key: one row says what they do."""
+
+    async def check(app: TensorDbgApp, pilot: Pilot) -> None:
+        app.action_show_help_panel()
+        await until(pilot, lambda: app.screen.query(BindingsTable))
+        rows = keys_panel_rows(app)
+        assert sum("Repeat the next key (5s: five steps)" in row for row in rows) == 1, rows
+        assert not any(row.strip() in {str(d) for d in range(10)} for row in rows), rows
+
+    run(FakeSource(), check)
+
+
 def test_where_q_only_quits_the_keys_panel_says_ctrl_q_only_quits() -> None:
     async def check(app: TensorDbgApp, pilot: Pilot) -> None:
         assert app.active_bindings["ctrl+q"].binding.description == "Quit"

@@ -40,6 +40,7 @@ from tensordbg.tui.screens.ranks import RanksScreen, group_jobs, job_sessions
 from tensordbg.tui.screens.session_picker import SessionPicker, session_field
 
 FINISHED_GRACE = 0.5
+COUNTING = "Repeat the next key (5s: five steps)"
 """Seconds the events after "finished" are still read: the server can send the last status
 behind it (the state events go first when they are posted while it is sending hits)."""
 
@@ -84,7 +85,9 @@ class TensorDbgApp(App[int]):
         Binding("c,s,k", "refuse_control", show=False),
         Binding("f9", "ranks", "Ranks", show=False),
         Binding("R", "next_rank", "Next rank", show=False),
-        *(Binding(str(d), f"count({d})", show=False) for d in range(10)),
+        # A count before a key: one row of the keys panel, 0-9 (ten bare digits were listed).
+        Binding("0", "count(0)", COUNTING, show=False, key_display="0-9"),
+        *(Binding(str(d), f"count({d})", show=False, system=True) for d in range(1, 10)),
         # One key per tab, named in the tab titles.
         *(Binding(tab.key, f"tab('{tab.pane}')", tab.title, show=False) for tab in TABS),
     ]
