@@ -16,11 +16,15 @@ GradScaler, and the global hooks stand down.
 
 from __future__ import annotations
 
+import builtins
 import inspect
+import io
 import os
 import runpy
 import sys
+import types
 import weakref
+import zipfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -219,9 +223,7 @@ def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = 
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     run.install()
     try:
-        # An absolute __file__, as python gives it (since 3.9); runpy makes sys.argv[0] the same
-        # path (python keeps it as typed: the same file).
-        runpy.run_path(os.path.abspath(script), run_name="__main__")
+        _run_main(script)
         return 1 if run.hit() else 0
     except SystemExit as e:
         code = e.code
@@ -312,3 +314,27 @@ def loss_name(tensor: torch.Tensor, frame: Any) -> str:
              if value is tensor and name.isidentifier() and not name.startswith("_")]  # fmt: skip
     named = next((name for name in names if "loss" in name.lower()), None)
     return named or (f"loss_{names[0]}" if names else "loss")
+
+
+def _run_main(script: str) -> None:
+    """Run ``script`` as ``python script`` runs it: as ``__main__``, its ``__file__`` absolute
+    (since Python 3.9: ``os.path.dirname(__file__)`` finds what lies beside it) and
+    ``sys.argv[0]`` as typed (a dump's meta and the UI name the script by it). runpy gives
+    neither both (its ``__file__`` is the path given, and it sets ``sys.argv[0]`` to it); a zip
+    application still goes through it."""
+    if zipfile.is_zipfile(script):
+        runpy.run_path(script, run_name="__main__")
+        return
+    path = os.path.abspath(script)
+    with io.open_code(path) as f:
+        code = compile(f.read(), path, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __cached__=None, __loader__=None, __spec__=None,
+                         __builtins__=builtins)  # fmt: skip
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = main  # what pickle and spawned workers find its classes in
+    try:
+        exec(code, main.__dict__)
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
