@@ -1,8 +1,5 @@
 """The ``tensordbg`` command: ``demo``, ``run``, ``tui``, and over dumps ``replay``, ``check``,
-``diff``.
-
-This module imports neither torch nor the UI until a command needs them, so ``--help`` is quick.
-"""
+``diff``. It imports neither torch nor the UI until a command needs them: ``--help`` is quick."""
 
 from __future__ import annotations
 
@@ -94,7 +91,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 0
-    return int(args.handler(args) or 0)
+    try:
+        return int(args.handler(args) or 0)
+    except BrokenPipeError:  # `| head` stopped reading: quietly, as other tools (Python's recipe)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -435,8 +436,7 @@ def _ranks(text: str) -> tuple[int, int]:
 
 
 def _offline(name: str) -> Callable[[argparse.Namespace], int]:
-    """The handler of ``replay``, ``check`` or ``diff`` (tensordbg.offline.commands), imported
-    when the command runs."""
+    """The handler of ``replay``, ``check`` or ``diff`` (offline/commands.py, imported then)."""
 
     def handler(args: argparse.Namespace) -> int:
         from tensordbg.offline import commands

@@ -264,6 +264,23 @@ def test_the_json_report_follows_its_schema(
     assert first["stored_as"] == "" and report["reason_incomplete"] is None
 
 
+def test_a_reader_that_stops_early_gets_no_traceback(tmp_path: Path) -> None:
+    """``tensordbg check DIR --json | head`` printed a BrokenPipeError's traceback once head had
+    what it wanted: it ends quietly, as other tools do (found trying the product as a new
+    user)."""
+    import subprocess
+    import sys
+
+    dump = str(write_dump(tmp_path / "run", nan_at=3))
+    child = subprocess.Popen([sys.executable, "-m", "tensordbg.cli", "check", dump, "--json"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert child.stdout is not None and child.stderr is not None
+    child.stdout.close()  # the reader is gone before the report is written
+    err = child.stderr.read()
+    assert child.wait(timeout=120) == 1
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
 def test_the_json_names_the_origin_as_the_run_and_the_table_did(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
