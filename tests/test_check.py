@@ -281,6 +281,17 @@ def test_a_reader_that_stops_early_gets_no_traceback(tmp_path: Path) -> None:
     assert "Traceback" not in err and "BrokenPipe" not in err, err
 
 
+def test_the_tables_columns_stay_aligned_past_step_9(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every row from step 10 on was shifted one column right of step 9's."""
+    dump = str(write_dump(tmp_path / "run", steps=range(8, 12), nan_at=None))
+    assert main(["check", dump, "--rule", "TensorRange(max_gt=-1e9)"]) == 1
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert {line.split()[1] for line in rows} == {"8", "9", "10", "11"}
+    assert len({line.index("forward") for line in rows if "forward" in line}) == 1, rows
+
+
 def test_the_json_names_the_origin_as_the_run_and_the_table_did(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -147,10 +147,12 @@ class CheckReport:
         # By step (rank 1's origin stays in view), a step's origins first (a weight's included).
         rows = sorted(self._rows(), key=lambda row: (row[1].step, not row[1].origin))
         width = max([18, *(len(rules) for rules, _ in rows[:limit])])
+        digits = max([1, *(len(str(f.step)) for _, f in rows[:limit])])  # step 9, step 10 aligned
         for rules, f in rows[:limit]:
             rank = f" rank {f.rank}" if len(self.ranks) > 1 else ""
             origin = "  <- origin" if f.origin else ""
-            lines.append(f"step {f.step}{rank} {f.phase:<9} {rules:<{width}} {f.shown}{origin}")
+            where = f"step {f.step:<{digits}}{rank}"
+            lines.append(f"{where} {f.phase:<9} {rules:<{width}} {f.shown}{origin}")
             lines.append(f"    {f.said}")
         if len(rows) > limit:
             lines.append(f"... and {len(rows) - limit} more rows (--json lists every finding)")
