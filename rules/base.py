@@ -405,6 +405,9 @@ def _coerce(rule: str, key: str, old: Any, new: Any) -> Any:
     What would change its value (2.5 to 2, True to 1.0) is left for check_params to refuse."""
     if old is None or isinstance(new, type(old)):
         return new
+    if new is None or new == "":  # a field the UI sent emptied: "takes a float, not None" said
+        kind = type(old).__name__
+        raise ValueError(f"{rule}.{key} cannot be empty: it takes {_article(kind)} {kind}")
     if isinstance(new, bool) or (type(old) is int and isinstance(new, float)):
         return new
     if isinstance(old, tuple) and isinstance(new, str):

@@ -677,6 +677,9 @@ def test_thresholds_keep_their_type_and_unknown_names_are_refused():
         rule.set_params(growth="fast")
     with pytest.raises(ValueError, match=r"ExplodingGradient\.window takes an int, not 'x'"):
         rule.set_params(window="x")
+    with pytest.raises(ValueError, match=r"\.max_norm cannot be empty: it takes a float"):
+        rule.set_params(max_norm=None, growth=30)  # an emptied field: the whole edit refused
+    assert rule.growth == 20.0
     act = DeadActivation()
     act.set_params(module_types=["ReLU"])
     assert act.module_types == ("ReLU",)
