@@ -187,7 +187,10 @@ def test_an_emptied_threshold_is_refused_in_the_dialog_which_keeps_the_other_edi
         assert source._rules[1]["params"] == {"threshold": 1e-5, "window": 20}
         panel = app.main.rule_panel
         await until(pilot, lambda: panel.current["params"]["window"] == 20)
-        assert "VanishingGradient thresholds." in text_of(panel.result)
+        # What changed, said whole and logged (it said "VanishingGradient thresholds.").
+        said = "VanishingGradient thresholds changed: threshold=1e-05  window=20"
+        assert f"{said}." in text_of(panel.result)
+        await in_the_log(pilot, " ".join(f"rules: {said}".split()))  # as the Log wraps it
 
     run(source, check)
 

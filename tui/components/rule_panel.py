@@ -231,7 +231,8 @@ class RulePanel(Vertical):
 
         def edited(reply: Rule | None) -> None:
             if reply is not None:
-                self._made(f"{rule['name']} thresholds", reply)
+                now = thresholds(reply.get("params") or {})
+                self._made(f"{rule['name']} thresholds changed: {now}", reply)
 
         async def send(params: dict[str, Any]) -> Rule:
             return await remote_of(self).set_rule(rule["id"], params=params)
@@ -272,6 +273,7 @@ class RulePanel(Vertical):
             self._say(f"{what}: made when the training reaches its next hook.")
         else:
             self._say(f"{what}.")
+        self.app.main.log_entry(f"rules: {what}")  # type: ignore[attr-defined]
         self.reload()
 
     @work(group="rule-change")
