@@ -314,6 +314,7 @@ def test_the_ui_says_when_the_dumps_index_is_cut_short(dump: Path) -> None:
             banner = app.query_one(ConnectionBanner)
             await until(pilot, lambda: "cut short" in str(banner.content))
             assert "the steps after its last line are missing" in str(banner.content)
+            assert "n / p: next / previous dumped step" in str(banner.content)  # still said
 
     asyncio.run(flow())
 

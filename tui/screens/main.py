@@ -219,8 +219,8 @@ class MainScreen(Screen):
         lost = replay.get("lost", "")  # the dump's own damage: steps that cannot be listed
         if replay["broken"]:
             self.banner.show(f"{text} · this step is broken: {replay['broken']}", "lost")
-        elif lost:
-            self.banner.show(f"{text} · {lost}", "lost")
+        elif lost:  # the damage said, and still how to move
+            self.banner.show(f"{text} · {lost} · n / p: next / previous dumped step", "lost")
         else:
             self.banner.show(f"{text} · n / p: next / previous dumped step", "replay")
         self._replay_text = f"step {info['step']} ({replay['index'] + 1}/{replay['steps']})"
