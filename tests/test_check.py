@@ -534,6 +534,22 @@ def test_a_dump_of_which_nothing_could_be_read_is_not_called_clean(
     assert "clean" not in out
 
 
+def test_a_dump_whose_index_was_cut_after_the_run_is_reported_incomplete(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its last line gone after the run closed it (a copy cut short): the JSON said
+    ``"complete": true`` beside a broken index, and a CI job reading it was misled."""
+    dump = write_dump(tmp_path / "run", nan_at=None)
+    index = dump / "rank-0" / "index.jsonl"
+    index.write_bytes(b"".join(index.read_bytes().splitlines(keepends=True)[:-1]))
+    main(["check", str(dump), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["complete"] is False and "is cut short" in report["reason_incomplete"]
+    main(["check", str(dump)])
+    out = capsys.readouterr().out
+    assert out.count("is cut short") == 1, out  # said once, in the table
+
+
 def test_the_verdict_says_which_rules_found_something_and_which_ran_without(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

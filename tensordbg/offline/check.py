@@ -80,6 +80,8 @@ def check_dump(
     notes: list[str] = []
     chosen = list(rules) if rules is not None else recorded_rules(dump.meta, notes)
     ranks = sorted(dump.ranks if ranks is None else ranks)
+    # An index cut short after the run closed it (a copy, a disk) leaves the dump incomplete too.
+    cut = [why for (step, rank), why in dump.broken.items() if step == -1 and rank in ranks]
     report = CheckReport(
         path=str(dump.path),
         run_id=str(dump.meta.get("run_id", "")),
@@ -87,8 +89,8 @@ def check_dump(
         ranks=ranks,
         steps=0,
         tensors=0,
-        complete=bool(dump.meta.get("complete", True)),
-        reason_incomplete=str(dump.meta.get("reason_incomplete") or ""),
+        complete=bool(dump.meta.get("complete", True)) and not cut,
+        reason_incomplete=str(dump.meta.get("reason_incomplete") or (cut[0] if cut else "")),
         notes=notes,
     )
     # The rules that compare a tensor with its earlier steps, as the note on undumped steps says.

@@ -183,7 +183,8 @@ class CheckReport:
             else:
                 lines.append(f"step {b['step']} of rank {b['rank']} was not checked: {b['reason']}")
         lines.extend(self.notes)
-        if not self.complete:
+        said = {b["reason"] for b in self.broken}  # an index cut short: said just above
+        if not self.complete and self.reason_incomplete not in said:
             reason = self.reason_incomplete or "the run stopped before it was closed"
             lines.append(f"the dump is incomplete: {reason}")
         lines.append(self._verdict(len(rows)))
