@@ -55,9 +55,8 @@ class NaN(Rule):
                 None,
                 f"{t.name} holds NaN or Inf among {t.numel} values (not counted: its values "
                 "were not kept).",
-                "Opening it says why it was not kept; sync='eager' keeps and counts every "
-                "tensor. A NaN usually comes from 0/0, log or sqrt of a negative or zero value, "
-                "or an overflow just before.",
+                "sync='eager' keeps and counts every tensor. A NaN usually comes from 0/0, "
+                "log or sqrt of a negative or zero value, or an overflow just before.",
             )
         if not t.has_nan:
             return None

@@ -665,6 +665,17 @@ def test_every_rule_lists_its_thresholds_and_documents_its_defaults(name):
     assert described == " ".join(doc.split("\n\n")[0].split()) and described.endswith(".")
 
 
+def test_a_nan_whose_values_were_not_kept_gives_advice_a_terminal_report_can_use():
+    """``tensordbg check`` printed "Opening it says why it was not kept", UI words with nothing
+    to open in a terminal (found trying the product as a new user)."""
+    stats = TensorStats("fc.grad_output", "fc", "grad", "backward", 3, (4,), "float32",
+                        {FINITE: 0.0})  # fmt: skip
+    finding = NaN().check(stats, {})
+    assert finding is not None and "not counted: its values were not kept" in finding.message
+    assert "sync='eager' keeps and counts every tensor" in finding.advice
+    assert "Opening" not in finding.advice
+
+
 def test_thresholds_keep_their_type_and_unknown_names_are_refused():
     rule = ExplodingGradient()
     assert rule.params() == {"max_norm": 1e6, "growth": 20.0, "window": 50, "warmup": 10,

@@ -292,6 +292,7 @@ def test_a_replay_names_no_process_in_the_log(tmp_path: Path) -> None:
             await mounted(pilot)
             await in_the_log(pilot, "connected to")
             assert "rank 0)" in log_text(app) and "pid" not in log_text(app)
+            assert len(source.hits()) == 1 and log_text(app).endswith("replay at step 3, 1 hit")
 
     asyncio.run(flow())
 

@@ -18,6 +18,7 @@ from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import DataTable, Header, Input, TabbedContent, TabPane, Tabs, Tree
 
+from tensordbg.offline.sentences import plural
 from tensordbg.sources.contract import Info, Welcome
 from tensordbg.tui.components.connection_banner import ConnectionBanner
 from tensordbg.tui.components.event_log import EventLog
@@ -153,7 +154,7 @@ class MainScreen(Screen):
         self.log_entry(
             f"connected to {info.get('script')} (run {info.get('run_id')}, rank "
             f"{info.get('rank')}{pid}): {info.get('state')} at step {info.get('step')}, "
-            f"{len(hits)} hits"
+            f"{plural(len(hits), 'hit')}"
         )
         self._state = info.get("state", "running")
         self.app.state = self._state  # type: ignore[attr-defined]
