@@ -3,7 +3,8 @@
 Textual's Footer lays its keys out in a row and cuts the row at the right edge: at 80 columns it
 ended in "i Ignore r", and "/ Search" and "P Profile" never showed. This one leaves a key out
 whole when it does not fit, the least needed first, and turns compact (less space around each
-key) when that is what makes them fit; the palette (ctrl+p) offers every key it leaves out.
+key) when that is what makes them fit; the palette (ctrl+p) offers every key it leaves out, and
+its key says how many (``^p +3 keys``) when some are.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ class KeyFooter(Footer):
             if len(fits) == len(shown) or compact:
                 break
         self.compact = compact
+        left_out = len(shown) - len(fits)
+        for key in palette if left_out else ():  # "+3 keys": as wide as "palette" (to 9)
+            many = f"+{left_out} key{'s' * (left_out > 1)}"
+            key.description = many if left_out < 10 else "+ keys"
         yield from (k for k in keys if k in fits or k in palette)
 
     def _fit(self, keys: list[FooterKey], room: int, compact: bool) -> list[FooterKey]:
