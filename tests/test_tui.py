@@ -210,6 +210,9 @@ def test_ctrl_q_detaches_like_q_and_the_palette_quits_one_way() -> None:
             await until(pilot, lambda: not app.is_running)
         assert source.controls == [("detach", 1)]
         assert app.return_code == 0
+        # What tensordbg tui prints once the UI is gone: it quit without a word.
+        assert app.farewell.startswith("tensordbg tui: detached from run ")
+        assert app.farewell.endswith("; the training goes on, unwatched")
 
     asyncio.run(flow())
 
@@ -234,7 +237,7 @@ def test_a_training_that_ends_with_the_ui_is_quit_not_detached(key: str) -> None
             )
             await pilot.press(key)
             await until(pilot, lambda: not app.is_running)
-        assert source.controls == []
+        assert source.controls == [] and app.farewell == ""  # nothing detached, nothing said
         assert app.return_code == 0
 
     asyncio.run(flow())

@@ -121,6 +121,7 @@ class TensorDbgApp(App[int]):
         self._lost = asyncio.Event()
         self._lost_reason = ""
         self._count = 0
+        self.farewell = ""  # what run_tui prints once the UI is gone (q detached from a training)
         self.remote = Remote(self._connection_lost, self._request_refused, self.report_error)
         """The typed client widgets ask through (``remote_of(widget).stats(...)``)."""
         self.crash_file = crash_file or CrashFile()
@@ -470,6 +471,9 @@ class TensorDbgApp(App[int]):
         if self.remote.client is not None and can_detach:
             with contextlib.suppress(RequestFailed):  # quit anyway: a lost client detaches too
                 await self.remote.control("detach")
+            # Said in the terminal once the UI is gone (it quit without a word).
+            run = f"run {self.info.get('run_id')} ({self.info.get('script')})"
+            self.farewell = f"tensordbg tui: detached from {run}; the training goes on, unwatched"
         client, self.remote.client = self.remote.client, None
         if client is not None:
             with contextlib.suppress(Exception):

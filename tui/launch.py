@@ -57,6 +57,8 @@ def run_tui(
         )
         return 2
     result = app.run()
+    if app.farewell:
+        print(app.farewell, file=sys.stderr)
     report = app.crash_file.exit_message()  # "tensordbg: details of 2 errors in ..."
     if report is not None:
         print(report, file=sys.stderr)
