@@ -335,6 +335,17 @@ class _Abs(nn.Module):
         return torch.sqrt(x * x)
 
 
+def _abs_of_zero() -> tuple[nn.Module, torch.Tensor]:
+    """fc1, abs, fc2 and a batch whose row 1 makes fc1's output 0 there: abs's backward
+    divides 0 by 0 (a NaN made by the backward alone)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), _Abs(), nn.Linear(16, 4))
+    nn.init.zeros_(model[0].bias)
+    x = torch.randn(4, 8)
+    x[1] = 0
+    return model, x
+
+
 def test_a_backward_hit_named_after_the_module_that_took_the_value_shows_that_module(tmp_path):
     """A NaN made by abs's backward is the hit abs.grad_input[0], though the gradient is stored
     as fc1's output gradient: Provenance, live and replayed, shows abs (whose backward made
@@ -342,11 +353,7 @@ def test_a_backward_hit_named_after_the_module_that_took_the_value_shows_that_mo
     from tensordbg.sources.live import LiveSource
     from tensordbg.sources.replay import ReplaySource
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), _Abs(), nn.Linear(16, 4))
-    nn.init.zeros_(model[0].bias)
-    x = torch.randn(4, 8)
-    x[1] = 0  # fc1's output row 1 is 0: abs's backward divides 0 by 0
+    model, x = _abs_of_zero()
     with tensordbg.attach(model, on_hit="record", server=False, summary_at_exit=False,
                           sync="eager", dump_dir=tmp_path) as session:  # fmt: skip
         model(x).pow(2).mean().backward()
@@ -369,11 +376,7 @@ def test_a_bad_backward_is_dumped_in_the_order_autograd_made_it(tmp_path, sync):
     deferred pass registers at its end the gradients it vouched for and those of the
     parameters: ``tensordbg check`` and Dump.tensors numbered the model's output gradient,
     made first, last of the step."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), _Abs(), nn.Linear(16, 4))
-    nn.init.zeros_(model[0].bias)
-    x = torch.randn(4, 8)
-    x[1] = 0  # abs's backward divides 0 by 0
+    model, x = _abs_of_zero()
     with tensordbg.attach(model, on_hit="record", server=False, summary_at_exit=False,
                           sync=sync, dump_dir=tmp_path) as session:  # fmt: skip
         model(x).pow(2).mean().backward()
