@@ -99,6 +99,19 @@ def test_the_keys_panel_lists_the_count_keys_once_with_what_they_do() -> None:
     run(FakeSource(), check)
 
 
+def test_escape_closes_the_keys_panel() -> None:
+    """It took ctrl+p and Keys again to close it (found trying the UI as a new user)."""
+
+    async def check(app: TensorDbgApp, pilot: Pilot) -> None:
+        app.action_show_help_panel()
+        await until(pilot, lambda: app.screen.query(BindingsTable))
+        await pilot.press("escape")
+        await until(pilot, lambda: not app.screen.query("HelpPanel"))
+        assert app.is_running and app.screen is app.main
+
+    run(FakeSource(), check)
+
+
 def test_where_q_only_quits_the_keys_panel_says_ctrl_q_only_quits() -> None:
     async def check(app: TensorDbgApp, pilot: Pilot) -> None:
         assert app.active_bindings["ctrl+q"].binding.description == "Quit"

@@ -83,6 +83,7 @@ class TensorDbgApp(App[int]):
         Binding("k", "control('skip')", "Skip"),
         Binding("i", "ignore", "Ignore rule"),
         Binding("c,s,k", "refuse_control", show=False),
+        Binding("escape", "hide_help_panel", "Close the keys panel", show=False),
         Binding("f9", "ranks", "Ranks", show=False),
         Binding("R", "next_rank", "Next rank", show=False),
         # A count before a key: one row of the keys panel, 0-9 (ten bare digits were listed).
@@ -286,6 +287,8 @@ class TensorDbgApp(App[int]):
     # --- keys ------------------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "hide_help_panel":  # escape, only while the keys panel is open
+            return bool(self.screen.query("HelpPanel"))
         if action == "quit":  # the main screen's ctrl+q is detach or leave, named as q's
             return self.screen is not self.main
         if action == "leave":
