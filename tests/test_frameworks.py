@@ -529,6 +529,14 @@ DDP_SCRIPT = """
 """
 
 
+def ranks_said(stderr: str) -> str:
+    """What a failed two-rank job said, DDP's warning of every step left out: the last 3,000
+    characters were that warning, not what the rank that failed was doing (a rank 1 that
+    aborted once under load, "terminate called without an active exception", said no more)."""
+    lines = [line for line in stderr.splitlines() if "find_unused_parameters" not in line]
+    return "\n".join(lines)[-12000:]
+
+
 @pytest.mark.slow
 def test_lightning_ddp_two_processes_each_rank_has_its_session_and_rank_1_names_its_batch(
     tmp_path,
@@ -541,7 +549,7 @@ def test_lightning_ddp_two_processes_each_rank_has_its_session_and_rank_1_names_
     path.write_text(f"OUT = {str(tmp_path)!r}\n" + textwrap.dedent(DDP_SCRIPT))
     done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
                           timeout=300, cwd=tmp_path)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, ranks_said(done.stderr)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["rank"] for r in ranks] == [0, 1]
     assert [r["steps"] for r in ranks] == [3, 3]
@@ -601,7 +609,7 @@ def test_hf_trainer_under_torchrun_has_a_session_per_rank_and_rank_1_names_its_m
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", str(path)], capture_output=True, text=True,
                           timeout=300, cwd=tmp_path, env=env)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, ranks_said(done.stderr)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["run_id"] == ranks[1]["run_id"]
     assert [r["steps"] for r in ranks] == [4, 4]
