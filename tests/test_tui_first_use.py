@@ -311,6 +311,43 @@ def test_a_replay_names_no_process_in_the_log(tmp_path: Path) -> None:
     asyncio.run(flow())
 
 
+def test_a_slices_rows_and_columns_are_labelled_with_the_tensors_indices() -> None:
+    """``[1:7:2, 1:]`` of an 8x4 tensor was labelled 0 1 2 down and across, as if it were the
+    tensor's first rows and columns (found trying the UI as a new user): 1 3 5 and 1 2 3."""
+    from test_tui import TensorGrid, type_slice
+
+    async def check(app: TensorDbgApp, pilot: Pilot) -> None:
+        await paused_on_the_two_hits(pilot)
+        await mounted(pilot)
+        await pilot.press("enter")
+        inspector, grid = app.main.tensor_inspector, app.query_one(TensorGrid)
+        await until(pilot, lambda: grid.rows == 8 and grid.cell_text(1, 2) is not None)
+        await type_slice(pilot, "[1:7:2, 1:]")
+        await pilot.press("enter")
+        await until(pilot, lambda: inspector.text == "[1:7:2, 1:]" and grid.cell_text(2, 2))
+        assert grid.render_line(0).text.split() == ["1", "2", "3"]
+        assert [grid.render_line(y).text.split()[0] for y in (1, 2, 3)] == ["1", "3", "5"]
+
+    run(FakeSource(), check)
+
+
+def test_the_labels_of_a_slice_follow_numpys_indexing() -> None:
+    from tensordbg.sources.slicing import axis_labels, parse_index, result_shape
+
+    def labels(text: str, shape: tuple[int, ...] = (8, 10)) -> list[list[int] | None]:
+        index = parse_index(text)
+        found = axis_labels(shape, index)
+        assert len(found) == len(result_shape(shape, index))  # one a dim of the result
+        return [None if axis is None else list(axis) for axis in found]
+
+    assert labels("[3, 2:5]") == [[2, 3, 4]]  # an integer drops its dim
+    assert labels("[::-3]") == [[7, 4, 1], list(range(10))]
+    assert labels("[..., [0, -1]]") == [list(range(8)), [0, 9]]  # negatives as the tensor's
+    assert labels("[None, 2]") == [None, list(range(10))]  # a new axis has no index
+    assert labels("[[0, 1], [1, 2]]") == [None]  # lists pair up: no single index a position
+    assert len(axis_labels((10**9,), parse_index("[5:]"))[0]) == 10**9 - 5  # a range, not a list
+
+
 # --- 7. 80 x 24 ----------------------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import math
+from collections.abc import Sequence
 from typing import Any
 
 MAX_TEXT = 200
@@ -120,19 +121,7 @@ def result_shape(shape: tuple[int, ...], index: Index) -> tuple[int, ...]:
     """The shape ``x[index]`` would have, worked out from the index alone (numpy's rules, for
     the parts :func:`parse_index` accepts), so that a request is judged before anything is
     computed. Integers and list entries out of range are refused here too."""
-    ellipses = sum(part is Ellipsis for part in index)
-    if ellipses > 1:
-        raise SliceError("an index can have only one ...")
-    consumed = sum(part is not None and part is not Ellipsis for part in index)
-    if consumed > len(shape):
-        raise SliceError(f"{format_index(index)} has {consumed} indices for {len(shape)} dims")
-    parts: list[Any] = []
-    for part in index:
-        if part is Ellipsis:
-            parts.extend([slice(None)] * (len(shape) - consumed))
-        else:
-            parts.append(part)
-    parts.extend([slice(None)] * (len(shape) - sum(p is not None for p in parts)))
+    parts = _expanded(shape, index)
     out: list[int] = []
     lists: list[int] = []
     dims = iter(shape)
@@ -156,6 +145,47 @@ def result_shape(shape: tuple[int, ...], index: Index) -> tuple[int, ...]:
             raise SliceError(f"index lists of lengths {lists} cannot be combined")
         out.append(size)  # where numpy puts it does not change the size
     return tuple(out)
+
+
+def _expanded(shape: tuple[int, ...], index: Index) -> list[Any]:
+    """``index`` with its ``...`` and the dims it leaves out made ``:``, one part a dim (and
+    ``None`` for each new axis)."""
+    ellipses = sum(part is Ellipsis for part in index)
+    if ellipses > 1:
+        raise SliceError("an index can have only one ...")
+    consumed = sum(part is not None and part is not Ellipsis for part in index)
+    if consumed > len(shape):
+        raise SliceError(f"{format_index(index)} has {consumed} indices for {len(shape)} dims")
+    parts: list[Any] = []
+    for part in index:
+        if part is Ellipsis:
+            parts.extend([slice(None)] * (len(shape) - consumed))
+        else:
+            parts.append(part)
+    parts.extend([slice(None)] * (len(shape) - sum(p is not None for p in parts)))
+    return parts
+
+
+def axis_labels(shape: tuple[int, ...], index: Index) -> list[Sequence[int] | None]:
+    """For each dim of ``x[index]``, the indices of ``x`` that its positions are (``[3, 2:5]``
+    of an 8x10 tensor: ``[range(2, 5)]``): what the UI labels a slice's rows and columns with,
+    not 0, 1, 2. None for a new axis, and for every dim when lists index together (numpy
+    pairs their entries into one dim)."""
+    parts = _expanded(shape, index)
+    if sum(isinstance(part, list) for part in parts) > 1:
+        return [None] * len(result_shape(shape, index))
+    out: list[Sequence[int] | None] = []
+    dims = iter(shape)
+    for part in parts:
+        if part is None:
+            out.append(None)
+            continue
+        n = next(dims)
+        if isinstance(part, slice):
+            out.append(range(*part.indices(n)))  # a range: no list of a huge dim's indices
+        elif isinstance(part, list):  # one list: its dim stays where it is
+            out.append([i % n for i in part])
+    return out
 
 
 def apply_index(x: Any, index: Index, max_elements: int | None = None) -> Any:

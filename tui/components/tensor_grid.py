@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import textwrap
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import numpy as np
@@ -127,6 +127,7 @@ class TensorGrid(ScrollView, can_focus=True):
         self._shape: tuple[int, ...] = ()
         self._rows = self._cols = 0
         self._label_width = 0
+        self._labels: Sequence[Sequence[int] | None] | None = None
         self._blocks: OrderedDict[tuple[int, int], list[BlockRow]] = OrderedDict()
         self._pending: set[tuple[int, int]] = set()
         self._wanted: set[tuple[int, int]] = set()
@@ -137,14 +138,18 @@ class TensorGrid(ScrollView, can_focus=True):
 
     # --- what to show ------------------------------------------------------------------------
 
-    def show(self, ref: int, text: str, shape: tuple[int, ...]) -> None:
-        """Show the slice ``text`` (of the given shape) of tensor ``ref``, from its top left."""
+    def show(self, ref: int, text: str, shape: tuple[int, ...],
+             labels: Sequence[Sequence[int] | None] | None = None) -> None:  # fmt: skip
+        """Show the slice ``text`` (of the given shape) of tensor ``ref``, from its top left;
+        ``labels``: the tensor's indices of each dim's positions (``axis_labels``), what its
+        rows and columns are labelled with (``[3, 2:5]``'s columns are 2 3 4, not 0 1 2)."""
         self._forget()
         self._ref, self._text, self._shape = ref, text, tuple(shape)
+        self._labels = labels if labels is not None and len(labels) == len(shape) else None
         self._rows, self._cols = grid_shape(self._shape)
         if math.prod(self._shape) == 0:
             self._rows = self._cols = 0
-        self._label_width = max(len(self._row_label(self._rows - 1)), 1) + 1 if self._rows else 1
+        self._label_width = max(self._widest_row_label(), 1) + 1 if self._rows else 1
         # One spare cell so the last column can scroll fully into view.
         width = self._label_width + (self._cols + 1) * CELL
         self.virtual_size = Size(width, self._rows + 1)
@@ -183,11 +188,25 @@ class TensorGrid(ScrollView, can_focus=True):
         return self._cols
 
     def _row_label(self, row: int) -> str:
-        """The index of a grid row in the slice: ``12``, or ``2,5`` when rows are flattened."""
+        """The index of a grid row in the tensor: ``12``, or ``2,5`` when rows are flattened."""
         lead = self._shape[:-1]
         if len(lead) <= 1:
-            return str(row) if lead else ""
-        return ",".join(map(str, np.unravel_index(row, lead)))
+            return self._label(0, row) if lead else ""
+        return ",".join(self._label(a, int(i)) for a, i in enumerate(np.unravel_index(row, lead)))
+
+    def _label(self, axis: int, position: int) -> str:
+        """A position of the slice along ``axis`` as the tensor's index there."""
+        known = self._labels is not None and 0 <= axis < len(self._labels)
+        labels = self._labels[axis] if known else None  # type: ignore[index]
+        return str(labels[position] if labels is not None else position)
+
+    def _widest_row_label(self) -> int:
+        rows = self._labels[0] if self._labels is not None and len(self._shape) == 2 else None
+        if isinstance(rows, range):  # monotonic: its ends are its widest
+            return max(len(str(rows[0])), len(str(rows[-1])))
+        if rows is not None:  # a list (4,096 at most), in any order
+            return max(len(str(i)) for i in rows)
+        return max(len(self._row_label(r)) for r in {0, self._rows - 1})
 
     def on_key(self, event: events.Key) -> None:
         opens = {"slash": search(self)}
@@ -227,7 +246,9 @@ class TensorGrid(ScrollView, can_focus=True):
         c0, c1 = self._visible_columns()
         if y == 0:
             segments = [Segment(" " * self._label_width, index)]
-            segments += [Segment(f"{c:>{CELL - 1}} ", index) for c in range(c0, c1)]
+            last = len(self._shape) - 1
+            segments += [Segment(f"{self._label(last, c):>{CELL - 1}} ", index)
+                         for c in range(c0, c1)]  # fmt: skip
         else:
             row = round(self.scroll_y) + y - 1
             if row >= self._rows:

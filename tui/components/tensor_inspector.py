@@ -3,6 +3,7 @@ previous step and a histogram."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 from rich.text import Text
@@ -12,6 +13,7 @@ from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Input, Static
 
+from tensordbg.sources.slicing import SliceError, axis_labels, parse_index
 from tensordbg.tui.components.histogram_view import HistogramView
 from tensordbg.tui.components.slice_input import SliceInput
 from tensordbg.tui.components.stats_compare import StatsCompare
@@ -26,6 +28,8 @@ class TensorInspector(Vertical):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("left_square_bracket", "edit_slice", "Slice"),
     ]
+    _whole: tuple[int, ...] | None = None
+    """The shape of the tensor shown, once seen unsliced: what a slice's labels come from."""
 
     def __init__(self) -> None:
         super().__init__(id="tensor-inspector")
@@ -54,6 +58,7 @@ class TensorInspector(Vertical):
         focusing a widget of a hidden tab switches to that tab)."""
         self.ref, self.tensor_name = ref, name or f"tensor {ref}"
         self._opening = True  # until its first view arrives
+        self._whole = None
         self.query_one(SliceInput).value = text
         self._show_error("")
         self.load(text)
@@ -122,8 +127,20 @@ class TensorInspector(Vertical):
             Text(line, style="bold red" if alarm else "bold")
         )
         self.query_one(StatsCompare).show(stats)
-        self.query_one(TensorGrid).show(ref, text, tuple(stats["shape"]))
+        if not stats["index"]:
+            self._whole = tuple(stats["shape"])
+        self.query_one(TensorGrid).show(ref, text, tuple(stats["shape"]), self._labels())
         await self._histogram(ref, text)
+
+    def _labels(self) -> list[Sequence[int] | None] | None:
+        """The tensor's indices along each dim of the slice shown (None: its positions, when
+        the tensor was not seen whole first)."""
+        if not self.text or self._whole is None:
+            return None
+        try:
+            return axis_labels(self._whole, parse_index(self.text))
+        except SliceError:
+            return None
 
     @on(HistogramView.Rebin)
     def _rebin(self, event: HistogramView.Rebin) -> None:
