@@ -219,6 +219,26 @@ def _draws(seed: int) -> list[float]:
     return [float(drop(torch.ones(()))) for _ in range(2)]
 
 
+def test_a_nan_written_in_place_is_not_said_to_be_made_only_once() -> None:
+    """``x[i] = nan`` makes the NaN again in the re-run, but no operation's result shows it
+    (the write returns nothing): the hit said "made no NaN this time ... a counter, a global",
+    which was untrue (benchmarks/transport.py's planted NaN). It names nothing, and says so
+    of nothing."""
+
+    class Planted(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = x * 2
+            out[0, 0] = float("nan")
+            return out
+
+    model = nn.Sequential(nn.Linear(4, 4), Planted())
+    with watched(model) as session, torch.no_grad():
+        model(torch.randn(3, 4))
+    origin = next(h for h in session.hits if h.origin)
+    assert origin.tensor == "1.output"
+    assert "this time" not in origin.message
+
+
 def test_a_forward_that_makes_its_nan_only_once_says_so_instead_of_naming_nothing() -> None:
     """A NaN made on a counter's third call: the re-run is the fourth, which makes none.
     The hit says why no operation is named (found trying the UI as a new user: the line

@@ -38,7 +38,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from tensordbg.engine.records import Call
+from tensordbg.engine.records import Call, tensor_leaves
 from tensordbg.engine.sites import user_site
 
 
@@ -126,11 +126,14 @@ def name_operation(session: Any, call: Call, nan: bool) -> dict[str, Any] | None
             set_random_state(random_state)
         try:
             with torch.no_grad(), watch:
-                module.forward(*tree_map(_copy, args), **tree_map(_copy, kwargs))
+                again = module.forward(*tree_map(_copy, args), **tree_map(_copy, kwargs))
         except _Found:
             pass
         except Exception:  # the re-run is a courtesy: whatever it raises, the hit stands
             return None
+        else:  # ran whole: made again by a write no result shows (``x[i] = nan``), or not at all
+            if any(_holds_bad(t, nan) for _, t in tensor_leaves(again)):
+                return None
     return watch.found if watch.met else NOT_MADE_AGAIN
 
 
