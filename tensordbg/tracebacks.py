@@ -72,7 +72,7 @@ def shows_hits() -> bool:
     """Whether an uncaught WatchpointHit is printed by :func:`install_excepthook`'s hook."""
     hook: Any = sys.excepthook
     while hook is not None:
-        if getattr(hook, "handle", None) is _print_hit:
+        if getattr(hook, "handle", None) is _print_users_frames:
             return True
         hook = getattr(hook, "previous", None)
     return False
@@ -104,10 +104,10 @@ def chain_excepthook(handle: Callable[[BaseException], bool]) -> Callable[[], No
 def install_excepthook() -> Callable[[], None]:
     """Print an uncaught WatchpointHit, and a Ctrl-C that came while tensordbg ran (a pause),
     with :func:`format_user_traceback`; returns the undo."""
-    return chain_excepthook(_print_hit)
+    return chain_excepthook(_print_users_frames)
 
 
-def _print_hit(error: BaseException) -> bool:
+def _print_users_frames(error: BaseException) -> bool:
     from tensordbg.hit import WatchpointHit
 
     if isinstance(error, KeyboardInterrupt) and _inside_tensordbg(error.__traceback__):

@@ -7,7 +7,7 @@ NaN at step 3, the step the dump's one hit names.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import ml_dtypes
@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from dumps import write_dump
 from test_tui import SIZE, until
+from textual.pilot import Pilot
 from textual.widgets import Footer
 
 from tensordbg.cli import main
@@ -282,20 +283,16 @@ def test_the_ui_says_a_step_with_changed_values_is_broken_and_shows_its_statisti
     data[-3] ^= 0xFF
     step_file.write_bytes(bytes(data))
 
-    async def flow() -> None:
-        app = TensorDbgApp(LocalClient(ReplaySource(load(dump))))
-        async with app.run_test(size=SIZE) as pilot:
-            banner = app.query_one(ConnectionBanner)
-            await until(pilot, lambda: "this step is broken" in str(banner.content))
-            assert "fails its checksum at net.2.weight" in str(banner.content)
-            await until(pilot, lambda: app.main.hit_table.row_count == 1)
-            await pilot.press("enter")
-            summary = app.query_one("#tensor-summary")
-            await until(pilot, lambda: "NaN×1!" in str(summary.render()))
-            histogram = app.query_one(HistogramView)
-            await until(pilot, lambda: "fails its checksum" in str(histogram.render()))
+    async def check(app: TensorDbgApp, pilot: Pilot, banner: str) -> None:
+        assert "fails its checksum at net.2.weight" in banner
+        await until(pilot, lambda: app.main.hit_table.row_count == 1)
+        await pilot.press("enter")
+        summary = app.query_one("#tensor-summary")
+        await until(pilot, lambda: "NaN×1!" in str(summary.render()))
+        histogram = app.query_one(HistogramView)
+        await until(pilot, lambda: "fails its checksum" in str(histogram.render()))
 
-    asyncio.run(flow())
+    in_replay_ui(dump, "this step is broken", check)
 
 
 def test_the_ui_says_when_the_dumps_index_is_cut_short(dump: Path) -> None:
@@ -308,13 +305,23 @@ def test_the_ui_says_when_the_dumps_index_is_cut_short(dump: Path) -> None:
     source = ReplaySource(load(dump))
     assert all("cut short" in source.goto(step=step)["replay"]["lost"] for step in source.steps)
 
+    async def check(app: TensorDbgApp, pilot: Pilot, banner: str) -> None:
+        assert "the steps after its last line are missing" in banner
+        assert "n / p: next / previous dumped step" in banner  # still said
+
+    in_replay_ui(dump, "cut short", check)
+
+
+def in_replay_ui(dump: Path, shown: str, check: Callable[..., Awaitable[None]]) -> None:
+    """The UI over a replay of ``dump``, once its banner says ``shown``: ``check(app, pilot,
+    banner text)``."""
+
     async def flow() -> None:
         app = TensorDbgApp(LocalClient(ReplaySource(load(dump))))
         async with app.run_test(size=SIZE) as pilot:
             banner = app.query_one(ConnectionBanner)
-            await until(pilot, lambda: "cut short" in str(banner.content))
-            assert "the steps after its last line are missing" in str(banner.content)
-            assert "n / p: next / previous dumped step" in str(banner.content)  # still said
+            await until(pilot, lambda: shown in str(banner.content))
+            await check(app, pilot, str(banner.content))
 
     asyncio.run(flow())
 

@@ -239,17 +239,11 @@ class BackwardPhase(ParamGradients):
             forward = getattr(event, "forward", None)
             if forward is not None:
                 event.forward = forward = self._record_of(forward)
-            param = event.name if type(event) is ParamGradNote else None
-            if record is not None and record.grad_of is not None:
-                forward = record.grad_of
-            elif record is not None and record.stats.kind == "grad":
-                param = record.param
-            if forward is not None:
                 key = -forward.stats.ref
-            elif param:
-                if param not in by_param:
-                    by_param[param] = self._param_key(param)
-                key = by_param[param]
+            elif record is not None:
+                key = self._execution_key(record, by_param, key)
+            elif type(event) is ParamGradNote:
+                key = self._param_key_of(event.name, by_param)
             keyed.append((key, i, event))
         keyed.sort(key=lambda k: (k[0], k[1]))
         self.phases.pending = [event for _, _, event in keyed]
@@ -268,15 +262,25 @@ class BackwardPhase(ParamGradients):
         keyed = []
         by_param: dict[str, float] = {}
         for i, record in enumerate(self.phases.records):
-            if record.grad_of is not None:
-                key = -record.grad_of.stats.ref
-            elif record.stats.kind == "grad" and record.param:
-                if record.param not in by_param:
-                    by_param[record.param] = self._param_key(record.param)
-                key = by_param[record.param]
+            key = self._execution_key(record, by_param, key)
             keyed.append((key, i, record))
         keyed.sort(key=lambda k: (k[0], k[1]))
         self.phases.records = [record for _, _, record in keyed]
+
+    def _execution_key(self, record: Record, by_param: dict[str, float], last: float) -> float:
+        """Where a record's gradient comes in a pass (smaller first): an activation's after
+        the gradients of what it fed, a parameter's right after its module's output gradients;
+        a record of another kind keeps its place after the one before it (``last``)."""
+        if record.grad_of is not None:
+            return -record.grad_of.stats.ref
+        if record.stats.kind == "grad" and record.param:
+            return self._param_key_of(record.param, by_param)
+        return last
+
+    def _param_key_of(self, name: str, by_param: dict[str, float]) -> float:
+        if name not in by_param:
+            by_param[name] = self._param_key(name)
+        return by_param[name]
 
     def _param_key(self, name: str) -> float:
         refs = [r.stats.ref for call in self._owner_calls(name) for _, r in call.outputs]
