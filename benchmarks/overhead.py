@@ -9,7 +9,8 @@
     python benchmarks/overhead.py --capabilities     # what each capability of the default
                                                      # mode adds, one after another
     python benchmarks/overhead.py --floor            # the default beside hooks that only read
-                                                     # what it reads: its floor, bookkeeping aside
+                                                     # what it reads, capability by capability:
+                                                     # its floor, bookkeeping aside
 
 Copies of the same model train side by side in one process; each round runs one step of each,
 in a rotating order, so that the machine's noise falls on all of them alike. The medians and
@@ -173,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         "--floor",
         action="store_true",
         help="the default beside hooks that read what it reads on a clean CPU step and do "
-        "nothing else (no records, no rules): the cost of the reads, bookkeeping aside",
+        "nothing else (no records, no rules), capability by capability: the cost of the "
+        "reads, bookkeeping aside (with --capabilities: both, side by side)",
     )
     args = parser.parse_args(argv)
     if args.ranks is not None:
@@ -199,9 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         _switch_off(runner.session, capabilities)
         sessions[runner.name] = runner.session
         runners.append(runner)
-    if args.floor:
-        runners.insert(1, Runner("floor", copy.deepcopy(base), device, dtype))
-        watch_floor(runners[1].model, runners[1].optimizer)
+    if args.floor:  # each capability's reads alone, before the rows that keep the books
+        for at, (label, reads) in enumerate(FLOORS, start=1):
+            runners.insert(at, Runner(label, copy.deepcopy(base), device, dtype))
+            watch_floor(runners[at].model, runners[at].optimizer, reads)
     if not args.no_anomaly and not (args.capabilities or args.floor):
         runners.append(Runner("anomaly", copy.deepcopy(base), device, dtype))
     if not args.no_control:
@@ -222,14 +225,14 @@ def main(argv: list[str] | None = None) -> int:
             runner.times.append(runner.step(batches[i % len(batches)]))
 
     bare = runners[0].times
-    print(f"{'':10s} {'median ms':>10s} {'ratio':>7s} {'ratio IQR':>15s}   (of {rounds} rounds)")
+    print(f"{'':12s} {'median ms':>10s} {'ratio':>7s} {'ratio IQR':>15s}   (of {rounds} rounds)")
     for runner in runners:
         # Each round's step against the bare step of the same round: the machine's slow drifts
         # cancel out, which a ratio of two medians does not do.
         ratios = sorted(t / b for t, b in zip(runner.times, bare, strict=True))
         q1, q3 = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
         med = statistics.median(runner.times)
-        print(f"{runner.name:10s} {med * 1e3:10.1f} {statistics.median(ratios):7.3f}x"
+        print(f"{runner.name:12s} {med * 1e3:10.1f} {statistics.median(ratios):7.3f}x"
               f" {q1:7.3f}-{q3:.3f}")  # fmt: skip
     broken = False
     for name, session in sessions.items():
@@ -254,14 +257,20 @@ CAPABILITIES = [
 ]
 
 
-def watch_floor(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+# The floor of each capability: hooks that read what the default reads for it on a clean CPU
+# step, and nothing else. (label, how many capabilities' reads.) The forward origin reads
+# nothing on a clean step (it keeps references), so its floor is the guards'.
+FLOORS = [("floor guard", 1), ("floor +bwd", 2), ("floor +wts", 3)]
+
+
+def watch_floor(model: nn.Module, optimizer: torch.optim.Optimizer, reads: int = 3) -> None:
     """Hooks that read what the default reads on a clean CPU step of this model, and nothing
-    more: the model's output (its sum); the one activation gradient per block that no parameter
-    gradient vouches for (the attention's output, made by the block's own code: its sum, in its
-    hook); one norm pass over the parameter gradients when the pass ends; after the update, a
-    sample of each parameter (``SAMPLE`` elements) and a rotating eighth of them (by count)
-    whole. No call, record, rule or phase: what is left between this and the default is
-    bookkeeping."""
+    more. Guards (``reads`` 1): the model's output (its sum). Backward origin (2): the one
+    activation gradient per block that no parameter gradient vouches for (the attention's
+    output, made by the block's own code: its sum, in its hook), and one norm pass over the
+    parameter gradients when the pass ends. Weights (3): after the update, a sample of each
+    parameter (``SAMPLE`` elements) and a rotating eighth of them (by count) whole. No call,
+    record, rule or phase: what is left between this and the default is bookkeeping."""
     from torch.autograd import Variable
 
     from tensordbg.engine.params import ROTATION, SAMPLE, sample_of
@@ -283,8 +292,10 @@ def watch_floor(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     def output(module: nn.Module, args: tuple, out: object) -> None:
         if module is model:
             read(out)
-            out.grad_fn.register_prehook(lambda g: Variable._execution_engine.queue_callback(
-                pass_ended))  # fmt: skip
+            if reads >= 2:
+                out.grad_fn.register_prehook(
+                    lambda g: Variable._execution_engine.queue_callback(pass_ended)
+                )
 
     def proj_input(module: nn.Module, args: tuple) -> None:
         if args[0].grad_fn is not None:
@@ -298,9 +309,10 @@ def watch_floor(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
 
     for name, module in model.named_modules():
         module.register_forward_hook(output)
-        if name.endswith(".proj"):
+        if name.endswith(".proj") and reads >= 2:
             module.register_forward_pre_hook(proj_input)
-    optimizer.register_step_post_hook(after_step)
+    if reads >= 3:
+        optimizer.register_step_post_hook(after_step)
 
 
 def _switch_off(session: tensordbg.Session, capabilities: int) -> None:

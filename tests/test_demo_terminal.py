@@ -73,7 +73,7 @@ def test_the_demo_pauses_at_the_broken_attention_and_lets_a_person_inspect_it():
         terminal.press("F7", "F2", "Enter")
         # The Tensor tab (the hit's detail on the Hits tab shows the same statistics)
         terminal.wait_for("compared with the previous step", "tensor[16,31,64] float32",
-                          "NaN×1984")  # fmt: skip
+                          "NaN×1984", timeout=120)  # fmt: skip
         # The sequence that was all padding, typed in one go: "[" opens the slice box and the
         # rest is text in it (once, "3" became a count prefix).
         terminal.press("[3]", "Enter")

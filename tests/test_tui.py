@@ -396,7 +396,7 @@ def test_a_training_ended_by_ctrl_c_is_not_shown_as_simply_finished() -> None:
             source.emit("state", {"state": "finished", "step": 3,
                                   "reason": "interrupted (Ctrl-C)"})  # fmt: skip
             await until(pilot, lambda: app.state == "finished")
-            assert app.main.title == "FINISHED at step 3 · interrupted (Ctrl-C)"
+            assert app.main.title == "FINISHED after step 2 · interrupted (Ctrl-C)"
             # Nothing is left to detach from: q quits, and the footer says so.
             shown = [b.binding.description for b in app.screen.active_bindings.values()
                      if b.binding.key == "q" and b.enabled and b.binding.show]  # fmt: skip

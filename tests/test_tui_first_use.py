@@ -112,6 +112,29 @@ def test_escape_closes_the_keys_panel() -> None:
     run(FakeSource(), check)
 
 
+def test_the_keys_panel_lists_the_ranks_keys_for_a_job_of_several_ranks_only() -> None:
+    """F9 (the ranks side by side) and R (the next rank) were listed for a training of one
+    process, where they do nothing."""
+
+    class Job(FakeSource):
+        def info(self) -> Any:
+            return {**super().info(), "world_size": 2}
+
+    def listed(source: FakeSource) -> list[str]:
+        rows: list[str] = []
+
+        async def check(app: TensorDbgApp, pilot: Pilot) -> None:
+            app.action_show_help_panel()
+            await until(pilot, lambda: app.screen.query(BindingsTable))
+            rows.extend(keys_panel_rows(app))
+
+        run(source, check)
+        return [row for row in rows if row.endswith(("  Ranks", "  Next rank"))]
+
+    assert listed(FakeSource()) == []
+    assert listed(Job()) == ["f9  Ranks", "R  Next rank"]
+
+
 def test_where_q_only_quits_the_keys_panel_says_ctrl_q_only_quits() -> None:
     async def check(app: TensorDbgApp, pilot: Pilot) -> None:
         assert app.active_bindings["ctrl+q"].binding.description == "Quit"

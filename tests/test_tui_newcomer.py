@@ -352,7 +352,7 @@ def test_the_last_steps_numbers_that_come_just_after_finished_are_shown() -> Non
                                    "hits_total": 2, "last": last})  # fmt: skip
             await until(pilot, lambda: app.state == "finished")
             await until(pilot, lambda: latest() == "0.5 (step 11)")
-            assert "FINISHED" in state_line(app) and "at step 12" in state_line(app)
+            assert "FINISHED" in state_line(app) and "after step 11" in state_line(app)
             await until(pilot, lambda: "has finished" in text_of(app.main.banner))  # then let go
 
     asyncio.run(flow())

@@ -302,7 +302,9 @@ class TensorDbgApp(App[int]):
                 return False
             if action == "ignore":
                 return self.can_ignore()
-            if action in ("tab", "search", "detach", "ranks", "next_rank"):
+            if action in ("ranks", "next_rank"):  # listed in the keys panel for a job only
+                return int(self.info.get("world_size", 1)) > 1
+            if action in ("tab", "search", "detach"):
                 return True
             if action == "profile":
                 return self.can_profile()

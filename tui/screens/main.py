@@ -32,7 +32,7 @@ from tensordbg.tui.components.module_browser import ModuleBrowser
 from tensordbg.tui.components.module_table import ModuleTable
 from tensordbg.tui.components.provenance_view import ProvenanceView
 from tensordbg.tui.components.rule_panel import RulePanel
-from tensordbg.tui.components.run_status import RunStatus
+from tensordbg.tui.components.run_status import RunStatus, where
 from tensordbg.tui.components.tensor_grid import TensorGrid
 from tensordbg.tui.components.tensor_inspector import TensorInspector
 from tensordbg.tui.errors import reported, work
@@ -282,7 +282,7 @@ class MainScreen(Screen):
         self._show_title()
 
     def _show_title(self) -> None:
-        step = "" if self._step is None else f" at step {self._step}"
+        step = "" if self._step is None else f" {where(self._state, self._step)}"
         if self._replay_text:  # a recorded run: the dumped step shown, of how many
             step = f" · {self._replay_text}"
         count = f" · count {self._count}" if self._count else ""
