@@ -394,3 +394,32 @@ def test_at_80_by_24_every_tab_names_its_key_and_the_footer_ends_whole() -> None
         assert screen_text(app).splitlines()[29].rstrip().endswith("^p palette")  # all shown
 
     run(FakeSource(), check, size=(80, 24))
+
+
+def test_at_80_columns_the_operation_that_made_the_nan_and_its_line_are_shown_whole() -> None:
+    """The operation and its line of code shared one line of the provenance tree, cut at the
+    right edge without a mark: "... softmax  line 53: weights = F.softm"."""
+    source = FakeSource()
+    original = source.provenance
+    code = "weights = F.softmax(scores.masked_fill(mask, -inf), dim=-1)"
+    source.provenance = lambda *args, **kwargs: {  # type: ignore[method-assign]
+        **original(*args, **kwargs),
+        "operation": {
+            "op": "torch.nn.functional.softmax",
+            "file": "model.py",
+            "line": 53,
+            "function": "forward",
+            "code": code,
+            "first_line": 40,
+        },
+    }
+
+    async def check(app: TensorDbgApp, pilot: Pilot) -> None:
+        await pilot.press("f5")
+        await until(pilot, lambda: "made by" in screen_text(app))
+        await pilot.pause(0.1)
+        lines = screen_text(app).splitlines()
+        assert any(line.rstrip().endswith("made by torch.nn.functional.softmax") for line in lines)
+        assert any(line.rstrip().endswith(f"line 53: {code}") for line in lines), lines
+
+    run(source, check, size=(80, 24))

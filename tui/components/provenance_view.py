@@ -94,8 +94,10 @@ class ProvenanceView(VerticalScroll):
             if operation:  # named by running the producer's forward again (engine/pinpoint.py)
                 made = Text("first non-finite value made by ", style="dim")
                 made.append(operation["op"], style="bold")
-                made.append(f"  line {operation['line']}: {operation['code']}")
-                tree.root.add_leaf(made)
+                # Its line on a line of its own: at 80 columns, one line cut the code short.
+                line = Text(f"line {operation['line']}: ", style="dim")
+                line.append(operation["code"])
+                tree.root.add(made, expand=True, allow_expand=False).add_leaf(line)
         else:
             tree.root.add_leaf(Text("produced outside any module", style="dim"))
         inputs = tree.root.add(f"inputs ({len(prov.get('inputs', []))})", expand=True)

@@ -69,7 +69,7 @@ class ProfilerView(Vertical, can_focus=True):
     screen."""
 
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("f8", "next_view(1)", "Next view"),
+        Binding("f8", "next_view(1)", "Next view", key_display="F8"),  # as the tabs say it
         Binding("shift+f8", "next_view(-1)", "Previous view", show=False),
     ]
 
