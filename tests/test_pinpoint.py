@@ -219,24 +219,43 @@ def _draws(seed: int) -> list[float]:
     return [float(drop(torch.ones(()))) for _ in range(2)]
 
 
-def test_a_nan_written_in_place_is_not_said_to_be_made_only_once() -> None:
-    """``x[i] = nan`` makes the NaN again in the re-run, but no operation's result shows it
-    (the write returns nothing): the hit said "made no NaN this time ... a counter, a global",
-    which was untrue (benchmarks/transport.py's planted NaN). It names nothing, and says so
-    of nothing."""
+def test_a_nan_written_in_place_is_named_at_its_write() -> None:
+    """``x[i] = nan`` and ``x.log_()`` make the NaN in their first argument and return nothing
+    that shows it (or that argument, which looked "handed the bad value"): the hit said "made
+    no NaN this time ... a counter, a global" (benchmarks/transport.py's planted NaN), then
+    named nothing. The write is named, with its line; a write of a value that was bad already
+    is not."""
 
     class Planted(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             out = x * 2
-            out[0, 0] = float("nan")
+            out[0, 0] = float("nan")  # the write
             return out
 
-    model = nn.Sequential(nn.Linear(4, 4), Planted())
+    class Logged(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = x - 100
+            out.log_()  # the write
+            return out
+
+    class Copied(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros_like(x)
+            out[0] = x[0]  # x is NaN already: nothing here made it
+            return out
+
+    for inner, op in ((Planted(), "Tensor.__setitem__"), (Logged(), "Tensor.log_")):
+        model = nn.Sequential(nn.Linear(4, 4), inner)
+        with watched(model) as session, torch.no_grad():
+            model(torch.randn(3, 4))
+        origin = next(h for h in session.hits if h.origin)
+        assert origin.tensor == "1.output"
+        assert f"the first NaN came from {op} at test_pinpoint.py:" in origin.message, origin
+        assert "# the write" not in origin.message and "this time" not in origin.message
+    model = nn.Sequential(Copied())
     with watched(model) as session, torch.no_grad():
-        model(torch.randn(3, 4))
-    origin = next(h for h in session.hits if h.origin)
-    assert origin.tensor == "1.output"
-    assert "this time" not in origin.message
+        model(torch.full((3, 4), float("nan")))
+    assert all("came from" not in h.message for h in session.hits)
 
 
 def test_a_forward_that_makes_its_nan_only_once_says_so_instead_of_naming_nothing() -> None:

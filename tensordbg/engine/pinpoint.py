@@ -58,13 +58,18 @@ class FirstBad(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        # An in-place write (``x[i] = nan``, ``x.log_()``) makes the value in its first
+        # argument: that one is looked at after it, and was clean before it if it made it.
+        target = args[0] if args and _in_place(func) else None
+        was_clean = target is not None and not _holds_bad(target, self.nan)
         result = func(*args, **kwargs)
-        if self.found is None and _holds_bad(result, self.nan):
+        made = _holds_bad(result, self.nan) or (was_clean and _holds_bad(target, self.nan))
+        if self.found is None and made:
             self.met = True
             # An operation that was handed the bad value (a weight that was NaN already) did
             # not make it: nothing is named.
-            given = [*args, *kwargs.values()]
-            if not any(_holds_bad(a, self.nan) for a in given):
+            given = [*(args[1:] if target is not None else args), *kwargs.values()]
+            if (target is None or was_clean) and not any(_holds_bad(a, self.nan) for a in given):
                 self.found = _where(func, sys._getframe(1))
             raise _Found
         return result
@@ -131,7 +136,7 @@ def name_operation(session: Any, call: Call, nan: bool) -> dict[str, Any] | None
             pass
         except Exception:  # the re-run is a courtesy: whatever it raises, the hit stands
             return None
-        else:  # ran whole: made again by a write no result shows (``x[i] = nan``), or not at all
+        else:  # ran whole: made again where no operation shows it (an ``out=``), or not at all
             if any(_holds_bad(t, nan) for _, t in tensor_leaves(again)):
                 return None
     return watch.found if watch.met else NOT_MADE_AGAIN
@@ -199,6 +204,13 @@ def _holds_bad(result: Any, nan: bool) -> bool:
     if nan:
         return bool(torch.isnan(result).any())
     return bool(torch.isinf(result).any())
+
+
+def _in_place(func: Any) -> bool:
+    """Whether ``func`` writes into its first argument: ``Tensor.__setitem__`` (``x[i] = v``)
+    and the in-place methods (``x.add_(y)``, ``x.masked_fill_(m, v)``)."""
+    name = getattr(func, "__name__", "")
+    return name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
 
 
 def _where(func: Any, frame: Any) -> dict[str, Any]:
