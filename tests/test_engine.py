@@ -1094,8 +1094,10 @@ def _update_records(watch, learning_rates: list[float], sync: str = "auto"):
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    session = watch(model, optimizer=optimizer, on_hit="record", rules=[WeightNotChanging()],
-                    sync=sync)  # fmt: skip
+    # decayed=0: a learning rate set to 0 stops the parameter here, which the rule would
+    # otherwise take for a schedule's tail (these tests are of the records, not of that).
+    session = watch(model, optimizer=optimizer, on_hit="record",
+                    rules=[WeightNotChanging(decayed=0.0)], sync=sync)  # fmt: skip
     made, suspects = [], []
     for lr in learning_rates:
         for group in optimizer.param_groups:
@@ -1126,7 +1128,9 @@ def test_a_table_that_changes_where_its_norm_cannot_tell_is_compared_from_a_samp
     torch.manual_seed(0)
     model = nn.Embedding(1000, 64)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    rule = WeightNotChanging() if exact else WeightNotChanging(rtol=1e-5, atol=1e-8)
+    # decayed=0: the learning rate set to 0 is what stops it (not a schedule's tail).
+    tolerance = {} if exact else {"rtol": 1e-5, "atol": 1e-8}
+    rule = WeightNotChanging(decayed=0.0, **tolerance)
     session = watch(model, optimizer=optimizer, on_hit="record", rules=[rule], sync=sync)
     taken: list[tuple[set[str], set[str]]] = []
     before_step = session.weights.before_step

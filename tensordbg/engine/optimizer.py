@@ -18,7 +18,7 @@ from tensordbg.engine.params import Digest, Param, ParamWatch, held_params, samp
 from tensordbg.engine.phases import Judged
 from tensordbg.engine.records import Record, param_grad_record
 from tensordbg.offline.sentences import listed
-from tensordbg.statistics import FINITE, L2, MAX, MIN, Stat
+from tensordbg.statistics import FINITE, L2, LR_SHARE, MAX, MIN, Stat
 from tensordbg.statistics.batch import norms_of
 from tensordbg.statistics.torch_kernels import device_parts, host_stats, update_stats, watchable
 
@@ -263,7 +263,8 @@ class OptimizerPhase:
                 return
             if owned is None:
                 owned = self.weights.owned(optimizer, self.optimizers)
-            self._check_parameters(owned, self.ruleset.update_stats())
+            self.weights.note_learning_rates(optimizer)
+            self._check_parameters(owned, self.ruleset.update_stats(), optimizer=optimizer)
             if id(optimizer) in self._ever_stepped or self._root_forwards != self._forwards_at_end:
                 self._stepped |= {id(optimizer)}
             # else its first step came right after a step ended, with no forward since: watched
@@ -277,7 +278,7 @@ class OptimizerPhase:
             self.fault(e)
 
     def _check_parameters(self, owned: list[Param], updates: tuple[Stat, ...] | None,
-                          after_step: bool = True) -> None:  # fmt: skip
+                          after_step: bool = True, optimizer: Any = None) -> None:  # fmt: skip
         """Parameters after an optimizer step (and at attach): their values and, for those the
         step updated, the update against their values before it (batched: one transfer)."""
         ranges: dict[str, Digest] = {}
@@ -357,6 +358,12 @@ class OptimizerPhase:
         self.weights.resolve_by_range(pending_range, ranges, updates or ())
         # Updates a device's ranges could not tell: no record, as on the host (``unmeasured``).
         self.phases.forget([r for r in pending_range if not r.stats.values])
+        if made and optimizer is not None:  # a schedule's tail moves nothing: the rules know
+            shares = self.weights.learning_rate_shares(optimizer)
+            for record in made:
+                share = shares.get(id(self.weights.by_name[record.param].param))
+                if share is not None and record.stats.values:
+                    record.stats.values[LR_SHARE] = share
         self.weights.settle(made, updates or ())
         self.weights.remember_ranges(ranges)
         self._drain()

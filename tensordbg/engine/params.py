@@ -105,6 +105,15 @@ ROTATION = 8
 """Sampled checks read every parameter whole at least once in this many steps."""
 
 
+def _rate(lr: Any) -> float | None:
+    """A group's learning rate as a float (a tensor's too: ``capturable`` optimizers)."""
+    try:
+        rate = float(lr)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return rate if math.isfinite(rate) and rate >= 0 else None
+
+
 def held_params(optimizer: torch.optim.Optimizer) -> set[int]:
     """The ids of the parameters ``optimizer`` updates."""
     return {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -157,11 +166,32 @@ class ParamWatch:
         self.versions: dict[str, int] = {}
         self.unsettled: set[str] | None = None
         """Parameters whose latest update record did not say "changed" (None: none made yet)."""
+        self.lr_peaks: dict[tuple[int, int], float] = {}
+        """The largest learning rate of each (optimizer, parameter group) while watched."""
         self._offset = 0
         self._turn = 0  # where the next rotation starts
         # The parameters sampled last, their samples, where each lies in the read, and the read
         self._sampling: tuple[list[Any], list[torch.Tensor], list[tuple[str, int, int]],
                               torch.Tensor] | None = None  # fmt: skip
+
+    def note_learning_rates(self, optimizer: torch.optim.Optimizer) -> None:
+        """Note each parameter group's learning rate after a step, the largest kept."""
+        peaks = self.lr_peaks
+        for i, group in enumerate(optimizer.param_groups):
+            lr = _rate(group.get("lr"))
+            if lr is not None and lr > peaks.get((id(optimizer), i), 0.0):
+                peaks[(id(optimizer), i)] = lr
+
+    def learning_rate_shares(self, optimizer: torch.optim.Optimizer) -> dict[int, float]:
+        """Each parameter's learning rate now as a share of the largest its group has had
+        (by ``id``); none for a group whose rate was never above 0 (a learning rate of zero
+        from the start is a fault, not a schedule)."""
+        shares: dict[int, float] = {}
+        for i, group in enumerate(optimizer.param_groups):
+            lr, peak = _rate(group.get("lr")), self.lr_peaks.get((id(optimizer), i), 0.0)
+            if lr is not None and peak > 0:
+                shares.update(dict.fromkeys(map(id, group["params"]), lr / peak))
+        return shares
 
     def owned(
         self, optimizer: torch.optim.Optimizer, optimizers: Sequence[torch.optim.Optimizer]

@@ -41,12 +41,18 @@ from tensordbg.statistics.registry import (
     update_unchanged,
 )
 
+LR_SHARE = Stat("lr_share")
+"""Not measured of a tensor: an update's learning rate, as a share of the largest its parameter
+group has had while watched (the engine gives it to update records; WeightNotChanging reads
+it: a schedule's tail leaves weights in place by design)."""
+
 __all__ = [
     "ABS_MEAN",
     "FINITE",
     "FLOAT_MAX",
     "KINDS",
     "L2",
+    "LR_SHARE",
     "MAX",
     "MEAN",
     "MIN",
