@@ -119,16 +119,14 @@ class ExplodingGradient(Rule):
     growing x1.5 per step from 1 is caught near 300, long before float32 overflows.
 
     Growth must persist: it fires on the second step in a row (``persist`` = 2) above ``growth``
-    times the median and above every norm of the window, both of the steps before the streak.
-    A healthy run has one-step spikes, however large: a hard batch gives x20-x40 for a step
-    past step 45 of a small transformer, and x300-x700 for every gradient at once near the end
-    of a run whose loss has fallen to 1e-3 (one example it gets wrong in a batch it gets right:
-    a transformer with a GRU trained 1,500 steps, found trying it as a new user); the next step
-    is back. Two steps up in a row happen too, but not above the largest norm of the 50 before
-    them. A gradient that is really exploding is still above the bar a step later, and higher
-    than it has ever been, far from any overflow (train_diverging.py: the growth verdict comes
-    one step after the learning rate jumped, at a norm below 1e3; NaN and Inf fire when they
-    first appear, ``max_norm`` at once).
+    x the median and above every norm of the window, both of the steps before the streak. A
+    healthy run has one-step spikes, however large: x20-x40 past step 45 of a small
+    transformer, x300-x700 for every gradient at once once the loss is down to 1e-3 (one
+    example a batch gets wrong: a new user's transformer with a GRU, 1,500 steps), back the
+    next step; and two steps up, but below the largest of the 50 before. A gradient really
+    exploding is still up a step later, higher than ever, far from any overflow
+    (train_diverging.py: the verdict comes one step after the learning rate jumped, below 1e3;
+    NaN and Inf fire when they appear, ``max_norm`` at once).
 
     Growth counts only for a gradient that has reached the model's typical size, the median
     root-mean-square of the other gradients at their last step before this one: a gradient
@@ -150,16 +148,8 @@ class ExplodingGradient(Rule):
     kinds = frozenset({"grad"})
     needs = (FINITE, L2)
 
-    def __init__(
-        self,
-        *,
-        max_norm: float = 1e6,
-        growth: float = 20.0,
-        window: int = 50,
-        warmup: int = 10,
-        persist: int = 2,
-        **selection: Any,
-    ):
+    def __init__(self, *, max_norm: float = 1e6, growth: float = 20.0, window: int = 50,
+                 warmup: int = 10, persist: int = 2, **selection: Any):  # fmt: skip
         super().__init__(**selection)
         self.max_norm = max_norm
         self.growth = growth

@@ -297,6 +297,28 @@ def test_the_command_lines_dump_and_on_hit_apply_to_a_script_that_attaches_itsel
     assert tensordbg_load(tmp_path / "dump").steps()[0] == 3  # the first step that hit
 
 
+def test_on_hit_given_as_attachs_default_still_applies_to_a_script_that_attaches_itself(
+    capsys,
+):
+    """``tensordbg run --on-hit pause`` over a script that attaches with on_hit="record" never
+    paused, and said nothing: "pause" is attach's default, so it was taken for not given
+    (found trying it as a new user). A flag given wins, whatever its value; an on_hit only
+    implied (no --on-hit) leaves the script's own."""
+    from tensordbg.api import COMMAND_LINE
+    from tensordbg.integrations.runner import ScriptRun
+
+    for given, expected in (("pause", "pause"), ("record", "record"), (None, "raise")):
+        run = ScriptRun(None, on_hit=given)
+        run.install()
+        try:
+            assert COMMAND_LINE.over({"on_hit": "raise"})["on_hit"] == expected
+        finally:
+            run.remove()
+    said = capsys.readouterr().err
+    assert "the command line's settings (--on-hit pause) apply to it" in said
+    assert said.count("apply to it") == 2
+
+
 def test_run_with_raise_stops_the_script_at_the_first_origin_hit(script: Path):
     done = tensordbg("run", "--on-hit", "raise", "--rules", "NaN", str(script), "6",
                      cwd=script.parent)  # fmt: skip

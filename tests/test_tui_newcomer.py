@@ -140,6 +140,31 @@ def test_the_state_shown_is_the_state_the_training_is_in_now() -> None:
     asyncio.run(flow())
 
 
+def test_a_status_sent_before_a_pause_does_not_undo_the_pause() -> None:
+    """A status is the latest of many, and one sent just before the pause can reach a UI after
+    the welcome that said "paused" (a UI that connects at the hit): the demo's UI showed
+    RUNNING at step 25 with its two hits for ever, the training paused there. The state comes
+    from the welcome and the state events only; the status brings its numbers."""
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "paused")
+            last = {"step": 2, "loss": 1.9, "grad_norm": 0.9, "steps_per_sec": 9.0}
+            source.emit("status", {"state": "running", "step": 3, "phase": "forward",
+                                   "hits_total": 2, "last": last})  # fmt: skip
+            numbers = app.query_one("#run-numbers", Static)
+            await until(pilot, lambda: "1.9" in str(list(numbers.content.columns[1].cells)))
+            await pilot.pause(0.1)
+            assert app.state == "paused" and app.main.title.startswith("PAUSED at step 3")
+            assert "PAUSED" in state_line(app)
+            source.emit("state", {"state": "running", "step": 3})  # a state event moves it
+            await until(pilot, lambda: app.state == "running")
+
+    asyncio.run(flow())
+
+
 def test_at_80_by_24_the_header_shows_the_state_whole() -> None:
     async def flow() -> None:
         app = TensorDbgApp(LocalClient(FakeSource()))
@@ -353,6 +378,8 @@ def test_the_last_steps_numbers_that_come_just_after_finished_are_shown() -> Non
             await until(pilot, lambda: app.state == "finished")
             await until(pilot, lambda: latest() == "0.5 (step 11)")
             assert "FINISHED" in state_line(app) and "after step 11" in state_line(app)
+            step_column = [str(cell) for cell in numbers.content.columns[0].cells]
+            assert step_column == ["last step", "11"]  # step 12 never began
             await until(pilot, lambda: "has finished" in text_of(app.main.banner))  # then let go
 
     asyncio.run(flow())
@@ -527,11 +554,14 @@ def test_the_log_gives_a_state_the_reason_of_that_state_not_of_the_last_pause() 
     assert describe_event("state", {"state": "paused", "step": 25, "reason": hit}) == (
         f"paused at step 25 ({hit})"
     )
-    for state in ("running", "detached"):
-        line = describe_event("state", {"state": state, "step": 29, "reason": hit})
-        assert line == f"{state} at step 29"
+    line = describe_event("state", {"state": "running", "step": 29, "reason": hit})
+    assert line == "running at step 29"
+    # Detached or finished, the step given is the next one, which never began (steps 0-28
+    # ran): the last step is named, as the header names it.
+    line = describe_event("state", {"state": "detached", "step": 29, "reason": hit})
+    assert line == "detached after step 28"
     ended = {"state": "finished", "step": 29, "reason": "interrupted (Ctrl-C)"}
-    assert describe_event("state", ended) == "finished at step 29 (interrupted (Ctrl-C))"
+    assert describe_event("state", ended) == "finished after step 28 (interrupted (Ctrl-C))"
 
 
 def test_slash_on_the_hits_tab_filters_the_hits_and_end_goes_to_the_last_hit() -> None:

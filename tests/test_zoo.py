@@ -179,7 +179,7 @@ class EncoderGRU(torch.nn.Module):
         self.pos.weight.requires_grad_(False)
         layer = nn.TransformerEncoderLayer(dim, 4, 64, dropout=0.1, batch_first=True,
                                            norm_first=True)  # fmt: skip
-        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
         self.gru = nn.GRU(dim, dim, batch_first=True)
         self.head = nn.Linear(dim, 4)
         self.aux = nn.Linear(dim, 4)

@@ -258,3 +258,14 @@ def remote_of(node: DOMNode) -> Remote:
 
 def _shorten(text: str, limit: int) -> str:
     return text if len(text) <= limit else f"{text[: limit - 20]}... ({len(text):,} characters)"
+
+
+def step_phrase(state: str, step: int | None) -> str:
+    """Where the training is, by its step: ``at step 5``; a training that finished (or was
+    detached) is given as the step it ended after (the session's step is then the next one,
+    which never began: steps 0-28 ran, and it says 29)."""
+    if step is None:
+        return "at step ?"
+    if state not in OVER:
+        return f"at step {step}"
+    return f"after step {step - 1}" if step > 0 else "before its first step"

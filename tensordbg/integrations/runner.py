@@ -69,6 +69,8 @@ class ScriptRun:
         tensordbg itself gets them too (``COMMAND_LINE``), but not an ``on_hit`` only implied."""
         if implied:
             self.chosen.pop("on_hit", None)
+        else:  # given, even as attach's default: --on-hit pause over a script's "record"
+            self.chosen["on_hit"] = attach_args["on_hit"]
 
     def install(self) -> None:
         COMMAND_LINE.active = True

@@ -12,6 +12,8 @@ from rich.text import Text
 from textual import events
 from textual.widgets import RichLog
 
+from tensordbg.tui.remote import step_phrase
+
 LEVEL_STYLES = {"info": "", "error": "bold red", "warning": "yellow"}
 MAX_ENTRIES = 5000
 CHUNK = 200  # entries written a frame when many wait (5000 took the UI 1.7 s in one go)
@@ -75,7 +77,8 @@ def describe_event(event: str, payload: dict[str, Any]) -> str:
         # every state ("running at step 26 (NaN hit: ...)" read as if it ran because of it).
         said = payload.get("state") in ("paused", "finished") and payload.get("reason")
         reason = f" ({payload['reason']})" if said else ""
-        return f"{payload.get('state')} at step {payload.get('step')}{reason}"
+        state = str(payload.get("state"))
+        return f"{state} {step_phrase(state, payload.get('step'))}{reason}"
     if event == "log":
         return str(payload.get("message", payload))
     if event == "status":

@@ -17,7 +17,7 @@ from textual.widgets import Label, Static
 from tensordbg.offline.sentences import step_runs
 from tensordbg.tui.components.step_sparkline import FLAT, StepSparkline, finite, flat
 from tensordbg.tui.errors import work
-from tensordbg.tui.remote import OVER, RequestFailed, remote_of
+from tensordbg.tui.remote import OVER, RequestFailed, remote_of, step_phrase
 
 HISTORY = 500  # steps kept for the sparklines
 FILL_EVERY = 0.5  # seconds at least between requests for the steps status events left out
@@ -234,7 +234,7 @@ class RunStatus(VerticalScroll):
             last = self._last_connected_state or "unknown"
             line.append(f"  last seen {last} at step {info.get('step', '?')}")
             return line
-        line.append(f"  {where(state, info.get('step'))}")
+        line.append(f"  {step_phrase(state, info.get('step'))}")
         if info.get("phase") and state not in OVER:
             line.append(f", {info['phase']}")
         hit = info.get("paused_at") if state == "paused" else None
@@ -260,9 +260,11 @@ class RunStatus(VerticalScroll):
     def _numbers(self) -> Table:
         table = Table.grid(*[""] * 5, padding=(0, 3))
         hits = "hits in the run" if self._recorded else "hits"  # a replay shows one of its steps
-        labels = ("step", "loss", "gradient norm", "steps/s", hits)
+        step = self._info.get("step")
+        over = self._state in OVER and isinstance(step, int) and step > 0
+        labels = ("last step" if over else "step", "loss", "gradient norm", "steps/s", hits)
         values = [
-            str(self._info.get("step", "–")),
+            str(step - 1 if over else "–" if step is None else step),
             self._latest("loss"),
             self._latest("grad_norm"),
             self._latest("steps_per_sec"),
@@ -385,14 +387,3 @@ def _scale(values: list[float]) -> str:
 def _missing(steps: list[int]) -> bool:
     """Whether steps are missing between the first and the last."""
     return any(b - a > 1 for a, b in pairwise(steps))
-
-
-def where(state: str, step: int | None) -> str:
-    """Where the training is, by its step: ``at step 5``; a training that finished (or was
-    detached) is given as the step it ended after (the session's step is then the next one,
-    which never began: steps 0-28 ran, and it says 29)."""
-    if step is None:
-        return "at step ?"
-    if state not in OVER:
-        return f"at step {step}"
-    return f"after step {step - 1}" if step > 0 else "before its first step"

@@ -32,13 +32,13 @@ from tensordbg.tui.components.module_browser import ModuleBrowser
 from tensordbg.tui.components.module_table import ModuleTable
 from tensordbg.tui.components.provenance_view import ProvenanceView
 from tensordbg.tui.components.rule_panel import RulePanel
-from tensordbg.tui.components.run_status import RunStatus, where
+from tensordbg.tui.components.run_status import RunStatus
 from tensordbg.tui.components.tensor_grid import TensorGrid
 from tensordbg.tui.components.tensor_inspector import TensorInspector
 from tensordbg.tui.errors import reported, work
 from tensordbg.tui.messages import HitsFound, OpenTensor
 from tensordbg.tui.profiler.view import ProfilerView
-from tensordbg.tui.remote import OVER, RequestFailed, remote_of
+from tensordbg.tui.remote import OVER, RequestFailed, remote_of, step_phrase
 
 
 class Tab(NamedTuple):
@@ -153,7 +153,8 @@ class MainScreen(Screen):
         pid = f", pid {info.get('pid')}" if info.get("live", True) else ""  # a replay has none
         self.log_entry(
             f"connected to {info.get('script')} (run {info.get('run_id')}, rank "
-            f"{info.get('rank')}{pid}): {info.get('state')} at step {info.get('step')}, "
+            f"{info.get('rank')}{pid}): {info.get('state')} "
+            f"{step_phrase(str(info.get('state')), info.get('step'))}, "
             f"{plural(len(hits), 'hit')}"
         )
         self._state = info.get("state", "running")
@@ -182,8 +183,10 @@ class MainScreen(Screen):
             self._step = payload.get("step", self._step)
             self.module_browser.step_moved(self._step)
             self.call_after_refresh(self._show_title)  # with the Run tab's numbers, not before
-            if payload.get("state") and self._state not in OVER:
-                self.app.state = payload["state"]  # type: ignore[attr-defined]
+            # Its state is not taken: a status is the latest of many (coalesced), and one sent
+            # before a pause can reach a UI after the welcome that already said "paused" (the
+            # demo showed RUNNING at its hit for ever). The welcome and the state events say
+            # every change of state, in order.
         elif event == "hit":
             self.hit_table.merge([payload])
             self._count_hits([payload])
@@ -282,7 +285,7 @@ class MainScreen(Screen):
         self._show_title()
 
     def _show_title(self) -> None:
-        step = "" if self._step is None else f" {where(self._state, self._step)}"
+        step = "" if self._step is None else f" {step_phrase(self._state, self._step)}"
         if self._replay_text:  # a recorded run: the dumped step shown, of how many
             step = f" · {self._replay_text}"
         count = f" · count {self._count}" if self._count else ""
