@@ -423,3 +423,26 @@ def test_at_80_columns_the_operation_that_made_the_nan_and_its_line_are_shown_wh
         assert any(line.rstrip().endswith(f"line 53: {code}") for line in lines), lines
 
     run(source, check, size=(80, 24))
+
+
+def test_a_gradients_source_is_said_to_be_the_forward_call_it_flows_back_through() -> None:
+    """A NaN made in backward by code between modules (a sqrt of a zero distance) showed the
+    arrow at ``logits = model(x)`` under "source", read as the line that made it."""
+    source = FakeSource()
+    original = source.provenance
+
+    def provenance(*args: Any, **kwargs: Any) -> Any:
+        return {**original(*args, **kwargs), "kind": "grad_output"}
+
+    async def check(app: TensorDbgApp, pilot: Pilot) -> None:
+        await pilot.press("f5")
+        box = app.query_one("#provenance-source", Static)
+        await until(pilot, lambda: "Made in backward" in screen_text(app))
+        assert box.border_title == "the forward call it flows back through"
+        source.provenance = original  # type: ignore[method-assign]
+        app.main.provenance_view.load(3)
+        await until(pilot, lambda: box.border_title == "source")
+        assert "Made in backward" not in screen_text(app)
+
+    source.provenance = provenance  # type: ignore[method-assign]
+    run(source, check)

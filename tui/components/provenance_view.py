@@ -44,6 +44,14 @@ NOTHING_OPEN = (
 )
 
 
+GRADIENTS = ("grad", "grad_output", "grad_input")
+BACKWARD_LINE = (
+    "Made in backward, which runs no line of yours: below is the forward call this gradient "
+    "flows back through, not the line that made a NaN in it. torch.autograd.detect_anomaly() "
+    "names the forward line of the backward operation that made one."
+)
+
+
 class ProvenanceView(VerticalScroll):
     """Fed by :meth:`load` with a tensor's ref; Enter on an input opens that input. Until a
     tensor is open, the source box says how to open one."""
@@ -119,11 +127,19 @@ class ProvenanceView(VerticalScroll):
                 "or it is what the model returned", style="dim"))  # fmt: skip
         tree.root.expand()
         source = prov.get("source")
-        self.query_one("#provenance-source", Static).update(
+        box = self.query_one("#provenance-source", Static)
+        listing: Any = (
             source_listing(source)
             if source
             else Text("The call's source line is not known.", style="dim")
         )
+        # A gradient is made in backward: its line is the forward call it flows back through,
+        # not where a NaN of it came from (the arrow read as if it were, trying it as a new user).
+        gradient = prov.get("kind") in GRADIENTS
+        box.border_title = "the forward call it flows back through" if gradient else "source"
+        if gradient and source:
+            listing = Group(Text(BACKWARD_LINE, style="dim"), listing)
+        box.update(listing)
         stack = Text("Stack (innermost last)\n", style="bold")
         for file, line, function in prov.get("stack", []):
             here = source is not None and file == source["file"] and line == source["line"]
