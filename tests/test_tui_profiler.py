@@ -19,7 +19,7 @@ from fake_source import FakeSource
 from profile_fixtures import MIB, big_report, cpu_report, cuda_report
 from test_tui import SIZE, active_tab, footer_keys, mounted, text_of, until
 from textual.pilot import Pilot
-from textual.widgets import Input, TabbedContent
+from textual.widgets import Input, TabbedContent, Tabs
 
 from tensordbg.sources.contract import READ_ONLY
 from tensordbg.transport.client import LocalClient
@@ -234,6 +234,24 @@ def test_F8_goes_round_the_views_with_the_keys_in_each() -> None:
         await pilot.press("f1", "f8")  # away and back: the tab is as it was left
         await until(pilot, lambda: active_tab(app) == "profile")
         assert profiler.active_view == "overview"
+
+    run(FakeSource(report=cpu_report()), flow)
+
+
+def test_F8_on_the_profile_tab_moves_to_the_next_view_wherever_the_keys_are() -> None:
+    """After the profile dialog the keys were on the tab bar: the first F8 only gave them to
+    the view, and the view moved at the second (found trying it as a new user)."""
+
+    async def flow(app: TensorDbgApp, pilot: Pilot) -> None:
+        await pilot.press("f8")
+        profiler = app.main.profiler_view
+        await until(pilot, lambda: active_tab(app) == "profile" and profiler.is_mounted)
+        first = profiler.active_view
+        app.set_focus(app.main.query(Tabs).first())  # the keys on the main tab bar
+        await pilot.pause()
+        await pilot.press("f8")
+        await until(pilot, lambda: profiler.active_view != first)
+        assert active_tab(app) == "profile"
 
     run(FakeSource(report=cpu_report()), flow)
 

@@ -375,7 +375,7 @@ class TensorDbgApp(App[int]):
             self.main.rule_panel.ignore(hit, self.main.hit_table.rules_of(hit))
 
     def action_tab(self, pane: str) -> None:
-        self.main.show_tab(pane)
+        self.main.show_tab(pane, again=True)  # a tab's key on its own tab may do more (F8)
 
     def action_count(self, digit: int) -> None:
         self._count = min(self._count * 10 + digit, 1_000_000)

@@ -304,12 +304,16 @@ class MainScreen(Screen):
 
     # --- tabs --------------------------------------------------------------------------------
 
-    def show_tab(self, pane: str, focus: bool = True) -> None:
+    def show_tab(self, pane: str, focus: bool = True, again: bool = False) -> None:
         """Switch to a tab and (unless ``focus`` is False) give its main widget the keys: a key
-        press asked for the tab, so the next keys are for what is in it."""
+        press asked for the tab, so the next keys are for what is in it. ``again``: its key,
+        pressed on it: F8 on the Profile tab moves to the next view wherever the keys are (the
+        first F8 after the profile dialog only gave them to the view)."""
         tabs = self.query_one(TabbedContent)
         self._focus_switch = focus
         if tabs.active == pane:
+            if again and pane == "profile":
+                self.profiler_view.action_next_view(1)
             if focus:
                 self._focus_tab(tabs.get_pane(pane))
             return
