@@ -169,7 +169,7 @@ def _print_pause(session: Any, reason: str, hit: Hit | None) -> None:
         lines.append("  the UI connected to it shows it; continue with c there")
     elif session.server is not None:
         lines.append(
-            f"  inspect it: tensordbg tui      (run {session.run_id}, rank {session.rank}); "
+            f"  inspect it: tensordbg tui (run {session.run_id}, rank {session.rank}); "
             "continue with c there"
         )
     else:
