@@ -208,6 +208,25 @@ def test_stepping_runs_n_steps_then_pauses_again(paused):
     assert training.session.status()["phase"] == ""
 
 
+def test_paused_between_steps_the_modules_say_the_step_has_not_begun():
+    """After ``s`` the training waits before its next step: with deferred checks (no clean
+    output read) every row of the Modules tab said "not called this step", as if the model
+    had not run (found trying it as a new user)."""
+    with PausedTraining(steps=400, bad_step=-1, sync="deferred") as training:
+        training.wait(lambda: training.session is not None and training.session.step > 2)
+        source = LiveSource(training.session)
+        source.control("pause", 1)
+        training.wait_paused()
+        step = training.session.step
+        source.control("step", 1)  # s: to the end of this step
+        training.wait(lambda: training.session.step == step + 1
+                      and training.session.controller.state == "paused")  # fmt: skip
+        assert training.session.where == ""  # between two steps
+        notes = [m.get("note") for m in source.modules() if m["path"]]
+        assert "not called yet: paused before this step began" in notes
+        assert "not called this step" not in notes
+
+
 def test_tensors_are_refused_while_the_training_runs_and_detach_lets_it_finish():
     with PausedTraining(steps=40, bad_step=-1, on_hit="record") as training:
         source = LiveSource(training.session)

@@ -150,7 +150,7 @@ class LiveSource(LiveProfiling):
             }
             if "output" not in row["stats"]:  # a blank would say nothing: say why
                 row["note"] = _no_output(id(module) in s.capture.paths, path in inside,
-                                         row["calls"], s.mode)  # fmt: skip
+                                         row["calls"], s.mode, s.between_steps)  # fmt: skip
             out.append(row)
         return out
 
@@ -482,12 +482,14 @@ def _rule_dict(active: Any) -> dict[str, Any]:
     }
 
 
-def _no_output(watched: bool, running: bool, calls: int, mode: str) -> str:
+def _no_output(watched: bool, running: bool, calls: int, mode: str, between: bool) -> str:
     """Why a module's row has no output statistics."""
     if not watched:
         return "a container: see its children"
     if running:
         return "paused inside it"
+    if not calls and between:  # paused after s: every row said "not called this step"
+        return "not called yet: paused before this step began"
     if not calls:
         return "not called this step"
     if mode == "deferred":
