@@ -17,80 +17,28 @@ from tensordbg.rules.base import (
     nonfinite_count,
     refusal,
 )
+from tensordbg.rules.loss import loss_spent, note_loss
+from tensordbg.rules.scales import (
+    RELATIVE,
+    THRESHOLD,
+    note_scale,
+    note_scales,
+    typical_scale,
+)
 from tensordbg.statistics import (
     ABS_MEAN,
     FINITE,
     L2,
     MAX,
+    MEAN,
     MIN,
     NAN,
     NEGINF,
     POSINF,
     ZERO_FRAC,
+    Stat,
     TensorStats,
 )
-
-# VanishingGradient's defaults: SageMaker's bound on mean |grad|, and how far below the model's
-# typical gradient a gradient must also be to vanish.
-THRESHOLD = 1e-7
-RELATIVE = 1e-5
-
-
-def note_scale(t: TensorStats, state: dict[str, Any]) -> float | None:
-    """Note the root-mean-square of gradient ``t``, ||g||_2 / sqrt(n), in ``state["scales"]``,
-    which keeps the latest of every gradient the rule has seen (and the one of an earlier step
-    before it): the model's scale. Returns it; None when the norm was not computed or is not
-    finite. The root-mean-square is never below mean |g| and costs no pass of its own: the norm
-    is computed for every gradient."""
-    return note_scales((t,), state)[0]
-
-
-def note_scales(tensors: Sequence[TensorStats], state: dict[str, Any]) -> list[float | None]:
-    """:func:`note_scale` of each gradient in turn (a pass's, in one loop)."""
-    had: dict[str, float] = state.setdefault("had", {})
-    scales: dict[str, list[float]] = state.setdefault("scales", {})
-    out: list[float | None] = []
-    for t in tensors:
-        l2 = t.values.get(L2)
-        if l2 is None or not math.isfinite(l2):
-            out.append(None)
-            continue
-        scale = l2 / math.sqrt(t.numel)
-        if scale > 0:  # its latest nonzero scale: a gradient that stops had one (not unconnected)
-            had[t.name] = scale
-        noted = scales.get(t.name)
-        if noted is None:
-            scales[t.name] = [t.step, scale, math.nan]
-        elif noted[0] == t.step:
-            noted[1] = scale  # again in the same step (accumulated gradients, a refinement)
-        else:
-            noted[0], noted[1], noted[2] = t.step, scale, noted[1]
-        out.append(scale)
-    return out
-
-
-def typical_scale(state: dict[str, Any], name: str, before: int | None = None) -> float | None:
-    """The model's typical gradient: the median root-mean-square of the gradients other than
-    ``name``, each one's latest (from a step before ``before`` when given), zeros left out; None
-    before there is any."""
-    others = []
-    for key, (step, scale, earlier) in state.get("scales", {}).items():
-        if key == name:
-            continue
-        value = scale if before is None or step < before else earlier
-        if value > 0:  # NaN (no earlier step) is not
-            others.append(value)
-    return statistics.median(others) if others else None
-
-
-def negligible(value: float, state: dict[str, Any], name: str) -> bool:
-    """Whether gradient ``name`` of size ``value`` vanishes by VanishingGradient's defaults:
-    below THRESHOLD, and below RELATIVE times the model's typical gradient once that is known
-    (computed only for a gradient below THRESHOLD)."""
-    if not value < THRESHOLD:
-        return False
-    typical = typical_scale(state, name)
-    return typical is None or value < RELATIVE * typical
 
 
 def _param(t: TensorStats) -> str:
@@ -169,11 +117,9 @@ class ExplodingGradient(Rule):
     def check_many(
         self, tensors: Sequence[TensorStats], state: dict[str, Any]
     ) -> list[Finding | Refine | None]:
-        """:meth:`check` of each in turn. A finite gradient whose norm is within ``growth`` x
-        the smallest of its window (most of them, most steps) has no verdict to reach: it is
-        only noted (its norm, its scale), all in one loop. The others are checked as they come;
-        the model's typical gradient they are compared with is the same either way (each
-        gradient's scale from before this step)."""
+        """:meth:`check` of each in turn. A finite gradient within ``growth`` x the smallest of
+        its window (most of them, most steps) is only noted (its norm, its scale), all in one
+        loop; the others are checked as they come, against the same typical gradient."""
         verdicts: list[Finding | Refine | None] = []
         quiet: list[TensorStats] = []
         streaks: dict[str, int] = state.setdefault("above", {})
@@ -315,10 +261,13 @@ class VanishingGradient(Rule):
     ``threshold`` is a positive number, ``relative`` a positive number or ``math.inf``,
     ``persist`` a whole number of 1 or more.
 
+    Nor while an observed loss of the step is 0 or at most 1e-7 of its largest: every gradient
+    is next to nothing then, by design (one batch overfit to a loss of 0 raised 3,910 hits).
+
     Example: ``VanishingGradient(threshold=1e-9)`` uses MindInsight's stricter bound.
     """
 
-    kinds = frozenset({"grad"})
+    kinds = frozenset({"grad", "observed"})
     # Screened with bounds from the norm; mean |grad| and the share of zeros are computed only
     # for a gradient whose bounds reach neither the threshold nor relative times the model's
     # typical gradient (see _nonzero_mean).
@@ -341,6 +290,9 @@ class VanishingGradient(Rule):
         check_number(self, "threshold", above=0)
         check_number(self, "relative", above=0, infinite=True)
         check_count(self, "persist")
+
+    def stats_for(self, t: TensorStats) -> tuple[Stat, ...]:
+        return (MEAN,) if t.kind == "observed" else self.needs
 
     def check_many(
         self, tensors: Sequence[TensorStats], state: dict[str, Any]
@@ -374,6 +326,9 @@ class VanishingGradient(Rule):
         return verdicts
 
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | Refine | None:
+        if t.kind == "observed":
+            note_loss(t, state)
+            return None
         # Noted before a refinement too: the same value again when check is called back.
         scale = note_scale(t, state)
         mean = self._nonzero_mean(t, state) if t.trainable and scale is not None else None
@@ -399,7 +354,7 @@ class VanishingGradient(Rule):
             vanishing = typical is None or mean < self.relative * typical
         bias = _note_weight(t, state, learning=not vanishing)
         streaks: dict[str, int] = state.setdefault("low", {})
-        if mean is None or not vanishing:
+        if mean is None or not vanishing or loss_spent(state, t.step):
             streaks.pop(t.name, None)
             return None
         if bias:

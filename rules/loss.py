@@ -10,6 +10,33 @@ from typing import Any
 from tensordbg.rules.base import Finding, Rule, check_count, check_number
 from tensordbg.statistics import MEAN, TensorStats
 
+SPENT = 1e-7
+"""A loss at most this share of the largest it had (or 0) has next to nothing left to teach."""
+
+
+def note_loss(t: TensorStats, state: dict[str, Any]) -> None:
+    """Note an observed loss (a scalar whose name holds "loss", as the loss curve takes it):
+    its step, its |value| and the largest |value| it had, in ``state["losses"]``."""
+    value = t.values.get(MEAN)
+    if t.kind != "observed" or t.numel != 1 or "loss" not in t.name.lower():
+        return
+    if value is None or not math.isfinite(value):
+        return
+    losses: dict[str, tuple[int, float, float]] = state.setdefault("losses", {})
+    name = t.name.partition("#")[0]
+    peak = losses.get(name, (0, 0.0, 0.0))[2]
+    losses[name] = (t.step, abs(value), max(peak, abs(value)))
+
+
+def loss_spent(state: dict[str, Any], step: int) -> bool:
+    """Whether a loss observed at ``step`` has next to nothing left to teach: 0, or at most
+    :data:`SPENT` of the largest it had (an overfit batch at a loss of exactly 0, an
+    autoencoder at float32's floor of 3e-15). Its gradients are next to nothing by design then,
+    and the weights stop moving: the training is done, not broken."""
+    return any(
+        at == step and value <= SPENT * peak for at, value, peak in state.get("losses", {}).values()
+    )
+
 
 @dataclass
 class _LossCurve:

@@ -9,11 +9,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from tensordbg.rules.base import Finding, Rule, check_count, check_number, refusal
-from tensordbg.rules.gradients import THRESHOLD, negligible, note_scale, note_scales
+from tensordbg.rules.loss import loss_spent, note_loss
+from tensordbg.rules.scales import THRESHOLD, negligible, note_scale, note_scales
 from tensordbg.statistics import (
     L2,
     LR_SHARE,
     MAX,
+    MEAN,
     MIN,
     PREV_ABS_MEAN,
     STD,
@@ -52,6 +54,10 @@ class WeightNotChanging(Rule):
     is a healthy gradient that does not reach the weight. An embedding whose rows got no
     gradient in a step is judged as a whole: its other rows moved, so it changed.
 
+    So does a step whose observed loss is 0 or at most 1e-7 of the largest it had: the
+    training is done, and Adam's steps on gradients of 1e-9 fall below a float32 step (an
+    autoencoder at a loss of 3e-15, one batch overfit to 0: new users' runs).
+
     A step whose learning rate a schedule has decayed below ``decayed`` (1 %) of the largest
     its parameter group had breaks the streak too: at the tail of a cosine or linear schedule
     to 0, AdamW's updates fall below half a float32 step of a weight near 1 and no element
@@ -67,7 +73,7 @@ class WeightNotChanging(Rule):
     """
 
     # The gradient of a step comes before its update: the rule notes whether it was negligible.
-    kinds = frozenset({"update", "grad"})
+    kinds = frozenset({"update", "grad", "observed"})
 
     def __init__(self, *, num_steps: int = 3, rtol: float = 0.0, atol: float = 0.0,
                  decayed: float = 0.01, **selection: Any):  # fmt: skip
@@ -84,6 +90,8 @@ class WeightNotChanging(Rule):
         check_number(self, "decayed", least=0, most=1)
 
     def stats_for(self, t: TensorStats) -> tuple[Stat, ...]:
+        if t.kind == "observed":
+            return (MEAN,)
         if t.kind == "grad":
             return (L2,)
         return (update_unchanged(self.rtol, self.atol),)
@@ -94,7 +102,7 @@ class WeightNotChanging(Rule):
         """:meth:`check` of each in turn, a pass's gradients in one loop: a gradient whose
         root-mean-square reaches the threshold is not negligible whatever the others are; one
         below it is checked where it comes (the others' scales as :meth:`check` sees them)."""
-        if any(t.kind != "grad" for t in tensors):
+        if any(t.kind != "grad" for t in tensors) or loss_spent(state, tensors[0].step):
             return [self.check(t, state) for t in tensors]
         start = 0
         for i, t in enumerate(tensors):
@@ -116,12 +124,17 @@ class WeightNotChanging(Rule):
             idle[t.name.removesuffix(".grad")] = False
 
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
-        # Per parameter: whether its latest measured gradient was negligible.
+        if t.kind == "observed":
+            note_loss(t, state)
+            return None
+        # Per parameter: whether its latest measured gradient was negligible (or its loss).
         idle: dict[str, bool] = state.setdefault("idle", {})
         if t.kind == "grad":
             scale = note_scale(t, state)
             if scale is not None:
-                idle[t.name.removesuffix(".grad")] = negligible(scale, state, t.name)
+                idle[t.name.removesuffix(".grad")] = negligible(scale, state, t.name) or loss_spent(
+                    state, t.step
+                )
             return None
         unchanged = t.get(update_unchanged(self.rtol, self.atol))
         if not t.trainable or unchanged is None:

@@ -224,3 +224,38 @@ def test_a_long_run_to_a_tiny_loss_under_a_cosine_schedule_raises_no_hit(watch):
         optimizer.zero_grad(set_to_none=True)
     assert loss.item() < 0.05
     assert_no_hit(session)
+
+
+@pytest.mark.parametrize("sync", ["auto", "eager"])
+def test_a_training_done_to_a_loss_of_zero_or_floats_floor_raises_no_hit(watch, sync):
+    """The sanity check of overfitting one batch reaches a loss of exactly 0 by step 25
+    (3,910 VanishingGradient hits in a new user's run: every gradient is 0 or 1e-24, by design),
+    and a linear autoencoder reaches float32's floor of 3e-15 (WeightNotChanging: Adam's steps
+    on gradients of 1e-9 move no element, "though its gradient is not negligible")."""
+    nn = torch.nn
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 768), torch.randint(0, 10, (32,))
+    model = nn.Sequential(nn.Linear(768, 256), nn.ReLU(), nn.Linear(256, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    session = watch(model, optimizer=optimizer, on_hit="record", sync=sync)
+    for _ in range(200):
+        loss = nn.functional.cross_entropy(model(x), y)
+        session.observe("loss", loss)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() == 0.0
+    assert_no_hit(session)
+
+    data = torch.randn(256, 4) @ torch.randn(4, 32) / 4  # rank 4: a linear map fits it
+    model = nn.Sequential(nn.Linear(32, 8), nn.Linear(8, 32))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    session = watch(model, optimizer=optimizer, on_hit="record", sync=sync)
+    for _ in range(600):
+        loss = nn.functional.mse_loss(model(data), data)
+        session.observe("loss", loss)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 1e-12
+    assert_no_hit(session)
