@@ -30,7 +30,6 @@ from tensordbg.statistics import (
     FINITE,
     L2,
     MAX,
-    MEAN,
     MIN,
     NAN,
     NEGINF,
@@ -292,7 +291,9 @@ class VanishingGradient(Rule):
         check_count(self, "persist")
 
     def stats_for(self, t: TensorStats) -> tuple[Stat, ...]:
-        return (MEAN,) if t.kind == "observed" else self.needs
+        # A loss's value comes with it (observe() measures its mean): asked for nothing, it is
+        # read where it is there, and a dump without it leaves nothing unjudged.
+        return () if t.kind == "observed" else self.needs
 
     def check_many(
         self, tensors: Sequence[TensorStats], state: dict[str, Any]

@@ -15,7 +15,6 @@ from tensordbg.statistics import (
     L2,
     LR_SHARE,
     MAX,
-    MEAN,
     MIN,
     PREV_ABS_MEAN,
     STD,
@@ -91,7 +90,7 @@ class WeightNotChanging(Rule):
 
     def stats_for(self, t: TensorStats) -> tuple[Stat, ...]:
         if t.kind == "observed":
-            return (MEAN,)
+            return ()  # a loss's mean comes with it (observe() measures it), if at all
         if t.kind == "grad":
             return (L2,)
         return (update_unchanged(self.rtol, self.atol),)

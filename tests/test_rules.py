@@ -329,11 +329,17 @@ def test_a_gradient_that_vanishes_with_its_loss_at_zero_is_no_news_but_with_a_lo
     vanishing gradient (3,910 hits in a new user's run). The observed loss of the same step
     says so; one of 1e-7 of its largest or less too; a loss that still has something to teach
     leaves the verdict as it was."""
-    loss = {"name": "loss", "kind": "observed", "module": ""}
+    from tensordbg.statistics import MEAN, TensorStats
+
+    def observed(rule: VanishingGradient, state: dict, value: float, step: int) -> None:
+        """A loss as observe() gives it to the rules: with its mean (measured for the curve)."""
+        loss = TensorStats("loss", "", "observed", "forward", step, (), "float32", {MEAN: value})
+        assert rule.check(loss, state) is None
+
     for value, quiet in ((0.0, True), (2e-8, True), (0.5, False)):
         rule, state = VanishingGradient(), {}
-        judge(rule, np.array(2.3), state, step=0, **loss)  # the first loss: its largest
-        judge(rule, np.array(value), state, step=1, **loss)
+        observed(rule, state, 2.3, step=0)  # the first loss: its largest
+        observed(rule, state, value, step=1)
         found = judge(rule, np.zeros(10), state, trainable=True, step=1, **GRAD)
         assert (found is None) is quiet, (value, found)
         later = judge(rule, np.zeros(10), state, trainable=True, step=2, **GRAD)
