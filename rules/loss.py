@@ -29,13 +29,13 @@ def note_loss(t: TensorStats, state: dict[str, Any]) -> None:
 
 
 def loss_spent(state: dict[str, Any], step: int) -> bool:
-    """Whether a loss observed at ``step`` has next to nothing left to teach: 0, or at most
-    :data:`SPENT` of the largest it had (an overfit batch at a loss of exactly 0, an
-    autoencoder at float32's floor of 3e-15). Its gradients are next to nothing by design then,
-    and the weights stop moving: the training is done, not broken."""
-    return any(
-        at == step and value <= SPENT * peak for at, value, peak in state.get("losses", {}).values()
-    )
+    """Whether a loss observed at ``step`` (or the step before: a script may observe it after
+    its backward) has next to nothing left to teach: 0, or at most :data:`SPENT` of the
+    largest it had (an overfit batch at a loss of exactly 0, an autoencoder at float32's
+    floor of 3e-15). Its gradients are next to nothing by design then, and the weights stop
+    moving: the training is done, not broken."""
+    losses = state.get("losses", {}).values()
+    return any(step - 1 <= at <= step and value <= SPENT * peak for at, value, peak in losses)
 
 
 @dataclass
