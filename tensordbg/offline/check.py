@@ -246,12 +246,16 @@ def _judge_step(
                 else:
                     kept.append(active)
             judged.append(tuple(kept))
-        tally.watched.update(applicable.rule_ids)
+        # A rule that asks nothing of an observed loss only reads it (VanishingGradient: is the
+        # training done?): it does not count as one of the tensors the rule judges.
+        counted = [i for i in applicable.rule_ids
+                   if stats.kind != "observed" or ruleset.get(i).rule.stats_for(stats)]  # fmt: skip
+        tally.watched.update(counted)
         if judged == list(applicable.checks):
-            tally.judged.update(applicable.rule_ids)  # each rule had what it needs
+            tally.judged.update(counted)  # each rule had what it needs
         else:  # a rule comparing a phase's tensors judges every one it applies to
             asked = {active.id for group in judged for active in group}
-            tally.judged.update(i for i in applicable.rule_ids
+            tally.judged.update(i for i in counted
                                 if i in asked or _phase_wide(ruleset, i))  # fmt: skip
         record.rule_ids = applicable.rule_ids
         record.checks = tuple(judged)
