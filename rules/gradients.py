@@ -66,7 +66,9 @@ class ExplodingGradient(Rule):
     growing x1.5 per step from 1 is caught near 300, long before float32 overflows.
 
     Growth must persist: it fires on the second step in a row (``persist`` = 2) above ``growth``
-    x the median and above every norm of the window, both of the steps before the streak. A
+    x the median of the window and above every norm the gradient had, both before the streak
+    (late in a run two hard batches in a row send a ResNet's head 280x its median, never past
+    the norms of its first steps, when the loss was high). A
     healthy run has one-step spikes, however large: x20-x40 past step 45 of a small
     transformer, x300-x700 for every gradient at once once the loss is down to 1e-3 (one
     example a batch gets wrong: a new user's transformer with a GRU, 1,500 steps), back the
@@ -122,6 +124,7 @@ class ExplodingGradient(Rule):
         verdicts: list[Finding | Refine | None] = []
         quiet: list[TensorStats] = []
         streaks: dict[str, int] = state.setdefault("above", {})
+        peaks: dict[str, float] = state.setdefault("peaks", {})
         growth, window, warmup, max_norm = self.growth, self.window, self.warmup, self.max_norm
         for t in tensors:
             values = t.values
@@ -141,8 +144,8 @@ class ExplodingGradient(Rule):
             history.append(norm)
             if len(history) > window:
                 del history[:-window]
-            if streaks:
-                streaks.pop(t.name, None)
+            k = streaks.pop(t.name, 0) if streaks else 0
+            peaks[t.name] = max(peaks.get(t.name, 0.0), norm, *history[-(k + 1) : -1])
             quiet.append(t)
             verdicts.append(None)
         note_scales(quiet, state)
@@ -192,15 +195,20 @@ class ExplodingGradient(Rule):
         if norm > self.max_norm:
             return self._too_large(t, norm)
         # Over a median of zero (a gradient that was exactly zero so far) growth means nothing.
+        # The bar is also the largest norm it had before the streak, over the whole run: late
+        # in a run, hard batches send a gradient up for a step or two, never past the norms of
+        # its first steps, when the loss was high.
+        peaks: dict[str, float] = state.setdefault("peaks", {})
+        highest = max(peaks.get(t.name, 0.0), max(before, default=0.0))
         above = median is not None and median > 0 and norm > self.growth * median
-        if not (above and norm > max(before)):
-            if streaks:
-                streaks.pop(t.name, None)
+        typical = typical_scale(state, t.name, before=t.step) if above else None
+        if not above or norm <= highest or (scale is not None and typical is not None
+                                            and scale < typical):  # fmt: skip
+            # Not exploding (or catching up with the model's gradients): the streak is over,
+            # and its norms count among the largest.
+            k = min(streaks.pop(t.name, 0), len(history) - 1)
+            peaks[t.name] = max(highest, norm, *history[-(k + 1) : -1])
             return None
-        typical = typical_scale(state, t.name, before=t.step)
-        if scale is not None and typical is not None and scale < typical:
-            streaks.pop(t.name, None)
-            return None  # catching up with the model's gradients, not exploding
         ratio = norm / median
         streaks[t.name] = streaks.get(t.name, 0) + 1
         if streaks[t.name] < self.persist:
@@ -209,9 +217,9 @@ class ExplodingGradient(Rule):
             ratio,
             self.growth,
             f"{t.name} has norm {norm:.3g}, {ratio:.3g}x its running median {median:.3g} over "
-            f"the {seen} steps before it grew (threshold {self.growth:g}x), for "
-            f"{streaks[t.name]} steps in a row; gradients are exploding: lower the learning "
-            "rate or clip gradients.",
+            f"the {seen} steps before it grew (threshold {self.growth:g}x) and above the "
+            f"largest it had ({highest:.3g}), for {streaks[t.name]} steps in a row; gradients "
+            "are exploding: lower the learning rate or clip gradients.",
         )
 
     def _too_large(self, t: TensorStats, norm: float) -> Finding:

@@ -241,6 +241,26 @@ def test_a_one_step_spike_is_not_an_explosion_but_two_steps_or_a_huge_jump_are()
     assert first_hit([*steady, 500.0, 600.0], ExplodingGradient()) == 21
 
 
+def test_hard_batches_late_in_a_run_stay_below_the_norms_of_its_first_steps() -> None:
+    """A ResNet trained 2,000 steps to a loss of 1e-4 (SGD with momentum): two hard batches in
+    a row send the head's gradient from 3e-4 to 0.106 and 0.396, 230x its median and above
+    all of the last 50 steps; back to 3e-4 the step after (21 hits). Its first steps, at a
+    loss of 1, had norms near 1: an explosion passes them, a hard batch does not."""
+    norms = [1.0, 0.9, 0.8, 0.6, 0.5] + list(np.geomspace(0.4, 3e-4, 120)) + [3e-4] * 60
+    state: dict = {}
+    rule = ExplodingGradient()
+    assert all(judge(rule, grad(n), state, step=i, **GRAD) is None for i, n in enumerate(norms))
+    at = len(norms)
+    bump = [0.106, 0.396, 3.3e-4, 3e-4, 0.0935, 0.45]
+    assert [judge(rule, grad(n), state, step=at + i, **GRAD) for i, n in enumerate(bump)] == [
+        None
+    ] * len(bump)
+    # The same two steps past every norm it had: an explosion.
+    found = [judge(rule, grad(n), state, step=at + 6 + i, **GRAD) for i, n in enumerate([3, 9])]
+    assert found[0] is None and found[1] is not None
+    assert "above the largest it had (1)" in found[1].message
+
+
 def test_two_steps_up_that_stay_below_the_windows_largest_norm_are_no_explosion() -> None:
     """A noisy gradient (a LayerNorm weight's, 0.0007 to 0.09 within ten steps) two steps in a
     row above 20x its median, at 0.085 and 0.163, after a 0.0915 five steps earlier: a healthy

@@ -259,3 +259,16 @@ def test_a_training_done_to_a_loss_of_zero_or_floats_floor_raises_no_hit(watch, 
         optimizer.step()
     assert loss.item() < 1e-12
     assert_no_hit(session)
+
+
+@pytest.mark.slow
+def test_a_resnet_trained_long_to_a_tiny_loss_raises_no_hit(watch):
+    """2,000 steps of the ResNet (SGD with momentum, BatchNorm) to a loss of 1e-4: two hard
+    batches in a row at steps 1255 and 1800 send the gradients 40-280x their median and above
+    all of the last 50 steps, back the step after (21 ExplodingGradient hits). They never pass
+    the norms of the first steps, when the loss was 1."""
+    run = zoo.FAMILIES["resnet"]()
+    session = watch(run.model, optimizer=run.optimizer, on_hit="record")
+    losses = zoo.train(run, 2000, session)
+    assert losses[-1] < 1e-3
+    assert_no_hit(session)
