@@ -128,6 +128,7 @@ def train(
             bad_losses = 0 if math.isfinite(value) else bad_losses + 1
             if bad_losses == 3:  # what a careful training script does: stop a diverged run
                 print(f"step {step:3d}  the loss has been NaN for 3 steps: stopping", flush=True)
+                session.ended_by = "the demo stopped: its loss was NaN for 3 steps"  # the UI says
                 break
             time.sleep(0.05)  # slow enough to watch in the UI
     except KeyboardInterrupt:  # Ctrl-C, or `tensordbg demo`'s UI quitting

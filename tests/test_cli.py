@@ -522,6 +522,21 @@ def test_ctrl_c_reaches_the_ui_as_how_the_training_ended(tmp_path: Path, monkeyp
     assert said[-1] == {"state": "finished", "step": 4, "reason": "interrupted (Ctrl-C)"}
 
 
+def test_the_demo_tells_the_ui_why_it_stopped(monkeypatch):
+    """The demo stops itself when its loss has been NaN for 3 steps; the UI said only
+    "FINISHED after step 28", the reason printed in the terminal behind it."""
+    from tensordbg import demo
+    from tensordbg.engine import session as session_module
+
+    said: list[dict] = []
+    monkeypatch.setattr(session_module, "extend", lambda session: session.bus.subscribe(
+        lambda event, payload: said.append(dict(payload)), {"state"}))  # fmt: skip
+    monkeypatch.setattr(demo.time, "sleep", lambda seconds: None)
+    demo.train(steps=12, bad_step=5, on_hit="record", server=False)
+    assert said[-1] == {"state": "finished", "step": 9,  # after step 8: the UI says so
+                        "reason": "the demo stopped: its loss was NaN for 3 steps"}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("args", "said"),
     [
