@@ -54,9 +54,9 @@ class NaN(Rule):
                 1.0,
                 None,
                 f"{t.name} holds NaN or Inf among {t.numel} values (not counted: its values "
-                "were not kept).",
-                "sync='eager' keeps and counts every tensor. A NaN usually comes from 0/0, "
-                "log or sqrt of a negative or zero value, or an overflow just before.",
+                "were not kept; sync='eager' keeps and counts every tensor).",
+                "A NaN usually comes from 0/0, log or sqrt of a negative or zero value, or an "
+                "overflow just before.",
             )
         if not t.has_nan:
             return None

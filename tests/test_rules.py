@@ -741,8 +741,13 @@ def test_a_nan_whose_values_were_not_kept_gives_advice_a_terminal_report_can_use
                         {FINITE: 0.0})  # fmt: skip
     finding = NaN().check(stats, {})
     assert finding is not None and "not counted: its values were not kept" in finding.message
-    assert "sync='eager' keeps and counts every tensor" in finding.advice
+    assert "sync='eager' keeps and counts every tensor" in finding.message
     assert "Opening" not in finding.advice
+    # The advice is the NaN's, as a counted one's: a check's report gives it once for both
+    # ("about 2 of the 319 NaN findings: sync='eager' keeps ..." glued the hint onto it).
+    counted = NaN().check(TensorStats("fc.grad_output", "fc", "grad", "backward", 3, (4,),
+                                      "float32", {FINITE: 0.0, NAN: 1.0}), {})  # fmt: skip
+    assert counted is not None and counted.advice == finding.advice
 
 
 def test_thresholds_keep_their_type_and_unknown_names_are_refused():
