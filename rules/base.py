@@ -400,6 +400,15 @@ def first_call_name(name: str) -> str:
 _CALL_NUMBER = re.compile(r"^#\d+\.|#\d+(?=\.|$)")  # the root's own: "#1.input[0]"
 
 
+def loss_name(t: TensorStats) -> str | None:
+    """The name of an observed loss (a scalar named like "loss", later calls' ``#k`` left out):
+    what the loss curve and the rules that ask whether training is done read. None otherwise."""
+    if t.kind != "observed" or t.numel != 1:
+        return None
+    name = first_call_name(t.name)
+    return name if "loss" in name.lower() else None
+
+
 def _coerce(rule: str, key: str, old: Any, new: Any) -> Any:
     """``new`` in the type of the threshold's ``old`` value (the UI may send "30" for 30).
     What would change its value (2.5 to 2, True to 1.0) is left for check_params to refuse."""

@@ -144,8 +144,7 @@ class ExplodingGradient(Rule):
             history.append(norm)
             if len(history) > window:
                 del history[:-window]
-            k = streaks.pop(t.name, 0) if streaks else 0
-            peaks[t.name] = max(peaks.get(t.name, 0.0), norm, *history[-(k + 1) : -1])
+            _calm(t.name, history, streaks, peaks)
             quiet.append(t)
             verdicts.append(None)
         note_scales(quiet, state)
@@ -199,15 +198,12 @@ class ExplodingGradient(Rule):
         # in a run, hard batches send a gradient up for a step or two, never past the norms of
         # its first steps, when the loss was high.
         peaks: dict[str, float] = state.setdefault("peaks", {})
-        highest = max(peaks.get(t.name, 0.0), max(before, default=0.0))
+        highest = max(peaks.get(t.name, 0.0), max(before, default=0.0))  # a max_norm hit too
         above = median is not None and median > 0 and norm > self.growth * median
         typical = typical_scale(state, t.name, before=t.step) if above else None
         if not above or norm <= highest or (scale is not None and typical is not None
                                             and scale < typical):  # fmt: skip
-            # Not exploding (or catching up with the model's gradients): the streak is over,
-            # and its norms count among the largest.
-            k = min(streaks.pop(t.name, 0), len(history) - 1)
-            peaks[t.name] = max(highest, norm, *history[-(k + 1) : -1])
+            _calm(t.name, history, streaks, peaks)  # (or catching up with the model's)
             return None
         ratio = norm / median
         streaks[t.name] = streaks.get(t.name, 0) + 1
@@ -229,6 +225,16 @@ class ExplodingGradient(Rule):
             f"{t.name} has norm {norm:.3g}, above {self.max_norm:.3g}; gradients are exploding: "
             "lower the learning rate or clip gradients (torch.nn.utils.clip_grad_norm_).",
         )
+
+
+def _calm(name: str, history: list[float], streaks: dict[str, int],
+          peaks: dict[str, float]) -> None:  # fmt: skip
+    """The gradient's latest norm (``history[-1]``) is not exploding: a streak above the bar
+    before it is over, and its norms and this one count among the largest it had."""
+    k = streaks.pop(name, 0) if streaks else 0
+    top = max(history[-(k + 1) :])
+    if top > peaks.get(name, 0.0):
+        peaks[name] = top
 
 
 class VanishingGradient(Rule):

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tensordbg.rules.base import Finding, Rule, check_count, check_number
+from tensordbg.rules.base import Finding, Rule, check_count, check_number, loss_name
 from tensordbg.statistics import MEAN, TensorStats
 
 SPENT = 1e-7
@@ -15,15 +15,12 @@ SPENT = 1e-7
 
 
 def note_loss(t: TensorStats, state: dict[str, Any]) -> None:
-    """Note an observed loss (a scalar whose name holds "loss", as the loss curve takes it):
-    its step, its |value| and the largest |value| it had, in ``state["losses"]``."""
-    value = t.values.get(MEAN)
-    if t.kind != "observed" or t.numel != 1 or "loss" not in t.name.lower():
-        return
-    if value is None or not math.isfinite(value):
+    """Note an observed loss (:func:`loss_name`, as the loss curve takes it): its step, its
+    |value| and the largest |value| it had, in ``state["losses"]``."""
+    name, value = loss_name(t), t.values.get(MEAN)
+    if name is None or value is None or not math.isfinite(value):
         return
     losses: dict[str, tuple[int, float, float]] = state.setdefault("losses", {})
-    name = t.name.partition("#")[0]
     peak = losses.get(name, (0, 0.0, 0.0))[2]
     losses[name] = (t.step, abs(value), max(peak, abs(value)))
 

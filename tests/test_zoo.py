@@ -237,27 +237,17 @@ def test_a_training_done_to_a_loss_of_zero_or_floats_floor_raises_no_hit(watch, 
     x, y = torch.randn(32, 768), torch.randint(0, 10, (32,))
     model = nn.Sequential(nn.Linear(768, 256), nn.ReLU(), nn.Linear(256, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    overfit = zoo.Training(model, optimizer, lambda _: nn.functional.cross_entropy(model(x), y))
     session = watch(model, optimizer=optimizer, on_hit="record", sync=sync)
-    for _ in range(200):
-        loss = nn.functional.cross_entropy(model(x), y)
-        session.observe("loss", loss)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    assert loss.item() == 0.0
+    assert zoo.train(overfit, 200, session)[-1] == 0.0
     assert_no_hit(session)
 
     data = torch.randn(256, 4) @ torch.randn(4, 32) / 4  # rank 4: a linear map fits it
-    model = nn.Sequential(nn.Linear(32, 8), nn.Linear(8, 32))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    session = watch(model, optimizer=optimizer, on_hit="record", sync=sync)
-    for _ in range(600):
-        loss = nn.functional.mse_loss(model(data), data)
-        session.observe("loss", loss)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    assert loss.item() < 1e-12
+    coder = nn.Sequential(nn.Linear(32, 8), nn.Linear(8, 32))
+    adam = torch.optim.Adam(coder.parameters(), lr=1e-2)
+    fitted = zoo.Training(coder, adam, lambda _: nn.functional.mse_loss(coder(data), data))
+    session = watch(coder, optimizer=adam, on_hit="record", sync=sync)
+    assert zoo.train(fitted, 600, session)[-1] < 1e-12
     assert_no_hit(session)
 
 

@@ -7,7 +7,7 @@ import math
 import time
 from collections import deque
 
-from tensordbg.rules.base import first_call_name
+from tensordbg.rules.base import loss_name
 from tensordbg.statistics import L2, MEAN, TensorStats
 
 HISTORY = 512
@@ -50,8 +50,8 @@ class StepMetrics:
         values in a step (gradient accumulation) averaged; a NaN loss too, so the step's loss
         says NaN rather than being left out. Another loss (a GAN's second) is a tensor of its
         own, not averaged into it."""
-        name = first_call_name(stats.name) if stats.call else stats.name  # loss#1: loss
-        if "loss" in name.lower() and stats.numel == 1:
+        name = loss_name(stats)  # loss#1: loss
+        if name is not None:
             if self.loss_name is None:
                 self.loss_name = name
             value = stats.values.get(MEAN) if name == self.loss_name else None
