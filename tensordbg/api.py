@@ -33,8 +33,8 @@ class CommandLine:
     ``--dump-dir`` must write a dump whoever attaches), and the run learns of the sessions the
     script made (their hits decide its exit code and its summary)."""
 
-    KEYS = ("rules", "on_hit", "sync", "include", "exclude", "interval", "dump_dir",
-            "dump_every", "dump_tensors")  # fmt: skip
+    KEYS = ("rules", "on_hit", "sync", "include", "exclude", "interval", "remote", "dump_dir",
+            "dump_every", "dump_tensors", "dump_max_bytes")  # fmt: skip
 
     def __init__(self) -> None:
         self.active = False
@@ -147,12 +147,13 @@ def attach(
         summary_at_exit = False  # tensordbg run prints it, and counts its hits in its exit code
     by_command_line = bool(COMMAND_LINE.settings) and under_run
     if by_command_line:
-        given = {"rules": rules, "on_hit": on_hit, "sync": sync, "include": include,
-                 "exclude": exclude, "interval": interval, "dump_dir": dump_dir,
-                 "dump_every": dump_every, "dump_tensors": dump_tensors}  # fmt: skip
-        given = COMMAND_LINE.over(given)
-        rules, on_hit, sync, include, exclude, interval = (given[k] for k in CommandLine.KEYS[:6])
-        dump_dir, dump_every, dump_tensors = (given[k] for k in CommandLine.KEYS[6:])
+        given = COMMAND_LINE.over({
+            "rules": rules, "on_hit": on_hit, "sync": sync, "include": include,
+            "exclude": exclude, "interval": interval, "remote": remote, "dump_dir": dump_dir,
+            "dump_every": dump_every, "dump_tensors": dump_tensors,
+            "dump_max_bytes": dump_max_bytes})  # fmt: skip
+        (rules, on_hit, sync, include, exclude, interval, remote, dump_dir, dump_every,
+         dump_tensors, dump_max_bytes) = (given[k] for k in CommandLine.KEYS)  # fmt: skip
     if on_hit == "dump" and dump_dir is None:
         raise ValueError("on_hit='dump' writes hits into a dump: give dump_dir= too")
     if dump_dir is None and (dump_every is not None or dump_tensors or dump_max_bytes):

@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = _command(commands, "run", "debug a training script without changing it")
     run.add_argument(
         "--rules",
-        default="default",
+        default=None,
         help="comma-separated rule names; 'default' is the default set; the rules: "
         + ", ".join(sorted(available_rules())),
     )
@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--sync",
         choices=("auto", "eager", "batched", "deferred"),
-        default="auto",
+        default=None,
         help="when statistics reach the host: eager (at each tensor), batched (once a phase), "
         "deferred (the cheapest: the rest only when outputs, loss or gradients show a problem), "
         "auto (default: deferred on the CPU, batched on CUDA)",
@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--interval",
         type=_interval,
-        default=1,
+        default=None,
         help="statistics beyond the NaN/Inf screen every N steps (N >= 1)",
     )
     run.add_argument(
@@ -288,13 +288,11 @@ def _usage(message: str) -> SystemExit:
     return SystemExit(2)
 
 
-def _rules(spec: str) -> list | None:
+def _rules(spec: str) -> list:
     from tensordbg.rules import available_rules, default_rules
     from tensordbg.rules.catalog import unknown_rule
 
     names = [n.strip() for n in spec.split(",") if n.strip()]
-    if names == ["default"]:
-        return None
     available = available_rules()
     rules = []
     for name in names:
@@ -396,24 +394,25 @@ def _run(args: argparse.Namespace) -> int:
     dumps = {}
     if args.dump_dir is not None:
         dumps = {"dump_dir": args.dump_dir, "dump_every": args.dump_every,
-                 "dump_tensors": args.dump_tensors,
+                 "dump_tensors": args.dump_tensors or None,
                  "dump_max_bytes": args.dump_max_bytes}  # fmt: skip
-    rules = _rules(args.rules)
+    rules = None if args.rules is None else _rules(args.rules)
     if args.rule:
         rules = [*(default_rules() if rules is None else rules), *map(_rule, args.rule)]
     if rules == []:
         print("tensordbg run: no rules (--rules ''): statistics are kept, nothing can hit",
               file=sys.stderr)  # fmt: skip
+    # Only the flags given (None: not given): they apply over a script's own attach() too.
     return run_script(
         args.script,
         args.args,
         rules=rules,
         on_hit=args.on_hit,
         sync=args.sync,
-        include=args.include,
-        exclude=args.exclude,
+        include=args.include or None,
+        exclude=args.exclude or None,
         interval=args.interval,
-        remote=args.listen or args.remote,
+        remote=args.listen or args.remote or None,
         **dumps,
         profile_steps=args.profile,
     )

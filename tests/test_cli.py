@@ -319,6 +319,41 @@ def test_on_hit_given_as_attachs_default_still_applies_to_a_script_that_attaches
     assert said.count("apply to it") == 2
 
 
+def test_every_flag_given_applies_over_a_scripts_own_settings_whatever_its_value(
+    monkeypatch, tmp_path: Path, capsys
+):
+    """``--sync auto --interval 1 --rules default`` over a script that attaches with
+    sync="eager", interval=5 and one rule left the script's own: each equals attach's default,
+    so it was taken for not given. Given is given; a flag not given leaves the script's own."""
+    from tensordbg.api import COMMAND_LINE
+    from tensordbg.cli import main
+    from tensordbg.integrations import runner
+    from tensordbg.rules import NaN, default_rules
+
+    own = {"sync": "eager", "interval": 5, "on_hit": "record", "rules": [NaN()]}
+    seen: list[dict] = []
+
+    def run_script(script, args, rules=None, profile_steps=0, **attach_args):
+        run = runner.ScriptRun(rules, profile_steps, **attach_args)
+        run.install()
+        try:
+            seen.append(COMMAND_LINE.over(own))
+        finally:
+            run.remove()
+        return 0
+
+    monkeypatch.setattr(runner, "run_script", run_script)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    main(["run", "--sync", "auto", "--interval", "1", "--rules", "default", str(script)])
+    main(["run", str(script)])
+    given, not_given = seen
+    assert (given["sync"], given["interval"], given["on_hit"]) == ("auto", 1, "record")
+    assert [type(r) for r in given["rules"]] == [type(r) for r in default_rules()]
+    assert not_given == own
+    assert "settings (--rules NaN," in capsys.readouterr().err
+
+
 def test_run_with_raise_stops_the_script_at_the_first_origin_hit(script: Path):
     done = tensordbg("run", "--on-hit", "raise", "--rules", "NaN", str(script), "6",
                      cwd=script.parent)  # fmt: skip

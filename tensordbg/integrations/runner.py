@@ -17,7 +17,6 @@ GradScaler, and the global hooks stand down.
 from __future__ import annotations
 
 import builtins
-import inspect
 import io
 import os
 import runpy
@@ -49,6 +48,7 @@ class ScriptRun:
         self.rules = rules
         self.profile_steps = profile_steps
         self.profiling: Any = None  # the ProfileHandle of --profile
+        attach_args = {key: value for key, value in attach_args.items() if value is not None}
         self.attach_args = attach_args
         self.session: Session | None = None
         """The session the global hooks made (none when a framework's trainer is used)."""
@@ -61,16 +61,13 @@ class ScriptRun:
         self._backward = torch.Tensor.backward
         self._optimizer_init = torch.optim.Optimizer.__init__
         self._made: list[weakref.ref[torch.optim.Optimizer]] = []  # the script's optimizers
-        implied = attach_args.get("on_hit") is None  # not given: a dump is for nobody watching
-        if implied:
-            attach_args["on_hit"] = "dump" if attach_args.get("dump_dir") else "pause"
         self.chosen = _chosen(rules, attach_args)
-        """The settings the command line changed from attach's defaults: a script that attaches
-        tensordbg itself gets them too (``COMMAND_LINE``), but not an ``on_hit`` only implied."""
-        if implied:
-            self.chosen.pop("on_hit", None)
-        else:  # given, even as attach's default: --on-hit pause over a script's "record"
-            self.chosen["on_hit"] = attach_args["on_hit"]
+        """What the person gave (``attach_args`` holds nothing else): a script that attaches
+        tensordbg itself gets it too (``COMMAND_LINE``), whatever its value, attach's default
+        included (``--on-hit pause`` over a script's "record")."""
+        if "on_hit" not in attach_args:  # implied, for this run's own session alone (a dump
+            attach_args["on_hit"] = "dump" if attach_args.get("dump_dir") else "pause"  # is
+            # for nobody watching)
 
     def install(self) -> None:
         COMMAND_LINE.active = True
@@ -213,6 +210,8 @@ def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = 
     """Run ``script`` as ``__main__`` with ``args``, watched by tensordbg; returns its exit code,
     or 1 when the script exited 0 but a watchpoint hit (as a linter does: a CI job that runs a
     short training under ``tensordbg run --on-hit record`` fails when something hit).
+    ``attach_args`` are attach's, those the person gave (None: not given); a script that
+    attaches tensordbg itself gets them over its own.
 
     >>> run_script("train.py", ["--epochs", "1"], on_hit="raise")
     """
@@ -284,21 +283,15 @@ def _steps(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> bool:
 
 
 def _chosen(rules: Sequence[Rule] | None, attach_args: dict[str, Any]) -> dict[str, Any]:
-    """The settings among :attr:`CommandLine.KEYS` that differ from ``attach``'s defaults."""
-    defaults = inspect.signature(attach).parameters
+    """The settings among :attr:`CommandLine.KEYS` that were given (rules: not None)."""
     chosen: dict[str, Any] = {} if rules is None else {"rules": rules}
-    for key in CommandLine.KEYS[1:]:
-        value, default = attach_args.get(key, defaults[key].default), defaults[key].default
-        if value != default and not (_empty(value) and _empty(default)):
-            chosen[key] = value
+    chosen.update((key, attach_args[key]) for key in CommandLine.KEYS[1:] if key in attach_args)
     return chosen
 
 
-def _empty(value: Any) -> bool:
-    return value is None or (isinstance(value, (tuple, list)) and not value)
-
-
 def _flag(key: str, value: Any) -> str:
+    if key == "remote":  # True, or where to listen
+        return "--remote" if value is True else f"--listen {value}"
     if key == "rules":
         value = ",".join(type(r).__name__ for r in value) or "''"
     elif isinstance(value, (tuple, list)):
