@@ -279,3 +279,54 @@ def test_a_forward_that_makes_its_nan_only_once_says_so_instead_of_naming_nothin
     origin = next(h for h in session.hits if h.origin)
     assert origin.tensor == "1.output"
     assert "came from" not in origin.message and "made no NaN this time" in origin.message
+
+
+def _loss_origin(criterion, sync: str) -> tuple[tensordbg.Hit, int]:
+    """Train 4 steps; at step 2 the loss is ``criterion(model output)``: the origin hit, and
+    the line that observed it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    sources = []
+
+    def shown(hit: tensordbg.Hit) -> None:  # as the UI asks while the training is paused
+        sources.append(LiveSource(session).provenance(hit.ref, hit.module, hit.call)["source"])
+
+    with tensordbg.attach(model, optimizer, on_hit=shown, sync=sync, server=False,
+                          summary_at_exit=False) as session:  # fmt: skip
+        for step in range(4):
+            out = model(torch.randn(16, 4))
+            loss = criterion(out) if step == 2 else out.pow(2).mean()
+            line = inspect.currentframe().f_lineno + 1
+            session.observe("loss", loss)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    origin = next(h for h in session.hits if h.origin)
+    assert (origin.tensor, origin.step) == ("loss", 2)
+    assert sources[0]["line"] == line  # the line the Provenance tab shows
+    return origin, line
+
+
+@pytest.mark.parametrize("sync", ["eager", "deferred", "batched"])
+def test_the_operation_of_the_loss_code_that_made_its_nan_is_named_in_every_mode(sync: str):
+    """A NaN made by the loss code, no module's: the hit said only "the code that computes it
+    made it". What autograd saved names the operation and what it was given, and the line
+    that observed the loss bounds where to look."""
+    origin, line = _loss_origin(lambda out: torch.log(out - 100).mean(), sync)
+    assert f"It was observed at test_pinpoint.py:{line}." in origin.message
+    assert "the first operation given values it does not accept: log of 48 values <= 0" in (
+        origin.message
+    )
+    origin, _ = _loss_origin(lambda out: (out.sum(1) / (out[:, 0] * 0)).mean(), sync)
+    assert "a division by 0 (16 zeros in the divisor)" in origin.message
+    origin, _ = _loss_origin(lambda out: torch.sqrt(out - 100).mean(), sync)
+    assert "the first NaN autograd kept came from sqrt (its result" in origin.message
+
+
+def test_loss_code_whose_operations_saved_nothing_to_show_names_none() -> None:
+    """An overflow in a sum saves nothing autograd could show, and the model's own operations
+    (a ReLU, whose zeros a log would reject) are not the loss code's: nothing is named."""
+    origin, line = _loss_origin(lambda out: (out.exp() * 1e38).sum() * 1e10, "deferred")
+    assert "Between the model's outputs and it" not in origin.message
+    assert origin.message.endswith(f"It was observed at test_pinpoint.py:{line}.")

@@ -25,6 +25,7 @@ elements it drops may not come again; then nothing is named.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import linecache
 import os
@@ -38,6 +39,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from tensordbg.engine.loss_code import name_loss_operation
 from tensordbg.engine.records import Call, tensor_leaves
 from tensordbg.engine.sites import user_site
 
@@ -88,6 +90,9 @@ class Pinpointing:
         stats = record.stats
         if not (self.pinpoint and verdict.origin and stats.phase == "forward" and stats.nonfinite):
             return
+        if stats.kind == "observed":
+            self._name_loss_operation(hit, record)
+            return
         call = verdict.call or record.producer
         tensor = record.held()
         if call is None or tensor is None or self._pinpointed_step == self.step:
@@ -103,6 +108,22 @@ class Pinpointing:
         elif found is not None:
             call.operation = found
             hit.message += sentence(call, found, nan)
+
+    def _name_loss_operation(self, hit: Any, record: Any) -> None:
+        """For an observed tensor (the loss) at the origin of a NaN or Inf: where it was
+        observed, and the operation of the code between the model's outputs and it that made
+        it, when autograd's saved tensors tell (engine/loss_code.py)."""
+        site = self.observed.site(record.stats.name)
+        if site:
+            hit.message += f" It was observed at {site}."
+        loss = record.held()
+        if loss is None or self._pinpointed_step == self.step:
+            return
+        self._pinpointed_step = self.step
+        outputs = [t for call in self.capture.calls_by_path.get("", []) for _, r in call.outputs
+                   if (t := r.held()) is not None]  # fmt: skip
+        with contextlib.suppress(Exception):  # a courtesy: whatever the graph holds, the hit stands
+            hit.message += name_loss_operation(loss, outputs, bool(torch.isnan(loss).any()))
 
 
 NOT_MADE_AGAIN: dict[str, Any] = {"op": ""}

@@ -340,7 +340,7 @@ class Pipeline(Pausing, Pinpointing):
         self.between_steps = True
         self.forward_bad = False
         self.capture.new_step()
-        self.observed_calls.clear()
+        self.observed.clear()
         self.hitlog.end_step()
         self.publish()
         self.bus.publish("step_end", numbers)

@@ -13,6 +13,7 @@ import atexit
 import numbers
 import os
 import secrets
+import sys
 import threading
 import traceback
 import warnings
@@ -34,6 +35,7 @@ from tensordbg.engine.forward import ForwardPhase
 from tensordbg.engine.handles import HandleGroup
 from tensordbg.engine.hits import HitLog, print_summary
 from tensordbg.engine.judge import ActiveRule, RuleSet
+from tensordbg.engine.loss_code import Observations
 from tensordbg.engine.metrics import StepMetrics
 from tensordbg.engine.modes import SYNC, choose
 from tensordbg.engine.optimizer import OptimizerPhase
@@ -166,7 +168,7 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         self._stepping: dict[torch.optim.Optimizer, list[Param]] = {}  # between pre and post hook
         self._step_depth = {}
         self._optimizer_hooks: dict[int, tuple[Any, Any]] = {}  # each watched optimizer's
-        self.observed_calls: dict[str, int] = {}  # this step's observe() calls, by name
+        self.observed = Observations()  # this step's observe() calls
         self.capture = Capture(self, model, _patterns(include), _patterns(exclude))
         try:
             self.capture.install(model, self.handles)
@@ -268,8 +270,7 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         try:
             # The k-th of a name in a step is name#k, as a module's k-th call is (a loss at each
             # micro-batch: one name, and a dump kept only the last of its values).
-            call = self.observed_calls.get(name, 0)
-            self.observed_calls[name] = call + 1
+            call = self.observed.note(name, sys._getframe(1), tensor, self.pass_started)
             named = f"{name}#{call}" if call else name
             record = new_record(tensor, named, "observed", self.phase, self.step, call=call)
             self.collect(record, tensor, extra=(MEAN,))

@@ -71,6 +71,10 @@ def provenance(
     if site is not None:
         out["source"] = _source(site)
         out["stack"] = _stack(site)
+    elif record.stats.kind == "observed" and (seen := session.observed.where(name)) is not None:
+        code, line = seen  # the line that gave it to session.observe: the loss code is above
+        out["source"] = _lines(code.co_filename, line, code.co_name)
+        out["stack"] = [[code.co_filename, line, code.co_name]]
     operation = producer.operation if producer is not None else None
     if operation is not None and operation["file"]:
         # The line inside the producer's forward that made the first NaN/Inf (pinpoint.py):
