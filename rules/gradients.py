@@ -276,6 +276,9 @@ class VanishingGradient(Rule):
 
     Nor while an observed loss of the step is 0 or at most 1e-7 of its largest: every gradient
     is next to nothing then, by design (one batch overfit to a loss of 0 raised 3,910 hits).
+    With no loss observed, every gradient of the step at most 1e-7 of the largest any had says
+    the same (judged one at a time, from the step after the first such step; a model without
+    biases whose every unit died looks the same: observe the loss to tell them apart).
 
     Example: ``VanishingGradient(threshold=1e-9)`` uses MindInsight's stricter bound.
     """

@@ -8,10 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tensordbg.rules.base import Finding, Rule, check_count, check_number, loss_name
+from tensordbg.rules.scales import SPENT, gradients_spent
 from tensordbg.statistics import MEAN, TensorStats
-
-SPENT = 1e-7
-"""A loss at most this share of the largest it had (or 0) has next to nothing left to teach."""
 
 
 def note_loss(t: TensorStats, state: dict[str, Any]) -> None:
@@ -26,13 +24,19 @@ def note_loss(t: TensorStats, state: dict[str, Any]) -> None:
 
 
 def loss_spent(state: dict[str, Any], step: int) -> bool:
-    """Whether a loss observed at ``step`` (or the step before: a script may observe it after
-    its backward) has next to nothing left to teach: 0, or at most :data:`SPENT` of the
-    largest it had (an overfit batch at a loss of exactly 0, an autoencoder at float32's
-    floor of 3e-15). Its gradients are next to nothing by design then, and the weights stop
-    moving: the training is done, not broken."""
-    losses = state.get("losses", {}).values()
-    return any(step - 1 <= at <= step and value <= SPENT * peak for at, value, peak in losses)
+    """Whether the training has next to nothing left to teach at ``step``: a loss observed at
+    that step (or the step before: a script may observe it after its backward) is 0, or at most
+    :data:`SPENT` of the largest it had (an overfit batch at a loss of exactly 0, an
+    autoencoder at float32's floor of 3e-15). Without an observed loss, its gradients say so:
+    every one at most :data:`SPENT` of the largest any had (:func:`gradients_spent`; a model
+    without biases whose every unit died looks the same: observe the loss to tell them apart).
+    Its gradients are next to nothing by design then, and the weights stop moving: the
+    training is done, not broken."""
+    losses = state.get("losses")
+    if not losses:
+        return gradients_spent(state, step)
+    return any(step - 1 <= at <= step and value <= SPENT * peak for at, value, peak in
+               losses.values())  # fmt: skip
 
 
 @dataclass

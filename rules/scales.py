@@ -15,6 +15,10 @@ from tensordbg.statistics import L2, TensorStats
 THRESHOLD = 1e-7
 RELATIVE = 1e-5
 
+SPENT = 1e-7
+"""A loss at most this share of the largest it had (or 0), or gradients at most this share of
+the largest any had, have next to nothing left to teach."""
+
 
 def note_scale(t: TensorStats, state: dict[str, Any]) -> float | None:
     """Note the root-mean-square of gradient ``t``, ||g||_2 / sqrt(n), in ``state["scales"]``,
@@ -29,6 +33,7 @@ def note_scales(tensors: Sequence[TensorStats], state: dict[str, Any]) -> list[f
     """:func:`note_scale` of each gradient in turn (a pass's, in one loop)."""
     had: dict[str, float] = state.setdefault("had", {})
     scales: dict[str, list[float]] = state.setdefault("scales", {})
+    top = state.get("top")
     out: list[float | None] = []
     for t in tensors:
         l2 = t.values.get(L2)
@@ -36,17 +41,47 @@ def note_scales(tensors: Sequence[TensorStats], state: dict[str, Any]) -> list[f
             out.append(None)
             continue
         scale = l2 / math.sqrt(t.numel)
+        if top is None or top[0] != t.step:
+            top = _next_top(top, t.step)
+            state["top"] = top
+        top[1] = max(top[1], scale)
         if scale > 0:  # its latest nonzero scale: a gradient that stops had one (not unconnected)
             had[t.name] = scale
         noted = scales.get(t.name)
         if noted is None:
             scales[t.name] = [t.step, scale, math.nan]
+            top[2] += 1
         elif noted[0] == t.step:
             noted[1] = scale  # again in the same step (accumulated gradients, a refinement)
         else:
             noted[0], noted[1], noted[2] = t.step, scale, noted[1]
+            top[2] += 1
         out.append(scale)
     return out
+
+
+def _next_top(top: list[float] | None, step: int) -> list[float]:
+    """``state["top"]``: [step, its largest root-mean-square so far, how many gradients it has
+    noted, the step before's largest, how many that one noted, the largest any step had]."""
+    if top is None:
+        return [step, 0.0, 0, math.inf, 0, 0.0]
+    return [step, 0.0, 0, top[1], top[2], max(top[5], top[1])]
+
+
+def gradients_spent(state: dict[str, Any], step: int) -> bool:
+    """Whether every gradient of ``step`` is at most ``SPENT`` of the largest any gradient
+    had (none at all: a loss of exactly 0 gives nothing back): the loss has nothing left to
+    teach, when no loss is observed to say so. A step judged gradient by gradient (eager) has
+    not noted them all before the last: until it has as many as the step before, that step's
+    must be as small too (a head whose weight gets nothing, judged before its bias, is no
+    finished training)."""
+    top = state.get("top")
+    if top is None or top[0] != step:
+        return False
+    peak = max(top[5], top[1])
+    if not peak > 0 or top[1] > SPENT * peak:
+        return False
+    return top[2] >= top[4] or top[3] <= SPENT * peak
 
 
 def typical_scale(state: dict[str, Any], name: str, before: int | None = None) -> float | None:

@@ -53,7 +53,8 @@ class WeightNotChanging(Rule):
     is a healthy gradient that does not reach the weight. An embedding whose rows got no
     gradient in a step is judged as a whole: its other rows moved, so it changed.
 
-    So does a step whose observed loss is 0 or at most 1e-7 of the largest it had: the
+    So does a step whose observed loss is 0 or at most 1e-7 of the largest it had (with no
+    loss observed: whose every gradient is at most 1e-7 of the largest any had): the
     training is done, and Adam's steps on gradients of 1e-9 fall below a float32 step (an
     autoencoder at a loss of 3e-15, one batch overfit to 0: new users' runs).
 
@@ -101,7 +102,10 @@ class WeightNotChanging(Rule):
         """:meth:`check` of each in turn, a pass's gradients in one loop: a gradient whose
         root-mean-square reaches the threshold is not negligible whatever the others are; one
         below it is checked where it comes (the others' scales as :meth:`check` sees them)."""
-        if any(t.kind != "grad" for t in tensors) or loss_spent(state, tensors[0].step):
+        if any(t.kind != "grad" for t in tensors):
+            return [self.check(t, state) for t in tensors]
+        note_scales(tensors, state)  # the pass's largest first: loss_spent may read it
+        if loss_spent(state, tensors[0].step):
             return [self.check(t, state) for t in tensors]
         start = 0
         for i, t in enumerate(tensors):
@@ -115,10 +119,9 @@ class WeightNotChanging(Rule):
 
     @staticmethod
     def _learning(tensors: Sequence[TensorStats], state: dict[str, Any]) -> None:
-        """Note gradients whose root-mean-square reaches VanishingGradient's threshold: their
-        scales, and that each one's parameter is not idle."""
+        """Note that each of these gradients' parameter is not idle: their root-mean-squares
+        (noted) reach VanishingGradient's threshold."""
         idle: dict[str, bool] = state.setdefault("idle", {})
-        note_scales(tensors, state)
         for t in tensors:
             idle[t.name.removesuffix(".grad")] = False
 

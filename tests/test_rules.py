@@ -334,14 +334,46 @@ def test_a_gradient_that_stops_after_steps_with_one_is_not_said_to_be_unconnecte
     """A learning rate far too large saturates an LSTM's units at step 2: its weights, whose
     gradients were healthy at steps 0 and 1, were said "not connected to the loss"."""
     rule, state = VanishingGradient(), {}
+    head = {**GRAD, "name": "head.bias.grad", "module": "head"}  # the loss still teaches it
+
+    def step_of(value: float, step: int) -> Finding | None:
+        assert judge(rule, np.full(10, 0.01), state, trainable=True, step=step, **head) is None
+        return judge(rule, np.full(10, value), state, trainable=True, step=step, **GRAD)
+
     for step in (0, 1):
-        assert judge(rule, np.full(10, 0.01), state, trainable=True, step=step, **GRAD) is None
-    dead = judge(rule, np.zeros(10), state, trainable=True, step=2, **GRAD)
+        assert step_of(0.01, step) is None
+    dead = step_of(0.0, 2)
     assert dead.value == 0.0 and "receives no gradient at all" in dead.message
     assert "though it had one before (root-mean-square 0.01)" in dead.message
     assert "died or saturated since" in dead.message and "not connected" not in dead.message
-    still = judge(rule, np.zeros(10), state, trainable=True, step=3, **GRAD)  # and a step later
+    still = step_of(0.0, 3)  # and a step later
     assert "though it had one before (root-mean-square 0.01)" in still.message
+
+
+def test_without_a_loss_every_gradient_near_zero_at_once_is_a_finished_training():
+    """No loss observed (a script's own attach()): a step whose every gradient is at most 1e-7
+    of the largest any had is a loss with nothing left to teach. Judged one gradient at a time
+    (eager), a weight that gets nothing while its bias, judged after it, still learns is
+    reported: until the step has noted as many gradients as the one before, that one must be
+    as small too. Judged together (the default), the whole step is known at once."""
+    rule, state = VanishingGradient(), {}
+    weight, bias = (
+        {**GRAD, "name": f"head.{p}.grad", "module": "head", "trainable": True}
+        for p in ("weight", "bias")
+    )  # fmt: skip
+    for step in (0, 1):
+        assert judge(rule, np.full(10, 0.01), state, step=step, **weight) is None
+        assert judge(rule, np.full(10, 0.01), state, step=step, **bias) is None
+    dead = judge(rule, np.zeros(10), state, step=2, **weight)  # its inputs died
+    assert dead is not None and "receives no gradient at all" in dead.message
+    assert judge(rule, np.full(10, 0.01), state, step=2, **bias) is None
+    # Then the loss reaches 0: every gradient is 0 or 1e-12. On the first such step, the
+    # gradient judged first cannot tell yet (the step before still learned): it is reported.
+    assert judge(rule, np.zeros(10), state, step=3, **bias) is not None
+    assert judge(rule, np.full(10, 1e-12), state, step=3, **weight) is None
+    for step in (4, 5):  # from the next step on, nothing
+        assert judge(rule, np.zeros(10), state, step=step, **bias) is None
+        assert judge(rule, np.full(10, 1e-12), state, step=step, **weight) is None
 
 
 def test_a_gradient_that_vanishes_with_its_loss_at_zero_is_no_news_but_with_a_loss_it_is():

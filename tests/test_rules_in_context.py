@@ -46,6 +46,7 @@ def test_an_embedding_is_judged_over_the_rows_that_got_a_gradient():
     healthy = table(rows_used=50, value=1e-5)  # mean |grad| over the whole table: 2.5e-8
     assert np.abs(healthy).mean() < rule.threshold
     assert grad(rule, healthy, state, "encoder.weight") is None
+    model_of(rule, state, size=1e-5, step=1)  # the rest of the model learns on
     found = grad(rule, table(rows_used=50, value=1e-12), state, "encoder.weight", step=1)
     assert found is not None and math.isclose(found.value, 1e-12)
     assert "encoder.weight.grad has mean |grad| 1e-12 over its 400 nonzero values" in found.message
