@@ -91,6 +91,24 @@ def test_an_inf_is_traced_to_the_operation_that_made_it() -> None:
     assert "the first Inf came from torch.log at test_pinpoint.py:" in origin.message
 
 
+def test_a_nan_and_an_inf_in_one_output_each_name_the_operation_that_made_them() -> None:
+    """One output holding a NaN and an Inf made on two lines: the NaN's hit named the NaN's
+    operation, and Overflow's hit, the same step, named the NaN's too."""
+
+    class Two(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            inf = torch.log(torch.zeros_like(x[:, :1]))  # -inf
+            nan = torch.sqrt(-torch.ones_like(x[:, :1]))  # NaN
+            return torch.cat([x, inf, nan], 1)
+
+    model = nn.Sequential(nn.Linear(4, 4), Two())
+    with watched(model) as session:
+        model(torch.randn(3, 4))
+    said = {h.rule: h.message for h in session.hits if h.origin}
+    assert "the first NaN came from torch.sqrt at test_pinpoint.py:" in said["NaN"]
+    assert "the first Inf came from torch.log at test_pinpoint.py:" in said["Overflow"]
+
+
 def run(pinpoint: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor, str]:
     """Four training steps with an evaluation forward that makes a NaN at step 2."""
     torch.manual_seed(0)

@@ -83,6 +83,7 @@ class Pinpointing:
 
     pinpoint = True
     _pinpointed_step = -1
+    _pinpointed: dict[tuple[int, bool], Any]  # this step's re-runs: (call, NaN or Inf) -> found
 
     def _name_operation(self, hit: Any, verdict: Any, record: Any) -> None:
         """For a forward hit at its origin on a NaN or Inf made by a module's own code: name
@@ -95,11 +96,17 @@ class Pinpointing:
             return
         call = verdict.call or record.producer
         tensor = record.held()
-        if call is None or tensor is None or self._pinpointed_step == self.step:
+        if call is None or tensor is None:
             return
-        self._pinpointed_step = self.step
-        nan = bool(torch.isnan(tensor).any())
-        found = name_operation(self, call, nan)
+        nan = _names_nan(hit, tensor)
+        if self._pinpointed_step != self.step:
+            self._pinpointed_step, self._pinpointed = self.step, {}
+        key = (id(call), nan)
+        if key not in self._pinpointed:
+            if len(self._pinpointed) >= 2:
+                return  # two re-runs a step at most (a NaN's and an Inf's)
+            self._pinpointed[key] = name_operation(self, call, nan)
+        found = self._pinpointed[key]
         if found is NOT_MADE_AGAIN:
             hit.message += (f" Its forward, run again to name the operation, made no "
                             f"{'NaN' if nan else 'Inf'} this time: it depends on something the "
@@ -117,13 +124,20 @@ class Pinpointing:
         if site:
             hit.message += f" It was observed at {site}."
         loss = record.held()
-        if loss is None or self._pinpointed_step == self.step:
+        if loss is None:
             return
-        self._pinpointed_step = self.step
         outputs = [t for call in self.capture.calls_by_path.get("", []) for _, r in call.outputs
                    if (t := r.held()) is not None]  # fmt: skip
         with contextlib.suppress(Exception):  # a courtesy: whatever the graph holds, the hit stands
-            hit.message += name_loss_operation(loss, outputs, bool(torch.isnan(loss).any()))
+            hit.message += name_loss_operation(loss, outputs, _names_nan(hit, loss))
+
+
+def _names_nan(hit: Any, tensor: torch.Tensor) -> bool:
+    """Whether ``hit`` names where the first NaN came from (else the first Inf): the NaN rule's
+    does, Overflow's does not (one tensor may hold both); another rule's, if there is one."""
+    if hit.rule in ("NaN", "Overflow"):
+        return hit.rule == "NaN"
+    return bool(torch.isnan(tensor).any())
 
 
 NOT_MADE_AGAIN: dict[str, Any] = {"op": ""}
