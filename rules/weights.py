@@ -42,7 +42,9 @@ class WeightNotChanging(Rule):
     resolution is 2^-8 of their size, trained at a small learning rate without float32
     master weights). ``WeightNotChanging(rtol=1e-5, atol=1e-8)`` is the earlier tools' test.
     The rule fires once per streak and re-arms when the parameter moves again; a step whose
-    statistic was not computed neither extends nor breaks a streak.
+    statistic was not computed neither extends nor breaks a streak, nor does a step that gave
+    the parameter no gradient (a branch or an expert it did not use; its gradient zeroed with
+    ``set_to_none=False`` or left over from an earlier step is not this step's).
 
     A step whose gradient was negligible breaks the streak instead: a parameter with nothing to
     learn from has no reason to move. Negligible is VanishingGradient's default verdict on the
@@ -121,34 +123,33 @@ class WeightNotChanging(Rule):
     def _learning(tensors: Sequence[TensorStats], state: dict[str, Any]) -> None:
         """Note that each of these gradients' parameter is not idle: their root-mean-squares
         (noted) reach VanishingGradient's threshold."""
-        idle: dict[str, bool] = state.setdefault("idle", {})
+        idle: dict[str, tuple[int, bool]] = state.setdefault("idle", {})
         for t in tensors:
-            idle[t.name.removesuffix(".grad")] = False
+            idle[t.name.removesuffix(".grad")] = (t.step, False)
 
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
         if t.kind == "observed":
             note_loss(t, state)
             return None
-        # Per parameter: whether its latest measured gradient was negligible (or its loss).
-        idle: dict[str, bool] = state.setdefault("idle", {})
+        # Per parameter: the step of its latest measured gradient, and whether that was
+        # negligible (or its loss).
+        idle: dict[str, tuple[int, bool]] = state.setdefault("idle", {})
         if t.kind == "grad":
             scale = note_scale(t, state)
             if scale is not None:
-                idle[t.name.removesuffix(".grad")] = negligible(scale, state, t.name) or loss_spent(
-                    state, t.step
-                )
+                name = t.name.removesuffix(".grad")
+                idle[name] = (t.step, negligible(scale, state, t.name) or loss_spent(state, t.step))
             return None
         unchanged = t.get(update_unchanged(self.rtol, self.atol))
-        if not t.trainable or unchanged is None:
+        had = idle.get(t.name.removesuffix(".update"))
+        if not t.trainable or unchanged is None or had is None or had[0] != t.step:
+            # Not measured, or no gradient of this step was: a parameter this step did not
+            # reach (a branch, an expert without tokens) has no reason to move.
             return None
         # Per tensor: [length of the current streak, whether it has been reported].
         streak = state.setdefault(t.name, [0, False])
         share = t.get(LR_SHARE)  # the learning rate against its largest (a schedule's tail)
-        if (
-            unchanged != 1.0
-            or idle.get(t.name.removesuffix(".update"), False)
-            or (share is not None and share < self.decayed)
-        ):
+        if unchanged != 1.0 or had[1] or (share is not None and share < self.decayed):
             streak[:] = [0, False]
             return None
         streak[0] += 1

@@ -75,6 +75,7 @@ def grad(norm: float) -> np.ndarray:
 
 
 GRAD = {"name": "layers.1.fc.weight.grad", "module": "layers.1.fc", "kind": "grad"}
+GRAD_OF_UPDATE = {"name": "fc.weight.grad", "module": "fc", "kind": "grad", "phase": "backward"}
 
 
 # --- NaN and Inf ---------------------------------------------------------------------------------
@@ -468,11 +469,16 @@ def test_vanishing_gradient_is_quiet_on_healthy_or_frozen_parameters():
 UPDATE = {"name": "fc.weight.update", "module": "fc", "kind": "update", "phase": "optimizer"}
 
 
-def updates(rule: Rule, moves: list[bool | None], trainable: bool = True) -> list[Finding | None]:
+def updates(rule: Rule, moves: list[bool | None], trainable: bool = True,
+            gradients: list[bool] | None = None) -> list[Finding | None]:  # fmt: skip
     """Run ``rule`` over optimizer steps that move the weight (True), leave it (False), or are
-    not measured (None)."""
+    not measured (None); each after a healthy gradient, unless ``gradients`` says the step
+    gave it none (False)."""
     state, found, w = {}, [], np.ones(8)
     for step, moved in enumerate(moves):
+        if gradients is None or gradients[step]:
+            g = tensor(rule, np.full(8, 0.1), step=step, trainable=trainable, **GRAD_OF_UPDATE)
+            assert rule.check(g, state) is None
         new = w + 0.1 if moved else w.copy()
         t = tensor(rule, new, prev=w, step=step, trainable=trainable, **UPDATE)
         if moved is None:
@@ -494,6 +500,18 @@ def test_weight_not_changing_skips_unmeasured_steps_and_frozen_parameters():
     found = updates(WeightNotChanging(), [False, False, None, False])
     assert [f is not None for f in found] == [False, False, False, True]
     assert updates(WeightNotChanging(), [False] * 5, trainable=False) == [None] * 5
+
+
+def test_a_step_that_gave_the_parameter_no_gradient_neither_extends_nor_breaks_a_streak():
+    """A branch used one step in two, its gradient zeroed with set_to_none=False: plain SGD
+    leaves it where it is on the steps that did not use it. Its gradient from the step before
+    said "not negligible", so 3 such steps were "not changing though its gradient is not
+    negligible" (found by a new user's trial, in both modes)."""
+    rule = WeightNotChanging()
+    assert updates(rule, [False, True] * 4, gradients=[False, True] * 4) == [None] * 8
+    assert updates(rule, [False] * 6, gradients=[False] * 6) == [None] * 6  # never reached
+    found = updates(rule, [False] * 4, gradients=[True, False, True, True])
+    assert [f is not None for f in found] == [False, False, False, True]
 
 
 def test_weight_update_ratio_too_large_and_too_small():

@@ -265,3 +265,96 @@ def test_a_resnet_trained_long_to_a_tiny_loss_raises_no_hit(watch):
     losses = zoo.train(run, 2000, session)
     assert losses[-1] < 1e-3
     assert_no_hit(session)
+
+
+# --- what scripts do between backward and the update -------------------------------------------
+
+
+class _Residual(torch.nn.Module):
+    """A residual branch whose last layer starts at zero (zero_init_residual, LoRA's B, a
+    diffusion UNet's output convolution): its first layer's gradient is exactly 0 on step 0."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.a = torch.nn.Linear(width, width)
+        self.b = torch.nn.Linear(width, width)
+        torch.nn.init.zeros_(self.b.weight)
+        torch.nn.init.zeros_(self.b.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.nn.functional.silu(self.a(x)))
+
+
+class _Branched(torch.nn.Module):
+    """A branch used one step in five (an expert without tokens, a conditional head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 1)
+        self.b = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.a(x) + (self.b(x) if use_b else 0)
+
+
+def _edits(name: str, model: torch.nn.Module) -> None:
+    """The script's own edit of the gradients between backward and the optimizer's step."""
+    if name == "clip_grad_norm_":
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    elif name == "clip_grad_value_":
+        torch.nn.utils.clip_grad_value_(model.parameters(), 100.0)
+    elif name == "divided by hand":
+        for p in model.parameters():
+            p.grad.div_(2.0)
+
+
+EDITS = ["clip_grad_norm_", "clip_grad_value_", "divided by hand"]
+
+
+@pytest.mark.parametrize("edit", EDITS)
+@pytest.mark.parametrize("sync", ["auto", "eager", "batched", DEFERRED_ON_DEVICE])
+def test_gradients_edited_before_the_update_are_judged_once_a_step(watch, sync, edit):
+    """Clipping or dividing the gradients in place after backward looked like a second
+    backward pass: each step's gradients were judged twice, so a zero-initialised branch's
+    exact 0 of step 0 was "receives no gradient at all" at step 1 (LoRA with the Trainer's
+    clipping, a UNet: 4 and 28 hits), and one hard batch was an ExplodingGradient "2 steps in
+    a row" (found by a new user's trial; default mode only)."""
+    torch.manual_seed(0)
+    nn, F = torch.nn, torch.nn.functional
+    model = nn.Sequential(nn.Linear(8, 16), _Residual(), nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    session = watch(model, optimizer=optimizer, on_hit="record", sync=sync)
+    w = torch.randn(8, 1)
+    for step in range(60):
+        x = torch.randn(64, 8)
+        y = x @ w + (30.0 if step == 40 else 0.0)  # one hard batch
+        loss = F.mse_loss(model(x), y)
+        session.observe("loss", loss)
+        optimizer.zero_grad()
+        loss.backward()
+        _edits(edit, model)
+        optimizer.step()
+    assert_no_hit(session)
+    assert session.step == 60
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+@pytest.mark.parametrize("sync", ["auto", "eager", "batched", DEFERRED_ON_DEVICE])
+def test_a_parameter_a_step_does_not_reach_is_not_judged_on_that_step(watch, sync, set_to_none):
+    """zero_grad(set_to_none=False) leaves an unused branch a zeroed gradient: the default
+    mode took it for that step's ("receives no gradient at all, though it had one before": 56
+    hits; 1,362 on a mixture of experts), and plain SGD, which leaves the branch where it is,
+    made it "not changing though its gradient is not negligible" in every mode."""
+    torch.manual_seed(0)
+    model = _Branched()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    session = watch(model, optimizer=optimizer, on_hit="record", sync=sync)
+    w = torch.randn(8, 1)
+    for step in range(40):
+        x = torch.randn(64, 8)
+        loss = torch.nn.functional.mse_loss(model(x, step % 5 == 0), x @ w)
+        optimizer.zero_grad(set_to_none=set_to_none)
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.05
+    assert_no_hit(session)

@@ -57,6 +57,8 @@ class BackwardPhase(ParamGradients):
             self._start_phase("backward")
         if task not in self._backward_tasks:
             self._backward_tasks.add(task)
+            if self.plan is not None:  # the parameters have no hooks: which will it reach?
+                self.note_pass_params()
             torch.autograd.Variable._execution_engine.queue_callback(
                 lambda: self._end_backward(task)
             )

@@ -16,6 +16,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from tensordbg.engine.judge import Prepared
 from tensordbg.engine.phases import Gradient, Judged, ParamGradNote
@@ -48,6 +49,7 @@ class ParamGradients:
         ruleset, step = self.ruleset, self.step
         fresh = self.interval > 1 and step % self.interval != 0  # prepared anew between steps
         by_norm = self._by_norm
+        reached, self._pass_made = self._pass_made, None
         noted = set()
         for p in self._backward_order():
             grad = p.param.grad
@@ -55,7 +57,12 @@ class ParamGradients:
                 continue
             name = p.name
             last, version = seen.get(name), grad._version
-            if last is not None and last[0]() is grad and last[1] == version:
+            if reached is not None and name not in reached:
+                # Not accumulated by this pass: a parameter it did not reach keeps what it had
+                # (a zeroed gradient, set_to_none=False: no "receives nothing" of its own).
+                seen[name] = (weakref.ref(grad), version)
+                continue
+            if reached is None and last is not None and last[0]() is grad and last[1] == version:
                 continue  # not touched by this pass
             seen[name] = (weakref.ref(grad), version)
             if grad.layout is torch.sparse_coo:
@@ -94,17 +101,44 @@ class ParamGradients:
         self._order_cache = (paths, order)
         return order
 
+    _pass_made: set[str] | None = None
+    """The parameters whose gradients this backward phase's passes accumulate, as the autograd
+    engine said when each began (:meth:`note_pass_params`); None: a pass no hook saw."""
+    _accumulators: tuple[Any, list[tuple[str, Any]]] | None = None
+
+    def note_pass_params(self) -> None:
+        """At the start of a backward pass (its first hook): the parameters it will accumulate a
+        gradient into, from the autograd engine (~1 us each). Their gradients are the pass's;
+        a gradient changed otherwise (zeroed, clipped, divided in place) is not."""
+        params = self.weights.params
+        cached = self._accumulators
+        if cached is None or cached[0] is not params or len(cached[1]) != len(params):
+            nodes = [(p.name, get_gradient_edge(p.param).node)
+                     for p in params.values() if p.param.requires_grad]  # fmt: skip
+            cached = self._accumulators = (params, nodes)
+        will = torch._C._will_engine_execute_node
+        try:
+            made = {name for name, node in cached[1] if will(node)}
+        except RuntimeError:  # torch.autograd.grad(), which accumulates into no .grad
+            made = set()
+        self._pass_made = made if self._pass_made is None else self._pass_made | made
+
     def grads_changed(self) -> bool:
-        """Whether a parameter gradient changed since the last pass's end: a pass no hook saw
-        (its loss reached no hooked tensor), whose end is then checked at the next boundary."""
+        """Whether a backward pass that no hook saw (its loss reached no hooked tensor) made a
+        parameter gradient since the last pass's end, whose end is then checked at the next
+        boundary: a gradient tensor that was not there. One changed in place (a version) is
+        the script's edit (clipping, zero_grad(set_to_none=False), a division), not a pass."""
         seen = self._grads_seen
+        changed = False
         for p in self.weights.params.values():
             grad = p.param.grad
             if grad is not None and p.param.requires_grad:
                 last = seen.get(p.name)
-                if last is None or last[0]() is not grad or last[1] != grad._version:
-                    return True
-        return False
+                if last is None or last[0]() is not grad:
+                    changed = True
+                elif last[1] != grad._version:  # an edit: the next pass compares with it
+                    seen[p.name] = (last[0], grad._version)
+        return changed
 
     def _param_grad_record(self, note: ParamGradNote) -> tuple[Record, bool, bool, bool]:
         """The record of a noted parameter gradient, prepared as :meth:`_prepare` prepares
