@@ -1033,6 +1033,42 @@ def test_a_person_skips_the_update_from_a_pause(watch):
     assert _bitwise_equal(state, opt.state_dict())
 
 
+@pytest.mark.parametrize("sync", ["auto", "eager"])
+def test_k_on_a_hit_found_after_the_update_is_refused_and_not_offered(watch, sync):
+    """Paused on a parameter's hit, found after the optimizer's step: k said "the update of
+    step 1 will be skipped" and the summary listed it as skipped, while the weights had
+    changed (found trying the UI as a new user). The update is made: k is refused, saying so,
+    the state the UI reads offers no k, and nothing is counted as skipped."""
+    from tensordbg.sources.contract import SourceError
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e30)  # the update overflows the weights
+    session = watch(model, optimizer=opt, on_hit="pause", rules=[NaN(), Overflow()], sync=sync)
+    states: list[dict] = []
+    session.bus.subscribe(lambda event, payload: states.append(payload), ["state"])
+    said = {}
+
+    def press():
+        try:
+            wait_until(lambda: session.controller.state == "paused")
+            try:
+                LiveSource(session).control("skip")
+            except SourceError as e:
+                said["error"] = str(e)
+        finally:
+            session.controller.resume()
+
+    helper = threading.Thread(target=press)
+    helper.start()
+    (model(torch.randn(3, 4)).sum() * 1e30).backward()  # large, finite gradients
+    before = copy.deepcopy(model.state_dict())
+    opt.step()  # pauses on the Inf weight it wrote
+    helper.join(DEADLINE)
+    assert "update is made already (this hit was found after it)" in said["error"]
+    assert [s.get("skippable") for s in states if s["state"] == "paused"] == [False]
+    assert session.skipped_updates == [] and not _bitwise_equal(before, model.state_dict())
+
+
 def test_a_steps_speed_leaves_out_the_time_it_was_paused(watch):
     """A person looked at a hit for half a second: the step's steps/s is the training's, not
     the person's (a step of this model takes milliseconds)."""

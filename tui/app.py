@@ -40,9 +40,9 @@ from tensordbg.tui.screens.ranks import RanksScreen, group_jobs, job_sessions
 from tensordbg.tui.screens.session_picker import SessionPicker, session_field
 
 FINISHED_GRACE = 0.5
-COUNTING = "Repeat the next key (5s: five steps)"
 """Seconds the events after "finished" are still read: the server can send the last status
 behind it (the state events go first when they are posted while it is sending hits)."""
+COUNTING = "Repeat the next key (5s: five steps)"
 
 
 # Keys of the main screen (a dialog or the session list has its own keys only).
@@ -107,10 +107,10 @@ class TensorDbgApp(App[int]):
     ) -> None:
         super().__init__()
         self.ends_training = ends_training
-        self.exited = False
-        """The training's session is gone, though it never said it ended (its process died)."""
         """The training ends when this UI quits (``tensordbg demo``'s): q quits, it does not
         detach, for the training would not go on unwatched."""
+        self.exited = False
+        """The training's session is gone, though it never said it ended (its process died)."""
         self._client: DebugClient | None = None
         self._connect: ClientFactory | None = None
         if isinstance(client, DebugClient):
@@ -310,7 +310,8 @@ class TensorDbgApp(App[int]):
                 return self.can_profile()
             if action == "count":  # digits typed into a text box are text
                 return self.state == "paused" and not isinstance(self.focused, Input)
-            return parameters[0] in CONTROLS.get(self.state, ())
+            gone = parameters[0] == "skip" and not getattr(self, "skippable", True)  # updated
+            return not gone and parameters[0] in CONTROLS.get(self.state, ())
         return True
 
     def nothing_to_detach(self) -> bool:

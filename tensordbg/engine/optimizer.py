@@ -62,6 +62,11 @@ class OptimizerPhase:
         ended): detaching ends it. (Stepping apart, it is the next step's start: left out.)"""
         return bool(self._stepped) and not self._steps_apart
 
+    def update_made(self) -> bool:
+        """Whether every update of the step has been made (a hit on a parameter or an update
+        is found after it): a skip asked for now has nothing left to drop."""
+        return bool(self._stepped) and len(self._stepped) >= len(self.optimizers)
+
     def skipping(self) -> str:
         """What a skip asked for now drops, as a person reads it: the step's updates not yet
         made (optimizers named by class and place in the list: ``Adam #2``)."""
@@ -264,13 +269,13 @@ class OptimizerPhase:
             if owned is None:
                 owned = self.weights.owned(optimizer, self.optimizers)
             self.weights.note_learning_rates(optimizer)
-            self._check_parameters(owned, self.ruleset.update_stats(), optimizer=optimizer)
             if id(optimizer) in self._ever_stepped or self._root_forwards != self._forwards_at_end:
-                self._stepped |= {id(optimizer)}
+                self._stepped |= {id(optimizer)}  # before its checks: a hit there sees it made
             # else its first step came right after a step ended, with no forward since: watched
             # from there on (tensordbg run finds an optimizer as it steps), it is the tail of
             # that step, not one of the next (whose steps would all end one optimizer early).
             self._ever_stepped |= {id(optimizer)}
+            self._check_parameters(owned, self.ruleset.update_stats(), optimizer=optimizer)
             last = len(self._stepped) == len(self.optimizers)
             if optimizer is self.optimizers[0] if self._steps_apart else last:
                 self._end_step()

@@ -30,7 +30,11 @@ class Pausing:
                                       "records": list(self.phases.records)})  # fmt: skip
         if callable(self.on_hit):
             for hit in pausing:
-                self.on_hit(hit)
+                try:
+                    self.on_hit(hit)
+                except Exception as e:  # the user's code: raised in the user's, not ours
+                    e._from_on_hit = True  # type: ignore[attr-defined]
+                    raise
         elif self.on_hit == "raise":
             if self.ranks is not None:
                 self.ranks.abort(first)  # the other ranks stop too, instead of hanging
@@ -101,6 +105,28 @@ class Pausing:
             )
         if not self._skip_requested:
             self._skip()
+
+    def skip_step(self) -> int:
+        """Skip this step's update, as a GradScaler skips an overflowing one: at the next
+        ``optimizer.step()`` the gradients are dropped, so the parameters and the optimizer's
+        state stay bitwise as they are. Call it while the training is paused on a hit before the
+        update (from the UI: ``k``); from another thread it is made by the training thread.
+        Returns the step that will be skipped.
+
+        >>> session.skip_step()   # paused on an exploding gradient: that update never lands
+        """
+        return self.control.submit(self._skip).result()
+
+    def _skip(self) -> int:
+        if self.update_made():
+            raise ValueError(
+                f"step {self.step}'s update is made already (this hit was found after "
+                "it): a skip drops an update from a pause before it, on a hit in the "
+                "forward or backward phase, or between steps for the next one"
+            )
+        self._skip_requested = True
+        self.log(f"step {self.step}: its update will be skipped (asked for)", "warning")
+        return self.step
 
     def recheck(self) -> list[Hit]:
         """Judge the current phase again with the rules as they are now (edited thresholds,

@@ -307,22 +307,6 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         it takes effect at the training's next hook (see :attr:`control`)."""
         return self.control.submit(lambda: self.ruleset.add(rule)).result()
 
-    def skip_step(self) -> int:
-        """Skip this step's update, as a GradScaler skips an overflowing one: at the next
-        ``optimizer.step()`` the gradients are dropped, so the parameters and the optimizer's
-        state stay bitwise as they are. Call it while the training is paused on a hit before the
-        update (from the UI: ``k``); from another thread it is made by the training thread.
-        Returns the step that will be skipped.
-
-        >>> session.skip_step()   # paused on an exploding gradient: that update never lands
-        """
-        return self.control.submit(self._skip).result()
-
-    def _skip(self) -> int:
-        self._skip_requested = True
-        self.log(f"step {self.step}: its update will be skipped (asked for)", "warning")
-        return self.step
-
     def rules_changed(self) -> None:
         """Forget which rules apply to which tensor (after a rule was added, edited, toggled)."""
         self.ruleset.changed()
@@ -411,9 +395,10 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         }
 
     def fault(self, error: Exception) -> None:
-        """What every hook does with an exception: a hit raised for the user goes on up;
-        anything else is tensordbg's own fault (:meth:`internal_error`)."""
-        if isinstance(error, self.passthrough):
+        """What every hook does with an exception: a hit raised for the user, or what the
+        user's own ``on_hit`` callable raised, goes on up; anything else is tensordbg's own
+        fault (:meth:`internal_error`)."""
+        if isinstance(error, self.passthrough) or getattr(error, "_from_on_hit", False):
             raise error
         self.internal_error(error)
 

@@ -251,7 +251,10 @@ class LiveSource(LiveProfiling):
         elif action == "skip":
             if control.state != "paused":
                 raise SourceError("pause the training first: an update is skipped from a pause")
-            step = self.session.skip_step()
+            try:
+                step = self.session.skip_step()
+            except ValueError as e:  # the update is made already: nothing left to skip
+                raise SourceError(str(e)) from None
             return {"state": control.state, "step": step, "skipped": self.session.skipping()}
         else:
             raise SourceError(

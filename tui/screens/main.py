@@ -197,6 +197,7 @@ class MainScreen(Screen):
             self.module_browser.step_moved(self._step)
             self._ended_by = payload.get("reason", "") if payload["state"] == "finished" else ""
             self.app.state = payload["state"]  # type: ignore[attr-defined]
+            self.app.skippable = payload.get("skippable", True)  # no k after the step's updates
             self._show_title()
         elif event == "profile":
             self.profiler_view.profile_event(payload)
