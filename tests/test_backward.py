@@ -212,3 +212,45 @@ def test_a_backward_nan_behind_an_activation_or_a_residual_is_named_in_every_mod
     model(torch.randn(3, 4)).sum().backward()
     [origin] = [h for h in session.hits if h.origin]
     assert (origin.module, origin.tensor) == ("2", "2.grad_input[0]")
+
+
+class _SqrtBetween(nn.Module):
+    """Its own code, between its two Linears, takes sqrt(w * w) at w = 0: a finite forward, a
+    NaN (0/0) in backward, made by no module's backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 2)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        h = self.l1(z)
+        w = h * (torch.arange(16) % 2)
+        return self.l2(torch.relu(torch.sqrt(w * w)))
+
+
+@pytest.mark.parametrize("sync", MODES)
+@pytest.mark.parametrize("layout", ["root", "child", "gan"])
+def test_a_backward_nan_made_by_a_modules_own_code_is_named_at_that_module(watch, sync, layout):
+    """Every hit was "passed on from upstream" and none the origin (163 hits and no origin in a
+    GAN): the gradient of l1's output is the first NaN, and no module took l1's output (the
+    parent's own code did). That code is where it was made: its output gradient was clean."""
+    torch.manual_seed(0)
+    g = _SqrtBetween()
+    d = nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 1))
+    model = g if layout == "root" else nn.ModuleDict({"G": g, "D": d})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # one step: the root forwards'
+    session = watch(model, optimizer=optimizer, on_hit="record", rules=[NaN()], sync=sync)
+    z = torch.randn(4, 8)
+    if layout == "gan":
+        d(torch.randn(4, 2))  # the critic on real data: a root forward of its own
+        d(g(z)).mean().backward()
+    else:
+        g(z).pow(2).mean().backward()
+    [origin] = [h for h in session.hits if h.origin]
+    prefix = "" if layout == "root" else "G."
+    where = (f"{prefix}l1.grad_output", prefix.rstrip("."), "backward")
+    assert (origin.tensor, origin.module, origin.phase) == where
+    own = "the model's" if layout == "root" else "this module's"
+    assert f"It was produced in backward by {own} own code between its submodules" in (
+        origin.message
+    )

@@ -131,6 +131,9 @@ class HitLog:
             stats.summary = summarize(tensor)  # for the UI; downstream hits skip it
         kind = kind or stats.kind
         path = module.path if module is not None else stats.module
+        # The gradient of a value reported at the call whose own code used it (origin.py).
+        own_code = kind == "grad_output" and module is not None and record.grad_of is not None \
+            and module is not record.grad_of.producer  # fmt: skip
         if name:  # named where it was made: the sentence says the same
             finding = replace(finding, message=said_of(finding.message, stats.name, name))
         hit = Hit(
@@ -147,7 +150,7 @@ class HitLog:
                 finding,
                 is_origin,
                 condition,
-                kind,
+                "grad_code" if own_code else kind,
                 path,
                 self.first_origin.get(condition, ""),
                 self.bad_buffers(path) if is_origin and kind == "output" and path else (),
@@ -262,6 +265,10 @@ _ORIGIN_NOTE = {
     ("grad", True): "It was produced by this module's backward: the gradient of its output "
     "was clean.",
     ("grad_output", True): "It was produced in backward between modules.",
+    ("grad_code", True): "It was produced in backward by this module's own code between its "
+    "submodules: the gradients flowing into that code were clean.",
+    ("grad_code", False): "It was produced in backward by the model's own code between its "
+    "submodules: the gradients flowing into that code were clean.",
     ("grad_output", False): "It comes from the loss's backward: the loss itself was clean.",
     ("param", True): "The gradient was clean: the optimizer step or the code around it made it "
     "(learning rate, eps, a manual edit), or the parameter was loaded this way.",

@@ -213,6 +213,14 @@ def grad(record: Record, loss_fired: set[int]) -> dict[int, tuple[Call | None, s
             if reported is None:
                 reported = (call, "grad_input", True)
         if reported is None:
+            user = _own_code(forward)
+            if user is not None and _made_in_backward(user, condition, forward):
+                # No module's backward made it, and the gradient of the call whose own code
+                # used the value was clean: that code's backward made it (sqrt(w * w) at
+                # w = 0 between two submodules: a finite forward, 0/0 in backward).
+                _mark(user, condition, below=False)
+                reported = (user, "grad_output", True)
+        if reported is None:
             if producer is not None:
                 # The model output's gradient comes from the loss: made there if it was clean;
                 # unless a later root forward took it (a GAN's G(z) fed to D): then it came
@@ -230,6 +238,26 @@ def grad(record: Record, loss_fired: set[int]) -> dict[int, tuple[Call | None, s
                 reported = (consumers[0] if consumers else None, "grad_input", False)
         out[condition] = reported
     return out
+
+
+def _own_code(forward: Record) -> Call | None:
+    """The call whose own code (between its submodules) received ``forward`` from the call
+    that made or last returned it: that call's parent; None for the model's output."""
+    holder = forward.passed_up[-1] if forward.passed_up else forward.producer
+    return holder.parent if holder is not None else None
+
+
+def _made_in_backward(call: Call, condition: int, forward: Record) -> bool:
+    """Whether ``call``'s own backward code made a condition on the gradient of ``forward``: the
+    gradient of its outputs and its forward values did not show it, and no call inside it was
+    already the origin."""
+    return not (
+        condition in call.fired_grad_out
+        or condition in call.grad_origin_below
+        or condition in call.fired_in
+        or condition in call.fired_out
+        or condition in forward.conditions
+    )
 
 
 def param_grad(record: Record, owner_calls: Iterable[Call]) -> dict[int, bool]:
