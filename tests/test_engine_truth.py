@@ -1206,3 +1206,35 @@ def test_an_optimizer_whose_step_calls_its_parents_counts_one_step(watch, sync):
     assert session.step == 4
     first = next(h for h in session.hits if h.origin)
     assert (first.step, first.phase) == (2, "forward")
+
+
+class _Matched(nn.Module):
+    """``inner``'s input is made by the root's own code (a ReLU between modules)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.head = nn.Linear(8, 16), nn.Linear(16, 1)
+        self.inner = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(torch.relu(self.enc(x)) * 4))
+
+
+@pytest.mark.parametrize("sync", MODES)
+def test_a_rule_whose_match_leaves_the_makers_output_out_still_has_an_origin(watch, sync):
+    """TensorRange(match="inner.*") fired 61 times, each "passed on from upstream", and never
+    paused (the README's own example has this shape): the value came from the root's own code,
+    whose output the rule does not judge. The input the rule judges is the origin, made by
+    that code; later steps repeat it, the first pauses."""
+    from tensordbg.rules import TensorRange
+
+    torch.manual_seed(0)
+    model = _Matched()
+    rule = TensorRange(match="inner.*", max_gt=0.5)
+    session = watch(model, on_hit="record", rules=[rule], sync=sync)
+    with torch.no_grad():
+        model(torch.randn(64, 8))
+    session.flush()
+    [origin] = [h for h in session.hits if h.origin]
+    assert (origin.tensor, origin.module, origin.step) == ("inner.input[0]", "", 0)
+    assert "produced by the model's own forward code between its submodules" in origin.message

@@ -127,6 +127,7 @@ class Attribution:
                         finding, message=finding.message.replace(record.stats.name, name)
                     )
                     out.append(Verdict(record, rule_id, finding, True, call, "output", name))
+        out += _given_by_own_code(call, params_fired)
         if call.parent is None:
             self.root_fired = set(call.fired_out)
         return out
@@ -182,6 +183,32 @@ def exit(call: Call, params_fired: set[int]) -> dict[tuple[int, int], bool]:
                 _mark(call, condition, below=True)
             verdicts[id(record), condition] = origin
     return verdicts
+
+
+def _given_by_own_code(call: Call, params_fired: set[int]) -> list[Verdict]:
+    """The conditions ``call``'s own code gave a submodule's input that its outputs do not show
+    (a rule whose ``match`` leaves them out, ``TensorRange(match="inner.*")``; a value masked
+    before the output): reported at that input, made here. Else nothing the rule judges would
+    be their origin, and a hit that should pause would only ever be "passed on"."""
+    shown: set[int] = set()
+    for _, record in call.outputs:
+        shown |= record.conditions
+    out, seen = [], set()
+    for child in call.children:
+        for _, record in child.inputs:
+            if record.producer is not None or not record.findings or id(record) in seen:
+                continue  # another call's output (reported there), or nothing found
+            seen.add(id(record))
+            for rule_id, finding in record.findings.items():
+                condition = condition_of(record, rule_id)
+                if condition is None or condition in shown or condition in params_fired:
+                    continue
+                if condition in call.fired_in or condition in call.origin_below:
+                    continue  # it came in with the call's inputs, or a call inside made it
+                _mark(call, condition, below=True)
+                out.append(Verdict(record, rule_id, finding, True, call, "output",
+                                   record.stats.name))  # fmt: skip
+    return out
 
 
 def grad(record: Record, loss_fired: set[int]) -> dict[int, tuple[Call | None, str, bool]]:
