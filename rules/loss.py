@@ -24,9 +24,9 @@ def note_loss(t: TensorStats, state: dict[str, Any]) -> None:
 
 
 def loss_spent(state: dict[str, Any], step: int) -> bool:
-    """Whether the training has next to nothing left to teach at ``step``: a loss observed at
-    that step (or the step before: a script may observe it after its backward) is 0, or at most
-    :data:`SPENT` of the largest it had (an overfit batch at a loss of exactly 0, an
+    """Whether the training has next to nothing left to teach at ``step``: every loss observed
+    at that step (or the step before: a script may observe it after its backward) is 0, or at
+    most :data:`SPENT` of the largest it had (an overfit batch at a loss of exactly 0, an
     autoencoder at float32's floor of 3e-15). Without an observed loss, its gradients say so:
     every one at most :data:`SPENT` of the largest any had (:func:`gradients_spent`; a model
     without biases whose every unit died looks the same: observe the loss to tell them apart).
@@ -35,8 +35,10 @@ def loss_spent(state: dict[str, Any], step: int) -> bool:
     losses = state.get("losses")
     if not losses:
         return gradients_spent(state, step)
-    return any(step - 1 <= at <= step and value <= SPENT * peak for at, value, peak in
-               losses.values())  # fmt: skip
+    recent = [
+        value <= SPENT * peak for at, value, peak in losses.values() if step - 1 <= at <= step
+    ]
+    return bool(recent) and all(recent)  # a hinge term at 0 beside a loss that teaches: not done
 
 
 @dataclass

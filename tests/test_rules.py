@@ -402,6 +402,19 @@ def test_a_gradient_that_vanishes_with_its_loss_at_zero_is_no_news_but_with_a_lo
         assert judge(rule, np.zeros(10), state, trainable=True, step=3, **GRAD) is not None
 
 
+def test_an_auxiliary_loss_at_zero_beside_one_that_teaches_is_no_finished_training():
+    """A hinge term observed as margin_loss is exactly 0 while the main loss is 0.7: a dead
+    layer's 145 hits all went quiet, as if the training were done (a new user's trial)."""
+    from tensordbg.statistics import MEAN, TensorStats
+
+    rule, state = VanishingGradient(), {}
+    for step, (main, margin) in enumerate(((2.3, 0.4), (0.7, 0.0))):
+        for name, value in (("loss", main), ("margin_loss", margin)):
+            loss = TensorStats(name, "", "observed", "forward", step, (), "float32", {MEAN: value})
+            assert rule.check(loss, state) is None
+    assert judge(rule, np.zeros(10), state, trainable=True, step=1, **GRAD) is not None
+
+
 def test_a_bias_cancelled_by_construction_is_judged_with_its_modules_weight_of_the_same_pass():
     """The autograd engine makes a Linear's bias gradient before its weight's. A critic's last
     bias, cancelled exactly by mean D(fake) - mean D(real), judged first with no earlier step
