@@ -392,6 +392,10 @@ def _run(args: argparse.Namespace) -> int:
               "write into a dump: give --dump-dir DIR too", file=sys.stderr)  # fmt: skip
         return 2
     dumps = {}
+    if args.dump_dir is not None and (unwritable := _unwritable(args.dump_dir)):
+        print(f"tensordbg run: cannot write a dump in {args.dump_dir}: {unwritable}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if args.dump_dir is not None:
         dumps = {"dump_dir": args.dump_dir, "dump_every": args.dump_every,
                  "dump_tensors": args.dump_tensors or None,
@@ -416,6 +420,16 @@ def _run(args: argparse.Namespace) -> int:
         **dumps,
         profile_steps=args.profile,
     )
+
+
+def _unwritable(directory: str) -> str:
+    """Why a dump cannot be written in ``directory`` (made if missing), or ``""``: said before
+    the script starts, not as a traceback from its first forward."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        return e.strerror or str(e)
+    return "" if os.access(directory, os.W_OK | os.X_OK) else "permission denied"
 
 
 def _tui(args: argparse.Namespace) -> int:

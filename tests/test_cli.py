@@ -779,3 +779,14 @@ def test_a_script_that_attached_itself_tells_the_ui_how_it_ended(tmp_path: Path,
     done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=60)
     last = json.loads(done.stdout.strip().splitlines()[-1])
     assert last["state"] == "finished" and last.get("reason") == said, done.stdout + done.stderr
+
+
+def test_a_dump_directory_that_cannot_be_written_is_said_in_one_line_before_the_script_runs(
+    script: Path,
+):
+    """It was a 20-line traceback from the script's first forward (found by a new user)."""
+    (script.parent / "afile").write_text("")
+    done = tensordbg("run", "--dump-dir", "afile/x", str(script), "3", cwd=script.parent)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "tensordbg run: cannot write a dump in afile/x: Not a directory"
+    assert "trained" not in done.stdout
