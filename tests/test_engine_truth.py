@@ -1238,3 +1238,35 @@ def test_a_rule_whose_match_leaves_the_makers_output_out_still_has_an_origin(wat
     [origin] = [h for h in session.hits if h.origin]
     assert (origin.tensor, origin.module, origin.step) == ("inner.input[0]", "", 0)
     assert "produced by the model's own forward code between its submodules" in origin.message
+
+
+class _NaNAt(nn.Module):
+    """Makes a NaN in its output at its ``at``-th call (its own code, no parameter)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x * float("nan") if self.calls == self.at + 1 else x
+
+
+@pytest.mark.parametrize("sync", MODES)
+def test_a_nan_weight_of_an_unwatched_layer_explains_every_later_output(watch, sync):
+    """include= left every layer unwatched: after the NaN of step 3 reached the weights, each
+    later step's output was a new origin "made by the model's own code" (10 origins, one a
+    step). The unwatched layers' weights are the watched root's own, to the call tree."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), _NaNAt(3), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=opt, on_hit="record", rules=[NaN()], sync=sync,
+                    include="nothing.*")  # fmt: skip
+    for _ in range(7):
+        loss = model(torch.randn(3, 4)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert [(h.tensor, h.step, h.phase) for h in session.hits if h.origin] == [
+        ("output", 3, "forward")
+    ]

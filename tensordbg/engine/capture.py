@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections.abc import Mapping
 from fnmatch import fnmatchcase
 from types import CodeType
 from typing import Any, Protocol
@@ -119,9 +120,9 @@ class Capture(ForwardLog):
                 continue
             self.paths[id(module)] = path
             self.types[id(module)] = type(module).__name__
-            self.direct_params[id(module)] = tuple(
-                f"{path}.{n}" if path else n for n, _ in module.named_parameters(recurse=False)
-            )
+        for path, module in model.named_modules():
+            if id(module) in self.paths:
+                self.direct_params[id(module)] = _held_params(module, path, self.paths)
         self.stack: list[Call] = []
         self.root: Call | None = None
         self.calls_by_path: dict[str, list[Call]] = {}
@@ -446,3 +447,15 @@ def _selected(path: str, include: tuple[str, ...], exclude: tuple[str, ...]) -> 
     if include and not any(fnmatchcase(path, p) for p in include):
         return False
     return not any(fnmatchcase(path, p) for p in exclude)
+
+
+def _held_params(module: torch.nn.Module, path: str, watched: Mapping[int, str]) -> tuple[str, ...]:
+    """A watched module's own parameters, and those of its submodules that are not watched
+    (left out by ``include``/``exclude``): to the call tree they are its own code's. A NaN
+    weight of an unwatched layer then explains the outputs of the call around it at every
+    later step, instead of making each one an origin "made by its own code"."""
+    names = [f"{path}.{n}" if path else n for n, _ in module.named_parameters(recurse=False)]
+    for name, child in module.named_children():
+        if id(child) not in watched:
+            names += _held_params(child, f"{path}.{name}" if path else name, watched)
+    return tuple(names)

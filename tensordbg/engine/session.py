@@ -329,6 +329,7 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
             self.flush()  # the step's end would come with the next call or optimizer: none will
             self._finish_step()
         self.detached = True
+        self._accumulators = None  # autograd's nodes that hold each parameter
         self.publish()
         state = "finished" if self._exiting else "detached"  # q: it goes on unwatched
         ended = {"reason": self.ended_by} if self._exiting and self.ended_by else {}
