@@ -42,7 +42,7 @@ def table(rows_used: int, value: float) -> np.ndarray:
 
 
 def test_an_embedding_is_judged_over_the_rows_that_got_a_gradient():
-    rule, state = VanishingGradient(), {}
+    rule, state = VanishingGradient(persist=1), {}  # one step judged (persistence: test_rules)
     healthy = table(rows_used=50, value=1e-5)  # mean |grad| over the whole table: 2.5e-8
     assert np.abs(healthy).mean() < rule.threshold
     assert grad(rule, healthy, state, "encoder.weight") is None
@@ -71,7 +71,7 @@ def test_a_zero_norm_is_enough_to_tell_a_gradient_receives_nothing():
 
 
 def test_a_gradient_small_like_the_rest_of_its_model_is_not_vanishing():
-    rule, state = VanishingGradient(), {}
+    rule, state = VanishingGradient(persist=1), {}
     model_of(rule, state, size=1e-6)  # a loss that is small everywhere
     assert grad(rule, np.full(64, 1e-8), state, "attn.q.weight") is None  # 1e-2 of the model's
     found = grad(rule, np.full(64, 1e-12), state, "attn.k.weight")  # 1e-6 of it
@@ -80,13 +80,13 @@ def test_a_gradient_small_like_the_rest_of_its_model_is_not_vanishing():
 
 
 def test_relative_inf_judges_on_the_threshold_alone_as_sagemaker_does():
-    rule, state = VanishingGradient(relative=math.inf), {}
+    rule, state = VanishingGradient(relative=math.inf, persist=1), {}
     model_of(rule, state, size=1e-6)
     assert grad(rule, np.full(64, 1e-8), state, "attn.q.weight") is not None
 
 
 def test_the_first_gradient_of_a_training_is_judged_on_the_threshold_alone():
-    found = grad(VanishingGradient(), np.full(64, 1e-8), {}, "fc.weight")
+    found = grad(VanishingGradient(persist=1), np.full(64, 1e-8), {}, "fc.weight")
     assert found is not None and "typical" not in found.message
 
 
@@ -112,7 +112,7 @@ def test_a_bias_whose_weight_gets_nothing_either_is_reported_with_it():
 
 
 def test_a_bias_judged_before_its_weight_waits_for_it_unless_it_is_exactly_zero():
-    rule, state = VanishingGradient(), {}
+    rule, state = VanishingGradient(persist=1), {}
     model_of(rule, state, size=1e-3, step=1)
     # Step 1: a tiny bias comes first (a Linear's bias gradient does); its weight gets nothing.
     assert grad(rule, np.full(8, 1e-13), state, "fc.bias", step=1) is None

@@ -363,7 +363,7 @@ def test_batched_checks_read_what_a_rule_asks_for_in_the_phase_transfer_from_its
     model = net(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     session = watch(model, optimizer=optimizer, on_hit="record", sync="batched",
-                    rules=[VanishingGradient()], retain_bytes=retain_bytes)  # fmt: skip
+                    rules=[VanishingGradient(persist=1)], retain_bytes=retain_bytes)  # fmt: skip
     steps(model, optimizer, session, 5, x=torch.randn(16, 8) * 1e-9)  # tiny first-layer grads
     assert set(reads) <= {0}  # what the rule asked for at step 0, read at once if it was kept
     found = {(h.tensor, h.step) for h in hits_of(session, "VanishingGradient")}
