@@ -258,6 +258,28 @@ def test_the_ui_says_replay_and_moves_between_steps_with_n_and_p(dump: Path) -> 
     asyncio.run(flow())
 
 
+def test_a_tensor_left_open_on_n_says_it_is_the_step_before(dump: Path) -> None:
+    """n moved the banner to step 4 while the grid kept step 3's values with nothing saying so
+    (found trying the replay as a new user)."""
+    from textual.widgets import Static
+
+    source = ReplaySource(load(dump))
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "replay")
+            app.main.post_message(OpenTensor(ref_of(source, "net.2.output"), "net.2.output"))
+            await until(pilot, lambda: app.query("#tensor-title"))
+            title = app.query_one("#tensor-title", Static)
+            await until(pilot, lambda: str(title.content) == "net.2.output")
+            await pilot.press("n")
+            said = "net.2.output  (the step before's: reopen at step 4)"
+            await until(pilot, lambda: str(title.content) == said)
+
+    asyncio.run(flow())
+
+
 def test_a_hit_of_the_replay_opens_its_dumped_values(dump: Path) -> None:
     async def flow() -> None:
         app = TensorDbgApp(LocalClient(ReplaySource(load(dump))))

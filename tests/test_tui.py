@@ -383,6 +383,31 @@ def test_a_tensor_that_cannot_be_opened_leaves_nothing_of_the_last_one_on_screen
     asyncio.run(flow())
 
 
+def test_a_tensor_left_open_when_the_training_goes_on_says_its_values_are_the_pauses() -> None:
+    """After c, the Tensor tab kept the paused step's values with nothing saying so (found
+    trying it as a new user): its title now says they are the pause's, and the next pause
+    leaves it so until the tensor is opened again."""
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            grid = await open_tensor(pilot, 3, "net.2.output", TensorGrid)
+            await until(pilot, lambda: grid.rows == 8)
+            title = app.query_one("#tensor-title", Static)
+            assert text_of(title) == "net.2.output"
+            source.state = "running"
+            source.emit("state", {"state": "running", "step": 2})
+            said = "net.2.output  (values as at the pause: the training went on)"
+            await until(pilot, lambda: text_of(title) == said)
+            source.state = "paused"
+            source.emit("state", {"state": "paused", "step": 3})
+            await until(pilot, lambda: app.state == "paused")
+            assert text_of(title) == said
+
+    asyncio.run(flow())
+
+
 def test_a_training_ended_by_ctrl_c_is_not_shown_as_simply_finished() -> None:
     """The session's last word says how the script ended when it did not end by itself: the
     header and the Run tab say so next to FINISHED."""

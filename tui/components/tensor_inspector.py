@@ -65,6 +65,14 @@ class TensorInspector(Vertical):
         if focus:
             self.query_one(TensorGrid).focus()
 
+    def moved_on(self, note: str) -> None:
+        """The training or the replay left the phase of the open tensor: its values stay, said
+        to be that phase's (they are no longer served; a slice asks in vain)."""
+        if self.ref is not None:
+            title = Text(self.tensor_name, style="bold")
+            title.append(f"  ({note})", style="bold yellow")
+            self.query_one("#tensor-title", Static).update(title)
+
     def action_edit_slice(self) -> None:
         box = self.query_one(SliceInput)
         # Focused now, not after the keys already queued (widget.focus() waits for them): a

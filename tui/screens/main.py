@@ -183,10 +183,8 @@ class MainScreen(Screen):
             self._step = payload.get("step", self._step)
             self.module_browser.step_moved(self._step)
             self.call_after_refresh(self._show_title)  # with the Run tab's numbers, not before
-            # Its state is not taken: a status is the latest of many (coalesced), and one sent
-            # before a pause can reach a UI after the welcome that already said "paused" (the
-            # demo showed RUNNING at its hit for ever). The welcome and the state events say
-            # every change of state, in order.
+            # Its state is not taken: a status (coalesced) sent before a pause can reach a UI
+            # after the welcome said "paused". The welcome and state events say each change.
         elif event == "hit":
             self.hit_table.merge([payload])
             self._count_hits([payload])
@@ -198,6 +196,8 @@ class MainScreen(Screen):
             self._ended_by = payload.get("reason", "") if payload["state"] == "finished" else ""
             self.app.state = payload["state"]  # type: ignore[attr-defined]
             self.app.skippable = payload.get("skippable", True)  # no k after the step's updates
+            if payload["state"] != "paused":  # the open tensor's phase is over
+                self.tensor_inspector.moved_on("values as at the pause: the training went on")
             self._show_title()
         elif event == "profile":
             self.profiler_view.profile_event(payload)
@@ -207,11 +207,11 @@ class MainScreen(Screen):
         self.run_status.show_info(info)
         self._show_replay(info)
         self.log_entry(f"replay: step {info['step']}")
+        self.tensor_inspector.moved_on(f"the step before's: reopen at step {info['step']}")
         self.reload()
 
     def _show_replay(self, info: Info) -> None:
-        """The banner of a recorded run: which run, recorded when, which step, and whether that
-        step can be read."""
+        """The banner of a recorded run: which run, recorded when, which step, if readable."""
         replay = info.get("replay")
         if replay is None:
             self._replay_text = ""
