@@ -377,3 +377,33 @@ def test_the_module_tree_gives_each_output_its_range_while_paused(paused):
     assert mid["step"] == act["step"] == 3
     assert mid["min"] < 0 < mid["max"] and mid["numel"] == 16 * 32
     assert -0.2 < act["min"] < 0 < act["max"]  # GELU's outputs stay above -0.17
+
+
+@pytest.mark.parametrize("sync", ["auto", "eager", "batched"])
+def test_an_update_without_values_says_why_truthfully(watch, sync):
+    """Opening head.weight.update said it "was not kept (the phase's tensors passed
+    retain_bytes=256 MiB)" for a 433-parameter model (found by a new user): an update is
+    measured, never kept, whatever the budget."""
+    from tensordbg.rules import WeightNotChanging
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD([{"params": model[0].parameters()},
+                           {"params": model[1].parameters(), "lr": 0.0}], lr=0.1)  # fmt: skip
+    said = []
+
+    def open_it(hit):
+        try:
+            LiveSource(session).stats(hit.ref)
+        except SourceError as e:
+            said.append(str(e))
+
+    session = watch(model, optimizer=opt, on_hit=open_it, rules=[WeightNotChanging()],
+                    sync=sync)  # fmt: skip
+    for _ in range(4):  # unchanged at steps 1, 2 and 3 (step 0 is its first)
+        opt.zero_grad()
+        model(torch.randn(5, 4)).pow(2).mean().backward()
+        opt.step()
+    assert said and all("retain_bytes" not in s for s in said), said
+    assert "1.weight.update was not kept (an update, the weights after the step against " \
+           "before, is measured, never kept: open 1.weight" in said[0]  # fmt: skip

@@ -99,6 +99,9 @@ class SyncMode:
         session.phases.awaits(record, wanted, slot)
 
     def why_not_kept(self, record: Record, retain_bytes: int) -> str:
+        if record.stats.kind == "update":  # never a tensor of its own, in any mode
+            return (f"an update, the weights after the step against before, is measured, never "
+                    f"kept: open {record.param} for its values after the step")  # fmt: skip
         return f"the phase's tensors passed retain_bytes={retain_bytes // 2**20} MiB"
 
     def why_not_measured(self, record: Record, interval: int) -> str:
@@ -128,6 +131,8 @@ class Eager(SyncMode):
         return True
 
     def why_not_kept(self, record: Record, retain_bytes: int) -> str:
+        if record.stats.kind == "update":
+            return super().why_not_kept(record, retain_bytes)
         return (
             "eager checks keep only hits and the last few tensors; this one passed and the "
             "training has freed it"
