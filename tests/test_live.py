@@ -227,6 +227,16 @@ def test_paused_between_steps_the_modules_say_the_step_has_not_begun():
         assert "not called this step" not in notes
 
 
+def test_while_the_training_runs_the_modules_say_so_not_that_nothing_was_called():
+    """Running in the default mode, every row of the Modules tab said "not called this step",
+    refresh after refresh, while each step called every module (found by a new user)."""
+    with PausedTraining(steps=400, bad_step=-1, sync="deferred") as training:
+        training.wait(lambda: training.session is not None and training.session.step > 2)
+        source = LiveSource(training.session)
+        notes = {m.get("note") for m in source.modules() if m["path"]}
+        assert notes == {"running: its statistics are read when the training pauses"}
+
+
 def test_tensors_are_refused_while_the_training_runs_and_detach_lets_it_finish():
     with PausedTraining(steps=40, bad_step=-1, on_hit="record") as training:
         source = LiveSource(training.session)

@@ -115,8 +115,8 @@ class LiveSource(LiveProfiling):
                 self._on_training_thread(self._measure_kept)
         snapshot = s.snapshot()  # never the dicts the training thread is filling
         latest: dict[str, dict[str, dict[str, Any]]] = {}
-        # The phase's own records first: paused at a hit, deferred mode has judged only the
-        # tensors before it, and a tensor not judged yet has no latest statistics.
+        # The phase's own records first: paused at a hit, deferred mode has judged only those
+        # before it (one not judged yet has no latest statistics).
         for record in snapshot.records:
             stats = record.stats
             measured = stats.summary is not None or stats.values
@@ -136,8 +136,8 @@ class LiveSource(LiveProfiling):
             hits[hit.module] = hits.get(hit.module, 0) + 1
         calls = snapshot.calls
         inside = {call.path for call in list(s.capture.stack)}  # the calls not returned yet
-        out = []
-        model = s.model
+        paused = s.controller.state == "paused"
+        out, model = [], s.model
         for path, module in model.named_modules() if model is not None else ():
             row: contract.Module = {
                 "path": path,
@@ -149,15 +149,15 @@ class LiveSource(LiveProfiling):
                 "stats": latest.get(path, {}),
             }
             if "output" not in row["stats"]:  # a blank would say nothing: say why
+                when = "between" if s.between_steps and paused else s.controller.state
                 row["note"] = _no_output(id(module) in s.capture.paths, path in inside,
-                                         row["calls"], s.mode, s.between_steps)  # fmt: skip
+                                         row["calls"], s.mode, when)  # fmt: skip
             out.append(row)
         return out
 
     def _measure_kept(self) -> None:
-        """While paused: the full statistics (the range among them) of the phase's tensors
-        that are still kept and were only screened (deferred mode measures a clean activation
-        only as finite), so the Modules tab shows where values grow."""
+        """While paused: the full statistics of the phase's kept tensors only screened (deferred
+        mode measures a clean activation only as finite): the Modules tab shows their range."""
         for record in self.session.snapshot().records:
             stats = record.stats
             if stats.summary is None and not record.hidden:
@@ -176,9 +176,8 @@ class LiveSource(LiveProfiling):
         rules = [_rule_dict(a) for a in self.session.rules]
         return {"rules": rules, "available": recorded.available()}
 
-    def set_rule(
-        self, id: int, enabled: bool | None = None, params: dict[str, Any] | None = None
-    ) -> contract.Rule:
+    def set_rule(self, id: int, enabled: bool | None = None,
+                 params: dict[str, Any] | None = None) -> contract.Rule:  # fmt: skip
         """Edit a rule. The edit is checked here, and made by the training thread at its next
         hook (at once while it is paused): the reply is the rule as it will be, with
         ``pending`` true until then."""
@@ -269,9 +268,8 @@ class LiveSource(LiveProfiling):
     # --- the UI's presence ---------------------------------------------------------------------
 
     def on_clients(self, count: int) -> None:
-        """The server saw the number of connected UIs change. When the last one vanishes while
-        the training is paused, the training resumes after ``ui_timeout`` seconds with blocking
-        watchpoints disarmed."""
+        """The number of connected UIs changed. The last gone while the training is paused, it
+        resumes after ``ui_timeout`` seconds with blocking watchpoints disarmed."""
         previous, self._clients = self._clients, count
         timer, self._ui_timer = self._ui_timer, None
         if timer is not None:
@@ -485,13 +483,15 @@ def _rule_dict(active: Any) -> dict[str, Any]:
     }
 
 
-def _no_output(watched: bool, running: bool, calls: int, mode: str, between: bool) -> str:
-    """Why a module's row has no output statistics."""
+def _no_output(watched: bool, inside: bool, calls: int, mode: str, when: str) -> str:
+    """Why a module's row has no output statistics; ``when``: "between" steps, or the state."""
     if not watched:
         return "a container: see its children"
-    if running:
+    if when == "running":  # each row said "not called this step" while every step called it
+        return "running: its statistics are read when the training pauses"
+    if inside:
         return "paused inside it"
-    if not calls and between:  # paused after s: every row said "not called this step"
+    if not calls and when == "between":  # paused after s
         return "not called yet: paused before this step began"
     if not calls:
         return "not called this step"
