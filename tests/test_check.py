@@ -200,6 +200,9 @@ def test_the_command_exits_0_clean_1_on_a_hit_2_when_unreadable(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is not a tensordbg dump" in err
     assert main(["check", hit, "--rules", "Overflow"]) == 0
+    # --rules '' is no rule, as for tensordbg run (it ran the default set and found the NaN)
+    assert main(["check", hit, "--rules", ""]) == 0
+    assert main(["check", hit, "--rules", "", "--rule", "NaN()"]) == 1
     capsys.readouterr()
     bare = str(write_dump(tmp_path / "bare", stats=(MIN, MAX), values=False, nan_at=None))
     # VanishingGradient could judge none of its gradients: not a clean run (2), with --strict

@@ -60,12 +60,9 @@ def check(args: argparse.Namespace, *, rules: Parser, rule: Parser) -> int:
     if dump is None:
         return 2
     from tensordbg.offline.check import check_dump
-    from tensordbg.rules import default_rules
-
     chosen = None
-    if args.rules is not None or args.rule:
-        chosen = rules(args.rules or "default")
-        chosen = [*(default_rules() if chosen is None else chosen), *map(rule, args.rule)]
+    if args.rules is not None or args.rule:  # --rules '' is no rule, as for tensordbg run
+        chosen = [*rules("default" if args.rules is None else args.rules), *map(rule, args.rule)]
     report = check_dump(dump, chosen)
     if args.json:
         print(json.dumps(report.as_json(), indent=1))
