@@ -190,6 +190,8 @@ def _given_by_own_code(call: Call, params_fired: set[int]) -> list[Verdict]:
     (a rule whose ``match`` leaves them out, ``TensorRange(match="inner.*")``; a value masked
     before the output): reported at that input, made here. Else nothing the rule judges would
     be their origin, and a hit that should pause would only ever be "passed on"."""
+    if not any(child.fired_in for child in call.children):
+        return []  # no input of a submodule showed anything: most calls, every clean step
     shown: set[int] = set()
     for _, record in call.outputs:
         shown |= record.conditions

@@ -60,6 +60,7 @@ def check(args: argparse.Namespace, *, rules: Parser, rule: Parser) -> int:
     if dump is None:
         return 2
     from tensordbg.offline.check import check_dump
+
     chosen = None
     if args.rules is not None or args.rule:  # --rules '' is no rule, as for tensordbg run
         chosen = [*rules("default" if args.rules is None else args.rules), *map(rule, args.rule)]
