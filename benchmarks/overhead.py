@@ -326,9 +326,10 @@ def _switch_off(session: tensordbg.Session, capabilities: int) -> None:
         session.capture.grad_hooks.hook_node = lambda *args: None
         session.capture.grad_hooks.hook_leaf = lambda *args: None
         session._note_param_grads = lambda: set()
+        session.note_pass_params = lambda: None
         session.grads_changed = lambda: False
     if capabilities < 4:  # no weight is read after the update
-        session._check_parameters = lambda *args: None
+        session._check_parameters = lambda *args, **kwargs: None
 
 
 def ranks_main(args: argparse.Namespace) -> int:
