@@ -302,10 +302,8 @@ def _rules(spec: str) -> list:
             try:
                 rules.append(available[name]())
             except (TypeError, ValueError) as e:  # a rule that needs arguments
-                raise _usage(
-                    f"tensordbg: {e}; give {name} its arguments with "
-                    f'--rule "{name}(...)" instead of --rules'
-                ) from None
+                raise _usage(f"tensordbg: {e}; give {name} its arguments with "
+                             f'--rule "{name}(...)" instead of --rules') from None  # fmt: skip
         else:
             raise _usage(f"tensordbg: {unknown_rule(name)}")
     return rules
@@ -378,6 +376,7 @@ def _size(text: str) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from tensordbg.dump.writer import unwritable_reason
     from tensordbg.integrations.runner import run_script
     from tensordbg.rules import default_rules
 
@@ -385,16 +384,14 @@ def _run(args: argparse.Namespace) -> int:
         print("tensordbg run: which script? e.g. tensordbg run train.py --epochs 3 "
               "(see tensordbg run --help)", file=sys.stderr)  # fmt: skip
         return 2
-
     if args.dump_dir is None and (args.dump_every or args.dump_tensors or args.on_hit == "dump"
                                   or args.dump_max_bytes):  # fmt: skip
         print("tensordbg run: --dump-every, --dump-tensors, --dump-max-bytes and --on-hit dump "
               "write into a dump: give --dump-dir DIR too", file=sys.stderr)  # fmt: skip
         return 2
     dumps = {}
-    if args.dump_dir is not None and (unwritable := _unwritable(args.dump_dir)):
-        print(f"tensordbg run: cannot write a dump in {args.dump_dir}: {unwritable}",
-              file=sys.stderr)  # fmt: skip
+    if args.dump_dir is not None and (why := unwritable_reason(args.dump_dir)):
+        print(f"tensordbg run: cannot write a dump in {args.dump_dir}: {why}", file=sys.stderr)
         return 2
     if args.dump_dir is not None:
         dumps = {"dump_dir": args.dump_dir, "dump_every": args.dump_every,
@@ -420,16 +417,6 @@ def _run(args: argparse.Namespace) -> int:
         **dumps,
         profile_steps=args.profile,
     )
-
-
-def _unwritable(directory: str) -> str:
-    """Why a dump cannot be written in ``directory`` (made if missing), or ``""``: said before
-    the script starts, not as a traceback from its first forward."""
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as e:
-        return e.strerror or str(e)
-    return "" if os.access(directory, os.W_OK | os.X_OK) else "permission denied"
 
 
 def _tui(args: argparse.Namespace) -> int:

@@ -316,3 +316,14 @@ class DumpWriter:
 def _unlink(path: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
+
+
+def unwritable_reason(directory: str | os.PathLike[str]) -> str:
+    """Why a dump cannot be written in ``directory`` (made if missing), or ``""``:
+    ``tensordbg run`` says it before the script starts, not as a traceback from its first
+    forward."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        return e.strerror or str(e)
+    return "" if os.access(directory, os.W_OK | os.X_OK) else "permission denied"

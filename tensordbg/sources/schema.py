@@ -20,8 +20,7 @@ class Summary(TypedDict, total=False):
     moments are over finite elements. Listings add ``shape``, ``dtype`` and its ``step``."""
 
     numel: int
-    # Counts, but numbers in general: a partial summary carries the rules' values, floats.
-    nan: float
+    nan: float  # counts, floats in general: a partial summary carries the rules' values
     posinf: float
     neginf: float
     zeros: float
@@ -324,6 +323,7 @@ class StateEvent(TypedDict):
     step: int
     reason: NotRequired[str]  # why it paused, when it did; how it finished, when not by itself
     unwatched: NotRequired[str]  # as Info's: sent when tensordbg stops watching
+    skippable: NotRequired[bool]  # paused where k can still drop an update of the step
 
 
 class LogEvent(TypedDict):
