@@ -137,5 +137,5 @@ def script_ended_by() -> str:
     if error is None or "IPython" in sys.modules or isinstance(error, SystemExit):
         return ""
     if isinstance(error, KeyboardInterrupt):
-        return "interrupted (Ctrl-C)"
+        return "interrupted by Ctrl-C"
     return f"stopped by {type(error).__name__}"

@@ -554,7 +554,7 @@ def test_ctrl_c_reaches_the_ui_as_how_the_training_ended(tmp_path: Path, monkeyp
     )
     monkeypatch.setattr(sys, "argv", [str(path)])
     assert run_script(str(path), ["4"], on_hit="record", server=False) == 130
-    assert said[-1] == {"state": "finished", "step": 4, "reason": "interrupted (Ctrl-C)"}
+    assert said[-1] == {"state": "finished", "step": 4, "reason": "interrupted by Ctrl-C"}
 
 
 def test_the_demo_tells_the_ui_why_it_stopped(monkeypatch):
@@ -754,7 +754,7 @@ def test_every_help_fits_an_80_column_terminal(cli, monkeypatch, command):
 
 
 @pytest.mark.parametrize("ending, said", [
-    ("raise KeyboardInterrupt  # Ctrl-C", "interrupted (Ctrl-C)"),
+    ("raise KeyboardInterrupt  # Ctrl-C", "interrupted by Ctrl-C"),
     ("raise ValueError('bad batch')", "stopped by ValueError"),
     ("pass", None),
 ])  # fmt: skip

@@ -419,15 +419,15 @@ def test_a_training_ended_by_ctrl_c_is_not_shown_as_simply_finished() -> None:
             await until(pilot, lambda: app.state == "paused")
             source.state = "finished"
             source.emit("state", {"state": "finished", "step": 3,
-                                  "reason": "interrupted (Ctrl-C)"})  # fmt: skip
+                                  "reason": "interrupted by Ctrl-C"})  # fmt: skip
             await until(pilot, lambda: app.state == "finished")
-            assert app.main.title == "FINISHED after step 2 · interrupted (Ctrl-C)"
+            assert app.main.title == "FINISHED after step 2 · interrupted by Ctrl-C"
             # Nothing is left to detach from: q quits, and the footer says so.
             shown = [b.binding.description for b in app.screen.active_bindings.values()
                      if b.binding.key == "q" and b.enabled and b.binding.show]  # fmt: skip
             assert shown == ["Quit"]
             app.main.show_tab("run")
-            await until(pilot, lambda: "(interrupted (Ctrl-C))" in text_of(
+            await until(pilot, lambda: "(interrupted by Ctrl-C)" in text_of(
                 app.main.run_status.query_one("#run-state", Static)))  # fmt: skip
 
     asyncio.run(flow())

@@ -560,8 +560,8 @@ def test_the_log_gives_a_state_the_reason_of_that_state_not_of_the_last_pause() 
     # ran): the last step is named, as the header names it.
     line = describe_event("state", {"state": "detached", "step": 29, "reason": hit})
     assert line == "detached after step 28"
-    ended = {"state": "finished", "step": 29, "reason": "interrupted (Ctrl-C)"}
-    assert describe_event("state", ended) == "finished after step 28 (interrupted (Ctrl-C))"
+    ended = {"state": "finished", "step": 29, "reason": "interrupted by Ctrl-C"}
+    assert describe_event("state", ended) == "finished after step 28 (interrupted by Ctrl-C)"
 
 
 def test_slash_on_the_hits_tab_filters_the_hits_and_end_goes_to_the_last_hit() -> None:

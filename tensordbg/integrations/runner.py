@@ -247,7 +247,7 @@ def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = 
         print(f"tensordbg run: interrupted (Ctrl-C){where}"
               + (" while paused" if paused else ""), file=sys.stderr)  # fmt: skip
         for watched in run.sessions:
-            watched.ended_by = "interrupted (Ctrl-C)"  # the UI says so, not just "finished"
+            watched.ended_by = "interrupted by Ctrl-C"  # the UI says so, not just "finished"
         return 130
     finally:
         sessions = run.sessions
