@@ -133,6 +133,8 @@ def train(
             time.sleep(0.05)  # slow enough to watch in the UI
     except KeyboardInterrupt:  # Ctrl-C, or `tensordbg demo`'s UI quitting
         interrupted = True
+    if interrupted:  # where the UI said it was: a pause between steps is at the next one
+        step = session.step
     if interrupted and ends_with_ui:
         print(f"step {step:3d}  the UI quit: the demo's training stops here (q lets a training "
               "of yours go on, unwatched)", flush=True)  # fmt: skip
