@@ -701,6 +701,12 @@ def test_tui_with_no_session_says_how_to_get_one_and_how_to_wait(cli):
     assert code == 2  # as the other sessions it cannot open
     assert "tensordbg tui: no tensordbg session is running for this user" in err
     assert "tensordbg run script.py" in err and "tensordbg tui --wait 60" in err
+    # Waiting, it says what for (the terminal was blank), and at the end not to wait 60 s
+    # to a person who just waited.
+    code, _, err = cli("tui", "--wait", "0.3")
+    assert code == 2
+    assert err.startswith("tensordbg tui: waiting up to 0.3 s for a training to start")
+    assert "no tensordbg session started within 0.3 s" in err and "--wait 60" not in err
 
 
 def test_a_runtime_directory_others_can_read_is_one_sentence(cli, tmp_path: Path, monkeypatch):

@@ -48,11 +48,15 @@ def run_tui(
         print(f"tensordbg tui: {problem}", file=sys.stderr)
         return 2
     if app is None:
+        waited = (f"no tensordbg session started within {wait:g} s" if wait else
+                  "no tensordbg session is running for this user")  # fmt: skip
+        wait_more = (
+            "wait longer with --wait" if wait else "wait for one with `tensordbg tui --wait 60`"
+        )
         print(
-            "tensordbg tui: no tensordbg session is running for this user: start the training "
-            "with tensordbg.attach(...) or `tensordbg run script.py` (its session starts at the "
-            "model's first call), wait for one with `tensordbg tui --wait 60`, or give the path "
-            "of its connection file.",
+            f"tensordbg tui: {waited}: start the training with tensordbg.attach(...) or "
+            "`tensordbg run script.py` (its session starts at the model's first call), "
+            f"{wait_more}, or give the path of its connection file.",
             file=sys.stderr,
         )
         return 2
@@ -114,6 +118,9 @@ def session_app(
         # makes its session at the model's first call).
         deadline = time.monotonic() + wait
         sessions = find_sessions()
+        if not sessions and wait > 0:  # a blank terminal said nothing of what it waited for
+            print(f"tensordbg tui: waiting up to {wait:g} s for a training to start "
+                  "(Ctrl-C stops waiting)", file=sys.stderr, flush=True)  # fmt: skip
         while not sessions and time.monotonic() < deadline:
             time.sleep(0.2)
             sessions = find_sessions()
