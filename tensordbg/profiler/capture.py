@@ -353,7 +353,9 @@ class _Run:
         """The hooks that mark forward, backward and the optimizer, in this run's handle group
         (closed when the run ends, whatever way it ends)."""
         handles = self.handles
-        handles.add(model.register_forward_pre_hook(self._forward_enter))
+        # First, before tensordbg's own pre-hook: the work it does as a forward begins is the
+        # forward's, not "other" (which the advice blames on the training loop).
+        handles.add(model.register_forward_pre_hook(self._forward_enter, prepend=True))
         handles.add(model.register_forward_hook(self._forward_exit, always_call=True))
         for optimizer in optimizers:
             handles.add(optimizer.register_step_pre_hook(self._optimizer_enter))
