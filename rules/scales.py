@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tensordbg.statistics import L2, TensorStats
@@ -33,7 +34,7 @@ def note_scales(tensors: Sequence[TensorStats], state: dict[str, Any]) -> list[f
     """:func:`note_scale` of each gradient in turn (a pass's, in one loop)."""
     had: dict[str, float] = state.setdefault("had", {})
     scales: dict[str, list[float]] = state.setdefault("scales", {})
-    top = state.get("top")
+    top: StepScale | None = state.get("top")
     out: list[float | None] = []
     for t in tensors:
         l2 = t.values.get(L2)
@@ -41,31 +42,39 @@ def note_scales(tensors: Sequence[TensorStats], state: dict[str, Any]) -> list[f
             out.append(None)
             continue
         scale = l2 / math.sqrt(t.numel)
-        if top is None or top[0] != t.step:
-            top = _next_top(top, t.step)
-            state["top"] = top
-        top[1] = max(top[1], scale)
+        if top is None or top.step != t.step:
+            top = state["top"] = StepScale(t.step) if top is None else top.next(t.step)
+        if scale > top.largest:
+            top.largest = scale
         if scale > 0:  # its latest nonzero scale: a gradient that stops had one (not unconnected)
             had[t.name] = scale
         noted = scales.get(t.name)
         if noted is None:
             scales[t.name] = [t.step, scale, math.nan]
-            top[2] += 1
+            top.noted += 1
         elif noted[0] == t.step:
             noted[1] = scale  # again in the same step (accumulated gradients, a refinement)
         else:
             noted[0], noted[1], noted[2] = t.step, scale, noted[1]
-            top[2] += 1
+            top.noted += 1
         out.append(scale)
     return out
 
 
-def _next_top(top: list[float] | None, step: int) -> list[float]:
-    """``state["top"]``: [step, its largest root-mean-square so far, how many gradients it has
-    noted, the step before's largest, how many that one noted, the largest any step had]."""
-    if top is None:
-        return [step, 0.0, 0, math.inf, 0, 0.0]
-    return [step, 0.0, 0, top[1], top[2], max(top[5], top[1])]
+@dataclass(slots=True)
+class StepScale:
+    """``state["top"]``: the largest root-mean-square among a step's gradients so far and how
+    many gradients it has noted, the same of the step before, and the largest any step had."""
+
+    step: int
+    largest: float = 0.0
+    noted: int = 0
+    before: float = math.inf  # no step before: it cannot say the training is done
+    noted_before: int = 0
+    peak: float = 0.0
+
+    def next(self, step: int) -> StepScale:
+        return StepScale(step, 0.0, 0, self.largest, self.noted, max(self.peak, self.largest))
 
 
 def gradients_spent(state: dict[str, Any], step: int) -> bool:
@@ -75,13 +84,13 @@ def gradients_spent(state: dict[str, Any], step: int) -> bool:
     not noted them all before the last: until it has as many as the step before, that step's
     must be as small too (a head whose weight gets nothing, judged before its bias, is no
     finished training)."""
-    top = state.get("top")
-    if top is None or top[0] != step:
+    top: StepScale | None = state.get("top")
+    if top is None or top.step != step:
         return False
-    peak = max(top[5], top[1])
-    if not peak > 0 or top[1] > SPENT * peak:
+    peak = max(top.peak, top.largest)
+    if not peak > 0 or top.largest > SPENT * peak:
         return False
-    return top[2] >= top[4] or top[3] <= SPENT * peak
+    return top.noted >= top.noted_before or top.before <= SPENT * peak
 
 
 def typical_scale(state: dict[str, Any], name: str, before: int | None = None) -> float | None:

@@ -55,8 +55,8 @@ class WeightNotChanging(Rule):
     is a healthy gradient that does not reach the weight. An embedding whose rows got no
     gradient in a step is judged as a whole: its other rows moved, so it changed.
 
-    So does a step whose observed loss is 0 or at most 1e-7 of the largest it had (with no
-    loss observed: whose every gradient is at most 1e-7 of the largest any had): the
+    So does a step whose every observed loss is 0 or at most 1e-7 of the largest it had (with
+    no loss observed: whose every gradient is at most 1e-7 of the largest any had): the
     training is done, and Adam's steps on gradients of 1e-9 fall below a float32 step (an
     autoencoder at a loss of 3e-15, one batch overfit to 0: new users' runs).
 
