@@ -1051,6 +1051,7 @@ def test_k_on_a_hit_found_after_the_update_is_refused_and_not_offered(watch, syn
     def press():
         try:
             wait_until(lambda: session.controller.state == "paused")
+            said["offered"] = LiveSource(session).info()["skippable"]  # a UI opened now
             try:
                 LiveSource(session).control("skip")
             except SourceError as e:
@@ -1066,6 +1067,7 @@ def test_k_on_a_hit_found_after_the_update_is_refused_and_not_offered(watch, syn
     helper.join(DEADLINE)
     assert "update is made already (this hit was found after it)" in said["error"]
     assert [s.get("skippable") for s in states if s["state"] == "paused"] == [False]
+    assert said["offered"] is False
     assert session.skipped_updates == [] and not _bitwise_equal(before, model.state_dict())
 
 

@@ -408,6 +408,24 @@ def test_a_tensor_left_open_when_the_training_goes_on_says_its_values_are_the_pa
     asyncio.run(flow())
 
 
+def test_a_ui_opened_on_a_pause_after_the_steps_update_offers_no_skip() -> None:
+    """k was offered to a UI opened after the pause (only state events said "skippable"), and
+    pressing it was refused: the welcome says it too."""
+
+    class AfterUpdate(FakeSource):
+        def info(self):
+            return {**super().info(), "skippable": False}
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(AfterUpdate()))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "paused")
+            keys = {k for k, b in app.active_bindings.items() if b.binding.show and b.enabled}
+            assert "c" in keys and "k" not in keys
+
+    asyncio.run(flow())
+
+
 def test_a_training_ended_by_ctrl_c_is_not_shown_as_simply_finished() -> None:
     """The session's last word says how the script ended when it did not end by itself: the
     header and the Run tab say so next to FINISHED."""

@@ -67,6 +67,11 @@ class OptimizerPhase:
         is found after it): a skip asked for now has nothing left to drop."""
         return bool(self._stepped) and len(self._stepped) >= len(self.optimizers)
 
+    def skippable(self) -> bool:
+        """Whether a skip can still drop an update: not while paused after every update of
+        the step (a parameter's hit); the UI offers ``k`` only when it can."""
+        return not (self.controller.state == "paused" and self.update_made())
+
     def skipping(self) -> str:
         """What a skip asked for now drops, as a person reads it: the step's updates not yet
         made (optimizers named by class and place in the list: ``Adam #2``)."""

@@ -379,10 +379,8 @@ class Pipeline(Pausing, Pinpointing):
         # The reason is the pause's: "running at step 26 (NaN hit: ...)" read as if it ran
         # because of it. (How a training finished comes with the session's detach.)
         reason = self.controller.reason if state == "paused" else ""
-        # Paused after every update of the step (a hit on a parameter): no skip to offer.
-        skippable = not (state == "paused" and self.update_made())
         self.bus.publish("state", {"state": state, "step": self.step, "reason": reason,
-                                   "skippable": skippable})  # fmt: skip
+                                   "skippable": self.skippable()})  # fmt: skip
 
 
 def _measure(measure: Any, tensor: torch.Tensor, stats: TensorStats, wanted: Any) -> list[float]:

@@ -94,6 +94,7 @@ class LiveSource(LiveProfiling):
             "sync": s.mode,
             "paused_at": control.paused_at.as_dict() if control.paused_at else None,
             "pause_reason": control.reason if control.state == "paused" else "",
+            "skippable": s.skippable(),
             "hits_total": len(s.hits),
             "retain_bytes": s.retain_bytes,
             "started": self.started,
@@ -125,8 +126,7 @@ class LiveSource(LiveProfiling):
         for _, (_, stats) in snapshot.latest.items():
             if stats.module or stats.kind in _ACTIVATIONS:
                 latest.setdefault(stats.module, {}).setdefault(stats.kind, _brief(stats))
-        # A module that returned a child's output as its own (attention returning its output
-        # projection's) has that output too: its row is not empty, and names the same tensor.
+        # A module returning a child's output as its own (attention, its projection's) has it.
         for record in snapshot.records:
             if record.stats.kind == "output":
                 for call in record.passed_up:

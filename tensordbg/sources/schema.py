@@ -104,6 +104,7 @@ class Info(TypedDict):
     unwatched: NotRequired[str]  # why tensordbg stopped watching (its own fault); "" while it is
     replay: NotRequired[Replay]  # a recorded run only
     world_size: NotRequired[int]  # ranks in the job (torchrun's WORLD_SIZE); 1 for one process
+    skippable: NotRequired[bool]  # as StateEvent's
 
 
 class RunningRule(TypedDict):
@@ -267,9 +268,7 @@ class Rule(TypedDict):
     kinds: list[str]
     disabled_reason: str | None
     hits: int
-    pending: NotRequired[bool]
-    """True when the training runs: the edit is made at its next hook, and this is the rule as
-    it will be then."""
+    pending: NotRequired[bool]  # the training runs: the edit is made at its next hook
 
 
 class AvailableRule(TypedDict):

@@ -159,6 +159,7 @@ class MainScreen(Screen):
         )
         self._state = info.get("state", "running")
         self.app.state = self._state  # type: ignore[attr-defined]
+        self.app.skippable = info.get("skippable", True)  # opened on a pause after the update
         self._explain_ranges()  # the same state as before may be another session's
         self._show_title()
         paused_at = info.get("paused_at")
@@ -183,8 +184,7 @@ class MainScreen(Screen):
             self._step = payload.get("step", self._step)
             self.module_browser.step_moved(self._step)
             self.call_after_refresh(self._show_title)  # with the Run tab's numbers, not before
-            # Its state is not taken: a status (coalesced) sent before a pause can reach a UI
-            # after the welcome said "paused". The welcome and state events say each change.
+            # Not its state: a (coalesced) status can come after the welcome or a state event.
         elif event == "hit":
             self.hit_table.merge([payload])
             self._count_hits([payload])
