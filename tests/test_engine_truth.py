@@ -512,6 +512,58 @@ def test_saving_and_copying_a_watched_model_work_and_the_copies_carry_no_hooks(w
     assert "__reduce_ex__" not in vars(model[0])  # detach undid that too
 
 
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(16, 64)
+        layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True, dropout=0.0)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(64, 3)
+
+    def forward(self, x, pad=None):
+        return self.head(self.enc(self.inp(x), src_key_padding_mask=pad))
+
+
+@pytest.mark.filterwarnings("ignore:.*enable_nested_tensor")
+def test_a_transformer_encoder_evaluates_attached_as_it_does_bare(watch):
+    """nn.TransformerEncoderLayer evaluates through one fused kernel unless a module inside it
+    has a forward hook; its standard path differs in the last bits (the CPU's bfloat16
+    autocast: logits moved by 2^-7). Attached, it still takes the fused path."""
+    bare, model = Encoder(), Encoder()
+    watch(model, on_hit="record", rules=[NaN()])
+    x, pad = torch.randn(4, 10, 16), torch.zeros(4, 10, dtype=torch.bool)
+    pad[:, 7:] = True
+    bare.eval(), model.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(bare(x, pad), model(x, pad))
+        assert torch.equal(bare(x), model(x))
+
+
+@pytest.mark.filterwarnings("ignore:.*enable_nested_tensor")
+@pytest.mark.parametrize("sync", MODES)
+def test_inside_a_transformer_encoder_layer_the_module_that_made_a_nan_is_named(watch, sync):
+    """Its modules are watched through torch's global hooks (above): in training the layer's
+    submodules are each a call, and a NaN weight is the origin, in every mode; in evaluation
+    the fused layer is one call, whose kernel used that weight: its output is said to be
+    passed on from it (the weight of a submodule its kernel used, not a call of its own)."""
+    model = Encoder()
+    session = watch(model, on_hit="record", sync=sync, rules=[NaN()])
+    with torch.no_grad():
+        model.enc.layers[1].linear2.weight[0, 0] = float("nan")
+    x, pad = torch.randn(4, 10, 16), torch.zeros(4, 10, dtype=torch.bool)
+    pad[:, 7:] = True
+    model(x, pad).sum().backward()
+    assert origins(session, "forward") == [("enc.layers.1.linear2.weight", "param")]
+    model.eval()
+    with torch.no_grad():
+        model(x, pad)
+    evaluated = [h for h in session.hits if h.step == 1]
+    assert [(h.tensor, h.origin) for h in evaluated] == [
+        ("enc.layers.1.output", False), ("head.output", False)]  # fmt: skip
+    assert "own parameters enc.layers.1.linear2.weight" in evaluated[0].message
+
+
 @pytest.mark.filterwarnings("ignore:.*deprecated")
 def test_scripting_a_watched_model_works_and_the_scripted_one_carries_no_hooks(watch):
     """torch.jit.script compiles a module's forward hooks with it: scripting an attached model

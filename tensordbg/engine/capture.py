@@ -6,6 +6,8 @@ What is hooked, and why this way (see reference.md, "Hook pitfalls"):
   root's inputs and every module's outputs are watched, through any nesting of tuples, lists,
   dicts and dataclasses; each module call gets a :class:`Call` in a per-forward call tree, which
   is what lets the engine tell the module that produced a bad value from those that passed it on.
+  Inside a module with a fused inference path that hooks turn off, the same hooks are global
+  ones (fused.py).
 - Backward: ``Tensor.register_hook`` on module outputs and inputs, installed from the forward
   hooks. ``register_full_backward_hook`` is not used: it breaks on in-place ops such as
   ``ReLU(inplace=True)``. A hook registered before an in-place op sees the gradient of the value
@@ -36,6 +38,7 @@ from typing import Any, Protocol
 
 import torch
 
+from tensordbg.engine.fused import FUSED, GlobalHooks, fused_modules
 from tensordbg.engine.grad_hooks import GradHooks
 from tensordbg.engine.handles import HandleGroup, Unhooked, hide_from_torchscript
 from tensordbg.engine.pending import COLD, ForwardLog, PendingForward, Seen, grad_edge
@@ -122,7 +125,9 @@ class Capture(ForwardLog):
             self.types[id(module)] = type(module).__name__
         for path, module in model.named_modules():
             if id(module) in self.paths:
-                self.direct_params[id(module)] = _held_params(module, path, self.paths)
+                # A fused layer's kernel uses its submodules' parameters without calling them.
+                held = {} if isinstance(module, FUSED) else self.paths
+                self.direct_params[id(module)] = _held_params(module, path, held)
         self.stack: list[Call] = []
         self.root: Call | None = None
         self.calls_by_path: dict[str, list[Call]] = {}
@@ -163,8 +168,11 @@ class Capture(ForwardLog):
         """Hook every selected module's forward, and every trainable parameter's gradient."""
         self.grad_hooks = GradHooks(self.session, handles)
         self.random = {id(m) for m in model.modules() if id(m) in self.paths and draws_random(m)}
+        fused = fused_modules(model.modules()) & self.paths.keys()
+        if fused:  # hooks their fused path would see turn it off: global ones (fused.py)
+            GlobalHooks(fused, self.on_enter, self._on_exit).install(handles)
         for module in model.modules():
-            if id(module) not in self.paths:
+            if id(module) not in self.paths or id(module) in fused:
                 continue
             pre = handles.add(module.register_forward_pre_hook(self.on_enter, with_kwargs=True))
             post = handles.add(
@@ -216,7 +224,7 @@ class Capture(ForwardLog):
     # torch.compile must not trace the hooks (they keep Python state): it runs them eagerly, at a
     # graph break around each watched module.
     @torch.compiler.disable
-    def on_enter(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    def on_enter(self, module: torch.nn.Module, args: tuple, kwargs: dict | None) -> None:
         session = self.session
         if not session.active or self.suspended:
             return
@@ -237,7 +245,8 @@ class Capture(ForwardLog):
                 seen = _as_seen(leaves)
             self._open += 1
             drawn = random_state(seen) if module.training and id(module) in self.random else None
-            invocation = (module, args, kwargs, seen, drawn)
+            # Keyword arguments unknown (fused.py): no re-run, no masks described.
+            invocation = None if kwargs is None else (module, args, kwargs, seen, drawn)
             if self._log is not None and self._open > 1:
                 self._log.append((id(module), seen, site, invocation))
                 self._noted()

@@ -16,6 +16,7 @@ from typing import Any, TextIO
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from tensordbg.engine.fused import FUSED
 from tensordbg.engine.judge import ActiveRule
 from tensordbg.engine.records import Call, Record
 from tensordbg.hit import Hit, said_of
@@ -188,7 +189,9 @@ class HitLog:
         module = self._module(path)
         if module is None:
             return []
-        return _not_finite(module.named_parameters(prefix=path, recurse=False))
+        # A fused layer's kernel used its submodules' parameters (fused.py).
+        recurse = isinstance(module, FUSED)
+        return _not_finite(module.named_parameters(prefix=path, recurse=recurse))
 
     def _module(self, path: str | None) -> torch.nn.Module | None:
         """The model's module at ``path`` (the model for None); None when the model is gone or
