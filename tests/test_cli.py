@@ -624,6 +624,41 @@ def test_a_run_that_writes_a_dump_goes_on_at_a_hit_without_a_person(script: Path
     assert dump.hits and dump.steps()
 
 
+MADE = "optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)\n"
+
+
+def test_run_watches_a_model_the_script_compiles(tmp_path: Path):
+    """``model = torch.compile(model)``: the first module called is torch's wrapper, which
+    attach() refuses; the run watches the model inside it, as if attached before compiling.
+    The script died at its first step."""
+    script = tmp_path / "train.py"
+    compiled = 'model = torch.compile(model, backend="eager")\n'
+    script.write_text(SCRIPT.replace(MADE, MADE + compiled))
+    done = tensordbg("run", "--on-hit", "record", str(script), "6", cwd=tmp_path, timeout=240)
+    assert done.returncode == 1, done.stderr
+    assert "trained 6 steps" in done.stdout
+    assert "watching Sequential (49 parameters)" in done.stderr
+    assert "step 3 forward: [NaN] input[0]" in done.stderr
+    assert "global hooks" not in done.stderr  # torch's warning of the run's own hook
+
+
+def test_run_watches_a_model_the_script_wraps_in_distributed_data_parallel(tmp_path: Path):
+    """The wrapper is the first module called: its call was entered by hand although the session
+    watches the model inside it, an internal error at the first step ("KeyError"), nothing
+    watched, and a run of NaN losses exited 0."""
+    script = tmp_path / "train.py"
+    wrap = (f"import torch.distributed as dist\n"
+            f"dist.init_process_group('gloo', init_method='file://{tmp_path}/rendezvous', "
+            f"rank=0, world_size=1)\n"
+            f"model = nn.parallel.DistributedDataParallel(model)\n")  # fmt: skip
+    script.write_text(SCRIPT.replace(MADE, MADE + wrap))
+    done = tensordbg("run", "--on-hit", "record", str(script), "6", cwd=tmp_path, timeout=240)
+    assert done.returncode == 1, done.stderr
+    assert "internal error" not in done.stderr
+    assert "watching DistributedDataParallel (49 parameters)" in done.stderr
+    assert "step 3 forward: [NaN] input[0]" in done.stderr
+
+
 def test_a_clean_run_exits_0_and_a_run_that_hit_exits_1(tmp_path: Path):
     clean = tmp_path / "clean.py"
     clean.write_text(SCRIPT.replace('x[0, 0] = float("nan")', "pass"))

@@ -541,6 +541,25 @@ def test_a_transformer_encoder_evaluates_attached_as_it_does_bare(watch):
 
 
 @pytest.mark.filterwarnings("ignore:.*enable_nested_tensor")
+def test_compiling_a_watched_transformer_encoder_warns_of_no_hook_the_script_did_not_install(watch):
+    """torch.compile warns of global module hooks at each compiled call: the fused layers'
+    (above) are tensordbg's, not the script's. The warning is back once it detaches."""
+    model = Encoder()
+    session = watch(model, on_hit="record", rules=[NaN()])
+    compiled = torch.compile(model, backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        compiled(torch.randn(2, 5, 16))
+        assert not any("global hooks" in str(w.message) for w in caught)
+        session.detach()
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *a: None)
+        try:
+            compiled(torch.randn(2, 5, 16))  # the script's own global hook: warned of
+        finally:
+            handle.remove()
+    assert any("global hooks" in str(w.message) for w in caught)
+
+
+@pytest.mark.filterwarnings("ignore:.*enable_nested_tensor")
 @pytest.mark.parametrize("sync", MODES)
 def test_inside_a_transformer_encoder_layer_the_module_that_made_a_nan_is_named(watch, sync):
     """Its modules are watched through torch's global hooks (above): in training the layer's

@@ -14,11 +14,16 @@ A global pre-hook is not given the call's keyword arguments (a padding mask is o
 read from the frame of ``Module._call_impl`` that calls the hook. Where that frame is not
 torch's (a torch version that calls hooks elsewhere), they are unknown: the call is watched,
 but not run again to name an operation, nor its masks described.
+
+While global hooks of tensordbg's are installed, torch.compile's warning that global hooks
+fire once more for its wrapper is not shown (:func:`quiet_compile_warning`): they know the
+wrapper, and the script did not install them.
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -60,6 +65,7 @@ class GlobalHooks:
     def install(self, handles: HandleGroup) -> None:
         handles.add(register_module_forward_pre_hook(self._pre))
         handles.add(register_module_forward_hook(self._post, with_kwargs=True, always_call=True))
+        handles.callback(quiet_compile_warning(), "torch.compile's warning of global hooks")
 
     def _pre(self, module: torch.nn.Module, args: tuple) -> None:
         if id(module) in self.ids:
@@ -70,3 +76,20 @@ class GlobalHooks:
     def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if id(module) in self.ids:
             self.exit(module, args, kwargs, output)
+
+
+def quiet_compile_warning() -> Callable[[], None]:
+    """Hide torch.compile's warning of global module hooks until the returned function is
+    called (the hooks are gone): it speaks of hooks the script did not install."""
+    warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there "
+                            "are global hooks")  # fmt: skip
+    entry = warnings.filters[0]
+
+    def undo() -> None:
+        if entry in warnings.filters:
+            warnings.filters.remove(entry)
+            mutated = getattr(warnings, "_filters_mutated", None)  # the caches see it gone
+            if mutated is not None:
+                mutated()
+
+    return undo

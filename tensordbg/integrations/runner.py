@@ -32,6 +32,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tensordbg.api import COMMAND_LINE, CommandLine, attach, attached_to
+from tensordbg.engine.fused import quiet_compile_warning
 from tensordbg.engine.hits import print_summary
 from tensordbg.engine.params import held_params, parameter_count
 from tensordbg.engine.session import Session
@@ -75,6 +76,7 @@ class ScriptRun:
         COMMAND_LINE.flags = ", ".join(_flag(k, v) for k, v in self.chosen.items())
         COMMAND_LINE.sessions = []
         self._module_hook = register_module_forward_pre_hook(self._on_module)
+        self._loud = quiet_compile_warning()  # of the hook above, at a compiled model's call
         self._optimizer_hook = register_optimizer_step_pre_hook(self._on_optimizer)
         run = self
         original = self._backward
@@ -113,18 +115,22 @@ class ScriptRun:
         torch.Tensor.backward = self._backward  # type: ignore[method-assign]
         torch.optim.Optimizer.__init__ = self._optimizer_init  # type: ignore[method-assign]
         self._made = []
-        for handle in (self._module_hook, self._optimizer_hook):
-            if handle is not None:
-                handle.remove()
-        self._module_hook = self._optimizer_hook = None
+        self._unhook_modules()
+        if self._optimizer_hook is not None:
+            self._optimizer_hook.remove()
+            self._optimizer_hook = None
         if self.session is not None:
             self.session.detach(finished=True)  # the script ended
 
-    def _stand_down(self) -> None:
-        """A framework's trainer was made: its callback watches from train begin on."""
+    def _unhook_modules(self) -> None:
         if self._module_hook is not None:
             self._module_hook.remove()
             self._module_hook = None
+            self._loud()
+
+    def _stand_down(self) -> None:
+        """A framework's trainer was made: its callback watches from train begin on."""
+        self._unhook_modules()
         if self.session is not None:
             self.session.detach()  # the model was called before the trainer was made
 
@@ -156,8 +162,7 @@ class ScriptRun:
             return
         own = attached_to(module)
         if own is not None:  # the script attached tensordbg itself (with the command line's
-            self._module_hook.remove()  # settings over its own: attach() says which)
-            self._module_hook = None
+            self._unhook_modules()  # settings over its own: attach() says which)
             if self.profile_steps:
                 self.profiling = own.profile(self.profile_steps)
             return
@@ -165,16 +170,24 @@ class ScriptRun:
         # first step leaves the steps before it counted as model calls (four micro-batches of
         # gradient accumulation were four steps), and the first says no optimizer is watched.
         optimizers = [o for ref in self._made if (o := ref()) is not None and _steps(o, module)]
-        self.session = attach(module, optimizer=optimizers or None, rules=self.rules,
+        # torch.compile(model): the model inside, not compiled yet (it compiles in this call,
+        # after this hook): watched as if attached before compiling, its hooks at graph breaks.
+        watched = module._orig_mod if _compiled(module) else module
+        self.session = attach(watched, optimizer=optimizers or None, rules=self.rules,
                               replaceable=True, **self.attach_args)  # fmt: skip
         self._watched = {id(m) for m in module.modules()}
-        # This very call began before the model's own hooks existed: enter it by hand.
-        self.session.capture.on_enter(module, args, {})
+        if watched is not module:  # torch.compile's wrapper: no hook of ours on its next calls
+            self._unhook_modules()  # (a model apart from it is not said)
+        if id(module) in self.session.capture.paths:
+            # This very call began before the model's own hooks existed: enter it by hand. (A
+            # wrapper's, DistributedDataParallel's or the compiled one's, is not watched: the
+            # model's own call comes inside it, through its hooks.)
+            self.session.capture.on_enter(module, args, {})
         if self.profile_steps:
             self.profiling = self.session.profile(self.profile_steps)
         print(
-            f"tensordbg: watching {type(module).__name__} "
-            f"({parameter_count(module):,} parameters), "
+            f"tensordbg: watching {type(watched).__name__} "
+            f"({parameter_count(watched):,} parameters), "
             f"run {self.session.run_id}",
             file=sys.stderr,
             flush=True,
@@ -186,8 +199,7 @@ class ScriptRun:
         first step's end: it costs nothing after it."""
         session = self.session
         if session is None or session.step > 0 or session.detached:
-            self._module_hook.remove()
-            self._module_hook = None
+            self._unhook_modules()
             return
         if id(module) in self._watched or not any(p.requires_grad for p in module.parameters()):
             return
@@ -333,3 +345,10 @@ def _run_main(script: str) -> None:
     finally:
         if saved is not None:
             sys.modules["__main__"] = saved
+
+
+def _compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile(model)``'s wrapper of the model."""
+    return type(module).__name__ == "OptimizedModule" and isinstance(
+        getattr(module, "_orig_mod", None), torch.nn.Module
+    )
