@@ -200,8 +200,11 @@ def test_the_command_exits_0_clean_1_on_a_hit_2_when_unreadable(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is not a tensordbg dump" in err
     assert main(["check", hit, "--rules", "Overflow"]) == 0
-    # --rules '' is no rule, as for tensordbg run (it ran the default set and found the NaN)
-    assert main(["check", hit, "--rules", ""]) == 0
+    # --rules '' names no rule: a lint with nothing to judge would pass any dump (an empty CI
+    # variable said "clean" of a dump full of NaN), so it is refused, in one sentence
+    capsys.readouterr()
+    assert main(["check", hit, "--rules", ""]) == 2
+    assert "no rules to judge with" in capsys.readouterr().err
     assert main(["check", hit, "--rules", "", "--rule", "NaN()"]) == 1
     capsys.readouterr()
     bare = str(write_dump(tmp_path / "bare", stats=(MIN, MAX), values=False, nan_at=None))
@@ -629,3 +632,20 @@ def test_advice_given_to_some_of_a_rules_findings_says_how_many_of_them():
     table = report.table()
     assert "about 2 of the 3 ExplodingGradient findings: clip it" in table
     assert "about 1 of the 3 ExplodingGradient findings: find the NaN" in table
+
+
+def test_a_run_whose_rules_cannot_be_rebuilt_is_checked_with_the_defaults_and_says_so() -> None:
+    """A run recorded with only a rule not installed here was judged by the default rules
+    without a word; rules that are not a list were read letter by letter."""
+    from tensordbg.offline.recorded_rules import recorded_rules
+    from tensordbg.rules import default_rules
+
+    defaults = [repr(r) for r in default_rules()]
+    notes: list[str] = []
+    assert [repr(r) for r in recorded_rules({"rules": [{"name": "Mine"}]}, notes)] == defaults
+    assert notes == ["the run's rule Mine is not installed here: it was not checked",
+                     "none of the run's rules can be used here: checked with the default rules "
+                     "instead"]  # fmt: skip
+    notes = []
+    assert [repr(r) for r in recorded_rules({"rules": "junk"}, notes)] == defaults
+    assert len(notes) == 1 and "not a list (str)" in notes[0]

@@ -300,6 +300,52 @@ def test_every_mode_names_where_a_backward_nan_was_made_and_the_same_hits(watch,
         assert verdicts["deferred"]["1.grad_output"] == 1.0, verdicts
 
 
+class Checkpointed(nn.Module):
+    """Two blocks run through torch.utils.checkpoint with use_reentrant=True; the second's
+    ``bad`` makes a NaN in backward only, between its two Linears."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 8), NaNBackward() if i else nn.Identity(), nn.Linear(8, 8))
+            for i in range(2)
+        )
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.inp(x)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=True)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("sync", MODES)
+def test_a_backward_nan_in_a_reentrant_checkpoint_has_one_origin_in_its_block(watch, sync):
+    """Reentrant checkpointing runs a block's backward as a pass of its own, over a forward
+    recomputed in backward that no hook sees: the parameter gradients there were named "made
+    by this module's backward: the gradient of its output was clean" (never seen), seven
+    origins in two blocks; the default mode judged none of those gradients (the outer pass
+    does not reach them). Now each is judged, the first to show the NaN is the one origin, in
+    the block, and the hit says what was not seen; the modes agree."""
+    model = Checkpointed()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=opt, on_hit="record", sync=sync, rules=[NaN()])
+    model(torch.randn(3, 4)).sum().backward()
+    found = [h for h in session.hits if h.phase == "backward"]
+    assert {h.tensor for h in found} >= {"blocks.1.0.weight.grad", "blocks.0.0.weight.grad"}
+    assert [(h.module, h.kind) for h in found if h.origin] == [("blocks.1.0", "grad")]
+    assert (
+        "use_reentrant=False tensordbg names the module"
+        in next(h for h in found if h.origin).message
+    )
+    opt.step()
+    assert [h.tensor for h in session.hits if h.origin and h.phase == "optimizer"] == []
+
+
 def test_a_nan_in_a_sparse_gradient_is_found_in_the_gradient_not_blamed_on_the_optimizer(watch):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(50, 4, sparse=True), nn.Linear(4, 1))
@@ -606,6 +652,7 @@ def test_scripting_a_watched_model_works_and_the_scripted_one_carries_no_hooks(w
 
 def _forward_with_a_nan(model: nn.Module) -> None:
     x = torch.randn(3, 4)
+    model(x), model(x)  # a worker's calls of the model: no step ends in it
     x[0, 0] = float("nan")
     model(x)
 
@@ -616,7 +663,8 @@ def test_a_forked_worker_that_hits_never_pauses_and_prints_its_origin(watch, cap
     """A forked process's record dies with it (a DataLoader worker ends without a summary):
     its hit at the origin is printed where it happened."""
     model = mlp()
-    session = watch(model, on_hit=on_hit, rules=[NaN()])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=opt, on_hit=on_hit, rules=[NaN()])
     worker = multiprocessing.get_context("fork").Process(target=_forward_with_a_nan, args=(model,))
     worker.start()
     worker.join(DEADLINE)
@@ -627,7 +675,10 @@ def test_a_forked_worker_that_hits_never_pauses_and_prints_its_origin(watch, cap
     assert worker.exitcode == 0
     err = capfd.readouterr().err
     assert f"is a fork of the training ({os.getpid()}): hits here never pause it" in err
-    assert f"tensordbg: process {worker.pid}, step 0 forward: [NaN] input[0] holds 1 NaN" in err
+    # Named as in one call (not "#2.input[0]", the worker's third call), with no step: the
+    # training's as it forked, which a worker that only runs the model never ends.
+    said = f"tensordbg: process {worker.pid} (a fork of the training), forward: [NaN] input[0] "
+    assert said + "holds 1 NaN" in err
     assert session.hits == []  # the training's own session saw nothing
 
 
@@ -1102,6 +1153,36 @@ def test_a_person_skips_the_update_from_a_pause(watch):
     assert session.skipped_updates == [1]
     assert _bitwise_equal(params, model.state_dict())
     assert _bitwise_equal(state, opt.state_dict())
+
+
+def test_a_skip_asked_for_and_then_detached_from_still_drops_the_update(watch):
+    """k, then q (detach and quit) in the UI: the update was applied, and nothing said the
+    skip was dropped (found trying it in tmux). The skip holds after detaching."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    session = watch(model, optimizer=opt, on_hit="pause", rules=[NaN()])
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    params, state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    replies = {}
+
+    def press():
+        wait_until(lambda: session.controller.state == "paused")
+        replies["skip"] = LiveSource(session).control("skip")
+        session.detach()  # q
+
+    helper = threading.Thread(target=press)
+    helper.start()
+    (model(torch.randn(3, 4)).sum() * float("nan")).backward()  # pauses on the NaN gradient
+    helper.join(DEADLINE)
+    assert session.detached and replies["skip"]["state"] == "paused"
+    opt.step()
+    assert _bitwise_equal(params, model.state_dict())
+    assert _bitwise_equal(state, opt.state_dict())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()  # once only: the next update lands
+    assert not _bitwise_equal(params, model.state_dict())
 
 
 @pytest.mark.parametrize("sync", ["auto", "eager"])

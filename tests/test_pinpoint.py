@@ -348,3 +348,24 @@ def test_loss_code_whose_operations_saved_nothing_to_show_names_none() -> None:
     origin, line = _loss_origin(lambda out: (out.exp() * 1e38).sum() * 1e10, "deferred")
     assert "Between the model's outputs and it" not in origin.message
     assert origin.message.endswith(f"It was observed at test_pinpoint.py:{line}.")
+
+
+def test_a_call_that_made_a_nan_and_an_inf_keeps_the_first_named_in_its_provenance() -> None:
+    """Its NaN hit named torch.log, its Inf hit the assignment a line below: the provenance
+    (F5) showed the later one, as "first non-finite value", beside the NaN hit that named the
+    earlier (found trying the UI in tmux)."""
+
+    class Fault(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = torch.log(x - 10)  # NaN
+            y[0, 0] = float("inf")  # Inf
+            return y
+
+    model = nn.Sequential(nn.Linear(4, 4), Fault(), nn.Linear(4, 2))
+    with watched(model, rules=[tensordbg.rules.NaN(), tensordbg.rules.Overflow()]) as session:
+        model(torch.randn(3, 4))
+        nan, inf = (next(h for h in session.hits if h.origin and h.rule == r)
+                    for r in ("NaN", "Overflow"))  # fmt: skip
+        assert "torch.log" in nan.message and "__setitem__" in inf.message
+        prov = LiveSource(session).provenance(nan.ref, nan.module, nan.call)
+    assert prov["operation"]["op"] == "torch.log" and prov["operation"]["value"] == "NaN"

@@ -44,7 +44,7 @@ from tensordbg.engine.handles import HandleGroup, Unhooked, hide_from_torchscrip
 from tensordbg.engine.pending import COLD, ForwardLog, PendingForward, Seen, grad_edge
 from tensordbg.engine.pinpoint import draws_random, random_state
 from tensordbg.engine.records import Call, Record, new_record, tensor_leaves
-from tensordbg.engine.sites import user_site
+from tensordbg.engine.sites import in_reentrant_checkpoint, user_site
 from tensordbg.statistics import FINITE, MEAN
 from tensordbg.statistics.torch_kernels import SCREEN, watchable
 
@@ -134,6 +134,7 @@ class Capture(ForwardLog):
         self._root_calls: list[Call] = []  # the calls of the current root forward
         self._root_grad = True  # whether it ran with gradients (a backward can come)
         self._counts: dict[int, int] = {}
+        self._checkpointed: set[str] = set()  # called inside a reentrant checkpoint this step
         self._seen: dict[int, Record] = {}
         self._outputs: dict[tuple[Any, ...], Record] = {}  # the step's model outputs, by memory
         self._skipping = 0
@@ -216,6 +217,7 @@ class Capture(ForwardLog):
         self._seen.clear()  # a tensor made by one root forward and used by the next is one record
         self._outputs.clear()
         self._counts.clear()  # a module's calls are numbered across the step's root forwards
+        self._checkpointed.clear()
         self.pending = []
         self.grad_hooks.forget_dead_leaves()
 
@@ -234,6 +236,9 @@ class Capture(ForwardLog):
                 self._skipping += 1
                 return
             site = user_site(sys._getframe(1))
+            if (self._open and self._root_grad and not torch.is_grad_enabled()
+                    and in_reentrant_checkpoint(sys._getframe(1))):  # fmt: skip
+                self._checkpointed.add(self.paths[id(module)])
             leaves = tensor_leaves(args, "")
             if kwargs:
                 leaves += tensor_leaves(kwargs, "")
@@ -385,6 +390,8 @@ class Capture(ForwardLog):
             else:
                 record.grad_hooked = record.grad_hooked or node is not False
                 made.append(record)
+        if self._checkpointed and call.path in self._checkpointed:
+            call.unseen_grads = True
         if self._listing:
             session.exit(call)
         if not self.stack and made is None:

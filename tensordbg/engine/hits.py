@@ -122,6 +122,7 @@ class HitLog:
         kind: str | None = None,
         name: str | None = None,
         by_gradient: bool = False,
+        unseen: str = "",
     ) -> Hit:
         """The hit of one finding on one record; ``module``/``kind``/``name`` name another place
         when the value is reported where it was made (a parent's own code, a consumer's
@@ -159,6 +160,7 @@ class HitLog:
                 self.bad_params(path)
                 if not is_origin and kind == "output" and path is not None
                 else (),
+                unseen,
             ),
             ref=stats.ref,
             call=module.index if module is not None else stats.call,
@@ -221,12 +223,14 @@ def _summary(record: Record) -> dict[str, Any]:
 
 def with_origin(finding: Finding, is_origin: bool, condition: int | None, kind: str,
                 module: str, first: str, bad_buffers: Sequence[str] = (),
-                by_gradient: bool = False, bad_params: Sequence[str] = ()) -> str:  # fmt: skip
+                by_gradient: bool = False, bad_params: Sequence[str] = (),
+                unseen: str = "") -> str:  # fmt: skip
     """The finding's sentence, followed by where the value came from. Its advice (what the
     condition usually means) is given where the condition arose, not repeated downstream.
     ``bad_buffers``: the module's buffers that are not finite (they fed its output);
     ``by_gradient``: a parameter's, which its gradient held before the step; ``bad_params``:
-    the module's own parameters that are not finite (an output passed on from them)."""
+    the module's own parameters that are not finite (an output passed on from them);
+    ``unseen``: the block around it whose gradients no hook saw (origin.py)."""
     if condition is None:
         return finding.advised
     if not is_origin:
@@ -244,6 +248,13 @@ def with_origin(finding: Finding, is_origin: bool, condition: int | None, kind: 
                     "not produced here.")  # fmt: skip
         return f"{finding.message} It was passed on from upstream{source}, not produced here."
     note = _ORIGIN_NOTE.get((kind, bool(module)), _ORIGIN_NOTE[kind, True])
+    if unseen:
+        note = (f"It first showed here, in {unseen} or just after it in backward: "
+                f"torch.utils.checkpoint with use_reentrant=True runs {unseen} again in "
+                "backward, where tensordbg sees no gradient but its parameters'. The backward "
+                f"of {unseen} or of a module in it made it, or it came in with the gradient of "
+                f"{unseen}'s output. With use_reentrant=False tensordbg names the "
+                "module.")  # fmt: skip
     if bad_buffers:
         note = (f"Its inputs and parameters were clean, but its buffers {_names(bad_buffers)} "
                 "hold NaN or Inf: "

@@ -480,3 +480,17 @@ def _drop_gradients(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         for param in group["params"]:
             param.grad = None
+
+
+def skip_after_detach(optimizers: list[torch.optim.Optimizer]) -> None:
+    """A skip asked for and then detached from before its update (k, then q in the UI): each
+    optimizer's next ``step()`` still drops its gradients, once, through a hook of its own that
+    goes with it. (An optimizer the step does not step drops a later update instead.)"""
+    for optimizer in optimizers:
+        handle: list[Any] = []
+
+        def drop(optimizer: torch.optim.Optimizer, *_: Any, handle: list[Any] = handle) -> None:
+            _drop_gradients(optimizer)
+            handle.pop().remove()
+
+        handle.append(optimizer.register_step_pre_hook(drop))

@@ -15,6 +15,10 @@ using the call tree of the forward:
   inside it already was the origin (``sqrt(x * x)`` at x = 0: a finite forward, a NaN backward).
 - The gradient of the model's output is the origin when neither the observed loss nor the
   output itself showed it.
+- A block that ``torch.utils.checkpoint(..., use_reentrant=True)`` runs again in backward has
+  its backward run as a pass of its own over a graph no hook saw: of its gradients only its
+  parameters' are seen. The first gradient of the step's backward to show a condition there is
+  its origin, said to be the block's (:meth:`Attribution._unseen`).
 
 The conditions followed are non-finiteness (whatever rule reported it: a NaN gradient is also an
 exploding one) and the findings of rules that propagate; a rule that does not propagate (a
@@ -45,6 +49,7 @@ class Verdict(NamedTuple):
     kind: str | None = None
     name: str | None = None
     by_gradient: bool = False  # a parameter's condition that its gradient held before the step
+    unseen: str = ""  # the block whose gradients no hook saw, where it first showed (see grad)
 
 
 def condition_of(record: Record, rule_id: int) -> int | None:
@@ -65,6 +70,7 @@ class Attribution:
         self.grad_fired: dict[str, set[int]] = {}
         self.root_fired: set[int] = set()
         self.loss_fired: set[int] = set()
+        self.grad_found: set[int] = set()  # the conditions of this step's backward origins
 
     def begin_forward(self) -> None:
         self.loss_fired = set()
@@ -75,6 +81,7 @@ class Attribution:
         showed (a bad parameter after the step is then no origin)."""
         self.grad_fired = {r.param: set(r.conditions) for r in records
                            if r.stats.kind == "grad" and r.conditions}  # fmt: skip
+        self.grad_found = set()
 
     def param_clean(self, name: str) -> None:
         self.param_fired.pop(name, None)
@@ -135,11 +142,33 @@ class Attribution:
     def grad(self, record: Record) -> list[Verdict]:
         if not record.findings:
             return []
+        verdicts = self._grad(record)
+        self.grad_found |= {condition_of(record, v.rule_id) for v in verdicts if v.origin}
+        return verdicts
+
+    def _grad(self, record: Record) -> list[Verdict]:
         if record.grad_of is None:  # a parameter's gradient
-            made_here = param_grad(record, self._owner_calls(record.param))
+            calls = self._owner_calls(record.param)
+            if calls and all(c.unseen_grads for c in calls):
+                return self._unseen(record, calls[0], calls)
+            fed = _fed_unseen(calls)
+            if fed is not None:  # its output's gradient came out of such a block
+                return self._unseen(record, fed, calls)
+            made_here = param_grad(record, calls)
             return [Verdict(record, rule_id, finding,
                             (c := condition_of(record, rule_id)) is None or made_here[c])
                     for rule_id, finding in record.findings.items()]  # fmt: skip
+        consumers = record.grad_of.consumers
+        if consumers and all(c.unseen_grads for c in consumers):
+            inner = max(consumers, key=lambda c: c.depth)
+            suffix = next((s for s, r in inner.inputs if r is record.grad_of), record.suffix)
+            name = inner.tensor_name("grad_input", suffix)
+            forward = record.grad_of
+            for condition in record.conditions:
+                for call in (forward.producer, *forward.passed_up):
+                    if call is not None:
+                        call.fired_grad_out |= {condition}
+            return self._unseen(record, inner, [inner], "grad_input", name)
         where = grad(record, self.loss_fired)
         out = []
         for rule_id, finding in record.findings.items():
@@ -154,6 +183,36 @@ class Attribution:
                 name = call.tensor_name("grad_input", suffix)
             out.append(Verdict(record, rule_id, finding, is_origin, call, kind, name))
         return out
+
+    def _unseen(self, record: Record, call: Call, calls: list[Call], kind: str | None = None,
+                name: str | None = None) -> list[Verdict]:  # fmt: skip
+        """A gradient that came out of a block whose gradients no hook saw (reentrant activation
+        checkpointing runs its backward as a pass of its own, over a graph recomputed in
+        backward): which module in it made a condition cannot be told, only where it first
+        showed. The first gradient of the step's backward that shows it is the origin, said
+        to be that block's, unless the forward values of ``calls`` (whose gradient it is)
+        showed it; the later ones are passed on."""
+        region = call.unseen_region().path
+        out = []
+        for rule_id, finding in record.findings.items():
+            condition = condition_of(record, rule_id)
+            origin = condition is None or not (
+                condition in self.grad_found
+                or any(condition in c.fired_in or condition in c.fired_out for c in calls)
+            )
+            out.append(Verdict(record, rule_id, finding, origin, call if kind else None, kind,
+                               name, unseen=region))  # fmt: skip
+        return out
+
+
+def _fed_unseen(calls: Iterable[Call]) -> Call | None:
+    """A call whose gradients no hook saw that alone took an output of ``calls``: the gradient
+    of that output came out of it (reentrant activation checkpointing)."""
+    for call in calls:
+        for _, record in call.outputs:
+            if record.consumers and all(c.unseen_grads for c in record.consumers):
+                return record.consumers[0]
+    return None
 
 
 def enter(call: Call) -> None:

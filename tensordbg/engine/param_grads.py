@@ -57,7 +57,7 @@ class ParamGradients:
                 continue
             name = p.name
             last, version = seen.get(name), grad._version
-            if reached is not None and name not in reached:
+            if reached is not None and name not in reached and not self._made_inside(name, grad):
                 # Not accumulated by this pass: a parameter it did not reach keeps what it had
                 # (a zeroed gradient, set_to_none=False: no "receives nothing" of its own).
                 seen[name] = (weakref.ref(grad), version)
@@ -78,6 +78,7 @@ class ParamGradients:
             elif watchable(grad):
                 pending.append(ParamGradNote(name, p.owner, p.owner_type, grad))
                 noted.add(name)
+        self._apart = {}
         return noted
 
     def _backward_order(self) -> list[Any]:
@@ -104,7 +105,7 @@ class ParamGradients:
     _pass_made: set[str] | None = None
     """The parameters whose gradients this backward phase's passes accumulate, as the autograd
     engine said when each began (:meth:`note_pass_params`); None: a pass no hook saw."""
-    _accumulators: tuple[Any, list[tuple[str, Any]]] | None = None
+    _accumulators: tuple[Any, list[tuple[str, Any, torch.Tensor]]] | None = None
 
     def note_pass_params(self) -> None:
         """At the start of a backward pass (its first hook): the parameters it will accumulate a
@@ -113,15 +114,33 @@ class ParamGradients:
         params = self.weights.params
         cached = self._accumulators
         if cached is None or cached[0] is not params or len(cached[1]) != len(params):
-            nodes = [(p.name, get_gradient_edge(p.param).node)
+            nodes = [(p.name, get_gradient_edge(p.param).node, p.param)
                      for p in params.values() if p.param.requires_grad]  # fmt: skip
             cached = self._accumulators = (params, nodes)
         will = torch._C._will_engine_execute_node
         try:
-            made = {name for name, node in cached[1] if will(node)}
+            made = {name for name, node, _ in cached[1] if will(node)}
         except RuntimeError:  # torch.autograd.grad(), which accumulates into no .grad
             made = set()
         self._pass_made = made if self._pass_made is None else self._pass_made | made
+        if len(made) < len(cached[1]):
+            # A pass the engine runs inside this one can still reach them (reentrant activation
+            # checkpointing recomputes a block and runs its backward): what they hold now.
+            apart = self._apart
+            for name, _, param in cached[1]:
+                if name not in made and name not in apart:
+                    grad = param.grad
+                    apart[name] = (None, 0) if grad is None else (id(grad), grad._version)
+
+    _apart: dict[str, tuple[int | None, int]]
+    """The gradients of the parameters the backward phase's passes do not reach, as each pass
+    began: one that changed before the pass ended was made by a pass inside it."""
+
+    def _made_inside(self, name: str, grad: torch.Tensor) -> bool:
+        """Whether a parameter the phase's passes do not reach got its gradient during them,
+        from a pass the engine ran inside one (reentrant activation checkpointing)."""
+        before = self._apart.get(name)
+        return before is not None and before != (id(grad), grad._version)
 
     def grads_changed(self) -> bool:
         """Whether a backward pass that no hook saw (its loss reached no hooked tensor) made a

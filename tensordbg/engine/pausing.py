@@ -5,6 +5,7 @@ Part of :class:`~tensordbg.engine.session.Session` (see :mod:`.pipeline`)."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -182,8 +183,11 @@ class Pausing:
         if not hit.origin or not self.forked() or self._forked_hits > FORKED_SAID:
             return
         self._forked_hits += 1
-        line = (f"tensordbg: process {os.getpid()}, step {hit.step} {hit.phase}: [{hit.rule}] "
-                f"{hit.message}")  # fmt: skip
+        # No step: a worker that only runs the model ends none, so its step is the training's
+        # as it was forked, and its calls of the model are numbered on (#131.input[0]).
+        name = re.sub(r"^#\d+\.", "", hit.tensor)
+        line = (f"tensordbg: process {os.getpid()} (a fork of the training), {hit.phase}: "
+                f"[{hit.rule}] {hit.message.replace(hit.tensor, name)}")  # fmt: skip
         if self._forked_hits > FORKED_SAID:  # the 21st: it and the ones after are not printed
             line = f"tensordbg: process {os.getpid()}: more hits, not printed"
         print(line, file=sys.stderr, flush=True)

@@ -113,7 +113,8 @@ class Pinpointing:
                             "first run changed (a counter, a global, a draw not from torch's "
                             "streams), so the operation is not named.")  # fmt: skip
         elif found is not None:
-            call.operation = found
+            if call.operation is None:  # the first named: its provenance says which it made
+                call.operation = {**found, "value": "NaN" if nan else "Inf"}
             hit.message += sentence(call, found, nan)
 
     def _name_loss_operation(self, hit: Any, record: Any) -> None:

@@ -288,7 +288,7 @@ class Pipeline(Pausing, Pinpointing):
             carried = self.ranks.carried(record.stats.step)
         hit = self.hitlog.make(record, active, verdict.finding, verdict.origin and not carried,
                                condition, verdict.call, verdict.kind, verdict.name,
-                               verdict.by_gradient)  # fmt: skip
+                               verdict.by_gradient, verdict.unseen)  # fmt: skip
         if carried:
             hit.message += f" {carried}"
         self._name_operation(hit, verdict, record)

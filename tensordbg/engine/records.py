@@ -51,6 +51,18 @@ class Call:
     # named by running it again (tensordbg.engine.pinpoint).
     invocation: tuple[Any, Any, Any, Any, Any] | None = None
     operation: dict[str, Any] | None = None
+    unseen_grads: bool = False
+    """It ran without gradients in a forward that had them, and its outputs need none: the
+    gradients its parameters get come through a graph no hook saw (torch.utils.checkpoint with
+    ``use_reentrant=True`` recomputes it in backward)."""
+
+    def unseen_region(self) -> Call:
+        """The outermost call around this one that :attr:`unseen_grads` (the checkpointed
+        block)."""
+        call = self
+        while call.parent is not None and call.parent.unseen_grads:
+            call = call.parent
+        return call
 
     @property
     def base(self) -> str:

@@ -38,7 +38,7 @@ from tensordbg.engine.judge import ActiveRule, RuleSet
 from tensordbg.engine.loss_code import Observations
 from tensordbg.engine.metrics import StepMetrics
 from tensordbg.engine.modes import SYNC, choose
-from tensordbg.engine.optimizer import OptimizerPhase
+from tensordbg.engine.optimizer import OptimizerPhase, skip_after_detach
 from tensordbg.engine.params import Param, ParamWatch
 from tensordbg.engine.phases import EAGER_WINDOW, EMPTY, ActGradNote, PhaseQueue
 from tensordbg.engine.pipeline import Pipeline
@@ -142,6 +142,7 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         self._grads_seen: dict[str, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._grad_makings = {}
         self._by_norm = []
+        self._apart = {}
         self._unlisted: tuple[Call, int] | None = None  # a root forward not listed, where it goes
         self.phase_serial = 0  # phases started so far: which one a pending forward belongs to
         self.amp = MixedPrecision(scaler, int(max_skipped_steps))
@@ -325,6 +326,8 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
             self.controller.detach()  # finished by the training thread (_detach_requested)
             return
         self.controller.detach()  # what the last step's end finds is recorded, not paused on
+        # k, then q: the skip still holds, for the optimizers watched now (closing forgets them)
+        skipping = list(self.optimizers) if self._skip_requested and not self._skip_dropped else []
         if (self.step_open or (not self.optimizers and self._root_forwards)) and not self.broken:
             self.flush()  # the step's end would come with the next call or optimizer: none will
             self._finish_step()
@@ -336,6 +339,7 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         self.bus.publish("state", {"state": state, "step": self.step, **ended})
         self.bus.publish("detach", {"state": "detached", "step": self.step})
         self.handles.close()
+        skip_after_detach(skipping)
         self.control.close()
         self.phases.clear()
         self.weights.clear()
@@ -344,6 +348,7 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         self._order_cache = None
         self._grad_makings = {}
         self._by_norm = []
+        self._apart = {}
         self.amp.clear()
         self.capture.reset()
         self._stepping = {}

@@ -35,3 +35,25 @@ def user_site(frame: Any) -> tuple[CodeType, int] | None:
             return code, frame.f_lineno
         frame = frame.f_back
     return None
+
+
+def _checkpoint_code() -> CodeType | None:
+    try:
+        from torch.utils.checkpoint import CheckpointFunction
+    except ImportError:  # pragma: no cover - a torch without it
+        return None
+    return CheckpointFunction.forward.__code__
+
+
+_CHECKPOINTED = _checkpoint_code()
+
+
+def in_reentrant_checkpoint(frame: Any) -> bool:
+    """Whether ``frame`` runs inside ``torch.utils.checkpoint(..., use_reentrant=True)``'s
+    forward: its modules run without gradients, and are run again in backward, where a
+    backward pass of their own gives their parameters gradients."""
+    while frame is not None:
+        if frame.f_code is _CHECKPOINTED:
+            return True
+        frame = frame.f_back
+    return False

@@ -62,8 +62,12 @@ def check(args: argparse.Namespace, *, rules: Parser, rule: Parser) -> int:
     from tensordbg.offline.check import check_dump
 
     chosen = None
-    if args.rules is not None or args.rule:  # --rules '' is no rule, as for tensordbg run
+    if args.rules is not None or args.rule:
         chosen = [*rules("default" if args.rules is None else args.rules), *map(rule, args.rule)]
+        if not chosen:  # a lint with nothing to judge would pass anything (an empty variable)
+            print("tensordbg check: no rules to judge with (--rules '' names none): name some, "
+                  "or leave --rules out for the run's own", file=sys.stderr)  # fmt: skip
+            return 2
     report = check_dump(dump, chosen)
     if args.json:
         print(json.dumps(report.as_json(), indent=1))

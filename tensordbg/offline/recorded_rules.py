@@ -14,9 +14,14 @@ from tensordbg.rules import Rule, available_rules, default_rules
 def recorded_rules(meta: dict[str, Any], notes: list[str] | None = None) -> list[Rule]:
     """The rules a dump's metadata names, with their thresholds and selections, else the
     default rules. A rule that cannot be rebuilt here (not installed, thresholds it no longer
-    takes) is left out, with a sentence in ``notes``."""
+    takes) is left out, with a sentence in ``notes``; so is falling back on the default rules
+    when none is left."""
     recorded = meta.get("rules")
     if not recorded:
+        return default_rules()
+    if not isinstance(recorded, list):
+        _note(notes, f"the run's rules in its metadata are not a list ({type(recorded).__name__}):"
+                     " checked with the default rules instead")  # fmt: skip
         return default_rules()
     available = available_rules()
     out = []
@@ -35,7 +40,11 @@ def recorded_rules(meta: dict[str, Any], notes: list[str] | None = None) -> list
             out.append(cls(**selection, **params))
         except (TypeError, ValueError) as e:
             _note(notes, f"the run's rule {name} cannot be rebuilt here ({e}): it was not checked")
-    return out or default_rules()
+    if not out:
+        _note(notes, "none of the run's rules can be used here: checked with the default rules "
+                     "instead")  # fmt: skip
+        return default_rules()
+    return out
 
 
 def _note(notes: list[str] | None, text: str) -> None:

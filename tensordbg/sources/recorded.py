@@ -38,7 +38,8 @@ def operation(value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         return {}
     try:
-        fields = {key: str(value.get(key, "")) for key in ("op", "file", "function", "code")}
+        keys = ("op", "file", "function", "code", "value")
+        fields = {key: str(value.get(key, "")) for key in keys}
         lines = {key: int(value.get(key, 0)) for key in ("line", "first_line")}
         return {"operation": {**fields, **lines}}
     except (TypeError, ValueError):

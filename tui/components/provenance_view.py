@@ -100,7 +100,9 @@ class ProvenanceView(VerticalScroll):
             tree.root.add_leaf(label)
             operation = prov.get("operation")
             if operation:  # named by running the producer's forward again (engine/pinpoint.py)
-                made = Text("first non-finite value made by ", style="dim")
+                # Which it made, NaN or Inf: a call that made both has the first named.
+                what = operation.get("value") or "non-finite value"
+                made = Text(f"first {what} made by ", style="dim")
                 made.append(operation["op"], style="bold")
                 # Its line on a line of its own: at 80 columns, one line cut the code short.
                 line = Text(f"line {operation['line']}: ", style="dim")
