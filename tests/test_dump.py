@@ -344,6 +344,48 @@ def test_a_damaged_index_line_breaks_only_its_step(tmp_path):
         dump.tensors(1)
 
 
+def test_an_index_line_with_a_step_past_int64_breaks_no_reader(tmp_path):
+    """A line with its checksum right but a step of 10**30 (made by hand): replay crashed
+    sending it to the UI ("cannot send a value of type int"), check counted 10**30 steps."""
+    from tensordbg.dump.format import index_line, parse_index_line
+
+    _write(tmp_path)
+    index = tmp_path / "rank-0" / "index.jsonl"
+    lines = index.read_bytes().splitlines(keepends=True)
+    lines[1] = index_line({**parse_index_line(lines[1]), "step": 10**30})
+    index.write_bytes(b"".join(lines))
+    dump = load(tmp_path)
+    assert dump.steps() == [0, 2]
+    assert dump.broken == {(-1, 0): f"{index} line 2 is malformed (its step {10**30} is not a "
+                                    "whole number from 0 to 2**63 - 1)"}  # fmt: skip
+
+
+def test_a_renamed_rank_folder_is_named_not_read_as_an_empty_dump(tmp_path):
+    """rank-0 renamed rank-7: check said "nothing to check" and exited 0, replay that no step
+    hit, load listed every step's file as missing."""
+    _write(tmp_path)
+    (tmp_path / "rank-0").rename(tmp_path / "rank-7")
+    with pytest.raises(DumpError) as e:
+        load(tmp_path)
+    index = tmp_path / "rank-7" / "index.jsonl"
+    assert str(e.value) == (f"{index} lists the steps of rank 0, not rank 7: its folder was "
+                            "renamed (the writer named it rank-0)")  # fmt: skip
+
+
+def test_a_tensor_dumped_only_in_a_broken_step_is_said_broken_not_unlisted(tmp_path):
+    """Replay said "no step lists a tensor 'fault.output'; did you mean 'fault.output'" of a
+    tensor dumped only in a step whose file was cut short."""
+    _write(tmp_path, steps=(5,))
+    step_file = next((tmp_path / "rank-0").glob("step-*"))
+    step_file.write_bytes(step_file.read_bytes()[:100])
+    dump = load(tmp_path)
+    name = dump.indexed(5)[0].name
+    with pytest.raises(DumpError) as e:
+        dump.tensor(name)
+    assert str(e.value).startswith(f"{name!r} is dumped only in step 5 of {tmp_path}, which "
+                                   f"cannot be read: {step_file} is truncated")  # fmt: skip
+
+
 def test_a_missing_index_is_named(tmp_path):
     _write(tmp_path)
     (tmp_path / "rank-0" / "index.jsonl").unlink()

@@ -114,6 +114,17 @@ class DumpedTensor:
         return step_record.by_name.get(self.name)
 
 
+_MOST = 2**63 - 1  # a step or rank past int64 was not written by tensordbg: no UI could send it
+
+
+def _count(value: Any, what: str) -> int:
+    """A step's or rank's number from the index: a whole number from 0 to 2**63 - 1."""
+    number = int(value)
+    if number != value or not 0 <= number <= _MOST:
+        raise ValueError(f"its {what} {value!r} is not a whole number from 0 to 2**63 - 1")
+    return number
+
+
 class _Step:
     """One dumped step of one rank, from its line of the index."""
 
@@ -121,8 +132,8 @@ class _Step:
 
     def __init__(self, record: dict[str, Any]):
         self.raw = record
-        self.step = int(record["step"])
-        self.rank = int(record["rank"])
+        self.step = _count(record["step"], "step")
+        self.rank = _count(record["rank"], "rank")
         self.file: str | None = record.get("file")
         self.hits = [h for h in record.get("hits", ()) if isinstance(h, dict)]
         self.entries: list[TensorEntry] | None = None
@@ -238,6 +249,13 @@ class Dump:
             raise DumpError(f"{self.path} has no rank {rank} (ranks: {self.ranks})")
         tensor = DumpedTensor(self, name, rank)
         if not any(tensor._entry_or_none(step) for step in self.steps(rank)):  # the first will do
+            broken = sorted(key[0] for key, r in self._steps.items() if key[1] == rank
+                            and key in self.broken and name in r.by_name)  # fmt: skip
+            if broken:  # listed, in steps whose values cannot be read: say why, not "no step"
+                why = self.broken[broken[0], rank]
+                raise DumpError(f"{name!r} is dumped only in step {broken[0]}"
+                                f"{' and others' if len(broken) > 1 else ''} of {self.path}, "
+                                f"which cannot be read: {why}")  # fmt: skip
             import difflib
 
             names = {e.name for key, r in self._steps.items() if key[1] == rank
@@ -360,6 +378,11 @@ class Dump:
             try:
                 if kind == "step":
                     step = _Step(record)
+                    if step.rank != rank:  # its folder renamed: every step would go unseen
+                        raise DumpError(
+                            f"{path} lists the steps of rank {step.rank}, not rank {rank}: its "
+                            f"folder was renamed (the writer named it rank-{step.rank})"
+                        )
                     key = (step.step, step.rank)
                     self._steps[key] = step
                     self.broken.pop(key, None)
@@ -481,7 +504,7 @@ def _guess_key(line: bytes, rank: int) -> tuple[int, int]:
     at = line.find(marker)
     if at >= 0:
         digits = line[at + len(marker) :].split(b",", 1)[0]
-        if digits.isdigit():
+        if digits.isdigit() and int(digits) <= _MOST:
             return int(digits), rank
     return -1, rank
 
