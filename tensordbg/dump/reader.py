@@ -21,13 +21,14 @@ import os
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from tensordbg.dump import format as fmt
+from tensordbg.dump.index import IndexStep, TensorEntry, guess_key
 from tensordbg.hit import Hit
 from tensordbg.offline.sentences import step_runs
 
@@ -41,35 +42,10 @@ them all (``dump.tensor(name)`` at every step, a replay walked end to end) would
 out of descriptors: 1024 on most Linux desktops, 256 on macOS."""
 
 _HIT_FIELDS = {f.name for f in fields(Hit)}
-# Dumps written before entries said whether they are trainable: what held for them.
-_TRAINABLE_KINDS = ("param", "grad", "update")
 
 
 class DumpError(Exception):
     """A dump (or one file of it) cannot be read; the message is one sentence naming the file."""
-
-
-@dataclass(frozen=True, slots=True)
-class TensorEntry:
-    """One watched tensor of one dumped step, as listed in the index (no tensor data read)."""
-
-    name: str
-    module: str
-    phase: str
-    kind: str
-    order: int
-    shape: tuple[int, ...]
-    dtype: str
-    stats: dict[str, float | int]
-    has_value: bool
-    provenance: dict[str, Any] | None
-    step: int = 0
-    rank: int = 0
-    module_type: str = ""
-    call: int = 0
-    trainable: bool = False
-    """Whether the tensor is (or is the gradient or update of) a parameter that requires grad:
-    rules such as VanishingGradient judge only those."""
 
 
 class DumpedTensor:
@@ -114,61 +90,6 @@ class DumpedTensor:
         return step_record.by_name.get(self.name)
 
 
-_MOST = 2**63 - 1  # a step or rank past int64 was not written by tensordbg: no UI could send it
-
-
-def _count(value: Any, what: str) -> int:
-    """A step's or rank's number from the index: a whole number from 0 to 2**63 - 1."""
-    number = int(value)
-    if number != value or not 0 <= number <= _MOST:
-        raise ValueError(f"its {what} {value!r} is not a whole number from 0 to 2**63 - 1")
-    return number
-
-
-class _Step:
-    """One dumped step of one rank, from its line of the index."""
-
-    __slots__ = ("by_name", "entries", "file", "hits", "line", "rank", "raw", "step")
-
-    def __init__(self, record: dict[str, Any]):
-        self.raw = record
-        self.step = _count(record["step"], "step")
-        self.rank = _count(record["rank"], "rank")
-        self.file: str | None = record.get("file")
-        self.hits = [h for h in record.get("hits", ()) if isinstance(h, dict)]
-        self.entries: list[TensorEntry] | None = None
-        self.by_name: dict[str, TensorEntry] = {}
-        self._build()
-
-    def _build(self) -> None:
-        entries = []
-        for e in self.raw.get("entries", ()):
-            entries.append(
-                TensorEntry(
-                    name=str(e["name"]),
-                    module=str(e.get("module", "")),
-                    phase=str(e.get("phase", "")),
-                    kind=str(e.get("kind", "")),
-                    order=int(e.get("order", len(entries))),
-                    shape=tuple(int(d) for d in e.get("shape", ())),
-                    dtype=str(e.get("dtype", "")),
-                    stats=dict(e.get("stats") or {}),
-                    has_value="key" in e,
-                    provenance=e.get("provenance"),
-                    step=self.step,
-                    rank=self.rank,
-                    module_type=str(e.get("module_type", "")),
-                    call=int(e.get("call", 0)),
-                    trainable=bool(e.get("trainable", e.get("kind") in _TRAINABLE_KINDS)),
-                )
-            )
-        entries.sort(key=lambda e: e.order)
-        self.entries = entries
-        # The last entry of a name is its latest version (and the one holding a value).
-        self.by_name = {e.name: e for e in entries}
-        self.by_name.update({e.name: e for e in entries if e.has_value})
-
-
 class Dump:
     """A run directory written by ``attach(dump_dir=...)`` (or :class:`~.writer.DumpWriter`).
 
@@ -207,7 +128,7 @@ class Dump:
                 for r, m in self._metas.items()
                 if not m.get("complete")
             )
-        self._steps: dict[tuple[int, int], _Step] = {}
+        self._steps: dict[tuple[int, int], IndexStep] = {}
         for rank in ranks:
             self._read_index(rank)
         self._maps: OrderedDict[tuple[int, int], tuple[mmap.mmap, int]] = OrderedDict()
@@ -309,7 +230,7 @@ class Dump:
                     buffer.close()
         return dict(self.broken)
 
-    def _verify_file(self, record: _Step, buffer: Any, data_start: int) -> None:
+    def _verify_file(self, record: IndexStep, buffer: Any, data_start: int) -> None:
         with memoryview(buffer) as whole:
             for raw in record.raw.get("entries", ()):
                 if "key" not in raw:
@@ -371,13 +292,13 @@ class Dump:
             except ValueError as e:
                 if number == len(lines) and not line.endswith(b"\n"):
                     break  # the writer was killed while appending: the earlier steps stand
-                key = _guess_key(line, rank)
+                key = guess_key(line, rank)
                 self.broken[key] = f"{path} line {number}: {e}"
                 continue
             kind = record.get("type")
             try:
                 if kind == "step":
-                    step = _Step(record)
+                    step = IndexStep(record)
                     if step.rank != rank:  # its folder renamed: every step would go unseen
                         raise DumpError(
                             f"{path} lists the steps of rank {step.rank}, not rank {rank}: its "
@@ -390,12 +311,12 @@ class Dump:
                 elif kind == "modules":
                     self.modules = list(record.get("modules") or [])
             except (KeyError, TypeError, ValueError) as e:
-                self.broken[_guess_key(line, rank)] = f"{path} line {number} is malformed ({e})"
+                self.broken[guess_key(line, rank)] = f"{path} line {number} is malformed ({e})"
 
-    def _file(self, record: _Step) -> Path:
+    def _file(self, record: IndexStep) -> Path:
         return fmt.rank_dir(self.path, record.rank) / str(record.file)
 
-    def _check_file(self, record: _Step) -> None:
+    def _check_file(self, record: IndexStep) -> None:
         """What costs no read: the file is there, with the size it was written with."""
         if record.file is None:
             return
@@ -414,7 +335,7 @@ class Dump:
                 else f"{path} has {size} bytes where {expected} were written"
             )
 
-    def _step_record(self, step: int, rank: int, raising: bool = True) -> _Step | None:
+    def _step_record(self, step: int, rank: int, raising: bool = True) -> IndexStep | None:
         key = (step, rank)
         if key in self.broken:
             if not raising:
@@ -460,7 +381,7 @@ class Dump:
         array = np.frombuffer(buffer, dtype=dtype, count=count, offset=data_start + start)
         return array.reshape(entry.shape)
 
-    def _map(self, record: _Step) -> tuple[mmap.mmap, int]:
+    def _map(self, record: IndexStep) -> tuple[mmap.mmap, int]:
         key = (record.step, record.rank)
         cached = self._maps.get(key)
         if cached is not None:
@@ -475,7 +396,7 @@ class Dump:
                     buffer.close()
         return cached
 
-    def _open(self, record: _Step) -> tuple[mmap.mmap, int]:
+    def _open(self, record: IndexStep) -> tuple[mmap.mmap, int]:
         """The step's file memory-mapped, and where its data starts; DumpError (and the step
         broken) when it cannot be read or its header is not the one written."""
         key = (record.step, record.rank)
@@ -495,18 +416,6 @@ class Dump:
             self.broken[key] = message
             raise DumpError(message)
         return buffer, data_start  # type: ignore[return-value]
-
-
-def _guess_key(line: bytes, rank: int) -> tuple[int, int]:
-    """The (step, rank) a damaged line of the index most likely spoke of; (-1, rank) when it
-    cannot tell."""
-    marker = b'"step":'
-    at = line.find(marker)
-    if at >= 0:
-        digits = line[at + len(marker) :].split(b",", 1)[0]
-        if digits.isdigit() and int(digits) <= _MOST:
-            return int(digits), rank
-    return -1, rank
 
 
 def load(path: str | os.PathLike[str]) -> Dump:
