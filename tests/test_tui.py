@@ -383,6 +383,28 @@ def test_a_tensor_that_cannot_be_opened_leaves_nothing_of_the_last_one_on_screen
     asyncio.run(flow())
 
 
+def test_a_long_slice_the_source_took_is_asked_again_as_typed_not_refused() -> None:
+    """39 Nones typed in 198 characters: the source's canonical text spaces the commas (240),
+    and a histogram asked again for it (a resize) was refused as over 200 characters."""
+    source = FakeSource()
+    typed = "[" + "None," * 39 + "1]"
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await open_tensor(pilot, 3, "net.2.output", TensorGrid)
+            inspector = app.main.tensor_inspector
+            await type_slice(pilot, typed)
+            await pilot.press("enter")
+            await until(pilot, lambda: inspector.text == typed)
+            histogram = app.query_one(HistogramView)
+            histogram.post_message(HistogramView.Rebin())
+            await until(pilot, lambda: "NaN 1" in text_of(histogram))
+            assert "No histogram" not in text_of(histogram)
+
+    asyncio.run(flow())
+
+
 def test_a_tensor_left_open_when_the_training_goes_on_says_its_values_are_the_pauses() -> None:
     """After c, the Tensor tab kept the paused step's values with nothing saying so (found
     trying it as a new user): its title now says they are the pause's, and the next pause

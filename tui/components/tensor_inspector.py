@@ -13,7 +13,7 @@ from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Input, Static
 
-from tensordbg.sources.slicing import SliceError, axis_labels, parse_index
+from tensordbg.sources.slicing import MAX_TEXT, SliceError, axis_labels, parse_index
 from tensordbg.tui.components.histogram_view import HistogramView
 from tensordbg.tui.components.slice_input import SliceInput
 from tensordbg.tui.components.stats_compare import StatsCompare
@@ -124,7 +124,10 @@ class TensorInspector(Vertical):
             self._show_error(e.message)
             return
         self._opening = False
-        self.text = stats["index"]
+        # Its canonical text (what the title shows), unless that is past what a source accepts
+        # (it spaces the commas: 39 Nones typed in 196 characters are 234): then as typed, or a
+        # histogram asked again for it would be refused.
+        self.text = stats["index"] if len(stats["index"]) <= MAX_TEXT else text
         line = stats["line"]
         title = Text(self.tensor_name, style="bold")  # its ref is the source's, not the person's
         if self.text:
