@@ -24,6 +24,7 @@ from textual.widgets._key_panel import BindingsTable
 from tensordbg.sources.contract import SourceError
 from tensordbg.transport.client import LocalClient
 from tensordbg.tui.app import TensorDbgApp
+from tensordbg.tui.components.dialog_body import DialogBody
 from tensordbg.tui.components.rule_doc import RuleDoc, plain
 from tensordbg.tui.screens.main import TABS
 from tensordbg.tui.screens.profile_steps import ProfileStepsScreen
@@ -230,6 +231,31 @@ def test_an_emptied_threshold_is_refused_in_the_dialog_which_keeps_the_other_edi
         await in_the_log(pilot, " ".join(f"rules: {said}".split()))  # as the Log wraps it
 
     run(source, check)
+
+
+def test_at_80x24_the_training_refusing_an_edit_is_said_where_it_can_be_seen() -> None:
+    """The error sat at the foot of the dialog's body, which scrolls on a short terminal: Enter
+    on a refused value seemed to do nothing (found trying the UI at 80x24 in tmux)."""
+    source = StrictSource()
+    # A doc as long as a real rule's (ExplodingGradient's: its defaults and their sources).
+    source._rules[1]["doc"] = "\n".join(f"Line {i} of what the rule does." for i in range(30))
+    source._rules[1]["params"] = {"threshold": 1e-7, **{f"p{i}": 1.0 for i in range(5)},
+                                  "window": 10}  # fmt: skip
+
+    async def check(app: TensorDbgApp, pilot: Pilot) -> None:
+        dialog = await edit_rule(app, pilot, row=1)
+        threshold, *_, window = dialog.query(Input)
+        window.value = ""
+        error = dialog.query_one(".dialog-error", Static)
+        body = dialog.query_one(DialogBody)
+        threshold.focus()
+        await pilot.pause(0.1)
+        assert not body.scrollable_content_region.contains_region(error.region)  # below
+        await pilot.press("enter")
+        await until(pilot, lambda: "refused" in text_of(error))
+        await until(pilot, lambda: body.scrollable_content_region.contains_region(error.region))
+
+    run(source, check, size=(80, 24))
 
 
 def test_a_rule_the_training_refuses_to_add_keeps_the_add_dialog_open() -> None:

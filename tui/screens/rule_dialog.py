@@ -33,7 +33,10 @@ class RuleDialog(ModalScreen[Rule | None]):
         self._send = send
 
     def say_error(self, text: str) -> None:
-        self.query_one(".dialog-error", Static).update(Text(text, style="bold red"))
+        error = self.query_one(".dialog-error", Static)
+        error.update(Text(text, style="bold red"))
+        if text:  # at the foot of a body that scrolls on a short terminal: brought into view
+            self.call_after_refresh(error.scroll_visible, animate=False)
 
     @work(group="rule-dialog", exclusive=True)
     async def send(self, change: Any) -> None:
