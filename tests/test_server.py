@@ -527,6 +527,32 @@ def test_on_clients_reports_clients_coming_and_vanishing(start_server, source, c
     assert server.clients == 0
 
 
+def test_the_client_knows_at_once_that_the_trainings_process_ended(
+    start_server, source, runtime, monkeypatch
+):
+    """kill -9 of the training: the UI said RUNNING for 10-12 s (the silence it waits for)
+    before it said the connection was lost. A process on this host is checked at each ping."""
+    import tensordbg.transport.client as client_module
+
+    server = start_server(source)
+
+    async def scenario() -> None:
+        client = await Client.connect(server.info.path)  # the silence it waits for: 10 s
+        try:
+            started = time.monotonic()
+            server.stop()  # no more replies, as from a killed process...
+            monkeypatch.setattr(client_module, "process_exists", lambda pid: False)  # ...gone
+            with pytest.raises(ConnectionLost, match=rf"the training \(pid {os.getpid()}\) has "
+                                                     "exited"):  # fmt: skip
+                async for _ in client.events():
+                    pass
+            assert time.monotonic() - started < 5
+        finally:
+            await client.close()
+
+    asyncio.run(scenario())
+
+
 def test_the_client_notices_a_training_that_went_away(start_server, source, runtime):
     server = start_server(source)
 

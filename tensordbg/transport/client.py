@@ -25,6 +25,7 @@ import contextlib
 import itertools
 import logging
 import os
+import socket
 import weakref
 from collections.abc import AsyncIterator
 from typing import Any
@@ -46,6 +47,7 @@ from tensordbg.transport.connection import (
     ConnectionInfo,
     default_runtime_dir,
     find_sessions,
+    process_exists,
     read_connection_file,
     runtime_dir,
 )
@@ -147,6 +149,9 @@ class Client:
         self.info = info
         self.call_timeout = call_timeout
         self.server_timeout = server_timeout
+        # A training on this host whose process this user can see: its end (killed, crashed)
+        # is known at the next ping, not after server_timeout of silence.
+        self._watch_pid = info.host == socket.gethostname() and process_exists(info.pid)
         self.welcome: dict[str, Any] = {}
         shared = None
         if info.transport == "ipc" and info.shm_dir:
@@ -331,6 +336,9 @@ class Client:
         while True:
             await asyncio.sleep(PING_INTERVAL)
             silent = self._loop.time() - self._last_heard
+            if self._watch_pid and silent > PING_INTERVAL and not process_exists(self.info.pid):
+                self._set_lost(ConnectionLost(f"the training (pid {self.info.pid}) has exited"))
+                return
             if silent > self.server_timeout:
                 self._set_lost(
                     ConnectionLost(
