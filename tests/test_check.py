@@ -649,3 +649,20 @@ def test_a_run_whose_rules_cannot_be_rebuilt_is_checked_with_the_defaults_and_sa
     notes = []
     assert [repr(r) for r in recorded_rules({"rules": "junk"}, notes)] == defaults
     assert len(notes) == 1 and "not a list (str)" in notes[0]
+
+
+def test_the_last_line_names_every_rule_that_found_the_origin(tmp_path: Path) -> None:
+    """A module that made a NaN and an Inf: the line named the NaN alone."""
+
+    class Fault(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = torch.log(x - 10)
+            y[0, 0] = float("inf")
+            return y
+
+    model = nn.Sequential(nn.Linear(4, 4), Fault(), nn.Linear(4, 2))
+    session = tensordbg.attach(model, rules=[NaN(), tensordbg.rules.Overflow()], on_hit="record",
+                               server=False, dump_dir=tmp_path, summary_at_exit=False)  # fmt: skip
+    model(torch.randn(3, 4))
+    session.detach()
+    assert "it arose at 1.output, step 0 (NaN, Overflow); " in check_dump(load(tmp_path)).table()

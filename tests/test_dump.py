@@ -386,6 +386,14 @@ def test_a_tensor_dumped_only_in_a_broken_step_is_said_broken_not_unlisted(tmp_p
                                    f"cannot be read: {step_file} is truncated")  # fmt: skip
 
 
+def test_a_directory_where_a_step_file_should_be_is_not_called_truncated(tmp_path):
+    _write(tmp_path, steps=(5,))
+    step_file = next((tmp_path / "rank-0").glob("step-*"))
+    step_file.unlink()
+    step_file.mkdir()  # said "truncated (4096 of ... bytes)": a directory's size
+    assert load(tmp_path).broken == {(5, 0): f"{step_file} is not a file"}
+
+
 def test_a_missing_index_is_named(tmp_path):
     _write(tmp_path)
     (tmp_path / "rank-0" / "index.jsonl").unlink()

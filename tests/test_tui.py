@@ -379,6 +379,9 @@ def test_a_tensor_that_cannot_be_opened_leaves_nothing_of_the_last_one_on_screen
             assert grid.message == "No values to show (why is said above)."
             assert text_of(app.query_one("#tensor-summary", Static)) == ""
             assert "no tensor 999" in text_of(app.query_one("#slice-error", Static))
+            tree = app.query_one(Tree)  # by its name, not the source's id ("tensor 999")
+            await until(pilot, lambda: "No provenance for" in str(tree.root.label))
+            assert str(tree.root.label).startswith("No provenance for net.0.weight.grad: ")
 
     asyncio.run(flow())
 

@@ -327,6 +327,9 @@ class Dump:
         except OSError:
             self.broken[key] = f"{path} is missing"
             return
+        if not path.is_file():  # a directory's size is no file's
+            self.broken[key] = f"{path} is not a file"
+            return
         expected = record.raw.get("nbytes")
         if size != expected:
             self.broken[key] = (

@@ -188,12 +188,16 @@ class CheckReport:
             reason = self.reason_incomplete or "the run stopped before it was closed"
             lines.append(f"the dump is incomplete: {reason}")
         lines.append(self._verdict(len(rows)))
-        origins = [f for f in self.findings if f.origin]
+        origins = sorted((f for f in self.findings if f.origin),
+                         key=lambda f: (f.step, f.rank, f.order))  # fmt: skip
         if origins:
-            first = min(origins, key=lambda f: (f.step, f.rank, f.order))
+            first = origins[0]
             rank = f" of rank {first.rank}" if len(self.ranks) > 1 else ""
             spread = len(self.findings) - len(origins)
-            lines.append(f"it arose at {first.shown}, step {first.step}{rank} ({first.rule}); "
+            # Each origin of that first step (a NaN and an Inf made by one module): all named.
+            rules = ", ".join(dict.fromkeys(f.rule for f in origins if f.step == first.step
+                                            and f.shown == first.shown))  # fmt: skip
+            lines.append(f"it arose at {first.shown}, step {first.step}{rank} ({rules}); "
                          f"{spread} finding{'s are' if spread != 1 else ' is'} where it "
                          "spread")  # fmt: skip
         return "\n".join(lines)

@@ -69,11 +69,12 @@ class ProvenanceView(VerticalScroll):
         yield Static("", id="provenance-stack")
 
     @work(group="provenance", exclusive=True)
-    async def load(self, ref: int, module: str | None = None, call: int = 0) -> None:
+    async def load(self, ref: int, module: str | None = None, call: int = 0,
+                   name: str = "") -> None:  # fmt: skip
         try:
             prov = await remote_of(self).provenance(ref, module, call)
-        except RequestFailed as e:
-            self.show_message(f"No provenance for tensor {ref}: {e.message}")
+        except RequestFailed as e:  # the tensor by its name (its ref is the source's own id)
+            self.show_message(f"No provenance for {name or 'this tensor'}: {e.message}")
             return
         self.show(prov)
 

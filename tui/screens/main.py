@@ -415,7 +415,7 @@ class MainScreen(Screen):
             return
         self.show_tab("tensor")
         self.tensor_inspector.open(message.ref, message.name, message.text)
-        self.provenance_view.load(message.ref, message.module, message.call)
+        self.provenance_view.load(message.ref, message.module, message.call, message.name)
 
     def _open_highlighted_hit(self) -> None:
         """F4 or F5 with no tensor open: the highlighted hit's, as Enter opens it."""
@@ -427,7 +427,7 @@ class MainScreen(Screen):
             return
         # Not focused: focusing the values from the Provenance tab switched to the Tensor tab.
         self.tensor_inspector.open(hit["ref"], hit["tensor"], "", focus=False)
-        self.provenance_view.load(hit["ref"], hit.get("module"), hit.get("call", 0))
+        self.provenance_view.load(hit["ref"], hit.get("module"), hit.get("call", 0), hit["tensor"])
 
     @on(Input.Changed, "#hit-filter")
     def _filter_hits(self, event: Input.Changed) -> None:
