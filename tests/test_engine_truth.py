@@ -1323,7 +1323,7 @@ def test_a_forked_child_prints_twenty_hits_then_says_more_are_not_printed(watch,
     session.pid = -1  # as in a forked child: the attaching process is another one
     for step in range(FORKED_SAID + 5):
         session.say_forked_hit(SimpleNamespace(origin=True, step=step, phase="forward",
-                                               rule="NaN", message="x holds NaN."))  # fmt: skip
+                                               rule="NaN", message="x holds NaN.", tensor="x"))  # fmt: skip
     lines = capsys.readouterr().err.splitlines()
     assert len([line for line in lines if "[NaN]" in line]) == FORKED_SAID
     assert [line for line in lines if "more hits" in line] == [lines[-1]]
