@@ -346,6 +346,18 @@ def test_a_backward_nan_in_a_reentrant_checkpoint_has_one_origin_in_its_block(wa
     assert [h.tensor for h in session.hits if h.origin and h.phase == "optimizer"] == []
 
 
+def test_without_an_optimizer_each_steps_reentrant_backward_nan_has_its_origin(watch):
+    """With no optimizer watched a step is one call of the model, and no optimizer step says
+    its gradients are final: the first step's origin kept every later one from being one."""
+    model = Checkpointed()
+    session = watch(model, on_hit="record", rules=[NaN()])
+    for _ in range(3):
+        model(torch.randn(3, 4)).sum().backward()
+        model.zero_grad()
+    assert [(h.module, h.step) for h in session.hits if h.origin] == [
+        ("blocks.1.0", 0), ("blocks.1.0", 1), ("blocks.1.0", 2)]  # fmt: skip
+
+
 def test_a_nan_in_a_sparse_gradient_is_found_in_the_gradient_not_blamed_on_the_optimizer(watch):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(50, 4, sparse=True), nn.Linear(4, 1))
@@ -1322,8 +1334,8 @@ def test_a_forked_child_prints_twenty_hits_then_says_more_are_not_printed(watch,
     session = watch(nn.Linear(2, 2), on_hit="record")
     session.pid = -1  # as in a forked child: the attaching process is another one
     for step in range(FORKED_SAID + 5):
-        session.say_forked_hit(SimpleNamespace(origin=True, step=step, phase="forward",
-                                               rule="NaN", message="x holds NaN.", tensor="x"))  # fmt: skip
+        session.say_forked_hit(SimpleNamespace(origin=True, step=step, phase="forward", rule="NaN",
+                                               message="x holds NaN.", tensor="x"))  # fmt: skip
     lines = capsys.readouterr().err.splitlines()
     assert len([line for line in lines if "[NaN]" in line]) == FORKED_SAID
     assert [line for line in lines if "more hits" in line] == [lines[-1]]

@@ -75,6 +75,8 @@ class Attribution:
     def begin_forward(self) -> None:
         self.loss_fired = set()
         self.root_fired = set()
+        self.grad_found = set()  # a backward to come is another's (and with no optimizer, a
+        # step's end calls no gradients_final)
 
     def gradients_final(self, records: Iterable[Record]) -> None:
         """The backward passes of the step are done: remember what each parameter's gradient
