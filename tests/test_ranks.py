@@ -183,6 +183,31 @@ def test_every_rank_pauses_together_and_continue_resumes_them_all(job, private_r
     assert not [h for n in (0, 1) for h in j.rank(n)["hits"] if h["rule"] == "RankDivergence"]
 
 
+def test_detaching_one_rank_while_the_job_is_paused_is_clean(job, private_runtime_dir):
+    """q on rank 0's UI while both ranks were paused at the step's safe point: rank 0 said
+    "internal error ... optimizers[0]: IndexError" (its hook went on after detaching)."""
+    j = job("pause")
+    deadline = time.monotonic() + DEADLINE
+    sessions: list = []
+    while len(sessions) < 2:
+        assert time.monotonic() < deadline and j.process.poll() is None, "no sessions"
+        sessions = sorted(find_sessions(private_runtime_dir), key=lambda s: s.rank)
+        time.sleep(0.2)
+    clients = [SyncClient(str(s.path)) for s in sessions]
+    try:
+        while any(c.call("info")["state"] != "paused" for c in clients):
+            assert time.monotonic() < deadline, "not all paused"
+            time.sleep(0.2)
+        clients[0].call("control", action="detach")  # q on rank 0
+        clients[1].call("control", action="continue")
+        output = j.wait()
+    finally:
+        for c in clients:
+            c.close()
+    assert j.process.returncode == 0, output
+    assert "internal error" not in output and "detached (step 3, optimizer)" in output
+
+
 def test_a_multi_rank_dump_holds_every_rank_and_replays_checks_and_diffs(job):
     j = job("dump")
     output = j.wait()

@@ -258,9 +258,10 @@ def test_the_ui_says_replay_and_moves_between_steps_with_n_and_p(dump: Path) -> 
     asyncio.run(flow())
 
 
-def test_a_tensor_left_open_on_n_says_it_is_the_step_before(dump: Path) -> None:
+def test_a_tensor_left_open_on_n_says_which_steps_values_it_shows(dump: Path) -> None:
     """n moved the banner to step 4 while the grid kept step 3's values with nothing saying so
-    (found trying the replay as a new user)."""
+    (found trying the replay as a new user); a second n said "the step before's" of values two
+    dumped steps back."""
     from textual.widgets import Static
 
     source = ReplaySource(load(dump))
@@ -274,7 +275,10 @@ def test_a_tensor_left_open_on_n_says_it_is_the_step_before(dump: Path) -> None:
             title = app.query_one("#tensor-title", Static)
             await until(pilot, lambda: str(title.content) == "net.2.output")
             await pilot.press("n")
-            said = "net.2.output  (the step before's: reopen at step 4)"
+            said = "net.2.output  (step 3's: reopen at step 4)"
+            await until(pilot, lambda: str(title.content) == said)
+            await pilot.press("n")
+            said = "net.2.output  (step 3's: reopen at step 5)"
             await until(pilot, lambda: str(title.content) == said)
 
     asyncio.run(flow())

@@ -237,12 +237,16 @@ class OptimizerPhase:
             self.end_unseen_pass()
             if self.phases.busy() or self._forward_open:
                 self._end_phase()
+            if self.detached:  # q at a pause just above (a k before it drops the update still)
+                return
             if self.ranks is not None:
                 if self.phase == "backward":  # the first optimizer after the pass
                     self._reduced = None
                 self._check_reduced_gradients(optimizer)
             if self.ranks is not None and optimizer is self.optimizers[0]:
                 self.ranks.safe_point()  # the step's collectives are done: ranks stop here
+                if self.detached:  # q while the ranks were paused there
+                    return
             if self._skip_requested:
                 _drop_gradients(optimizer)
                 self._skip_dropped = True

@@ -34,6 +34,7 @@ class TensorInspector(Vertical):
     def __init__(self) -> None:
         super().__init__(id="tensor-inspector")
         self.ref: int | None = None
+        self.step: int | None = None  # the step its values are of, where that is known
         self.tensor_name = ""
         self.text = ""
         self._opening = False  # a tensor was opened and nothing of it has been shown yet
@@ -53,10 +54,11 @@ class TensorInspector(Vertical):
                 yield StatsCompare()
                 yield HistogramView()
 
-    def open(self, ref: int, name: str = "", text: str = "", focus: bool = True) -> None:
-        """Show tensor ``ref``; ``focus``: its values take the keys (False from another tab:
-        focusing a widget of a hidden tab switches to that tab)."""
-        self.ref, self.tensor_name = ref, name or f"tensor {ref}"
+    def open(self, ref: int, name: str = "", text: str = "", focus: bool = True,
+             step: int | None = None) -> None:  # fmt: skip
+        """Show tensor ``ref`` (of ``step``); ``focus``: its values take the keys (False from
+        another tab: focusing a widget of a hidden tab switches to that tab)."""
+        self.ref, self.tensor_name, self.step = ref, name or f"tensor {ref}", step
         self._opening = True  # until its first view arrives
         self._whole = None
         self.query_one(SliceInput).value = text
@@ -64,6 +66,11 @@ class TensorInspector(Vertical):
         self.load(text)
         if focus:
             self.query_one(TensorGrid).focus()
+
+    def replay_moved(self, step: int) -> None:
+        """A replay moved to dumped step ``step``: the values shown stay their step's."""
+        shown = "an earlier step's" if self.step is None else f"step {self.step}'s"
+        self.moved_on(f"{shown}: reopen at step {step}")
 
     def moved_on(self, note: str) -> None:
         """The training or the replay left the phase of the open tensor: its values stay, said
