@@ -92,6 +92,18 @@ def test_a_slow_dataset_gets_the_dataloader_advice_with_its_share(slow_run):
     assert "DataLoaderShare" in report.text()
 
 
+def test_a_slow_dataset_is_no_hot_operator(slow_run):
+    """The DataLoader's range is a row of the operator table, as key_averages() has it, and its
+    self time is the dataset's Python: CpuHotOperator advised "a fused version (torch.compile)"
+    for enumerate(DataLoader) (found trying --profile as a new user)."""
+    report = slow_run[1].report
+    loading = [op for op in report.operators if op["name"].startswith("enumerate(DataLoader)")]
+    assert loading and all(op["range"] for op in loading)
+    assert all(not op["range"] for op in report.operators if op["name"].startswith("aten::"))
+    assert not [a for a in report.advice
+                if a["rule"] == "CpuHotOperator" and "DataLoader" in a["evidence"]]  # fmt: skip
+
+
 def test_with_dataloader_workers_the_advice_goes_away():
     # Workers load ahead while the step computes. Taking a ready batch still costs about a
     # millisecond of CPU, which a loaded machine (2 cores, load 9 here) stretches to 10-20 ms

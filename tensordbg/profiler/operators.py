@@ -63,6 +63,10 @@ def operator_rows(
     rows: dict[tuple[str, str | None], _Row] = defaultdict(_Row)
     for lane, events in threads.items():
         _walk(events, allocations.get(lane, []), device_by_external, rows, by_shape)
+    # record_function's ranges (the DataLoader's next batch, an optimizer's step): rows as in
+    # key_averages(), but no operator: what runs inside one without an operator (Python, a
+    # sleep) is its self time.
+    ranges = {e.get("name") for e in spans if e.get("cat") == "user_annotation"}
     out = []
     for (name, shapes), row in rows.items():
         out.append(
@@ -77,6 +81,7 @@ def operator_rows(
                 "flops": (flops or {}).get((name, shapes)) or None,
                 "self_cpu_memory": row.memory,
                 "self_device_memory": row.device_memory,
+                "range": name in ranges,
             }
         )
     return out

@@ -49,7 +49,8 @@ class ProfileReport:
     """Per step: ``{"step": s, category: seconds, ..., "total": seconds}``."""
     operators: list[dict[str, Any]] = field(default_factory=list)
     """``{"name", "calls", "self_cpu", "total_cpu", "self_device", "total_device",
-    "input_shapes", "flops"}``, by self time (CPU + device), as ``key_averages()`` counts them."""
+    "input_shapes", "flops", "range"}``, by self time (CPU + device), as ``key_averages()`` counts
+    them; ``range``: a record_function range (the DataLoader's next batch), not an operator."""
     kernels: list[dict[str, Any]] = field(default_factory=list)
     """GPU kernels: ``{"name", "calls", "total", "mean", "max", "tensor_core"}``; empty on a CPU."""
     kernels_note: str | None = None

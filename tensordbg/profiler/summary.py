@@ -298,6 +298,7 @@ def _operators(averages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "flops",
                 )
             }
+            | {"range": bool(a.get("range"))}  # averages of a trace with no ranges lack it
         )
     rows.sort(key=lambda r: r["self_cpu"] + r["self_device"], reverse=True)
     return rows[:MAX_OPERATORS]

@@ -368,6 +368,7 @@ class OperatorRow(TypedDict):
     total_device: float
     input_shapes: str | None
     flops: int | None
+    range: NotRequired[bool]  # a record_function range, not an operator (absent before)
 
 
 class KernelRow(TypedDict):
