@@ -358,6 +358,29 @@ def test_without_an_optimizer_each_steps_reentrant_backward_nan_has_its_origin(w
         ("blocks.1.0", 0), ("blocks.1.0", 1), ("blocks.1.0", 2)]  # fmt: skip
 
 
+@pytest.mark.parametrize("sync", MODES)
+@pytest.mark.parametrize("loss_of", ["both calls", "the clean call"])
+def test_a_loss_of_two_model_calls_is_no_origin_of_the_first_calls_inf(watch, sync, loss_of):
+    """A siamese loss, (model(a) - model(b))**2, with an Inf in the first call's output: the
+    loss was called an origin too ("the model's outputs were clean": the second call's were).
+    A loss made NaN by its own code from the clean call alone is still its own origin."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)  # a step is its step: both calls in one
+    session = watch(model, optimizer=opt, on_hit="record", sync=sync, rules=[NaN(), Overflow()])
+    bad = torch.randn(5, 4)
+    bad[0] = float("inf")
+    first, second = model(bad), model(torch.randn(5, 4))
+    if loss_of == "both calls":
+        loss = (first - second).pow(2).mean()
+    else:
+        loss = torch.log(second - 1e4).mean()  # NaN made by the loss code, of the clean call
+    session.observe("loss", loss)
+    loss.backward()
+    expected = ["input[0]"] + (["loss"] if loss_of == "the clean call" else [])
+    assert [h.tensor for h in session.hits if h.origin and h.phase == "forward"] == expected
+
+
 def test_a_nan_in_a_sparse_gradient_is_found_in_the_gradient_not_blamed_on_the_optimizer(watch):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(50, 4, sparse=True), nn.Linear(4, 1))

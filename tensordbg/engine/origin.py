@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from tensordbg.engine.records import NONFINITE, Call, Record, is_model_output
 from tensordbg.rules.base import Finding
@@ -71,6 +71,9 @@ class Attribution:
         self.root_fired: set[int] = set()
         self.loss_fired: set[int] = set()
         self.grad_found: set[int] = set()  # the conditions of this step's backward origins
+        self.fired_roots: list[tuple[frozenset[int], list[Any]]] = []
+        """The step's root calls whose outputs showed a condition: what, and those outputs'
+        autograd nodes, for a loss made of several root calls' outputs (:func:`_reached`)."""
 
     def begin_forward(self) -> None:
         self.loss_fired = set()
@@ -85,6 +88,9 @@ class Attribution:
                            if r.stats.kind == "grad" and r.conditions}  # fmt: skip
         self.grad_found = set()
 
+    def new_step(self) -> None:
+        self.fired_roots = []
+
     def param_clean(self, name: str) -> None:
         self.param_fired.pop(name, None)
 
@@ -94,8 +100,8 @@ class Attribution:
         kind = record.stats.kind
         if kind == "observed":
             self.loss_fired |= record.conditions
-            return [Verdict(record, rule_id, finding,
-                            condition_of(record, rule_id) not in self.root_fired)
+            fired = self.root_fired | _reached(record, self.fired_roots)
+            return [Verdict(record, rule_id, finding, condition_of(record, rule_id) not in fired)
                     for rule_id, finding in record.findings.items()]  # fmt: skip
         if kind == "param":
             # Not made here if its gradient brought it, or if it was so already (a weight set to
@@ -139,6 +145,12 @@ class Attribution:
         out += _given_by_own_code(call, params_fired)
         if call.parent is None:
             self.root_fired = set(call.fired_out)
+            if call.fired_out:  # the step's later losses may come of it (model(a) - model(b))
+                held = [r.held() for _, r in call.outputs if r.conditions]
+                # The outputs' autograd nodes (the tensors may be freed before the loss is seen);
+                # an output without one (gone, no gradient) makes every loss count it.
+                nodes = [getattr(t, "grad_fn", None) for t in held]
+                self.fired_roots.append((call.fired_out, nodes))
         return out
 
     def grad(self, record: Record) -> list[Verdict]:
@@ -205,6 +217,39 @@ class Attribution:
             out.append(Verdict(record, rule_id, finding, origin, call if kind else None, kind,
                                name, unseen=region))  # fmt: skip
         return out
+
+
+_GRAPH_LIMIT = 100_000  # autograd nodes walked from a loss at most (a bad step only)
+
+
+def _reached(record: Record, fired_roots: list[tuple[frozenset[int], list[Any]]]) -> set[int]:
+    """The conditions of the step's root outputs that an observed tensor was computed from:
+    a loss of two root calls (``model(a) - model(b)``) comes of the first too, not only of the
+    latest. Found by walking its autograd graph; without one (no gradients) every root output
+    of the step counts, and so does an output whose node is not known."""
+    if not fired_roots:
+        return set()
+    loss = record.held()
+    node = getattr(loss, "grad_fn", None)
+    if node is None:
+        return set().union(*(fired for fired, _ in fired_roots))
+    wanted: dict[Any, frozenset[int]] = {}
+    found: set[int] = set()
+    for fired, nodes in fired_roots:
+        for output in nodes:
+            if output is None:
+                found |= fired  # it cannot be told: counted
+            else:
+                wanted[output] = wanted.get(output, frozenset()) | fired
+    seen, todo = {node}, [node]
+    while todo and wanted and len(seen) < _GRAPH_LIMIT:
+        current = todo.pop()
+        found |= wanted.pop(current, frozenset())
+        for parent, _ in current.next_functions:
+            if parent is not None and parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return found
 
 
 def _fed_unseen(calls: Iterable[Call]) -> Call | None:

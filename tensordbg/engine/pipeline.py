@@ -320,6 +320,7 @@ class Pipeline(Pausing, Pinpointing):
     def _finish_step(self) -> None:
         """A training step completed: history, status, this step's hits become last step's."""
         self._stepped, self._forwards_at_end = frozenset(), self._root_forwards
+        self.origins.new_step()
         if self._skip_requested or self._skip_dropped:
             self._skip_requested = self._skip_dropped = False
             self.skipped_updates.append(self.step)
