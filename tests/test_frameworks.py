@@ -70,7 +70,7 @@ def hf_train(model, callback, tmp_path, steps=5, accumulate=1, logged=None, **ar
     training_args = transformers.TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=steps,
         gradient_accumulation_steps=accumulate, learning_rate=1e-3, report_to=[],
-        save_strategy="no", logging_steps=1, use_cpu=True, disable_tqdm=True, **args,
+        logging_steps=1, use_cpu=True, disable_tqdm=True, **{"save_strategy": "no", **args},
     )  # fmt: skip
     callbacks = [callback]
     if logged is not None:
@@ -110,6 +110,22 @@ def test_hf_trainer_counts_an_optimizer_step_of_four_micro_batches_as_one_step(t
     hit = first_origin(session)
     assert (hit.module, hit.step, hit.phase) == ("transformer.h.0.attn.c_proj", 2, "forward")
     assert session.step == 3  # three optimizer steps, twelve forwards
+
+
+def test_hf_trainer_resumed_from_a_checkpoint_numbers_its_hits_as_the_trainer_does(tmp_path):
+    """Resumed at global_step 3, the session counted from 0: a NaN planted at step 5 was said
+    to be at step 2."""
+    model = tiny_gpt2()
+    hf_train(model, hf.TensordbgCallback(on_hit="record", **QUIET), tmp_path, steps=3,
+             save_strategy="steps", save_steps=3).train()  # fmt: skip
+    model = tiny_gpt2()
+    nan_at_call(model.transformer.h[1].mlp.c_fc, call=2)  # the third step after resuming: 5
+    callback = hf.TensordbgCallback(on_hit="record", **QUIET)
+    trainer = hf_train(model, callback, tmp_path, steps=6)
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    hit = first_origin(callback.session)
+    assert (hit.module, hit.step) == ("transformer.h.1.mlp.c_fc", 5)
+    assert callback.session.step == trainer.state.global_step == 6
 
 
 def test_hf_trainer_healthy_run_has_no_hits_and_its_session_stays_readable(tmp_path):
@@ -244,6 +260,45 @@ def test_lightning_counts_an_optimizer_step_of_four_micro_batches_as_one_step():
     hit = first_origin(session)
     assert (hit.module, hit.step) == ("net.0", 2)
     assert session.step == trainer.global_step == 4
+
+
+def test_a_lightning_training_resumed_from_a_checkpoint_numbers_its_hits_as_the_trainer_does(
+    tmp_path,
+):
+    """Resumed at global_step 5, the session counted from 0: a NaN at step 7 was said to be at
+    step 2."""
+    torch.manual_seed(0)
+    module = Regression()
+    trainer = pl_fit(module, lightning.TensordbgCallback(on_hit="record", **QUIET),
+                     regression_data(), steps=5)  # fmt: skip
+    trainer.save_checkpoint(tmp_path / "five.ckpt")
+    module = Regression()
+    nan_at_call(module.net[1], call=2)  # the third step after resuming: step 7
+    callback = lightning.TensordbgCallback(on_hit="record", **QUIET)
+    resumed = pl.Trainer(
+        max_steps=9, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+    )  # fmt: skip
+    resumed.fit(module, regression_data(), ckpt_path=tmp_path / "five.ckpt")
+    hit = first_origin(callback.session)
+    assert (hit.module, hit.step) == ("net.1", 7)
+    assert callback.session.step == resumed.global_step == 9
+
+
+def test_a_nan_made_by_lightning_loss_code_names_no_line_of_lightnings():
+    """The loss is observed from Lightning's on_before_backward: "It was observed at call.py:228",
+    a line of Lightning's hook dispatcher, was said of a NaN made in training_step."""
+
+    class LogLoss(Regression):
+        def training_step(self, batch, batch_idx):
+            x, _ = batch
+            return torch.log(self.net[1:](x) - 100).mean()  # log of negatives: NaN
+
+    torch.manual_seed(0)
+    callback = lightning.TensordbgCallback(on_hit="record", **QUIET)
+    pl_fit(LogLoss(), callback, regression_data(), steps=1)
+    hit = first_origin(callback.session)
+    assert hit.tensor == "loss" and "It was observed at" not in hit.message
 
 
 def test_lightning_healthy_run_has_no_hits_and_observes_the_loss_it_trained_on():

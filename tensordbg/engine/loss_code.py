@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from tensordbg.engine.sites import user_site
+from tensordbg.engine.sites import in_framework, user_site
 
 _MAX_NODES = 2000
 """Loss code is short: a graph this large is the model's own, left when no boundary is known."""
@@ -162,7 +162,10 @@ class Observations:
         (and is judged) while the loss code's saved tensors are still there to be read."""
         call = self._counts.get(name, 0)
         self._counts[name] = call + 1
-        self._sites[f"{name}#{call}" if call else name] = user_site(frame)
+        site = user_site(frame)
+        if site is not None and in_framework(site[0]):
+            site = None  # a trainer's hook observed it (Lightning's on_before_backward): no line
+        self._sites[f"{name}#{call}" if call else name] = site
         if tensor.grad_fn is not None:
             tensor.grad_fn.register_prehook(begin)
         return call

@@ -57,3 +57,14 @@ def in_reentrant_checkpoint(frame: Any) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+# The trainers that call the user's code and observe its loss from their own hooks: a line of
+# theirs is not where the user's loss was computed. Told by the path, without importing them.
+_FRAMEWORKS = frozenset({"lightning", "pytorch_lightning", "lightning_fabric", "transformers",
+                         "accelerate"})  # fmt: skip
+
+
+def in_framework(code: CodeType) -> bool:
+    """Whether ``code`` is a training framework's own (Lightning, transformers, accelerate)."""
+    return not _FRAMEWORKS.isdisjoint(Path(code.co_filename).parts)

@@ -47,13 +47,16 @@ class TrainingWatch:
         """Told of each session made (``tensordbg run`` counts their hits)."""
 
     def begin(self, model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer],
-              scaler: Any, rank: int | None = None) -> Session:  # fmt: skip
+              scaler: Any, rank: int | None = None, step: int = 0) -> Session:  # fmt: skip
         """Attach to what the trainer made (a session left from an earlier training, one that
         ended in an exception, is detached first). ``rank``: the process's rank as the trainer
-        knows it (Lightning's own DDP launcher sets no ``RANK``)."""
+        knows it (Lightning's own DDP launcher sets no ``RANK``); ``step``: the trainer's step
+        it begins at (a training resumed from a checkpoint, a second ``fit``), which the
+        session counts on from: its hits are numbered as the trainer numbers its steps."""
         self.end(summary=False)
         args = {"summary_at_exit": True, "rank": rank, **self.attach_args}
         self.session = attach(model, optimizer=list(optimizers) or None, scaler=scaler, **args)
+        self.session.step = step  # nothing ran yet: as if it had counted from 0
         if self.on_attach is not None:
             self.on_attach(self.session)
         return self.session

@@ -7,7 +7,8 @@
 
 At train begin the callback attaches to the trainer's model and its optimizer (the one
 ``accelerate`` wraps, whose GradScaler it uses under fp16), so a step is an optimizer step:
-``hit.step`` is ``state.global_step`` at the time, whatever ``gradient_accumulation_steps``.
+``hit.step`` is ``state.global_step`` at the time, whatever ``gradient_accumulation_steps``,
+a training resumed from a checkpoint's too.
 The loss the model returns (``outputs.loss``) in training is observed; a loss computed outside
 the model (a custom ``compute_loss``) is not, the rest is watched just the same.
 """
@@ -47,7 +48,8 @@ class TensordbgCallback(TrainerCallback, TrainingWatch):
             inner = inner.optimizer
         scaler = getattr(optimizer, "scaler", None)
         rank = getattr(args, "process_index", None)
-        session = self.begin(model, [] if inner is None else [inner], scaler, rank)
+        step = int(getattr(state, "global_step", 0) or 0)  # resumed from a checkpoint
+        session = self.begin(model, [] if inner is None else [inner], scaler, rank, step)
         session.handles.add(model.register_forward_hook(self._model_returned))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -7,7 +7,10 @@
 
 At train start the callback attaches to the LightningModule, the trainer's optimizers and the
 precision plugin's GradScaler (``precision="16-mixed"``). A step is an optimizer step:
-``hit.step`` is ``trainer.global_step`` at the time, whatever ``accumulate_grad_batches``.
+``hit.step`` is ``trainer.global_step`` at the time, whatever ``accumulate_grad_batches``, a
+resumed training's and a second ``fit``'s too. With several optimizers (manual optimization,
+a GAN's two) a step is one step of each, and ``global_step``, which counts every optimizer's
+steps, is ``hit.step`` times their number.
 Lightning runs the forward and backward inside ``optimizer.step(closure)``; tensordbg takes the
 gradients as final when that closure has returned. The loss Lightning back-propagates is
 observed (times ``accumulate_grad_batches``, which Lightning divided it by).
@@ -47,7 +50,10 @@ class TensordbgCallback(*_BASES, TrainingWatch):  # type: ignore[misc]
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        self.begin(pl_module, trainer.optimizers, scaler, trainer.global_rank)
+        # global_step counts each optimizer's steps; a tensordbg step is one of each (a GAN's
+        # two optimizers: two of global_step).
+        step = int(trainer.global_step) // max(1, len(trainer.optimizers))
+        self.begin(pl_module, trainer.optimizers, scaler, trainer.global_rank, step)
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         if pl_module.training:  # not a backward of the user's own in validation
