@@ -9,11 +9,12 @@ from typing import Any
 from fake_source import FakeSource
 from textual import events
 from textual.app import App
-from textual.widgets import DataTable
+from textual.widgets import DataTable, Static
 
 from tensordbg.transport.client import LocalClient
 from tensordbg.transport.server import Server
 from tensordbg.tui.launch import session_app
+from tensordbg.tui.messages import OpenTensor
 from tensordbg.tui.screens.ranks import RanksScreen, group_jobs, job_sessions
 
 
@@ -28,7 +29,7 @@ class FakeRank(FakeSource):
             self.state, self.paused_at = "running", None
 
     def info(self) -> Any:
-        return {**super().info(), "rank": self.rank, "run_id": "job7"}
+        return {**super().info(), "rank": self.rank, "run_id": "job7", "world_size": 2}
 
     def hits(self, since: int = 0) -> list[Any]:
         return [h | {"rank": self.rank} for h in super().hits(since)]
@@ -118,6 +119,10 @@ def test_the_ui_opens_a_job_once_and_shift_r_moves_to_the_next_rank(private_runt
             await until(pilot, lambda: app.info.get("rank") == 0 and app.state == "running")
             app.action_next_rank()
             await until(pilot, lambda: app.info.get("rank") == 1 and app.state == "paused")
+            assert app.main.sub_title.endswith(" · rank 1")  # the header names it
+            app.main.post_message(OpenTensor(3, "net.2.output"))  # a tensor of rank 1's
+            title = app.query_one("#tensor-title", Static)
+            await until(pilot, lambda: str(title.content) == "net.2.output")
             app.action_ranks()
             await until(pilot, lambda: isinstance(app.screen, RanksScreen))
             table = app.screen.query_one("#ranks-table", DataTable)
@@ -125,6 +130,9 @@ def test_the_ui_opens_a_job_once_and_shift_r_moves_to_the_next_rank(private_runt
             assert rows(table)[1][0] == "1 *"  # the rank being inspected
             app.screen.dismiss(0)
             await until(pilot, lambda: app.info.get("rank") == 0)
+            # Rank 1's tensor, left open, is said to be rank 1's (it was shown as rank 0's).
+            said = "net.2.output  (rank 1's, not this rank's: reopen it here)"
+            await until(pilot, lambda: str(title.content) == said)
             app.exit()
 
     try:

@@ -4,7 +4,7 @@ previous step and a histogram."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from rich.text import Text
 from textual import on
@@ -35,6 +35,7 @@ class TensorInspector(Vertical):
         super().__init__(id="tensor-inspector")
         self.ref: int | None = None
         self.step: int | None = None  # the step its values are of, where that is known
+        self._session: tuple[Any, Any] = (None, None)  # the rank and run connected to
         self.tensor_name = ""
         self.text = ""
         self._opening = False  # a tensor was opened and nothing of it has been shown yet
@@ -66,6 +67,14 @@ class TensorInspector(Vertical):
         self.load(text)
         if focus:
             self.query_one(TensorGrid).focus()
+
+    def reconnected(self, info: dict) -> None:
+        """Connected anew (another rank of the job, R): a tensor left open is the last
+        session's, said so with its rank."""
+        session = (info.get("rank"), info.get("run_id"))
+        if self.ref is not None and session != self._session:
+            self.moved_on(f"rank {self._session[0]}'s, not this rank's: reopen it here")
+        self._session = session
 
     def replay_moved(self, step: int) -> None:
         """A replay moved to dumped step ``step``: the values shown stay their step's."""

@@ -141,7 +141,9 @@ class MainScreen(Screen):
         self.app.title = f"tensordbg · {info.get('script', '?')} · run {info.get('run_id', '?')}"
         # The header says the state first, so a narrow terminal cuts the script, not the state.
         script = str(info.get("script", "?")).replace("\\", "/").rsplit("/", 1)[-1]
-        self.sub_title = f"{script} · run {info.get('run_id', '?')}"
+        rank = f" · rank {info.get('rank')}" if info.get("world_size", 1) > 1 else ""  # R, F9
+        self.sub_title = f"{script} · run {info.get('run_id', '?')}{rank}"
+        self.tensor_inspector.reconnected(info)  # another rank's (R): its tensor is not this one
         self._step = info.get("step")
         self._sync = info.get("sync", "")
         self._show_replay(info)
@@ -151,12 +153,10 @@ class MainScreen(Screen):
         self.counted.clear()
         self._count_hits(hits)
         pid = f", pid {info.get('pid')}" if info.get("live", True) else ""  # a replay has none
-        self.log_entry(
-            f"connected to {info.get('script')} (run {info.get('run_id')}, rank "
-            f"{info.get('rank')}{pid}): {info.get('state')} "
-            f"{step_phrase(str(info.get('state')), info.get('step'))}, "
-            f"{plural(len(hits), 'hit')}"
-        )
+        self.log_entry(f"connected to {info.get('script')} (run {info.get('run_id')}, rank "
+                       f"{info.get('rank')}{pid}): {info.get('state')} "
+                       f"{step_phrase(str(info.get('state')), info.get('step'))}, "
+                       f"{plural(len(hits), 'hit')}")  # fmt: skip
         self._state = info.get("state", "running")
         self.app.state = self._state  # type: ignore[attr-defined]
         self.app.skippable = info.get("skippable", True)  # opened on a pause after the update
