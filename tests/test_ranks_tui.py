@@ -84,6 +84,32 @@ def test_every_ranks_state_and_hits_in_one_list_and_a_tensor_across_ranks() -> N
     asyncio.run(flow())
 
 
+class NormOnlyRank(FakeRank):
+    """Its hits carry no statistics, as a gradient judged by its norm alone: shape and dtype."""
+
+    def hits(self, since: int = 0) -> list[Any]:
+        return [h | {"summary": {"shape": [8, 4], "dtype": "float32"}} for h in super().hits(since)]
+
+
+def test_a_hit_without_statistics_is_compared_across_ranks_by_its_modules() -> None:
+    """F9's side-by-side table was all "-" for a gradient hit of a deferred session (its
+    summary holds only shape and dtype); the module's latest statistics fill it."""
+
+    async def flow() -> None:
+        clients = {0: LocalClient(NormOnlyRank(0)), 1: LocalClient(NormOnlyRank(1))}
+        app = Host(RanksScreen("job7", clients, current=0, every=0.2))
+        async with app.run_test(size=(120, 40)) as pilot:
+            compare = app.ranks_screen.query_one("#ranks-compare", DataTable)
+            for _ in range(100):
+                await pilot.pause(0.05)
+                if compare.row_count and rows(compare)[0][1:] != ["-", "-"]:
+                    break
+            table = {r[0]: r[1:] for r in rows(compare)}
+            assert table["numel"][1] != "-" and table["nan"][1] == "2"
+
+    asyncio.run(flow())
+
+
 def test_a_jobs_ranks_are_one_entry_of_the_session_list() -> None:
     sessions = [
         {"run_id": "job7", "rank": 1, "path": "/r/job7-1.json", "script": "train.py"},

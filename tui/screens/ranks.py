@@ -168,7 +168,9 @@ class RanksScreen(Screen[int | None]):
         columns: dict[int, dict[str, Any]] = {}
         for rank, client in self.clients.items():
             same = [h for h in self.hits.get(rank, []) if h["tensor"] == hit["tensor"]]
-            if same and same[-1].get("summary"):
+            # A hit's summary with statistics in it: a gradient judged by its norm alone has
+            # only its shape and dtype (every row said "-"), and the module's are looked up.
+            if same and "numel" in (same[-1].get("summary") or {}):
                 columns[rank] = same[-1]["summary"]
                 continue
             try:
