@@ -369,3 +369,29 @@ def test_a_call_that_made_a_nan_and_an_inf_keeps_the_first_named_in_its_provenan
         assert "torch.log" in nan.message and "__setitem__" in inf.message
         prov = LiveSource(session).provenance(nan.ref, nan.module, nan.call)
     assert prov["operation"]["op"] == "torch.log" and prov["operation"]["value"] == "NaN"
+
+
+@pytest.mark.parametrize("sync", ["eager", "deferred"])
+def test_the_loss_codes_operation_is_named_when_only_a_submodule_is_called(sync: str) -> None:
+    """The model attached is a wrapper whose submodule alone is called (a LightningModule's
+    self.net(x)): the loss code's operation went unnamed, the walk knowing the model's own
+    outputs only."""
+
+    class Box(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    torch.manual_seed(0)
+    box = Box()
+    optimizer = torch.optim.SGD(box.parameters(), lr=1e-2)
+    with watched(box, sync=sync) as session:
+        loss = torch.log(box.net(torch.randn(16, 4)) - 100).mean()
+        session.observe("loss", loss)
+        loss.backward()
+        optimizer.step()
+    origin = next(h for h in session.hits if h.origin)
+    assert origin.tensor == "loss"
+    assert "the first operation given values it does not accept: log of 16 values <= 0" in (
+        origin.message
+    )

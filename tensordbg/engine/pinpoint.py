@@ -127,8 +127,11 @@ class Pinpointing:
         loss = record.held()
         if loss is None:
             return
-        outputs = [t for call in self.capture.calls_by_path.get("", []) for _, r in call.outputs
-                   if (t := r.held()) is not None]  # fmt: skip
+        # The outputs of the step's root calls: the model's, or a submodule's called alone
+        # (Lightning's self.net(x): the LightningModule itself is not called).
+        outputs = [t for calls in self.capture.calls_by_path.values() for call in calls
+                   if call.parent is None
+                   for _, r in call.outputs if (t := r.held()) is not None]  # fmt: skip
         with contextlib.suppress(Exception):  # a courtesy: whatever the graph holds, the hit stands
             hit.message += name_loss_operation(loss, outputs, _names_nan(hit, loss))
 
