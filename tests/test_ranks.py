@@ -150,14 +150,20 @@ def test_raise_on_one_rank_ends_the_whole_job_with_one_line_from_the_others(job)
     assert ended - float((j.out / "raised").read_text()) < 30
 
 
-def test_every_rank_pauses_together_and_continue_resumes_them_all(job, private_runtime_dir):
-    j = job("pause")
-    deadline = time.monotonic() + DEADLINE
+def _sessions_of(j, runtime_dir: Path, deadline: float) -> list:
+    """The two ranks' sessions of a job, by rank, once both are served."""
     sessions: list = []
     while len(sessions) < 2:
         assert time.monotonic() < deadline and j.process.poll() is None, "no sessions"
-        sessions = sorted(find_sessions(private_runtime_dir), key=lambda s: s.rank)
+        sessions = sorted(find_sessions(runtime_dir), key=lambda s: s.rank)
         time.sleep(0.2)
+    return sessions
+
+
+def test_every_rank_pauses_together_and_continue_resumes_them_all(job, private_runtime_dir):
+    j = job("pause")
+    deadline = time.monotonic() + DEADLINE
+    sessions = _sessions_of(j, private_runtime_dir, deadline)
     assert sessions[0].run_id == sessions[1].run_id
     assert [s.name for s in sessions] == [f"{sessions[0].run_id}-0", f"{sessions[0].run_id}-1"]
     clients = [SyncClient(str(s.path)) for s in sessions]
@@ -188,11 +194,7 @@ def test_detaching_one_rank_while_the_job_is_paused_is_clean(job, private_runtim
     "internal error ... optimizers[0]: IndexError" (its hook went on after detaching)."""
     j = job("pause")
     deadline = time.monotonic() + DEADLINE
-    sessions: list = []
-    while len(sessions) < 2:
-        assert time.monotonic() < deadline and j.process.poll() is None, "no sessions"
-        sessions = sorted(find_sessions(private_runtime_dir), key=lambda s: s.rank)
-        time.sleep(0.2)
+    sessions = _sessions_of(j, private_runtime_dir, deadline)
     clients = [SyncClient(str(s.path)) for s in sessions]
     try:
         while any(c.call("info")["state"] != "paused" for c in clients):

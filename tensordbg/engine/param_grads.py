@@ -130,9 +130,9 @@ class ParamGradients:
             for name, _, param in cached[1]:
                 if name not in made and name not in apart:
                     grad = param.grad
-                    apart[name] = (None, 0) if grad is None else (id(grad), grad._version)
+                    apart[name] = (None, 0) if grad is None else (weakref.ref(grad), grad._version)
 
-    _apart: dict[str, tuple[int | None, int]]
+    _apart: dict[str, tuple[weakref.ref[torch.Tensor] | None, int]]
     """The gradients of the parameters the backward phase's passes do not reach, as each pass
     began: one that changed before the pass ended was made by a pass inside it."""
 
@@ -140,7 +140,10 @@ class ParamGradients:
         """Whether a parameter the phase's passes do not reach got its gradient during them,
         from a pass the engine ran inside one (reentrant activation checkpointing)."""
         before = self._apart.get(name)
-        return before is not None and before != (id(grad), grad._version)
+        if before is None:
+            return False
+        held, version = before
+        return held is None or held() is not grad or version != grad._version
 
     def grads_changed(self) -> bool:
         """Whether a backward pass that no hook saw (its loss reached no hooked tensor) made a

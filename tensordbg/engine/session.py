@@ -447,10 +447,17 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         return guarded
 
 
+def compiled_inner(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The model inside ``torch.compile(model)``'s wrapper; None for any other module."""
+    inner = getattr(module, "_orig_mod", None)
+    compiled = type(module).__name__ == "OptimizedModule" and isinstance(inner, torch.nn.Module)
+    return inner if compiled else None
+
+
 def _check_arguments(model: Any, on_hit: Any, interval: int) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"attach() takes a torch.nn.Module, not {type(model).__name__}")
-    if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+    if compiled_inner(model) is not None:
         raise TypeError(
             "this model is already compiled: attach tensordbg before torch.compile, "
             "e.g. session = tensordbg.attach(model); model = torch.compile(model)"

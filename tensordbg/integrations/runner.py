@@ -35,7 +35,7 @@ from tensordbg.api import COMMAND_LINE, CommandLine, attach, attached_to
 from tensordbg.engine.fused import quiet_compile_warning
 from tensordbg.engine.hits import print_summary
 from tensordbg.engine.params import held_params, parameter_count
-from tensordbg.engine.session import Session
+from tensordbg.engine.session import Session, compiled_inner
 from tensordbg.hit import WatchpointHit
 from tensordbg.integrations.frameworks import TrainerPatches, TrainingWatch
 from tensordbg.rules import Rule
@@ -172,7 +172,8 @@ class ScriptRun:
         optimizers = [o for ref in self._made if (o := ref()) is not None and _steps(o, module)]
         # torch.compile(model): the model inside, not compiled yet (it compiles in this call,
         # after this hook): watched as if attached before compiling, its hooks at graph breaks.
-        watched = module._orig_mod if _compiled(module) else module
+        inner = compiled_inner(module)
+        watched = module if inner is None else inner
         self.session = attach(watched, optimizer=optimizers or None, rules=self.rules,
                               replaceable=True, **self.attach_args)  # fmt: skip
         self._watched = {id(m) for m in module.modules()}
@@ -345,10 +346,3 @@ def _run_main(script: str) -> None:
     finally:
         if saved is not None:
             sys.modules["__main__"] = saved
-
-
-def _compiled(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is ``torch.compile(model)``'s wrapper of the model."""
-    return type(module).__name__ == "OptimizedModule" and isinstance(
-        getattr(module, "_orig_mod", None), torch.nn.Module
-    )
