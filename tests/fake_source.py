@@ -21,6 +21,7 @@ from tensordbg.sources.contract import (
     Info,
     Module,
     Provenance,
+    Recheck,
     Rule,
     Rules,
     Slice,
@@ -58,6 +59,7 @@ class FakeSource:
         gpus: int = 0,
     ):
         self.capabilities = capabilities
+        self.unjudged, self.unjudged_why = 0, ""  # what a recheck could not judge
         # Profiling: the stored report (a ProfileReport's dict), the steps asked for, and
         # ``gpus`` fake devices whose NVML samples ``gpu()`` serves (none: NVML unavailable).
         self.stored_profile = report
@@ -355,8 +357,9 @@ class FakeSource:
         self._rules.append(rule)
         return rule
 
-    def recheck(self) -> list[Hit]:
-        return self._hits[:1]
+    def recheck(self) -> Recheck:
+        return {"at": "step 3, forward", "hits": self._hits[:1], "unjudged": self.unjudged,
+                "why": self.unjudged_why}  # fmt: skip
 
     def control(self, action: str, n: int = 1) -> Control:
         if action not in ("continue", "next", "step", "pause", "detach", "skip"):

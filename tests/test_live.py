@@ -191,9 +191,27 @@ def test_rules_can_be_listed_edited_added_and_rechecked_without_rerunning(paused
     assert added["match"] == ["inp.output"]
     before = len(training.session.hits)
     found = source.recheck()
-    assert [h["tensor"] for h in found] == ["inp.output"]
+    assert [h["tensor"] for h in found["hits"]] == ["inp.output"]
+    assert (found["at"], found["unjudged"]) == ("step 3, forward", 0)
     assert len(training.session.hits) == before + 1
     assert source.set_rule(added["id"], enabled=False)["enabled"] is False
+
+
+@pytest.mark.parametrize("sync", ["eager", "batched", "deferred"])
+def test_a_recheck_says_which_tensors_its_new_rule_could_not_judge(sync):
+    """A rule added while paused wants statistics nobody measured; a tensor no longer held
+    cannot be measured now. The recheck said "no new hit", a claim about tensors it never
+    judged: it counts them and says why."""
+    with PausedTraining(sync=sync, retain_bytes=0) as training:
+        training.wait_paused()
+        source = LiveSource(training.session)
+        source.add_rule("TensorRange", match="*.output", params={"max_gt": 0.0})
+        found = source.recheck()
+        judged = {h["tensor"] for h in found["hits"]}
+        assert "mid.output" not in judged and {"inp.output", "act.output"} <= judged
+        assert found["unjudged"] == 1 and found["why"].startswith("mid.output: ")
+        assert training.session.recheck_unjudged == (1, found["why"])
+        training.session.detach()
 
 
 def test_stepping_runs_n_steps_then_pauses_again(paused):

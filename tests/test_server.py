@@ -273,7 +273,7 @@ def test_every_request_is_served(server, source, connect):
     assert got["profile_report"] is None and got["gpu"]["available"] is False
     assert got["set_rule"]["params"] == {"threshold": 1e-6}
     assert got["add_rule"]["match"] == ["net.*"]
-    assert got["recheck"][0]["rule"] == "NaN"
+    assert got["recheck"]["hits"][0]["rule"] == "NaN" and got["recheck"]["unjudged"] == 0
     assert got["control"] == {"state": "running", "step": 3}
     assert source.controls == [("step", 2)]
 

@@ -707,8 +707,19 @@ def test_rules_toggle_edit_add_and_recheck() -> None:
 
         await pilot.press("r")
         result = app.query_one("#rule-result", Static)
-        await until(pilot, lambda: "Recheck found 1 hit" in text_of(result))
+        await until(pilot, lambda: "Recheck of step 3, forward found 1 hit" in text_of(result))
         assert "[NaN] net.2.output" in text_of(result)
+        assert "could not be judged" not in text_of(result)
+
+        # Tensors the rules could not judge: "no new hit" would be a claim about them.
+        why = "net.1.output: the phase's tensors passed retain_bytes=0 MiB"
+        source.recheck = lambda: {"at": "step 3, forward", "hits": [], "unjudged": 2, "why": why}
+        await pilot.press("r")
+        await until(pilot, lambda: "among the tensors it could judge" in text_of(result))
+        assert f"2 tensors could not be judged (never measured, no longer held): {why}" in (
+            " ".join(text_of(result).split())
+        )
+        assert "no new hit with the rules" not in text_of(result)
 
     on_the_rules_tab(source, check)
 

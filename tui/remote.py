@@ -32,6 +32,7 @@ from tensordbg.sources.contract import (
     ProfilePending,
     ProfileReport,
     Provenance,
+    Recheck,
     Rule,
     Rules,
     SchemaError,
@@ -181,7 +182,7 @@ class Remote:
     ) -> Rule:
         return await self._request("add_rule", name=name, match=match, params=params)
 
-    async def recheck(self) -> list[Hit]:
+    async def recheck(self) -> Recheck:
         return await self._request("recheck")
 
     async def control(self, action: str, n: int = 1) -> Control:

@@ -141,6 +141,7 @@ class Pausing:
         already = {(h.ref, h.rule) for h in self.hits}
         origins = {h.ref for h in self.hits if h.origin}
         found: list[Hit] = []
+        unjudged, why = 0, ""
         later = records_of(self.undrained)
         for record in self.records:
             stats = record.stats
@@ -156,13 +157,27 @@ class Pausing:
             if missing and tensor is not None and stats.kind != "update":
                 stats.values.update(zip(missing, self.measure(stats, tensor, missing),
                                         strict=True))  # fmt: skip
+            elif missing:  # its rules judge it without what they want: not "no new hit"
+                unjudged += 1
+                why = why or f"{stats.name}: {self.sync.why_not_kept(record, self.retain_bytes)}"
             for rule_id, finding in self.ruleset.rejudge(record, already):
                 is_origin = not stats.nonfinite or stats.ref in origins
                 before = len(self.hits)
                 self._hit(origin.Verdict(record, rule_id, finding, is_origin))
                 found.extend(self.hits[before:])
         self._pausing = []  # already paused: what a recheck finds is shown, not paused on
+        self.recheck_unjudged = (unjudged, why)
         return found
+
+    recheck_unjudged: tuple[int, str] = (0, "")
+    """How many tensors the last recheck could not judge (a statistic its rules want was never
+    measured, and the tensor is not held), and why, of the first."""
+
+    def recheck_reply(self) -> dict[str, Any]:
+        """:meth:`recheck`, as a UI is answered (``contract.Recheck``)."""
+        hits = [h.as_dict() for h in self.recheck()]
+        unjudged, why = self.recheck_unjudged
+        return {"at": self.at, "hits": hits, "unjudged": unjudged, "why": why}
 
     def forked(self) -> bool:
         """Whether this is a forked child of the attaching process (a DataLoader worker that

@@ -25,7 +25,7 @@ from __future__ import annotations
 import inspect
 import sys
 from collections.abc import Callable, Collection
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 if sys.version_info >= (3, 11):
     from typing import get_type_hints
@@ -79,6 +79,19 @@ from tensordbg.sources.schema import Welcome as Welcome
 EventCallback = Callable[[str, dict[str, Any]], None]
 """``callback(event, payload)`` with an event of :data:`EVENTS`; it may be called from the training
 thread: it must only hand the payload over, never block."""
+
+
+class Recheck(TypedDict):
+    """What a recheck found: the hits not found before, and how many tensors its rules could not
+    judge because a statistic they want was never measured and the tensor is no longer held
+    (``why`` says why, of the first of them; "" when every tensor was judged). A rule added
+    while paused wants statistics nobody measured: "no new hit" is only true when
+    ``unjudged`` is 0."""
+
+    at: str  # the phase it judged: "step 3, backward" (a rule on another phase's tensors waits)
+    hits: list[Hit]
+    unjudged: int
+    why: str
 
 
 class SourceError(Exception):
@@ -165,9 +178,10 @@ class Source(Protocol):
         """Add an available rule on the tensors matching ``match``; returns the rule."""
         ...
 
-    def recheck(self) -> list[Hit]:
+    def recheck(self) -> Recheck:
         """Judge the current phase again with the rules as they are now, without re-running the
-        step; returns the hits found (they are also added to the session's hits)."""
+        step; returns the hits found (they are also added to the session's hits) and what could
+        not be judged."""
         ...
 
     def control(self, action: str, n: int = 1) -> Control:

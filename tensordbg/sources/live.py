@@ -404,8 +404,8 @@ class LiveSource(LiveProfiling):
         """Where a value came from (see :mod:`.provenance`)."""
         return provenance(self.session, self._record(ref, need_tensor=False), module, call)
 
-    def recheck(self) -> list[contract.Hit]:
-        return self._on_training_thread(lambda: [h.as_dict() for h in self.session.recheck()])
+    def recheck(self) -> contract.Recheck:
+        return self._on_training_thread(self.session.recheck_reply)
 
     # --- helpers -------------------------------------------------------------------------------
 

@@ -282,19 +282,25 @@ class RulePanel(Vertical):
             return
         self._say("Judging the current step again…")
         try:
-            hits = await remote_of(self).recheck()
+            reply = await remote_of(self).recheck()
         except RequestFailed as e:
             self._say(f"Recheck refused: {e.message}", error=True)
             return
-        if not hits:
-            self._say(
-                "Recheck: no new hit in the paused phase with the rules as they are now (what "
-                "was found before stays in the Hits tab)."
-            )
-        else:
-            lines = [f"Recheck found {len(hits)} hit{'s' if len(hits) > 1 else ''}:"]
+        hits, unjudged, at = reply["hits"], reply["unjudged"], reply["at"]
+        if hits:
+            lines = [f"Recheck of {at} found {len(hits)} hit{'s' if len(hits) > 1 else ''}:"]
             lines += [f"  [{h['rule']}] {h['tensor']}: {h['message']}" for h in hits]
-            self._say("\n".join(lines))
+        elif not unjudged:
+            lines = [f"Recheck of {at}: no new hit with the rules as they are now (what was "
+                     "found before stays in the Hits tab; a rule on another phase's tensors "
+                     "judges them when the training gets there)."]  # fmt: skip
+        else:
+            lines = [f"Recheck of {at}: no new hit among the tensors it could judge."]
+        if unjudged:  # a rule added while paused wants statistics that were never measured
+            lines.append(f"{unjudged} tensor{'s' if unjudged > 1 else ''} could not be judged "
+                         f"(never measured, no longer held): {reply['why']}")  # fmt: skip
+        self._say("\n".join(lines))
+        if hits:
             self.post_message(HitsFound(hits))
         self.reload()
 
