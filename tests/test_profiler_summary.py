@@ -12,6 +12,7 @@ import pytest
 from tensordbg.profiler import advisor
 from tensordbg.profiler.advisor import AdviceRule, advise
 from tensordbg.profiler.capture import _memory_history
+from tensordbg.profiler.operators import operator_rows, outside_range
 from tensordbg.profiler.report import ProfileReport
 from tensordbg.profiler.summary import summarize, tensor_core
 from tensordbg.profiler.trace import Capture, nest_steps
@@ -35,7 +36,8 @@ def kernel(name, ts, dur, correlation=0):
 MIB = 2**20
 # Two steps of 1000 us. Step 1: loading 0-200, an H2D copy 100-250, forward 200-500 with a
 # launch 250-260, kernels 300-600 (fp32 SGEMM) and 600-700 (bf16 tensor-op), backward 500-900,
-# optimizer 900-980, an all-reduce 950-1000. Step 2: paused 1200-1500, nothing else.
+# optimizer 900-980, an all-reduce 950-1000, tensordbg's hooks 640-660 and 880-900. Step 2:
+# paused 1200-1500, nothing else.
 EVENTS = [
     span("ProfilerStep#1", 0, 1000),
     span("ProfilerStep#2", 1000, 1000),
@@ -48,6 +50,8 @@ EVENTS = [
     kernel("ampere_sgemm_128x64_nn", 300, 300, correlation=1),
     kernel("sm80_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x32", 600, 100),
     span("tensordbg: backward", 500, 400),
+    span("tensordbg: checks", 640, 20),  # tensordbg's hooks: under a kernel, the kernel's
+    span("tensordbg: checks", 880, 20),  # and alone, tensordbg's own, before the backward's
     span("tensordbg: optimizer", 900, 80),
     kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 950, 50),
     span("tensordbg: paused", 1200, 300),
@@ -79,7 +83,8 @@ def test_each_instant_of_a_step_counts_once_by_the_priority_rule(cuda_report):
     first, second = cuda_report.breakdown
     us = {k: round(v * 1e6, 6) for k, v in first.items() if k != "step"}
     assert us == {"kernel": 400, "memcpy": 150, "memset": 0, "communication": 50, "runtime": 10,
-                  "DataLoader": 100, "forward": 40, "backward": 200, "optimizer": 50,
+                  "tensordbg": 20, "DataLoader": 100, "forward": 40, "backward": 180,
+                  "optimizer": 50,
                   "other": 0, "total": 1000}  # fmt: skip
     assert second["total"] == pytest.approx(700e-6) and second["other"] == pytest.approx(700e-6)
     assert cuda_report.paused_seconds == pytest.approx(300e-6)
@@ -145,6 +150,9 @@ def report_with(**fields) -> ProfileReport:
         ({"device": "cpu", "breakdown": [{"step": s, "forward": 0.001, "other": 0.03,
                                           "total": 0.031} for s in (1, 2, 3)]},
          "OutsideThePhases", 0.03 / 0.031),
+        ({"device": "cpu", "breakdown": [{"step": s, "forward": 0.008, "tensordbg": 0.002,
+                                          "other": 0.0, "total": 0.01} for s in (1, 2, 3)]},
+         "DebuggerShare", 0.2),
     ],
 )  # fmt: skip
 def test_each_rule_speaks_past_its_threshold_with_the_number(fields, rule, value):
@@ -297,3 +305,22 @@ def test_the_profilers_own_stop_is_not_counted_in_the_last_optimizer_step():
     report = summarize(Capture(events, None, steps=[1, 2], device="cpu", main_thread=10))
     [row] = [r for r in report.operators if r["name"] == "Optimizer.step#Adam.step"]
     assert (row["calls"], row["total_cpu"]) == (2, pytest.approx((145 + 145) * 1e-6))
+
+
+def test_the_operators_of_tensordbg_s_hooks_and_their_kernels_are_not_the_model_s():
+    """An operator run inside tensordbg's range on its thread, and the kernel it launched, are
+    left out of the table; the same operator outside it, and its kernel, stay."""
+    spans = [
+        span("aten::mm", 0, 50, cat="cpu_op", **{"External id": 1}),
+        span("tensordbg: checks", 100, 50),
+        span("aten::linalg_vector_norm", 110, 20, cat="cpu_op", **{"External id": 2}),
+        span("aten::mm", 130, 10, cat="cpu_op", **{"External id": 3}),
+        span("aten::mm", 130, 10, cat="cpu_op", tid=11),  # another thread: not inside
+        span("gemm", 10, 30, cat="kernel", pid=0, tid=7, **{"External id": 1}),
+        span("reduce", 115, 5, cat="kernel", pid=0, tid=7, **{"External id": 2}),
+    ]
+    rows = {r["name"]: r for r in operator_rows(outside_range(spans, "tensordbg: checks"), [])}
+    assert "aten::linalg_vector_norm" not in rows
+    assert rows["aten::mm"]["calls"] == 2
+    assert rows["aten::mm"]["self_device"] == pytest.approx(30e-6)
+    assert outside_range(spans[:1], "tensordbg: checks") == spans[:1]

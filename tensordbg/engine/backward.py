@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from tensordbg.engine.marks import own_work
 from tensordbg.engine.param_grads import ParamGradients
 from tensordbg.engine.pending import LightTensor, resolved
 from tensordbg.engine.phases import ActGradNote, Gradient, Judged, ParamGradNote
@@ -79,6 +80,7 @@ class BackwardPhase(ParamGradients):
             self.capture.grad_hooks.hook_parameters()
 
     @torch.compiler.disable
+    @own_work
     def pass_started(self, grads: tuple) -> None:
         """The hook of a model output whose gradient is vouched for: it only starts the pass."""
         if not self.active:
@@ -317,6 +319,7 @@ class BackwardPhase(ParamGradients):
         self.triggered = True  # not finite: the pass is read from here on
         self._collect_grad(loose.forward, loose.grad)
 
+    @own_work
     def param_grad(self, name: str, owner: str, owner_type: str, grad: torch.Tensor) -> None:
         """A parameter's gradient is final for this backward pass. Deferred mode only notes it
         here (a hook runs cold) and judges all of them together when the pass ends."""
@@ -394,6 +397,7 @@ class BackwardPhase(ParamGradients):
             elif note.grad is not None:
                 self.triggered = True
 
+    @own_work
     def _end_backward(self, task: int) -> None:
         self._backward_tasks.discard(task)
         if not self.active or self._backward_tasks:

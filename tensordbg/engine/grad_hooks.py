@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch.nn.parameter import UninitializedParameter
 
+from tensordbg.engine.marks import own_work
 from tensordbg.statistics.torch_kernels import watchable
 
 if TYPE_CHECKING:
@@ -100,12 +101,14 @@ class GradHooks:
         (it runs every forward). It goes with the autograd graph."""
         node.register_prehook(partial(self._on_node_grad, record, output_nr))
 
+    @own_work
     def _on_node_grad(self, forward: Record, index: int, grads: tuple) -> None:
         grad = grads[index] if index < len(grads) else None
         if grad is not None:
             self.on_grad(forward, grad)
 
     @torch.compiler.disable
+    @own_work
     def on_grad(self, forward: Record, grad: torch.Tensor) -> None:
         session = self.session
         if not session.active or not watchable(grad):

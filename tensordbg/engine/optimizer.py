@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
 
+from tensordbg.engine.marks import own_work
 from tensordbg.engine.origin import Verdict
 from tensordbg.engine.params import Digest, Param, ParamWatch, held_params, sample_moved
 from tensordbg.engine.phases import Judged
 from tensordbg.engine.records import Record, param_grad_record
+from tensordbg.engine.stepping import after_first_call, drop_gradients, skips_inside
 from tensordbg.offline.sentences import listed
 from tensordbg.statistics import FINITE, L2, LR_SHARE, MAX, MIN, Stat
 from tensordbg.statistics.batch import norms_of
@@ -206,6 +207,7 @@ class OptimizerPhase:
                 self._hit(Verdict(record, rule_id, finding, False), carried)
         self._pause_if_needed()
 
+    @own_work
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any,
                      kwargs: Any) -> tuple[Any, Any] | None:  # fmt: skip
         """The optimizer's step pre-hook. A step given a closure runs the forward and backward
@@ -216,14 +218,14 @@ class OptimizerPhase:
         self._step_depth[id(optimizer)] = depth + 1
         if depth or self.broken or self._detach_requested():
             return None
-        if _skips_inside(optimizer):  # as if the scaler had not called it (see amp.py)
+        if skips_inside(optimizer):  # as if the scaler had not called it (see amp.py)
             self._stepping[optimizer] = SKIPPED_INSIDE
             return None
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if closure is None:
             self._gradients_final(optimizer)
             return None
-        return _after_first_call(closure, partial(self._gradients_final, optimizer), args, kwargs)
+        return after_first_call(closure, partial(self._gradients_final, optimizer), args, kwargs)
 
     def _gradients_final(self, optimizer: torch.optim.Optimizer) -> None:
         """Gradients are final: judge what is pending (a gradient hit pauses before the update
@@ -248,7 +250,7 @@ class OptimizerPhase:
                 if self.detached:  # q while the ranks were paused there
                     return
             if self._skip_requested:
-                _drop_gradients(optimizer)
+                drop_gradients(optimizer)
                 self._skip_dropped = True
             self.amp.stepped = True
             if self.phase != "optimizer":  # the first optimizer of the step: gradients are final
@@ -265,6 +267,7 @@ class OptimizerPhase:
         except Exception as e:
             self.fault(e)
 
+    @own_work
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any,
                     kwargs: Any) -> None:  # fmt: skip
         depth = self._step_depth.get(id(optimizer), 1) - 1
@@ -451,50 +454,3 @@ def _moved(p: Param, previous: torch.Tensor, weights: ParamWatch,
     moved = sample_moved(p.param, previous, rtol, atol)
     weights.sample_verdict(p, moved)
     return moved
-
-
-def _skips_inside(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether a GradScaler that found Inf/NaN gradients calls this fused optimizer's step
-    anyway, for its kernel to skip the update (``AdamW(fused=True)``, the Hugging Face
-    Trainer's default): one read of the flag, only under a scaler."""
-    found_inf = getattr(optimizer, "found_inf", None)
-    return isinstance(found_inf, torch.Tensor) and bool(found_inf.item())
-
-
-def _after_first_call(closure: Callable[[], Any], then: Callable[[], None], args: Any,
-                      kwargs: Any) -> tuple[Any, Any]:  # fmt: skip
-    """The step's arguments with ``closure`` replaced by one that calls ``then()`` after its
-    first call returned (LBFGS calls it again after changing the weights)."""
-    pending = [then]
-
-    def closure_then() -> Any:
-        result = closure()
-        if pending:
-            pending.pop()()
-        return result
-
-    if "closure" in kwargs:
-        return args, {**kwargs, "closure": closure_then}
-    return (args[0], closure_then, *args[2:]), kwargs
-
-
-def _drop_gradients(optimizer: torch.optim.Optimizer) -> None:
-    """Make this ``optimizer.step()`` change nothing: optimizers leave a parameter without a
-    gradient alone (its value, its momentum, its step count)."""
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            param.grad = None
-
-
-def skip_after_detach(optimizers: list[torch.optim.Optimizer]) -> None:
-    """A skip asked for and then detached from before its update (k, then q in the UI): each
-    optimizer's next ``step()`` still drops its gradients, once, through a hook of its own that
-    goes with it. (An optimizer the step does not step drops a later update instead.)"""
-    for optimizer in optimizers:
-        handle: list[Any] = []
-
-        def drop(optimizer: torch.optim.Optimizer, *_: Any, handle: list[Any] = handle) -> None:
-            _drop_gradients(optimizer)
-            handle.pop().remove()
-
-        handle.append(optimizer.register_step_pre_hook(drop))

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from tensordbg.engine import origin
+from tensordbg.engine import origin, stepping
 from tensordbg.engine.amp import MixedPrecision
 from tensordbg.engine.backward import BackwardPhase
 from tensordbg.engine.bus import EventBus, extend
@@ -36,9 +36,10 @@ from tensordbg.engine.handles import HandleGroup
 from tensordbg.engine.hits import HitLog, print_summary
 from tensordbg.engine.judge import ActiveRule, RuleSet
 from tensordbg.engine.loss_code import Observations
+from tensordbg.engine.marks import own_work
 from tensordbg.engine.metrics import StepMetrics
 from tensordbg.engine.modes import SYNC, choose
-from tensordbg.engine.optimizer import OptimizerPhase, skip_after_detach
+from tensordbg.engine.optimizer import OptimizerPhase
 from tensordbg.engine.params import Param, ParamWatch
 from tensordbg.engine.phases import EAGER_WINDOW, EMPTY, ActGradNote, PhaseQueue
 from tensordbg.engine.pipeline import Pipeline
@@ -257,6 +258,7 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         return self.phases.by_ref.get(ref)
 
     @torch.compiler.disable
+    @own_work
     def observe(self, name: str, tensor: torch.Tensor | float) -> None:
         """Watch any extra tensor (kind ``"observed"``), e.g. the loss: ``session.observe("loss",
         loss)``, or a number (``loss.item()``, which scripts log: a NaN given so was dropped
@@ -339,7 +341,7 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         self.bus.publish("state", {"state": state, "step": self.step, **ended})
         self.bus.publish("detach", {"state": "detached", "step": self.step})
         self.handles.close()
-        skip_after_detach(skipping)
+        stepping.skip_after_detach(skipping)
         self.control.close()
         self.phases.clear()
         self.weights.clear()

@@ -45,6 +45,7 @@ from torch.autograd.graph import get_gradient_edge
 from tensordbg.engine.carrying import CARRY_DEPTH, carried_to, fed_by
 from tensordbg.engine.carrying import consumers as graph_consumers
 from tensordbg.engine.carrying import reached as reached_from
+from tensordbg.engine.marks import own_work
 from tensordbg.engine.phases import ActGradNote
 from tensordbg.engine.records import Record
 from tensordbg.statistics.torch_kernels import SCREEN, host_stats
@@ -292,6 +293,7 @@ class GradientPlan:
             self.planned.append(planned)
         return hook + self.unsound(calls)
 
+    @own_work
     def _keep(self, planned: Planned, grads: tuple) -> None:
         """A carried planned tensor's gradient: kept (a reference, not read) within budget."""
         grad = grads[planned.output_nr] if planned.output_nr < len(grads) else None

@@ -337,9 +337,26 @@ class OutsideThePhases(ShareOfStep):
         )
 
 
+class DebuggerShare(ShareOfStep):
+    """tensordbg's own hooks take much of the step: the checks cost more than a run left on
+    should (a small model, whose steps are short against the hooks' fixed cost per module)."""
+
+    name, threshold = "DebuggerShare", 0.1
+    category = "tensordbg"
+    evidence = "tensordbg's own checks take {share} of the step"
+
+    def message(self, report: ProfileReport) -> str:
+        return (
+            "Check less often: attach(..., interval=N) screens NaN/Inf every step and the other "
+            "statistics every N-th; exclude= modules you do not need watched; or sync='deferred' "
+            "(the CPU's default) if another mode was chosen."
+        )
+
+
 BUILTIN: tuple[type[AdviceRule], ...] = (
     DataLoaderShare,
     OutsideThePhases,
+    DebuggerShare,
     LowGpuUtilization,
     TensorCores,
     MemoryNearLimit,

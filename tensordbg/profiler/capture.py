@@ -37,6 +37,7 @@ import torch
 from torch.profiler import ProfilerActivity, schedule
 
 from tensordbg.engine.handles import HandleGroup
+from tensordbg.engine.marks import profiling
 from tensordbg.profiler.handle import ProfileHandle
 from tensordbg.profiler.report import ProfileReport
 
@@ -370,6 +371,7 @@ class _Run:
 
         handles.patch(torch.autograd, "backward", backward)
         handles.callback(self.close_all, "profiler ranges")
+        handles.callback(profiling(), "tensordbg's hooks marked in the profile")
 
     def _forward_enter(self, module: Any, args: Any) -> None:
         self._depth += 1

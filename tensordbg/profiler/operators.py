@@ -12,6 +12,7 @@ table against ``key_averages()`` of the same run.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import defaultdict
 from typing import Any
@@ -192,3 +193,42 @@ def kineto_flops(profiler: Any, by_shape: bool = False) -> dict[tuple[str, str |
             shapes = str(event.shapes()) if by_shape and event.shapes() else None
             out[(event.name(), shapes)] += int(flops)
     return dict(out)
+
+
+def outside_range(spans: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    """``spans`` less the host events made inside a range called ``name`` on their thread (the
+    range itself is kept) and the device events those launched (linked by ``External id``)."""
+    ranges: dict[tuple[Any, Any], list[tuple[float, float]]] = defaultdict(list)
+    for e in spans:
+        if e.get("name") == name and e.get("cat") in HOST_CATEGORIES:
+            start = float(e["ts"])
+            ranges[(e.get("pid"), e.get("tid"))].append((start, start + float(e["dur"])))
+    if not ranges:
+        return spans
+    merged: dict[tuple[Any, Any], tuple[list[float], list[float]]] = {}
+    for lane, intervals in ranges.items():
+        starts: list[float] = []
+        ends: list[float] = []
+        for start, end in sorted(intervals):
+            if ends and start <= ends[-1]:
+                ends[-1] = max(ends[-1], end)
+            else:
+                starts.append(start)
+                ends.append(end)
+        merged[lane] = (starts, ends)
+    kept, launched = [], set()
+    for e in spans:
+        lane = merged.get((e.get("pid"), e.get("tid")))
+        if lane is not None and e.get("cat") in HOST_CATEGORIES and e.get("name") != name:
+            start = float(e["ts"])
+            i = bisect.bisect_right(lane[0], start) - 1
+            if i >= 0 and start + float(e["dur"]) <= lane[1][i]:
+                external = e.get("args", {}).get("External id")
+                if external is not None:
+                    launched.add(external)
+                continue
+        kept.append(e)
+    if not launched:
+        return kept
+    return [e for e in kept if e.get("cat") not in DEVICE_CATEGORIES
+            or e.get("args", {}).get("External id") not in launched]  # fmt: skip

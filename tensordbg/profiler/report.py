@@ -5,11 +5,13 @@ carries it as it is.
 
 Times are seconds, sizes bytes. ``breakdown`` has one row per profiled step whose categories add up
 to its ``"total"`` (time paused on a hit is left out of every row and counted in
-``paused_seconds``): ``DataLoader``, ``forward``, ``backward``, ``optimizer`` and ``other`` on
-every device, and on a GPU also ``kernel``, ``memcpy``, ``memset``, ``communication`` and
-``runtime``. Each instant of a step counts once, for the first of these that covers it: kernel,
-memcpy, memset, communication, runtime, DataLoader, forward, backward, optimizer; what none covers
-is ``other`` (the priority rule of the TensorBoard profiler plugin).
+``paused_seconds``): ``tensordbg`` (the debugger's own hooks: its checks cost the step this),
+``DataLoader``, ``forward``, ``backward``, ``optimizer`` and ``other`` on every device, and on a
+GPU also ``kernel``, ``memcpy``, ``memset``, ``communication`` and ``runtime``. Each instant of a
+step counts once, for the first of these that covers it: kernel, memcpy, memset, communication,
+runtime, tensordbg, DataLoader, forward, backward, optimizer; what none covers is ``other`` (the
+priority rule of the TensorBoard profiler plugin). The operators tensordbg's checks run (the
+norms and sums they read) are left out of ``operators``: they are not the model's.
 
 >>> report = session.profile(steps=5).wait(60)
 >>> report.breakdown[0]["DataLoader"] / report.breakdown[0]["total"]
@@ -33,7 +35,10 @@ output by it)."""
 
 # The categories of a breakdown row, in the order of the priority rule; "other" is the rest.
 DEVICE_CATEGORIES = ("kernel", "memcpy", "memset", "communication", "runtime")
-HOST_CATEGORIES = ("DataLoader", "forward", "backward", "optimizer")
+HOST_CATEGORIES = ("tensordbg", "DataLoader", "forward", "backward", "optimizer")
+CHECKS_RANGE = "tensordbg: checks"
+"""The range every hook of a watched training runs in while it is profiled
+(:mod:`tensordbg.engine.marks`): the breakdown's ``tensordbg``."""
 CATEGORIES = (*DEVICE_CATEGORIES, *HOST_CATEGORIES, "other")
 
 

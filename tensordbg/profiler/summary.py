@@ -8,7 +8,8 @@ with made-up kernel events on a machine without one.
 
 Per step (a ``ProfilerStep#k`` range), each instant of the step's wall time is given to the first
 category that covers it: kernel, memcpy, memset, communication (NCCL kernels), runtime (CUDA API
-calls), DataLoader, forward, backward, optimizer; the rest is other. Time paused on a hit
+calls), tensordbg (its hooks: what the debugger costs), DataLoader, forward, backward,
+optimizer; the rest is other. Time paused on a hit
 (``tensordbg: paused``) is taken out first and counted apart.
 """
 
@@ -21,8 +22,8 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-from tensordbg.profiler.operators import operator_rows
-from tensordbg.profiler.report import CATEGORIES, DEVICE_CATEGORIES, ProfileReport
+from tensordbg.profiler.operators import operator_rows, outside_range
+from tensordbg.profiler.report import CATEGORIES, CHECKS_RANGE, DEVICE_CATEGORIES, ProfileReport
 from tensordbg.profiler.trace import STEP_PREFIX, Capture, nest_steps
 
 MAX_SPANS = 20_000
@@ -37,6 +38,7 @@ SHORT_KERNEL = 10e-6
 DATALOADER_PREFIX = "enumerate(DataLoader)"
 OURS = "tensordbg: "
 HOST_RANGES = {
+    CHECKS_RANGE: "tensordbg",
     "tensordbg: forward": "forward",
     "tensordbg: backward": "backward",
     "tensordbg: optimizer": "optimizer",
@@ -110,7 +112,8 @@ def summarize(capture: Capture) -> ProfileReport:
     if capture.averages is None:
         # Counted on the steps nested as in the trace file: the step boundary inside
         # optimizer.step() would otherwise cut that call's children away from it.
-        nested = nest_steps(spans)
+        # tensordbg's own reads are not the model's operators: the breakdown counts them.
+        nested = outside_range(nest_steps(spans), CHECKS_RANGE)
         capture.averages = operator_rows(nested, memory_events, capture.flops, capture.by_shape)
     report.operators = _operators(capture.averages)
     report.kernels, report.kernels_note = _kernels(spans, window, cuda)

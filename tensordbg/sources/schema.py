@@ -140,8 +140,7 @@ class Tensor(TypedDict):
     dtype: str
     retained: bool
     summary: Summary | None
-    # Modules that returned this very tensor as their own output (a block returning its last
-    # layer's output): their tensor lists show it too.
+    # Modules that returned this very tensor as their own output: their tensor lists show it.
     passed_up: list[str]
 
 
@@ -342,10 +341,11 @@ class ProfilePending(TypedDict):
 
 
 class BreakdownRow(TypedDict, total=False):
-    """One profiled step: seconds per category (they add up to ``total``); ``kernel``, ``memcpy``,
-    ``memset``, ``communication`` and ``runtime`` only on a GPU."""
+    """One profiled step: seconds per category (they add up to ``total``; ``tensordbg``: its own
+    hooks); ``kernel``, ``memcpy``, ``memset``, ``communication`` and ``runtime`` on a GPU."""
 
     step: int
+    tensordbg: float
     DataLoader: float
     forward: float
     backward: float

@@ -22,6 +22,7 @@ CATEGORIES = (
     ("memset", "#b07a2a"),
     ("communication", "#c05050"),
     ("runtime", "#9a6ac0"),
+    ("tensordbg", "#d070b0"),
     ("DataLoader", "#e0604a"),
     ("forward", "#4caf7a"),
     ("backward", "#2f8f9f"),

@@ -1,0 +1,52 @@
+"""tensordbg's own work, marked in a profile: while ``session.profile()`` records, every hook of
+the session runs inside a ``tensordbg: checks`` range, so the profile's breakdown counts the
+debugger's time as its own category and its operator table leaves out the reads the checks
+make (an ``aten::dot`` of a gradient's norm is not the model's). Outside a profile a marked
+hook costs one test of a counter."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from tensordbg.profiler.report import CHECKS_RANGE as RANGE
+
+_profiles = [0]  # profiles recording now (torch.profiler records the whole process)
+_inside = threading.local()  # whether this thread runs a marked hook now
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def own_work(fn: F) -> F:
+    """Mark ``fn`` (a hook) as tensordbg's own work in a profile."""
+
+    @functools.wraps(fn)
+    def marked(*args: Any, **kwargs: Any) -> Any:
+        if not _profiles[0] or getattr(_inside, "hook", False):
+            return fn(*args, **kwargs)
+        _inside.hook = True  # a hook another calls is in the outer one's range already
+        handle = torch.ops.profiler._record_function_enter_new(RANGE, None)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.ops.profiler._record_function_exit._RecordFunction(handle)
+            _inside.hook = False
+
+    return marked  # type: ignore[return-value]
+
+
+def profiling() -> Callable[[], None]:
+    """Mark the hooks from now until the returned function is called (a profile ended)."""
+    _profiles[0] += 1
+    done = [False]
+
+    def stop() -> None:
+        if not done[0]:
+            done[0] = True
+            _profiles[0] -= 1
+
+    return stop
