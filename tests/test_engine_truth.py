@@ -226,7 +226,26 @@ class Residual(nn.Module):
         return x + self.bad(self.lin(x))
 
 
+class FanOut(nn.Module):
+    """One input taken by three modules, as an attention's q, k and v take it; v's output goes
+    through ``bad`` before the sum. The input's gradient is the sum of the three's."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.bad = NaNBackward()
+
+    def forward(self, x):
+        return self.q(x) + self.k(x) + self.bad(self.v(x))
+
+
 BACKWARD_ORIGINS = {
+    # The input's gradient, NaN through v, was named q's own making: q is taken first of the
+    # three, and the gradient of q's output was clean (the attention of a trial, q k v).
+    "into one of three that share an input": (
+        lambda: nn.Sequential(nn.Linear(4, 8), FanOut(), nn.Linear(8, 2)),
+        "1.bad.grad_input[0]",
+    ),
     # Deferred checks judged the gradient of NaNBackward's output from the bias below it (its
     # gradient reaches that one whole, through the addition), so named it, finite as it was,
     # the origin: the bias's gradient also held what NaNBackward's own backward made.

@@ -327,6 +327,7 @@ def grad(record: Record, loss_fired: set[int]) -> dict[int, tuple[Call | None, s
     assert forward is not None
     producer = forward.producer
     consumers = sorted(forward.consumers, key=lambda c: -c.depth)
+    around = {id(a) for c in consumers for a in c.ancestors()}
     out: dict[int, tuple[Call | None, str, bool]] = {}
     for condition in record.conditions:
         if producer is not None:
@@ -334,20 +335,25 @@ def grad(record: Record, loss_fired: set[int]) -> dict[int, tuple[Call | None, s
             for call in forward.passed_up:
                 call.fired_grad_out |= {condition}
         reported: tuple[Call | None, str, bool] | None = None
+        taking = []
         for call in consumers:
             if any(r is forward for _, r in call.outputs):
                 # It returned this very tensor (an identity, a wrapper handing its input on):
                 # no backward of its own ran on it; the gradient of its output is this one.
                 call.fired_grad_out |= {condition}
+            else:
+                taking.append(call)
+        # The gradient is the sum of what each innermost call that took the tensor gave back
+        # (an attention's q, k and v take one input): one that carried the condition in
+        # explains it, and none of the others made it.
+        carried = any(_carried(call, condition) for call in taking if id(call) not in around)
+        for call in () if carried else taking:
+            if _carried(call, condition):
                 continue
-            if condition in call.fired_grad_out or condition in call.grad_origin_below:
-                continue
-            if condition in call.fired_in or condition in call.fired_out:
-                continue  # its forward values showed it already: backward only carried it
             _mark(call, condition, below=False)
             if reported is None:
                 reported = (call, "grad_input", True)
-        if reported is None:
+        if reported is None and not carried:
             user = _own_code(forward)
             if user is not None and _made_in_backward(user, condition, forward):
                 # No module's backward made it, and the gradient of the call whose own code
@@ -375,6 +381,17 @@ def grad(record: Record, loss_fired: set[int]) -> dict[int, tuple[Call | None, s
     return out
 
 
+def _carried(call: Call, condition: int) -> bool:
+    """Whether ``condition`` came into ``call``'s backward rather than being made there: the
+    gradient of its output showed it, a call inside it made it, or its forward values had it."""
+    return (
+        condition in call.fired_grad_out
+        or condition in call.grad_origin_below
+        or condition in call.fired_in
+        or condition in call.fired_out
+    )
+
+
 def _own_code(forward: Record) -> Call | None:
     """The call whose own code (between its submodules) received ``forward`` from the call
     that made or last returned it: that call's parent; None for the model's output."""
@@ -386,13 +403,7 @@ def _made_in_backward(call: Call, condition: int, forward: Record) -> bool:
     """Whether ``call``'s own backward code made a condition on the gradient of ``forward``: the
     gradient of its outputs and its forward values did not show it, and no call inside it was
     already the origin."""
-    return not (
-        condition in call.fired_grad_out
-        or condition in call.grad_origin_below
-        or condition in call.fired_in
-        or condition in call.fired_out
-        or condition in forward.conditions
-    )
+    return not (_carried(call, condition) or condition in forward.conditions)
 
 
 def param_grad(record: Record, owner_calls: Iterable[Call]) -> dict[int, bool]:
