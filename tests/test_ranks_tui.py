@@ -110,6 +110,48 @@ def test_a_hit_without_statistics_is_compared_across_ranks_by_its_modules() -> N
     asyncio.run(flow())
 
 
+class WeightGradRank(FakeRank):
+    """Its hit is on a weight's gradient judged by its norm alone (shape and dtype only); its
+    module's latest gradient statistics are the bias's (8 values), the weight's are 32 NaN."""
+
+    def hits(self, since: int = 0) -> list[Any]:
+        return [h | {"tensor": "net.0.weight.grad", "module": "net.0", "kind": "grad",
+                     "summary": {"shape": [8, 4], "dtype": "float32"}}
+                for h in super().hits(since)][:1]  # fmt: skip
+
+    def modules(self) -> list[Any]:
+        bias = {"numel": 8, "nan": 8.0, "posinf": 0.0, "neginf": 0.0}
+        return [m | {"stats": {**m["stats"], "grad": bias}} if m["path"] == "net.0" else m
+                for m in super().modules()]  # fmt: skip
+
+    def tensors(self) -> list[Any]:
+        weight = {"numel": 32, "nan": 32.0, "posinf": 0.0, "neginf": 0.0, "zeros": 0.0}
+        return [*super().tensors(), {
+            "ref": 99, "name": "net.0.weight.grad", "module": "net.0", "kind": "grad", "call": 0,
+            "shape": [8, 4], "dtype": "float32", "retained": False, "summary": weight,
+            "passed_up": []}]  # fmt: skip
+
+
+def test_a_weights_gradient_is_compared_by_its_own_statistics_not_its_modules_latest() -> None:
+    """F9 showed a weight gradient's hit with the bias's statistics (numel 8 of a [8, 4]
+    tensor): the module's latest gradient is whichever of its parameters came last. The
+    tensor of that name in each rank's phase is looked up instead."""
+
+    async def flow() -> None:
+        clients = {0: LocalClient(WeightGradRank(0)), 1: LocalClient(WeightGradRank(1))}
+        app = Host(RanksScreen("job7", clients, current=0, every=0.2))
+        async with app.run_test(size=(120, 40)) as pilot:
+            compare = app.ranks_screen.query_one("#ranks-compare", DataTable)
+            for _ in range(100):
+                await pilot.pause(0.05)
+                if compare.row_count and rows(compare)[0][1:] != ["-", "-"]:
+                    break
+            table = {r[0]: r[1:] for r in rows(compare)}
+            assert table["numel"] == ["32", "32"] and table["nan"] == ["32", "32"], table
+
+    asyncio.run(flow())
+
+
 def test_a_jobs_ranks_are_one_entry_of_the_session_list() -> None:
     sessions = [
         {"run_id": "job7", "rank": 1, "path": "/r/job7-1.json", "script": "train.py"},

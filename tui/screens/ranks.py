@@ -164,22 +164,20 @@ class RanksScreen(Screen[int | None]):
     @work(group="ranks-compare", exclusive=True)
     async def compare(self, hit: dict[str, Any]) -> None:
         """The hit's tensor on every rank: that rank's own hit on it when it has one, else the
-        latest statistics of the module's tensor of that kind."""
+        tensor of that name in the rank's phase, else the latest statistics of the module's
+        tensor of that kind (not for a parameter's gradient: the module's latest is any of its
+        parameters', a bias's beside a weight's hit)."""
         columns: dict[int, dict[str, Any]] = {}
         for rank, client in self.clients.items():
             same = [h for h in self.hits.get(rank, []) if h["tensor"] == hit["tensor"]]
             # A hit's summary with statistics in it: a gradient judged by its norm alone has
-            # only its shape and dtype (every row said "-"), and the module's are looked up.
+            # only its shape and dtype (every row said "-"), and the tensor is looked up.
             if same and "numel" in (same[-1].get("summary") or {}):
                 columns[rank] = same[-1]["summary"]
                 continue
-            try:
-                modules = await client.call("modules")
-            except Exception:
-                continue
-            for m in modules:
-                if m["path"] == hit["module"] and hit["kind"] in m["stats"]:
-                    columns[rank] = m["stats"][hit["kind"]]
+            summary = await _summary_of(client, hit)
+            if summary is not None:
+                columns[rank] = summary
         table = self.query_one("#ranks-compare", DataTable)
         table.clear()
         for name in COMPARED:
@@ -198,6 +196,25 @@ class RanksScreen(Screen[int | None]):
             self.dismiss(int(key))
         elif event.data_table.id == "ranks-hits" and int(key) < len(self._listed):
             self.dismiss(int(self._listed[int(key)]["rank"]))
+
+
+async def _summary_of(client: Any, hit: dict[str, Any]) -> dict[str, Any] | None:
+    """The statistics of ``hit``'s tensor on a rank: its entry in the rank's phase (measured
+    now if it is held and was only judged by its norm), else its module's latest of its kind."""
+    try:
+        listed = await client.call("tensors")
+        tensor = next((t for t in listed if t["name"] == hit["tensor"]), None)
+        if tensor is not None and "numel" in (tensor.get("summary") or {}):
+            return dict(tensor["summary"])
+        if tensor is not None and tensor.get("retained"):
+            return dict((await client.call("stats", ref=tensor["ref"]))["summary"])
+        if hit["kind"] == "grad":
+            return None
+        modules = await client.call("modules")
+    except Exception:
+        return None
+    module = next((m for m in modules if m["path"] == hit["module"]), None)
+    return module["stats"].get(hit["kind"]) if module is not None else None
 
 
 def _number(value: Any) -> str:
