@@ -435,3 +435,26 @@ def test_an_update_without_values_says_why_truthfully(watch, sync):
     assert said and all("retain_bytes" not in s for s in said), said
     assert "1.weight.update was not kept (an update, the weights after the step against " \
            "before, is measured, never kept: open 1.weight" in said[0]  # fmt: skip
+
+
+@pytest.mark.parametrize("sync", ["eager", "batched", "deferred"])
+def test_a_tensor_of_a_phase_that_ended_before_the_pause_says_so(sync):
+    """A rank paused at the job's safe point after its backward phase ended lists that phase's
+    gradients, let go when the phase ended; opening one said "the phase's tensors passed
+    retain_bytes=256 MiB" of a 252-parameter model."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    session = tensordbg.attach(model, server=False, sync=sync, on_hit="record")
+    try:
+        model(torch.randn(3, 4)).pow(2).mean().backward()
+        session.flush()
+        grad = next(r for r in session.phases.records if r.stats.name == "0.weight.grad")
+        assert session.phases.released
+        if sync == "eager":  # held weakly: .grad still holds it, and it can be opened
+            assert grad.tensor is None and grad.held() is model[0].weight.grad
+            return
+        assert grad.held() is None
+        why = session.why_not_kept(grad)
+        assert why.startswith("its phase, step 0's backward, ended before the training paused")
+        assert "retain_bytes" not in why
+    finally:
+        session.detach()

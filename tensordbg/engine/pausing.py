@@ -159,7 +159,7 @@ class Pausing:
                                         strict=True))  # fmt: skip
             elif missing:  # its rules judge it without what they want: not "no new hit"
                 unjudged += 1
-                why = why or f"{stats.name}: {self.sync.why_not_kept(record, self.retain_bytes)}"
+                why = why or f"{stats.name}: {self.why_not_kept(record)}"
             for rule_id, finding in self.ruleset.rejudge(record, already):
                 is_origin = not stats.nonfinite or stats.ref in origins
                 before = len(self.hits)

@@ -116,8 +116,13 @@ class PhaseQueue:
         self.kept_finite = True
         """Whether those norms came back finite (a pass without them: True)."""
 
+    released = False
+    """Whether the phase ended and let go of its tensors (a pause that comes after it, at a
+    job's safe point or a step's end, still lists its records)."""
+
     def start(self, phase: str) -> None:
         self.release()
+        self.released = False
         self.kept_norms, self.kept_finite = -1, True
         self.records = []
         self.by_ref = {}
@@ -226,6 +231,7 @@ class PhaseQueue:
         """Let go of every tensor of the phase."""
         for record in self.records:
             record.tensor = None
+        self.released = True
         self.retained = 0
         self.window.clear()
 

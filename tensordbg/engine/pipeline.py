@@ -157,6 +157,14 @@ class Pipeline(Pausing, Pinpointing):
         silent = self._applicable(record, extra)
         return self._place(record, tensor), silent
 
+    def why_not_kept(self, record: Record) -> str:
+        """Why ``record``'s tensor cannot be shown now."""
+        if self.phases.released and record.stats.kind != "update":
+            return (f"its phase, step {record.stats.step}'s {record.stats.phase}, ended before "
+                    f"the training paused ({self.at}) and let go of its tensors; they are kept "
+                    "while the training is paused in their phase (at a hit there)")  # fmt: skip
+        return self.sync.why_not_kept(record, self.retain_bytes)
+
     def _place(self, record: Record, tensor: torch.Tensor | None) -> bool:
         """Register a record in its phase and keep its tensor as the sync mode says: whether
         it is kept."""

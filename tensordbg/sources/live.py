@@ -417,7 +417,7 @@ class LiveSource(LiveProfiling):
                 "the training is paused in (its hit, on the Hits tab, holds its statistics)"
             )
         if need_tensor and record.held() is None:
-            why = self.session.sync.why_not_kept(record, self.session.retain_bytes)
+            why = self.session.why_not_kept(record)
             raise SourceError(
                 f"{record.stats.name} was not kept ({why}); its statistics are in the list"
             )
