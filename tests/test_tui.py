@@ -570,9 +570,13 @@ def test_an_output_no_module_took_says_who_used_it_instead_of_a_bare_consumers_0
             await until(pilot, lambda: "net.2.output" in str(tree.root.label))
             consumers = next(n for n in tree.root.children if "consumers" in str(n.label))
             assert str(consumers.label) == "consumers (0)"
+            # Paused: the call that takes it may not have run yet (a pause at attn.output in
+            # the forward, before the head ran, once said no module took it).
+            assert app.state == "paused"
             assert [str(n.label) for n in consumers.children] == [
-                "no module call took it: code between modules used it (x + self.attn(x)), or it "
-                "is what the model returned"
+                "no module call took it so far: code between modules used it (x + "
+                "self.attn(x)), or it is what the model returned, or the call that takes it has "
+                "not run yet (the training paused before it)"
             ]
 
     asyncio.run(flow())

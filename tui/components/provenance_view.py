@@ -125,9 +125,16 @@ class ProvenanceView(VerticalScroll):
                 f"{item['module'] or '(model)'}  {item['type']}, call {item['call']}"
             )
         if not prov.get("consumers") and prov.get("kind") in ("output", "input"):
-            consumers.add_leaf(Text(
-                "no module call took it: code between modules used it (x + self.attn(x)), "
-                "or it is what the model returned", style="dim"))  # fmt: skip
+            # Paused in the forward, the call that takes it may not have run yet.
+            later = (", or the call that takes it has not run yet (the training paused before "
+                     "it)") if getattr(self.app, "state", "") == "paused" else ""  # fmt: skip
+            consumers.add_leaf(
+                Text(
+                    "no module call took it so far: code between modules used it "
+                    f"(x + self.attn(x)), or it is what the model returned{later}",
+                    style="dim",
+                )
+            )
         tree.root.expand()
         source = prov.get("source")
         box = self.query_one("#provenance-source", Static)
