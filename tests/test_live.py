@@ -458,3 +458,26 @@ def test_a_tensor_of_a_phase_that_ended_before_the_pause_says_so(sync):
         assert "retain_bytes" not in why
     finally:
         session.detach()
+
+
+def test_a_parameter_the_update_wrote_comes_from_the_optimizers_step_line():
+    """Provenance of a weight the update made NaN named its module's forward call and line
+    ("produced by emb Linear, call 0"), though the hit said the update wrote it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = tensordbg.attach(model, optimizer=opt, server=False, on_hit="record")
+    try:
+        loss = model(torch.randn(3, 4)).sum() * float("nan")
+        loss.backward()
+        opt.step()  # the update writes NaN into every parameter: this line
+        line = inspect.currentframe().f_lineno - 1
+        session.flush()
+        weight = next(r for r in session.phases.records
+                      if r.stats.name == "0.weight" and r.stats.phase == "optimizer")  # fmt: skip
+        prov = LiveSource(session).provenance(weight.stats.ref)
+        assert prov["producer"] == {"module": "optimizer", "type": "SGD.step", "call": 0}
+        assert prov["consumers"] == [] and prov["source"]["line"] == line
+        assert prov["stack"] == [[__file__, line, inspect.currentframe().f_code.co_name]]
+    finally:
+        session.detach()

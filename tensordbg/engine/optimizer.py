@@ -17,6 +17,7 @@ from tensordbg.engine.origin import Verdict
 from tensordbg.engine.params import Digest, Param, ParamWatch, held_params, sample_moved
 from tensordbg.engine.phases import Judged
 from tensordbg.engine.records import Record, param_grad_record
+from tensordbg.engine.sites import user_site
 from tensordbg.engine.stepping import after_first_call, drop_gradients, skips_inside
 from tensordbg.offline.sentences import listed
 from tensordbg.statistics import FINITE, L2, LR_SHARE, MAX, MIN, Stat
@@ -47,6 +48,9 @@ class OptimizerPhase:
     _stepped: frozenset[int] = frozenset()
     """The watched optimizers that stepped in this step."""
     _step_depth: dict[int, int]
+    step_sites: dict[int, Any] = {}  # noqa: RUF012 (replaced, never changed in place)
+    """The user's line that called each optimizer's ``step()`` last (by its id): what wrote
+    the parameters it holds, for their provenance."""
     """Each optimizer's steps under way: a subclass's step calling its parent's runs the hooks
     again inside the first (cleared at each root forward: a step that raised ends there)."""
     _steps_apart = False
@@ -218,6 +222,7 @@ class OptimizerPhase:
         self._step_depth[id(optimizer)] = depth + 1
         if depth or self.broken or self._detach_requested():
             return None
+        self.step_sites = {**self.step_sites, id(optimizer): user_site(sys._getframe(1))}
         if skips_inside(optimizer):  # as if the scaler had not called it (see amp.py)
             self._stepping[optimizer] = SKIPPED_INSIDE
             return None

@@ -60,6 +60,17 @@ def provenance(
     }
     if producer is not None:
         out["inputs"] = [_input_dict(r) for _, r in producer.inputs] + _unjudged(producer)
+    elif owner is not None and (updater := _updater(session, record, owner)) is not None:
+        # A parameter as the update left it: the optimizer's step wrote it, at the line that
+        # called step(); the calls of this step's forward used the value before it.
+        optimizer, where = updater
+        out["producer"] = {"module": "optimizer", "type": f"{type(optimizer).__name__}.step",
+                           "call": 0}  # fmt: skip
+        site = None
+        if where is not None:
+            code, line = where
+            out["source"] = _lines(code.co_filename, line, code.co_name)
+            out["stack"] = [[code.co_filename, line, code.co_name]]
     elif owner is not None:
         calls = session.capture.calls_by_path.get(owner.owner, [])
         out["producer"] = {"module": owner.owner, "type": owner.owner_type, "call": 0}
@@ -90,6 +101,17 @@ def provenance(
         else:
             out["stack"].append(frame)
     return out
+
+
+def _updater(session: Any, record: Record, owner: Any) -> tuple[Any, Any] | None:
+    """For a parameter's record of the optimizer phase (its value after the update): the
+    optimizer that holds it and the user's line that called its ``step()`` (None if unknown)."""
+    if record.stats.kind != "param" or record.stats.phase != "optimizer":
+        return None
+    for optimizer in session.optimizers:
+        if any(p is owner.param for group in optimizer.param_groups for p in group["params"]):
+            return optimizer, session.step_sites.get(id(optimizer))
+    return None
 
 
 def _consumer_named(record: Record, module: str | None, call: int) -> Call | None:
