@@ -1497,3 +1497,29 @@ def test_a_ui_whose_training_vanished_offers_quit_not_detach(
         asyncio.run(flow())
     finally:
         server.stop()
+
+
+def test_the_hits_cursor_stays_on_screen_at_80_columns() -> None:
+    """At 80x24 the hit rows are wider than the screen: a horizontal scrollbar takes a row of
+    the table, and moving down left the cursor one row below the last row shown."""
+    source = FakeSource()
+    base = source._hits[0]
+    source._hits = [base | {"id": i, "tensor": f"blocks.{i}.attention.weight.grad",
+                            "origin": i == 0} for i in range(30)]  # fmt: skip
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=(80, 24)) as pilot:
+            hits = app.query_one(HitTable)
+            await until(pilot, lambda: hits.row_count == 30)
+            app.main.show_tab("hits")
+            hits.focus()
+            await pilot.pause()
+            shown = hits.scrollable_content_region.height - 1  # under the heading
+            assert shown < hits.size.height - 1  # the scrollbar's row: what the bug missed
+            for _ in range(20):
+                await pilot.press("down")
+                top = round(hits.scroll_y)
+                assert top <= hits.cursor < top + shown, (hits.cursor, top, shown)
+
+    asyncio.run(flow())

@@ -52,7 +52,7 @@ class LineTable(ScrollView, can_focus=True):
         self._go(self.cursor + delta)
 
     def action_page(self, direction: int) -> None:
-        self._go(self.cursor + direction * max(self.size.height - 2, 1))
+        self._go(self.cursor + direction * max(self.scrollable_content_region.height - 2, 1))
 
     def action_select(self) -> None:
         """Enter, or a double click, on the cursor's row (nothing by default)."""
@@ -74,7 +74,9 @@ class LineTable(ScrollView, can_focus=True):
         self.refresh_line(self.cursor + 1)
 
     def scroll_to_cursor(self) -> None:
-        top, visible = round(self.scroll_y), max(self.size.height - 1, 1)
+        # The rows under the heading that show: a horizontal scrollbar (rows wider than an
+        # 80-column screen) takes one, which left the cursor one row below the last shown.
+        top, visible = round(self.scroll_y), max(self.scrollable_content_region.height - 1, 1)
         if self.cursor < top:
             self.scroll_to(y=self.cursor, animate=False, immediate=True)
         elif self.cursor >= top + visible:
