@@ -309,6 +309,42 @@ def lstm() -> Training:
     return Training(model, torch.optim.Adam(model.parameters(), lr=3e-3), loss)
 
 
+class Experts(nn.Module):
+    """A mixture of experts with top-1 routing, as many write it: every expert is called on the
+    tokens routed to it, an empty batch when none are (a step where an expert gets no token)."""
+
+    def __init__(self, dim: int = 16, experts: int = 4, classes: int = 3):
+        super().__init__()
+        self.inp = nn.Linear(8, dim)
+        self.gate = nn.Linear(dim, experts)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 32), nn.GELU(), nn.Linear(32, dim)) for _ in range(experts)
+        )
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        p = F.softmax(self.gate(h), -1)
+        chosen, out = p.argmax(-1), torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            routed = chosen == e
+            out[routed] = expert(h[routed]) * p[routed][:, e : e + 1]
+        return self.head(h + out)
+
+
+def experts() -> Training:
+    """Three tokens a step among four experts: most steps leave one idle, called on nothing."""
+    torch.manual_seed(0)
+    model = Experts()
+    g = torch.Generator().manual_seed(0)
+
+    def loss(step: int) -> torch.Tensor:
+        x = torch.randn(3, 8, generator=g)
+        return F.cross_entropy(model(x), (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+
+    return Training(model, torch.optim.AdamW(model.parameters(), lr=3e-3), loss)
+
+
 # --- the repository's own demo -----------------------------------------------------------------
 
 
@@ -339,5 +375,6 @@ FAMILIES: dict[str, Callable[[], Training]] = {
     "resnet": resnet,
     "resnet_conv_bias": lambda: resnet(conv_bias=True),
     "lstm": lstm,
+    "experts": experts,
     "tiny_gpt": tiny_gpt,
 }

@@ -328,6 +328,8 @@ class BackwardPhase(ParamGradients):
             self._screen_loose()
         if self.vouchers.awaiting and not self.vouchers.settle(name, grad):
             self.triggered = True  # a gradient it vouches for may hold the NaN: read them
+        if self.capture.empty_calls and self.capture.fed_nothing(owner):
+            return  # zeros that no data made (an expert no token chose): as if not reached
         if self.sync.notes_gradients(self.triggered):
             self.phases.pending.append(ParamGradNote(name, owner, owner_type, grad))
             return

@@ -158,6 +158,10 @@ class Capture(ForwardLog):
         self._structure = False  # ... and whether they join no phase (a later phase's need)
         self.calls_since_pass: dict[str, int] = {}
         """How often each module was called since the last backward pass ended."""
+        self.empty_calls: dict[int, int] = {}
+        """How often each module (by id) was called this step with only empty tensors (an
+        expert no token chose): its parameters' gradients are zeros of no data."""
+        self._ids = {path: key for key, path in self.paths.items()}
 
     @property
     def with_grad(self) -> bool:
@@ -219,8 +223,16 @@ class Capture(ForwardLog):
         self._outputs.clear()
         self._counts.clear()  # a module's calls are numbered across the step's root forwards
         self._checkpointed.clear()
+        self.empty_calls.clear()
         self.pending = []
         self.grad_hooks.forget_dead_leaves()
+
+    def fed_nothing(self, path: str) -> bool:
+        """Whether every call this step of the module at ``path`` got only empty tensors (an
+        expert of a mixture that no token chose): its parameters' gradients are zeros that no
+        data made, as if no pass had reached it."""
+        key = self._ids.get(path)
+        return key is not None and self.empty_calls.get(key, 0) == self._counts.get(key, -1)
 
     # --- forward -------------------------------------------------------------------------------
 
@@ -250,6 +262,8 @@ class Capture(ForwardLog):
                 if log is not None and self._open:
                     self.replay(resume=False)  # a tensor its rules must see at once: live from here
                 seen = _as_seen(leaves)
+            if not seen and leaves and not any(t.numel() for _, t in leaves):
+                self.empty_calls[id(module)] = self.empty_calls.get(id(module), 0) + 1
             self._open += 1
             drawn = random_state(seen) if module.training and id(module) in self.random else None
             # Keyword arguments unknown (fused.py): no re-run, no masks described.

@@ -50,6 +50,7 @@ class ParamGradients:
         fresh = self.interval > 1 and step % self.interval != 0  # prepared anew between steps
         by_norm = self._by_norm
         reached, self._pass_made = self._pass_made, None
+        idle = self.capture.fed_nothing if self.capture.empty_calls else None
         noted = set()
         for p in self._backward_order():
             grad = p.param.grad
@@ -57,6 +58,9 @@ class ParamGradients:
                 continue
             name = p.name
             last, version = seen.get(name), grad._version
+            if idle is not None and idle(p.owner):
+                seen[name] = (weakref.ref(grad), version)  # zeros of no data: not reached
+                continue
             if reached is not None and name not in reached and not self._made_inside(name, grad):
                 # Not accumulated by this pass: a parameter it did not reach keeps what it had
                 # (a zeroed gradient, set_to_none=False: no "receives nothing" of its own).
