@@ -1478,3 +1478,42 @@ def test_a_nan_weight_of_an_unwatched_layer_explains_every_later_output(watch, s
     assert [(h.tensor, h.step, h.phase) for h in session.hits if h.origin] == [
         ("output", 3, "forward")
     ]
+
+
+class Squashed(nn.Module):
+    """tanh hides what ``mid`` makes of an Inf: the output and the loss stay finite."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc, self.mid, self.head = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mid(torch.relu(self.enc(x)))))
+
+
+@pytest.mark.parametrize("sync", MODES)
+def test_a_weight_set_to_inf_that_the_outputs_hide_is_the_origin_in_every_mode(watch, sync):
+    """Deferred checks screen no activation of a forward whose output and loss are finite: the
+    NaN gradient the Inf weight made in ``mid`` was named "produced by this module's backward:
+    the gradient of its output was clean", and on_hit="raise" raised on it. The parameters are
+    read whole before a gradient that is not finite is judged."""
+    model = Squashed()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = watch(model, optimizer=opt, on_hit="record", sync=sync)
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        if step == 1:
+            with torch.no_grad():
+                model.enc.weight[1, 2] = math.inf
+        x, y = torch.randn(16, 4, generator=g), torch.randint(0, 2, (16,), generator=g)
+        loss = nn.functional.cross_entropy(model(x), y)
+        assert step != 1 or torch.isfinite(loss)  # hidden from the guards (step 2: NaN)
+        session.observe("loss", loss)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    session.flush()
+    assert {(h.step, h.tensor) for h in session.hits if h.origin} == {(1, "enc.weight")}, [
+        (h.step, h.phase, h.rule, h.tensor, h.message) for h in session.hits if h.origin
+    ]

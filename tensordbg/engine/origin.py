@@ -71,6 +71,9 @@ class Attribution:
         self.root_fired: set[int] = set()
         self.loss_fired: set[int] = set()
         self.grad_found: set[int] = set()  # the conditions of this step's backward origins
+        self.param_order: dict[str, int] = {}
+        """When the parameters were read whole in a backward (deferred checks, a gradient not
+        finite): each one's place in the forward, by its module's first call."""
         self.fired_roots: list[tuple[frozenset[int], list[Any]]] = []
         """The step's root calls whose outputs showed a condition: what, and those outputs'
         autograd nodes, for a loss made of several root calls' outputs (:func:`_reached`)."""
@@ -90,6 +93,7 @@ class Attribution:
 
     def new_step(self) -> None:
         self.fired_roots = []
+        self.param_order = {}
 
     def param_clean(self, name: str) -> None:
         self.param_fired.pop(name, None)
@@ -168,7 +172,7 @@ class Attribution:
             fed = _fed_unseen(calls)
             if fed is not None:  # its output's gradient came out of such a block
                 return self._unseen(record, fed, calls)
-            made_here = param_grad(record, calls)
+            made_here = param_grad(record, calls, self._params_before(record.param))
             return [Verdict(record, rule_id, finding,
                             (c := condition_of(record, rule_id)) is None or made_here[c])
                     for rule_id, finding in record.findings.items()]  # fmt: skip
@@ -197,6 +201,16 @@ class Attribution:
                 name = call.tensor_name("grad_input", suffix)
             out.append(Verdict(record, rule_id, finding, is_origin, call, kind, name))
         return out
+
+    def _params_before(self, name: str) -> set[int]:
+        """The conditions of the parameters read whole in this backward (:attr:`param_order`)
+        whose modules the forward called before ``name``'s, or that are its own module's."""
+        order = self.param_order
+        if not order or not self.param_fired:
+            return set()
+        at = order.get(name, 0)
+        return {c for other, fired in self.param_fired.items() if order.get(other, at + 1) <= at
+                for c in fired}  # fmt: skip
 
     def _unseen(self, record: Record, call: Call, calls: list[Call], kind: str | None = None,
                 name: str | None = None) -> list[Verdict]:  # fmt: skip
@@ -406,13 +420,16 @@ def _made_in_backward(call: Call, condition: int, forward: Record) -> bool:
     return not (_carried(call, condition) or condition in forward.conditions)
 
 
-def param_grad(record: Record, owner_calls: Iterable[Call]) -> dict[int, bool]:
+def param_grad(record: Record, owner_calls: Iterable[Call],
+               before: set[int] = frozenset()) -> dict[int, bool]:  # type: ignore[assignment]  # fmt: skip
     """For a parameter's gradient, per condition: whether it was made here (the gradient of the
-    owning module's outputs did not show it)."""
+    owning module's outputs did not show it, nor did a parameter ``before`` it)."""
     calls = list(owner_calls)
     verdicts = {}
     for condition in record.conditions:
-        origin = not any(condition in c.fired_grad_out or condition in c.fired_in for c in calls)
+        origin = condition not in before and not any(
+            condition in c.fired_grad_out or condition in c.fired_in for c in calls
+        )
         if origin:
             for call in calls:
                 _mark(call, condition, below=False)

@@ -23,7 +23,7 @@ from tensordbg.engine.phases import Gradient, Judged, ParamGradNote
 from tensordbg.engine.records import Record, param_grad_record
 from tensordbg.statistics import FINITE, L2
 from tensordbg.statistics.batch import norm_only, norms_of
-from tensordbg.statistics.torch_kernels import norm_parts, watchable
+from tensordbg.statistics.torch_kernels import SCREEN, norm_parts, watchable
 
 _BY_NORM = (FINITE, L2)  # what most parameter gradients' rules want (the default rules')
 
@@ -199,6 +199,8 @@ class ParamGradients:
                 self.phases.awaits(record, record.wanted, slot)
             return
         norms = norms_of([t for _, t in together])
+        if not all(map(math.isfinite, norms)):
+            self._screen_params_behind()
         finite: list[Record] = []
         tensors: list[torch.Tensor] = []
         scaled = self.amp.scaler is not None
@@ -225,15 +227,42 @@ class ParamGradients:
         if any(record.findings or record.conditions for record in finite):
             self.triggered = True
 
+    def _screen_params_behind(self) -> None:
+        """Deferred checks screened no activation of a clean forward (its output and loss were
+        finite: a tanh can hide an Inf), so a parameter gradient that is not finite could be
+        named the origin though a weight made it. Before it is judged, every parameter is read
+        whole, on such a step only (on a device, one more synchronization): one not finite
+        (set by hand between steps, or written by an update where the sample did not look) is
+        the origin, and the gradients of the modules the forward called from it on are passed
+        on."""
+        if not self.sync.keeps_unscreened or self.origins.param_order:
+            return
+        order = self._backward_order()
+        self.origins.param_order = {p.name: len(order) - i for i, p in enumerate(order)}
+        for p in order[::-1]:  # in forward order: the first one is the origin
+            if p.name in self.origins.param_fired or not watchable(p.param):
+                continue
+            record = p.record("param", p.name, self.step)
+            record.stats.phase = self.phase
+            applicable = self.ruleset.applicable(record.stats)
+            record.rule_ids, record.checks = applicable.rule_ids, applicable.checks
+            record.wanted = applicable.wanted or SCREEN
+            tensor = p.param.detach()
+            self.screen(record, tensor)
+            if record.stats.nonfinite:
+                self.phases.register(record)
+                self.judge(record, tensor)
+                self.report(record)
+
     def _judge_clean_gradients(self) -> None:
         """On a device, a pass's finite parameter gradients are judged together once their
         statistics arrived, as deferred checks judge them on the host: each rule sees every
         gradient's scale before it refines any (VanishingGradient's typical gradient), so the
         modes give the same verdicts."""
-        clean = [
-            e.record for e in self.phases.pending
-            if type(e) is Judged and e.record.stats.kind == "grad" and not e.record.judged
-            and e.record.stats.values.get(FINITE) == 1.0
-        ]  # fmt: skip
+        grads = [e.record for e in self.phases.pending
+                 if type(e) is Judged and e.record.stats.kind == "grad"]  # fmt: skip
+        if any(r.stats.values.get(FINITE) == 0.0 for r in grads):
+            self._screen_params_behind()  # before a gradient that is not finite is judged
+        clean = [r for r in grads if not r.judged and r.stats.values.get(FINITE) == 1.0]
         if clean:
             self.judge_finite(clean, [r.held() for r in clean])
