@@ -1480,25 +1480,44 @@ def test_a_nan_weight_of_an_unwatched_layer_explains_every_later_output(watch, s
     ]
 
 
-class Squashed(nn.Module):
-    """tanh hides what ``mid`` makes of an Inf: the output and the loss stay finite."""
+class Tanh(nn.Module):
+    """A wrapper: tanh of its Linear's output."""
 
     def __init__(self):
         super().__init__()
-        torch.manual_seed(0)
-        self.enc, self.mid, self.head = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+        self.lin = nn.Linear(8, 8)
 
     def forward(self, x):
-        return self.head(torch.tanh(self.mid(torch.relu(self.enc(x)))))
+        return torch.tanh(self.lin(x))
 
 
+class Squashed(nn.Module):
+    """tanh hides what ``mid`` makes of an Inf: the output and the loss stay finite."""
+
+    def __init__(self, wrapped: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc, self.head = nn.Linear(4, 8), nn.Linear(8, 2)
+        self.mid = Tanh() if wrapped else nn.Linear(8, 8)
+        self.wrapped = wrapped
+
+    def forward(self, x):
+        h = self.mid(torch.relu(self.enc(x)))
+        return self.head(h if self.wrapped else torch.tanh(h))
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["tanh-in-the-root", "tanh-in-mid"])
 @pytest.mark.parametrize("sync", MODES)
-def test_a_weight_set_to_inf_that_the_outputs_hide_is_the_origin_in_every_mode(watch, sync):
+def test_a_weight_set_to_inf_that_the_outputs_hide_is_the_origin_in_every_mode(
+    watch, sync, wrapped
+):
     """Deferred checks screen no activation of a forward whose output and loss are finite: the
     NaN gradient the Inf weight made in ``mid`` was named "produced by this module's backward:
     the gradient of its output was clean", and on_hit="raise" raised on it. The parameters are
-    read whole before a gradient that is not finite is judged."""
-    model = Squashed()
+    read whole before a gradient that is not finite is judged. With the tanh inside ``mid``,
+    eager checks named mid.input[0] (the root's relu of enc's Inf) a second origin, made by
+    mid's own code, which only handed its input on."""
+    model = Squashed(wrapped)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     session = watch(model, optimizer=opt, on_hit="record", sync=sync)
     g = torch.Generator().manual_seed(0)

@@ -315,7 +315,8 @@ def _given_by_own_code(call: Call, params_fired: set[int]) -> list[Verdict]:
     shown: set[int] = set()
     for _, record in call.outputs:
         shown |= record.conditions
-    out, seen = [], set()
+    # Its own inputs, handed on to a submodule, were made outside it: its parent's to judge.
+    out, seen = [], {id(record) for _, record in call.inputs}
     for child in call.children:
         for _, record in child.inputs:
             if record.producer is not None or not record.findings or id(record) in seen:
