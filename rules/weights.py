@@ -60,6 +60,14 @@ class WeightNotChanging(Rule):
     training is done, and Adam's steps on gradients of 1e-9 fall below a float32 step (an
     autoencoder at a loss of 3e-15, one batch overfit to 0: new users' runs).
 
+    So does a step where the parameter's own gradient is at most 1e-6 of the largest it had
+    (:data:`SETTLED`): plain SGD on a regression that converged to a loss of 3e-13 moves a bias
+    by 0.1 x 3e-7, under half a float32 step of its value, while its gradient started near 8
+    (a new user's run with no loss observed, where the step's largest gradient against the
+    largest any had hovered around 1e-7, so the training-done test held some steps only). A
+    weight that cannot learn (a learning rate of zero, a bfloat16 weight whose updates round
+    away) keeps a gradient near what it had: it is still reported.
+
     A step whose learning rate a schedule has decayed below ``decayed`` (1 %) of the largest
     its parameter group had breaks the streak too: at the tail of a cosine or linear schedule
     to 0, AdamW's updates fall below half a float32 step of a weight near 1 and no element
@@ -122,10 +130,11 @@ class WeightNotChanging(Rule):
     @staticmethod
     def _learning(tensors: Sequence[TensorStats], state: dict[str, Any]) -> None:
         """Note that each of these gradients' parameter is not idle: their root-mean-squares
-        (noted) reach VanishingGradient's threshold."""
+        (noted) reach VanishingGradient's threshold, unless one has settled (:func:`_settled`)."""
         idle: dict[str, tuple[int, bool]] = state.setdefault("idle", {})
         for t in tensors:
-            idle[t.name.removesuffix(".grad")] = (t.step, False)
+            name = t.name.removesuffix(".grad")
+            idle[name] = (t.step, _settled(name, t.values[L2] / math.sqrt(t.numel), state))
 
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
         if t.kind == "observed":
@@ -138,7 +147,12 @@ class WeightNotChanging(Rule):
             scale = note_scale(t, state)
             if scale is not None:
                 name = t.name.removesuffix(".grad")
-                idle[name] = (t.step, negligible(scale, state, t.name) or loss_spent(state, t.step))
+                idle[name] = (
+                    t.step,
+                    negligible(scale, state, t.name)
+                    or loss_spent(state, t.step)
+                    or _settled(name, scale, state),
+                )
             return None
         unchanged = t.get(update_unchanged(self.rtol, self.atol))
         had = idle.get(t.name.removesuffix(".update"))
@@ -169,6 +183,22 @@ class WeightNotChanging(Rule):
             "its learning rate may be zero or too small for its dtype to register, or it may be "
             "missing from the optimizer's parameter groups.",
         )
+
+
+SETTLED = 1e-6
+"""A parameter whose gradient's root-mean-square fell to this share of the largest it had has
+learnt what it can: WeightNotChanging does not judge its update."""
+
+
+def _settled(name: str, scale: float, state: dict[str, Any]) -> bool:
+    """Whether the gradient of parameter ``name`` (root-mean-square ``scale``) is at most
+    :data:`SETTLED` of the largest it had; notes it as the largest when it is."""
+    peaks: dict[str, float] = state.setdefault("peaks", {})
+    peak = peaks.get(name, 0.0)
+    if scale > peak:
+        peaks[name] = scale
+        return False
+    return scale <= SETTLED * peak
 
 
 class WeightUpdateRatio(Rule):

@@ -254,6 +254,29 @@ def test_a_training_done_to_a_loss_of_zero_or_floats_floor_raises_no_hit(watch, 
     assert_no_hit(session)
 
 
+@pytest.mark.parametrize("sync", ["auto", "eager", "batched"])
+def test_plain_sgd_converged_on_a_regression_with_no_loss_observed_raises_no_hit(watch, sync):
+    """A linear regression without noise, plain SGD, mini-batches of 32, no loss observed: the
+    bias's gradient falls from about 8 to 3e-7 and 0.1 x 3e-7 is under half a float32 step of
+    its value, so no bit moves; WeightNotChanging said it was not learning "though its
+    gradient is not negligible" (24 hits in 300 steps; 1 in eager checks, 25 in batched).
+    Its own gradient fell to 1e-6 of the largest it had: it is done."""
+    torch.manual_seed(0)
+    truth, x = torch.randn(8, 1), torch.randn(256, 8)
+    y = x @ truth + 3.0
+    torch.randn(256, 1)  # the script drew its noise (times 0) here: the same initial weights
+    model = torch.nn.Linear(8, 1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss(step: int) -> torch.Tensor:
+        rows = torch.arange(step * 32, (step + 1) * 32) % 256
+        return ((model(x[rows]) - y[rows]) ** 2).mean()
+
+    session = watch(model, optimizer=sgd, on_hit="record", sync=sync)
+    assert zoo.train(zoo.Training(model, sgd, loss), 300)[-1] < 1e-10
+    assert_no_hit(session)
+
+
 @pytest.mark.slow
 def test_a_resnet_trained_long_to_a_tiny_loss_raises_no_hit(watch):
     """2,000 steps of the ResNet (SGD with momentum, BatchNorm) to a loss of 1e-4: two hard
