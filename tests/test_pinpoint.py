@@ -395,3 +395,36 @@ def test_the_loss_codes_operation_is_named_when_only_a_submodule_is_called(sync:
     assert "the first operation given values it does not accept: log of 16 values <= 0" in (
         origin.message
     )
+
+
+class InfThenLinear(nn.Module):
+    """The model's own code divides by zero (an Inf); ``b``'s Linear then makes NaN of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h = h / torch.zeros_like(h)  # an Inf, made here
+        return self.b(h)
+
+
+@pytest.mark.parametrize("sync", ["eager", "deferred", "batched"])
+def test_a_nan_a_submodule_made_of_the_forwards_own_inf_names_the_inf_s_line(sync: str) -> None:
+    """The hit said the model's own code made the NaN and named F.linear "at line 7 (return
+    s.b(h))", an operation inside b, which passed it on: the NaN came of the division's Inf."""
+    torch.manual_seed(0)
+    model = InfThenLinear()
+    with watched(model, sync=sync) as session:
+        model(torch.randn(3, 4))
+        session.flush()  # batched checks judge at the phase's end
+        origin = next(h for h in session.hits if h.origin)
+        prov = LiveSource(session).provenance(origin.ref, origin.module, origin.call)
+    line = next(i for i, text in enumerate(inspect.getsource(InfThenLinear).splitlines())
+                if "zeros_like" in text) + inspect.getsourcelines(InfThenLinear)[1]  # fmt: skip
+    assert origin.tensor == "output" and "F.linear" not in origin.message
+    assert (f"Inside the model's forward an Inf came first, from Tensor.div at test_pinpoint.py:"
+            f"{line} (h = h / torch.zeros_like(h)), and the NaN was made of it later"
+            in origin.message), origin.message  # fmt: skip
+    assert prov["operation"]["value"] == "Inf" and prov["source"]["line"] == line

@@ -52,11 +52,15 @@ class FirstBad(TorchFunctionMode):
     """Stops a forward at the first operation whose floating-point result holds a NaN
     (``nan=True``) or an Inf, noting the operation and the innermost user line."""
 
-    def __init__(self, nan: bool):
+    def __init__(self, nan: bool, forward: Any = None):
         super().__init__()
         self.nan = nan
+        self.forward = getattr(forward, "__code__", None)  # the forward run again
         self.found: dict[str, Any] | None = None
         self.met = False  # a result held the bad value, whether this forward made it or not
+        self.first_inf: dict[str, Any] | None = None
+        """Looking for a NaN: the first operation that made an Inf of finite values (a
+        division by zero); a NaN made of it later (Inf - Inf in a Linear) is its doing."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -66,15 +70,45 @@ class FirstBad(TorchFunctionMode):
         was_clean = target is not None and not _holds_bad(target, self.nan)
         result = func(*args, **kwargs)
         made = _holds_bad(result, self.nan) or (was_clean and _holds_bad(target, self.nan))
+        given = [*(args[1:] if target is not None else args), *kwargs.values()]
+        if (
+            self.nan
+            and self.first_inf is None
+            and not made
+            and _holds_bad(result, False)
+            and not any(_holds_bad(a, False) or _holds_bad(a, True) for a in given)
+        ):
+            self.first_inf = _where(func, sys._getframe(1))  # fmt: skip
         if self.found is None and made:
             self.met = True
             # An operation that was handed the bad value (a weight that was NaN already) did
             # not make it: nothing is named.
-            given = [*(args[1:] if target is not None else args), *kwargs.values()]
             if (target is None or was_clean) and not any(_holds_bad(a, self.nan) for a in given):
-                self.found = _where(func, sys._getframe(1))
+                frame = sys._getframe(1)
+                # Inside a submodule, handed an Inf that this forward's own code made: the
+                # submodule passed it on (Inf - Inf in its Linear); the Inf's operation is named.
+                # (A softmax of a row that a mask left all -inf, in the forward's own code,
+                # makes its NaN itself.)
+                inf = (self.first_inf is not None and any(_holds_bad(a, False) for a in given)
+                       and self._in_submodule(frame))  # fmt: skip
+                self.found = {**self.first_inf, "inf_first": True} if inf else _where(func, frame)
             raise _Found
         return result
+
+    def _in_submodule(self, frame: Any) -> bool:
+        """Whether ``frame`` runs inside a module called from the forward run again."""
+        while frame is not None and frame.f_code is not self.forward:
+            if frame.f_code in _CALL_IMPL:
+                return True
+            frame = frame.f_back
+        return False
+
+
+_CALL_IMPL = frozenset(
+    f.__code__
+    for f in (nn.Module._call_impl, nn.Module._wrapped_call_impl)
+    if hasattr(f, "__code__")
+)
 
 
 class Pinpointing:
@@ -114,7 +148,8 @@ class Pinpointing:
                             "streams), so the operation is not named.")  # fmt: skip
         elif found is not None:
             if call.operation is None:  # the first named: its provenance says which it made
-                call.operation = {**found, "value": "NaN" if nan else "Inf"}
+                made = "Inf" if not nan or found.get("inf_first") else "NaN"
+                call.operation = {**found, "value": made}
             hit.message += sentence(call, found, nan)
 
     def _name_loss_operation(self, hit: Any, record: Any) -> None:
@@ -163,7 +198,7 @@ def name_operation(session: Any, call: Call, nan: bool) -> dict[str, Any] | None
         return None  # torch.compile's: its forward is a graph, not lines
     if _collective(module):
         return None  # one rank alone would wait in it for ever
-    watch = FirstBad(nan)
+    watch = FirstBad(nan, type(module).forward)
     devices = sorted({t.device.index for _, t, _, _ in seen if t.device.type == "cuda"})
     with _quiet(session), _buffers_kept(module), torch.random.fork_rng(devices=devices):
         if random_state is not None:  # the same dropout masks as the call drew
@@ -215,6 +250,9 @@ def sentence(call: Call, found: dict[str, Any], nan: bool) -> str:
     where = call.path or "the model"
     place = f" at {os.path.basename(found['file'])}:{found['line']}" if found["file"] else ""
     code = f" ({found['code']})" if found["code"] else ""
+    if found.get("inf_first"):
+        return (f" Inside {where}'s forward an Inf came first, from {found['op']}{place}{code}, "
+                "and the NaN was made of it later (Inf - Inf, 0 x Inf).")  # fmt: skip
     return f" Inside {where}'s forward the first {what} came from {found['op']}{place}{code}."
 
 
