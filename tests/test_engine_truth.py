@@ -1536,3 +1536,49 @@ def test_a_weight_set_to_inf_that_the_outputs_hide_is_the_origin_in_every_mode(
     assert {(h.step, h.tensor) for h in session.hits if h.origin} == {(1, "enc.weight")}, [
         (h.step, h.phase, h.rule, h.tensor, h.message) for h in session.hits if h.origin
     ]
+
+
+class SqrtBlock(nn.Module):
+    """x + sqrt(l(x)) when ``bad``: a NaN its forward makes (sqrt of negatives)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+        self.bad = False
+
+    def forward(self, x):
+        h = self.l(x)
+        return x + (h.sqrt() if self.bad else h)
+
+
+class CheckpointedSqrt(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.b, self.head = nn.Linear(8, 8), SqrtBlock(), nn.Linear(8, 1)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.head(checkpoint(self.b, self.inp(x), use_reentrant=True))
+
+
+@pytest.mark.parametrize("sync", MODES)
+def test_a_forward_nan_in_a_reentrant_checkpoint_is_the_one_origin(watch, sync):
+    """The NaN a checkpointed block's forward made was named there; then its parameters'
+    gradients, which no hook sees made, were named a second origin ("the backward of b or of
+    a module in it made it") though they only carried the block's own forward NaN back."""
+    torch.manual_seed(0)
+    model = CheckpointedSqrt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = watch(model, optimizer=opt, on_hit="record", sync=sync)
+    for step in range(3):
+        model.b.bad = step == 1
+        loss = nn.functional.mse_loss(model(torch.randn(8, 8)), torch.randn(8, 1))
+        session.observe("loss", loss)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    session.flush()
+    assert [(h.step, h.phase, h.tensor) for h in session.hits if h.origin] == [
+        (1, "forward", "b.output")
+    ], [(h.step, h.phase, h.tensor, h.message) for h in session.hits if h.origin]

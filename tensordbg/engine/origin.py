@@ -220,13 +220,17 @@ class Attribution:
         showed. The first gradient of the step's backward that shows it is the origin, said
         to be that block's, unless the forward values of ``calls`` (whose gradient it is)
         showed it; the later ones are passed on."""
-        region = call.unseen_region().path
+        block = call.unseen_region()
+        region = block.path
+        # The block's own forward values count too: a NaN its forward made (sqrt of negatives
+        # in it) flows back through every gradient of the block, which passes it on.
+        shown = [*calls, block]
         out = []
         for rule_id, finding in record.findings.items():
             condition = condition_of(record, rule_id)
             origin = condition is None or not (
                 condition in self.grad_found
-                or any(condition in c.fired_in or condition in c.fired_out for c in calls)
+                or any(condition in c.fired_in or condition in c.fired_out for c in shown)
             )
             out.append(Verdict(record, rule_id, finding, origin, call if kind else None, kind,
                                name, unseen=region))  # fmt: skip
