@@ -340,6 +340,9 @@ def test_the_operation_of_the_loss_code_that_made_its_nan_is_named_in_every_mode
     assert "a division by 0 (16 zeros in the divisor)" in origin.message
     origin, _ = _loss_origin(lambda out: torch.sqrt(out - 100).mean(), sync)
     assert "the first NaN autograd kept came from sqrt (its result" in origin.message
+    # A Python number as the divisor: autograd saves it as an integer tensor, once not read.
+    origin, _ = _loss_origin(lambda out: nn.functional.mse_loss(out / 0 * 0, out * 0), sync)
+    assert "does not accept: a division by 0 (a number, not a tensor: out / 0)" in (origin.message)
 
 
 def test_loss_code_whose_operations_saved_nothing_to_show_names_none() -> None:

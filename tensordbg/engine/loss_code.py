@@ -69,6 +69,8 @@ def _outside(name: str, node: Any) -> str:
     count = int(outside.sum())
     if not count:
         return ""
+    if name == "div" and values.dim() == 0:
+        return "a division by 0 (a number, not a tensor: out / 0)"
     least = float(values.min())
     shown = f" (the smallest {least:.4g})" if smallest and math.isfinite(least) else ""
     return what.format(n=f"{count:,}") + shown
@@ -79,7 +81,8 @@ def _saved(node: Any, attr: str) -> torch.Tensor | None:
         value = getattr(node, attr, None)
     except RuntimeError:  # freed: the backward pass ran through this node
         return None
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
+    # Integer tensors too: ``out / 0`` saves its divisor as an int64 tensor (a wrapped number).
+    if isinstance(value, torch.Tensor) and not value.is_complex():
         return value.detach()
     return None
 
