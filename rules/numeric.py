@@ -207,6 +207,11 @@ class TensorRange(Rule):
     ``_lt`` bound above its ``_gt`` (``min_lt`` above ``max_gt``) is refused: every tensor
     would fire.
 
+    A tensor holding NaN has no min, max or mean to compare (NaN, as numpy's, is the NaN
+    rule's to report); an Inf is its own bound (a max of +Inf is above any ``max_gt``). The UI's
+    statistics are over the finite elements: a ``max_gt`` of 0.5 does not fire on a tensor
+    whose finite max is 0.62 but which holds a NaN.
+
     Example: MindInsight's tanh saturation preset is
     ``TensorRange(range_lo=math.tanh(-8.8), range_hi=math.tanh(8.8), range_percentage_lt=0.1)``.
     """
