@@ -8,7 +8,8 @@ Scenarios: ``nan`` (rank 1's training forward makes a NaN in module ``1`` at ste
 recorded), ``raise`` (the same, raising), ``pause`` (an evaluation forward of rank 1 makes it, so
 the training itself stays healthy; the test drives the pause through the UI's client), ``drift``
 (rank 1's ``3.weight`` is changed by hand at step 4), ``dump`` (as ``nan``, both ranks fed the
-same data and writing every step into one dump directory, ``OUT_DIR/dump``), ``skip`` (as
+same data and writing every step into one dump directory, ``OUT_DIR/dump``), ``hitdump`` (as
+``nan``, with ``on_hit="dump"``: only the steps with hits are written), ``skip`` (as
 ``nan``, with ``on_hit="skip"``), ``two`` (two optimizers, the second owning ``3``; rank 1's
 gradient of ``3.weight`` is made NaN at step 3 by a hook, so only that optimizer's gradients go
 bad), ``bare`` (no tensordbg).
@@ -82,12 +83,15 @@ def main(scenario: str, out: Path) -> None:
     counts = count_collectives()
     session = None
     if scenario != "bare":
-        on_hit = {"raise": "raise", "pause": "pause", "skip": "skip"}.get(scenario, "record")
+        on_hit = {"raise": "raise", "pause": "pause", "skip": "skip",
+                  "hitdump": "dump"}.get(scenario, "record")  # fmt: skip
         rules = [NaN(), RankDivergence(every=2)]
         dumps = {"dump_dir": out / "dump", "dump_every": 1, "dump_tensors": ["3.weight"]}
+        if scenario == "hitdump":
+            dumps = {"dump_dir": out / "dump"}
         session = tensordbg.attach(ddp, optimizer=optimizers, rules=rules, on_hit=on_hit,
                                    server=scenario == "pause", summary_at_exit=False,
-                                   **(dumps if scenario == "dump" else {}))  # fmt: skip
+                                   **(dumps if "dump" in scenario else {}))  # fmt: skip
     paused_steps: list[int] = []
     if session is not None:
         session.bus.subscribe(lambda e, p: paused_steps.append(p["step"]), events={"pause"})
@@ -99,7 +103,8 @@ def main(scenario: str, out: Path) -> None:
     generator = torch.Generator().manual_seed(0 if scenario == "dump" else rank)
     for step in range(STEPS.get(scenario, 6)):
         poison = model[1]
-        poison.armed = scenario in ("nan", "raise", "dump", "skip") and rank == 1 and step == 3
+        poison.armed = (scenario in ("nan", "raise", "dump", "hitdump", "skip") and rank == 1
+                        and step == 3)  # fmt: skip
         if scenario == "pause" and rank == 1 and step == 3:
             poison.armed = True  # an evaluation forward on rank 1 only makes a NaN
             with torch.no_grad():

@@ -257,6 +257,25 @@ def test_a_multi_rank_dump_holds_every_rank_and_replays_checks_and_diffs(job):
         assert source.info()["rank"] == rank
 
 
+def test_a_dump_of_the_steps_with_hits_holds_the_gradients_the_all_reduce_made_nan(job):
+    """With on_hit="dump", rank 0's hits on the gradients the all-reduce brought NaN were
+    recorded, but the dump held neither their statistics nor their values: they were judged
+    after the backward phase ended, and the optimizer's phase dropped them (check found 6 of
+    rank 0's 18 hits; replay said the gradient "was not dumped")."""
+    j = job("hitdump")
+    output = j.wait()
+    assert j.process.returncode == 0, output
+    dump = tensordbg.load(j.out / "dump")
+    grads = {e.name: e for e in dump.tensors(3, rank=0) if e.kind == "grad"}
+    assert grads["3.weight.grad"].stats["finite"] == 0.0 and grads["3.weight.grad"].has_value
+    assert np.isnan(dump.tensor("3.weight.grad", rank=0).value(3)).any()
+    command = [sys.executable, "-m", "tensordbg.cli", "check", str(j.out / "dump"), "--json"]
+    checked = subprocess.run(command, capture_output=True, text=True, timeout=DEADLINE)
+    found = {f["tensor"] for f in json.loads(checked.stdout)["findings"]
+             if f["rank"] == 0 and f["step"] == 3}  # fmt: skip
+    assert "3.weight.grad" in found, found
+
+
 def test_a_nan_the_all_reduce_brings_to_a_second_optimizer_s_gradients_is_found_before_it_steps(
     job,
 ):

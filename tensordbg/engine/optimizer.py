@@ -171,6 +171,9 @@ class OptimizerPhase:
             self._check_parameters(changed, None)
 
     _reduced: tuple[dict[str, Record], set[str]] | None = None
+    _brought: list[tuple[Record, torch.Tensor]] = []  # noqa: RUF012 (replaced, not changed)
+    """The gradients the all-reduce made not finite this step (judged again, as it left them):
+    listed in the optimizer's phase, where the UI and a dump find them."""
     """Several ranks: the last backward phase's parameter-gradient records by parameter, and
     the parameters whose gradients were read as the all-reduce left them (each once: the
     optimizers after the first step once the step is counted, at the next step's number)."""
@@ -202,6 +205,7 @@ class OptimizerPhase:
                 record = param_grad_record(p.name, p.owner, p.owner_type, grad, self.step)
                 self._prepare(record, grad)
             self.phases.adopt(record)  # a later optimizer's phase: the UI lists it there too
+            self._brought.append((record, grad))
             self.screen(record, grad)
             self.judge(record, grad)
             self.origins.grad_fired[p.name] = set(record.conditions)  # the update is not its origin
@@ -248,7 +252,7 @@ class OptimizerPhase:
                 return
             if self.ranks is not None:
                 if self.phase == "backward":  # the first optimizer after the pass
-                    self._reduced = None
+                    self._reduced, self._brought = None, []
                 self._check_reduced_gradients(optimizer)
             if self.ranks is not None and optimizer is self.optimizers[0]:
                 self.ranks.safe_point()  # the step's collectives are done: ranks stop here
@@ -261,6 +265,9 @@ class OptimizerPhase:
             if self.phase != "optimizer":  # the first optimizer of the step: gradients are final
                 self.origins.gradients_final(self.phases.records)
             self._start_phase("optimizer")
+            for record, grad in self._brought:  # judged after the backward phase had ended
+                self.phases.adopt(record)
+                record.tensor = grad  # a hit's own tensor is kept (the phase's start let it go)
             owned = self._stepping[optimizer] = self.weights.owned(optimizer, self.optimizers)
             wanted = self.ruleset.update_stats()
             if wanted is None:
