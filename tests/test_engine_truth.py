@@ -861,6 +861,9 @@ def test_a_slice_typed_wrong_is_said_at_the_column_of_the_mistake():
         parse_index("99, foo[::-1")
     with pytest.raises(SliceError, match="near column 3: invalid syntax"):
         parse_index("0,,1")
+    # The "[" that starts a new slice in the UI, then Enter: the whole tensor, as the input's
+    # hint says of an empty slice (it said "'[' was never closed").
+    assert parse_index("[") == () and parse_index(" [ ") == ()
 
 
 def test_a_slice_request_is_sized_before_it_is_made(paused_source):

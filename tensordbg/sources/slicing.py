@@ -30,7 +30,7 @@ def parse_index(text: str) -> Index:
         raise SliceError(f"slice text is {len(text)} characters; at most {MAX_TEXT} are accepted")
     if text.startswith("[") and text.endswith("]") and _balanced_outer(text):
         text = text[1:-1].strip()
-    if not text:
+    if not text or text == "[":  # the "[" that starts a new slice in the UI, and nothing after
         return ()
     try:
         tree = ast.parse(f"_[{text}]", mode="eval")
