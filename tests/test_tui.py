@@ -914,6 +914,27 @@ def test_the_grid_fetches_only_the_windows_on_screen() -> None:
     asyncio.run(flow())
 
 
+@pytest.mark.parametrize("size", [(80, 24), SIZE])
+def test_the_grid_shows_whole_numbers_up_to_its_edge(size: tuple[int, int]) -> None:
+    """The last column on screen was cut by the scrollbar mid-number (0.120 for 0.12084,
+    -0.0312 for -0.031284): they read as values. Whole columns only, then a "…"."""
+    source = CountingSource()
+    big = source.arrays[5][3]
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=size) as pilot:
+            grid = await open_tensor(pilot, 5, "big.output", TensorGrid)
+            await until(pilot, lambda: grid.rows == 1000 and grid.cell_text(0, 0) is not None)
+            await until(pilot, lambda: not grid.fetching)
+            shown = grid.render_line(1).text[: grid.scrollable_content_region.width].split()
+            assert shown[-1] == "…", shown  # more columns to the right, said so
+            values = shown[1:-1]  # after the row's label
+            assert values == [f"{big[0, c]:.4g}" for c in range(len(values))], shown
+
+    asyncio.run(flow())
+
+
 class CuttableClient:
     """A LocalClient whose connection can be cut, as when the training dies."""
 

@@ -231,8 +231,11 @@ class TensorGrid(ScrollView, can_focus=True):
 
     def _visible_columns(self) -> tuple[int, int]:
         c0 = round(self.scroll_x) // CELL
-        # Whole columns only: a column cut by the edge would show part of a number.
-        n = max(1, (self.size.width - self._label_width) // CELL)
+        # Whole columns only: a column cut by the edge would show part of a number (0.120 for
+        # 0.12084). The edge is the scrollbar's, when there is one, and a cell is kept for the
+        # "…" that says more columns follow.
+        room = self.scrollable_content_region.width - self._label_width
+        n = max(1, room // CELL if c0 + room // CELL >= self._cols else (room - 1) // CELL)
         return c0, min(self._cols, c0 + n)
 
     def render_line(self, y: int) -> Strip:
