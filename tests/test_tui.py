@@ -1544,3 +1544,28 @@ def test_the_hits_cursor_stays_on_screen_at_80_columns() -> None:
                 assert top <= hits.cursor < top + shown, (hits.cursor, top, shown)
 
     asyncio.run(flow())
+
+
+def test_the_log_says_a_state_once_when_it_is_sent_again() -> None:
+    """The Log tab said "state: detached after step 11" twice (the detach, then the session's
+    end, each sent it)."""
+    from textual.app import App, ComposeResult
+
+    from tensordbg.tui.components.event_log import EventLog
+
+    class Host(App[None]):
+        def compose(self) -> ComposeResult:
+            yield EventLog()
+
+    async def flow() -> None:
+        app = Host()
+        async with app.run_test(size=SIZE) as pilot:
+            log = app.query_one(EventLog)
+            for state in ("paused", "running", "detached", "detached"):
+                log.write_event("state", {"state": state, "step": 12})
+            await pilot.pause()
+            text = "\n".join(line.text for line in log.lines)
+            assert text.count("state: detached after step 11") == 1, text
+            assert text.count("state: running at step 12") == 1, text
+
+    asyncio.run(flow())

@@ -60,8 +60,15 @@ class EventLog(RichLog):
         if self._unwritten:
             self.call_after_refresh(self._catch_up)
 
+    _last_state = ""
+
     def write_event(self, event: str, payload: dict[str, Any]) -> None:
-        self.write_entry(f"{event}: {describe_event(event, payload)}", payload.get("level", "info"))
+        text = f"{event}: {describe_event(event, payload)}"
+        if event == "state":
+            if text == self._last_state:
+                return  # the same state said again (a detach, then the connection's end)
+            self._last_state = text
+        self.write_entry(text, payload.get("level", "info"))
 
 
 def describe_event(event: str, payload: dict[str, Any]) -> str:
