@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 from fake_source import FakeSource
 from textual import events
 from textual.app import App
@@ -259,5 +260,41 @@ def test_closing_the_ranks_list_while_a_rank_is_slow_to_answer_reports_no_error(
             await pilot.pause(0.2)
             assert slow.held.is_set() and app.chosen == [0]
         assert app.errors == []
+
+    asyncio.run(flow())
+
+
+@pytest.mark.parametrize(
+    ("state", "said"),
+    [
+        ("finished", "The job's other ranks are gone (its 2 ranks' sessions ended with the "
+                     "training): only this one's record is here."),
+        ("replay", "A replay shows one rank of the 2: open another with tensordbg replay DIR "
+                   "--rank N."),
+    ],
+)  # fmt: skip
+def test_r_and_f9_say_why_there_is_no_other_rank_to_show(state: str, said: str) -> None:
+    """After a 2-rank job exited, and in a replay of one rank of its dump, R did nothing and F9
+    said "This training runs on one rank"."""
+    from tensordbg.tui.app import TensorDbgApp
+
+    rank = FakeRank(1)
+    rank.state = state
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(rank))
+        async with app.run_test(size=(120, 40)) as pilot:
+            for _ in range(100):
+                await pilot.pause(0.02)
+                if app.state == state:
+                    break
+            for key in ("R", "f9"):
+                app.clear_notifications()
+                await pilot.press(key)
+                for _ in range(100):
+                    await pilot.pause(0.02)
+                    if list(app._notifications):
+                        break
+                assert [str(n.message) for n in app._notifications] == [said], key
 
     asyncio.run(flow())

@@ -23,6 +23,7 @@ from textual.widgets import Input
 from tensordbg.sources.contract import SchemaError, Welcome
 from tensordbg.tui.commands import CONTROLS, DETACHED, ENDS_WITH_UI, palette
 from tensordbg.tui.errors import CrashFile, work
+from tensordbg.tui.job import JobRanks
 from tensordbg.tui.profiler.view import DEFAULT_STEPS
 from tensordbg.tui.remote import (
     ENDED,
@@ -36,7 +37,7 @@ from tensordbg.tui.remote import (
 )
 from tensordbg.tui.screens.main import TABS, MainScreen
 from tensordbg.tui.screens.profile_steps import ProfileStepsScreen
-from tensordbg.tui.screens.ranks import RanksScreen, group_jobs, job_sessions
+from tensordbg.tui.screens.ranks import group_jobs
 from tensordbg.tui.screens.session_picker import SessionPicker, session_field
 
 FINISHED_GRACE = 0.5
@@ -50,7 +51,7 @@ _MAIN_ACTIONS = frozenset({"control", "count", "tab", "search", "detach", "ignor
                            "ranks", "next_rank"})  # fmt: skip
 
 
-class TensorDbgApp(App[int]):
+class TensorDbgApp(JobRanks, App[int]):
     """The debugger UI on one training session.
 
     ``client`` is a connected client, or an async factory ``connect(path)`` that opens one (and
@@ -384,53 +385,6 @@ class TensorDbgApp(App[int]):
 
     def action_search(self) -> None:
         self.main.focus_search()
-
-    # --- the ranks of a job (tensordbg.tui.screens.ranks) ------------------------------------
-
-    def action_next_rank(self) -> None:
-        """Inspect the next rank of this job (R)."""
-        ranks = [int(s.rank) for s in self._job()]
-        if len(ranks) > 1:
-            here = int(self.info.get("rank", 0))
-            self._switch_to_rank(next((r for r in ranks if r > here), ranks[0]))
-
-    def action_ranks(self) -> None:
-        """The job's ranks side by side (F9)."""
-        self._open_ranks()
-
-    def _job(self) -> list[Any]:
-        if self._connect is None or "run_id" not in self.info:
-            return []  # a client handed in: no other rank to reach
-        return job_sessions(self.info["run_id"])
-
-    def _switch_to_rank(self, rank: int) -> None:
-        path = next((str(s.path) for s in self._job() if int(s.rank) == rank), None)
-        if path is None or rank == self.info.get("rank"):
-            return
-        self.main.log_entry(f"inspecting rank {rank}")
-        self._switch_path = path
-        self._lost_reason = f"switching to rank {rank}"
-        self._lost.set()
-
-    @work(group="ranks", exclusive=True)
-    async def _open_ranks(self) -> None:
-        from tensordbg.transport.client import Client
-
-        job = self._job()
-        if len(job) < 2:
-            self.notify("This training runs on one rank.", title="Ranks", markup=False)
-            return
-        clients = {int(s.rank): await Client.connect(str(s.path), timeout=5.0) for s in job}
-
-        async def closed(rank: int | None) -> None:
-            for client in clients.values():
-                with contextlib.suppress(Exception):
-                    await client.close()
-            if rank is not None:
-                self._switch_to_rank(rank)
-
-        screen = RanksScreen(self.info["run_id"], clients, int(self.info.get("rank", 0)))
-        self.push_screen(screen, closed)
 
     def action_detach(self) -> None:
         self._detach_and_exit()
