@@ -251,10 +251,11 @@ def test_a_multi_rank_dump_holds_every_rank_and_replays_checks_and_diffs(job):
     assert said in parted.stdout, parted.stdout
     same = cli("diff", str(dump_dir), str(dump_dir), "--ranks", "1,1")
     assert same.returncode == 0 and "The runs agree" in same.stdout, same.stdout
-    # The replay UI serves either rank.
+    # The replay UI serves either rank, and says which of how many; it opens at the origin's.
     for rank in (0, 1):
         source = ReplaySource(dump, rank=rank)
-        assert source.info()["rank"] == rank
+        assert (source.info()["rank"], source.info()["world_size"]) == (rank, 2)
+    assert ReplaySource(dump).info()["rank"] == 1  # rank 0's hits there are passed on
 
 
 def test_a_dump_of_the_steps_with_hits_holds_the_gradients_the_all_reduce_made_nan(job):

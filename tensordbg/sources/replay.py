@@ -43,9 +43,9 @@ _ACTIVATIONS = ("input", "output", "grad_output", "grad_input")
 class ReplaySource:
     """Serves one rank of a :class:`tensordbg.dump.Dump` to the UI, one dumped step at a time.
 
-    It opens at the step of the dump's first hit at its origin (else its first step). A ``ref``
-    names one tensor at one step for the whole replay, so a hit found at step 12 still opens
-    its own tensor while step 40 is shown.
+    It opens at the rank and step of the dump's first hit at its origin (else its first ones).
+    A ``ref`` names one tensor at one step for the whole replay: a hit found at step 12 still
+    opens its own tensor while step 40 is shown.
 
     >>> app = TensorDbgApp(LocalClient(ReplaySource(tensordbg.load("runs/dbg"))))
     """
@@ -57,7 +57,8 @@ class ReplaySource:
         ranks = list(dump.ranks) or [0]
         if rank is not None and rank not in ranks:
             raise SourceError(f"the dump {dump.path} has no rank {rank}; it has {ranks}")
-        self.rank = ranks[0] if rank is None else rank
+        origins = (h.rank for h in dump.hits if h.origin and h.rank in ranks)
+        self.rank = next(origins, ranks[0]) if rank is None else rank  # the origin's rank first
         # Steps the dump could not read, by step; (-1, rank) is a line naming no step.
         self._broken = {s: str(why) for (s, r), why in dump.broken.items() if r == self.rank}
         self.steps: list[int] = sorted(set(dump.steps(self.rank)) | set(self._broken) - {-1})
@@ -118,6 +119,7 @@ class ReplaySource:
         return {
             "run_id": str(meta.get("run_id", "")),
             "rank": self.rank,
+            "world_size": max(len(self.dump.ranks), 1),  # the header names the rank shown
             "pid": int(meta.get("pid", 0) or 0),
             "script": str(argv[0]) if argv else os.path.basename(str(self.dump.path)),
             "model": str(modules[0].get("type", "")) if modules else "",
@@ -201,8 +203,7 @@ class ReplaySource:
         return out
 
     def profile_report(self) -> dict[str, Any] | None:
-        """The profile report the run stored with its dump (``meta["profile"]``), if any: a
-        recorded run cannot be profiled again."""
+        """The profile report the run stored with its dump (``meta["profile"]``), if any."""
         report = self.dump.meta.get("profile")
         return report if isinstance(report, dict) else None
 
@@ -373,8 +374,7 @@ class ReplaySource:
         }
 
     def subscribe(self, callback: EventCallback) -> Callable[[], None]:
-        # A recording pushes nothing: it changes only when the person moves (goto's reply).
-        return lambda: None
+        return lambda: None  # a recording pushes nothing: it moves by goto's reply alone
 
     # --- helpers ---------------------------------------------------------------------------
 
