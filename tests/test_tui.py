@@ -728,6 +728,21 @@ def test_rules_toggle_edit_add_and_recheck() -> None:
     on_the_rules_tab(source, check)
 
 
+def test_end_and_home_move_to_the_last_and_first_rule() -> None:
+    """End in the Rules table scrolled sideways and left the cursor on NaN: End, then Space,
+    turned the NaN rule off instead of the last one."""
+    source = FakeSource()
+
+    async def check(app: TensorDbgApp, pilot: Pilot, panel: RulePanel) -> None:
+        await pilot.pause()
+        await pilot.press("end")
+        assert panel.table.cursor_row == panel.table.row_count - 1 > 0
+        await pilot.press("home")
+        assert panel.current["name"] == "NaN"
+
+    on_the_rules_tab(source, check)
+
+
 def test_the_rules_keys_follow_the_state_of_the_training() -> None:
     """Rules change while the training runs or is paused, but a recheck judges the paused step:
     r and the palette's Recheck are offered only while paused, and nothing once disconnected."""

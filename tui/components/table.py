@@ -3,9 +3,12 @@ right edge end in an ellipsis, as the line tables' do (``LineTable.fit``)."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from rich.segment import Segment
 from rich.text import Text
 from textual import events
+from textual.binding import Binding, BindingType
 from textual.strip import Strip
 from textual.widgets import DataTable
 
@@ -22,7 +25,22 @@ class Table(DataTable):
     nothing said that more followed (← → scroll sideways): a line whose text goes on past the
     right edge ends in "…" there. Rows are one line high, as every table here has them."""
 
+    # Home and End move to the first and last row, as they do in the Hits and Modules lists
+    # (DataTable's own scroll sideways: End, then Space, toggled the first rule).
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("home", "first_row", "First", show=False),
+        Binding("end", "last_row", "Last", show=False),
+    ]
+
     _drawn_widths: tuple[int, ...] = ()
+
+    def action_first_row(self) -> None:
+        if self.row_count:
+            self.move_cursor(row=0)
+
+    def action_last_row(self) -> None:
+        if self.row_count:
+            self.move_cursor(row=self.row_count - 1)
 
     async def _on_idle(self, event: events.Idle) -> None:
         await super()._on_idle(event)
