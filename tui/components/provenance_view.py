@@ -79,10 +79,13 @@ class ProvenanceView(VerticalScroll):
         self.show(prov)
 
     def show_message(self, text: str) -> None:
+        """A sentence in place of the provenance: in the box below the tree, which wraps it (a
+        tree's label is one line: "...kept only for the phase the t" was all it showed)."""
         tree = self.query_one(Tree)
         tree.clear()
-        tree.root.set_label(text)
-        self.query_one("#provenance-source", Static).update("")
+        head, _, _ = text.partition(": ")
+        tree.root.set_label(head)
+        self.query_one("#provenance-source", Static).update(Text(text))
         self.query_one("#provenance-stack", Static).update("")
 
     def show(self, prov: dict[str, Any]) -> None:
