@@ -481,3 +481,32 @@ def test_a_parameter_the_update_wrote_comes_from_the_optimizers_step_line():
         assert prov["stack"] == [[__file__, line, inspect.currentframe().f_code.co_name]]
     finally:
         session.detach()
+
+
+class _OwnCodeBlock(torch.nn.Module):
+    """Its own code makes the NaN between fc1 and fc2: the hit names ``1.output``, stored as
+    ``1.fc2.output``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        return self.fc2(h / torch.zeros_like(h) * 0)
+
+
+def test_a_module_whose_own_code_was_the_origin_shows_that_output_after_its_phase():
+    """A rank paused after the forward phase ended (at the job's safe point) listed the origin's
+    module as "not read (deferred checks read outputs at a problem)": the hit's statistics are
+    its output's."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _OwnCodeBlock())
+    session = tensordbg.attach(model, server=False, on_hit="record", sync="deferred")
+    try:
+        loss = model(torch.randn(3, 4)).pow(2).mean()
+        loss.backward()  # the forward phase has ended; the step has not
+        assert [h.tensor for h in session.hits if h.origin] == ["1.output"]
+        row = next(r for r in LiveSource(session).modules() if r["path"] == "1")
+        assert row["stats"]["output"]["nan"] == 12 and "note" not in row, row
+    finally:
+        session.detach()

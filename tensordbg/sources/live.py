@@ -126,14 +126,16 @@ class LiveSource(LiveProfiling):
         for _, (_, stats) in snapshot.latest.items():
             if stats.module or stats.kind in _ACTIVATIONS:
                 latest.setdefault(stats.module, {}).setdefault(stats.kind, _brief(stats))
-        # A module returning a child's output as its own (attention, its projection's) has it.
-        for record in snapshot.records:
+        for record in snapshot.records:  # a module returning a child's output has it too
             if record.stats.kind == "output":
                 for call in record.passed_up:
                     latest.setdefault(call.path, {})["output"] = _brief(record.stats)
         hits: dict[str, int] = {}
         for hit in list(s.hits):
             hits[hit.module] = hits.get(hit.module, 0) + 1
+            if hit.kind == "output" and hit.step == s.step and "numel" in hit.summary:
+                # The call whose own code made it (block.output, listed as block.fc2.output)
+                latest.setdefault(hit.module, {}).setdefault("output", dict(hit.summary))
         calls = snapshot.calls
         inside = {call.path for call in list(s.capture.stack)}  # the calls not returned yet
         paused = s.controller.state == "paused"
@@ -461,9 +463,7 @@ def _listing(record: Record) -> dict[str, Any]:
         "dtype": stats.dtype,
         "retained": record.held() is not None,
         "summary": _brief(stats),
-        # Modules that returned this very tensor as their own output (a block returning its
-        # last layer's output): their tensor lists show it too.
-        "passed_up": list(dict.fromkeys(c.path for c in record.passed_up)),
+        "passed_up": list(dict.fromkeys(c.path for c in record.passed_up)),  # their lists too
     }
 
 
