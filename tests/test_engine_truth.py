@@ -1212,6 +1212,38 @@ def test_a_person_skips_the_update_from_a_pause(watch):
     assert _bitwise_equal(state, opt.state_dict())
 
 
+@pytest.mark.parametrize("sync", ["eager", "deferred"])
+def test_after_a_skip_the_same_fault_in_the_next_step_pauses_again(watch, sync):
+    """k, then c: the fault came again in the next step, a repeat of the step before, which
+    does not pause, so its update landed and wrote NaN into the weights k had kept clean. A
+    repeat after a skipped update pauses: the update the skip kept out would land now."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=opt, on_hit="pause", rules=[NaN()], sync=sync)
+    paused: list[int] = []
+
+    def person():  # k then c at the first pause; c at the second
+        for press in ("skip", "continue"):
+            wait_until(lambda: session.controller.state == "paused")
+            paused.append(session.step)
+            if press == "skip":
+                LiveSource(session).control("skip")
+            session.controller.resume()
+            wait_until(lambda: session.controller.state != "paused")
+
+    helper = threading.Thread(target=person)
+    helper.start()
+    for step in range(4):
+        loss = model(torch.randn(3, 4)).sum() * (float("nan") if step >= 1 else 1.0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 2:
+            assert paused == [1, 2]  # before step 2's update; the person let it land (c)
+    helper.join(DEADLINE)
+    assert paused == [1, 2] and session.skipped_updates == [1]
+
+
 def test_a_skip_asked_for_and_then_detached_from_still_drops_the_update(watch):
     """k, then q (detach and quit) in the UI: the update was applied, and nothing said the
     skip was dropped (found trying it in tmux). The skip holds after detaching."""

@@ -308,7 +308,10 @@ class Pipeline(Pausing, Pinpointing):
     def _add_hit(self, hit: Hit, active: ActiveRule | None) -> None:
         if self.ranks is not None:
             self.ranks.attribute(hit)  # an origin the other ranks' bad gradients came from
-        repeated = self.hitlog.repeated(hit)
+        # A repeat of the step before does not pause again, unless that step's update was
+        # skipped: the update the skip kept out would land now.
+        skipped = self.skipped_updates and self.skipped_updates[-1] == hit.step - 1
+        repeated = self.hitlog.repeated(hit) and not skipped
         if not self.hitlog.add(hit, active):
             return
         self.bus.publish("hit", hit.as_dict())
