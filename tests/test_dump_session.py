@@ -571,3 +571,23 @@ def test_check_marks_the_origins_the_run_named_and_lists_them_first_in_their_ste
     assert marked == live
     first = report.table().splitlines()[0]
     assert first.startswith("step 2 forward") and "2.weight" in first and "<- origin" in first
+
+
+@pytest.mark.parametrize("sync", ["eager", "deferred"])
+def test_a_hit_steps_clean_activations_are_dumped_with_their_mean(tmp_path, sync):
+    """Checks read a hit step's clean activations for NaN alone, and a dumped step kept only
+    that ("finite"): tensordbg diff then parted two runs at the NaN, not at the activation
+    whose mean changed first. Every dumped activation has its mean."""
+    model = _model()
+    armed = {"on": False}
+    model[2].register_forward_hook(lambda m, i, o: o * float("nan") if armed["on"] else o)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tensordbg.attach(model, opt, on_hit="record", server=False, sync=sync, dump_every=1,
+                          dump_dir=tmp_path, summary_at_exit=False):  # fmt: skip
+        _train(model, opt, steps=4, on_step=lambda step: armed.update(on=step == 1))
+    dump = tensordbg.load(tmp_path)
+    entries = {e.name: e for e in dump.tensors(2)}  # armed after step 1: step 2 hits
+    assert entries["2.output"].stats["finite"] == 0.0
+    for name in ("input[0]", "0.output", "1.output"):
+        assert entries[name].stats["finite"] == 1.0 and "mean" in entries[name].stats, (
+            name, entries[name].stats)  # fmt: skip

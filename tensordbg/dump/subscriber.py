@@ -41,7 +41,7 @@ from tensordbg.dump import format as fmt
 from tensordbg.dump.writer import DumpWriter
 from tensordbg.engine.params import parameter_count
 from tensordbg.offline.sentences import plural
-from tensordbg.statistics import MEAN, TensorStats
+from tensordbg.statistics import FINITE, MEAN, TensorStats
 from tensordbg.statistics.batch import StatsBatch, on_host
 from tensordbg.statistics.torch_kernels import device_parts
 
@@ -174,7 +174,11 @@ class DumpRecorder:
             if not record.hidden and id(record.stats) not in buffer.seen:
                 buffer.seen.add(id(record.stats))
                 fresh.append(record)
-        self._screen_unscreened([r for r in fresh if r.lazy and not r.stats.values])
+        # Every activation with its mean: a hit step's clean ones were screened for NaN alone
+        # (deferred checks), and diff could not part two runs where an activation's mean does.
+        self._screen_unscreened([r for r in fresh if MEAN not in r.stats.values
+                                 and r.stats.kind in ("input", "output")
+                                 and r.stats.values.get(FINITE, 1.0) == 1.0])  # fmt: skip
         for record in fresh:
             buffer.stats.append(record.stats)
             if self.failed is not None:
