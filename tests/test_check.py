@@ -666,3 +666,48 @@ def test_the_last_line_names_every_rule_that_found_the_origin(tmp_path: Path) ->
     model(torch.randn(3, 4))
     session.detach()
     assert "it arose at 1.output, step 0 (NaN, Overflow); " in check_dump(load(tmp_path)).table()
+
+
+class _Normalize(nn.Module):
+    """Its own code divides by each row's norm: 0/0 on a constant row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        h = h - h.mean(dim=-1, keepdim=True)
+        return h / h.norm(dim=-1, keepdim=True)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.norm, self.out = nn.Linear(4, 8), _Normalize(), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(torch.tanh(self.inp(x))))  # tanh: made between modules
+
+
+def test_check_names_a_gradient_passed_on_as_the_run_did(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run named the gradient of the input norm.lin took "norm.lin.grad_input[0]" (module
+    norm.lin); it is dumped as norm.grad_input[0], and check said that name and module."""
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = tensordbg.attach(model, opt, rules=[NaN()], on_hit="record", server=False,
+                               sync="eager", dump_dir=tmp_path, summary_at_exit=False)  # fmt: skip
+    with torch.no_grad():
+        model.norm.lin.weight.zero_()  # every row constant: 0/0 from the first step
+        model.norm.lin.bias.zero_()
+    model(torch.randn(4, 4)).pow(2).mean().backward()
+    live = {(h.tensor, h.module) for h in session.hits if h.stored_as}
+    session.detach()
+    assert ("norm.lin.grad_input[0]", "norm.lin") in live, live
+    assert main(["check", str(tmp_path), "--json"]) == 1
+    rows = json.loads(capsys.readouterr().out)["findings"]
+    named = {(r["tensor"], r["module"]) for r in rows if r["stored_as"]}
+    assert named == live

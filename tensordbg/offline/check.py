@@ -187,12 +187,16 @@ def _mark_origins(report: CheckReport, dump: Any) -> None:
     # A hit may name the call whose own code made the value; its record has its own name.
     # By phase too: a weight is checked in the forward (its origin) and after its update.
     origins = {(h.step, h.rank, h.phase, h.stored_as or h.tensor): h for h in hits if h.origin}
+    # A hit passed on may name another call too (norm.lin.grad_input[0], the gradient of the
+    # input norm.lin took, dumped as norm.grad_input[0]): its name, as the run said it.
+    renamed = {(h.step, h.rank, h.phase, h.stored_as): h for h in hits
+               if h.stored_as not in ("", h.tensor)}  # fmt: skip
     for f in report.findings:
-        hit = origins.get((f.step, f.rank, f.phase, f.tensor))
-        if hit is None:
-            continue
-        f.origin = True
-        if hit.stored_as not in ("", hit.tensor):
+        key = (f.step, f.rank, f.phase, f.tensor)
+        hit = origins.get(key)
+        f.origin = f.origin or hit is not None
+        hit = hit or renamed.get(key)
+        if hit is not None and hit.stored_as not in ("", hit.tensor):
             f.named, f.named_module, f.named_kind = hit.tensor, hit.module, hit.kind
 
 
