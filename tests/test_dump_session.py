@@ -456,13 +456,14 @@ def test_a_dumped_step_on_a_device_reads_its_activations_and_their_gradients_in_
     _train_dumped(_model(), tmp_path, steps=2, dump_every=1, sync="deferred")
     # One transfer a phase, and the dump's own of what the forward left unscreened: at attach
     # (the 4 parameters); then each step's forward (the model's output, its guard), the dump's
-    # (the input and the two module outputs), the backward (the norms of the 4 parameter
-    # gradients and of the 2 activation gradients the pass kept, and the model output's
-    # gradient) and the optimizer step (the 4 parameters, whose ranges tell their updates).
-    assert flushes == [4, 1, 3, 7, 4, 1, 3, 7, 4]
+    # (the input, the two module outputs, and the model's output for its mean), the backward
+    # (the norms of the 4 parameter gradients and of the 2 activation gradients the pass kept,
+    # and the model output's gradient) and the optimizer step (the 4 parameters, whose ranges
+    # tell their updates).
+    assert flushes == [4, 1, 4, 7, 4, 1, 4, 7, 4]
     assert norms == []  # the parameter gradients' norms came with the backward's transfer
     dump = tensordbg.load(tmp_path)
-    for i in range(2):  # the model's own output is its guard, screened at once
+    for i in range(3):  # every activation with its mean, the guard's too
         stats = dump.tensor(f"{i}.output").stats(1)
         assert stats["finite"] == 1.0 and math.isfinite(stats["mean"])
     gradients = [e for e in dump.tensors(1) if e.kind == "grad_output"]
