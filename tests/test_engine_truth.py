@@ -1337,12 +1337,34 @@ def test_skipping_forever_is_bounded(watch):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     session = watch(model, optimizer=opt, on_hit="skip", rules=[NaN()], max_skipped_steps=3)
-    with pytest.raises(tensordbg.WatchpointHit, match="skipped 3 updates in a row"):
+    with pytest.raises(tensordbg.WatchpointHit, match="skipped 3 updates in a row") as raised:
         for _ in range(10):
             (model(torch.randn(3, 4)).sum() * float("nan")).backward()
             opt.step()
             opt.zero_grad()
     assert session.skipped_updates == [0, 1, 2]
+    assert raised.value.hit.origin
+
+
+@pytest.mark.parametrize("sync", ["eager", "deferred"])
+def test_skipping_a_weight_set_to_inf_raises_with_that_weight_past_the_bound(watch, sync):
+    """A weight set to Inf stays Inf while its updates are skipped: the later steps' hits are
+    passed on, and the one raised past max_skipped_steps was one of them ("2.bias.grad ...
+    passed on from upstream, not produced here"). It is the origin they came from."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=opt, on_hit="skip", max_skipped_steps=3, sync=sync)
+    with pytest.raises(tensordbg.WatchpointHit, match="skipped 3 updates in a row") as raised:
+        for step in range(10):
+            if step == 2:
+                with torch.no_grad():
+                    model[0].weight[1, 1] = math.inf
+            model(torch.randn(3, 4)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert session.skipped_updates == [2, 3, 4]
+    hit = raised.value.hit
+    assert (hit.origin, hit.tensor, hit.step) == (True, "0.weight", 2), str(hit)
 
 
 class MakesNaN(nn.Module):

@@ -97,6 +97,9 @@ class Pausing:
         if self.phase == "forward" and not self.capture.with_grad:
             return
         if self._skips_in_row >= self.amp.max_skipped_steps:
+            # Raised with the origin of what it kept skipping (a weight set to Inf at the first
+            # skipped step stays so: the later steps' hits are passed on), as a raise names it.
+            hit = next((h for h in reversed(self.hits) if h.origin and h.step <= hit.step), hit)
             if self.ranks is not None:
                 self.ranks.abort(hit)
             raise WatchpointHit(
