@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import inspect
+import threading
 
 import numpy as np
 import pytest
 import torch
+from conftest import wait_until
 from paused import PausedTraining, Planted
 
 import tensordbg
@@ -510,3 +512,24 @@ def test_a_module_whose_own_code_was_the_origin_shows_that_output_after_its_phas
         assert row["stats"]["output"]["nan"] == 12 and "note" not in row, row
     finally:
         session.detach()
+
+
+def test_paused_in_the_forward_the_modules_not_reached_yet_say_so():
+    """After a pause in the forward (a hit, or p), the modules the step had not reached yet
+    said "not called this step": they are called later in it."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 8),
+                                torch.nn.Linear(8, 2))  # fmt: skip
+    model[1].register_forward_hook(lambda m, i, o: o * float("nan"))  # its output: a hit
+    session = tensordbg.attach(model, server=False, on_hit="pause", sync="eager")
+    notes = {}
+
+    def look():
+        wait_until(lambda: session.controller.state == "paused")
+        notes.update({m["path"]: m.get("note") for m in LiveSource(session).modules()})
+        session.detach()
+
+    helper = threading.Thread(target=look)
+    helper.start()
+    model(torch.randn(3, 4))
+    helper.join(30)
+    assert notes["2"] == "not called yet: paused in this step's forward before it", notes

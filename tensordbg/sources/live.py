@@ -24,7 +24,6 @@ from tensordbg.engine.control import NotPaused
 from tensordbg.engine.judge import ActiveRule
 from tensordbg.engine.records import Record
 from tensordbg.engine.session import Session
-from tensordbg.rules import Rule
 from tensordbg.rules.catalog import make_rule
 from tensordbg.sources import contract, recorded
 from tensordbg.sources.contract import EventCallback, SourceError
@@ -152,6 +151,7 @@ class LiveSource(LiveProfiling):
             }
             if "output" not in row["stats"]:  # a blank would say nothing: say why
                 when = "between" if s.between_steps and paused else s.controller.state
+                when = "forward" if when == "paused" and s.phase == "forward" else when
                 row["note"] = _no_output(id(module) in s.capture.paths, path in inside,
                                          row["calls"], s.mode, when)  # fmt: skip
             out.append(row)
@@ -175,7 +175,7 @@ class LiveSource(LiveProfiling):
         return [_listing(r) for r in self.session.snapshot().records]
 
     def rules(self) -> contract.Rules:
-        rules = [_rule_dict(a) for a in self.session.rules]
+        rules = [recorded.rule_dict(a) for a in self.session.rules]
         return {"rules": rules, "available": recorded.available()}
 
     def set_rule(self, id: int, enabled: bool | None = None,
@@ -211,14 +211,14 @@ class LiveSource(LiveProfiling):
                 if enabled:
                     active.disabled_reason = None
             session.rules_changed()
-            return _rule_dict(active)
+            return recorded.rule_dict(active)
 
         def preview() -> dict[str, Any]:
             ahead = copy.copy(active)
             ahead.rule = edited
             if enabled is not None:
                 ahead.enabled = bool(enabled)
-            return _rule_dict(ahead)
+            return recorded.rule_dict(ahead)
 
         return self._change(apply, preview)
 
@@ -231,8 +231,8 @@ class LiveSource(LiveProfiling):
         except ValueError as e:
             raise SourceError(str(e)) from None
         session = self.session
-        return self._change(lambda: _rule_dict(session.ruleset.add(rule)),
-                            lambda: _rule_dict(ActiveRule(-1, rule)))  # fmt: skip
+        return self._change(lambda: recorded.rule_dict(session.ruleset.add(rule)),
+                            lambda: recorded.rule_dict(ActiveRule(-1, rule)))  # fmt: skip
 
     def _change(self, apply: Callable[[], dict[str, Any]],
                 preview: Callable[[], dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
@@ -467,32 +467,18 @@ def _listing(record: Record) -> dict[str, Any]:
     }
 
 
-def _rule_dict(active: Any) -> dict[str, Any]:
-    rule: Rule = active.rule
-    return {
-        "id": active.id,
-        "name": rule.name,
-        "enabled": active.enabled,
-        "doc": rule.describe(),
-        "params": {k: recorded.plain(v) for k, v in rule.params().items()},
-        "match": list(rule.match),
-        "exclude": list(rule.exclude),
-        "kinds": sorted(rule.kinds),
-        "disabled_reason": active.disabled_reason,
-        "hits": active.hits,
-    }
-
-
 def _no_output(watched: bool, inside: bool, calls: int, mode: str, when: str) -> str:
-    """Why a module's row has no output statistics; ``when``: "between" steps, or the state."""
+    """Why a module's row has no output statistics; ``when``: "between" steps, "forward" (paused
+    in it), or the state."""
     if not watched:
         return "a container: see its children"
     if when == "running":  # each row said "not called this step" while every step called it
         return "running: its statistics are read when the training pauses"
     if inside:
         return "paused inside it"
-    if not calls and when == "between":  # paused after s
-        return "not called yet: paused before this step began"
+    if not calls and when in ("between", "forward"):  # it may yet be called this step
+        return ("not called yet: paused before this step began" if when == "between"
+                else "not called yet: paused in this step's forward before it")  # fmt: skip
     if not calls:
         return "not called this step"
     if mode == "deferred":

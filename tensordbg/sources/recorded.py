@@ -126,3 +126,20 @@ def taken_by(
         "source": same_call.get("source"),
         "stack": same_call.get("stack") or [],
     }
+
+
+def rule_dict(active: Any) -> dict[str, Any]:
+    """A live session's rule as the UI gets it (``contract.Rule``)."""
+    rule: Rule = active.rule
+    return {
+        "id": active.id,
+        "name": rule.name,
+        "enabled": active.enabled,
+        "doc": rule.describe(),
+        "params": {k: plain(v) for k, v in rule.params().items()},
+        "match": list(rule.match),
+        "exclude": list(rule.exclude),
+        "kinds": sorted(rule.kinds),
+        "disabled_reason": active.disabled_reason,
+        "hits": active.hits,
+    }
