@@ -731,6 +731,32 @@ def test_rules_toggle_edit_add_and_recheck() -> None:
     on_the_rules_tab(source, check)
 
 
+def test_the_highlighted_rules_selection_is_shown_whole_at_80_columns() -> None:
+    """The Rules table's match column showed "* !bl…" at 120 columns and "…" at 80: the
+    exclusions i adds (the README says they show in the Rules tab) could not be read."""
+    source = FakeSource()
+    source._rules[0]["exclude"] = ["blocks.0.attn.output", "blocks.1.attn.output"]
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await paused_on_the_two_hits(pilot)
+            await mounted(pilot)
+            app.main.show_tab("rules")
+            panel = app.main.rule_panel
+            await until(pilot, lambda: panel.current is not None)
+            panel.table.focus()
+            await pilot.press("home")
+            shown = app.query_one("#rule-selection", Static)
+            await until(pilot, lambda: "except" in text_of(shown))
+            assert text_of(shown) == (
+                "NaN: on *, except blocks.0.attn.output, blocks.1.attn.output"
+            )
+            assert shown.region.height >= 1 and shown.region.bottom <= 24  # on screen
+
+    asyncio.run(flow())
+
+
 def test_end_and_home_move_to_the_last_and_first_rule() -> None:
     """End in the Rules table scrolled sideways and left the cursor on NaN: End, then Space,
     turned the NaN rule off instead of the last one."""

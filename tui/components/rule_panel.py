@@ -71,11 +71,27 @@ class RulePanel(Vertical):
         self.heard = heard  # the hits the UI received (the Modules tab counts them too)
         self._redraw_due = False
         self.table: DataTable[Any] = Table(id="rule-table", cursor_type="row")
+        # The highlighted rule's selection in full: the table's "match" column is cut on a
+        # narrow terminal ("* !bl…"), and the exclusions i adds were unreadable there.
+        self.selection = Static("", id="rule-selection")
         self.result = Static("", id="rule-result")
 
     def compose(self) -> ComposeResult:
         yield self.table
+        yield self.selection
         yield self.result
+
+    @on(DataTable.RowHighlighted)
+    def _highlighted(self) -> None:
+        rule = self.current
+        if rule is None:
+            self.selection.update("")
+            return
+        text = Text(f"{rule['name']}: ", style="bold")
+        text.append(f"on {', '.join(rule.get('match') or ['*'])}")
+        if rule.get("exclude"):
+            text.append(f", except {', '.join(rule['exclude'])}")
+        self.selection.update(text)
 
     def on_mount(self) -> None:
         self._drawable = True
