@@ -1613,3 +1613,24 @@ def test_the_log_says_a_state_once_when_it_is_sent_again() -> None:
             assert text.count("state: running at step 12") == 1, text
 
     asyncio.run(flow())
+
+
+def test_the_run_tab_says_how_many_rows_its_hits_make_when_two_rules_share_one() -> None:
+    """The Run tab said "hits 12" while the Hits tab had 6 rows (a NaN gradient is found by NaN
+    and ExplodingGradient alike, in one row): it read as hits lost."""
+    source = FakeSource()
+    first = source._hits[0]
+    source._hits = [first, first | {"id": first["id"] + 100, "rule": "ExplodingGradient"}]
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            hits = app.query_one(HitTable)
+            await until(pilot, lambda: hits.known == 2)
+            app.main.show_tab("run")
+            app.main.run_status.add_hit(hits.known)
+            await pilot.pause()
+            assert hits.rows_unfiltered == 1
+            assert app.main.run_status._hits_text() == "2 in 1 row"
+
+    asyncio.run(flow())

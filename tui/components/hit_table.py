@@ -106,6 +106,12 @@ class HitTable(LineTable):
         return len(self._hits)
 
     @property
+    def rows_unfiltered(self) -> int:
+        """How many rows the hits make, filter aside (two rules that say the same of one
+        tensor share a row)."""
+        return len(self._order)
+
+    @property
     def rows(self) -> list[tuple[int, bool, int]]:
         return self._order if self._shown is None else self._shown
 

@@ -268,11 +268,23 @@ class RunStatus(VerticalScroll):
             self._latest("loss"),
             self._latest("grad_norm"),
             self._latest("steps_per_sec"),
-            str(self._info.get("hits_total", 0)),
+            self._hits_text(),
         ]
         table.add_row(*(Text(label, style="dim") for label in labels))
         table.add_row(*(Text(v, style="bold") for v in values))
         return table
+
+    def _hits_text(self) -> str:
+        """The hits, and the Hits tab's rows when fewer (two rules that say the same of one
+        tensor share a row: "hits 12" beside 6 rows read as hits lost)."""
+        total = int(self._info.get("hits_total", 0))
+        try:
+            from tensordbg.tui.components.hit_table import HitTable
+
+            rows = self.screen.query_one(HitTable).rows_unfiltered
+        except Exception:  # no Hits tab on this screen (yet)
+            return str(total)
+        return f"{total} in {rows} row{'s' if rows > 1 else ''}" if 0 < rows < total else str(total)
 
     @property
     def _recorded(self) -> bool:  # a replay: the step shown is the one being looked at
