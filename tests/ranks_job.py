@@ -100,6 +100,18 @@ def main(scenario: str, out: Path) -> None:
         phases = session.phases
         session.bus.subscribe(lambda e, p: named.append([r.stats.name for r in phases.records]),
                               events={"hit"})  # fmt: skip
+    # What the UI's "previous step" column says of a gradient the all-reduce brought NaN,
+    # asked as the hit is made (the training thread: the live source answers at once).
+    compared: list[dict] = []
+    if session is not None and scenario == "nan" and rank == 0:
+        from tensordbg.sources.live import LiveSource
+
+        def compare(event: str, hit: dict) -> None:
+            if hit["kind"] == "grad" and not compared:
+                reply = LiveSource(session).stats(hit["ref"])
+                compared.append({"previous": reply["previous"], "why": reply.get("previous_why")})
+
+        session.bus.subscribe(compare, events={"hit"})
     generator = torch.Generator().manual_seed(0 if scenario == "dump" else rank)
     for step in range(STEPS.get(scenario, 6)):
         poison = model[1]
@@ -134,6 +146,7 @@ def main(scenario: str, out: Path) -> None:
         "collectives": counts,
         "paused_steps": paused_steps,
         "named_at_hits": named,
+        "compared": compared,
         "skipped": session.skipped_updates if session else [],
         "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
         "finished": time.time(),

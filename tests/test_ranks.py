@@ -94,6 +94,10 @@ def test_a_nan_on_rank_1_only_is_a_hit_on_rank_1_at_its_module_and_step(job):
     first = rank0["hits"][0]
     assert (first["step"], first["kind"], first["phase"]) == (3, "grad", "backward")
     assert "It came from rank 1 (NaN at 1.output)" in first["message"]
+    # Its statistics are the all-reduced gradient's; the step before holds rank 0's own: the
+    # "previous step" column compared the two as one quantity.
+    assert rank0["compared"] and rank0["compared"][0]["previous"] is None, rank0["compared"]
+    assert "as the all-reduce left it" in rank0["compared"][0]["why"]
     assert not [h for h in rank0["hits"] if "The gradient was clean" in h["message"]]
     # Rank 1 ran its module's forward again alone (no collective in it) and named the product.
     assert (

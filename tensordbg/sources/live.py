@@ -318,7 +318,13 @@ class LiveSource(LiveProfiling):
                     previous = {"step": before_step, "summary": _brief(before)}
                 self._inspected[name] = (step, summary.as_dict())
             why = {}
-            if previous is None and not index:
+            if any(r is record for r, _ in self.session._brought) and not index:
+                # As the all-reduce left it: the steps before hold this rank's own gradient.
+                previous, why["previous_why"] = None, (
+                    "this step's gradient is as the all-reduce left it (judged again before the "
+                    "update); earlier steps hold this rank's own, from before the all-reduce: "
+                    "not the same quantity")  # fmt: skip
+            elif previous is None and not index:
                 why["previous_why"] = self.session.sync.why_not_measured(
                     record, self.session.interval
                 )
