@@ -533,3 +533,23 @@ def test_paused_in_the_forward_the_modules_not_reached_yet_say_so():
     model(torch.randn(3, 4))
     helper.join(30)
     assert notes["2"] == "not called yet: paused in this step's forward before it", notes
+
+
+def test_a_weight_set_by_hand_has_no_producer_nor_a_forward_line():
+    """Provenance of a weight set to Inf between steps said "produced by 0 Linear, call 0" and
+    pointed at the line that called the model: no call made its value."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = tensordbg.attach(model, optimizer=opt, server=False, on_hit="record", sync="eager")
+    try:
+        with torch.no_grad():
+            model[0].weight[1, 1] = float("inf")
+        model(torch.randn(3, 4))
+        hit = next(h for h in session.hits if h.origin)
+        assert (hit.tensor, hit.kind) == ("0.weight", "param")
+        prov = LiveSource(session).provenance(hit.ref)
+        assert prov["producer"] is None and prov["source"] is None and prov["stack"] == []
+        assert [c["module"] for c in prov["consumers"]] == ["0"]
+    finally:
+        session.detach()

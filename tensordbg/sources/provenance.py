@@ -71,13 +71,17 @@ def provenance(
             code, line = where
             out["source"] = _lines(code.co_filename, line, code.co_name)
             out["stack"] = [[code.co_filename, line, code.co_name]]
+    elif owner is not None and record.stats.kind == "param":
+        # A parameter read before this step's update: no call of this step made its value (an
+        # earlier update, a load, code that set it by hand); its module's calls used it.
+        calls = session.capture.calls_by_path.get(owner.owner, [])
+        out["consumers"] = [_call_dict(c) for c in calls]
+        site = None
     elif owner is not None:
+        # Its gradient, made by its module's backward (its update: by the optimizer, no call).
         calls = session.capture.calls_by_path.get(owner.owner, [])
         out["producer"] = {"module": owner.owner, "type": owner.owner_type, "call": 0}
-        # A parameter is consumed by its module's calls; its gradient and its update by
-        # the optimizer, which is no module call.
-        used = record.stats.kind == "param"
-        out["consumers"] = [_call_dict(c) for c in calls] if used else []
+        out["consumers"] = []
         site = calls[0] if calls else None
     if site is not None:
         out["source"] = _source(site)

@@ -113,7 +113,10 @@ class ProvenanceView(VerticalScroll):
                 line.append(operation["code"])
                 tree.root.add(made, expand=True, allow_expand=False).add_leaf(line)
         else:
-            tree.root.add_leaf(Text("produced outside any module", style="dim"))
+            made = ("a parameter: no call of this step made its value (the last update, a "
+                    "load, or code that set it)") if prov.get("kind") == "param" else (
+                    "produced outside any module")  # fmt: skip
+            tree.root.add_leaf(Text(made, style="dim"))
         inputs = tree.root.add(f"inputs ({len(prov.get('inputs', []))})", expand=True)
         for item in prov.get("inputs", []):
             label = finiteness(item.get("nonfinite"))
