@@ -9,6 +9,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
+from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
@@ -187,7 +188,7 @@ def attach(
     if replaced is not None:  # the run id printed for it is not this session's
         print(f"tensordbg: this attach() replaces the session tensordbg run made for the model "
               f"(run {replaced}): run {session.run_id}", file=sys.stderr, flush=True)  # fmt: skip
-    if unmatched := _unmatched(model, session.capture):
+    for unmatched in filter(None, (_unmatched(model, session.capture), _naming_nothing(session))):
         session.log(unmatched, "warning")
         print(f"tensordbg: {unmatched}", file=sys.stderr, flush=True)
     # An uncaught hit, or a Ctrl-C at a pause, shows the user's frames only (tracebacks.py).
@@ -345,6 +346,32 @@ def _unmatched(model: torch.nn.Module, capture: Capture) -> str | None:
         f"and outputs, the gradients and the parameters are; its modules are named "
         f"{', '.join(repr(n) for n in names[:4])}{', ...' * (len(names) > 4)}"
     )
+
+
+def _naming_nothing(session: Session) -> str | None:
+    """What to say of rules whose ``match`` names, as a module path would, no module, tensor
+    or parameter of the model (a typo, a module it lacks): they would judge nothing, and say
+    nothing. A pattern without a dot may name an observed tensor (``loss``): not judged here."""
+    paths = [p for p in session.capture.paths.values() if p]
+    names = {*paths, "output", "input[0]", "grad_output", "grad_input[0]"}
+    for path in paths:
+        names.update(f"{path}.{kind}" for kind in ("output", "input[0]", "grad_output",
+                                                   "grad_input[0]"))  # fmt: skip
+    for name in session.params_by_name:
+        names.update((name, f"{name}.grad", f"{name}.update"))
+    silent = []
+    for active in session.rules:
+        patterns = [p for p in active.rule.match if "." in p]
+        if patterns and not any(fnmatchcase(n, p) for p in patterns for n in names):
+            silent.append(f"{active.rule.name}(match={list(active.rule.match)})")
+    if not silent:
+        return None
+    shown = [f"{paths[-1]}.output" if paths else "output",
+             *(f"{name}.grad" for name in list(session.params_by_name)[-1:])]  # fmt: skip
+    example = ", ".join(map(repr, shown))
+    return (f"{' and '.join(silent)} names no module, tensor or parameter of "
+            f"{type(session.model).__name__} (its names look like {example}): it will judge "
+            "nothing unless an output's field (.logits) is named so at run time")  # fmt: skip
 
 
 __all__ = ["attach", "attached_to", "profile"]

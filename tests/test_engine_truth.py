@@ -1639,3 +1639,19 @@ def test_a_forward_nan_in_a_reentrant_checkpoint_is_the_one_origin(watch, sync):
     assert [(h.step, h.phase, h.tensor) for h in session.hits if h.origin] == [
         (1, "forward", "b.output")
     ], [(h.step, h.phase, h.tensor, h.message) for h in session.hits if h.origin]
+
+
+def test_a_rule_whose_pattern_names_nothing_of_the_model_is_said_at_attach(watch, capsys):
+    """--rule "TensorRange(match='*.attn.*', max_gt=1e4)" on a model with no attention ran,
+    judged nothing and said nothing. A pattern that names a module, a tensor or a parameter,
+    or names no path at all (an observed tensor, "loss"), is said nothing of."""
+    from tensordbg.rules import TensorRange
+
+    rules = [NaN(), TensorRange(match="*.attn.*", max_gt=1e4),
+             TensorRange(match="0.output", max_gt=1.0), NaN(match="loss")]  # fmt: skip
+    watch(mlp(), rules=rules, on_hit="record")
+    said = [line for line in capsys.readouterr().err.splitlines() if "names no module" in line]
+    assert len(said) == 1 and said[0].startswith(
+        "tensordbg: TensorRange(match=['*.attn.*']) names no module, tensor or parameter of "
+        "Sequential (its names look like '"
+    ), said
