@@ -454,3 +454,23 @@ def test_tensordbg_s_own_work_as_a_forward_begins_is_tensordbg_s_not_other(monke
     report = handle.report
     assert report.share("tensordbg") > 0.5 and report.share("other") < 0.3, report.breakdown
     assert not any(a["rule"] == "OutsideThePhases" for a in report.advice)
+
+
+def test_tensordbg_s_ranges_nest_in_the_steps_and_the_timeline_draws_every_step(slow_run):
+    """The range of tensordbg's optimizer post-hook began inside a step and ended after it
+    (the step ends in that hook): the trace's ranges stopped nesting, each later step went
+    deeper, and the Timeline drew the first step alone ("hidden 1268 of 1503")."""
+    from tensordbg.tui.profiler.timeline import rows_of
+
+    _, handle, _, _ = slow_run
+    report = handle.report
+    spans = _trace_spans(report)
+    steps = [e for e in spans if e["name"].startswith("ProfilerStep#")]
+    for ours in (e for e in spans if e["name"] == "tensordbg: checks"):
+        start, end = ours["ts"], ours["ts"] + ours["dur"]
+        for step in steps:  # inside a step, or outside it: never across its edge
+            edges = (step["ts"], step["ts"] + step["dur"])
+            assert not any(start < t < end for t in edges), (ours, step)
+    rows, _ = rows_of(report.to_dict()["timeline"])
+    drawn = [name for row in rows for name in row.names]
+    assert {f"ProfilerStep#{k}" for k in range(1, 4)} <= set(drawn), sorted(set(drawn))[:20]

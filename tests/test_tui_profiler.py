@@ -727,3 +727,16 @@ def test_gpu_whose_request_fails_says_why_instead_of_asking_for_good() -> None:
         assert "not connected to a training" in text_of(profiler.gpu.head)
 
     run(source, flow)
+
+
+def test_a_range_that_crosses_another_s_end_keeps_no_later_span_deeper() -> None:
+    """A trace's ranges need not nest (one began inside a step and ended after it): a span that
+    ended under it stayed counted as open, each later step went a row deeper, past the rows
+    drawn, and only the first step was on screen."""
+    from tensordbg.tui.profiler.timeline import rows_of
+
+    spans = [[0.0, 10.0, "step 1"], [5.0, 10.0, "crossing"], [12.0, 2.0, "after step 1"]]
+    rows, hidden = rows_of({"lanes": [{"name": "main", "spans": spans}]})
+    depth = {name: row.depth for row in rows for name in row.names}
+    # Under the crossing range alone (step 1 ended at 10): one row down, not two.
+    assert depth == {"step 1": 0, "crossing": 1, "after step 1": 1} and hidden == 0, depth

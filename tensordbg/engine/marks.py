@@ -6,9 +6,10 @@ hook costs one test of a counter."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -16,7 +17,7 @@ import torch
 from tensordbg.profiler.report import CHECKS_RANGE as RANGE
 
 _profiles = [0]  # profiles recording now (torch.profiler records the whole process)
-_inside = threading.local()  # whether this thread runs a marked hook now
+_inside = threading.local()  # the range of the marked hook this thread runs, if any
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -26,17 +27,33 @@ def own_work(fn: F) -> F:
 
     @functools.wraps(fn)
     def marked(*args: Any, **kwargs: Any) -> Any:
-        if not _profiles[0] or getattr(_inside, "hook", False):
+        # A hook another calls is in the outer one's range already.
+        if not _profiles[0] or getattr(_inside, "handle", None) is not None:
             return fn(*args, **kwargs)
-        _inside.hook = True  # a hook another calls is in the outer one's range already
-        handle = torch.ops.profiler._record_function_enter_new(RANGE, None)
+        _inside.handle = torch.ops.profiler._record_function_enter_new(RANGE, None)
         try:
             return fn(*args, **kwargs)
         finally:
+            handle, _inside.handle = _inside.handle, None  # (:func:`outside` may renew it)
             torch.ops.profiler._record_function_exit._RecordFunction(handle)
-            _inside.hook = False
 
     return marked  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def outside() -> Iterator[None]:
+    """This thread's open range closed for a moment, and opened again after: a step ends inside
+    a hook (the optimizer's post-hook), and the profiler's step boundary and the optimizer's
+    range must not fall inside it, or the trace's ranges stop nesting (its timeline drew the
+    first step alone)."""
+    if getattr(_inside, "handle", None) is None:
+        yield
+        return
+    torch.ops.profiler._record_function_exit._RecordFunction(_inside.handle)
+    try:
+        yield
+    finally:
+        _inside.handle = torch.ops.profiler._record_function_enter_new(RANGE, None)
 
 
 def profiling() -> Callable[[], None]:

@@ -37,7 +37,7 @@ import torch
 from torch.profiler import ProfilerActivity, schedule
 
 from tensordbg.engine.handles import HandleGroup
-from tensordbg.engine.marks import profiling
+from tensordbg.engine.marks import outside, profiling
 from tensordbg.profiler.handle import ProfileHandle
 from tensordbg.profiler.report import ProfileReport
 
@@ -168,6 +168,10 @@ class Profiler:
         atexit.register(handle.say_at_exit, "tensordbg")
 
     def _step_end(self, run: _Run, payload: Any) -> None:
+        with outside():  # the step ends inside tensordbg's hook: not inside its range
+            self._end_of_step(run, payload)
+
+    def _end_of_step(self, run: _Run, payload: Any) -> None:
         if run.state == "armed":
             self._begin(run)
             return

@@ -52,8 +52,9 @@ def rows_of(timeline: dict[str, Any]) -> tuple[list[Row], int]:
         open_ends: list[float] = []  # the ends of the spans that hold the current one
         for start, duration, name in spans:
             end = start + max(duration, 0.0)
-            while open_ends and open_ends[-1] <= start:
-                open_ends.pop()
+            # Every span that ended by now: a range that crossed another's end (the trace's
+            # ranges need not nest) must not keep the ones after it deeper for ever.
+            open_ends = [e for e in open_ends if e > start]
             depth = len(open_ends)
             open_ends.append(end)
             if depth >= MAX_DEPTH:
