@@ -187,7 +187,7 @@ def test_tensordbg_s_own_checks_are_a_category_of_the_step_not_the_model_s_opera
     assert "aten::dot" not in table and "aten::addmm" in table
     every = {op["name"]: op for op in operator_rows(nest_steps(spans), [])}
     assert table["aten::addmm"]["calls"] == every["aten::addmm"]["calls"]  # the model's alone
-    assert "tensordbg" in report.text()
+    assert "tensordbg" in report.text() and report.host["rules"] > 0
 
 
 def test_the_chrome_trace_is_gzip_json_with_the_steps_and_ranges(slow_run):
@@ -358,6 +358,7 @@ def test_tensordbg_profile_is_a_session_that_only_profiles():
     report = session.profiling.wait(30)
     session.detach()
     assert session.hits == [] and report.steps == [1, 2]
+    assert report.host["rules"] == 0  # its advice knows there is nothing to check less often
 
 
 def test_operators_by_input_shape_and_their_flops_agree_with_key_averages():

@@ -161,6 +161,36 @@ def test_each_rule_speaks_past_its_threshold_with_the_number(fields, rule, value
     assert found[rule]["evidence"] and found[rule]["message"]
 
 
+def test_the_advice_takes_the_machine_and_the_session_as_they_are():
+    """Found by a new user's trial: more workers advised to a loader that had them (and 4 on 2
+    cores), nothing said of 8 threads on 2 cores, and "check less often: attach(interval=N)"
+    to tensordbg.profile's session, which has no rules."""
+    share = [{"step": s, "DataLoader": 0.02, "other": 0.08, "total": 0.1} for s in (1, 2, 3)]
+    multi = [{"name": "enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__",
+              "calls": 3, "self_cpu": 0.06, "total_cpu": 0.06, "self_device": 0.0,
+              "total_device": 0.0, "input_shapes": None, "flops": None, "range": True}]  # fmt: skip
+    two = {"threads": 2, "cores": 2}
+    said = {a["rule"]: a["message"] for a in advise(report_with(
+        device="cpu", breakdown=share, operators=multi, host=two))}  # fmt: skip
+    assert said["DataLoaderShare"].startswith("The DataLoader's workers do not keep up: more "
+                                               "of them (this machine has 2 cores)")  # fmt: skip
+    said = {a["rule"]: a["message"] for a in advise(report_with(
+        device="cpu", breakdown=share, host=two))}  # fmt: skip
+    assert (
+        "DataLoader(num_workers=1, persistent_workers=True) (on so few cores"
+        in (said["DataLoaderShare"])
+    )
+    over = {a["rule"]: a for a in advise(report_with(device="cpu", host={"threads": 8,
+                                                                         "cores": 2}))}  # fmt: skip
+    assert over["CpuThreads"]["value"] == 4.0
+    assert over["CpuThreads"]["message"].startswith("torch.set_num_threads(2)")
+    ours = [{"step": s, "tensordbg": 0.05, "other": 0.05, "total": 0.1} for s in (1, 2, 3)]
+    said = {a["rule"]: a["message"] for a in advise(report_with(
+        device="cpu", breakdown=ours, host={"rules": 0}))}  # fmt: skip
+    assert said["DebuggerShare"].startswith("This session only profiles")
+    assert "interval" not in said["DebuggerShare"]
+
+
 def test_no_number_no_advice():
     assert advise(report_with()) == []
     assert advise(ProfileReport()) == []  # an empty report: nothing to say

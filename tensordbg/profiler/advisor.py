@@ -94,9 +94,19 @@ class DataLoaderShare(ShareOfStep):
         pin = (
             " pin_memory=True, and .to(device, non_blocking=True)" if report.device != "cpu" else ""
         )
+        cores = int(report.host.get("cores") or 0)
+        on = f" (this machine has {cores} cores)" if cores else ""
+        if any("MultiProcessingDataLoaderIter" in op["name"] for op in report.operators):
+            # It loads in worker processes already (the trace names the iterator).
+            return (f"The DataLoader's workers do not keep up: more of them{on}, a larger "
+                    f"prefetch_factor{pin}, or a cheaper __getitem__ (decode, then cache)."
+                    )  # fmt: skip
+        workers = max(1, min(4, cores - 1)) if cores else 4
+        shared = " (on so few cores the workers share them with the training)" if cores and (
+            cores <= 2) else ""  # fmt: skip
         return (
             "Load batches in parallel with the training: "
-            f"DataLoader(num_workers=4 or more, persistent_workers=True){pin}; "
+            f"DataLoader(num_workers={workers}, persistent_workers=True){pin}{shared}; "
             "or make the Dataset's __getitem__ cheaper."
         )
 
@@ -286,10 +296,18 @@ class CpuThreads(AdviceRule):
     def check(self, report: ProfileReport) -> Advice | None:
         host = report.host
         threads, cores = host.get("threads"), host.get("cores")
-        if report.device != "cpu" or not threads or not cores or cores < 2:
+        if report.device != "cpu" or not threads or not cores:
             return None
         share = threads / cores
-        if share >= self.threshold:
+        if share > 1:  # more threads than cores: they take turns, and every operator waits
+            return self.advise(
+                share,
+                f"torch uses {threads} threads for an operator on {cores} cores "
+                f"({_pct(share)} of them; above 100 % they take turns)",
+                f"torch.set_num_threads({cores}) (or OMP_NUM_THREADS={cores}), fewer if other "
+                "processes share the cores.",
+            )
+        if cores < 2 or share >= self.threshold:
             return None
         return self.advise(
             share,
@@ -346,6 +364,12 @@ class DebuggerShare(ShareOfStep):
     evidence = "tensordbg's own checks take {share} of the step"
 
     def message(self, report: ProfileReport) -> str:
+        if report.host.get("rules") == 0:  # tensordbg.profile: nothing to check less often
+            return (
+                "This session only profiles, yet its hooks keep their bookkeeping of every "
+                "module call and gradient (a cost per call, large on a small model's short "
+                "steps): profile with torch.profiler alone to measure the bare training."
+            )
         return (
             "Check less often: attach(..., interval=N) screens NaN/Inf every step and the other "
             "statistics every N-th; exclude= modules you do not need watched; or sync='deferred' "

@@ -112,6 +112,7 @@ class Profiler:
                 "with_stack": with_stack,
             }
             run = _Run(handle, options, _directory(session, directory))
+            run.rules = len(session.rules)  # none: tensordbg.profile's session (the advice)
             self._run, self.handle = run, handle
         session.control.submit(lambda: self._arm(run))
         return handle
@@ -336,6 +337,7 @@ class _Run:
         self.cuda = False
         self.device_index = 0
         self.thread_id = 0
+        self.rules = -1  # the session's rules as the profile began
         self.clock: tuple[float, float] | None = None
         self.wall = self.cpu = 0.0
         self._open: dict[str, Any] = {}
@@ -425,6 +427,7 @@ def _host(run: _Run) -> dict[str, Any]:
         "interop_threads": torch.get_num_interop_threads(),
         "cores": cores,
         "cpu_utilization": run.cpu / run.wall if run.wall > 0 else None,
+        "rules": run.rules,
     }
 
 
