@@ -118,7 +118,8 @@ def summarize(capture: Capture) -> ProfileReport:
     report.operators = _operators(capture.averages)
     report.kernels, report.kernels_note = _kernels(spans, window, cuda)
     report.memory = _memory(capture, memory_events, window)
-    report.timeline = _timeline(spans, window, capture.main_thread)
+    names = _step_names(spans, report.steps)
+    report.timeline = _timeline(spans, window, capture.main_thread, names)
     report.outliers = _outliers(report.breakdown)
     if cuda:
         report.gpu_summary = _gpu_summary(spans, step_spans, paused, capture.averages)
@@ -391,9 +392,19 @@ def _thin(points: list[list[Any]], limit: int) -> list[list[Any]]:
     return [max(points[i : i + size], key=lambda p: p[1]) for i in range(0, len(points), size)]
 
 
+def _step_names(spans: list[dict[str, Any]], steps: list[int]) -> dict[str, str]:
+    """``ProfilerStep#k`` -> ``step N``: the profiler numbers its steps from 1, the Timeline
+    names them as the training does (its header says "steps 507-511")."""
+    ks = sorted({int(n[len(STEP_PREFIX) :]) for e in spans
+                 if (n := str(e.get("name", ""))).startswith(STEP_PREFIX)
+                 and n[len(STEP_PREFIX) :].isdigit()})  # fmt: skip
+    return {f"{STEP_PREFIX}{k}": f"step {step}" for k, step in zip(ks, steps, strict=False)}
+
+
 def _timeline(
-    spans: list[dict[str, Any]], window: tuple[float, float], main_thread: int
-) -> dict[str, Any]:
+    spans: list[dict[str, Any]], window: tuple[float, float], main_thread: int,
+    step_names: dict[str, str] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     start, end = window
     inside = [e for e in spans if e.get("cat") not in (None, "Trace")
               and e["ts"] < end and e["ts"] + e["dur"] > start]  # fmt: skip
@@ -406,7 +417,9 @@ def _timeline(
         key = (e.get("pid"), e.get("tid"))
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"):
             gpu_lanes.add(key)
-        kept[key].append([(s0 - start) * 1e-6, (s1 - s0) * 1e-6, str(e.get("name", ""))])
+        name = str(e.get("name", ""))
+        kept[key].append([(s0 - start) * 1e-6, (s1 - s0) * 1e-6,
+                          (step_names or {}).get(name, name)])  # fmt: skip
     devices = {pid for pid, _ in gpu_lanes}
     out = []
     for key in sorted(kept, key=lambda k: (k in gpu_lanes, str(k))):
