@@ -1634,3 +1634,32 @@ def test_the_run_tab_says_how_many_rows_its_hits_make_when_two_rules_share_one()
             assert app.main.run_status._hits_text() == "2 in 1 row"
 
     asyncio.run(flow())
+
+
+def test_a_late_focus_message_does_not_switch_back_to_the_tab_the_keys_left() -> None:
+    """F7 F2 Enter typed at once, under load: F7 focused the Log, whose pane tells the tabs so
+    by a message; F2 then focused the hits table, and the Log's message, handled last,
+    switched back to the Log (the demo's tmux test in CI, 2026-12-06)."""
+    from textual.widgets import TabbedContent, TabPane
+
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await paused_on_the_two_hits(pilot)
+            await mounted(pilot)
+            tabs = app.main.query_one(TabbedContent)
+            app.main.show_tab("hits")
+            await pilot.pause()
+            assert app.focused is app.query_one(HitTable)
+            log = tabs.get_pane("log")
+            log.post_message(TabPane.Focused(log))  # the Log's, late
+            await pilot.pause()
+            assert tabs.active == "hits" and app.focused is app.query_one(HitTable)
+            # A pane that holds the focused widget still makes itself the active one.
+            app.main.event_log.focus()
+            await pilot.pause()
+            assert tabs.active == "log"
+
+    asyncio.run(flow())

@@ -33,6 +33,7 @@ from tensordbg.tui.components.module_table import ModuleTable
 from tensordbg.tui.components.provenance_view import ProvenanceView
 from tensordbg.tui.components.rule_panel import RulePanel
 from tensordbg.tui.components.run_status import RunStatus
+from tensordbg.tui.components.tabs import Tabbed
 from tensordbg.tui.components.tensor_grid import TensorGrid
 from tensordbg.tui.components.tensor_inspector import TensorInspector
 from tensordbg.tui.errors import reported, work
@@ -113,7 +114,7 @@ class MainScreen(Screen):
             "log": [Later(self.event_log)],
             "profile": [Later(self.profiler_view)],
         }
-        with TabbedContent(initial=TABS[0].pane):
+        with Tabbed(initial=TABS[0].pane):
             for tab in TABS:
                 with TabPane(f"{tab.title} {tab.key.upper()}", id=tab.pane):
                     yield from content[tab.pane]
@@ -318,8 +319,7 @@ class MainScreen(Screen):
             if focus:
                 self._focus_tab(tabs.get_pane(pane))
             return
-        # Keys leave the old tab first: a focused widget that is hidden hands the focus to a
-        # sibling in its own tab, and a tab whose widget takes the focus is switched back to.
+        # Keys leave the old tab first: a hidden focused widget hands the focus to its tab's.
         self.set_focus(None)
         tabs.active = pane
         target = self._focus_target(pane) if focus else None
