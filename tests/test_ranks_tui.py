@@ -85,6 +85,26 @@ def test_every_ranks_state_and_hits_in_one_list_and_a_tensor_across_ranks() -> N
     asyncio.run(flow())
 
 
+def compared_on_both_ranks(rank_type: type[FakeRank]) -> dict[str, list[str]]:
+    """F9's side-by-side table for two ranks of ``rank_type``, once it holds numbers: each
+    statistic's row, a column a rank."""
+    table: dict[str, list[str]] = {}
+
+    async def flow() -> None:
+        clients = {0: LocalClient(rank_type(0)), 1: LocalClient(rank_type(1))}
+        app = Host(RanksScreen("job7", clients, current=0, every=0.2))
+        async with app.run_test(size=(120, 40)) as pilot:
+            compare = app.ranks_screen.query_one("#ranks-compare", DataTable)
+            for _ in range(100):
+                await pilot.pause(0.05)
+                if compare.row_count and rows(compare)[0][1:] != ["-", "-"]:
+                    break
+            table.update({r[0]: r[1:] for r in rows(compare)})
+
+    asyncio.run(flow())
+    return table
+
+
 class NormOnlyRank(FakeRank):
     """Its hits carry no statistics, as a gradient judged by its norm alone: shape and dtype."""
 
@@ -96,19 +116,8 @@ def test_a_hit_without_statistics_is_compared_across_ranks_by_its_modules() -> N
     """F9's side-by-side table was all "-" for a gradient hit of a deferred session (its
     summary holds only shape and dtype); the module's latest statistics fill it."""
 
-    async def flow() -> None:
-        clients = {0: LocalClient(NormOnlyRank(0)), 1: LocalClient(NormOnlyRank(1))}
-        app = Host(RanksScreen("job7", clients, current=0, every=0.2))
-        async with app.run_test(size=(120, 40)) as pilot:
-            compare = app.ranks_screen.query_one("#ranks-compare", DataTable)
-            for _ in range(100):
-                await pilot.pause(0.05)
-                if compare.row_count and rows(compare)[0][1:] != ["-", "-"]:
-                    break
-            table = {r[0]: r[1:] for r in rows(compare)}
-            assert table["numel"][1] != "-" and table["nan"][1] == "2"
-
-    asyncio.run(flow())
+    table = compared_on_both_ranks(NormOnlyRank)
+    assert table["numel"][1] != "-" and table["nan"][1] == "2"
 
 
 class WeightGradRank(FakeRank):
@@ -138,19 +147,8 @@ def test_a_weights_gradient_is_compared_by_its_own_statistics_not_its_modules_la
     tensor): the module's latest gradient is whichever of its parameters came last. The
     tensor of that name in each rank's phase is looked up instead."""
 
-    async def flow() -> None:
-        clients = {0: LocalClient(WeightGradRank(0)), 1: LocalClient(WeightGradRank(1))}
-        app = Host(RanksScreen("job7", clients, current=0, every=0.2))
-        async with app.run_test(size=(120, 40)) as pilot:
-            compare = app.ranks_screen.query_one("#ranks-compare", DataTable)
-            for _ in range(100):
-                await pilot.pause(0.05)
-                if compare.row_count and rows(compare)[0][1:] != ["-", "-"]:
-                    break
-            table = {r[0]: r[1:] for r in rows(compare)}
-            assert table["numel"] == ["32", "32"] and table["nan"] == ["32", "32"], table
-
-    asyncio.run(flow())
+    table = compared_on_both_ranks(WeightGradRank)
+    assert table["numel"] == ["32", "32"] and table["nan"] == ["32", "32"], table
 
 
 def test_a_jobs_ranks_are_one_entry_of_the_session_list() -> None:

@@ -232,16 +232,23 @@ class ForwardPhase:
             return
         for name in call.params:
             p = self.weights.by_name.get(name)
-            if p is None or name in self.origins.param_fired or not watchable(p.param):
-                continue
-            record = p.record("param", name, self.step)
-            record.stats.phase = self.phase
-            applicable = self.ruleset.applicable(record.stats)
-            record.rule_ids, record.checks = applicable.rule_ids, applicable.checks
-            record.wanted = applicable.wanted or SCREEN
-            tensor = p.param.detach()
-            self.screen(record, tensor)
-            if record.stats.nonfinite:
-                self.phases.register(record)
-                self.judge(record, tensor)
-                self.report(record)
+            if p is not None:
+                self.read_param_whole(p)
+
+    def read_param_whole(self, p: Any) -> None:
+        """Read a parameter whole in the current phase, out of turn (a bad step's evidence):
+        when it is not finite it is registered, judged and reported (a hit, the origin when it
+        was not seen so before). Once per parameter while it stays so."""
+        if p.name in self.origins.param_fired or not watchable(p.param):
+            return
+        record = p.record("param", p.name, self.step)
+        record.stats.phase = self.phase
+        applicable = self.ruleset.applicable(record.stats)
+        record.rule_ids, record.checks = applicable.rule_ids, applicable.checks
+        record.wanted = applicable.wanted or SCREEN
+        tensor = p.param.detach()
+        self.screen(record, tensor)
+        if record.stats.nonfinite:
+            self.phases.register(record)
+            self.judge(record, tensor)
+            self.report(record)

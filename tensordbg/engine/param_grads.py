@@ -23,7 +23,7 @@ from tensordbg.engine.phases import Gradient, Judged, ParamGradNote
 from tensordbg.engine.records import Record, param_grad_record
 from tensordbg.statistics import FINITE, L2
 from tensordbg.statistics.batch import norm_only, norms_of
-from tensordbg.statistics.torch_kernels import SCREEN, norm_parts, watchable
+from tensordbg.statistics.torch_kernels import norm_parts, watchable
 
 _BY_NORM = (FINITE, L2)  # what most parameter gradients' rules want (the default rules')
 
@@ -240,19 +240,7 @@ class ParamGradients:
         order = self._backward_order()
         self.origins.param_order = {p.name: len(order) - i for i, p in enumerate(order)}
         for p in order[::-1]:  # in forward order: the first one is the origin
-            if p.name in self.origins.param_fired or not watchable(p.param):
-                continue
-            record = p.record("param", p.name, self.step)
-            record.stats.phase = self.phase
-            applicable = self.ruleset.applicable(record.stats)
-            record.rule_ids, record.checks = applicable.rule_ids, applicable.checks
-            record.wanted = applicable.wanted or SCREEN
-            tensor = p.param.detach()
-            self.screen(record, tensor)
-            if record.stats.nonfinite:
-                self.phases.register(record)
-                self.judge(record, tensor)
-                self.report(record)
+            self.read_param_whole(p)  # (engine/forward.py)
 
     def _judge_clean_gradients(self) -> None:
         """On a device, a pass's finite parameter gradients are judged together once their
