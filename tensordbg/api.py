@@ -353,10 +353,8 @@ def _naming_nothing(session: Session) -> str | None:
     or parameter of the model (a typo, a module it lacks): they would judge nothing, and say
     nothing. A pattern without a dot may name an observed tensor (``loss``): not judged here."""
     paths = [p for p in session.capture.paths.values() if p]
-    names = {*paths, "output", "input[0]", "grad_output", "grad_input[0]"}
-    for path in paths:
-        names.update(f"{path}.{kind}" for kind in ("output", "input[0]", "grad_output",
-                                                   "grad_input[0]"))  # fmt: skip
+    kinds = ("output", "input[0]", "grad_output", "grad_input[0]")
+    names = {*paths, *kinds, *(f"{path}.{kind}" for path in paths for kind in kinds)}
     for name in session.params_by_name:
         names.update((name, f"{name}.grad", f"{name}.update"))
     silent = []

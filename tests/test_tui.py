@@ -929,6 +929,13 @@ class CountingSource(FakeSource):
         return reply
 
 
+async def big_grid(pilot: Pilot) -> TensorGrid:
+    """CountingSource's 1000 x 1000 tensor open in the grid, its first window drawn."""
+    grid = await open_tensor(pilot, 5, "big.output", TensorGrid)
+    await until(pilot, lambda: grid.rows == 1000 and grid.cell_text(0, 0) is not None)
+    return grid
+
+
 def test_the_grid_fetches_only_the_windows_on_screen() -> None:
     source = CountingSource()
     big = source.arrays[5][3]
@@ -936,8 +943,7 @@ def test_the_grid_fetches_only_the_windows_on_screen() -> None:
     async def flow() -> None:
         app = TensorDbgApp(LocalClient(source))
         async with app.run_test(size=SIZE) as pilot:
-            grid = await open_tensor(pilot, 5, "big.output", TensorGrid)
-            await until(pilot, lambda: grid.rows == 1000 and grid.cell_text(0, 0) is not None)
+            grid = await big_grid(pilot)
             assert grid.cell_text(0, 0) == f"{big[0, 0]:.4g}"
             assert app.focused is grid
             await pilot.press(*["pagedown"] * 6, *["right"] * 20)
@@ -968,8 +974,7 @@ def test_the_grid_shows_whole_numbers_up_to_its_edge(size: tuple[int, int]) -> N
     async def flow() -> None:
         app = TensorDbgApp(LocalClient(source))
         async with app.run_test(size=size) as pilot:
-            grid = await open_tensor(pilot, 5, "big.output", TensorGrid)
-            await until(pilot, lambda: grid.rows == 1000 and grid.cell_text(0, 0) is not None)
+            grid = await big_grid(pilot)
             await until(pilot, lambda: not grid.fetching)
             shown = grid.render_line(1).text[: grid.scrollable_content_region.width].split()
             assert shown[-1] == "…", shown  # more columns to the right, said so

@@ -48,7 +48,7 @@ class OptimizerPhase:
     _stepped: frozenset[int] = frozenset()
     """The watched optimizers that stepped in this step."""
     _step_depth: dict[int, int]
-    step_sites: dict[int, Any] = {}  # noqa: RUF012 (replaced, never changed in place)
+    step_sites: dict[int, Any] = {}  # noqa: RUF012 (the instance's own is made at a first step)
     """The user's line that called each optimizer's ``step()`` last (by its id): what wrote
     the parameters it holds, for their provenance."""
     """Each optimizer's steps under way: a subclass's step calling its parent's runs the hooks
@@ -174,6 +174,12 @@ class OptimizerPhase:
     _brought: list[tuple[Record, torch.Tensor]] = []  # noqa: RUF012 (replaced, not changed)
     """The gradients the all-reduce made not finite this step (judged again, as it left them):
     listed in the optimizer's phase, where the UI and a dump find them."""
+
+    def all_reduced(self, record: Record) -> bool:
+        """Whether ``record`` is a gradient judged again as the all-reduce left it this step
+        (its earlier steps hold this rank's own gradient, from before the all-reduce)."""
+        return any(r is record for r, _ in self._brought)
+
     """Several ranks: the last backward phase's parameter-gradient records by parameter, and
     the parameters whose gradients were read as the all-reduce left them (each once: the
     optimizers after the first step once the step is counted, at the next step's number)."""
@@ -226,7 +232,7 @@ class OptimizerPhase:
         self._step_depth[id(optimizer)] = depth + 1
         if depth or self.broken or self._detach_requested():
             return None
-        self.step_sites = {**self.step_sites, id(optimizer): user_site(sys._getframe(1))}
+        vars(self).setdefault("step_sites", {})[id(optimizer)] = user_site(sys._getframe(1))
         if skips_inside(optimizer):  # as if the scaler had not called it (see amp.py)
             self._stepping[optimizer] = SKIPPED_INSIDE
             return None

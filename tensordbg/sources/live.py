@@ -318,7 +318,7 @@ class LiveSource(LiveProfiling):
                     previous = {"step": before_step, "summary": _brief(before)}
                 self._inspected[name] = (step, summary.as_dict())
             why = {}
-            if any(r is record for r, _ in self.session._brought) and not index:
+            if self.session.all_reduced(record) and not index:
                 # As the all-reduce left it: the steps before hold this rank's own gradient.
                 previous, why["previous_why"] = None, (
                     "this step's gradient is as the all-reduce left it (judged again before the "
