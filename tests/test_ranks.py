@@ -52,6 +52,9 @@ class Job:
             self.kill()
             output, _ = self.process.communicate()
             raise AssertionError(f"the job did not end within {timeout} s:\n{output}") from None
+        for result in sorted(self.out.glob("rank*.json")):
+            left = json.loads(result.read_text())["threads_left"]
+            assert not left, f"{result.stem}: threads still running after detach: {left}"
         return output
 
     def rank(self, n: int) -> dict:
