@@ -123,6 +123,7 @@ class HitLog:
         name: str | None = None,
         by_gradient: bool = False,
         unseen: str = "",
+        bad_since: int | None = None,
     ) -> Hit:
         """The hit of one finding on one record; ``module``/``kind``/``name`` name another place
         when the value is reported where it was made (a parent's own code, a consumer's
@@ -161,6 +162,7 @@ class HitLog:
                 if not is_origin and kind == "output" and path is not None
                 else (),
                 unseen,
+                bad_since,
             ),
             ref=stats.ref,
             call=module.index if module is not None else stats.call,
@@ -224,15 +226,18 @@ def _summary(record: Record) -> dict[str, Any]:
 def with_origin(finding: Finding, is_origin: bool, condition: int | None, kind: str,
                 module: str, first: str, bad_buffers: Sequence[str] = (),
                 by_gradient: bool = False, bad_params: Sequence[str] = (),
-                unseen: str = "") -> str:  # fmt: skip
+                unseen: str = "", bad_since: int | None = None) -> str:  # fmt: skip
     """The finding's sentence, followed by where the value came from. Its advice (what the
     condition usually means) is given where the condition arose, not repeated downstream.
     ``bad_buffers``: the module's buffers that are not finite (they fed its output);
     ``by_gradient``: a parameter's, which its gradient held before the step; ``bad_params``:
     the module's own parameters that are not finite (an output passed on from them);
-    ``unseen``: the block around it whose gradients no hook saw (origin.py)."""
+    ``unseen``: the block around it whose gradients no hook saw (origin.py); ``bad_since``: a
+    parameter's, the step since which it has not been finite."""
     if condition is None:
         return finding.advised
+    if kind == "param" and bad_since is not None:
+        return f"{finding.message} {_still_bad(is_origin, by_gradient, bad_since, first)}"
     if not is_origin:
         source = f" (first produced at {first})" if first else ""
         if kind == "param" and by_gradient:
@@ -261,6 +266,21 @@ def with_origin(finding: Finding, is_origin: bool, condition: int | None, kind: 
                 "an earlier forward wrote them (BatchNorm's running statistics after a bad "
                 "batch); reset them or load a checkpoint.")  # fmt: skip
     return f"{finding.advised} {note}"
+
+
+def _still_bad(is_origin: bool, by_gradient: bool, since: int, first: str) -> str:
+    """What a parameter that has not been finite since step ``since`` says: no update made it
+    (the last was skipped) or one only spread it, and a skip cannot clean it."""
+    advice = ("Skipping updates cannot clean a weight that was bad before them: set it right "
+              "or load a checkpoint.")  # fmt: skip
+    if is_origin:  # seen again after a skipped update (origin.py's update_skipped)
+        return (f"It has been so since step {since}, and the updates since were skipped: no "
+                f"update made it, and it makes this step's NaN or Inf again. {advice}")  # fmt: skip
+    source = f" (first produced at {first})" if first else ""
+    if by_gradient:
+        return (f"It was so before this update already, since step {since}{source}, and its "
+                f"gradient held it too. {advice}")  # fmt: skip
+    return f"It has been so since step {since}{source}: the update did not make it."
 
 
 def _names(names: Sequence[str]) -> str:

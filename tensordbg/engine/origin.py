@@ -50,6 +50,7 @@ class Verdict(NamedTuple):
     name: str | None = None
     by_gradient: bool = False  # a parameter's condition that its gradient held before the step
     unseen: str = ""  # the block whose gradients no hook saw, where it first showed (see grad)
+    bad_since: int | None = None  # a parameter's: the step it was first seen so, still so since
 
 
 def condition_of(record: Record, rule_id: int) -> int | None:
@@ -67,6 +68,8 @@ class Attribution:
     def __init__(self, owner_calls: Callable[[str], list[Call]]):
         self._owner_calls = owner_calls  # a parameter's name -> the calls of its module
         self.param_fired: dict[str, set[int]] = {}
+        self.bad_since: dict[str, int] = {}
+        """The step each parameter not finite now was first seen so (while it stays so)."""
         self.grad_fired: dict[str, set[int]] = {}
         self.root_fired: set[int] = set()
         self.loss_fired: set[int] = set()
@@ -97,6 +100,15 @@ class Attribution:
 
     def param_clean(self, name: str) -> None:
         self.param_fired.pop(name, None)
+        self.bad_since.pop(name, None)
+
+    def update_skipped(self) -> None:
+        """The step's update was skipped (``k``, ``on_hit="skip"``): a parameter still bad
+        was so before it, so no update made it. At its next sight it is the origin again (of
+        the next step's NaN, as it was of this one's), and a pause stops there: the skip did
+        not clean it."""
+        self.param_fired.clear()
+        self.grad_fired = {}  # dropped with the update: they wrote nothing
 
     def report(self, record: Record) -> list[Verdict]:
         """Verdicts of a judged record whose origin does not need the call tree; outputs and
@@ -112,15 +124,19 @@ class Attribution:
             # Inf by hand stays Inf: its first check is the origin, the later ones are not).
             by_gradient = self.grad_fired.get(record.param, set())
             upstream = by_gradient | self.param_fired.get(record.param, set())
+            since = self.bad_since.get(record.param)
             out = []
             for rule_id, finding in record.findings.items():
                 condition = condition_of(record, rule_id)
                 out.append(Verdict(record, rule_id, finding, condition not in upstream,
-                                   by_gradient=condition in by_gradient))  # fmt: skip
+                                   by_gradient=condition in by_gradient,
+                                   bad_since=since))  # fmt: skip
             if record.conditions:
                 self.param_fired[record.param] = set(record.conditions)
+                if NONFINITE in record.conditions:
+                    self.bad_since.setdefault(record.param, record.stats.step)
             else:
-                self.param_fired.pop(record.param, None)
+                self.param_clean(record.param)
             return out
         if (kind == "input" and not record.hidden) or kind == "update":
             return [Verdict(record, r, f, True) for r, f in record.findings.items()]

@@ -296,7 +296,8 @@ class Pipeline(Pausing, Pinpointing):
             carried = self.ranks.carried(record.stats.step)
         hit = self.hitlog.make(record, active, verdict.finding, verdict.origin and not carried,
                                condition, verdict.call, verdict.kind, verdict.name,
-                               verdict.by_gradient, verdict.unseen)  # fmt: skip
+                               verdict.by_gradient, verdict.unseen,
+                               verdict.bad_since)  # fmt: skip
         if carried:
             hit.message += f" {carried}"
         self._name_operation(hit, verdict, record)
@@ -335,6 +336,7 @@ class Pipeline(Pausing, Pinpointing):
         if self._skip_requested or self._skip_dropped:
             self._skip_requested = self._skip_dropped = False
             self.skipped_updates.append(self.step)
+            self.origins.update_skipped()
             self._skips_in_row += 1
             if bad := self.hitlog.bad_buffers():  # written by the forward: no skip undoes them
                 said = (f"step {self.step}: its update was skipped, but its forward left NaN or "
