@@ -3,6 +3,7 @@ again (tensordbg/engine/pinpoint.py), without changing any number of the trainin
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import pytest
@@ -431,3 +432,42 @@ def test_a_nan_a_submodule_made_of_the_forwards_own_inf_names_the_inf_s_line(syn
             f"{line} (h = h / torch.zeros_like(h)), and the NaN was made of it later"
             in origin.message), origin.message  # fmt: skip
     assert prov["operation"]["value"] == "Inf" and prov["source"]["line"] == line
+
+
+class ConvBlock(nn.Module):
+    """Its own code divides by zero after a BatchNorm, which autograd saved for backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn(self.conv(x)))
+        h = h / (h.sum() * 0)
+        return self.fc(h.mean(dim=(2, 3)))
+
+
+@pytest.mark.parametrize("sync", ["eager", "deferred", "batched"])
+def test_running_a_forward_with_batchnorm_again_leaves_the_training_s_backward_working(sync):
+    """The re-run wrote BatchNorm's running statistics back in place, past the version autograd
+    had saved: the training's own backward then failed ("modified by an inplace operation")
+    in every mode, where without tensordbg it ran on with a NaN loss."""
+    torch.manual_seed(0)
+    model = ConvBlock()
+    bare = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = tensordbg.attach(model, optimizer=opt, on_hit="record", server=False, sync=sync,
+                               summary_at_exit=False)  # fmt: skip
+    try:
+        x = torch.randn(4, 3, 8, 8)
+        model(x).sum().backward()  # raised here
+        opt.step()
+        bare(x).sum().backward()
+        origin = next(h for h in session.hits if h.origin)
+        assert "Tensor.div" in origin.message and origin.module == "", origin.message
+        for name, value in model.bn.named_buffers():  # the running statistics, as bare's
+            assert torch.equal(value, dict(bare.bn.named_buffers())[name]), name
+    finally:
+        session.detach()

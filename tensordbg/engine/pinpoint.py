@@ -334,12 +334,16 @@ def _quiet(session: Any):
 
 @contextmanager
 def _buffers_kept(module: torch.nn.Module):
-    """The module's buffers as they were before (BatchNorm updates its running statistics in
-    a forward)."""
-    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    """The re-run works on copies of the module's buffers (BatchNorm updates its running
+    statistics in a forward): the training's own are never written. Writing them back after
+    the re-run moved their version past what autograd had saved of them, and the training's
+    backward failed ("modified by an inplace operation")."""
+    swapped = [(owner, name, buffer) for owner in module.modules()
+               for name, buffer in owner._buffers.items() if buffer is not None]  # fmt: skip
+    for owner, name, buffer in swapped:
+        owner._buffers[name] = buffer.detach().clone()
     try:
         yield
     finally:
-        with torch.no_grad():
-            for buffer, before in saved:
-                buffer.copy_(before)
+        for owner, name, buffer in swapped:
+            owner._buffers[name] = buffer
