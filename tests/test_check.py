@@ -634,6 +634,18 @@ def test_advice_given_to_some_of_a_rules_findings_says_how_many_of_them():
     assert "about 1 of the 3 ExplodingGradient findings: find the NaN" in table
 
 
+def test_a_gradient_four_micro_batches_found_is_one_row_naming_its_rules_once():
+    """ "ExplodingGradient, NaN, ExplodingGradient, NaN, ..." once per micro-batch."""
+    from tensordbg.offline.check_report import CheckReport, Finding
+
+    report = CheckReport("d", "r", ["ExplodingGradient", "NaN"], [0], 1, 1)
+    report.findings = [Finding(3, 0, "backward", 0, "fc.bias.grad", "", "grad", rule, 1e9, 1e4,
+                               "fc.bias.grad holds 1 NaN")
+                       for _ in range(4) for rule in ("ExplodingGradient", "NaN")]  # fmt: skip
+    rows = [line for line in report.table().splitlines() if line.startswith("step 3")]
+    assert len(rows) == 1 and rows[0].count("ExplodingGradient") == rows[0].count("NaN") == 1
+
+
 def test_a_run_whose_rules_cannot_be_rebuilt_is_checked_with_the_defaults_and_says_so() -> None:
     """A run recorded with only a rule not installed here was judged by the default rules
     without a word; rules that are not a list were read letter by letter."""

@@ -243,11 +243,12 @@ class CheckReport:
     def _rows(self) -> list[tuple[str, Finding]]:
         """The findings as the table shows them: one row per tensor and fact, naming every rule
         that found it. A NaN gradient fires NaN and ExplodingGradient with the same sentence;
-        two rules that say different things of a tensor keep a row each."""
-        rows: dict[tuple[int, int, str, str, str], tuple[list[str], Finding]] = {}
+        two rules that say different things of a tensor keep a row each. A gradient that
+        micro-batches found again is one row, its rules named once."""
+        rows: dict[tuple[int, int, str, str, str], tuple[dict[str, None], Finding]] = {}
         for f in self.findings:
-            rules, _ = rows.setdefault((f.step, f.rank, f.phase, f.tensor, f.message), ([], f))
-            rules.append(f.rule)
+            rules, _ = rows.setdefault((f.step, f.rank, f.phase, f.tensor, f.message), ({}, f))
+            rules[f.rule] = None
         return [(", ".join(rules), f) for rules, f in rows.values()]
 
     def _advice(self) -> list[str]:
