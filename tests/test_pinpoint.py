@@ -471,3 +471,39 @@ def test_running_a_forward_with_batchnorm_again_leaves_the_training_s_backward_w
             assert torch.equal(value, dict(bare.bn.named_buffers())[name]), name
     finally:
         session.detach()
+
+
+class CausalAttention(nn.Module):
+    """Hand-written causal attention: a mask's -inf on purpose, then a temperature of 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        self.temperature = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q(x)
+        scores = q @ q.transpose(-1, -2)
+        mask = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)
+        scores = scores.masked_fill(mask, float("-inf"))
+        scores = scores / self.temperature
+        return scores.softmax(-1) @ q
+
+
+@pytest.mark.parametrize("sync", ["eager", "deferred", "batched"])
+def test_a_division_by_zero_after_a_causal_mask_is_named_not_the_softmax(sync: str) -> None:
+    """The mask's -inf hid the division's +Inf: the softmax was named, as for a row the mask
+    left all -inf, and a person went to check their padding."""
+    torch.manual_seed(0)
+    model = CausalAttention()
+    model.temperature = 0.0
+    session = tensordbg.attach(model, on_hit="record", server=False, sync=sync,
+                               summary_at_exit=False)  # fmt: skip
+    try:
+        model(torch.randn(2, 5, 8)).sum().backward()
+        session.flush()
+        origin = next(h for h in session.hits if h.origin)
+        assert "an Inf came first, from Tensor.div" in origin.message, origin.message
+        assert "scores = scores / self.temperature" in origin.message
+    finally:
+        session.detach()

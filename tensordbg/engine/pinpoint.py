@@ -61,6 +61,10 @@ class FirstBad(TorchFunctionMode):
         self.first_inf: dict[str, Any] | None = None
         """Looking for a NaN: the first operation that made an Inf of finite values (a
         division by zero); a NaN made of it later (Inf - Inf in a Linear) is its doing."""
+        self.first_posinf: dict[str, Any] | None = None
+        """Looking for a NaN: the first operation that made a +Inf where none was. A mask's
+        -inf is put there on purpose; a +Inf handed to the operation that made the NaN (a
+        softmax) is that operation's doing, not the mask's."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -68,9 +72,20 @@ class FirstBad(TorchFunctionMode):
         # argument: that one is looked at after it, and was clean before it if it made it.
         target = args[0] if args and _in_place(func) else None
         was_clean = target is not None and not _holds_bad(target, self.nan)
+        had_posinf = self.nan and target is not None and _holds(target, torch.isposinf)
         result = func(*args, **kwargs)
         made = _holds_bad(result, self.nan) or (was_clean and _holds_bad(target, self.nan))
         given = [*(args[1:] if target is not None else args), *kwargs.values()]
+        if (
+            self.nan
+            and self.first_posinf is None
+            and not made
+            and (_holds(result, torch.isposinf) or (target is not None and not had_posinf
+                                                    and _holds(target, torch.isposinf)))
+            and not had_posinf
+            and not any(_holds(a, torch.isposinf) for a in given)
+        ):  # fmt: skip
+            self.first_posinf = _where(func, sys._getframe(1))
         if (
             self.nan
             and self.first_inf is None
@@ -91,7 +106,10 @@ class FirstBad(TorchFunctionMode):
                 # makes its NaN itself.)
                 inf = (self.first_inf is not None and any(_holds_bad(a, False) for a in given)
                        and self._in_submodule(frame))  # fmt: skip
-                self.found = {**self.first_inf, "inf_first": True} if inf else _where(func, frame)
+                first = self.first_inf if inf else None
+                if self.first_posinf is not None and any(_holds(a, torch.isposinf) for a in given):
+                    first = self.first_posinf
+                self.found = {**first, "inf_first": True} if first else _where(func, frame)
             raise _Found
         return result
 
@@ -272,15 +290,19 @@ def _collective(module: torch.nn.Module) -> bool:
 
 
 def _holds_bad(result: Any, nan: bool) -> bool:
+    return _holds(result, torch.isnan if nan else torch.isinf)
+
+
+def _holds(result: Any, test: Any) -> bool:
+    """Whether a result (a tensor, or tensors in a tuple or list) holds a value ``test`` finds
+    (``torch.isnan``, ``torch.isinf``, ``torch.isposinf``)."""
     if not isinstance(result, torch.Tensor):
         if isinstance(result, (tuple, list)):
-            return any(_holds_bad(r, nan) for r in result)
+            return any(_holds(r, test) for r in result)
         return False
     if not result.is_floating_point() or result.layout != torch.strided or not result.numel():
         return False
-    if nan:
-        return bool(torch.isnan(result).any())
-    return bool(torch.isinf(result).any())
+    return bool(test(result).any())
 
 
 def _in_place(func: Any) -> bool:
