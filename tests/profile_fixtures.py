@@ -205,3 +205,28 @@ def big_report(spans: int = 20_000, operators: int = 2_000) -> dict[str, Any]:
         for i in range(operators)
     ]
     return report
+
+
+def sleepy_report() -> dict[str, Any]:
+    """Five steps of 65 ms that mostly sleep: each loads its batch and runs forward, backward
+    and the optimizer in the last 5 ms, an operator inside each phase. At zoom ×1 on 80 columns
+    a cell is about 6 ms: every phase is narrower than a cell."""
+    report = cpu_report()
+    step = 65 * MS
+    phases = {
+        "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__": 1.0 * MS,
+        "tensordbg: forward": 1.5 * MS,
+        "tensordbg: backward": 1.2 * MS,
+        "Optimizer.step#Adam.step": 1.3 * MS,
+    }
+    spans: list[list[Any]] = []
+    for n in range(5):
+        spans.append([n * step, step, f"step {616 + n}"])
+        t = (n + 1) * step - 6 * MS
+        for name, duration in phases.items():
+            spans.append([t, duration, name])
+            spans.append([t + 0.1 * MS, duration / 2, "aten::addmm"])
+            t += duration
+    lane = {"name": "thread 12581 (main)", "spans": spans}
+    report["timeline"] = {"start": 0.0, "end": 5 * step, "lanes": [lane]}
+    return report

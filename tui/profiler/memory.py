@@ -3,10 +3,11 @@ peak against the device's limit, and the operators that allocated most."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from rich.text import Text
-from textual.app import ComposeResult
+from textual.app import ComposeResult, RenderResult
 from textual.containers import Vertical
 from textual.widgets import Static
 from textual_plotext import PlotextPlot
@@ -21,6 +22,8 @@ COLUMNS = [
     Column("calls", "calls", number),
 ]
 UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1))
+TICKS = 7  # labels on the y axis, at most
+FRAME = 4  # rows of the chart that are not the plot: the title, two edges, the time labels
 
 
 def thin(curve: list[list[Any]], points: int = POINTS) -> list[list[Any]]:
@@ -36,11 +39,30 @@ def thin(curve: list[list[Any]], points: int = POINTS) -> list[list[Any]]:
     return out
 
 
+class MemoryChart(PlotextPlot):
+    """The chart, its y axis from 0 to ``top`` with a label every few rows, each label on the
+    row whose value it is. (plotext's own seven labels fall on fewer rows than seven in a short
+    chart: two took one row and one was lost, the rest evenly spaced and so wrong.)"""
+
+    top = 0.0  # the highest value drawn; 0 leaves the axis to plotext
+
+    def render(self) -> RenderResult:
+        rows = self.size.height - FRAME
+        if self.top > 0 and rows > 1:
+            # Rows between labels: the fewest that keep to TICKS labels, or up to twice that if
+            # it lets the top row have one.
+            fewest = math.ceil((rows - 1) / (TICKS - 1))
+            every = next((e for e in range(fewest, 2 * fewest + 1) if (rows - 1) % e == 0), fewest)
+            self.plt.ylim(0, self.top)
+            self.plt.yticks([self.top * row / (rows - 1) for row in range(0, rows, every)])
+        return super().render()
+
+
 class MemoryPane(Vertical):
     def __init__(self) -> None:
         super().__init__(id="profile-memory")
         self.summary = Static(id="memory-summary")
-        self.chart = PlotextPlot(id="memory-chart")
+        self.chart = MemoryChart(id="memory-chart")
         self.table = RowTable(COLUMNS, sort="bytes", id="memory-table")
 
     def compose(self) -> ComposeResult:
@@ -78,5 +100,6 @@ class MemoryPane(Vertical):
             if limit:
                 plt.hline(limit / scale, "red")
         plt.title(f"memory ({unit}) over time (s)" + (", limit in red" if limit else ""))
+        self.chart.top = top / scale if curve else 0.0
         self.chart.refresh()
         self.table.set_rows(memory.get("top_operators") or [])

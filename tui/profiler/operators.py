@@ -1,6 +1,9 @@
 """The Operators tab: each operator's calls and its self and total time on the CPU and the
 device, sortable by any column (``o``, ``O``, a click on a heading), grouped by operator or by
-operator and input shape (``g``, when the report has shapes), searched with ``/``."""
+operator and input shape (``g``, when the report has shapes), searched with ``/``.
+
+Shapes are recorded only when the profile was asked for with ``record_shapes=True`` (from
+Python): the UI's ``profile`` request carries a number of steps and nothing else."""
 
 from __future__ import annotations
 
@@ -16,6 +19,11 @@ from textual.widgets import Input, Static
 from tensordbg.tui.profiler.row_table import Column, RowTable
 from tensordbg.tui.profiler.units import number, seconds
 
+NO_SHAPES = (
+    "This profile has no input shapes to group by: they are recorded when the profile is asked "
+    "for from Python, session.profile(steps=5, record_shapes=True) or "
+    "tensordbg.profile(model, optimizer, steps=5, record_shapes=True); P records none."
+)
 SUMMED = ("calls", "self_cpu", "total_cpu", "self_device", "total_device", "flops")
 COLUMNS = [
     Column("name", "operator", str, numeric=False),
@@ -48,6 +56,8 @@ class OperatorsPane(Vertical):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("slash", "search", "Search"),
         Binding("g", "group", "Group by shape"),
+        # Not offered where there are no shapes, but pressed anyway it says how to get them.
+        Binding("g", "no_shapes", "Group by shape", show=False),
         Binding("escape", "end_search", "End search", show=False),
     ]
 
@@ -56,6 +66,9 @@ class OperatorsPane(Vertical):
         self.search = Input(placeholder="operator name contains…", id="operator-search")
         self.table = RowTable(COLUMNS, sort="self_cpu", id="operator-table")
         self.status = Static(id="operator-status")
+        # One row: what does not fit ends in "…" rather than being cut mid-word.
+        self.status.styles.text_wrap = "nowrap"
+        self.status.styles.text_overflow = "ellipsis"
         self.rows: list[dict[str, Any]] = []
         self.by_shape = False
 
@@ -71,6 +84,13 @@ class OperatorsPane(Vertical):
     def has_shapes(self) -> bool:
         return any(r.get("input_shapes") for r in self.rows)
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "group":
+            return self.has_shapes
+        if action == "no_shapes":
+            return not self.has_shapes
+        return True
+
     def show(self, report: dict[str, Any]) -> None:
         self.rows = report.get("operators") or []
         # A device column only where there is a device.
@@ -85,6 +105,7 @@ class OperatorsPane(Vertical):
         if self.table.sort_key in hidden:
             self.table.sort_key = "self_cpu"
         self._fill()
+        self.refresh_bindings()
 
     def _fill(self) -> None:
         self.table.set_rows(self.rows if self.by_shape else by_operator(self.rows))
@@ -98,7 +119,7 @@ class OperatorsPane(Vertical):
         if self.has_shapes:
             how = "operator and input shape" if self.by_shape else "operator"
             text.append(f" · grouped by {how} (g)")
-        text.append(" · o: sort by the next column, O: reverse, /: search", style="dim")
+        text.append(" · o: next column, O: reverse, /: search", style="dim")
         self.status.update(text)
 
     @on(RowTable.Sorted)
@@ -116,11 +137,11 @@ class OperatorsPane(Vertical):
             self.table.focus()
 
     def action_group(self) -> None:
-        if not self.has_shapes:
-            self.notify("This profile has no input shapes to group by.", severity="warning")
-            return
         self.by_shape = not self.by_shape
         self._fill()
+
+    def action_no_shapes(self) -> None:
+        self.notify(NO_SHAPES, severity="warning")
 
     @on(Input.Changed, "#operator-search")
     def _search_changed(self, event: Input.Changed) -> None:

@@ -1,10 +1,12 @@
 """The Timeline tab: the profiled steps' spans, one lane per thread or stream, drawn in cells.
 
 Nested spans (an operator inside a module's forward) go one row down, up to :data:`MAX_DEPTH`
-rows a lane. The view is a window of time: ``+``/``-`` zoom around the cursor (the middle
-column), ``left``/``right`` (or ``h``/``l``) pan, ``home``/``end`` go to either end, ``up``/
-``down`` pick the row whose span under the cursor the status line names. Only what is on screen
-is drawn: a row finds its spans in the window by bisection, so 20,000 spans stay quick.
+rows a lane; a span too narrow for its name, even one narrower than a cell, is a bar in its
+colour (a trace viewer draws at least a pixel). The view is a window of time: ``+``/``-`` zoom
+around the cursor (the middle column), ``left``/``right`` (or ``h``/``l``) pan, ``home``/``end``
+go to either end, ``up``/``down`` pick the row whose span under the cursor the status line
+names. Only what is on screen is drawn: a row finds its spans in the window by bisection, so
+20,000 spans stay quick.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from tensordbg.tui.profiler.units import seconds
 
 MAX_DEPTH = 4  # rows a lane may take; deeper spans are counted, not drawn
 LABEL = 24  # columns of the lane names
+NAMED = 4  # columns a span needs to show its name; a narrower one is a bar
+TICK = 16  # columns between the ruler's labels, about
 PAN = 0.25  # of the window, a key press
 COLOURS = (
     "#3b6ea5", "#8a5a9e", "#3f8f6b", "#a8743a", "#9e4a5a", "#4f8a9a", "#7a7a3a", "#5a5aa8",
@@ -69,6 +73,14 @@ def rows_of(timeline: dict[str, Any]) -> tuple[list[Row], int]:
         for depth, (starts, ends, names) in enumerate(levels or [([], [], [])]):
             rows.append(Row(str(lane.get("name", "?")), depth, starts, ends, names))
     return rows, hidden
+
+
+def fit(text: str, width: int) -> str:
+    """``text`` in ``width`` cells with the last one blank (neighbours stay apart), cut with
+    ``…`` when it does not fit."""
+    if len(text) > width - 1:
+        text = text[: max(width - 2, 0)] + "…"
+    return text.ljust(width)[:width]
 
 
 def colour(name: str) -> str:
@@ -237,21 +249,32 @@ class TimelineView(ScrollView, can_focus=True):
         self._cache.clear()
 
     def _axis(self) -> Strip:
+        """Labels about every :data:`TICK` columns, and the window's end at the right edge: the
+        ruler spans what is on screen. A label that would touch another is left out."""
         style = self._styles["axis"]
-        cells = [" "] * self.columns
-        step = 16
-        for x in range(0, self.columns - 8, step):
-            label = f"|{seconds(self._column_span(x)[0] - self.start)}"
-            for i, ch in enumerate(label[:step]):
-                cells[x + i] = ch
+        columns = self.columns
+        cells = [" "] * columns
+        taken = [False] * columns
+        parts = max(columns // TICK, 1)
+        step = (self.t1 - self.t0) / parts
+        end = f"{seconds(self.t1 - self.start, step)}|"
+        ticks = [(columns - len(end), end)]  # first: it is kept whatever else fits
+        for k in range(parts):
+            x = k * columns // parts
+            ticks.append((x, f"|{seconds(self._column_span(x)[0] - self.start, step)}"))
+        for x, label in ticks:
+            if x < 0 or any(taken[max(x - 1, 0) : x + len(label) + 1]):
+                continue
+            for i, ch in enumerate(label):
+                cells[x + i], taken[x + i] = ch, True
         return Strip([Segment("time".ljust(LABEL), style), Segment("".join(cells), style)])
 
     def _row(self, n: int) -> Strip:
         row = self.rows[n]
         columns, cursor = self.columns, self.cursor_column
         lane_style = self._styles["selected" if n == self.selected else "lane"]
-        label = row.lane if row.depth == 0 else "  " * row.depth + "·"
-        label = label[: LABEL - 2] + "… " if len(label) > LABEL - 1 else label.ljust(LABEL)
+        label = row.lane if row.depth == 0 else f"{'  ' * row.depth}depth {row.depth}"
+        label = fit(label, LABEL)
         owner: list[int] = [-1] * columns  # the span drawn in each column
         dt = (self.t1 - self.t0) / columns
         i = max(bisect.bisect_right(row.starts, self.t0) - 1, 0)
@@ -277,11 +300,16 @@ class TimelineView(ScrollView, can_focus=True):
             if i < 0:
                 text = " " * (run - x)
                 segments.extend(self._with_cursor(text, x, cursor, base))
-            else:
-                # A name where it fits; a span a few columns wide is its colour only.
-                name = row.names[i].removeprefix("aten::") if run - x >= 4 else ""
-                text = (name[: run - x]).ljust(run - x)
+            elif run - x >= NAMED:
+                text = fit(row.names[i].removeprefix("aten::"), run - x)
                 style = base + Style(bgcolor=colour(row.names[i]), color="white")
+                segments.extend(self._with_cursor(text, x, cursor, style))
+            else:
+                # Too narrow for a name, or narrower than a cell: a bar in its colour, still
+                # seen (as a trace viewer draws a span of less than a pixel), its last cell
+                # half a cell so that the next span is told apart.
+                text = "█" * (run - x - 1) + "▌"
+                style = base + Style(color=colour(row.names[i]))
                 segments.extend(self._with_cursor(text, x, cursor, style))
             x = run
         return Strip(segments)

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+import math
 
-def seconds(s: float | None) -> str:
-    """``1.23 s``, ``12.3 ms``, ``456 µs``, ``0``; an unknown value is blank."""
+TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9))
+
+
+def seconds(s: float | None, step: float | None = None) -> str:
+    """``1.23 s``, ``12.3 ms``, ``456 µs``, ``0``; an unknown value is blank. With ``step``, the
+    decimals that tell ``s`` from a value ``step`` away (a ruler's ``124.0 ms``, ``125.2 ms``)."""
     if s is None:
         return ""
     if s == 0:
         return "0"
-    a = abs(s)
-    if a >= 1:
-        return f"{s:.3g} s"
-    if a >= 1e-3:
-        return f"{s * 1e3:.3g} ms"
-    if a >= 1e-6:
-        return f"{s * 1e6:.3g} µs"
-    return f"{s * 1e9:.3g} ns"
+    unit, scale = next((u, k) for u, k in TIME_UNITS if abs(s) >= k or u == "ns")
+    if step is None or step <= 0:
+        return f"{s / scale:.3g} {unit}"
+    decimals = max(math.ceil(math.log10(10 * scale / step)), 0)
+    return f"{s / scale:.{decimals}f} {unit}"
 
 
 def size(n: float | None) -> str:

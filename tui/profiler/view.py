@@ -82,6 +82,9 @@ class ProfilerView(Vertical, can_focus=True):
         self.memory = MemoryPane()
         self.timeline = TimelineView()
         self.timeline_status = Static(id="timeline-status")
+        # One row: a long span name ends in "…" rather than being cut mid-word.
+        self.timeline_status.styles.text_wrap = "nowrap"
+        self.timeline_status.styles.text_overflow = "ellipsis"
         self.gpu = GpuPane()
         self.advisor = AdvisorPane()
         self.report: dict[str, Any] | None = None
@@ -210,6 +213,8 @@ class ProfilerView(Vertical, can_focus=True):
         self.memory.show(report)
         self.timeline.show(report.get("timeline") or {})
         self.advisor.show(report)
+        if self.screen.focused is self:  # the view had nothing to take the keys until now
+            self.call_after_refresh(self.focus_view)
 
     def how_to_profile(self) -> str:
         return (HOW if self.live else RECORDED).format(n=DEFAULT_STEPS)
