@@ -211,7 +211,9 @@ class WeightUpdateRatio(Rule):
 
     ``large_threshold`` is a positive number, ``small_threshold`` 0 or more (0 turns the small
     side off) and below ``large_threshold``, or every step would fire; ``epsilon`` is positive,
-    so that an all-zero parameter divides by it rather than by zero.
+    so that an all-zero parameter divides by it rather than by zero. An update of a parameter
+    that was all zeros (a bias before its first step) is not judged: it has no size to move
+    against, and SageMaker's ratio fires on every bias initialised to zero at the first step.
 
     Example: ``WeightUpdateRatio(large_threshold=1.0)`` uses MindInsight's recommended bound.
     """
@@ -242,7 +244,7 @@ class WeightUpdateRatio(Rule):
 
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
         update, before = t.get(UPDATE_ABS_MEAN), t.get(PREV_ABS_MEAN)
-        if not t.trainable or update is None or before is None:
+        if not t.trainable or update is None or before is None or before == 0:
             return None
         ratio = update / (before + self.epsilon)
         if ratio > self.large_threshold:

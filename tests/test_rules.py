@@ -553,6 +553,16 @@ def test_weight_update_ratio_too_large_and_too_small():
     assert judge(WeightUpdateRatio(), healthy, prev=w, trainable=True, **UPDATE) is None
 
 
+def test_weight_update_ratio_leaves_the_first_update_of_an_all_zero_parameter_unjudged():
+    """SageMaker's ratio divides by epsilon for a parameter of zeros: every bias initialised to
+    zero "moved by 2e+05x its own mean magnitude" at step 0 (found on a healthy GPT)."""
+    zeros = np.zeros(100)
+    first = zeros + 1e-4 * rng.standard_normal(100)
+    assert judge(WeightUpdateRatio(), first, prev=zeros, trainable=True, **UPDATE) is None
+    huge = first + 1.0  # from there on it has a size to be measured against
+    assert judge(WeightUpdateRatio(), huge, prev=first, trainable=True, **UPDATE) is not None
+
+
 def init_stats(model: Any, step: int = 0) -> list[TensorStats]:
     """Step-0 parameter statistics of a torch model, as PoorInitialization receives them."""
     rule, out = PoorInitialization(), []
