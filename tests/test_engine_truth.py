@@ -1280,6 +1280,28 @@ def test_after_a_skip_a_weight_that_stays_nan_pauses_the_next_step_before_its_up
     assert all(bool(p.isfinite().all()) for n, p in model.named_parameters() if n != "0.weight")
 
 
+@pytest.mark.parametrize("sync", ["eager", "deferred", "batched"])
+def test_an_overflow_made_of_a_huge_finite_weight_names_that_weight(watch, sync):
+    """An exploding learning rate in one parameter group sent a LayerNorm's weight to 3e38:
+    the next forward's Inf was "produced here: this module's inputs and parameters were
+    clean", with no word of the weight."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 1))
+    session = watch(model, on_hit="record", sync=sync)
+    with torch.no_grad():
+        model[1].weight.fill_(3e38)
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    session.flush()
+    origin = next(h for h in session.hits if h.origin)
+    assert origin.tensor == "1.output", origin
+    assert "1.weight (up to 3e+38) are so large" in origin.message, origin.message
+    clean = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1))  # an Inf of finite weights alone
+    session = watch(clean, on_hit="record", sync=sync)
+    clean(torch.full((4, 8), 3e38)).sum().backward()
+    session.flush()
+    assert not any("so large" in h.message for h in session.hits), session.hits
+
+
 def test_a_weight_already_nan_before_an_update_is_not_said_to_be_written_by_it(watch):
     """Step after step, a weight that had been NaN since a step before was said to be written
     by the update from its gradient, "skip such an update to keep the weights clean": untrue

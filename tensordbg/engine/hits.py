@@ -7,6 +7,7 @@ origin are kept, and the log says so once.
 
 from __future__ import annotations
 
+import math
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -281,6 +282,27 @@ def _still_bad(is_origin: bool, by_gradient: bool, since: int, first: str) -> st
         return (f"It was so before this update already, since step {since}{source}, and its "
                 f"gradient held it too. {advice}")  # fmt: skip
     return f"It has been so since step {since}{source}: the update did not make it."
+
+
+def large_params(params: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """For a module that made a NaN or Inf of finite inputs and parameters: the sentence
+    naming its parameters so large that a product of two overflows their dtype (a weight an
+    update sent to 1e38 makes a LayerNorm's Inf in the next forward), or nothing."""
+    large, dtypes = [], set()
+    for name, p in params:
+        if not p.is_floating_point() or not p.numel():
+            continue
+        top = float(p.detach().abs().max())
+        if math.isfinite(top) and top > math.sqrt(torch.finfo(p.dtype).max):
+            large.append(f"{name} (up to {top:.3g})")
+            dtypes.add(str(p.dtype).replace("torch.", ""))
+    if not large:
+        return ""
+    return (
+        f" Clean, but only finite: its parameters {_names(large)} are so large that a "
+        f"product of two overflows {'/'.join(sorted(dtypes))}. An update wrote them (a "
+        "learning rate too high for their parameter group?), or they were loaded so."
+    )
 
 
 def _names(names: Sequence[str]) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from tensordbg.engine import origin
+from tensordbg.engine.hits import large_params
 from tensordbg.engine.judge import ActiveRule
 from tensordbg.engine.pausing import Pausing
 from tensordbg.engine.phases import Enter, Exit, Gradient, Judged, Snapshot
@@ -301,6 +302,11 @@ class Pipeline(Pausing, Pinpointing):
         if carried:
             hit.message += f" {carried}"
         self._name_operation(hit, verdict, record)
+        call = verdict.call or record.producer
+        if hit.origin and hit.kind == "output" and record.stats.nonfinite and call is not None:
+            by_name = self.params_by_name
+            hit.message += large_params((n, by_name[n].param) for n in call.params
+                                        if n in by_name)  # fmt: skip
         if self.amp.scales(record.stats) and record.stats.nonfinite:
             self.amp.held.append((hit, active))  # the scaler may skip this step: see amp.py
             return
