@@ -507,3 +507,36 @@ def test_a_division_by_zero_after_a_causal_mask_is_named_not_the_softmax(sync: s
         assert "scores = scores / self.temperature" in origin.message
     finally:
         session.detach()
+
+
+class LayerNormed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 8)
+        self.ln = nn.LayerNorm(8)
+        self.fc2 = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        h = self.ln(h)  # the line every mode names
+        return self.fc2(h)
+
+
+@pytest.mark.parametrize("sync", ["eager", "deferred", "batched"])
+def test_an_operation_of_a_library_module_is_named_at_the_line_that_called_it_in_every_mode(sync):
+    """A LayerNorm's Inf: eager named ``h = self.ln(h)``; deferred, re-running it after the
+    forward, named the line that ran the model, and batched the line that called backward."""
+    torch.manual_seed(0)
+    model = LayerNormed()
+    session = tensordbg.attach(model, on_hit="record", server=False, sync=sync,
+                               summary_at_exit=False)  # fmt: skip
+    try:
+        with torch.no_grad():
+            model.ln.weight.fill_(3e38)
+        model(torch.randn(4, 8)).sum().backward()
+        session.flush()
+        origin = next(h for h in session.hits if h.origin)
+        assert "layer_norm at test_pinpoint.py:" in origin.message, origin.message
+        assert "(h = self.ln(h))" in origin.message, origin.message
+    finally:
+        session.detach()

@@ -52,10 +52,12 @@ class FirstBad(TorchFunctionMode):
     """Stops a forward at the first operation whose floating-point result holds a NaN
     (``nan=True``) or an Inf, noting the operation and the innermost user line."""
 
-    def __init__(self, nan: bool, forward: Any = None):
+    def __init__(self, nan: bool, forward: Any = None,
+                 site: tuple[Any, int] | None = None):  # fmt: skip
         super().__init__()
         self.nan = nan
         self.forward = getattr(forward, "__code__", None)  # the forward run again
+        self.site = site  # the line that called it, for a forward of a library's module
         self.found: dict[str, Any] | None = None
         self.met = False  # a result held the bad value, whether this forward made it or not
         self.first_inf: dict[str, Any] | None = None
@@ -85,7 +87,7 @@ class FirstBad(TorchFunctionMode):
             and not had_posinf
             and not any(_holds(a, torch.isposinf) for a in given)
         ):  # fmt: skip
-            self.first_posinf = _where(func, sys._getframe(1))
+            self.first_posinf = self._where(func, sys._getframe(1))
         if (
             self.nan
             and self.first_inf is None
@@ -93,7 +95,7 @@ class FirstBad(TorchFunctionMode):
             and _holds_bad(result, False)
             and not any(_holds_bad(a, False) or _holds_bad(a, True) for a in given)
         ):
-            self.first_inf = _where(func, sys._getframe(1))  # fmt: skip
+            self.first_inf = self._where(func, sys._getframe(1))
         if self.found is None and made:
             self.met = True
             # An operation that was handed the bad value (a weight that was NaN already) did
@@ -109,9 +111,15 @@ class FirstBad(TorchFunctionMode):
                 first = self.first_inf if inf else None
                 if self.first_posinf is not None and any(_holds(a, torch.isposinf) for a in given):
                     first = self.first_posinf
-                self.found = {**first, "inf_first": True} if first else _where(func, frame)
+                self.found = {**first, "inf_first": True} if first else self._where(func, frame)
             raise _Found
         return result
+
+    def _where(self, func: Any, frame: Any) -> dict[str, Any]:
+        """The operation and the user's line that ran it: inside a library module's forward
+        (a LayerNorm's), the line that called the module, in every mode (a re-run after the
+        forward, deferred or batched, named the line that ran the model, or its backward)."""
+        return _where(func, user_site(frame, self.forward) or self.site)
 
     def _in_submodule(self, frame: Any) -> bool:
         """Whether ``frame`` runs inside a module called from the forward run again."""
@@ -216,7 +224,7 @@ def name_operation(session: Any, call: Call, nan: bool) -> dict[str, Any] | None
         return None  # torch.compile's: its forward is a graph, not lines
     if _collective(module):
         return None  # one rank alone would wait in it for ever
-    watch = FirstBad(nan, type(module).forward)
+    watch = FirstBad(nan, type(module).forward, call.site)
     devices = sorted({t.device.index for _, t, _, _ in seen if t.device.type == "cuda"})
     with _quiet(session), _buffers_kept(module), torch.random.fork_rng(devices=devices):
         if random_state is not None:  # the same dropout masks as the call drew
@@ -312,8 +320,7 @@ def _in_place(func: Any) -> bool:
     return name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
 
 
-def _where(func: Any, frame: Any) -> dict[str, Any]:
-    site = user_site(frame)
+def _where(func: Any, site: tuple[Any, int] | None) -> dict[str, Any]:
     name = getattr(func, "__qualname__", "") or getattr(func, "__name__", "") or repr(func)
     name = name.replace("_VariableFunctionsClass.", "")  # torch.softmax and its kin
     if name.startswith(("TensorBase.", "Tensor.")):

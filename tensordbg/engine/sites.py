@@ -22,8 +22,10 @@ _OWN_FILES = frozenset({str(_PACKAGE / "api.py")})
 _INTERNAL_CODE: dict[CodeType, bool] = {}
 
 
-def user_site(frame: Any) -> tuple[CodeType, int] | None:
-    """The first frame outside torch and tensordbg: the user's line that called the module."""
+def user_site(frame: Any, until: CodeType | None = None) -> tuple[CodeType, int] | None:
+    """The first frame outside torch and tensordbg: the user's line that called the module.
+    ``until``: None when the frame running that code comes first (a library module's forward
+    run again by tensordbg: the line that called it is not on this stack)."""
     while frame is not None:
         code = frame.f_code
         internal = _INTERNAL_CODE.get(code)
@@ -33,6 +35,8 @@ def user_site(frame: Any) -> tuple[CodeType, int] | None:
             _INTERNAL_CODE[code] = internal
         if not internal:
             return code, frame.f_lineno
+        if code is until:
+            return None
         frame = frame.f_back
     return None
 
