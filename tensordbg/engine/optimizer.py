@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import math
 import sys
-from functools import partial
+from functools import cached_property, partial
 from typing import Any
 
 import torch
 
+from tensordbg.engine.gradless import Gradless
 from tensordbg.engine.marks import own_work
 from tensordbg.engine.origin import Verdict
 from tensordbg.engine.params import Digest, Param, ParamWatch, held_params, sample_moved
@@ -55,6 +56,12 @@ class OptimizerPhase:
     again inside the first (cleared at each root forward: a step that raised ends there)."""
     _steps_apart = False
     _ever_stepped: frozenset[int] = frozenset()
+
+    @cached_property
+    def gradless(self) -> Gradless:
+        """The trainable parameters stepped that never got a gradient (engine/gradless.py)."""
+        return Gradless(self.log)
+
     _forwards_at_end = -1
     """The root forwards counted when the last step ended."""
     _skip_dropped = False
@@ -264,6 +271,8 @@ class OptimizerPhase:
                 self.ranks.safe_point()  # the step's collectives are done: ranks stop here
                 if self.detached:  # q while the ranks were paused there
                     return
+            if self.ruleset.active and not self.gradless.done:  # before a skip drops them
+                self.gradless.note(self.weights.owned(optimizer, self.optimizers), self.step)
             if self._skip_requested:
                 drop_gradients(optimizer)
                 self._skip_dropped = True
