@@ -186,7 +186,7 @@ def test_the_ui_opens_a_job_once_and_shift_r_moves_to_the_next_rank(private_runt
             await until(pilot, lambda: app.info.get("rank") == 0 and app.state == "running")
             app.action_next_rank()
             await until(pilot, lambda: app.info.get("rank") == 1 and app.state == "paused")
-            assert app.main.sub_title.endswith(" · rank 1")  # the header names it
+            assert app.main.sub_title.startswith("rank 1 · ")  # the header names it first
             app.main.post_message(OpenTensor(3, "net.2.output"))  # a tensor of rank 1's
             title = app.query_one("#tensor-title", Static)
             await until(pilot, lambda: str(title.content) == "net.2.output")
@@ -265,8 +265,9 @@ def test_closing_the_ranks_list_while_a_rank_is_slow_to_answer_reports_no_error(
 @pytest.mark.parametrize(
     ("state", "said"),
     [
-        ("finished", "The job's other ranks are gone (its 2 ranks' sessions ended with the "
-                     "training): only this one's record is here."),
+        ("finished", "The job has ended: the sessions of its 2 ranks closed with it, and R "
+                     "and F9 read a rank only while its session is open. What this UI read of "
+                     "rank 1 stays on screen."),
         ("replay", "A replay shows one rank of the 2: open another with tensordbg replay DIR "
                    "--rank N."),
     ],

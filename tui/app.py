@@ -16,6 +16,7 @@ from typing import Any
 
 from textual.app import App, SystemCommand
 from textual.binding import Binding
+from textual.notifications import Notification, Notify
 from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import Input
@@ -48,7 +49,7 @@ COUNTING = "Repeat the next key (5s: five steps)"
 
 # Keys of the main screen (a dialog or the session list has its own keys only).
 _MAIN_ACTIONS = frozenset({"control", "count", "tab", "search", "detach", "ignore", "profile",
-                           "ranks", "next_rank"})  # fmt: skip
+                           "ranks", "next_rank", "one_rank"})  # fmt: skip
 
 
 class TensorDbgApp(JobRanks, App[int]):
@@ -87,6 +88,7 @@ class TensorDbgApp(JobRanks, App[int]):
         Binding("escape", "hide_help_panel", "Close the keys panel", show=False),
         Binding("f9", "ranks", "Ranks", show=False),
         Binding("R", "next_rank", "Next rank", show=False),
+        Binding("R,f9", "one_rank", show=False, system=True),  # says why they show nothing
         # A count before a key: one row of the keys panel, 0-9 (ten bare digits were listed).
         Binding("0", "count(0)", COUNTING, show=False, key_display="0-9"),
         *(Binding(str(d), f"count({d})", show=False, system=True) for d in range(1, 10)),
@@ -132,6 +134,7 @@ class TensorDbgApp(JobRanks, App[int]):
         self.info: dict[str, Any] = {}
         """The session's info from its hello reply (which run, which rank)."""
         self._switch_path: str | None = None
+        self._of_this_pause: list[Notification] = []  # see notify_of_pause
 
     def get_default_screen(self) -> Screen:
         return self.main
@@ -191,6 +194,9 @@ class TensorDbgApp(JobRanks, App[int]):
                 try:
                     client = await self._connect(path)
                 except TrainingExited as e:
+                    if path is not None and not self.info:  # listed, and gone before it opened
+                        self._ended_before_opened(str(e))
+                        return
                     finished = self.state == "finished"  # it said so: not "exited or goes on"
                     why = str(e).replace(ENDED, "its training finished") if finished else str(e)
                     self.main.show_training_exited(why)
@@ -231,14 +237,23 @@ class TensorDbgApp(JobRanks, App[int]):
                 return
             await asyncio.sleep(self._reconnect_delay)
 
+    def _ended_before_opened(self, why: str) -> None:
+        """The session chosen from the list ended before the UI reached it: as for a training
+        named on the command line that has exited, one line on stderr and exit code 2, not a
+        UI with nothing to show that waits for q."""
+        self.farewell = f"tensordbg tui: {why}"
+        self.exit(return_code=2)
+
     def _greeted(self, welcome: Welcome) -> None:
-        info = self.info = dict(welcome["info"])
+        before, info = self.info, dict(welcome["info"])
+        self.info = info
         self.crash_file.session = (
             f"run {info['run_id']} of {info['script']} (rank {info['rank']}, pid {info['pid']}, "
             f"torch {info['torch']}, {'live' if info['live'] else 'recorded'}, serves "
             f"{', '.join(info['capabilities'])})"
         )
         self.main.load_welcome(welcome)
+        self.said_rank_shown(before)
 
     async def _serve_events(self, client: DebugClient) -> str:
         """Hand pushed events to the screen until the connection drops; returns why it did. A
@@ -284,6 +299,21 @@ class TensorDbgApp(JobRanks, App[int]):
 
     def watch_state(self, state: str) -> None:
         self.main.show_state(state)
+        if state != "paused":
+            for note in self._of_this_pause:  # Textual has no public way to close one toast
+                if note in self._notifications:
+                    self._unnotify(note)
+            self._of_this_pause.clear()
+
+    def notify_of_pause(self, message: str, title: str) -> None:
+        """A notification about the pause the training is in, closed when that pause ends: "the
+        update of step 5 will be skipped ... c continues" stayed on after c, beside a header
+        that already said PAUSED at step 6. Said of a pause already over, it is not shown."""
+        if self.state != "paused":
+            return
+        note = Notification(message, title, timeout=self.NOTIFICATION_TIMEOUT)
+        self._of_this_pause.append(note)
+        self.post_message(Notify(note))
 
     # --- keys ------------------------------------------------------------------------------
 
@@ -305,6 +335,8 @@ class TensorDbgApp(JobRanks, App[int]):
                 return self.can_ignore()
             if action in ("ranks", "next_rank"):  # listed in the keys panel for a job only
                 return int(self.info.get("world_size", 1)) > 1
+            if action == "one_rank":  # once a session is reached: says it has one rank
+                return bool(self.info) and int(self.info.get("world_size", 1)) < 2
             if action in ("tab", "search", "detach"):
                 return True
             if action == "profile":
@@ -369,7 +401,7 @@ class TensorDbgApp(JobRanks, App[int]):
                 f"The update of step {reply['step']} will be skipped: its gradients are dropped, "
                 "the weights and the optimizer state stay as they are."
             )
-            self.notify(f"{said} c continues.", title="Skip", markup=False)
+            self.notify_of_pause(f"{said} c continues.", title="Skip")
 
     def action_ignore(self) -> None:
         hit = self.main.hit_to_ignore()

@@ -127,23 +127,25 @@ def session_app(
         if not sessions:
             return None
 
-    reached: dict[str, Any] = {}  # connection file -> the session it led to, once reached
+    # Connection file (or run id) -> the session it leads to: as listed, then as reached. A
+    # session listed a moment ago may have ended before it was chosen: its file is gone.
+    known: dict[str, Any] = {str(s.path): s for s in sessions}
 
     async def connect(picked: str | None) -> Client:
         path = picked or conn
         if path is None and run_id is not None:
-            gone = exited(reached.get(run_id))
+            gone = exited(known.get(run_id))
             if gone:
                 raise TrainingExited(gone)
             path = await wait_for_run(run_id, wait, alive=alive)
         try:
             client = await Client.connect(path, timeout=5.0)
         except Exception:
-            gone = exited(reached.get(str(path)))
+            gone = exited(known.get(str(path)))
             if gone:  # reconnecting cannot succeed: the app says so and stops trying
                 raise TrainingExited(gone) from None
             raise
-        reached[str(path)] = reached[client.info.run_id] = client.info
+        known[str(path)] = known[client.info.run_id] = client.info
         return client
 
     return TensorDbgApp(connect, sessions=sessions, ends_training=ends_training)

@@ -270,3 +270,15 @@ def step_phrase(state: str, step: int | None) -> str:
     if state not in OVER:
         return f"at step {step}"
     return f"after step {step - 1}" if step > 0 else "before its first step"
+
+
+def session_phrase(info: Any) -> str:
+    """Which session the header names after the state: ``rank 1 · train.py · run 3f2a1c9e``
+    (the rank for a job of several only). A narrow terminal cuts the header's right end, so the
+    rank, which R and F9 change, comes before the script; a long run id (torchrun's default is a
+    uuid) is shortened to its first 8 characters. The Run tab gives the run id whole."""
+    script = str(info.get("script", "?")).replace("\\", "/").rsplit("/", 1)[-1]
+    run = str(info.get("run_id", "?"))
+    run = run if len(run) <= 12 else f"{run[:8]}…"
+    rank = f"rank {info.get('rank')} · " if info.get("world_size", 1) > 1 else ""
+    return f"{rank}{script} · run {run}"

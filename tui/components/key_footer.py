@@ -25,12 +25,15 @@ if TYPE_CHECKING:
 AROUND = {False: 3, True: 2}
 FIRST = frozenset("cnspq")
 """The debugger's keys that drive the training (or move along a recorded run) and quit."""
+AT_A_PAUSE = frozenset("ki")
+"""Skip the update, ignore the rule: shown only while the training is paused, and then needed
+before the tab's other keys (at 80 columns "/ Search" and "P Profile" had kept them out)."""
 
 
 class KeyFooter(Footer):
     """Keys left out whole, the least needed first: the keys in ``FIRST`` are kept before the
-    focused widget's (the tab's own), and those before the app's other keys (the app lists its
-    bindings in the order of need)."""
+    focused widget's (the tab's own) and the pause's (``AT_A_PAUSE``), and those before the
+    app's other keys (the app lists its bindings in the order of need)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -63,7 +66,10 @@ class KeyFooter(Footer):
         def need(key: FooterKey) -> int:
             if key.key in FIRST:
                 return 0
-            return 2 if key.key in bindings and bindings[key.key].node is app else 1
+            mine = key.key in bindings and bindings[key.key].node is app
+            if mine and key.key in AT_A_PAUSE:
+                return 1
+            return 2 if mine else 1
 
         fits = []
         for key in sorted(keys, key=need):  # stable: in the footer's order within a rank

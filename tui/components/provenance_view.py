@@ -6,12 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Group
+from rich.segment import Segment
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
+from textual.strip import Strip
 from textual.widgets import Static, Tree
 
+from tensordbg.tui.components.line_table import strip_style
 from tensordbg.tui.errors import work
 from tensordbg.tui.messages import OpenTensor
 from tensordbg.tui.remote import RequestFailed, remote_of
@@ -52,6 +55,23 @@ BACKWARD_LINE = (
 )
 
 
+class ProvenanceTree(Tree[dict[str, Any] | None]):
+    """The tree, a line cut by the right edge ending in ``…`` there (→ scrolls to the rest), as
+    the Modules tab's lines do: an input's summary cut to "tensor[16,31,64] floa" read as
+    whole."""
+
+    def render_line(self, y: int) -> Strip:
+        scroll_x, scroll_y = self.scroll_offset
+        width = self.size.width
+        # Tree's own line, from the scroll position to its end (Tree crops it to the width).
+        end = scroll_x + max(self.virtual_size.width, width)
+        line = self._render_line(y + scroll_y, scroll_x, end, self.rich_style)
+        if width and line.crop(width).text.strip():
+            cut = line.crop(0, width - 1)
+            return Strip([*cut, Segment("…", strip_style(cut))])
+        return line.crop(0, width)
+
+
 class ProvenanceView(VerticalScroll):
     """Fed by :meth:`load` with a tensor's ref; Enter on an input opens that input. Until a
     tensor is open, the source box says how to open one."""
@@ -60,7 +80,7 @@ class ProvenanceView(VerticalScroll):
         super().__init__(id="provenance-view")
 
     def compose(self) -> ComposeResult:
-        tree: Tree[dict[str, Any] | None] = Tree("No tensor open", id="provenance-tree")
+        tree = ProvenanceTree("No tensor open", id="provenance-tree")
         tree.show_root = True
         yield tree
         source = Static(NOTHING_OPEN, id="provenance-source")

@@ -22,6 +22,12 @@ ROWS = (
     ("zeros", "zeros"),
 )
 COUNTS = {"nan", "posinf", "neginf", "zeros", "numel"}
+SLICE_NOT_COMPARED = (
+    "the previous step's statistics are of the whole tensor, not of a slice: clear the slice "
+    "(Enter on an empty box) to compare them"
+)
+"""Why a slice has no previous column: sources keep a step's statistics of whole tensors only
+(its column of dashes said "no statistics of this tensor", which the whole tensor had)."""
 ALARMS = {"nan", "posinf", "neginf"}
 
 
@@ -83,9 +89,10 @@ class StatsCompare(Static):
         elif none_finite:
             table.caption = "no finite value: mean, std, min, max and the norms are of finite ones"
         elif not previous:
-            table.caption = (
-                stats.get("previous_why") or "no statistics of this tensor from the previous step"
-            )
+            table.caption = stats.get("previous_why") or (
+                SLICE_NOT_COMPARED if stats.get("index")
+                else "no statistics of this tensor from the previous step"
+            )  # fmt: skip
         else:
             table.caption = _partial(previous["step"], before)
         self.update(table)

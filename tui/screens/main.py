@@ -39,7 +39,7 @@ from tensordbg.tui.components.tensor_inspector import TensorInspector
 from tensordbg.tui.errors import reported, work
 from tensordbg.tui.messages import HitsFound, OpenTensor
 from tensordbg.tui.profiler.view import ProfilerView
-from tensordbg.tui.remote import OVER, RequestFailed, remote_of, step_phrase
+from tensordbg.tui.remote import OVER, RequestFailed, remote_of, session_phrase, step_phrase
 
 
 class Tab(NamedTuple):
@@ -140,10 +140,7 @@ class MainScreen(Screen):
         self.banner.clear()
         self._lost_text = ""
         self.app.title = f"tensordbg · {info.get('script', '?')} · run {info.get('run_id', '?')}"
-        # The header says the state first, so a narrow terminal cuts the script, not the state.
-        script = str(info.get("script", "?")).replace("\\", "/").rsplit("/", 1)[-1]
-        rank = f" · rank {info.get('rank')}" if info.get("world_size", 1) > 1 else ""  # R, F9
-        self.sub_title = f"{script} · run {info.get('run_id', '?')}{rank}"
+        self.sub_title = session_phrase(info)  # the header, after the state
         self.tensor_inspector.reconnected(info)  # another rank's (R): its tensor is not this one
         self._step = info.get("step")
         self._sync = info.get("sync", "")

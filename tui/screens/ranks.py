@@ -72,7 +72,9 @@ class RanksScreen(Screen[int | None]):
         self.clients = dict(sorted(clients.items()))
         self.current = current
         self.every = every
-        self.infos: dict[int, dict[str, Any] | None] = {}
+        self.infos: dict[int, dict[str, Any]] = {}
+        """Each rank's latest info; a rank whose session has ended keeps its last."""
+        self.ended: set[int] = set()
         self.hits: dict[int, list[dict[str, Any]]] = {r: [] for r in self.clients}
         self.only: int | None = None
         """The rank whose hits are listed; None lists every rank's."""
@@ -81,7 +83,7 @@ class RanksScreen(Screen[int | None]):
     def compose(self) -> ComposeResult:
         with Vertical(id="ranks-screen"):
             yield Label(f"run {self.run_id}: {len(self.clients)} ranks (Enter inspects one)",
-                        classes="dialog-title")  # fmt: skip
+                        id="ranks-title", classes="dialog-title")  # fmt: skip
             yield Table(id="ranks-table", cursor_type="row")
             yield Label("Hits of every rank (0-9: one rank, a: all)", id="ranks-hits-title")
             yield Table(id="ranks-hits", cursor_type="row")
@@ -91,7 +93,7 @@ class RanksScreen(Screen[int | None]):
 
     def on_mount(self) -> None:
         self.query_one("#ranks-table", DataTable).add_columns(
-            "rank", "state", "step", "hits", "why it is paused"
+            "rank", "state", "step", "hits", "why it is paused, or how it ended"
         )
         self.query_one("#ranks-hits", DataTable).add_columns(
             "rank", "step", "phase", "rule", "tensor", "where"
@@ -105,15 +107,18 @@ class RanksScreen(Screen[int | None]):
 
     @work(group="ranks-refresh", exclusive=True)
     async def refresh_ranks(self) -> None:
-        """Ask every rank where it is and for its new hits (a rank that is gone says so)."""
+        """Ask every rank where it is and for its new hits. A rank that does not answer has
+        ended (its session closed with the training), unless it answers again: it keeps what
+        was read of it."""
         changed = False
         for rank, client in self.clients.items():
             try:
                 self.infos[rank] = await client.call("info")
                 new = await client.call("hits", since=len(self.hits[rank]))
             except Exception:
-                self.infos[rank] = None
+                self.ended.add(rank)
                 continue
+            self.ended.discard(rank)
             if new:
                 self.hits[rank].extend(new)
                 changed = True
@@ -126,15 +131,19 @@ class RanksScreen(Screen[int | None]):
         row = table.cursor_row
         table.clear()
         for rank in self.clients:
-            info = self.infos.get(rank)
+            info = self.infos.get(rank, {})
             mark = " *" if rank == self.current else ""
-            if info is None:
-                table.add_row(f"{rank}{mark}", "gone", "", "", "", key=str(rank))
-                continue
-            table.add_row(f"{rank}{mark}", info["state"], str(info["step"]),
-                          str(info["hits_total"]), info.get("pause_reason", "")[:80],
-                          key=str(rank))  # fmt: skip
+            state, why = info.get("state", "?"), info.get("pause_reason", "")
+            if rank in self.ended:
+                last = f" (last read: {state})" if info else ""
+                state, why = "ended", f"its session closed{last}"
+            table.add_row(f"{rank}{mark}", state, str(info.get("step", "")),
+                          str(info.get("hits_total", "")), why[:80], key=str(rank))  # fmt: skip
         table.move_cursor(row=min(row, len(self.clients) - 1))
+        if len(self.ended) == len(self.clients):
+            self.query_one("#ranks-title", Label).update(
+                f"run {self.run_id} has ended: its {len(self.clients)} ranks as last read"
+            )
 
     def _show_hits(self) -> None:
         table = self.query_one("#ranks-hits", DataTable)
@@ -193,9 +202,19 @@ class RanksScreen(Screen[int | None]):
         if key is None:
             return
         if event.data_table.id == "ranks-table":
-            self.dismiss(int(key))
+            self._inspect(int(key))
         elif event.data_table.id == "ranks-hits" and int(key) < len(self._listed):
-            self.dismiss(int(self._listed[int(key)]["rank"]))
+            self._inspect(int(self._listed[int(key)]["rank"]))
+
+    def _inspect(self, rank: int) -> None:
+        """Back to the main screen on ``rank``, unless that rank's session has ended: nothing of
+        it can be read there (Enter seemed to do nothing), and this list says so."""
+        if rank in self.ended and rank != self.current:
+            self.notify(f"Rank {rank}'s session has ended with the training: it cannot be "
+                        "inspected, only what this list read of it is left.", title="Ranks",
+                        markup=False)  # fmt: skip
+            return
+        self.dismiss(rank)
 
 
 async def _summary_of(client: Any, hit: dict[str, Any]) -> dict[str, Any] | None:
