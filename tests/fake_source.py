@@ -65,6 +65,7 @@ class FakeSource:
         self.stored_profile = report
         """What ``profile_report`` answers (a test sets a report dict)."""
         self.profiles: list[int] = []
+        self.profiled_shapes: list[bool] = []  # record_shapes of each profile request
         self.gpus = gpus
         self.gpu_requests: list[float] = []
         self._gpu_clock = 0.0
@@ -372,11 +373,12 @@ class FakeSource:
         self.emit("state", {"state": self.state, "step": self.step})
         return {"state": self.state, "step": self.step}
 
-    def profile(self, steps: int = 5) -> dict[str, Any]:
+    def profile(self, steps: int = 5, record_shapes: bool = False) -> dict[str, Any]:
         # As a live training: armed now, "running" comes at the next step (run_profile).
         if steps < 1:
             raise SourceError("steps is a number of training steps, at least 1")
         self.profiles.append(steps)
+        self.profiled_shapes.append(record_shapes)
         return {"pending": True, "steps": steps}
 
     def profile_report(self) -> dict[str, Any] | None:

@@ -78,6 +78,14 @@ def test_a_ui_profiles_the_running_training_and_reads_the_report_and_the_gpu():
             check(report, REPLIES["profile_report"], name="profile_report", strict=True)
             assert len(report["steps"]) == 2 and report["device"] == "cpu"
             assert report["trace"] and not any("traceEvents" in str(v) for v in report.values())
+            assert not any(op["input_shapes"] for op in report["operators"])
+            # The P dialog's "Record input shapes": the request carries it to torch.profiler.
+            client.call("profile", steps=1, record_shapes=True)
+            for event, payload in client.events(timeout=30):
+                if event == "profile" and payload["state"] not in ("pending", "running"):
+                    break
+            shaped = client.call("profile_report")["operators"]
+            assert any(op["input_shapes"] for op in shaped)
             gpu = client.call("gpu", since=0.0)
             check(gpu, REPLIES["gpu"], name="gpu", strict=True)
             if not gpu["available"]:

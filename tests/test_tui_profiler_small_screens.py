@@ -181,8 +181,7 @@ def test_the_operators_status_fits_or_ends_in_an_ellipsis() -> None:
 
 def test_g_is_offered_only_with_shapes_and_otherwise_says_how_to_record_them() -> None:
     """The footer offered ``g Group by shape`` and g said only "This profile has no input
-    shapes to group by."; P cannot ask for shapes (the profile request carries a number of
-    steps), so the sentence says how to."""
+    shapes to group by.": it says how to record them."""
 
     async def without(app: TensorDbgApp, pilot: Pilot) -> None:
         profiler = await with_report(pilot, "operators")
@@ -190,7 +189,7 @@ def test_g_is_offered_only_with_shapes_and_otherwise_says_how_to_record_them() -
         await pilot.press("g")
         await until(pilot, lambda: app._notifications)
         message = [n.message for n in app._notifications][-1]
-        assert "record_shapes=True" in message and "session.profile(" in message, message
+        assert '"Record input shapes" ticked' in message and "record_shapes=True" in message
         assert not profiler.operators.by_shape
 
     run(FakeSource(report=cuda_report()), without, size=(160, 40))
@@ -202,3 +201,24 @@ def test_g_is_offered_only_with_shapes_and_otherwise_says_how_to_record_them() -
         assert profiler.operators.by_shape
 
     run(FakeSource(report=cpu_report()), with_shapes, size=(160, 40))
+
+
+def test_p_asks_for_input_shapes_when_they_are_ticked() -> None:
+    """The P dialog had no way to ask for shapes: the Operators view's g had nothing to group
+    by in a profile asked for from the UI."""
+
+    def ask(tick: bool) -> list[bool]:
+        source = FakeSource()
+
+        async def flow(app: TensorDbgApp, pilot: Pilot) -> None:
+            await pilot.press("P")
+            await until(pilot, lambda: isinstance(app.screen, ProfileStepsScreen))
+            if tick:
+                app.screen.query_one("#profile-shapes").value = True
+            await pilot.press("enter")
+            await until(pilot, lambda: source.profiles == [5])
+
+        run(source, flow, size=(80, 24))
+        return source.profiled_shapes
+
+    assert ask(False) == [False] and ask(True) == [True]

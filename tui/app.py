@@ -432,10 +432,10 @@ class TensorDbgApp(JobRanks, App[int]):
             self.main.show_tab("profile")
             return
 
-        def chosen(steps: int | None) -> None:
-            if steps is not None:
+        def chosen(choice: tuple[int, bool] | None) -> None:
+            if choice is not None:
                 self.main.show_tab("profile")
-                view.start(steps)
+                view.start(*choice)
 
         self.push_screen(ProfileStepsScreen(DEFAULT_STEPS), chosen)
 

@@ -192,10 +192,11 @@ class Remote:
         """A recorded run: show another dumped step (``move=1`` the next)."""
         return await self._request("goto", step=step, move=move)
 
-    async def profile(self, steps: int) -> ProfilePending:
-        """Profile the next ``steps`` steps; ``{"pending": True, "steps": N}`` at once, the
-        ``profile`` event follows it and ``profile_report()`` has the report when it is done."""
-        return await self._request("profile", steps=steps)
+    async def profile(self, steps: int, record_shapes: bool = False) -> ProfilePending:
+        """Profile the next ``steps`` steps (with input shapes: ``record_shapes``); ``{"pending":
+        True, "steps": N}`` at once, the ``profile`` event follows it and ``profile_report()``
+        has the report when it is done."""
+        return await self._request("profile", steps=steps, record_shapes=record_shapes or None)
 
     async def profile_report(self) -> ProfileReport | None:
         """The latest finished profile report (a ProfileReport's dict), or None."""

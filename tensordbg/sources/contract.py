@@ -196,10 +196,11 @@ class Source(Protocol):
         step is shown as broken (``info["replay"]["broken"]``), never an error."""
         ...
 
-    def profile(self, steps: int = 5) -> ProfilePending:
+    def profile(self, steps: int = 5, record_shapes: bool = False) -> ProfilePending:
         """Profile the next ``steps`` training steps, after one warm-up step (``torch.profiler``
-        in the training process, started by the training thread at its next step boundary). The
-        ``profile`` event says when the report is ready; raw traces never cross the wire."""
+        in the training process, started by the training thread at its next step boundary),
+        with the operators' input shapes when ``record_shapes`` (slower). The ``profile`` event
+        says when the report is ready; raw traces never cross the wire."""
         ...
 
     def profile_report(self) -> ProfileReport | None:

@@ -17,13 +17,13 @@ class LiveProfiling:
     session: Any
     _gpu: Any = None  # the NVML sampler, made by the first gpu() request
 
-    def profile(self, steps: int = 5) -> contract.ProfilePending:
+    def profile(self, steps: int = 5, record_shapes: bool = False) -> contract.ProfilePending:
         """Profile the next ``steps`` steps: started by the training thread at its next step
         boundary (through the control plane); the ``profile`` event says when it is done."""
         from tensordbg.profiler.capture import ProfileError
 
         try:
-            self.session.profile(steps)
+            self.session.profile(steps, record_shapes=record_shapes)
         except ProfileError as e:
             raise SourceError(str(e)) from None
         return {"pending": True, "steps": steps}

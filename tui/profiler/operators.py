@@ -2,8 +2,8 @@
 device, sortable by any column (``o``, ``O``, a click on a heading), grouped by operator or by
 operator and input shape (``g``, when the report has shapes), searched with ``/``.
 
-Shapes are recorded only when the profile was asked for with ``record_shapes=True`` (from
-Python): the UI's ``profile`` request carries a number of steps and nothing else."""
+Shapes are recorded only when the profile was asked for with them (``record_shapes=True``: the
+P dialog's "Record input shapes", or from Python)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from tensordbg.tui.profiler.units import number, seconds
 
 NO_SHAPES = (
     "This profile has no input shapes to group by: they are recorded when the profile is asked "
-    "for from Python, session.profile(steps=5, record_shapes=True) or "
-    "tensordbg.profile(model, optimizer, steps=5, record_shapes=True); P records none."
+    'for with P and "Record input shapes" ticked, or from Python, session.profile(steps=5, '
+    "record_shapes=True)."
 )
 SUMMED = ("calls", "self_cpu", "total_cpu", "self_device", "total_device", "flops")
 COLUMNS = [

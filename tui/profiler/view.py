@@ -163,14 +163,14 @@ class ProfilerView(Vertical, can_focus=True):
     # --- requests ----------------------------------------------------------------------------
 
     @work(group="profile", exclusive=True)
-    async def start(self, steps: int) -> None:
-        """Profile the next ``steps`` steps of the training."""
+    async def start(self, steps: int, record_shapes: bool = False) -> None:
+        """Profile the next ``steps`` steps of the training (with input shapes: slower)."""
         remote = remote_of(self)
         if not remote.serves("profile"):
             self.notify(self.how_to_profile(), title="Cannot profile", severity="warning")
             return
         try:
-            reply = await remote.profile(steps)
+            reply = await remote.profile(steps, record_shapes)
         except RequestFailed as e:
             self._progressed({"state": "failed", "step": 0, "steps": steps, "message": e.message})
             return

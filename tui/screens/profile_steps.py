@@ -1,4 +1,5 @@
-"""A dialog asking how many steps to profile (5 unless changed)."""
+"""A dialog asking how many steps to profile (5 unless changed), and whether to record the
+operators' input shapes (the Operators view groups by them; they slow the profiled steps)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, Static
+from textual.widgets import Button, Checkbox, Input, Label, Static
 
 MAX_STEPS = 1000
 
 
-class ProfileStepsScreen(ModalScreen[int | None]):
-    """Dismissed with the number of steps to profile, or None when cancelled."""
+class ProfileStepsScreen(ModalScreen[tuple[int, bool] | None]):
+    """Dismissed with the number of steps to profile and whether to record input shapes, or
+    None when cancelled."""
 
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "cancel", "Cancel")]
 
@@ -33,6 +35,8 @@ class ProfileStepsScreen(ModalScreen[int | None]):
                 classes="dialog-doc",
             )
             yield Input(str(self.steps), id="profile-steps", type="integer")
+            yield Checkbox("Record input shapes (Operators: g groups by them; slower)",
+                           id="profile-shapes")  # fmt: skip
             yield Static("", classes="dialog-error")
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Profile", variant="primary", id="profile")
@@ -50,7 +54,7 @@ class ProfileStepsScreen(ModalScreen[int | None]):
             error = f"The number of steps is a whole number from 1 to {MAX_STEPS}, not {value!r}."
             self.query_one(".dialog-error", Static).update(Text(error, style="bold red"))
             return
-        self.dismiss(steps)
+        self.dismiss((steps, self.query_one("#profile-shapes", Checkbox).value))
 
     @on(Button.Pressed, "#cancel")
     def action_cancel(self) -> None:
