@@ -271,8 +271,9 @@ class OptimizerPhase:
                 self.ranks.safe_point()  # the step's collectives are done: ranks stop here
                 if self.detached:  # q while the ranks were paused there
                     return
+            owned = self.weights.owned(optimizer, self.optimizers)
             if self.ruleset.active and not self.gradless.done:  # before a skip drops them
-                self.gradless.note(self.weights.owned(optimizer, self.optimizers), self.step)
+                self.gradless.note(owned, self.step)
             if self._skip_requested:
                 drop_gradients(optimizer)
                 self._skip_dropped = True
@@ -283,7 +284,7 @@ class OptimizerPhase:
             for record, grad in self._brought:  # judged after the backward phase had ended
                 self.phases.adopt(record)
                 record.tensor = grad  # a hit's own tensor is kept (the phase's start let it go)
-            owned = self._stepping[optimizer] = self.weights.owned(optimizer, self.optimizers)
+            self._stepping[optimizer] = owned
             wanted = self.ruleset.update_stats()
             if wanted is None:
                 self.weights.versions, self.weights.snapshots, self.weights.samples = {}, {}, {}
