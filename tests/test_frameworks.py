@@ -615,7 +615,7 @@ def test_lightning_ddp_two_processes_each_rank_has_its_session_and_rank_1_names_
 
 
 HF_TORCHRUN_SCRIPT = """
-    import json, os
+    import json, os, sys
     import torch
     import transformers
     from tensordbg.integrations.hf import TensordbgCallback
@@ -646,7 +646,12 @@ HF_TORCHRUN_SCRIPT = """
     hits = [[h.step, h.module, h.kind, h.origin] for h in session.hits]
     with open(f"{OUT}/rank{rank}.json", "w") as f:
         json.dump({"rank": session.rank, "run_id": session.run_id, "steps": session.step,
-                   "hits": hits}, f)
+                   "hits": hits, "detached": session.detached}, f)
+    # As tests/ranks_job.py: the interpreter's teardown under gloo's threads has aborted a
+    # rank after its work was done and written; the job ends here.
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 """
 
 
@@ -667,7 +672,7 @@ def test_hf_trainer_under_torchrun_has_a_session_per_rank_and_rank_1_names_its_m
     assert done.returncode == 0, ranks_said(done.stderr)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["run_id"] == ranks[1]["run_id"]
-    assert [r["steps"] for r in ranks] == [4, 4]
+    assert [r["steps"] for r in ranks] == [4, 4] and all(r["detached"] for r in ranks)
     origin = next(h for h in ranks[1]["hits"] if h[3])
     assert origin == [2, "transformer.h.1.mlp.c_fc", "output", True]
     # Rank 0's own forward of step 2 was clean; what it received later is passed on.
