@@ -520,7 +520,7 @@ def test_the_tensor_tab_says_why_it_has_no_values_and_no_moments(tmp_path: Path)
         if not hasattr(table, "columns"):
             return False
         now = [str(c) for c in table.columns[1]._cells]
-        return now[:6] == ["–"] * 6 and now[8] == "1" and "no finite value" in table.caption
+        return now[:6] == ["–"] * 6 and now[8] == "1" and "no finite value" in table.title
 
     asyncio.run(flow(run, loss, no_moments))
 

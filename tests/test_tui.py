@@ -604,22 +604,22 @@ def test_a_previous_step_that_recorded_little_says_so_instead_of_a_column_of_das
             compare = pilot.app.query_one(StatsCompare)
             compare.show({"summary": now, "previous": {"step": 4, "summary": {"finite": 1.0}}})
             await pilot.pause()
-            caption = compare.content.caption
+            caption = compare.content.title
             assert (
                 caption == "step 4 recorded none of these statistics, only what its checks measured"
             )
             compare.show({"summary": now, "previous": {"step": 4, "summary": {"mean": 0.1}}})
-            assert compare.content.caption == (
+            assert compare.content.title == (
                 "step 4 recorded only mean of these (what its checks measured)"
             )
             compare.show({"summary": now, "previous": {"step": 4, "summary": now}})
-            assert compare.content.caption is None
+            assert compare.content.title is None
             # None at all, and the source says why: that reason, not a blank "none".
             why = "deferred checks (the CPU's default) measure a clean step's activations only"
             compare.show({"summary": now, "previous": None, "previous_why": why})
-            assert compare.content.caption == why
+            assert compare.content.title == why
             compare.show({"summary": now, "previous": None})
-            assert compare.content.caption == "no statistics of this tensor from the previous step"
+            assert compare.content.title == "no statistics of this tensor from the previous step"
             # An empty slice ([3:1]): its moments are none, not NaN.
             nothing = {
                 **dict.fromkeys(("mean", "std", "min", "max", "abs_mean"), math.nan),
@@ -631,7 +631,7 @@ def test_a_previous_step_that_recorded_little_says_so_instead_of_a_column_of_das
                 "zeros": 0,
             }
             compare.show({"summary": nothing, "previous": None})
-            assert compare.content.caption == "the slice selects no value"
+            assert compare.content.title == "the slice selects no value"
             assert "NaN" not in str(list(compare.content.columns[1].cells))
 
     asyncio.run(flow())

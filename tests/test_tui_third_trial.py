@@ -276,13 +276,23 @@ def test_a_slice_says_why_it_has_no_previous_step_to_compare_with() -> None:
 
     async def check(app: TensorDbgApp, pilot: Pilot) -> None:
         compare = await open_tensor(pilot, 3, "net.2.output", StatsCompare)
-        await until(pilot, lambda: compare.content and compare.content.caption is None)
+        await until(pilot, lambda: compare.content and compare.content.title is None)
         await type_slice(pilot, "[1]")
         await pilot.press("enter")
-        await until(pilot, lambda: compare.content.caption is not None)
-        assert compare.content.caption == (
+        await until(pilot, lambda: compare.content.title is not None)
+        assert compare.content.title == (
             "the previous step's statistics are of the whole tensor, not of a slice: clear "
             "the slice (Enter on an empty box) to compare them"
         )
 
     run(WholeOnly(), check)
+
+    async def seen(app: TensorDbgApp, pilot: Pilot) -> None:  # at 80x24 it was cut off
+        compare = await open_tensor(pilot, 3, "net.2.output", StatsCompare)
+        await type_slice(pilot, "[1]")
+        await pilot.press("enter")
+        await until(pilot, lambda: compare.content.title is not None)
+        await pilot.pause()
+        assert "to compare them" in " ".join(screen_text(app).split())
+
+    run(WholeOnly(), seen, size=(80, 24))

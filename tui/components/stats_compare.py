@@ -84,17 +84,19 @@ class StatsCompare(Static):
                 fmt(before.get(key)),
                 delta(value, before.get(key), key),
             )
+        # Why columns are blank, above the rows: below them, a small screen cut it off.
         if empty:
-            table.caption = "the slice selects no value"
+            table.title = "the slice selects no value"
         elif none_finite:
-            table.caption = "no finite value: mean, std, min, max and the norms are of finite ones"
+            table.title = "no finite value: mean, std, min, max and the norms are of finite ones"
         elif not previous:
-            table.caption = stats.get("previous_why") or (
+            table.title = stats.get("previous_why") or (
                 SLICE_NOT_COMPARED if stats.get("index")
                 else "no statistics of this tensor from the previous step"
             )  # fmt: skip
         else:
-            table.caption = _partial(previous["step"], before)
+            table.title = _partial(previous["step"], before)
+        table.title_style = "dim"
         self.update(table)
 
 
