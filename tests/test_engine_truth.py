@@ -1220,28 +1220,35 @@ def test_after_a_skip_the_same_fault_in_the_next_step_pauses_again(watch, sync):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     session = watch(model, optimizer=opt, on_hit="pause", rules=[NaN()], sync=sync)
-    paused: list[int] = []
-
-    def person():  # k then c at the first pause; c at the second
-        for press in ("skip", "continue"):
-            wait_until(lambda: session.controller.state == "paused")
-            paused.append(session.step)
-            if press == "skip":
-                LiveSource(session).control("skip")
-            session.controller.resume()
-            wait_until(lambda: session.controller.state != "paused")
-
-    helper = threading.Thread(target=person)
-    helper.start()
+    helper, paused = _person(session, ["skip", "continue"])  # k then c; then c
     for step in range(4):
         loss = model(torch.randn(3, 4)).sum() * (float("nan") if step >= 1 else 1.0)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        if step == 2:
-            assert paused == [1, 2]  # before step 2's update; the person let it land (c)
+        if step == 2:  # before step 2's update; the person let it land (c)
+            assert [step for step, _ in paused] == [1, 2]
     helper.join(DEADLINE)
-    assert paused == [1, 2] and session.skipped_updates == [1]
+    assert [step for step, _ in paused] == [1, 2] and session.skipped_updates == [1]
+
+
+def _person(session, presses: list[str]) -> tuple[threading.Thread, list[tuple[int, str]]]:
+    """A person at the UI, on a thread of their own: at each of ``len(presses)`` pauses, note
+    where the training is, press ``k`` for "skip", then ``c``."""
+    paused: list[tuple[int, str]] = []
+
+    def at_the_ui() -> None:
+        for press in presses:
+            wait_until(lambda: session.controller.state == "paused")
+            paused.append((session.step, session.phase))
+            if press == "skip":
+                LiveSource(session).control("skip")
+            session.controller.resume()
+            wait_until(lambda: session.controller.state != "paused")
+
+    helper = threading.Thread(target=at_the_ui)
+    helper.start()
+    return helper, paused
 
 
 @pytest.mark.parametrize("sync", ["eager", "deferred"])
@@ -1253,18 +1260,7 @@ def test_after_a_skip_a_weight_that_stays_nan_pauses_the_next_step_before_its_up
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     session = watch(model, optimizer=opt, on_hit="pause", rules=[NaN()], sync=sync)
-    paused: list[tuple[int, str]] = []
-
-    def person():  # k then c, twice
-        for _ in range(2):
-            wait_until(lambda: session.controller.state == "paused")
-            paused.append((session.step, session.phase))
-            LiveSource(session).control("skip")
-            session.controller.resume()
-            wait_until(lambda: session.controller.state != "paused")
-
-    helper = threading.Thread(target=person)
-    helper.start()
+    helper, paused = _person(session, ["skip", "skip"])  # k then c, twice
     for step in range(3):
         if step == 1:
             with torch.no_grad():

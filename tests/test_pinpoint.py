@@ -497,14 +497,19 @@ def test_a_division_by_zero_after_a_causal_mask_is_named_not_the_softmax(sync: s
     torch.manual_seed(0)
     model = CausalAttention()
     model.temperature = 0.0
+    origin = first_origin(model, sync, torch.randn(2, 5, 8))
+    assert "an Inf came first, from Tensor.div" in origin.message, origin.message
+    assert "scores = scores / self.temperature" in origin.message
+
+
+def first_origin(model: nn.Module, sync: str, x: torch.Tensor):
+    """The first origin hit of one forward and backward of ``x``, attached in mode ``sync``."""
     session = tensordbg.attach(model, on_hit="record", server=False, sync=sync,
                                summary_at_exit=False)  # fmt: skip
     try:
-        model(torch.randn(2, 5, 8)).sum().backward()
+        model(x).sum().backward()
         session.flush()
-        origin = next(h for h in session.hits if h.origin)
-        assert "an Inf came first, from Tensor.div" in origin.message, origin.message
-        assert "scores = scores / self.temperature" in origin.message
+        return next(h for h in session.hits if h.origin)
     finally:
         session.detach()
 
@@ -528,15 +533,8 @@ def test_an_operation_of_a_library_module_is_named_at_the_line_that_called_it_in
     forward, named the line that ran the model, and batched the line that called backward."""
     torch.manual_seed(0)
     model = LayerNormed()
-    session = tensordbg.attach(model, on_hit="record", server=False, sync=sync,
-                               summary_at_exit=False)  # fmt: skip
-    try:
-        with torch.no_grad():
-            model.ln.weight.fill_(3e38)
-        model(torch.randn(4, 8)).sum().backward()
-        session.flush()
-        origin = next(h for h in session.hits if h.origin)
-        assert "layer_norm at test_pinpoint.py:" in origin.message, origin.message
-        assert "(h = self.ln(h))" in origin.message, origin.message
-    finally:
-        session.detach()
+    with torch.no_grad():
+        model.ln.weight.fill_(3e38)
+    origin = first_origin(model, sync, torch.randn(4, 8))
+    assert "layer_norm at test_pinpoint.py:" in origin.message, origin.message
+    assert "(h = self.ln(h))" in origin.message, origin.message

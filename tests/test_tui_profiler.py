@@ -32,10 +32,12 @@ from tensordbg.tui.screens.main import TABS
 from tensordbg.tui.screens.profile_steps import ProfileStepsScreen
 
 
-def run(source: FakeSource, flow: Any) -> None:
+def run(source: FakeSource, flow: Any, size: tuple[int, int] = SIZE) -> None:
+    """Run ``flow(app, pilot)`` on the UI of ``source``, paused, at ``size``."""
+
     async def main() -> None:
         app = TensorDbgApp(LocalClient(source))
-        async with app.run_test(size=SIZE) as pilot:
+        async with app.run_test(size=size) as pilot:
             await until(pilot, lambda: app.state == "paused")
             await mounted(pilot)
             await flow(app, pilot)

@@ -5,18 +5,17 @@ Operators' status line was cut mid-sentence beside a ``g`` that could not work."
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import re
 from typing import Any
 
 from fake_source import FakeSource
 from profile_fixtures import cpu_report, cuda_report, sleepy_report
-from test_tui import footer_keys, mounted, until
+from test_tui import footer_keys, until
 from test_tui_profiler import drawn, with_report
+from test_tui_profiler import run as profiler_run
 from textual.pilot import Pilot
 
-from tensordbg.transport.client import LocalClient
 from tensordbg.tui.app import TensorDbgApp
 from tensordbg.tui.profiler.timeline import LABEL
 from tensordbg.tui.screens.profile_steps import ProfileStepsScreen
@@ -25,14 +24,7 @@ SMALL = (80, 24)
 
 
 def run(source: FakeSource, flow: Any, size: tuple[int, int] = SMALL) -> None:
-    async def main() -> None:
-        app = TensorDbgApp(LocalClient(source))
-        async with app.run_test(size=size) as pilot:
-            await until(pilot, lambda: app.state == "paused")
-            await mounted(pilot)
-            await flow(app, pilot)
-
-    asyncio.run(main())
+    profiler_run(source, flow, size)
 
 
 def line(view: Any, y: int) -> str:

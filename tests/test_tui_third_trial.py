@@ -16,9 +16,9 @@ from typing import Any
 
 from fake_source import FakeSource
 from test_ranks_tui import FakeRank, Host, rows
-from test_tui import mounted, open_tensor, paused_on_the_two_hits, text_of, type_slice, until
+from test_tui import open_tensor, text_of, type_slice, until
 from test_tui_first_use import StrictSource, edit_rule, run
-from test_tui_newcomer import screen_text, settled_footer
+from test_tui_newcomer import screen_text
 from textual.pilot import Pilot
 from textual.widgets import DataTable, Input, Static, Tree
 
@@ -103,22 +103,6 @@ def test_at_80x24_a_refused_edit_is_said_whole() -> None:
         assert f"{said}, not -5.0" in shown, screen_text(app)
 
     run(ExplodingSource(), check, size=(80, 24))
-
-
-def test_at_80_columns_the_footer_of_a_paused_training_keeps_skip_and_ignore() -> None:
-    """At 80x24, paused on a hit, the footer left out "k Skip" and "i Ignore rule" ("^p +2
-    keys") and kept "/ Search" and "P Profile": a paused training's keys come first."""
-
-    async def flow() -> None:
-        app = TensorDbgApp(LocalClient(FakeSource()))
-        async with app.run_test(size=(80, 24)) as pilot:
-            await paused_on_the_two_hits(pilot)
-            await mounted(pilot)
-            whole, cut = await settled_footer(pilot, lambda keys: keys[:2] == ["c", "n"])
-            assert whole[:6] == ["c", "n", "s", "q", "k", "i"] and cut == []
-            assert "i Ignore rule" in screen_text(app).splitlines()[-1]
-
-    asyncio.run(flow())
 
 
 # --- a torchrun job: the header, R and F9 ---------------------------------------------------------
