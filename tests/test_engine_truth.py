@@ -1261,13 +1261,7 @@ def test_after_a_skip_a_weight_that_stays_nan_pauses_the_next_step_before_its_up
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     session = watch(model, optimizer=opt, on_hit="pause", rules=[NaN()], sync=sync)
     helper, paused = _person(session, ["skip", "skip"])  # k then c, twice
-    for step in range(3):
-        if step == 1:
-            with torch.no_grad():
-                model[0].weight[0, 0] = float("nan")
-        model(torch.randn(3, 4)).pow(2).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    _train_with_a_weight_set_to_nan_at_step_1(model, opt)
     helper.join(DEADLINE)
     assert paused == [(1, "forward"), (2, "forward")] and session.skipped_updates == [1, 2]
     again = [h for h in session.hits if h.step == 2 and h.origin]
@@ -1298,6 +1292,18 @@ def test_an_overflow_made_of_a_huge_finite_weight_names_that_weight(watch, sync)
     assert not any("so large" in h.message for h in session.hits), session.hits
 
 
+def _train_with_a_weight_set_to_nan_at_step_1(model: nn.Module, opt, steps: int = 3) -> None:
+    """Steps of ``mlp()``'s training; before step 1, one element of its first weight is set
+    to NaN by hand, and stays so."""
+    for step in range(steps):
+        if step == 1:
+            with torch.no_grad():
+                model[0].weight[0, 0] = float("nan")
+        model(torch.randn(3, 4)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def test_a_weight_already_nan_before_an_update_is_not_said_to_be_written_by_it(watch):
     """Step after step, a weight that had been NaN since a step before was said to be written
     by the update from its gradient, "skip such an update to keep the weights clean": untrue
@@ -1305,13 +1311,7 @@ def test_a_weight_already_nan_before_an_update_is_not_said_to_be_written_by_it(w
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     session = watch(model, optimizer=opt, on_hit="record", rules=[NaN()])
-    for step in range(3):
-        if step == 1:
-            with torch.no_grad():
-                model[0].weight[0, 0] = float("nan")
-        model(torch.randn(3, 4)).pow(2).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    _train_with_a_weight_set_to_nan_at_step_1(model, opt)
     said = {(h.step, h.tensor): h.message for h in session.hits
             if h.kind == "param" and h.phase == "optimizer"}  # fmt: skip
     # The update of step 1 wrote NaN into 4.bias, clean before it: that one it did write.
