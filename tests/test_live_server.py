@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import stat
+import sys
 import threading
 import time
 
@@ -65,6 +67,25 @@ def test_the_pause_line_says_how_to_inspect_only_when_no_ui_is_connected(capsys)
     assert "tensordbg: training paused" in err
     assert "the UI connected to it shows it; continue with c there" in err
     assert "inspect it" not in err
+
+
+def test_a_pause_with_no_terminal_says_that_only_a_ui_continues_it(capsys, monkeypatch):
+    """``tensordbg run train.py < /dev/null`` (CI) paused on a hit and waited without a word
+    beyond how to inspect it, until it was killed."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO())  # not a terminal
+    with PausedTraining(server=True) as training:
+        training.wait_paused()
+        assert "no terminal: it waits until a UI connects" in capsys.readouterr().err
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Terminal())
+    with PausedTraining(server=True) as training:
+        training.wait_paused()
+        err = capsys.readouterr().err
+        assert "inspect it: tensordbg tui" in err and "no terminal" not in err
 
 
 def test_when_the_ui_vanishes_while_paused_the_training_resumes_disarmed():

@@ -220,6 +220,17 @@ def _print_pause(session: Any, reason: str, hit: Hit | None) -> None:
             f"  inspect it: tensordbg tui (run {session.run_id}, rank {session.rank}); "
             "continue with c there"
         )
+        if not _at_a_terminal():  # CI, nohup, < /dev/null: it would wait in silence
+            lines.append("  no terminal: it waits until a UI connects; an unattended run wants "
+                         "on_hit='record' or 'raise' (tensordbg run --on-hit record)")  # fmt: skip
     else:
         lines.append("  continue from another thread: session.controller.resume()")
     print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def _at_a_terminal() -> bool:
+    """Whether a person may be at this training's terminal (its stdin is one)."""
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except (AttributeError, ValueError, OSError):  # replaced or closed
+        return False
