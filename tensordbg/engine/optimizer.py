@@ -49,19 +49,13 @@ class OptimizerPhase:
     _stepped: frozenset[int] = frozenset()
     """The watched optimizers that stepped in this step."""
     _step_depth: dict[int, int]
+    """Each optimizer's steps under way: a subclass's step calling its parent's runs the hooks
+    again inside the first (cleared at each root forward: a step that raised ends there)."""
     step_sites: dict[int, Any] = {}  # noqa: RUF012 (the instance's own is made at a first step)
     """The user's line that called each optimizer's ``step()`` last (by its id): what wrote
     the parameters it holds, for their provenance."""
-    """Each optimizer's steps under way: a subclass's step calling its parent's runs the hooks
-    again inside the first (cleared at each root forward: a step that raised ends there)."""
     _steps_apart = False
     _ever_stepped: frozenset[int] = frozenset()
-
-    @cached_property
-    def gradless(self) -> Gradless:
-        """The trainable parameters stepped that never got a gradient (engine/gradless.py)."""
-        return Gradless(self.log)
-
     _forwards_at_end = -1
     """The root forwards counted when the last step ended."""
     _skip_dropped = False
@@ -180,16 +174,20 @@ class OptimizerPhase:
     _reduced: tuple[dict[str, Record], set[str]] | None = None
     _brought: list[tuple[Record, torch.Tensor]] = []  # noqa: RUF012 (replaced, not changed)
     """The gradients the all-reduce made not finite this step (judged again, as it left them):
-    listed in the optimizer's phase, where the UI and a dump find them."""
+    listed in the optimizer's phase, where the UI and a dump find them. ``_reduced``: several
+    ranks: the last backward phase's parameter-gradient records by parameter, and the
+    parameters whose gradients were read as the all-reduce left them (each once: the
+    optimizers after the first step once the step is counted, at the next step's number)."""
+
+    @cached_property
+    def gradless(self) -> Gradless:
+        """The trainable parameters stepped that never got a gradient (engine/gradless.py)."""
+        return Gradless(self.log)
 
     def all_reduced(self, record: Record) -> bool:
         """Whether ``record`` is a gradient judged again as the all-reduce left it this step
         (its earlier steps hold this rank's own gradient, from before the all-reduce)."""
         return any(r is record for r, _ in self._brought)
-
-    """Several ranks: the last backward phase's parameter-gradient records by parameter, and
-    the parameters whose gradients were read as the all-reduce left them (each once: the
-    optimizers after the first step once the step is counted, at the next step's number)."""
 
     def _check_reduced_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Several ranks: the gradients ``optimizer`` owns as the all-reduce left them (DDP

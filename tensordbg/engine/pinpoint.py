@@ -82,11 +82,10 @@ class FirstBad(TorchFunctionMode):
             self.nan
             and self.first_posinf is None
             and not made
-            and (_holds(result, torch.isposinf) or (target is not None and not had_posinf
-                                                    and _holds(target, torch.isposinf)))
             and not had_posinf
+            and (_holds(result, torch.isposinf) or _holds(target, torch.isposinf))
             and not any(_holds(a, torch.isposinf) for a in given)
-        ):  # fmt: skip
+        ):
             self.first_posinf = self._where(func, sys._getframe(1))
         if (
             self.nan
