@@ -151,6 +151,37 @@ def test_a_weights_gradient_is_compared_by_its_own_statistics_not_its_modules_la
     assert table["numel"] == ["32", "32"] and table["nan"] == ["32", "32"], table
 
 
+class RunningRank(WeightGradRank):
+    """Rank 1 paused on its weight gradient's hit; rank 0 runs on, in a phase without it."""
+
+    def tensors(self) -> list[Any]:
+        listed = super().tensors()
+        return listed if self.rank == 1 else [t for t in listed if t["kind"] != "grad"]
+
+
+def test_a_ranks_column_of_dashes_says_why() -> None:
+    """F9's side-by-side table showed a running rank's column as dashes with no reason: a
+    gradient's statistics are the hit's, or its phase's while the rank is in it."""
+    title: list[str] = []
+
+    async def flow() -> None:
+        clients = {0: LocalClient(RunningRank(0)), 1: LocalClient(RunningRank(1))}
+        app = Host(RanksScreen("job7", clients, current=0, every=0.2))
+        async with app.run_test(size=(160, 40)) as pilot:
+            label = app.ranks_screen.query_one("#ranks-compare-title")
+            for _ in range(100):
+                await pilot.pause(0.05)
+                if "on every rank" in str(label.content):
+                    break
+            compare = app.ranks_screen.query_one("#ranks-compare", DataTable)
+            assert {r[0]: r[1:] for r in rows(compare)}["numel"] == ["-", "32"]
+            title.append(str(label.content))
+
+    asyncio.run(flow())
+    assert "- for rank 0: no hit on it" in title[0], title
+    assert "rank 1:" not in title[0]
+
+
 def test_a_jobs_ranks_are_one_entry_of_the_session_list() -> None:
     sessions = [
         {"run_id": "job7", "rank": 1, "path": "/r/job7-1.json", "script": "train.py"},

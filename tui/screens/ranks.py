@@ -177,6 +177,7 @@ class RanksScreen(Screen[int | None]):
         tensor of that kind (not for a parameter's gradient: the module's latest is any of its
         parameters', a bias's beside a weight's hit)."""
         columns: dict[int, dict[str, Any]] = {}
+        missing: list[str] = []  # why a rank's column is dashes (it said nothing)
         for rank, client in self.clients.items():
             same = [h for h in self.hits.get(rank, []) if h["tensor"] == hit["tensor"]]
             # A hit's summary with statistics in it: a gradient judged by its norm alone has
@@ -184,15 +185,21 @@ class RanksScreen(Screen[int | None]):
             if same and "numel" in (same[-1].get("summary") or {}):
                 columns[rank] = same[-1]["summary"]
                 continue
-            summary = await _summary_of(client, hit)
+            if rank in self.ended:
+                missing.append(f"rank {rank}: its session has ended")
+                continue
+            summary, why = await _summary_of(client, hit)
             if summary is not None:
                 columns[rank] = summary
+            else:
+                missing.append(f"rank {rank}: {why}")
         table = self.query_one("#ranks-compare", DataTable)
         table.clear()
         for name in COMPARED:
             table.add_row(name, *(_number(columns.get(r, {}).get(name)) for r in self.clients))
+        why = f"; - for {'; '.join(missing)}" if missing else ""
         self.query_one("#ranks-compare-title", Label).update(
-            f"{hit['tensor']} on every rank (step {hit['step']} on rank {hit['rank']})"
+            f"{hit['tensor']} on every rank (step {hit['step']} on rank {hit['rank']}){why}"
         )
 
     @on(DataTable.RowSelected)
@@ -217,23 +224,31 @@ class RanksScreen(Screen[int | None]):
         self.dismiss(rank)
 
 
-async def _summary_of(client: Any, hit: dict[str, Any]) -> dict[str, Any] | None:
+async def _summary_of(client: Any, hit: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
     """The statistics of ``hit``'s tensor on a rank: its entry in the rank's phase (measured
-    now if it is held and was only judged by its norm), else its module's latest of its kind."""
+    now if it is held and was only judged by its norm), else its module's latest of its kind;
+    when there are none, why."""
     try:
         listed = await client.call("tensors")
         tensor = next((t for t in listed if t["name"] == hit["tensor"]), None)
         if tensor is not None and "numel" in (tensor.get("summary") or {}):
-            return dict(tensor["summary"])
+            return dict(tensor["summary"]), ""
         if tensor is not None and tensor.get("retained"):
-            return dict((await client.call("stats", ref=tensor["ref"]))["summary"])
+            return dict((await client.call("stats", ref=tensor["ref"]))["summary"]), ""
         if hit["kind"] == "grad":
-            return None
+            # A module's latest gradient statistics are any of its parameters': not this one's.
+            return None, ("no hit on it, and it is not a tensor of the phase this rank is in "
+                          "now (a rank's tensors are its current phase's)")  # fmt: skip
         modules = await client.call("modules")
-    except Exception:
-        return None
+    except Exception as e:
+        return None, f"not read ({e})"[:120]
     module = next((m for m in modules if m["path"] == hit["module"]), None)
-    return module["stats"].get(hit["kind"]) if module is not None else None
+    if module is None:
+        return None, f"no module {hit['module']} on it"
+    stats = module["stats"].get(hit["kind"])
+    if stats is None:
+        return None, f"no statistics of {hit['module']}'s {hit['kind']} yet"
+    return stats, ""
 
 
 def _number(value: Any) -> str:
