@@ -11,6 +11,8 @@
     python benchmarks/overhead.py --floor            # the default beside hooks that only read
                                                      # what it reads, capability by capability:
                                                      # its floor, bookkeeping aside
+    python benchmarks/overhead.py --prototype        # the default beside issue 8's guard
+                                                     # design with the least Python
 
 Copies of the same model train side by side in one process; each round runs one step of each,
 in a rotating order, so that the machine's noise falls on all of them alike. The medians and
@@ -177,6 +179,14 @@ def main(argv: list[str] | None = None) -> int:
         "nothing else (no records, no rules), capability by capability: the cost of the "
         "reads, bookkeeping aside (with --capabilities: both, side by side)",
     )
+    parser.add_argument(
+        "--prototype",
+        action="store_true",
+        help="the default beside the issue's guard design with the least Python (references kept "
+        "by the module hooks, the output and loss screened, one norm of each parameter gradient "
+        "before the step, a sample of each parameter after it), without and with the gradients "
+        "of the kept activations held to the step (its backward origin)",
+    )
     args = parser.parse_args(argv)
     if args.ranks is not None:
         return ranks_main(args)
@@ -205,7 +215,11 @@ def main(argv: list[str] | None = None) -> int:
         for at, (label, reads) in enumerate(FLOORS, start=1):
             runners.insert(at, Runner(label, copy.deepcopy(base), device, dtype))
             watch_floor(runners[at].model, runners[at].optimizer, reads)
-    if not args.no_anomaly and not (args.capabilities or args.floor):
+    if args.prototype:
+        for label, grads in (("design", False), ("design+grad", True)):
+            runners.insert(1, Runner(label, copy.deepcopy(base), device, dtype))
+            runners[1].session = Guards(runners[1].model, runners[1].optimizer, grads)
+    if not args.no_anomaly and not (args.capabilities or args.floor or args.prototype):
         runners.append(Runner("anomaly", copy.deepcopy(base), device, dtype))
     if not args.no_control:
         runners.append(Runner("control", copy.deepcopy(base), device, dtype))
@@ -313,6 +327,54 @@ def watch_floor(model: nn.Module, optimizer: torch.optim.Optimizer, reads: int =
             module.register_forward_pre_hook(proj_input)
     if reads >= 3:
         optimizer.register_step_post_hook(after_step)
+
+
+class Guards:
+    """The guard design issue 8 measured outside the project, with the least Python: the module
+    hooks keep references to what each call got and returned; the model's output (one sum) and
+    the observed loss are screened; before the step, one norm of each parameter gradient, judged
+    as Python floats; after it, ``SAMPLE`` elements of each parameter against the last step's.
+    ``grads``: each kept activation's gradient is held too, by a hook that only appends it,
+    until the step (the issue's backward origin). Nothing is named or recorded: a floor."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, grads: bool):
+        from tensordbg.engine.params import SAMPLE, sample_of
+
+        self.model, self.grads, self.calls, self.held = model, grads, [], []
+        self.params = list(model.parameters())
+        self.views = [sample_of(p.detach())[:SAMPLE] for p in self.params]
+        self.sample: torch.Tensor | None = None
+        for module in model.modules():
+            module.register_forward_pre_hook(lambda m, args: self.calls.append(args))
+            module.register_forward_hook(self.output)
+        optimizer.register_step_pre_hook(self.before_step)
+        optimizer.register_step_post_hook(self.after_step)
+
+    def output(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        self.calls.append(out)
+        if module is not self.model:
+            return
+        self.bad = not math.isfinite(out.sum().item())
+        if self.grads:
+            keep = self.held.append
+            for t in self.calls:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(keep)
+
+    def observe(self, name: str, loss: torch.Tensor) -> None:
+        self.bad = self.bad or not math.isfinite(loss.item())
+
+    def before_step(self, *args: object) -> None:
+        grads = [p.grad.reshape(-1) for p in self.params if p.grad is not None]
+        norms = [math.sqrt(torch.dot(g, g).item()) for g in grads]
+        self.hits = [i for i, n in enumerate(norms) if not math.isfinite(n) or n > 1e3]
+        self.calls, self.held = [], []
+
+    def after_step(self, *args: object) -> None:
+        sample = torch.cat(self.views)
+        if self.sample is not None:
+            self.still = (sample == self.sample).tolist()
+        self.sample = sample
 
 
 def _switch_off(session: tensordbg.Session, capabilities: int) -> None:
