@@ -397,6 +397,37 @@ def test_a_rule_that_raises_is_disabled_with_a_warning_and_the_training_goes_on(
     assert session.hits  # the other rules still work
 
 
+@pytest.mark.parametrize("sync", ["eager", "deferred", "batched"])
+@pytest.mark.parametrize("kind", ["output", "grad"])
+def test_a_rule_that_answers_what_is_no_verdict_is_disabled_and_the_others_watch_on(
+    watch, sync, kind
+):
+    """A rule whose check returned True (not a Finding) stopped all watching: its hit could
+    not be made ("internal error ... stopped watching"), and the NaN the other rules would have
+    found went unseen; on the gradients it raised out of attach."""
+
+    class SaysTrue(Rule):
+        kinds = frozenset({kind})
+
+        def check(self, t, state):
+            return True
+
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(RuntimeWarning, match=r"SaysTrue answered wrongly \(it returned bool") as w:
+        session = watch(model, optimizer=optimizer, on_hit="record", rules=[SaysTrue(), NaN()],
+                        sync=sync)  # fmt: skip
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+            optimizer.step()
+    assert any(r.filename == __file__ for r in w)  # the warning points at the rule's code
+    assert not session.broken and not session.rules[0].enabled
+    x = torch.randn(3, 4)
+    x[0, 0] = float("nan")
+    model(x).sum().backward()
+    assert [h.tensor for h in session.hits if h.origin] == ["input[0]"]
+
+
 class GradNorms(Rule):
     """Notes every parameter gradient it is shown with its norm, and fires on one of them (a
     rule that speaks of finite gradients, so the engine must ask it)."""

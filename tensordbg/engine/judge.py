@@ -15,6 +15,7 @@ control plane, never directly.
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -151,15 +152,15 @@ class RuleSet:
         self._updates = False
 
     def disable(self, active: ActiveRule, error: BaseException) -> None:
-        """A rule raised: switch it off, say so once, and let the training go on."""
+        """A rule raised, or answered what is no answer: switch it off, say so once, at the
+        rule's own line, and let the training go on."""
         active.enabled = False
         active.disabled_reason = f"{type(error).__name__}: {error}"
         self.changed()
-        message = (
-            f"tensordbg: rule {active.rule.name} raised {active.disabled_reason} and was "
-            "disabled; the training goes on"
-        )
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        did = f"answered wrongly ({error})" if isinstance(error, WrongAnswer) else (
+            f"raised {active.disabled_reason}")  # fmt: skip
+        message = f"tensordbg: rule {active.rule.name} {did} and was disabled; the training goes on"
+        warnings.warn_explicit(message, RuntimeWarning, *_rule_line(active.rule, error))
         self._log(message, "warning")
 
     def propagates(self, rule_id: int) -> bool:
@@ -287,7 +288,7 @@ class RuleSet:
                 continue
             self.running = (active, stats, perf_counter())
             try:
-                finding = active.rule.check(stats, active.state)
+                finding = answer(active.rule.check(stats, active.state))
                 if isinstance(finding, Refine):
                     finding = self._refine(stats, finding, active, measure)
             except Exception as e:
@@ -343,6 +344,9 @@ class RuleSet:
                     raise ValueError(f"check_many gave {len(verdicts)} verdicts for {len(mine)}")
                 found = []
                 for record, finding in zip(mine, verdicts, strict=True):
+                    if finding is None:  # most: nothing to check
+                        continue
+                    finding = answer(finding)
                     if isinstance(finding, Refine):
                         finding = self._refine(record.stats, finding, active, measure(record))
                     if finding is not None:
@@ -373,7 +377,7 @@ class RuleSet:
             if measure is None:
                 return None  # the tensor is gone: no verdict
             stats.values.update(zip(missing, measure(stats, missing), strict=True))
-            again = active.rule.check(stats, active.state)
+            again = answer(active.rule.check(stats, active.state))
             if not isinstance(again, Refine):
                 return again
             ask = again
@@ -389,6 +393,7 @@ class RuleSet:
             self.running = (active, None, perf_counter())
             try:
                 verdicts = active.rule.check_phase([r.stats for r in mine], active.state)
+                verdicts = [(stats, answer(finding)) for stats, finding in verdicts]
             except Exception as e:
                 self.disable(active, e)
                 continue
@@ -413,13 +418,58 @@ class RuleSet:
             if (record.stats.ref, active.rule.name) in already:
                 continue
             try:
-                finding = active.rule.check(record.stats, copy.deepcopy(active.state))
+                finding = answer(active.rule.check(record.stats, copy.deepcopy(active.state)))
             except Exception as e:
                 self.disable(active, e)
                 continue
             if finding is not None and not isinstance(finding, Refine):
                 found.append((rule_id, finding))
         return found
+
+
+class WrongAnswer(TypeError):
+    """A rule's check returned what is not a verdict."""
+
+
+def _rule_line(rule: Rule, error: BaseException) -> tuple[str, int]:
+    """Where a rule went wrong, for its warning: the deepest line of the rule's own file in the
+    traceback (it raised there), else its ``check`` (it answered wrongly)."""
+    module = sys.modules.get(type(rule).__module__)
+    own = getattr(module, "__file__", None)
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == own:
+            found = (own, tb.tb_lineno)
+        tb = tb.tb_next
+    code = getattr(type(rule).check, "__code__", None)
+    if found is None and code is not None:
+        found = (code.co_filename, code.co_firstlineno)
+    return found or (__file__, 0)
+
+
+def answer(found: Any) -> Finding | Refine | None:
+    """A rule's answer, checked before anything reads it: None, a Finding (its value and
+    threshold numbers, its message and advice text) or a Refine. Anything else is the rule's
+    mistake, raised where the rule was called, so the rule is disabled as one that raises is
+    (a True returned for "found" had stopped all watching: its hit could not be written)."""
+    if found is None or isinstance(found, Refine):
+        return found
+    if not isinstance(found, Finding):
+        raise WrongAnswer(f"it returned {type(found).__name__} {found!r:.60}, not a Finding, a "
+                          "Refine or None")  # fmt: skip
+    for field_name in ("value", "threshold"):
+        number = getattr(found, field_name)
+        if field_name == "threshold" and number is None:
+            continue
+        try:
+            float(number)
+        except (TypeError, ValueError):
+            raise WrongAnswer(f"its Finding's {field_name} is {type(number).__name__} "
+                              f"{number!r:.60}, not a number") from None  # fmt: skip
+    if not isinstance(found.message, str) or not isinstance(found.advice, str):
+        raise WrongAnswer("its Finding's message and advice are not both text")
+    return found
 
 
 def _key(stats: TensorStats) -> tuple[Any, ...]:
