@@ -285,6 +285,18 @@ def test_a_script_that_attaches_itself_and_exits_0_after_a_hit_gives_1(tmp_path:
     assert done.stderr.count("at their origin") == 1, done.stderr
 
 
+def test_a_scripts_exit_with_a_message_prints_it_as_python_does(tmp_path: Path):
+    """``sys.exit("text")`` printed nothing under tensordbg run (python prints the text on
+    stderr and exits 1)."""
+    script = tmp_path / "train.py"
+    script.write_text('import sys\nprint("ran")\nsys.exit("the data set is missing")\n')
+    bare = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    done = tensordbg("run", str(script), cwd=tmp_path, timeout=60)
+    assert (done.returncode, done.stdout) == (bare.returncode, bare.stdout) == (1, "ran\n")
+    assert bare.stderr == "the data set is missing\n"
+    assert bare.stderr in done.stderr, done.stderr
+
+
 def test_the_command_lines_dump_and_on_hit_apply_to_a_script_that_attaches_itself(tmp_path: Path):
     """The person asked for a dump on the command line: a script that attaches tensordbg itself
     (with on_hit="record" here) writes it all the same, and hears which flags applied."""

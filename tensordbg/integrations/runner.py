@@ -241,6 +241,8 @@ def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = 
         return 1 if run.hit() else 0
     except SystemExit as e:
         code = e.code
+        if code is not None and not isinstance(code, int):  # sys.exit("why"), as python says it
+            print(code, file=sys.stderr, flush=True)
         code = code if isinstance(code, int) else (0 if code is None else 1)
         return 1 if code == 0 and run.hit() else code
     except WatchpointHit as e:  # on_hit="raise": the user's frames, and the summary last
