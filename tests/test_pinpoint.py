@@ -300,6 +300,27 @@ def test_a_forward_that_makes_its_nan_only_once_says_so_instead_of_naming_nothin
     assert "came from" not in origin.message and "made no NaN this time" in origin.message
 
 
+@pytest.mark.parametrize("sync", ["eager", "deferred", "batched"])
+def test_a_nan_a_forward_hook_of_the_script_made_says_the_hook_may_have(sync: str) -> None:
+    """A NaN written by the script's own forward hook (as the Hugging Face example plants its
+    fault): the re-run, the module's forward without its hooks, makes none, and the hit
+    blamed "a counter, a global, a draw" instead of the hook."""
+
+    def plant(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        output = output.clone()
+        output[0, 0] = float("nan")
+        return output
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[1].register_forward_hook(plant)
+    with watched(model, sync=sync) as session:
+        model(torch.randn(3, 4)).sum().backward()
+    origin = next(h for h in session.hits if h.origin)
+    assert origin.tensor == "1.output"
+    assert "without the forward hooks on the module (" in origin.message, origin.message
+    assert "plant" in origin.message and "a counter" not in origin.message
+
+
 def _loss_origin(criterion, sync: str) -> tuple[tensordbg.Hit, int]:
     """Train 4 steps; at step 2 the loss is ``criterion(model output)``: the origin hit, and
     the line that observed it."""

@@ -164,13 +164,22 @@ class Pinpointing:
         if key not in self._pinpointed:
             if len(self._pinpointed) >= 2:
                 return  # two re-runs a step at most (a NaN's and an Inf's)
-            self._pinpointed[key] = name_operation(self, call, nan)
-        found = self._pinpointed[key]
+            hooks = _forward_hooks(call.invocation[0]) if call.invocation else []
+            self._pinpointed[key] = (name_operation(self, call, nan), hooks)
+        found, hooks = self._pinpointed[key]
         if found is NOT_MADE_AGAIN:
-            hit.message += (f" Its forward, run again to name the operation, made no "
-                            f"{'NaN' if nan else 'Inf'} this time: it depends on something the "
-                            "first run changed (a counter, a global, a draw not from torch's "
-                            "streams), so the operation is not named.")  # fmt: skip
+            bad = "NaN" if nan else "Inf"
+            if hooks:  # the re-run is the module's forward alone: a hook of the script's may
+                hit.message += (f" Its forward, run again to name the operation without the "
+                                f"forward hooks on the module ({', '.join(hooks)}), made no "
+                                f"{bad}: one of those hooks may have made it (or the forward "
+                                "depends on something the first run changed), so the "
+                                "operation is not named.")  # fmt: skip
+            else:
+                hit.message += (f" Its forward, run again to name the operation, made no {bad} "
+                                "this time: it depends on something the first run changed (a "
+                                "counter, a global, a draw not from torch's streams), so the "
+                                "operation is not named.")  # fmt: skip
         elif found is not None:
             if call.operation is None:  # the first named: its provenance says which it made
                 made = "Inf" if not nan or found.get("inf_first") else "NaN"
@@ -194,6 +203,14 @@ class Pinpointing:
                    for _, r in call.outputs if (t := r.held()) is not None]  # fmt: skip
         with contextlib.suppress(Exception):  # a courtesy: whatever the graph holds, the hit stands
             hit.message += name_loss_operation(loss, outputs, _names_nan(hit, loss))
+
+
+def _forward_hooks(module: nn.Module) -> list[str]:
+    """The names of the forward hooks on ``module`` that are not tensordbg's (the script's):
+    a re-run of its forward does not run them."""
+    hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+    return [getattr(h, "__qualname__", type(h).__name__) for h in hooks
+            if not str(getattr(h, "__module__", "")).startswith("tensordbg.")]  # fmt: skip
 
 
 def _names_nan(hit: Any, tensor: torch.Tensor) -> bool:
