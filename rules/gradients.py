@@ -23,6 +23,7 @@ from tensordbg.rules.scales import (
     THRESHOLD,
     note_scale,
     note_scales,
+    reference_scale,
     typical_scale,
 )
 from tensordbg.statistics import (
@@ -256,6 +257,9 @@ class VanishingGradient(Rule):
       a freshly initialised transformer, whose attention is still uniform (1e-4 of the median
       in a BART encoder). The first gradients of a training, with none to compare with, are
       judged on ``threshold`` alone; ``relative=math.inf`` always judges that way.
+    - When the typical gradient is itself below ``relative`` times the step's largest, the
+      largest is the one compared with: a gradient that vanishes on its way back through most
+      of the model (a scale of 1e-9 in the middle of an MLP) takes the median with it.
     - A bias whose gradient vanishes while its module's weight gets a healthy one is cancelled
       downstream by construction, not cut off: softmax ignores a shift shared by all keys (the
       attention key bias, BERT's ``attention.self.key.bias``), BatchNorm subtracts the batch
@@ -374,9 +378,9 @@ class VanishingGradient(Rule):
         seen: set[str] = state.setdefault("seen", set())
         first = t.name not in seen
         seen.add(t.name)
-        typical, vanishing = None, False
+        typical, vanishing, largest = None, False, False
         if mean is not None and mean < self.threshold:
-            typical = typical_scale(state, t.name)
+            typical, largest = reference_scale(state, t.name, self.relative)
             vanishing = typical is None or mean < self.relative * typical
         bias = _note_weight(t, state, learning=not vanishing)
         streaks: dict[str, int] = state.setdefault("low", {})
@@ -397,7 +401,9 @@ class VanishingGradient(Rule):
             # step, from a few examples (an expert that got 2 tokens, all right already).
             return None
         earlier = state.get("had", {}).get(t.name, math.nan)  # a scale it had (NaN: never)
-        return Finding(mean, self.threshold, self._message(t, mean, typical, bias, earlier))
+        return Finding(
+            mean, self.threshold, self._message(t, mean, typical, bias, earlier, largest)
+        )
 
     def _nonzero_mean(self, t: TensorStats, state: dict[str, Any]) -> float | Refine | None:
         """mean |grad| over the nonzero elements (0.0 when all are zero), or None when a bound
@@ -435,11 +441,11 @@ class VanishingGradient(Rule):
         the gradient does not vanish, whatever its mean."""
         if self.relative == math.inf:
             return False
-        typical = typical_scale(state, t.name)
+        typical, _ = reference_scale(state, t.name, self.relative)
         return typical is not None and bound >= self.relative * typical
 
     def _message(self, t: TensorStats, mean: float, typical: float | None, bias: bool,
-                 earlier: float = math.nan) -> str:  # fmt: skip
+                 earlier: float = math.nan, largest: bool = False) -> str:  # fmt: skip
         if mean == 0 and earlier > 0:  # it is connected: it had one
             return (
                 f"{t.name} receives no gradient at all (mean |grad| 0, threshold "
@@ -463,7 +469,13 @@ class VanishingGradient(Rule):
         zeros = t.get(ZERO_FRAC) or 0.0
         nonzero = f" over its {round(t.numel * (1 - zeros))} nonzero values" if zeros else ""
         relative = ""
-        if typical is not None:
+        if typical is not None and largest:  # the typical gradient vanished with it
+            relative = (
+                f" and {mean / typical:.2g}x the step's largest gradient {typical:.3g} "
+                f"(threshold {self.relative:g}x; the model's typical gradient is below that "
+                "too: most of the model's gradients vanish)"
+            )
+        elif typical is not None:
             relative = (
                 f" and {mean / typical:.2g}x the model's typical gradient {typical:.3g} "
                 f"(threshold {self.relative:g}x)"

@@ -107,11 +107,39 @@ def typical_scale(state: dict[str, Any], name: str, before: int | None = None) -
     return statistics.median(others) if others else None
 
 
+def largest_scale(state: dict[str, Any]) -> float:
+    """The largest root-mean-square among the gradients of the latest step noted and of the
+    step before it (a pass judged gradient by gradient has not seen all of its own yet); 0
+    before any."""
+    top: StepScale | None = state.get("top")
+    if top is None:
+        return 0.0
+    return max(top.largest, top.before if math.isfinite(top.before) else 0.0)
+
+
+def reference_scale(state: dict[str, Any], name: str,
+                    relative: float = RELATIVE) -> tuple[float | None, bool]:  # fmt: skip
+    """What gradient ``name`` is judged against, and whether it is the largest: the model's
+    typical gradient (:func:`typical_scale`), unless that one vanished itself, below
+    ``relative`` times the largest gradient of the step (:func:`largest_scale`): a gradient that
+    vanishes on its way back through most of the model takes the median with it (a scale of
+    1e-9 in the middle of an MLP left its first layers and the median at 1e-12 of the last
+    layers' 0.07, and nothing was said; found trying it as a new user). Then it is the largest.
+    A healthy model's median stays far above that (a BART's, 4e-4 of its largest)."""
+    typical = typical_scale(state, name)
+    if typical is None:
+        return None, False
+    largest = largest_scale(state)
+    if typical < relative * largest:
+        return largest, True
+    return typical, False
+
+
 def negligible(value: float, state: dict[str, Any], name: str) -> bool:
     """Whether gradient ``name`` of size ``value`` vanishes by VanishingGradient's defaults:
-    below THRESHOLD, and below RELATIVE times the model's typical gradient once that is known
-    (computed only for a gradient below THRESHOLD)."""
+    below THRESHOLD, and below RELATIVE times the scale it is judged against once that is known
+    (:func:`reference_scale`; computed only for a gradient below THRESHOLD)."""
     if not value < THRESHOLD:
         return False
-    typical = typical_scale(state, name)
-    return typical is None or value < RELATIVE * typical
+    reference, _ = reference_scale(state, name)
+    return reference is None or value < RELATIVE * reference

@@ -159,6 +159,32 @@ def test_vanishing_gradient_behind_a_saturated_layer(watch):
     }
 
 
+class _Tiny(nn.Module):
+    def forward(self, x):
+        return x * 1e-9
+
+
+@pytest.mark.parametrize("sync", ["eager", "deferred", "batched"])
+def test_a_gradient_vanishing_through_most_of_the_model_is_found_though_the_median_vanishes(
+    watch, sync
+):
+    """A scale of 1e-9 in the middle of a tanh MLP: the first layers' gradients are 1e-12 and
+    so is the model's median, so nothing was said, and WeightNotChanging called such a
+    gradient "not negligible". The largest gradient is the yardstick once the median
+    vanished with them."""
+    model = net(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), _Tiny(),
+                nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))  # fmt: skip
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = watch(model, optimizer=optimizer, on_hit="record", sync=sync)
+    steps(model, optimizer, session, 4, x=torch.randn(64, 8))
+    vanishing = hits_of(session, "VanishingGradient")
+    # (5.weight's gradient is its input, 1e-9 times the tanh's, times a healthy gradient.)
+    assert {h.tensor for h in vanishing} == {"5.weight.grad"} | {
+        f"{i}.{p}.grad" for i in (0, 2) for p in ("weight", "bias")}  # fmt: skip
+    assert "the step's largest gradient" in vanishing[0].message
+    assert not [h for h in session.hits if h.rule != "VanishingGradient"]
+
+
 def test_weight_not_changing_and_weight_update_ratio(watch):
     model = net(nn.Linear(8, 8), nn.Linear(8, 1))
     optimizer = torch.optim.SGD(
