@@ -143,6 +143,11 @@ class AllZero(Rule):
     ``zero_percentage_ge`` 100; ``threshold`` = 1.0 is the same. ``threshold`` is a fraction
     above 0 and at most 1: at 0 every tensor would be all zeros.
 
+    A bias that is all zeros on step 0 is not judged: zeros are its usual initialisation
+    (LayerNorm's and BatchNorm's, and many a Linear's), which the first update moves; one still
+    all zeros after that gets no gradient, and is reported (every zero-initialised LayerNorm
+    bias was reported at attach, found trying it as a new user).
+
     Example: ``AllZero(threshold=0.99, kinds={"grad"})`` flags gradients that are 99 % zeros.
     """
 
@@ -160,6 +165,8 @@ class AllZero(Rule):
         frac = t.get(ZERO_FRAC)
         if frac is None or not frac >= self.threshold:
             return None
+        if t.kind == "param" and t.step == 0 and t.name.rpartition(".")[2] == "bias":
+            return None  # initialised to zero: the first update moves it
         meaning = _ZERO_MEANING.get(t.kind, "check what produces it")
         return Finding(
             frac,

@@ -285,6 +285,19 @@ def test_all_zero_and_poor_initialization_at_attach(watch):
     assert ("PoorInitialization", "2.weight", 0) in found
 
 
+def test_a_bias_initialised_to_zero_is_all_zero_only_if_no_update_moves_it(watch):
+    """AllZero reported every zero-initialised LayerNorm bias at attach; one that no update
+    moves (it gets no gradient) is still reported, from step 1."""
+    model = net(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8, bias=False))
+    model.append(nn.LayerNorm(8))
+    model[3].bias.requires_grad_(False)  # frozen: never moves
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    session = watch(model, optimizer=optimizer, on_hit="record", rules=[AllZero(kinds={"param"})])
+    steps(model, optimizer, session, 3)
+    assert {h.tensor for h in session.hits} == {"3.bias"}
+    assert min(h.step for h in session.hits) == 1
+
+
 def test_loss_not_decreasing_on_an_observed_loss(watch):
     model = net(nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # nothing learns
