@@ -159,6 +159,10 @@ def attach(
         raise ValueError("on_hit='dump' writes hits into a dump: give dump_dir= too")
     if dump_dir is None and (dump_every is not None or dump_tensors or dump_max_bytes):
         raise ValueError("dump_every, dump_tensors and dump_max_bytes need dump_dir= too")
+    if dump_every is not None or dump_max_bytes is not None:
+        from tensordbg.dump.subscriber import check_settings
+
+        check_settings(dump_every, dump_max_bytes)  # before anything is attached
     model, _ = unwrap(model)  # DistributedDataParallel: paths as in the user's model
     identity = RankIdentity.from_environment()
     if rules is None and identity.distributed:

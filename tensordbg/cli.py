@@ -66,8 +66,8 @@ EXAMPLES = {
           tensordbg check runs/dbg --rule "TensorRange(match='*.attn.*', max_gt=1e4)"
 
         Exit status: 0 clean, 1 a rule hits (or, with --strict, could not judge a
-        tensor), 2 the dump, or a step or values file of it, cannot be read, or a
-        rule had nothing in the dump it could judge (and no rule hit).
+        tensor), 2 the dump, a step or a values file cannot be read, the dump is
+        incomplete, or a rule had nothing in the dump it could judge (and no rule hit).
         """,
     "diff": """
         examples:
@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SIZE",
         help="with --dump-dir: bound the dump's size (500M, 2G): the oldest steps without hits "
-        "go first; steps with hits are kept",
+        "go first, then, oldest first, those with hits but the first and the newest",
     )
     run.add_argument(
         "--profile",
@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("--rtol", type=_tolerance, default=1e-5, help="relative tolerance (1e-5)")
     diff.add_argument("--atol", type=_tolerance, default=1e-8, help="absolute tolerance (1e-8)")
     diff.add_argument("--ranks", type=_ranks, default=(0, 0), metavar="RA,RB",
-                      help="compare rank RA of A with rank RB of B (default 0,0)")  # fmt: skip
+                      help="rank RA of A against rank RB of B (0,0; R alone: both R)")  # fmt: skip
     diff.add_argument("--json", action="store_true", help="print the report as JSON")
     diff.set_defaults(handler=_offline("diff"))
     return parser

@@ -14,7 +14,7 @@ from torch import nn
 import tensordbg
 from tensordbg.cli import main
 from tensordbg.dump import load
-from tensordbg.dump.writer import DumpWriter
+from tensordbg.dump.writer import NOT_FINISHED, DumpWriter
 from tensordbg.offline.check import check_dump
 from tensordbg.offline.values import parse_stat
 from tensordbg.rules import DeadActivation, NaN, TensorRange, VanishingGradient
@@ -512,19 +512,44 @@ def test_an_incomplete_dump_says_the_reason_its_run_recorded(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A dump whose writer fell behind is incomplete for that reason, not because the run
-    stopped before it was closed: the report says what meta.json says."""
+    stopped before it was closed: the report says what meta.json says. It is not clean: a CI
+    job does not pass a dump that does not hold all the run wrote (it said "clean", exit 0)."""
     dump = write_dump(tmp_path / "run", nan_at=None)
     meta_path = dump / "rank-0" / "meta.json"
     meta = json.loads(meta_path.read_text())
     reason = "the writer fell behind and dropped periodic steps 5"
     meta.update(complete=False, reason_incomplete=reason)
     meta_path.write_text(json.dumps(meta))
-    assert main(["check", str(dump)]) == 0
+    assert main(["check", str(dump)]) == 2
     out = capsys.readouterr().out
     assert f"the dump is incomplete: {reason}\n" in out and "stopped before" not in out
-    assert main(["check", str(dump), "--json"]) == 0
+    assert out.splitlines()[-1] == (f"no finding by NaN, Overflow and ExplodingGradient over 54 "
+                                    f"tensors of 6 steps in {dump}; the dump is incomplete (see "
+                                    "above)")  # fmt: skip
+    assert main(["check", str(dump), "--json"]) == 2
     report = json.loads(capsys.readouterr().out)
     assert report["complete"] is False and report["reason_incomplete"] == reason
+    assert report["clean"] is False
+    assert main(["check", str(dump), "--strict"]) == 2
+
+
+def test_a_killed_runs_dump_is_not_clean_and_its_findings_still_count(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run SIGKILLed midway leaves its meta.json as written at the start (not finished):
+    check said "clean" and exited 0. A finding in what was written still exits 1."""
+    for name, nan_at, code in (("clean", None, 2), ("nan", 3, 1)):
+        dump = write_dump(tmp_path / name, nan_at=nan_at)
+        meta_path = dump / "rank-0" / "meta.json"
+        meta = json.loads(meta_path.read_text())
+        meta.update(complete=False, reason_incomplete=NOT_FINISHED)  # as the writer leaves it
+        meta_path.write_text(json.dumps(meta))
+        assert main(["check", str(dump)]) == code
+        out = capsys.readouterr().out
+        assert "clean:" not in out, out
+        assert f"the dump is incomplete: {NOT_FINISHED}" in out
+        assert main(["check", str(dump), "--json"]) == code
+        assert json.loads(capsys.readouterr().out)["clean"] is False
 
 
 def test_a_dump_of_which_nothing_could_be_read_is_not_called_clean(
@@ -723,3 +748,17 @@ def test_check_names_a_gradient_passed_on_as_the_run_did(
     rows = json.loads(capsys.readouterr().out)["findings"]
     named = {(r["tensor"], r["module"]) for r in rows if r["stored_as"]}
     assert named == live
+
+
+def test_a_scalar_loss_is_judged_on_its_range_from_its_dumped_mean(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Of a one-element tensor the mean is its minimum and its maximum: TensorRange on the
+    loss "could not judge 6 tensors: the dump holds neither their maximum..."."""
+    from tensordbg.statistics import MEAN
+
+    dump = write_dump(tmp_path / "run", stats=(MEAN,), values=False, nan_at=None)
+    report = check_dump(load(dump), [TensorRange(match="loss", max_gt=0.0)])
+    assert report.unjudged == [] and report.nothing_judged == []
+    assert [(f.tensor, f.step) for f in report.findings] == [("loss", s) for s in range(6)]
+    assert report.findings[0].value == load(dump).tensor("loss").stats(0)["mean"]

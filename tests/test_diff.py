@@ -368,3 +368,56 @@ def test_a_loss_observed_at_each_micro_batch_is_compared_micro_batch_by_micro_ba
     assert report.tensors == diff_dumps(a, a).tensors
     report = diff_dumps(a, c)
     assert (report.first.step, report.first.tensor) == (2, "#1.input[0]")
+
+
+def test_steps_not_dumped_are_not_said_where_the_runs_may_have_parted_after_a_whole_forward_agreed(
+    tmp_path: Path,
+) -> None:
+    """Step 4's forward and backward compared and agreed, its update did not: the runs
+    entered step 4 alike, so they did not part in step 3 (not dumped). The diff said they
+    may have."""
+    a = write_dump(tmp_path / "a", steps=[0, 2, 4], nan_at=None)
+    b = write_dump(tmp_path / "b", steps=[0, 2, 4], nan_at=None,
+                   change=(4, "net.0.weight", (0, 0), 5.0))  # fmt: skip
+    report = diff_dumps(load(a), load(b))
+    assert (report.first.step, report.first.phase) == (4, "optimizer")
+    assert report.not_compared_before == [] and "may have parted" not in report.text()
+
+
+def test_an_index_line_whose_step_number_changed_is_not_read_as_that_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """ "step":2 changed to "step":3 on B's line: the diff listed step 2 as dumped only in A,
+    trusting a line that fails its checksum for its step."""
+    a, b = write_dump(tmp_path / "a"), write_dump(tmp_path / "b")
+    index = b / "rank-0" / "index.jsonl"
+    lines = index.read_bytes().splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if b'"step":2,' in line)
+    lines[at] = lines[at].replace(b'"step":2,', b'"step":3,', 1)
+    index.write_bytes(b"".join(lines))
+    report = diff_dumps(load(a), load(b))
+    assert report.only_in_a == [] and report.exit_code == 2
+    assert main(["diff", str(a), str(b)]) == 2
+    out = capsys.readouterr().out
+    assert "dumped only" not in out
+    assert (f"The index of B cannot be read whole, so which steps it holds is not known: {index} "
+            f"line {at + 1} was altered (the line fails its checksum): which step it listed "
+            "cannot be told (it reads as step 3)") in out  # fmt: skip
+
+
+def test_an_index_line_altered_to_fewer_bytes_is_not_said_to_cut_the_index(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A line overwritten with shorter garbage: "index.jsonl is cut short ...: the steps after
+    its last line are missing", though they were there and compared."""
+    a, b = write_dump(tmp_path / "a"), write_dump(tmp_path / "b")
+    index = b / "rank-0" / "index.jsonl"
+    lines = index.read_bytes().splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if b'"step":2,' in line)
+    lines[at] = b'{"crc":"68 garbage###' + lines[at][40:]
+    index.write_bytes(b"".join(lines))
+    assert main(["diff", str(a), str(b)]) == 2
+    out = capsys.readouterr().out
+    assert "cut short" not in out and "dumped only" not in out
+    assert f"Not compared, unreadable in B: {index} line {at + 1}: the line has no checksum" in out
+    assert "(45 tensors of 5 steps)" in out  # the steps after it compared

@@ -554,3 +554,119 @@ def test_a_tensor_no_step_lists_is_refused_at_once_with_the_names_closest_to_it(
         dump.tensor("fc.outptu")
     with pytest.raises(DumpError, match=r"step 1 .*was not dumped \(steps 0, 2-4 were\)"):
         dump.tensor("fc.output").value(1)
+
+
+# --- what a user found ------------------------------------------------------------------------
+
+
+def _weight_checked_twice(path: Path) -> None:
+    """Step 6 checks fc.weight in the forward (one +Inf, planted; its value not kept) and again
+    after the optimizer step (all NaN, the value the step keeps): two entries, one name."""
+    before = np.ones((2, 3), dtype=np.float32)
+    before[0, 1] = np.inf
+    after = np.full((2, 3), np.nan, dtype=np.float32)
+    stats = {"forward": {"posinf": 1, "nan": 0}, "optimizer": {"posinf": 0, "nan": 6}}
+    entries = [{"name": "fc.weight", "module": "fc", "phase": phase, "kind": "param",
+                "shape": [2, 3], "dtype": "float32", "stats": stats[phase]}
+               for phase in ("forward", "optimizer")]  # fmt: skip
+    hit = {"rule": "Overflow", "tensor": "fc.weight", "module": "fc", "kind": "param",
+           "step": 6, "phase": "forward", "origin": True, "value": 1.0, "threshold": None,
+           "id": 0, "call": 0,
+           "message": "fc.weight holds 1 infinite value among 6 values"}  # fmt: skip
+    writer = DumpWriter(path, {"run_id": "r1"})
+    writer.write_step(6, 0, entries, {"fc.weight": after}, [hit])
+    writer.close()
+    assert before.shape == after.shape
+
+
+def test_a_tensor_checked_in_two_phases_of_a_step_is_read_by_its_phase(tmp_path):
+    """``dump.tensor(name)`` could not pick the phase: a parameter's hit in the forward read
+    the value after the optimizer step."""
+    _weight_checked_twice(tmp_path)
+    dump = load(tmp_path)
+    assert [e.phase for e in dump.tensors(6)] == ["forward", "optimizer"]
+    default = dump.tensor("fc.weight")  # the latest entry, the one holding the value
+    assert default.entry(6).phase == "optimizer" and np.isnan(default.value(6)).all()
+    forward = dump.tensor("fc.weight", phase="forward")
+    assert forward.stats(6) == {"posinf": 1, "nan": 0}
+    with pytest.raises(DumpError, match="in its forward phase but not that value: the value "
+                                        "dumped is the one of its optimizer phase"):  # fmt: skip
+        forward.value(6)
+    with pytest.raises(DumpError, match=r"lists 'fc\.weight' in the backward phase"):
+        dump.tensor("fc.weight", phase="backward")
+
+
+def _index_lines(path: Path) -> tuple[Path, list[bytes]]:
+    index = path / "rank-0" / fmt.INDEX
+    return index, index.read_bytes().splitlines(keepends=True)
+
+
+def test_an_index_line_altered_to_fewer_bytes_is_said_as_that_line_not_as_a_cut_index(tmp_path):
+    """Line 2 overwritten with shorter garbage, the later lines intact: the reader said the
+    index "is cut short ... the steps after its last line are missing"."""
+    _write(tmp_path, steps=(0, 1, 2, 3), values={"x": np.ones(3, dtype=np.float32)})
+    index, lines = _index_lines(tmp_path)
+    lines[1] = b'{"crc":"68 garbage###' + lines[1][40:]  # step 1's line, its file name intact
+    index.write_bytes(b"".join(lines))
+    dump = load(tmp_path)
+    assert dump.broken == {(1, 0): f"{index} line 2: the line has no checksum"}
+    assert dump.steps() == [0, 2, 3] and dump.meta["complete"] is True
+
+
+def test_an_index_line_that_fails_its_checksum_is_not_trusted_for_its_step(tmp_path):
+    """ "step":1 changed to "step":3 on its line: the step said broken was 3 (which a whole
+    line lists), and step 1 went unnoticed. Which step the line listed is not known."""
+    _write(tmp_path, steps=(0, 1, 2, 3), values={"x": np.ones(3, dtype=np.float32)})
+    index, lines = _index_lines(tmp_path)
+    lines[1] = lines[1].replace(b'"step":1,', b'"step":3,', 1)
+    index.write_bytes(b"".join(lines))
+    dump = load(tmp_path)
+    assert dump.steps() == [0, 2, 3]
+    assert dump.broken == {(-1, 0): f"{index} line 2 was altered (the line fails its "
+                                    "checksum): which step it listed cannot be told (it reads "
+                                    "as step 3)"}  # fmt: skip
+    assert dump.meta["complete"] is False and dump.meta["reason_incomplete"] == dump.broken[-1, 0]
+
+
+@pytest.mark.parametrize("index", [b"", b'{"hello": [1,2', b"this is not json at all\n"])
+def test_meta_complete_is_false_when_the_index_is_cut_empty_or_nonsense(tmp_path, index):
+    """``meta["complete"]`` said True where ``check --json`` said false."""
+    _write(tmp_path, steps=(0, 1), values={"x": np.ones(3, dtype=np.float32)})
+    (tmp_path / "rank-0" / fmt.INDEX).write_bytes(index)
+    dump = load(tmp_path)
+    assert dump.meta["complete"] is False
+    assert dump.meta["reason_incomplete"] == dump.broken[-1, 0]
+
+
+def test_a_full_disk_is_recorded_as_why_the_dump_is_incomplete(tmp_path, monkeypatch):
+    """On a full disk no file can be written, meta.json's new copy included: the dump said
+    "the run did not finish" where writing had stopped on the disk."""
+    values = {"x": np.ones(3, dtype=np.float32)}
+    writer = DumpWriter(tmp_path, {"run_id": "r1"})
+    writer.write_step(0, 0, _entries(values), values, [])
+
+    def full(path, chunks, **how):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fmt, "write_atomic", full)
+    with pytest.raises(OSError):
+        writer.write_step(1, 0, _entries(values), values, [])
+    reason = "writing step 1 failed ([Errno 28] No space left on device); later steps are missing"
+    writer.fail(reason)
+    writer.close(complete=False)
+    dump = load(tmp_path)
+    assert dump.meta["complete"] is False and dump.meta["reason_incomplete"] == reason
+    assert dump.steps() == [0] and dump.broken == {}
+
+
+def test_a_dump_dir_that_is_a_file_is_said_to_be_one(tmp_path):
+    """``--dump-dir afile`` said "File exists"."""
+    from tensordbg.dump.writer import unwritable_reason
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert (
+        unwritable_reason(afile) == "it is a file, not a directory (give a directory for the dump)"
+    )
+    with pytest.raises(FileExistsError, match="afile is a file, not a directory"):
+        DumpWriter(afile)

@@ -552,3 +552,38 @@ def test_the_rules_keys_of_a_replay_say_a_recorded_run_cannot_change_its_rules(
                                     if b.binding.show]  # fmt: skip
 
     asyncio.run(flow())
+
+
+def test_a_hit_on_a_parameter_opens_the_value_it_was_about_not_the_one_after_the_update(
+    tmp_path: Path,
+) -> None:
+    """fc.weight checked in the forward (one +Inf: the hit) and after the optimizer step (all
+    NaN: the value dumped). Enter on the hit showed the weight after the step, NaN x 6, as if
+    that were what the hit was about."""
+    after = np.full((2, 3), np.nan, dtype=np.float32)
+    stats = {"forward": {"posinf": 1.0, "nan": 0.0, "min": 1.0, "max": np.inf},
+             "optimizer": {"posinf": 0.0, "nan": 6.0}}  # fmt: skip
+    entries = [{"name": "fc.weight", "module": "fc", "phase": phase, "kind": "param",
+                "shape": [2, 3], "dtype": "float32", "stats": stats[phase]}
+               for phase in ("forward", "optimizer")]  # fmt: skip
+    hit = {"rule": "Overflow", "tensor": "fc.weight", "module": "fc", "kind": "param",
+           "step": 6, "phase": "forward", "origin": True, "value": 1.0, "threshold": None,
+           "id": 0, "call": 0,
+           "message": "fc.weight holds 1 infinite value among 6 values"}  # fmt: skip
+    writer = DumpWriter(tmp_path / "run", {"run_id": "r1"})
+    writer.write_step(6, 0, entries, {"fc.weight": after}, [hit])
+    writer.close()
+    source = ReplaySource(load(tmp_path / "run"))
+    ref = source.paused_at["ref"]
+    stats = source.stats(ref)
+    assert stats["summary"]["posinf"] == 1.0 and "nan" in stats["summary"]
+    assert not stats["summary"]["nan"]  # the hit's own statistics, not the NaN after the step
+    assert stats["line"].endswith("(at the hit, forward; its value there was not dumped: the "
+                                  "values below are fc.weight after the optimizer step of step "
+                                  "6)")  # fmt: skip
+    sliced = source.stats(ref, "[0]")
+    assert sliced["line"].endswith("(the value at the hit (forward) was not dumped; shown: "
+                                   "fc.weight after the optimizer step of step 6)")  # fmt: skip
+    assert source.histogram(ref)["nan"] == 6  # the values shown are those named
+    listed = source.stats(ref_of(source, "fc.weight"))  # the Tensors tab: the latest, as before
+    assert listed["summary"]["nan"] == 6 and "at the hit" not in listed["line"]

@@ -41,6 +41,7 @@ META = "meta.json"
 INDEX = "index.jsonl"
 RANK_DIR = re.compile(r"^rank-(\d+)$")
 TMP_SUFFIX = ".tmp"
+STEP_FILE = re.compile(rb'"file":"step-(\d+)(?:-[0-9a-f]+)?\.safetensors"')
 
 # numpy dtype name <-> safetensors dtype code. bfloat16 and float8 are ml_dtypes' numpy dtypes
 # (tensordbg.dtypes.numpy_dtype, which imports ml_dtypes at the first of them).

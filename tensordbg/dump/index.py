@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tensordbg.dump.format import STEP_FILE
+
 # Dumps written before entries said whether they are trainable: what held for them.
 _TRAINABLE_KINDS = ("param", "grad", "update")
 
@@ -88,6 +90,15 @@ class IndexStep:
         self.by_name = {e.name: e for e in entries}
         self.by_name.update({e.name: e for e in entries if e.has_value})
 
+    def entry(self, name: str, phase: str | None = None) -> TensorEntry | None:
+        """The tensor ``name`` of this step: of ``phase`` when given (its last entry there),
+        else its latest entry, the one holding its value when one does (a parameter checked in
+        the forward and after the optimizer step keeps the value after the step)."""
+        if phase is None:
+            return self.by_name.get(name)
+        found = [e for e in self.entries or () if e.name == name and e.phase == phase]
+        return next((e for e in reversed(found) if e.has_value), found[-1] if found else None)
+
 
 def guess_key(line: bytes, rank: int) -> tuple[int, int]:
     """The (step, rank) a damaged line of the index most likely spoke of; (-1, rank) when it
@@ -98,4 +109,8 @@ def guess_key(line: bytes, rank: int) -> tuple[int, int]:
         digits = line[at + len(marker) :].split(b",", 1)[0]
         if digits.isdigit() and int(digits) <= MOST:
             return int(digits), rank
+        return -1, rank
+    named = STEP_FILE.search(line)  # its step number gone, the name of its file left
+    if named is not None and int(named.group(1)) <= MOST:
+        return int(named.group(1)), rank
     return -1, rank

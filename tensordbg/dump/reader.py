@@ -49,20 +49,23 @@ class DumpError(Exception):
 
 
 class DumpedTensor:
-    """One tensor across the dumped steps of one rank.
+    """One tensor across the dumped steps of one rank: of one ``phase``, or (``phase=None``)
+    its latest entry in each step, the one holding its value when one does.
 
     >>> t = dump.tensor("fc1.weight.grad")
     >>> t.steps(), t.stats(10)["l2"], t.value(10).dtype
     ([0, 10, 20], 0.82, dtype('float32'))
     """
 
-    def __init__(self, dump: Dump, name: str, rank: int):
+    def __init__(self, dump: Dump, name: str, rank: int, phase: str | None = None):
         self.dump = dump
         self.name = name
         self.rank = rank
+        self.phase = phase
 
     def __repr__(self) -> str:
-        return f"DumpedTensor({self.name!r}, rank={self.rank}, steps={self.steps()})"
+        phase = f", phase={self.phase!r}" if self.phase is not None else ""
+        return f"DumpedTensor({self.name!r}, rank={self.rank}{phase}, steps={self.steps()})"
 
     def steps(self) -> list[int]:
         """The steps that list this tensor, in order."""
@@ -71,7 +74,8 @@ class DumpedTensor:
     def entry(self, step: int) -> TensorEntry:
         entry = self._entry_or_none(step)
         if entry is None:
-            raise DumpError(f"{self.dump._where(step, self.rank)} has no tensor {self.name}")
+            phase = f" in its {self.phase} phase" if self.phase is not None else ""
+            raise DumpError(f"{self.dump._where(step, self.rank)} has no tensor {self.name}{phase}")
         return entry
 
     def stats(self, step: int) -> dict[str, float | int]:
@@ -80,14 +84,15 @@ class DumpedTensor:
 
     def value(self, step: int) -> np.ndarray:
         """The value at ``step``, memory-mapped read-only (bfloat16 and float8 as ml_dtypes
-        arrays); DumpError when that step holds no value of it."""
-        return self.dump._value(step, self.rank, self.name)
+        arrays); DumpError when that step holds no value of it (of its phase)."""
+        self.dump._step_record(step, self.rank)  # a broken step: the dump's own sentence
+        return self.dump._value(self.entry(step))
 
     def _entry_or_none(self, step: int) -> TensorEntry | None:
         step_record = self.dump._step_record(step, self.rank, raising=False)
         if step_record is None:
             return None
-        return step_record.by_name.get(self.name)
+        return step_record.entry(self.name, self.phase)
 
 
 class Dump:
@@ -95,8 +100,17 @@ class Dump:
 
     Attributes: ``path``, ``meta`` (the run: ``format_version``, ``run_id``, ``created``,
     ``torch_version``, ``device``, ``argv``, ``rules``, ``complete``, ``reason_incomplete``),
-    ``ranks``, ``hits``, ``modules``, ``broken`` ((step, rank) -> sentence; ``(-1, rank)`` for a
-    line of the index that names no step it can be trusted for).
+    ``ranks``, ``hits``, ``modules``, ``broken`` ((step, rank) -> sentence; ``(-1, rank)`` for an
+    index cut short or a line of it that names no step it can be trusted for).
+
+    ``meta["complete"]`` is False when the run recorded the dump incomplete, and when its index
+    is found cut short or with a line naming no step it can be trusted for (which steps the
+    dump holds is then unknown); ``meta["reason_incomplete"]`` says why.
+
+    ``broken`` holds at load what costs no read of a values file: an index line that cannot
+    be read, a values file missing or of the wrong size. A file whose bytes changed but whose
+    size did not (a header or a value altered) joins it only when :meth:`verify` reads it
+    whole, or a value read from it fails its checksum.
     """
 
     def __init__(self, path: str | os.PathLike[str]):
@@ -118,19 +132,22 @@ class Dump:
         self.broken: dict[tuple[int, int], str] = {}
         self.modules: list[dict[str, Any]] = []
         self._metas = {rank: self._read_meta(rank) for rank in ranks}
-        self.meta: dict[str, Any] = dict(self._metas[ranks[0]])
-        self.meta["complete"] = all(m.get("complete") for m in self._metas.values())
-        if not self.meta["complete"]:
-            self.meta["reason_incomplete"] = next(
-                f"rank {r}: {m.get('reason_incomplete')}"
-                if len(ranks) > 1
-                else m.get("reason_incomplete")
-                for r, m in self._metas.items()
-                if not m.get("complete")
-            )
         self._steps: dict[tuple[int, int], IndexStep] = {}
         for rank in ranks:
             self._read_index(rank)
+        # Incomplete as the run recorded it, or as the index is found: cut short, or a line
+        # that names no step it can be trusted for (which steps the dump holds is unknown).
+        reasons = {r: m.get("reason_incomplete") for r, m in self._metas.items()
+                   if not m.get("complete")}  # fmt: skip
+        for (step, rank), why in self.broken.items():
+            if step == -1 and rank not in reasons:
+                reasons[rank] = why
+        self.meta: dict[str, Any] = dict(self._metas[ranks[0]])
+        self.meta["complete"] = not reasons
+        if reasons:
+            self.meta["reason_incomplete"] = next(
+                f"rank {r}: {why}" if len(ranks) > 1 else why for r, why in sorted(reasons.items())
+            )
         self._maps: OrderedDict[tuple[int, int], tuple[mmap.mmap, int]] = OrderedDict()
         self._checked: set[tuple[int, int, str]] = set()
 
@@ -163,12 +180,21 @@ class Dump:
         record = self._steps.get((step, rank))
         return None if record is None else list(record.entries or ())
 
-    def tensor(self, name: str, rank: int = 0) -> DumpedTensor:
+    def tensor(self, name: str, rank: int = 0, phase: str | None = None) -> DumpedTensor:
         """One tensor across steps: its statistics and values; DumpError when no readable
-        step lists it (with the names closest to it)."""
+        step lists it (with the names closest to it).
+
+        A step may list a name more than once: a parameter is checked in the forward and again
+        after the optimizer step, and its value is dumped once, the latest. By default each
+        step's latest entry of the name is returned (the one holding the value, when one does);
+        ``phase=`` ("forward", "backward", "optimizer") picks that phase's entry.
+
+        >>> dump.tensor("fc.weight", phase="forward").stats(6)["posinf"]   # before the step
+        1
+        """
         if rank not in self._metas:
             raise DumpError(f"{self.path} has no rank {rank} (ranks: {self.ranks})")
-        tensor = DumpedTensor(self, name, rank)
+        tensor = DumpedTensor(self, name, rank, phase)
         if not any(tensor._entry_or_none(step) for step in self.steps(rank)):  # the first will do
             broken = sorted(key[0] for key, r in self._steps.items() if key[1] == rank
                             and key in self.broken and name in r.by_name)  # fmt: skip
@@ -183,6 +209,9 @@ class Dump:
                      for e in r.entries or ()}  # fmt: skip
             close = difflib.get_close_matches(name, sorted(names), n=3)
             hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            if phase is not None and names and name in names:
+                raise DumpError(f"no step of {self.path} (rank {rank}) lists {name!r} in the "
+                                f"{phase} phase")  # fmt: skip
             raise DumpError(f"no step of {self.path} (rank {rank}) lists a tensor {name!r}{hint}")
         return tensor
 
@@ -277,23 +306,18 @@ class Dump:
             raise DumpError(f"{path} is missing: the dump has no index of its steps") from None
         except OSError as e:
             raise DumpError(f"{path} cannot be read ({e.strerror})") from None
-        expected = self._metas.get(rank, {}).get("index_bytes")
-        if isinstance(expected, int) and len(data) < expected:
-            # Whole lines gone (a copy cut short, a disk that lost them): no line's checksum
-            # can tell, the length the writer noted in meta.json can.
-            self.broken[(-1, rank)] = (
-                f"{path} is cut short ({len(data)} of {expected} bytes): the steps after its "
-                "last line are missing"
-            )
         lines = data.splitlines(keepends=True)
+        altered: list[tuple[int, int, str, bytes]] = []  # lines that fail their checksum
+        listed: list[tuple[int, int]] = []  # (line number, step) of the whole lines
+        cut = False
         for number, line in enumerate(lines, 1):
             try:
                 record = fmt.parse_index_line(line)
             except ValueError as e:
                 if number == len(lines) and not line.endswith(b"\n"):
-                    break  # the writer was killed while appending: the earlier steps stand
-                key = guess_key(line, rank)
-                self.broken[key] = f"{path} line {number}: {e}"
+                    cut = True  # the writer was killed while appending: the earlier steps stand
+                    break
+                altered.append((number, guess_key(line, rank)[0], str(e), line))
                 continue
             kind = record.get("type")
             try:
@@ -307,11 +331,32 @@ class Dump:
                     key = (step.step, step.rank)
                     self._steps[key] = step
                     self.broken.pop(key, None)
+                    listed.append((number, step.step))
                     self._check_file(step)
                 elif kind == "modules":
                     self.modules = list(record.get("modules") or [])
             except (KeyError, TypeError, ValueError) as e:
-                self.broken[guess_key(line, rank)] = f"{path} line {number} is malformed ({e})"
+                self._lose(guess_key(line, rank), f"{path} line {number} is malformed ({e})")
+        for number, step, why, line in altered:
+            if _trusted_step(step, number, line, listed):
+                self.broken.setdefault((step, rank), f"{path} line {number}: {why}")
+            else:  # the step it names may be what changed: which step it listed is unknown
+                seems = f" (it reads as step {step})" if step >= 0 else ""
+                what = ("the module tree" if b'"type":"modules"' in line[:64]
+                        else f"which step it listed cannot be told{seems}")  # fmt: skip
+                self._lose((-1, rank), f"{path} line {number} was altered ({why}): {what}")
+        expected = self._metas.get(rank, {}).get("index_bytes")
+        if isinstance(expected, int) and len(data) < expected and (cut or not altered):
+            # Whole lines gone (a copy cut short, a disk that lost them): no line's checksum
+            # can tell, the length the writer noted in meta.json can. A line altered to fewer
+            # bytes is said above, as that line.
+            self._lose((-1, rank), f"{path} is cut short ({len(data)} of {expected} bytes): the "
+                                   "steps after its last line are missing")  # fmt: skip
+
+    def _lose(self, key: tuple[int, int], why: str) -> None:
+        """``why`` joins what is said of ``key`` (several lines may name no step)."""
+        said = self.broken.get(key)
+        self.broken[key] = why if said is None or why in said else f"{said}; {why}"
 
     def _file(self, record: IndexStep) -> Path:
         return fmt.rank_dir(self.path, record.rank) / str(record.file)
@@ -351,13 +396,18 @@ class Dump:
             raise DumpError(f"{self._where(step, rank)} was not dumped ({listed} were)")
         return record
 
-    def _value(self, step: int, rank: int, name: str) -> np.ndarray:
+    def _value(self, entry: TensorEntry) -> np.ndarray:
+        step, rank, name = entry.step, entry.rank, entry.name
         record = self._step_record(step, rank)
         assert record is not None
-        entry = record.by_name.get(name)
-        if entry is None:
-            raise DumpError(f"{self._where(step, rank)} has no tensor {name}")
         if not entry.has_value:
+            latest = record.by_name.get(name)
+            if latest is not None and latest.has_value:  # the same name, a later phase
+                raise DumpError(
+                    f"{self._where(step, rank)} holds statistics of {name} in its {entry.phase} "
+                    f"phase but not that value: the value dumped is the one of its "
+                    f"{latest.phase} phase (phase={latest.phase!r})"
+                )
             raise DumpError(
                 f"{self._where(step, rank)} holds statistics of {name} but not its value "
                 "(dump_tensors= chooses which values a periodic step keeps)"
@@ -419,6 +469,21 @@ class Dump:
             self.broken[key] = message
             raise DumpError(message)
         return buffer, data_start  # type: ignore[return-value]
+
+
+def _trusted_step(step: int, number: int, line: bytes, listed: list[tuple[int, int]]) -> bool:
+    """Whether a line that fails its checksum can still be taken to speak of ``step``: the
+    number may be what changed, so it must agree with the file the line names (when it names
+    one), no whole line may list that step, and it must lie between the steps of the whole
+    lines around it (the writer appends steps in order)."""
+    if step < 0 or any(s == step for _, s in listed):
+        return False
+    named = fmt.STEP_FILE.search(line)
+    if named is not None and int(named.group(1)) != step:
+        return False
+    before = [s for n, s in listed if n < number]
+    after = [s for n, s in listed if n > number]
+    return (not before or before[-1] < step) and (not after or step < after[0])
 
 
 def load(path: str | os.PathLike[str]) -> Dump:

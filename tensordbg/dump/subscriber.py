@@ -28,7 +28,6 @@ import math
 import queue
 import sys
 import threading
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,8 +100,7 @@ class DumpRecorder:
         tensors: Sequence[str] = (),
         max_bytes: int | None = None,
     ):
-        if every is not None and every < 1:
-            raise ValueError("dump_every is a number of steps, at least 1 (or None: hits only)")
+        check_settings(every, max_bytes)
         self.session = session
         self.every = every
         self.patterns = tuple(tensors)
@@ -304,7 +302,11 @@ class DumpRecorder:
         else:
             self.writer.close(complete=self.failed is None)
         steps, root = self.writer.steps_written, self.writer.root
-        if steps and self.session.rank == 0:  # where to look, once (a job's ranks share it)
+        if self.failed and self.session.rank == 0:  # the last word on the dump says it stopped
+            dumped = f"{plural(steps, 'step')} dumped" if steps else "no step dumped"
+            print(f"tensordbg: {dumped} in {root}, then writing stopped: {self.failed}",
+                  file=sys.stderr)  # fmt: skip
+        elif steps and self.session.rank == 0:  # where to look, once (a job's ranks share it)
             print(f"tensordbg: {plural(steps, 'step')} dumped in {root}: tensordbg "
                   f"replay {root}, tensordbg check {root}", file=sys.stderr)  # fmt: skip
             if gone := len(self.writer.evicted_hits):
@@ -347,10 +349,29 @@ class DumpRecorder:
                                modules=job.modules, numbers=job.numbers)  # fmt: skip
 
     def _say(self, message: str) -> None:
-        warnings.warn(f"tensordbg: {message}", RuntimeWarning, stacklevel=2)
+        # One line for a person, not a warning pointing into tensordbg's own source.
+        print(f"tensordbg: {message}", file=sys.stderr, flush=True)
         log = getattr(self.session, "log", None)
         if log is not None and threading.current_thread() is not self._thread:
             log(message, "warning")
+
+
+def check_settings(every: Any, max_bytes: Any) -> None:
+    """ValueError when ``dump_every`` or ``dump_max_bytes`` is not one a dump can use (as
+    ``tensordbg run`` refuses --dump-every 2.5 or --dump-max-bytes 0).
+
+    >>> check_settings(2.5, None)
+    Traceback (most recent call last):
+    ValueError: dump_every is a number of steps, at least 1 (or None: hits only), not 2.5
+    """
+    for name, value, what in (("dump_every", every, "a number of steps, at least 1 (or None: "
+                               "hits only)"),
+                              ("dump_max_bytes", max_bytes, "a number of bytes, at least 1 (or "
+                               "None: no bound)")):  # fmt: skip
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} is {what}, not {value!r}")
 
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:

@@ -22,6 +22,9 @@ import numpy as np
 from tensordbg.dump import format as fmt
 
 NOT_FINISHED = "the run did not finish (it was killed, or is still running)"
+META_ROOM = 1024
+"""Bytes of spaces after meta.json's text: on a full disk no new file can be written, and the
+reason a write failed is written over the file in place, within the room it already has."""
 SYNC_EVERY = 1.0
 """Seconds within which an index line of a step without hits reaches the disk (fsync)."""
 
@@ -64,6 +67,8 @@ class DumpWriter:
         max_bytes: int | None = None,
     ):
         self.root = Path(path)
+        if self.root.exists() and not self.root.is_dir():
+            raise FileExistsError(f"{self.root} is a file, not a directory")
         self.rank = int(rank)
         self.max_bytes = max_bytes
         self.meta: dict[str, Any] = {
@@ -231,8 +236,14 @@ class DumpWriter:
         for r in ranks:
             # The index's length as it stands: a reader finds an index cut short of it.
             meta = {**self.meta, "rank": r, "index_bytes": self._index_bytes.get(r, 0)}
-            text = fmt.json.dumps(meta, indent=1, allow_nan=True)
-            fmt.write_atomic(fmt.rank_dir(self.root, r) / fmt.META, [text.encode()])
+            text = fmt.json.dumps(meta, indent=1, allow_nan=True).encode()
+            path = fmt.rank_dir(self.root, r) / fmt.META
+            try:
+                # Trailing spaces (JSON ignores them) keep room for a longer reason later.
+                fmt.write_atomic(path, [text, b" " * META_ROOM, b"\n"])
+            except OSError:
+                if not _overwrite(path, text):
+                    raise
 
     def _append(self, rank: int, record: dict[str, Any], durable: bool = True,
                 entries: list[str] | None = None) -> int:  # fmt: skip
@@ -313,6 +324,24 @@ class DumpWriter:
         self._index_bytes[rank] = size
 
 
+def _overwrite(path: Path, text: bytes) -> bool:
+    """Write ``text`` over ``path`` in place, within its size, padded with spaces: a full disk
+    gives no room for the temporary file of an atomic write, but the file's own blocks are
+    there. Not atomic (a crash midway leaves it torn), so only when the atomic write failed.
+    False when it does not fit or cannot be written."""
+    try:
+        with open(path, "r+b") as f:
+            size = os.fstat(f.fileno()).st_size
+            if len(text) + 1 > size:
+                return False
+            f.write(text + b" " * (size - len(text) - 1) + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        return False
+    return True
+
+
 def _unlink(path: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
@@ -322,6 +351,8 @@ def unwritable_reason(directory: str | os.PathLike[str]) -> str:
     """Why a dump cannot be written in ``directory`` (made if missing), or ``""``:
     ``tensordbg run`` says it before the script starts, not as a traceback from its first
     forward."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        return "it is a file, not a directory (give a directory for the dump)"
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as e:

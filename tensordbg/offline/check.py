@@ -17,6 +17,7 @@ was altered is judged on the statistics of its index, and listed as broken.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -228,7 +229,7 @@ def _judge_step(
             step=step,
             shape=tuple(entry.shape),
             dtype=entry.dtype,
-            values=stats_of(entry.stats),
+            values=stats_of(entry.stats, math.prod(entry.shape)),
             module_type=entry.module_type,
             call=entry.call,
             trainable=entry.trainable,

@@ -108,11 +108,12 @@ class CheckReport:
     @property
     def exit_code(self) -> int:
         """0 when no rule fired, 1 when one did, 2 when none did on what could be read and
-        judged but not all of it could be: a step or file could not be read, or a rule judged
-        nothing (the dump holds nothing it can judge)."""
+        judged but not all of it could be: a step or file could not be read, the dump is
+        incomplete (its run did not finish, or its writer stopped or fell behind), or a rule
+        judged nothing (the dump holds nothing it can judge)."""
         if self.findings:
             return 1
-        return 2 if self.broken or self.nothing_judged else 0
+        return 2 if self.broken or self.nothing_judged or not self.complete else 0
 
     @property
     def clean(self) -> bool:
@@ -223,6 +224,8 @@ class CheckReport:
                     for rule, count in unjudged.items()]  # fmt: skip
         if self.broken:
             caveats.append("not all of the dump could be read (see above)")
+        elif not self.complete:  # what was written was read whole, but not all was written
+            caveats.append("the dump is incomplete (see above)")
         n = len(self.findings)
         if not n and not caveats:
             return f"clean: {', '.join(names) or 'no rules'} over {over}"

@@ -3,6 +3,7 @@ and its value (memory-mapped on first use) for statistics the index lacks."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,7 +38,9 @@ class DumpedValue:
         return [computed[s] for s in wanted]
 
 
-def stats_of(dumped: dict[str, Any]) -> dict[Stat, float]:
+def stats_of(dumped: dict[str, Any], numel: int | None = None) -> dict[Stat, float]:
+    """The dumped statistics as the rules ask for them; of a one-element tensor (a scalar
+    loss: ``numel`` 1), its mean gives its minimum, maximum and the others it determines."""
     out = {}
     for name, value in dumped.items():
         stat = _parsed.get(name, _UNSEEN)
@@ -45,6 +48,15 @@ def stats_of(dumped: dict[str, Any]) -> dict[Stat, float]:
             stat = _parsed[name] = parse_stat(name)
         if stat is not None and isinstance(value, (int, float)):
             out[stat] = float(value)
+    mean = out.get(Stat("mean"))
+    if numel == 1 and mean is not None:
+        x = mean
+        derived = {"min": x, "max": x, "abs_mean": abs(x), "l2": abs(x),
+                   "finite": float(math.isfinite(x)), "nan": float(math.isnan(x)),
+                   "posinf": float(x == math.inf), "neginf": float(x == -math.inf),
+                   "zero_frac": float(x == 0.0)}  # fmt: skip
+        for name, value in derived.items():
+            out.setdefault(Stat(name), value)
     return out
 
 

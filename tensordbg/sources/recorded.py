@@ -143,3 +143,47 @@ def rule_dict(active: Any) -> dict[str, Any]:
         "disabled_reason": active.disabled_reason,
         "hits": active.hits,
     }
+
+
+# --- a dump's steps and hits as the replay serves them ------------------------------------
+
+
+def hit_dict(hit: Any) -> dict[str, Any]:
+    out = hit.as_dict() if hasattr(hit, "as_dict") else dict(hit)
+    out["summary"] = {k: v for k, v in (out.get("summary") or {}).items() if v is not None}
+    return out
+
+
+def step_numbers(numbers: Any, step: int, rank: int) -> dict[str, Any]:
+    """The loss, gradient norm and rate the training recorded at ``step``, if it did."""
+    if numbers is None:
+        return {}
+    try:
+        return dict(numbers(step, rank=rank) or {})
+    except Exception:  # a broken step: it has no numbers
+        return {}
+
+
+def call_of(name: str) -> int:
+    """The call index a tensor's name carries (``block#1.output``), 0 without one."""
+    head = name.split(".output")[0].split(".input")[0]
+    _, sep, tail = head.rpartition("#")
+    digits = tail.split(".")[0]
+    return int(digits) if sep and digits.isdigit() else 0
+
+
+def number(value: Any) -> float | None:
+    """A recorded number as the Run tab takes it: NaN and Inf stay (it says where they are)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def nothing_dumped(dump: Any, broken: str) -> str:
+    """Why a dump holds no step to show, in one sentence (a replay of it would show nothing)."""
+    where = f"the dump {dump.path} holds no step"
+    if broken:
+        return f"{where} that can be read: {broken}"
+    if not dump.meta.get("complete", True):
+        return f"{where} yet: {dump.meta.get('reason_incomplete')}"
+    every = dump.meta.get("dump_every")
+    periodic = "it ended before its first periodic step" if every else "dump_every was not set"
+    return f"{where}: no step of the run hit a rule and {periodic}, so there is nothing to replay"

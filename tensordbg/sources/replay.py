@@ -38,6 +38,8 @@ from tensordbg.transport.wire import DTYPES, MAX_REPLY_BYTES, WireArray
 
 HISTORY = 500  # steps of loss and gradient norm shown on the Run tab
 _ACTIVATIONS = ("input", "output", "grad_output", "grad_input")
+_LATER = {"optimizer": "after the optimizer step", "backward": "after the backward pass",
+          "forward": "in the forward pass"}  # fmt: skip
 
 
 class ReplaySource:
@@ -63,15 +65,18 @@ class ReplaySource:
         self._broken = {s: str(why) for (s, r), why in dump.broken.items() if r == self.rank}
         self.steps: list[int] = sorted(set(dump.steps(self.rank)) | set(self._broken) - {-1})
         if not self.steps:
-            raise SourceError(_nothing_dumped(dump, self._broken.get(-1, "")))
-        self._hits = [_hit_dict(h) for h in dump.hits if h.rank == self.rank]
-        self._refs: dict[tuple[int, str], int] = {}
-        self._ref_keys: list[tuple[int, str]] = []
+            raise SourceError(recorded.nothing_dumped(dump, self._broken.get(-1, "")))
+        self._hits = [recorded.hit_dict(h) for h in dump.hits if h.rank == self.rank]
+        # A ref is a tensor at a step; a hit's names its phase too (a weight checked in the
+        # forward and again after the optimizer step is two entries of one name).
+        self._refs: dict[tuple[int, str, str | None], int] = {}
+        self._ref_keys: list[tuple[int, str, str | None]] = []
         self._entries: dict[int, dict[str, Any]] = {}  # step -> {name: entry}, read on demand
         self._verified: set[int] = set()  # steps whose file was read whole (see _verify)
         for i, hit in enumerate(self._hits):
             hit["id"] = i
-            hit["ref"] = self._ref(hit["step"], hit.get("stored_as") or hit["tensor"])
+            hit["ref"] = self._ref(hit["step"], hit.get("stored_as") or hit["tensor"],
+                                   hit.get("phase") or None)  # fmt: skip
         first = next((h for h in self._hits if h["origin"]), self._hits[0] if self._hits else None)
         self.paused_at = first
         self.index = 0
@@ -155,16 +160,17 @@ class ReplaySource:
                                          "steps_per_sec": []}  # fmt: skip
             numbers = getattr(self.dump, "numbers", None)
             for step in self.steps[-HISTORY:]:
-                measured = _recorded_numbers(numbers, step, self.rank)
+                measured = recorded.step_numbers(numbers, step, self.rank)
                 if measured:  # what the training measured itself
                     for key in ("loss", "grad_norm", "steps_per_sec"):
-                        out[key].append(_num(measured.get(key)))
+                        out[key].append(recorded.number(measured.get(key)))
                     out["step"].append(step)
                     continue
                 entries = self._step_entries(step, quiet=True)
-                loss = next((_num(e.stats.get("mean")) for e in entries.values()
+                loss = next((recorded.number(e.stats.get("mean")) for e in entries.values()
                              if e.kind == "observed"), None)  # fmt: skip
-                norms = [_num(e.stats.get("l2")) for e in entries.values() if e.kind == "grad"]
+                norms = [recorded.number(e.stats.get("l2")) for e in entries.values()
+                         if e.kind == "grad"]  # fmt: skip
                 grad_norm = None
                 if norms and all(n is not None for n in norms):
                     grad_norm = math.sqrt(sum(n * n for n in norms))  # type: ignore[operator]
@@ -218,7 +224,7 @@ class ReplaySource:
                 "name": name,
                 "module": entry.module,
                 "kind": entry.kind,
-                "call": _call_of(name),
+                "call": recorded.call_of(name),
                 "shape": list(entry.shape),
                 "dtype": entry.dtype,
                 "retained": bool(entry.has_value),
@@ -230,16 +236,24 @@ class ReplaySource:
 
     def stats(self, ref: int, text: str = "") -> contract.Stats:
         step, entry = self._entry(ref)
-        if entry.has_value and not (self.broken(step) and text.strip() in ("", "[]")):
-            index, view = self._view(step, entry, text)
+        shown, note = self._valued(step, entry)
+        whole = text.strip() in ("", "[]")
+        # The whole of a hit's tensor whose value was not dumped: its own statistics first.
+        if shown.has_value and not ((self.broken(step) or note) and whole):
+            index, view = self._view(step, shown, text)
             summary: dict[str, Any] = summarize_numpy(view).as_dict() if view.size else {"numel": 0}
             shape, line = list(view.shape), summarize_numpy(view).line(view.shape, entry.dtype)
-        elif text.strip() not in ("", "[]"):
+        elif not whole:
             raise SourceError(self._no_value(step, entry))
         else:
             index, shape = "", list(entry.shape)
             summary = _summary(entry, self, step)
             line = describe(summary, shape, entry.dtype)
+        if note and index:
+            line = f"{line}  (the value at the hit ({entry.phase}) was not dumped; shown: {note})"
+        elif note:  # the hit's own statistics; the values below are another phase's
+            line = (f"{line}  (at the hit, {entry.phase}; its value there was not dumped: the "
+                    f"values below are {note})")  # fmt: skip
         return {
             "ref": ref,
             "name": entry.name,
@@ -256,6 +270,7 @@ class ReplaySource:
         self, ref: int, text: str = "", window: list[list[int]] | None = None
     ) -> contract.Slice:
         step, entry = self._entry(ref)
+        entry = self._valued(step, entry)[0]
         if entry.dtype not in DTYPES:
             raise SourceError(f"tensors of dtype {entry.dtype} cannot be shown yet")
         index, view = self._view(step, entry, text)
@@ -281,7 +296,7 @@ class ReplaySource:
         except SliceError as e:
             raise SourceError(str(e)) from None
         step, entry = self._entry(ref)
-        index, view = self._view(step, entry, text)
+        index, view = self._view(step, self._valued(step, entry)[0], text)
         x = np.asarray(view, dtype=np.float64).ravel()
         finite = np.isfinite(x)
         values = x[finite] if not finite.all() else x
@@ -378,8 +393,8 @@ class ReplaySource:
 
     # --- helpers ---------------------------------------------------------------------------
 
-    def _ref(self, step: int, name: str) -> int:
-        key = (step, name)
+    def _ref(self, step: int, name: str, phase: str | None = None) -> int:
+        key = (step, name, phase)
         ref = self._refs.get(key)
         if ref is None:
             ref = self._refs[key] = len(self._ref_keys)
@@ -405,12 +420,26 @@ class ReplaySource:
     def _entry(self, ref: int) -> tuple[int, Any]:
         if not 0 <= ref < len(self._ref_keys):
             raise SourceError(f"there is no tensor {ref} in this replay")
-        step, name = self._ref_keys[ref]
+        step, name, phase = self._ref_keys[ref]
         self._verify(step)  # a hit's own step, whichever is shown
         entry = self._step_entries(step).get(name)
         if entry is None:
             raise SourceError(f"{name} was not dumped at step {step}")
+        if phase is not None and entry.phase != phase:  # a hit's own phase, not the latest
+            own = [e for e in self.dump.indexed(step, rank=self.rank) or ()
+                   if e.name == name and e.phase == phase]  # fmt: skip
+            entry = own[-1] if own else entry
         return step, entry
+
+    def _valued(self, step: int, entry: Any) -> tuple[Any, str]:
+        """The entry whose values are shown for ``entry``, and which it is when it is another
+        (else ""): a hit's tensor whose value was not dumped at the hit's phase shows the value
+        dumped of a later phase of the step ("3.weight after the optimizer step of step 6")."""
+        latest = self._step_entries(step, quiet=True).get(entry.name)
+        if entry.has_value or latest is None or latest is entry or not latest.has_value:
+            return entry, ""
+        after = _LATER.get(latest.phase, f"in its {latest.phase} phase")
+        return latest, f"{entry.name} {after} of step {step}"
 
     def _no_value(self, step: int, entry: Any) -> str:
         said = f"only the statistics of {entry.name} were dumped at step {step}, not its values"
@@ -423,7 +452,7 @@ class ReplaySource:
         if not entry.has_value:
             raise SourceError(self._no_value(step, entry))
         try:
-            value = self.dump.tensor(entry.name, rank=self.rank).value(step)
+            value = self.dump.tensor(entry.name, rank=self.rank, phase=entry.phase).value(step)
         except Exception as e:  # DumpError: a file cut or changed since the index was read
             raise SourceError(str(e)) from None
         try:
@@ -457,44 +486,3 @@ def _summary(entry: Any, source: ReplaySource, step: int | None = None,
         out["dtype"] = entry.dtype
         out["step"] = source.step if step is None else step
     return out
-
-
-def _hit_dict(hit: Any) -> dict[str, Any]:
-    out = hit.as_dict() if hasattr(hit, "as_dict") else dict(hit)
-    out["summary"] = {k: v for k, v in (out.get("summary") or {}).items() if v is not None}
-    return out
-
-
-def _recorded_numbers(numbers: Any, step: int, rank: int) -> dict[str, Any]:
-    """The loss, gradient norm and rate the training recorded at ``step``, if it did."""
-    if numbers is None:
-        return {}
-    try:
-        return dict(numbers(step, rank=rank) or {})
-    except Exception:  # a broken step: it has no numbers
-        return {}
-
-
-def _call_of(name: str) -> int:
-    """The call index a tensor's name carries (``block#1.output``), 0 without one."""
-    head = name.split(".output")[0].split(".input")[0]
-    _, sep, tail = head.rpartition("#")
-    digits = tail.split(".")[0]
-    return int(digits) if sep and digits.isdigit() else 0
-
-
-def _num(value: Any) -> float | None:
-    """A recorded number as the Run tab takes it: NaN and Inf stay (it says where they are)."""
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def _nothing_dumped(dump: Any, broken: str) -> str:
-    """Why a dump holds no step to show, in one sentence (a replay of it would show nothing)."""
-    where = f"the dump {dump.path} holds no step"
-    if broken:
-        return f"{where} that can be read: {broken}"
-    if not dump.meta.get("complete", True):
-        return f"{where} yet: {dump.meta.get('reason_incomplete')}"
-    every = dump.meta.get("dump_every")
-    periodic = "it ended before its first periodic step" if every else "dump_every was not set"
-    return f"{where}: no step of the run hit a rule and {periodic}, so there is nothing to replay"
