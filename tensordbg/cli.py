@@ -219,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="profile N training steps (after the first step and one warm-up step) with "
         "torch.profiler; the summary, the advice and where the trace is are printed at the end",
     )
+    run.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE ...",
+                     help="run a module as python -m does, its arguments after it")  # fmt: skip
     run.add_argument("script", nargs="?", help="the training script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     run.set_defaults(handler=_run)
@@ -380,9 +382,9 @@ def _run(args: argparse.Namespace) -> int:
     from tensordbg.integrations.runner import run_script
     from tensordbg.rules import default_rules
 
-    if args.script is None:
-        print("tensordbg run: which script? e.g. tensordbg run train.py --epochs 3 "
-              "(see tensordbg run --help)", file=sys.stderr)  # fmt: skip
+    if args.script is None and not args.module:
+        print("tensordbg run: which script? e.g. tensordbg run train.py --epochs 3, or -m "
+              "pkg.train (see tensordbg run --help)", file=sys.stderr)  # fmt: skip
         return 2
     if args.dump_dir is None and (args.dump_every or args.dump_tensors or args.on_hit == "dump"
                                   or args.dump_max_bytes):  # fmt: skip
@@ -416,6 +418,7 @@ def _run(args: argparse.Namespace) -> int:
         remote=args.listen or args.remote or None,
         **dumps,
         profile_steps=args.profile,
+        module=args.module,
     )
 
 
@@ -459,9 +462,7 @@ def _demo(args: argparse.Namespace) -> int:
     from tensordbg.tui import run_tui
 
     run_id = f"demo{secrets.token_hex(3)}"
-    log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - the training writes it while the UI runs
-        "w", prefix="tensordbg-demo-", suffix=".log", delete=False
-    )
+    log = tempfile.NamedTemporaryFile("w", prefix="tensordbg-demo-", suffix=".log", delete=False)  # noqa: SIM115
     env = {**os.environ, "TENSORDBG_RUN_ID": run_id}
     command = [sys.executable, "-m", "tensordbg.demo", *demo_args, "--ends-with-ui"]
     training = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
@@ -487,10 +488,8 @@ def _demo(args: argparse.Namespace) -> int:
     with open(log.name) as f:
         print("the training's output, its end:", *report_last(f.read()), sep="\n")
     if training.returncode and not stopped:
-        print(
-            f"The demo training failed (exit status {training.returncode}): its whole output "
-            f"is in {log.name}"
-        )
+        print(f"The demo training failed (exit status {training.returncode}): its whole output "
+              f"is in {log.name}")  # fmt: skip
     else:
         os.unlink(log.name)  # its end is above: a demo leaves nothing behind
     return code

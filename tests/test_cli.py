@@ -285,6 +285,40 @@ def test_a_script_that_attaches_itself_and_exits_0_after_a_hit_gives_1(tmp_path:
     assert done.stderr.count("at their origin") == 1, done.stderr
 
 
+def test_run_m_runs_a_module_of_a_package_with_its_relative_imports(tmp_path: Path):
+    """``tensordbg run -m pkg.train --steps 5`` as ``python -m`` runs it: from the current
+    directory, as the package's module (its relative import works), its own arguments after
+    it, and its NaN found ("no such script: -m" before)."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "model.py").write_text("from torch import nn\n\n"
+                                      "def make():\n    return nn.Linear(4, 1)\n")  # fmt: skip
+    (package / "train.py").write_text(textwrap.dedent("""\
+        import sys
+        import torch
+        from .model import make
+        n = int(sys.argv[sys.argv.index("--steps") + 1])
+        model = make()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(n):
+            x = torch.randn(8, 4)
+            if step == 3:
+                x[0, 0] = float("nan")
+            model(x).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        print("trained", n, __name__, __package__)
+        """))  # fmt: skip
+    done = tensordbg("run", "--on-hit", "record", "-m", "pkg.train", "--steps", "5",
+                     cwd=tmp_path, timeout=60)  # fmt: skip
+    assert "trained 5 __main__ pkg" in done.stdout, done.stderr
+    assert done.returncode == 1, done.stderr  # it hit
+    assert "step 3 forward: [NaN] input[0]" in done.stderr, done.stderr
+    missing = tensordbg("run", "-m", "pkg.absent", cwd=tmp_path, timeout=60)
+    assert missing.returncode == 2 and "no module pkg.absent to run" in missing.stderr
+
+
 def test_a_scripts_exit_with_a_message_prints_it_as_python_does(tmp_path: Path):
     """``sys.exit("text")`` printed nothing under tensordbg run (python prints the text on
     stderr and exits 1)."""

@@ -17,6 +17,7 @@ GradScaler, and the global hooks stand down.
 from __future__ import annotations
 
 import builtins
+import importlib.util
 import io
 import os
 import runpy
@@ -219,25 +220,40 @@ class ScriptRun:
 
 
 def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = None,
-               profile_steps: int = 0, **attach_args: Any) -> int:  # fmt: skip
+               profile_steps: int = 0, module: Sequence[str] | None = None,
+               **attach_args: Any) -> int:  # fmt: skip
     """Run ``script`` as ``__main__`` with ``args``, watched by tensordbg; returns its exit code,
     or 1 when the script exited 0 but a watchpoint hit (as a linter does: a CI job that runs a
     short training under ``tensordbg run --on-hit record`` fails when something hit).
     ``attach_args`` are attach's, those the person gave (None: not given); a script that
     attaches tensordbg itself gets them over its own.
 
+    ``module``: ``-m``'s words instead (a module's name and its arguments), run as ``python -m``
+    runs it, from the current directory (a package's relative imports work).
+
     >>> run_script("train.py", ["--epochs", "1"], on_hit="raise")
     """
-    if not os.path.isfile(script):
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    if module:
+        script, args = module[0], module[1:]
+        sys.path.insert(0, os.getcwd())  # where python -m looks first
+        if (why := _no_module(script)) is not None:
+            sys.path[:] = saved_path
+            print(f"tensordbg run: no module {script} to run: {why}", file=sys.stderr)
+            return 2
+    elif not os.path.isfile(script):
         print(f"tensordbg run: no such script: {script}", file=sys.stderr)
         return 2
     run = ScriptRun(rules, profile_steps, **attach_args)
-    saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [script, *args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    if not module:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     run.install()
     try:
-        _run_main(script)
+        if module:  # its __main__, sys.argv[0] its file, as python -m sets them
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            _run_main(script)
         return 1 if run.hit() else 0
     except SystemExit as e:
         code = e.code
@@ -324,6 +340,21 @@ def loss_name(tensor: torch.Tensor, frame: Any) -> str:
              if value is tensor and name.isidentifier() and not name.startswith("_")]  # fmt: skip
     named = next((name for name in names if "loss" in name.lower()), None)
     return named or (f"loss_{names[0]}" if names else "loss")
+
+
+def _no_module(name: str) -> str | None:
+    """Why ``python -m name`` would not find a module to run, or None."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError) as e:  # a parent package that is not there, or ''
+        return str(e) or type(e).__name__
+    if spec is None:
+        return "it is not on the path (run from the directory that holds its package)"
+    if spec.submodule_search_locations is not None:  # a package: its __main__
+        return (
+            None if importlib.util.find_spec(f"{name}.__main__") else "a package without __main__"
+        )
+    return None
 
 
 def _run_main(script: str) -> None:
