@@ -1316,6 +1316,8 @@ def test_a_weight_already_nan_before_an_update_is_not_said_to_be_written_by_it(w
             if h.kind == "param" and h.phase == "optimizer"}  # fmt: skip
     # The update of step 1 wrote NaN into 4.bias, clean before it: that one it did write.
     assert "The update wrote it in from the gradient" in said[1, "4.bias"]
+    # A skip now cannot help (k is refused after the update): it is the gradient's hit's.
+    assert "It has landed" in said[1, "4.bias"] and "at the gradient's hit" in said[1, "4.bias"]
     for key in [(1, "0.weight"), (2, "0.weight"), (2, "4.bias")]:
         assert "before this update already, since step 1" in said[key], said[key]
         assert "cannot clean" in said[key] and "keep the weights clean" not in said[key]

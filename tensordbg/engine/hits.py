@@ -243,8 +243,9 @@ def with_origin(finding: Finding, is_origin: bool, condition: int | None, kind: 
         source = f" (first produced at {first})" if first else ""
         if kind == "param" and by_gradient:
             return (f"{finding.message} The update wrote it in from the gradient, which held it "
-                    f"already{source}: skip such an update (k, or on_hit='skip') to keep the "
-                    "weights clean.")  # fmt: skip
+                    f"already{source}. It has landed: to keep the weights clean, skip such an "
+                    "update at the gradient's hit, before it lands (k there, or "
+                    "on_hit='skip').")  # fmt: skip
         if kind == "param":
             return (f"{finding.message} It was so before this step{source}: the update did not "
                     "make it.")  # fmt: skip
