@@ -98,19 +98,28 @@ def rule_dicts(recorded: Any, hits: dict[str, int]) -> list[contract.Rule]:
     return out
 
 
+GRADIENTS = ("grad_output", "grad_input")
+"""The kinds of an activation's gradient: the only values a hit names after the call that took
+them (a parameter's consumers are its module's calls, which use it, not take it)."""
+
+
 def taken_by(
     made: dict[str, Any], module: str | None, call: int, hit: dict[str, Any] | None,
-    entries: Iterable[Any],
+    entries: Iterable[Any], kind: str,
 ) -> dict[str, Any] | None:  # fmt: skip
     """A dumped gradient's provenance as its hit names it, when the hit names the call that
     took the value rather than its producer (that call's backward made it: ``attn.grad_input[0]``,
     dumped as ``ln1.grad_output``): made by that call, taken in turn by the producer's backward.
     Its inputs, line and stack are those of another value of the step made by that call (from
     ``entries``, the step's dumped tensors), when one was dumped; None when the hit names the
-    producer."""
+    producer, or when the value (of ``kind``) is no gradient of an activation: a parameter
+    checked in the forward names its module, which only consumed it (as a live session's
+    provenance does: ``record.grad_of`` is None)."""
+    if module is None or kind not in GRADIENTS:
+        return None
     site = next((c for c in made.get("consumers") or [] if isinstance(c, dict)
                  and c.get("module") == module and c.get("call", 0) == call), None)  # fmt: skip
-    if module is None or site is None:
+    if site is None:
         return None
     same_call = next(
         (e.provenance for e in entries if isinstance(e.provenance, dict)

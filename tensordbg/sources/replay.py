@@ -24,6 +24,8 @@ import numpy as np
 
 from tensordbg.sources import contract, recorded
 from tensordbg.sources.contract import EventCallback, SourceError
+from tensordbg.sources.replay_previous import in_words, previous
+from tensordbg.sources.replay_previous import index_summary as _summary
 from tensordbg.sources.slicing import (
     SliceError,
     apply_index,
@@ -38,8 +40,6 @@ from tensordbg.transport.wire import DTYPES, MAX_REPLY_BYTES, WireArray
 
 HISTORY = 500  # steps of loss and gradient norm shown on the Run tab
 _ACTIVATIONS = ("input", "output", "grad_output", "grad_input")
-_LATER = {"optimizer": "after the optimizer step", "backward": "after the backward pass",
-          "forward": "in the forward pass"}  # fmt: skip
 
 
 class ReplaySource:
@@ -239,6 +239,7 @@ class ReplaySource:
         shown, note = self._valued(step, entry)
         whole = text.strip() in ("", "[]")
         # The whole of a hit's tensor whose value was not dumped: its own statistics first.
+        now = shown  # the entry whose statistics fill this step's column
         if shown.has_value and not ((self.broken(step) or note) and whole):
             index, view = self._view(step, shown, text)
             summary: dict[str, Any] = summarize_numpy(view).as_dict() if view.size else {"numel": 0}
@@ -246,7 +247,7 @@ class ReplaySource:
         elif not whole:
             raise SourceError(self._no_value(step, entry))
         else:
-            index, shape = "", list(entry.shape)
+            index, shape, now = "", list(entry.shape), entry
             summary = _summary(entry, self, step)
             line = describe(summary, shape, entry.dtype)
         if note and index:
@@ -254,6 +255,7 @@ class ReplaySource:
         elif note:  # the hit's own statistics; the values below are another phase's
             line = (f"{line}  (at the hit, {entry.phase}; its value there was not dumped: the "
                     f"values below are {note})")  # fmt: skip
+        before, phases = previous(self, step, now, index)
         return {
             "ref": ref,
             "name": entry.name,
@@ -263,7 +265,8 @@ class ReplaySource:
             "dtype": entry.dtype,
             "summary": {k: v for k, v in summary.items() if k not in ("shape", "dtype", "step")},
             "line": line,
-            "previous": self._previous(step, entry) if not index else None,
+            "previous": before,
+            **({"previous_why": phases} if phases else {}),  # which phase each column is
         }
 
     def slice(
@@ -338,7 +341,7 @@ class ReplaySource:
             # Written with the provenance of the call the hit names: the name it gives.
             shown, kind = str(made.get("name", shown)), str(made.get("kind", kind))
         hit = next((h for h in self._hits if h["ref"] == ref and h["module"] == module), None)
-        taken = recorded.taken_by(made, module, call, hit, entries.values())
+        taken = recorded.taken_by(made, module, call, hit, entries.values(), entry.kind)
         if taken is not None:  # a dump written before its provenance named that call
             made, producer, shown, kind = taken, taken["producer"], taken["name"], "grad_input"
         inputs = []
@@ -438,8 +441,7 @@ class ReplaySource:
         latest = self._step_entries(step, quiet=True).get(entry.name)
         if entry.has_value or latest is None or latest is entry or not latest.has_value:
             return entry, ""
-        after = _LATER.get(latest.phase, f"in its {latest.phase} phase")
-        return latest, f"{entry.name} {after} of step {step}"
+        return latest, f"{entry.name} {in_words(latest.phase)} of step {step}"
 
     def _no_value(self, step: int, entry: Any) -> str:
         said = f"only the statistics of {entry.name} were dumped at step {step}, not its values"
@@ -460,29 +462,3 @@ class ReplaySource:
             return format_index(index), np.asarray(apply_index(value, index))
         except SliceError as e:
             raise SourceError(str(e)) from None
-
-    def _previous(self, step: int, entry: Any) -> contract.Previous | None:
-        """The same tensor at the dumped step before, from the index."""
-        at = self.steps.index(step) if step in self.steps else 0
-        for before in reversed(self.steps[:at]):
-            other = self._step_entries(before, quiet=True).get(entry.name)
-            if other is not None:
-                return {"step": before, "summary": _summary(other, self, before, bare=True)}
-        return None
-
-
-# --- plain data --------------------------------------------------------------------------
-
-
-def _summary(entry: Any, source: ReplaySource, step: int | None = None,
-             bare: bool = False) -> dict[str, Any]:  # fmt: skip
-    """The dumped statistics as a Summary: those without parameters, with the shape."""
-    out: dict[str, Any] = {"numel": math.prod(entry.shape)}
-    for name, value in entry.stats.items():
-        if "(" not in name and isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[name] = int(value) if name == "numel" else float(value)
-    if not bare:
-        out["shape"] = list(entry.shape)
-        out["dtype"] = entry.dtype
-        out["step"] = source.step if step is None else step
-    return out

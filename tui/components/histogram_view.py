@@ -40,12 +40,14 @@ def draw(hist: dict[str, Any], height: int = HEIGHT) -> Text:
 
 
 def _no_finite_values(hist: dict[str, Any]) -> Text:
-    """``All 1,984 values are NaN.`` or ``No finite value: NaN 12   +Inf 4``."""
+    """``All 1,984 values are NaN.``, ``The one value is NaN.`` or ``No finite value: NaN 12
+    +Inf 4``."""
     counts = {label: hist.get(key, 0) for key, label in NON_FINITE}
     present = {label: n for label, n in counts.items() if n}
     if len(present) == 1:
         ((label, n),) = present.items()
-        return Text(f"All {n:,} values are {label}: no finite value to draw.", style="bold red")
+        said = f"The one value is {label}" if n == 1 else f"All {n:,} values are {label}"
+        return Text(f"{said}: no finite value to draw.", style="bold red")
     if present:
         listed = "   ".join(f"{label} {n:,}" for label, n in present.items())
         return Text(f"No finite value to draw: {listed}.", style="bold red")
@@ -70,6 +72,9 @@ class HistogramView(Static):
         super().__init__("", id="histogram")
         self.border_title = "histogram of the finite values"
         self.shown_bins = 0  # bins of the histogram on show; 0 when none is
+        # Which value it is of, when not the one the tensor's statistics are of (a replayed
+        # hit's weight whose value at the hit was not dumped: the value after the update).
+        self.values_of = ""
 
     @property
     def bins(self) -> int:
@@ -86,7 +91,10 @@ class HistogramView(Static):
 
     @work(thread=True, exclusive=True, group="histogram")
     def show(self, hist: dict[str, Any]) -> None:
-        self.post_message(self.Drawn(draw(hist), len(hist["counts"])))
+        text = draw(hist)
+        if self.values_of:  # above it: the border title is cut short in a narrow box
+            text = Text.assemble((f"Of {self.values_of}:\n", "bold yellow"), text)
+        self.post_message(self.Drawn(text, len(hist["counts"])))
 
     def show_message(self, text: str) -> None:
         self.shown_bins = 0

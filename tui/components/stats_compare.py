@@ -56,7 +56,9 @@ def delta(now: Any, before: Any, key: str) -> Text:
 
 
 class StatsCompare(Static):
-    """Fed with a ``stats()`` reply; its ``previous`` is the same tensor at the last step."""
+    """Fed with a ``stats()`` reply; its ``previous`` is the same tensor at the last step
+    (``previous_why``: why there is none, or, given with one, how its column differs: another
+    phase of the tensor)."""
 
     def __init__(self) -> None:
         super().__init__("", id="stats-compare")
@@ -86,16 +88,19 @@ class StatsCompare(Static):
             )
         # Why columns are blank, above the rows: below them, a small screen cut it off.
         if empty:
-            table.title = "the slice selects no value"
+            said = ["the slice selects no value"]
         elif none_finite:
-            table.title = "no finite value: mean, std, min, max and the norms are of finite ones"
+            said = ["no finite value: mean, std, min, max and the norms are of finite ones"]
         elif not previous:
-            table.title = stats.get("previous_why") or (
+            said = [stats.get("previous_why") or (
                 SLICE_NOT_COMPARED if stats.get("index")
                 else "no statistics of this tensor from the previous step"
-            )  # fmt: skip
+            )]  # fmt: skip
         else:
-            table.title = _partial(previous["step"], before)
+            said = [_partial(previous["step"], before)]
+        if previous and stats.get("previous_why"):  # its column is of another phase: which
+            said.insert(0, stats["previous_why"])
+        table.title = "; ".join(s for s in said if s) or None
         table.title_style = "dim"
         self.update(table)
 

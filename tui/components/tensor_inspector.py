@@ -3,6 +3,7 @@ previous step and a histogram."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -21,6 +22,12 @@ from tensordbg.tui.components.tensor_grid import TensorGrid
 from tensordbg.tui.errors import work
 from tensordbg.tui.remote import RequestFailed, remote_of
 
+OTHER_VALUES = re.compile(r"\((?:at the hit, |the value at the hit ).*(?:the values below are|"
+                          r"shown:) (?P<of>.+)\)$")  # fmt: skip
+"""A replay's summary line of a hit whose value at its phase was not dumped ends with which value
+its grid and histogram show: ``(at the hit, forward; ...: the values below are fc2.weight after
+the optimizer step of step 6)`` (:meth:`tensordbg.sources.replay.ReplaySource.stats`)."""
+
 
 class TensorInspector(Vertical):
     """One tensor at a time; a bad slice leaves the last good view in place, with the reason."""
@@ -35,6 +42,7 @@ class TensorInspector(Vertical):
         super().__init__(id="tensor-inspector")
         self.ref: int | None = None
         self.step: int | None = None  # the step its values are of, where that is known
+        self.shown_step: int | None = None  # the step on show (the banner's)
         self._session: tuple[Any, Any] = (None, None)  # the rank and run connected to
         self.tensor_name = ""
         self.text = ""
@@ -56,10 +64,13 @@ class TensorInspector(Vertical):
                 yield HistogramView()
 
     def open(self, ref: int, name: str = "", text: str = "", focus: bool = True,
-             step: int | None = None) -> None:  # fmt: skip
-        """Show tensor ``ref`` (of ``step``); ``focus``: its values take the keys (False from
-        another tab: focusing a widget of a hidden tab switches to that tab)."""
+             step: int | None = None, shown: int | None = None) -> None:  # fmt: skip
+        """Show tensor ``ref`` (of ``step`` where known: its statistics say, as they come) while
+        step ``shown`` is on show; ``focus``: its values take the keys (False from another tab:
+        focusing a widget of a hidden tab switches to that tab). A tensor of another step than
+        the one on show (a hit of a replay's later step) says its step in its title."""
         self.ref, self.tensor_name, self.step = ref, name or f"tensor {ref}", step
+        self.shown_step = shown
         self._opening = True  # until its first view arrives
         self._whole = None
         self.query_one(SliceInput).value = text
@@ -77,7 +88,12 @@ class TensorInspector(Vertical):
         self._session = session
 
     def replay_moved(self, step: int) -> None:
-        """A replay moved to dumped step ``step``: the values shown stay their step's."""
+        """A replay moved to dumped step ``step``: the values shown stay their step's (back at
+        their own step, the title says no more than the tensor's name)."""
+        self.shown_step = step
+        if self.ref is not None and self.step == step:
+            self.query_one("#tensor-title", Static).update(self._title())
+            return
         shown = "an earlier step's" if self.step is None else f"step {self.step}'s"
         self.moved_on(f"{shown}: reopen at step {step}")
 
@@ -132,7 +148,7 @@ class TensorInspector(Vertical):
             stats = await remote_of(self).stats(ref, text)
         except RequestFailed as e:
             if self._opening:  # nothing of the tensor shown before stays on screen
-                self.query_one("#tensor-title", Static).update(Text(self.tensor_name, style="bold"))
+                self.query_one("#tensor-title", Static).update(self._title())
                 self.query_one("#tensor-summary", Static).update("")
                 self.query_one(StatsCompare).update("")
                 self.query_one(TensorGrid).clear("No values to show (why is said above).")
@@ -145,19 +161,29 @@ class TensorInspector(Vertical):
         # histogram asked again for it would be refused.
         self.text = stats["index"] if len(stats["index"]) <= MAX_TEXT else text
         line = stats["line"]
-        title = Text(self.tensor_name, style="bold")  # its ref is the source's, not the person's
-        if self.text:
-            title.append(f"  slice {self.text}")
-        self.query_one("#tensor-title", Static).update(title)
+        self.step = stats.get("step", self.step)  # the source's word: a ref names its step
+        self.query_one("#tensor-title", Static).update(self._title())
         alarm = any(stats["summary"].get(k) for k in ("nan", "posinf", "neginf"))
         self.query_one("#tensor-summary", Static).update(
             Text(line, style="bold red" if alarm else "bold")
         )
         self.query_one(StatsCompare).show(stats)
+        other = OTHER_VALUES.search(line)
+        self.query_one(HistogramView).values_of = other["of"] if other else ""
         if not stats["index"]:
             self._whole = tuple(stats["shape"])
         self.query_one(TensorGrid).show(ref, text, tuple(stats["shape"]), self._labels())
         await self._histogram(ref, text)
+
+    def _title(self) -> Text:
+        """The tensor's name (its ref is the source's, not the person's), its step when another
+        is on show, and its slice."""
+        title = Text(self.tensor_name, style="bold")
+        if None not in (self.step, self.shown_step) and self.step != self.shown_step:
+            title.append(f"  (step {self.step}'s)", style="bold yellow")
+        if self.text:
+            title.append(f"  slice {self.text}")
+        return title
 
     def _labels(self) -> list[Sequence[int] | None] | None:
         """The tensor's indices along each dim of the slice shown (None: its positions, when

@@ -411,7 +411,7 @@ class MainScreen(Screen):
             self.call_after_refresh(self._open_tensor, message)  # its tab is still mounting
             return
         self.show_tab("tensor")
-        self.tensor_inspector.open(message.ref, message.name, message.text, step=self._step)
+        self.tensor_inspector.open(message.ref, message.name, message.text, shown=self._step)
         self.provenance_view.load(message.ref, message.module, message.call, message.name)
 
     def _open_highlighted_hit(self) -> None:
@@ -423,7 +423,7 @@ class MainScreen(Screen):
             self.call_after_refresh(self._open_highlighted_hit)  # its tab is still mounting
             return
         # Not focused: focusing the values from the Provenance tab switched to the Tensor tab.
-        self.tensor_inspector.open(hit["ref"], hit["tensor"], "", False, self._step)
+        self.tensor_inspector.open(hit["ref"], hit["tensor"], "", False, hit["step"], self._step)
         self.provenance_view.load(hit["ref"], hit.get("module"), hit.get("call", 0), hit["tensor"])
 
     @on(Input.Changed, "#hit-filter")
