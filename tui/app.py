@@ -22,6 +22,7 @@ from textual.screen import Screen
 from textual.widgets import Input
 
 from tensordbg.sources.contract import SchemaError, Welcome
+from tensordbg.tui import commands
 from tensordbg.tui.commands import CONTROLS, DETACHED, ENDS_WITH_UI, palette
 from tensordbg.tui.errors import CrashFile, work
 from tensordbg.tui.job import JobRanks
@@ -83,6 +84,7 @@ class TensorDbgApp(JobRanks, App[int]):
         Binding("slash", "search", "Search"),
         Binding("P", "profile", "Profile"),
         Binding("k", "control('skip')", "Skip"),
+        Binding("k", "refuse_skip", show=False),
         Binding("i", "ignore", "Ignore rule"),
         Binding("c,s,k", "refuse_control", show=False),
         Binding("escape", "hide_help_panel", "Close the keys panel", show=False),
@@ -135,6 +137,7 @@ class TensorDbgApp(JobRanks, App[int]):
         """The session's info from its hello reply (which run, which rank)."""
         self._switch_path: str | None = None
         self._of_this_pause: list[Notification] = []  # see notify_of_pause
+        self.ignoring: set[tuple[Any, ...]] = set()  # what i made rules ignore (commands.py)
 
     def get_default_screen(self) -> Screen:
         return self.main
@@ -324,6 +327,9 @@ class TensorDbgApp(JobRanks, App[int]):
             return self.screen is not self.main
         if action == "leave":
             return self.screen is self.main and self.nothing_to_detach()
+        if action == "refuse_skip":  # paused after the update: k says why it cannot skip
+            return (self.screen is self.main and self.state == "paused"
+                    and not getattr(self, "skippable", True))  # fmt: skip
         if action in ("replay_step", "refuse_control"):
             return self.screen is self.main and self.remote.serves("goto")
         if action == "detach" and self.screen is self.main and self.nothing_to_detach():
@@ -355,8 +361,9 @@ class TensorDbgApp(JobRanks, App[int]):
 
     def can_ignore(self) -> bool:
         """Whether ``i`` has a hit to act on: the one the training is paused at, or the one
-        chosen (asked by the footer and the palette alike, whichever screen is on top)."""
-        return self.state == "paused" and self.main.hit_to_ignore() is not None
+        chosen and not ignored yet (asked by the footer and the palette alike)."""
+        hit = self.main.hit_to_ignore()
+        return self.state == "paused" and hit is not None and not commands.ignored(self, hit)
 
     def can_profile(self) -> bool:
         """Whether ``P`` has a training to profile (or to say why it cannot be), with no profile
@@ -371,6 +378,12 @@ class TensorDbgApp(JobRanks, App[int]):
 
     def action_replay_step(self, move: int) -> None:
         self._replay_step(move)
+
+    def action_refuse_skip(self) -> None:
+        why, self._count = commands.cannot_skip(self.main.run_status.paused_at), 0
+        self.main.show_count(0)
+        self.notify(why, title="Cannot skip", severity="warning", markup=False)
+        self.main.log_entry(f"k: {why}", "warning")
 
     def action_refuse_control(self) -> None:
         self.served("control")  # a recorded run: the person is told it cannot be driven
@@ -407,6 +420,7 @@ class TensorDbgApp(JobRanks, App[int]):
         hit = self.main.hit_to_ignore()
         if hit is not None and self.served("set_rule"):
             self.main.rule_panel.ignore(hit, self.main.hit_table.rules_of(hit))
+            commands.ignored(self, hit, now=True)  # the footer offers i no more for it
 
     def action_tab(self, pane: str) -> None:
         self.main.show_tab(pane, again=True)  # a tab's key on its own tab may do more (F8)

@@ -33,6 +33,29 @@ COMMANDS = (
 )
 
 
+def cannot_skip(hit: dict[str, Any] | None) -> str:
+    """Why ``k`` cannot skip the update of the step paused in, paused on ``hit`` (the session's
+    ``skippable`` is false: every optimizer of the step has stepped, and the hit was found in
+    what the update wrote; ``OptimizerPhase.skippable``)."""
+    step = f"Step {hit['step']}'s" if hit else "This step's"
+    return (f"{step} update is made already: the training paused after the optimizer step, on a "
+            "hit found in the weights it wrote, so there is nothing left to skip. k drops an "
+            "update from a pause before it lands: at a hit in the forward or backward phase, "
+            "such as the gradient's. c continues with these weights.")  # fmt: skip
+
+
+def ignored(app: Any, hit: dict[str, Any], now: bool = False) -> bool:
+    """Whether ``i`` made the rules of ``hit``'s row ignore its tensor already, in this session
+    (``now``: it does so now, and the footer is told). The app keeps what ``i`` asked for in
+    ``app.ignoring`` (the rules' exclusions grow only by ``i``: the edit dialog leaves them)."""
+    where = (app.info.get("run_id"), app.info.get("rank"))
+    asked = {(*where, rule, hit["tensor"]) for rule in app.main.hit_table.rules_of(hit)}
+    if now:
+        app.ignoring |= asked
+        app.refresh_bindings()
+    return asked <= app.ignoring
+
+
 def palette(app: Any, screen: Screen, own: Iterable[SystemCommand]) -> Iterable[SystemCommand]:
     """What the palette of ``app`` (the TensorDbgApp) offers on ``screen``; ``own``: Textual's
     entries to keep."""
@@ -42,6 +65,8 @@ def palette(app: Any, screen: Screen, own: Iterable[SystemCommand]) -> Iterable[
         return
     drivable = app.remote.serves("control")  # a recorded run cannot be driven
     for action, title, help in COMMANDS:
+        if action == "skip" and not getattr(app, "skippable", True):
+            continue  # the update is made: k says why, the footer leaves it out
         if drivable and action in CONTROLS.get(app.state, ()):
             yield SystemCommand(title, help, lambda a=action: app.action_control(a))
     if app.can_ignore():  # not check_action: the palette, not the main screen, is on top

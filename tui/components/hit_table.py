@@ -249,6 +249,12 @@ class HitTable(LineTable):
     def on_key(self, event: events.Key) -> None:
         keys_in_order(self, event, {"slash": search(self)})  # "/word" typed fast: all in the box
 
+    def on_resize(self, event: events.Resize) -> None:
+        # The detail below grows with the hit the cursor moved to (a long message), after the
+        # move scrolled its row into view: the list, shorter now, hid the row it had shown.
+        if self._drawable:
+            self.scroll_to_cursor()
+
     # --- keys --------------------------------------------------------------------------------
 
     def action_select(self) -> None:

@@ -37,6 +37,7 @@ class ModuleBrowser(Vertical):
         self.search = Input(
             placeholder="/ search modules by path or type  ·  ← → scroll the lines sideways",
             id="module-search",
+            compact=True,  # one line, not three: at 80x24 the tree showed 6 modules
         )
         self.note = Label(UNMEASURED, id="module-note")
         self.table = ModuleTable()

@@ -23,11 +23,15 @@ STALE = "step "  # statistics from an earlier step start "step 24: ..." and are 
 
 
 def brief(summary: dict[str, Any] | None) -> str:
-    """What is known of a tensor's latest statistics, in one short line:
-    ``n=256 x∈[-2.1, 2.6] μ=0.01 σ=1 NaN×2!`` (shape and dtype are left to the caller)."""
+    """What is known of a tensor's latest statistics, in one short line, what is not finite
+    first: ``NaN×2! n=256 x∈[-2.1, 2.6] μ=0.01 σ=1`` (shape and dtype are left to the caller).
+    The line is cut at the right edge of a narrow terminal: a flag at its end ("NaN×1984!")
+    was cut off at 80 columns, and a broken module read as clean."""
     if not summary:
         return ""
-    return describe(summary)
+    words = describe(summary).split(" ")
+    flags = [w for w in words if w.endswith("!")]  # NaN×2! +Inf×1! -Inf×3! NaN/Inf!
+    return " ".join([*flags, *(w for w in words if not w.endswith("!"))])
 
 
 def count(n: int) -> str:

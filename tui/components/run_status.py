@@ -8,6 +8,7 @@ import time
 from itertools import pairwise
 from typing import Any
 
+from rich.cells import cell_len
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
@@ -20,6 +21,7 @@ from tensordbg.tui.errors import work
 from tensordbg.tui.remote import OVER, RequestFailed, remote_of, step_phrase
 
 HISTORY = 500  # steps kept for the sparklines
+GAP = 3  # cells between two of the Run tab's numbers
 FILL_EVERY = 0.5  # seconds at least between requests for the steps status events left out
 SERIES = ("step", "loss", "grad_norm", "steps_per_sec")
 STATE_STYLES = {
@@ -258,7 +260,6 @@ class RunStatus(VerticalScroll):
         return line
 
     def _numbers(self) -> Table:
-        table = Table.grid(*[""] * 5, padding=(0, 3))
         hits = "hits in the run" if self._recorded else "hits"  # a replay shows one of its steps
         step = self._info.get("step")
         over = self._state in OVER and isinstance(step, int) and step > 0
@@ -270,9 +271,20 @@ class RunStatus(VerticalScroll):
             self._latest("steps_per_sec"),
             self._hits_text(),
         ]
-        table.add_row(*(Text(label, style="dim") for label in labels))
-        table.add_row(*(Text(v, style="bold") for v in values))
+        # In one row where it fits; else in rows of as many as fit, each value whole: at 80
+        # columns "7.619 (step 28)" wrapped to "7.619 (step" over "28)".
+        room = self.content_region.width - self.styles.scrollbar_size_vertical  # shown or not
+        per_row = len(labels)
+        while per_row > 1 and room > 0 and _grid_width(labels, values, per_row) > room:
+            per_row -= 1
+        table = Table.grid(*[""] * per_row, padding=(0, GAP))
+        for i in range(0, len(labels), per_row):
+            table.add_row(*(Text(label, style="dim") for label in labels[i : i + per_row]))
+            table.add_row(*(Text(v, style="bold") for v in values[i : i + per_row]))
         return table
+
+    def on_resize(self) -> None:
+        self._draw()  # the numbers fit the width in as few rows as they can
 
     def _hits_text(self) -> str:
         """The hits, and the Hits tab's rows when fewer (two rules that say the same of one
@@ -333,6 +345,13 @@ class RunStatus(VerticalScroll):
             text.append("\nread-only", style="bold")
             text.append(": a recorded run cannot be continued, stepped or paused", style="dim")
         return text
+
+
+def _grid_width(labels: tuple[str, ...], values: list[str], per_row: int) -> int:
+    """The cells a grid of ``labels`` over ``values``, ``per_row`` a row, takes."""
+    cells = [max(cell_len(a), cell_len(b)) for a, b in zip(labels, values, strict=True)]
+    columns = [max(cells[i::per_row]) for i in range(per_row)]
+    return sum(columns) + GAP * (per_row - 1)
 
 
 def _number(value: float) -> str:
