@@ -148,3 +148,22 @@ def write_dump(
         writer.write_step(step, 0, entries, arrays, hits, modules=MODULES if n == 0 else None)
     writer.close()
     return path
+
+
+def weight_checked_twice(path: Path) -> None:
+    """A dump whose step 6 checks fc.weight in the forward (one +Inf, the hit; its value not
+    dumped) and again after the optimizer step (all NaN, the value dumped): two entries, one
+    name."""
+    after = np.full((2, 3), np.nan, dtype=np.float32)
+    stats = {"forward": {"posinf": 1.0, "nan": 0.0, "min": 1.0, "max": np.inf},
+             "optimizer": {"posinf": 0.0, "nan": 6.0}}  # fmt: skip
+    entries = [{"name": "fc.weight", "module": "fc", "phase": phase, "kind": "param",
+                "shape": [2, 3], "dtype": "float32", "stats": stats[phase]}
+               for phase in ("forward", "optimizer")]  # fmt: skip
+    hit = {"rule": "Overflow", "tensor": "fc.weight", "module": "fc", "kind": "param",
+           "step": 6, "phase": "forward", "origin": True, "value": 1.0, "threshold": None,
+           "id": 0, "call": 0,
+           "message": "fc.weight holds 1 infinite value among 6 values"}  # fmt: skip
+    writer = DumpWriter(path, {"run_id": "r1"})
+    writer.write_step(6, 0, entries, {"fc.weight": after}, [hit])
+    writer.close()

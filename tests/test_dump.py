@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors
+from dumps import weight_checked_twice
 
 import tensordbg
 from tensordbg.dump import DumpError, load
@@ -559,36 +560,16 @@ def test_a_tensor_no_step_lists_is_refused_at_once_with_the_names_closest_to_it(
 # --- what a user found ------------------------------------------------------------------------
 
 
-def _weight_checked_twice(path: Path) -> None:
-    """Step 6 checks fc.weight in the forward (one +Inf, planted; its value not kept) and again
-    after the optimizer step (all NaN, the value the step keeps): two entries, one name."""
-    before = np.ones((2, 3), dtype=np.float32)
-    before[0, 1] = np.inf
-    after = np.full((2, 3), np.nan, dtype=np.float32)
-    stats = {"forward": {"posinf": 1, "nan": 0}, "optimizer": {"posinf": 0, "nan": 6}}
-    entries = [{"name": "fc.weight", "module": "fc", "phase": phase, "kind": "param",
-                "shape": [2, 3], "dtype": "float32", "stats": stats[phase]}
-               for phase in ("forward", "optimizer")]  # fmt: skip
-    hit = {"rule": "Overflow", "tensor": "fc.weight", "module": "fc", "kind": "param",
-           "step": 6, "phase": "forward", "origin": True, "value": 1.0, "threshold": None,
-           "id": 0, "call": 0,
-           "message": "fc.weight holds 1 infinite value among 6 values"}  # fmt: skip
-    writer = DumpWriter(path, {"run_id": "r1"})
-    writer.write_step(6, 0, entries, {"fc.weight": after}, [hit])
-    writer.close()
-    assert before.shape == after.shape
-
-
 def test_a_tensor_checked_in_two_phases_of_a_step_is_read_by_its_phase(tmp_path):
     """``dump.tensor(name)`` could not pick the phase: a parameter's hit in the forward read
     the value after the optimizer step."""
-    _weight_checked_twice(tmp_path)
+    weight_checked_twice(tmp_path)
     dump = load(tmp_path)
     assert [e.phase for e in dump.tensors(6)] == ["forward", "optimizer"]
     default = dump.tensor("fc.weight")  # the latest entry, the one holding the value
     assert default.entry(6).phase == "optimizer" and np.isnan(default.value(6)).all()
     forward = dump.tensor("fc.weight", phase="forward")
-    assert forward.stats(6) == {"posinf": 1, "nan": 0}
+    assert forward.stats(6) == {"posinf": 1, "nan": 0, "min": 1, "max": np.inf}
     with pytest.raises(DumpError, match="in its forward phase but not that value: the value "
                                         "dumped is the one of its optimizer phase"):  # fmt: skip
         forward.value(6)

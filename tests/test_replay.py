@@ -13,7 +13,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from dumps import write_dump
+from dumps import weight_checked_twice, write_dump
 from test_tui import SIZE, until
 from textual.pilot import Pilot
 from textual.widgets import Footer
@@ -560,19 +560,7 @@ def test_a_hit_on_a_parameter_opens_the_value_it_was_about_not_the_one_after_the
     """fc.weight checked in the forward (one +Inf: the hit) and after the optimizer step (all
     NaN: the value dumped). Enter on the hit showed the weight after the step, NaN x 6, as if
     that were what the hit was about."""
-    after = np.full((2, 3), np.nan, dtype=np.float32)
-    stats = {"forward": {"posinf": 1.0, "nan": 0.0, "min": 1.0, "max": np.inf},
-             "optimizer": {"posinf": 0.0, "nan": 6.0}}  # fmt: skip
-    entries = [{"name": "fc.weight", "module": "fc", "phase": phase, "kind": "param",
-                "shape": [2, 3], "dtype": "float32", "stats": stats[phase]}
-               for phase in ("forward", "optimizer")]  # fmt: skip
-    hit = {"rule": "Overflow", "tensor": "fc.weight", "module": "fc", "kind": "param",
-           "step": 6, "phase": "forward", "origin": True, "value": 1.0, "threshold": None,
-           "id": 0, "call": 0,
-           "message": "fc.weight holds 1 infinite value among 6 values"}  # fmt: skip
-    writer = DumpWriter(tmp_path / "run", {"run_id": "r1"})
-    writer.write_step(6, 0, entries, {"fc.weight": after}, [hit])
-    writer.close()
+    weight_checked_twice(tmp_path / "run")
     source = ReplaySource(load(tmp_path / "run"))
     ref = source.paused_at["ref"]
     stats = source.stats(ref)
