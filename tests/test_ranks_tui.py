@@ -13,7 +13,6 @@ from textual.app import App
 from textual.widgets import DataTable, Static
 
 from tensordbg.transport.client import LocalClient
-from tensordbg.transport.server import Server
 from tensordbg.tui.launch import session_app
 from tensordbg.tui.messages import OpenTensor
 from tensordbg.tui.screens.ranks import RanksScreen, group_jobs, job_sessions
@@ -196,12 +195,14 @@ def test_a_jobs_ranks_are_one_entry_of_the_session_list() -> None:
     assert [s["rank"] for s in job_sessions("job7", lambda: sessions)] == [0, 1]
 
 
-def test_the_ui_opens_a_job_once_and_shift_r_moves_to_the_next_rank(private_runtime_dir) -> None:
+def test_the_ui_opens_a_job_once_and_shift_r_moves_to_the_next_rank(
+    private_runtime_dir, server_factory
+) -> None:
     """Two ranks of one job serve their sessions: ``tensordbg tui`` opens the job (rank 0, no
     list to choose from), ``R`` inspects rank 1, F9 shows both ranks."""
-    servers = [Server(FakeRank(r), run_id="job7", rank=r, script="train.py") for r in (0, 1)]
-    for server in servers:
-        server.start()
+    start = server_factory(run_id="job7", script="train.py")  # stopped after the test
+    for r in (0, 1):
+        start(FakeRank(r), rank=r)
     app = session_app()
     assert app is not None
 
@@ -233,11 +234,7 @@ def test_the_ui_opens_a_job_once_and_shift_r_moves_to_the_next_rank(private_runt
             await until(pilot, lambda: str(title.content) == said)
             app.exit()
 
-    try:
-        asyncio.run(flow())
-    finally:
-        for server in servers:
-            server.stop()
+    asyncio.run(flow())
 
 
 class HeldClient(LocalClient):

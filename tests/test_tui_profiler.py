@@ -32,6 +32,13 @@ from tensordbg.tui.screens.main import TABS
 from tensordbg.tui.screens.profile_steps import ProfileStepsScreen
 
 
+async def ask_for_a_profile(app: TensorDbgApp, pilot: Pilot) -> None:
+    """P at a pause, and Enter in its dialog: the default five steps."""
+    await pilot.press("P")
+    await until(pilot, lambda: isinstance(app.screen, ProfileStepsScreen))
+    await pilot.press("enter")
+
+
 def run(source: FakeSource, flow: Any, size: tuple[int, int] = SIZE) -> None:
     """Run ``flow(app, pilot)`` on the UI of ``source``, paused, at ``size``."""
 
@@ -141,9 +148,7 @@ def test_while_a_profile_is_pending_every_view_says_so_and_P_waits_for_it() -> N
     source = FakeSource()
 
     async def flow(app: TensorDbgApp, pilot: Pilot) -> None:
-        await pilot.press("P")
-        await until(pilot, lambda: isinstance(app.screen, ProfileStepsScreen))
-        await pilot.press("enter")
+        await ask_for_a_profile(app, pilot)
         profiler = app.main.profiler_view
         await until(pilot, lambda: "Profiling the next 5 steps" in text_of(profiler.status))
         for note in profiler._empty.values():
@@ -175,9 +180,7 @@ def test_a_training_that_ended_says_so_in_every_view_not_press_P() -> None:
 
     async def pending(app: TensorDbgApp, pilot: Pilot) -> None:
         profiler = app.main.profiler_view
-        await pilot.press("P")
-        await until(pilot, lambda: isinstance(app.screen, ProfileStepsScreen))
-        await pilot.press("enter")
+        await ask_for_a_profile(app, pilot)
         await until(pilot, lambda: "Profiling the next 5" in text_of(profiler.status))
         source.emit("state", {"state": "finished", "step": 3})
         await until(pilot, lambda: "before the profile started" in text_of(profiler.status))
@@ -667,9 +670,7 @@ def test_the_demo_offers_profiling_and_every_tab_is_reachable_and_fills_from_a_r
                 head.startswith("NVML: ") and profiler.gpu.polls >= 1
             ), head
             await pilot.press("f8")  # round to the Overview
-            await pilot.press("P")
-            await until(pilot, lambda: isinstance(app.screen, ProfileStepsScreen))
-            await pilot.press("enter")  # five steps, the default
+            await ask_for_a_profile(app, pilot)
             await until(pilot, lambda: profiler.report is not None, timeout=120)
             report = profiler.report
             assert len(report["steps"]) == 5

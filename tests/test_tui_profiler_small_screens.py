@@ -12,7 +12,7 @@ from typing import Any
 from fake_source import FakeSource
 from profile_fixtures import cpu_report, cuda_report, sleepy_report
 from test_tui import footer_keys, until
-from test_tui_profiler import drawn, with_report
+from test_tui_profiler import ask_for_a_profile, drawn, with_report
 from test_tui_profiler import run as profiler_run
 from textual.pilot import Pilot
 
@@ -131,9 +131,7 @@ def test_the_overview_scrolls_with_the_usual_keys_once_a_profile_asked_for_with_
     source = FakeSource()
 
     async def flow(app: TensorDbgApp, pilot: Pilot) -> None:
-        await pilot.press("P")
-        await until(pilot, lambda: isinstance(app.screen, ProfileStepsScreen))
-        await pilot.press("enter")
+        await ask_for_a_profile(app, pilot)
         profiler = app.main.profiler_view
         await until(pilot, lambda: source.profiles == [5])
         source.run_profile(cpu_report(), steps=5)

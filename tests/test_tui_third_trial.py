@@ -25,7 +25,6 @@ from textual.widgets import DataTable, Input, Static, Tree
 from tensordbg.sources.contract import SourceError
 from tensordbg.transport.client import ConnectionLost, LocalClient
 from tensordbg.transport.connection import ConnectionInfo, write_connection_file
-from tensordbg.transport.server import Server
 from tensordbg.tui.app import TensorDbgApp
 from tensordbg.tui.components.stats_compare import StatsCompare
 from tensordbg.tui.components.tensor_grid import TensorGrid
@@ -117,12 +116,14 @@ class UuidRank(FakeRank):
         return {**super().info(), "run_id": UUID, "script": "ddp.py"}
 
 
-def test_at_80_columns_the_header_keeps_the_rank_of_a_long_run_id_and_r_says_which_rank() -> None:
+def test_at_80_columns_the_header_keeps_the_rank_of_a_long_run_id_and_r_says_which_rank(
+    server_factory,
+) -> None:
     """At 80 columns the header ended "run d0d9e81b-dbe4-48ae-a4c3-708ce…": the rank was cut
     off, and R changed the whole screen to the other rank's with no sign of it."""
-    servers = [Server(UuidRank(r), run_id=UUID, rank=r, script="ddp.py") for r in (0, 1)]
-    for server in servers:
-        server.start()
+    start = server_factory(run_id=UUID, script="ddp.py")  # stopped after the test
+    for r in (0, 1):
+        start(UuidRank(r), rank=r)
     app = session_app()
     assert app is not None
 
@@ -140,11 +141,7 @@ def test_at_80_columns_the_header_keeps_the_rank_of_a_long_run_id_and_r_says_whi
             assert said == ["Now inspecting rank 1 of 2 (it was rank 0)."], said
             app.exit()
 
-    try:
-        asyncio.run(flow())
-    finally:
-        for server in servers:
-            server.stop()
+    asyncio.run(flow())
 
 
 def test_r_and_f9_on_a_training_of_one_rank_say_that_it_has_one() -> None:

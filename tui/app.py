@@ -138,6 +138,7 @@ class TensorDbgApp(JobRanks, App[int]):
         self._switch_path: str | None = None
         self._of_this_pause: list[Notification] = []  # see notify_of_pause
         self.ignoring: set[tuple[Any, ...]] = set()  # what i made rules ignore (commands.py)
+        self.skippable = True  # whether k can drop the paused step's update (main.py sets it)
 
     def get_default_screen(self) -> Screen:
         return self.main
@@ -328,8 +329,7 @@ class TensorDbgApp(JobRanks, App[int]):
         if action == "leave":
             return self.screen is self.main and self.nothing_to_detach()
         if action == "refuse_skip":  # paused after the update: k says why it cannot skip
-            return (self.screen is self.main and self.state == "paused"
-                    and not getattr(self, "skippable", True))  # fmt: skip
+            return self.screen is self.main and self.state == "paused" and not self.skippable
         if action in ("replay_step", "refuse_control"):
             return self.screen is self.main and self.remote.serves("goto")
         if action == "detach" and self.screen is self.main and self.nothing_to_detach():
@@ -349,7 +349,7 @@ class TensorDbgApp(JobRanks, App[int]):
                 return self.can_profile()
             if action == "count":  # digits typed into a text box are text
                 return self.state == "paused" and not isinstance(self.focused, Input)
-            gone = parameters[0] == "skip" and not getattr(self, "skippable", True)  # updated
+            gone = parameters[0] == "skip" and not self.skippable  # the update is made
             return not gone and parameters[0] in CONTROLS.get(self.state, ())
         return True
 

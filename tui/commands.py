@@ -65,7 +65,7 @@ def palette(app: Any, screen: Screen, own: Iterable[SystemCommand]) -> Iterable[
         return
     drivable = app.remote.serves("control")  # a recorded run cannot be driven
     for action, title, help in COMMANDS:
-        if action == "skip" and not getattr(app, "skippable", True):
+        if action == "skip" and not app.skippable:
             continue  # the update is made: k says why, the footer leaves it out
         if drivable and action in CONTROLS.get(app.state, ()):
             yield SystemCommand(title, help, lambda a=action: app.action_control(a))

@@ -267,6 +267,7 @@ class ReplaySource:
             "line": line,
             "previous": before,
             **({"previous_why": phases} if phases else {}),  # which phase each column is
+            **({"values_of": note} if note else {}),  # the value after the update, say
         }
 
     def slice(

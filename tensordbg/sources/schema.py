@@ -161,7 +161,8 @@ class Stats(TypedDict):
     summary: Summary
     line: str  # the one-line summary a person reads
     previous: Previous | None  # the same tensor at the last step it was seen
-    previous_why: NotRequired[str]  # why there is none
+    previous_why: NotRequired[str]  # why there is none; with one, which phase each column is
+    values_of: NotRequired[str]  # what the values shown are, when not the hit's (a replay's)
 
 
 @runtime_checkable
@@ -490,11 +491,10 @@ class ProfileEvent(TypedDict):
     message: str
 
 
-EVENTS: dict[str, Any] = {
+EVENTS: dict[str, Any] = {  # the events a source pushes, and their payloads
     "status": StatusEvent,
     "hit": Hit,
     "state": StateEvent,
     "log": LogEvent,
     "profile": ProfileEvent,
 }
-"""The events a source pushes, and their payloads."""

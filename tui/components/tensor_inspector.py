@@ -3,7 +3,6 @@ previous step and a histogram."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -21,12 +20,6 @@ from tensordbg.tui.components.stats_compare import StatsCompare
 from tensordbg.tui.components.tensor_grid import TensorGrid
 from tensordbg.tui.errors import work
 from tensordbg.tui.remote import RequestFailed, remote_of
-
-OTHER_VALUES = re.compile(r"\((?:at the hit, |the value at the hit ).*(?:the values below are|"
-                          r"shown:) (?P<of>.+)\)$")  # fmt: skip
-"""A replay's summary line of a hit whose value at its phase was not dumped ends with which value
-its grid and histogram show: ``(at the hit, forward; ...: the values below are fc2.weight after
-the optimizer step of step 6)`` (:meth:`tensordbg.sources.replay.ReplaySource.stats`)."""
 
 
 class TensorInspector(Vertical):
@@ -168,8 +161,7 @@ class TensorInspector(Vertical):
             Text(line, style="bold red" if alarm else "bold")
         )
         self.query_one(StatsCompare).show(stats)
-        other = OTHER_VALUES.search(line)
-        self.query_one(HistogramView).values_of = other["of"] if other else ""
+        self.query_one(HistogramView).values_of = stats.get("values_of", "")
         if not stats["index"]:
             self._whole = tuple(stats["shape"])
         self.query_one(TensorGrid).show(ref, text, tuple(stats["shape"]), self._labels())
