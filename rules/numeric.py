@@ -64,10 +64,23 @@ class NaN(Rule):
         return Finding(
             count,
             None,
-            f"{t.name} holds {nan}{among(t)}.",
+            f"{t.name} holds {nan}{_and_infinite(t)}{among(t)}.",
             "A NaN usually comes from 0/0, log or sqrt of a negative or zero value, or an "
             "overflow just before.",
         )
+
+
+def _and_infinite(t: TensorStats) -> str:
+    """The Infs beside a tensor's NaNs, for the NaN rule's message, when they were counted:
+    " and 2097142 -Inf" (one NaN among two million -Inf is not the tensor's whole story)."""
+    s = t.summary
+    if s is not None:
+        signed = [(s.posinf, "+Inf"), (s.neginf, "-Inf")]
+    elif POSINF in t.values and NEGINF in t.values:
+        signed = [(int(t.values[POSINF]), "+Inf"), (int(t.values[NEGINF]), "-Inf")]
+    else:
+        return ""
+    return "".join(f" and {n} {sign}" for n, sign in signed if n)
 
 
 class Overflow(Rule):

@@ -91,6 +91,18 @@ def test_nan_is_found_with_its_count():
     assert NaN.propagates
 
 
+def test_the_nan_message_names_the_infinities_beside_the_nans():
+    """Ten NaN among two million -Inf: the message says both (found trying the UI as a new
+    user: the hit said "holds 10 NaN among 2097152 values" and nothing of the rest)."""
+    x = np.full((4, 8), -np.inf, dtype=np.float32)
+    x[0, :3] = np.nan
+    x[1, 0] = np.inf
+    found = judge(NaN(), x, name="bad.output", kind="output")
+    assert "bad.output holds 3 NaN and 1 +Inf and 28 -Inf among 32 values." in found.message
+    x[np.isinf(x)] = 0.0
+    assert "holds 3 NaN among 32 values." in judge(NaN(), x, name="o", kind="output").message
+
+
 def test_nan_counts_one_when_only_the_range_is_known():
     t = TensorStats("x", "", "output", "forward", 0, (4,), "float32", {MIN: math.nan, MAX: 1.0})
     assert NaN().check(t, {}).value == 1.0
