@@ -367,6 +367,33 @@ def test_the_operation_of_the_loss_code_that_made_its_nan_is_named_in_every_mode
     assert "does not accept: a division by 0 (a number, not a tensor: out / 0)" in (origin.message)
 
 
+@pytest.mark.parametrize("sync", ["eager", "deferred", "batched"])
+def test_a_loss_observed_after_a_backward_pass_of_its_step_names_its_line_and_operation(sync):
+    """A GAN's generator loss, or an auxiliary loss: one backward pass of the step has run when
+    the next loss is computed, from outputs its phase let go of. Its NaN hit said only "the
+    code that computes it made it" (found trying it as a new user): no line, no operation."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with tensordbg.attach(model, optimizer, on_hit="record", sync=sync, server=False,
+                          summary_at_exit=False) as session:  # fmt: skip
+        for step in range(4):
+            out = model(torch.randn(16, 4))
+            out.pow(2).mean().backward(retain_graph=True)  # the first loss of the step
+            loss = out.pow(2).mean() + 0.5
+            if step == 2:
+                loss = loss + torch.log(-loss)
+            line = inspect.currentframe().f_lineno + 1
+            session.observe("errG", loss)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    origin = next(h for h in session.hits if h.origin)
+    assert (origin.tensor, origin.step) == ("errG", 2)
+    assert f"It was observed at test_pinpoint.py:{line}." in origin.message
+    assert "does not accept: log of 1 values <= 0" in origin.message
+
+
 def test_loss_code_whose_operations_saved_nothing_to_show_names_none() -> None:
     """An overflow in a sum saves nothing autograd could show, and the model's own operations
     (a ReLU, whose zeros a log would reject) are not the loss code's: nothing is named."""

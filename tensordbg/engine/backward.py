@@ -56,6 +56,13 @@ class BackwardPhase(ParamGradients):
             if self._forward_open or self.phases.busy():
                 self._end_phase()
             self._start_phase("backward")
+        elif not self._backward_tasks and self.phases.busy():
+            # A later pass of the step, with no forward between (a GAN's second loss, an
+            # auxiliary one), not one inside a pass (reentrant checkpointing): what was
+            # observed since the last pass is judged before this pass frees the graph its
+            # operation is named from (batched checks would wait for the pass's end).
+            self._end_phase()
+            self._start_phase("backward")
         if task not in self._backward_tasks:
             self._backward_tasks.add(task)
             if self.plan is not None:  # the parameters have no hooks: which will it reach?

@@ -138,6 +138,8 @@ class Capture(ForwardLog):
         self._checkpointed: set[str] = set()  # called inside a reentrant checkpoint this step
         self._seen: dict[int, Record] = {}
         self._outputs: dict[tuple[Any, ...], Record] = {}  # the step's model outputs, by memory
+        self.root_outputs: list[weakref.ref[torch.Tensor]] = []
+        """The step's root calls' outputs, weakly: where the loss code starts (pinpoint.py)."""
         self._skipping = 0
         self.suspended = False  # True while a forward runs again (pinpoint.py): hooks are off
         self._open = 0  # module calls entered and not yet returned, as the hooks count them
@@ -221,6 +223,7 @@ class Capture(ForwardLog):
         self._root_calls = []
         self._seen.clear()  # a tensor made by one root forward and used by the next is one record
         self._outputs.clear()
+        self.root_outputs = []
         self._counts.clear()  # a module's calls are numbered across the step's root forwards
         self._checkpointed.clear()
         self.empty_calls.clear()
@@ -290,6 +293,8 @@ class Capture(ForwardLog):
         self._open -= 1
         try:
             leaves = tensor_leaves(output, "") if output is not None else []
+            if not self._open:
+                self.root_outputs += [weakref.ref(t) for _, t in leaves if t.grad_fn is not None]
             if self._log is not None and self._open:
                 seen = self._note(leaves)
                 if seen is not None:

@@ -148,10 +148,12 @@ class Pinpointing:
         """For a forward hit at its origin on a NaN or Inf made by a module's own code: name
         the operation (once per step) in the hit's message and the call's provenance."""
         stats = record.stats
-        if not (self.pinpoint and verdict.origin and stats.phase == "forward" and stats.nonfinite):
+        if not (self.pinpoint and verdict.origin and stats.nonfinite):
             return
-        if stats.kind == "observed":
+        if stats.kind == "observed":  # in any phase: a GAN's second loss comes after a backward
             self._name_loss_operation(hit, record)
+            return
+        if stats.phase != "forward":
             return
         call = verdict.call or record.producer
         tensor = record.held()
@@ -201,6 +203,9 @@ class Pinpointing:
         outputs = [t for calls in self.capture.calls_by_path.values() for call in calls
                    if call.parent is None
                    for _, r in call.outputs if (t := r.held()) is not None]  # fmt: skip
+        # Those the phase let go of: still alive where the loss is made of them (a GAN's second
+        # loss, observed after the first one's backward pass).
+        outputs += [t for ref in self.capture.root_outputs if (t := ref()) is not None]
         with contextlib.suppress(Exception):  # a courtesy: whatever the graph holds, the hit stands
             hit.message += name_loss_operation(loss, outputs, _names_nan(hit, loss))
 
