@@ -586,6 +586,51 @@ def test_run_says_a_second_model_apart_from_the_watched_one_is_not_watched(
     assert "opt_g" not in err  # no name the script does not have
 
 
+def test_run_watches_the_student_not_the_teacher_the_script_calls_first(
+    tmp_path: Path, monkeypatch, capsys
+):
+    """Distillation: a teacher called first under no_grad, stepped by no optimizer, was
+    watched in the student's stead, and a NaN in the student's batch was blamed on the loss
+    code (found trying it as a new user). The model is the first called with gradients on
+    and stepped by an optimizer the script made."""
+    from tensordbg.integrations import runner
+    from tensordbg.integrations.runner import run_script
+
+    path = tmp_path / "distill.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        torch.manual_seed(0)
+        teacher = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 3)).eval()
+        student = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        opt = torch.optim.SGD(student.parameters(), lr=0.1)
+        for step in range(5):
+            x = torch.randn(16, 4)
+            with torch.no_grad():
+                target = teacher(x)
+            if step == 3:
+                x[0, 0] = float("nan")
+            loss = (student(x) - target).pow(2).mean()
+            loss.backward(); opt.step(); opt.zero_grad()
+    """))  # fmt: skip
+    monkeypatch.setattr(sys, "argv", [str(path)])
+    session = {}
+    real_attach = runner.attach
+
+    def attach(model, **kwargs):
+        session["s"] = real_attach(model, **kwargs)
+        return session["s"]
+
+    monkeypatch.setattr(runner, "attach", attach)
+    assert run_script(str(path), [], on_hit="record", server=False) == 1  # it hit
+    err = capsys.readouterr().err
+    assert "tensordbg: watching Sequential (67 parameters)" in err  # the student
+    assert "a model apart" not in err
+    origin = next(h for h in session["s"].hits if h.origin)
+    assert (origin.step, origin.tensor) == (3, "input[0]")
+    assert "It came in with the batch" in origin.message
+
+
 def test_ctrl_c_reaches_the_ui_as_how_the_training_ended(tmp_path: Path, monkeypatch):
     """The UI's last word from the session says it was interrupted, not just "finished"."""
     from tensordbg.engine import session as session_module

@@ -1,8 +1,9 @@
 """``tensordbg run script.py``: debug a training script without changing it, like ``pdb``.
 
-Global hooks find the training: the first module with trainable parameters that is called is the
-model (tensordbg attaches to it as ``attach()`` would, with the optimizers the script made for it
-so far), an optimizer made later is watched from its first step on, and a scalar on which
+Global hooks find the training: the first module with trainable parameters that is called with
+gradients on, and stepped by one of the optimizers made so far if there are any, is the model
+(tensordbg attaches to it as ``attach()`` would, with the optimizers the script made for it so
+far), an optimizer made later is watched from its first step on, and a scalar on which
 ``.backward()`` is called is observed as a loss, under the name the script gives it
 (``d_loss.backward()`` observes ``d_loss``; see :func:`loss_name`). The global module hook is
 removed as soon as the model is found, so the rest of the run pays only for the model's own
@@ -161,6 +162,12 @@ class ScriptRun:
             return
         if not any(p.requires_grad for p in module.parameters()):
             return
+        made = [o for ref in self._made if (o := ref()) is not None]
+        # The model the script trains: called with gradients on, and stepped by one of the
+        # optimizers made so far, if any (a distilling teacher, called first under no_grad
+        # and stepped by none, was watched in the student's stead: found trying it).
+        if not torch.is_grad_enabled() or (made and not any(_steps(o, module) for o in made)):
+            return
         own = attached_to(module)
         if own is not None:  # the script attached tensordbg itself (with the command line's
             self._unhook_modules()  # settings over its own: attach() says which)
@@ -170,7 +177,7 @@ class ScriptRun:
         # The optimizers the script made for it, watched from step 0: one found only at its
         # first step leaves the steps before it counted as model calls (four micro-batches of
         # gradient accumulation were four steps), and the first says no optimizer is watched.
-        optimizers = [o for ref in self._made if (o := ref()) is not None and _steps(o, module)]
+        optimizers = [o for o in made if _steps(o, module)]
         # torch.compile(model): the model inside, not compiled yet (it compiles in this call,
         # after this hook): watched as if attached before compiling, its hooks at graph breaks.
         inner = compiled_inner(module)
