@@ -28,6 +28,11 @@ if TYPE_CHECKING:
     from tensordbg.engine.session import Session
 
 
+def __dir__() -> list[str]:
+    """The public names, those loaded on first use among them (tab completion offers them)."""
+    return sorted(set(__all__) | {name for name in globals() if name.startswith("__")})
+
+
 def __getattr__(name: str) -> Any:
     if name == "attach":
         from tensordbg.api import attach, profile

@@ -106,6 +106,8 @@ def attach(
         scaler: a ``torch.amp.GradScaler``: gradient statistics are unscaled, and a step it skips
             for non-finite gradients is recorded in ``session.skipped_steps``, not as a hit,
             unless ``max_skipped_steps`` are skipped in a row.
+        include: glob patterns of the module paths to watch (default: every module).
+        exclude: glob patterns of the module paths not to watch.
         sync: ``"auto"`` (deferred on CPU, batched on CUDA), ``"eager"`` (screens every tensor
             where it is made, pauses in the hook), ``"batched"`` or ``"deferred"`` (screens the
             outputs, loss, gradients and parameters; the rest only when those show a problem);
@@ -116,6 +118,8 @@ def attach(
             holds the others weakly); a hit's own tensor is kept regardless when it is judged
             in its hook.
         update_budget: memory for copies of parameters taken to measure updates exactly.
+        max_skipped_steps: how many updates in a row ``on_hit="skip"`` (or a GradScaler) may
+            skip before the hit is raised instead (the training cannot recover that way).
         server: serve the session to the terminal UI over a local, authenticated socket.
         remote: listen on TCP with CURVE encryption instead of a local socket: ``True`` on
             127.0.0.1 (reach it through an SSH tunnel), or ``"HOST[:PORT]"`` to listen there,
@@ -128,12 +132,19 @@ def attach(
         dump_every: also write every N-th step: the statistics of every watched tensor, and the
             values of those whose names match ``dump_tensors`` (glob patterns, e.g.
             ``"*.weight.grad"``).
+        dump_tensors: glob patterns of the tensors whose values ``dump_every``'s steps keep
+            (a hit's step keeps every value anyway).
         dump_max_bytes: bound the dump's size: the oldest steps without hits go first.
+        run_id: the name the UI and the dump know this run by (default: a fresh id, or the
+            job's under ``torchrun``).
+        rank: this process's rank in a job of several (default: ``RANK`` from the environment,
+            as ``torchrun`` sets it).
         summary_at_exit: when the program exits with the session still attached and hits
             recorded, print ``session.summary()`` on stderr (as ``tensordbg run`` does).
         replaceable: a later ``attach`` of the same model detaches this session and takes
             over instead of refusing (``tensordbg run`` attaches this way, so a script that
-            attaches tensordbg itself keeps its own settings).
+            attaches tensordbg itself gets its own session, with the command line's settings
+            over the script's arguments for them).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"attach() takes the model, a torch.nn.Module, not {type(model).__name__}")

@@ -183,3 +183,18 @@ def test_a_subscriber_that_raises_is_disabled_with_one_warning_and_the_training_
     assert "hit" in events and "status" in events  # the other subscriber is still served
     about_it = [w for w in caught if "bad subscriber" in str(w.message)]
     assert [w.category for w in about_it] == [RuntimeWarning]
+
+
+def test_help_of_attach_says_what_every_option_does_and_completion_offers_the_api():
+    """The README sends people to help(tensordbg.attach) for its options: run_id and rank
+    were missing from it, and dir(tensordbg) offered neither attach, load nor profile (they
+    load on first use), found trying it as a new user."""
+    import inspect
+
+    import tensordbg
+
+    doc = inspect.getdoc(tensordbg.attach)
+    for name in inspect.signature(tensordbg.attach).parameters:
+        assert f"\n    {name}:" in doc or f"\n{name}:" in doc, name
+    assert {"attach", "load", "profile", "Session", "rules"} <= set(dir(tensordbg))
+    assert "__version__" in dir(tensordbg)
