@@ -11,8 +11,9 @@ config, random tokens) in a few seconds on a CPU.
                                                     # gives the Trainer one
 
 The planted fault stands in for a numerical bug inside one layer: in the given optimizer step,
-the output of the second block's MLP projection holds a NaN. tensordbg names that module and
-that step (a step is an optimizer step, however many micro-batches it accumulates).
+the output of the second block's first MLP layer (``transformer.h.1.mlp.c_fc``) holds a NaN.
+tensordbg names that module and that step (a step is an optimizer step, however many
+micro-batches it accumulates).
 """
 
 from __future__ import annotations
