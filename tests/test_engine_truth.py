@@ -84,6 +84,54 @@ def test_a_parameter_used_through_a_functional_call_is_no_origin_of_what_flowed_
     assert backward and all(t.startswith("bad.") for t, _ in backward), backward  # ...from here
 
 
+@pytest.mark.parametrize("sync", MODES)
+def test_clipping_spreads_a_backward_nan_to_every_gradient_and_names_no_more_origins(watch, sync):
+    """clip_grad_norm_ scales every gradient by the total norm, NaN once one gradient is: the
+    update then writes NaN into every parameter. Each was an origin, "the gradient was clean"
+    (13 origins for one backward NaN, found trying real scripts); they are passed on."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), NaNBackward(), nn.Linear(8, 8),
+                          nn.Tanh(), nn.Linear(8, 1))  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = watch(model, optimizer=opt, on_hit="record", rules=[NaN()], sync=sync)
+    model(torch.randn(3, 4)).sum().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+    session.flush()
+    assert any(h.tensor == "5.weight" and h.phase == "optimizer" for h in session.hits)
+    assert [t for t, _ in origins(session)] and all(
+        t.startswith("2.") for t, _ in origins(session)
+    ), origins(session)
+
+
+@pytest.mark.parametrize("dump", [False, True])
+def test_a_run_that_dumps_counts_a_gradients_nan_as_one_that_does_not(watch, tmp_path, dump):
+    """A forward NaN flows back: head's output gradient holds 4 NaN. With dump_dir set the hit
+    said "NaN or Inf ... not counted: its values were not kept", and the dump held no count
+    (the dump lists the forward, which skipped the outputs' screen that reads a bad
+    forward's backward whole; found trying the UI)."""
+
+    class Scale(nn.Module):
+        def forward(self, x):
+            x = torch.relu(x).clone()
+            x[3] = 0.0
+            return x / x.sum(dim=-1, keepdim=True)  # row 3: 0/0
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), Scale(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    extra = {"dump_dir": str(tmp_path / "dump")} if dump else {}
+    session = watch(model, optimizer=opt, on_hit="record", sync="deferred", **extra)
+    loss = nn.functional.cross_entropy(model(torch.randn(6, 8)), torch.randint(0, 4, (6,)))
+    session.observe("loss", loss)
+    loss.backward()
+    opt.step()
+    session.flush()
+    hit = next(h for h in session.hits if h.tensor == "2.grad_output")
+    assert hit.message.startswith("2.grad_output holds 4 NaN among 24 values."), hit.message
+
+
 class Gan(nn.Module):
     def __init__(self):
         super().__init__()

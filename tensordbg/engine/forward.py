@@ -105,10 +105,14 @@ class ForwardPhase:
         """Whether a root forward that returned ``seen`` (its outputs as its hook saw them) is
         left pending (see pending.py): deferred checks on the host, when nothing needs its
         calls and records now and its outputs are finite (read here: the forward's guard)."""
-        if self.lists_forward() or self.boundary_wanted():
+        listed = self.lists_forward() or self.boundary_wanted()
+        if listed and (self.plan is None or self.forward_bad):
             return False
+        # Listed too (a dump's run): a forward whose outputs are not finite has its backward
+        # read whole, or an activation gradient it makes not finite is judged from a voucher,
+        # not counted (a dump made the hit "NaN or Inf, not counted" where one without said 4).
         if all(not watchable(t) or host_stats(t, SCREEN)[0] == 1.0 for _, t, _, _ in seen):
-            return True
+            return not listed
         self.forward_bad = True
         return False
 

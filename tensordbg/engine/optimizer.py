@@ -278,6 +278,8 @@ class OptimizerPhase:
             self.amp.stepped = True
             if self.phase != "optimizer":  # the first optimizer of the step: gradients are final
                 self.origins.gradients_final(self.phases.records)
+                if self.origins.grad_fired:  # spread by the script's code since (clipping)?
+                    self.origins.spread_before_step(_final_grads(self.weights))
             self._start_phase("optimizer")
             for record, grad in self._brought:  # judged after the backward phase had ended
                 self.phases.adopt(record)
@@ -466,6 +468,13 @@ class OptimizerPhase:
             self.phases.awaits(record, wanted, self.phases.batch.add_parts(*parts))
         self.phases.pending.append(Judged(record))
         return record
+
+
+def _final_grads(weights: ParamWatch) -> list[tuple[str, torch.Tensor]]:
+    """Each parameter's gradient as the step gets it (a sparse one's rows)."""
+    grads = [(p.name, g) for p in weights.params.values()
+             if (g := p.param.grad) is not None and watchable(g)]  # fmt: skip
+    return [(n, g.coalesce().values() if g.is_sparse else g) for n, g in grads]
 
 
 def _moved(p: Param, previous: torch.Tensor, weights: ParamWatch,

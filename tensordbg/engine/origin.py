@@ -94,6 +94,16 @@ class Attribution:
                            if r.stats.kind == "grad" and r.conditions}  # fmt: skip
         self.grad_found = set()
 
+    def spread_before_step(self, grads: Iterable[tuple[str, Any]]) -> None:
+        """Called when some gradient was not finite at its pass's end: ``grads`` are the
+        parameters' gradients as the step gets them. The script's code may spread that one to
+        the others before the step (``clip_grad_norm_`` scales every gradient by the total
+        norm, NaN then): those are passed on too, and a parameter they make not finite is no
+        origin (one backward NaN made 13 origins, each "the gradient was clean")."""
+        for name, grad in grads:
+            if name not in self.grad_fired and not bool(grad.isfinite().all()):
+                self.grad_fired[name] = {NONFINITE}
+
     def new_step(self) -> None:
         self.fired_roots = []
         self.param_order = {}
