@@ -57,6 +57,16 @@ class _UnitActivity(Rule):
         """The open range (lo, hi) of live values of ``t``; None when it is not known."""
         raise NotImplementedError
 
+    def watches(self) -> str:
+        """What a tensor the rule judges is, in words, as ``tensordbg check`` says it of a dump
+        that holds none: "the output of a Tanh or Sigmoid module"."""
+        types = list(self.module_types)
+        named = ", ".join(types[:-1]) + " or " * (len(types) > 1) + "".join(types[-1:])
+        what = f"the output of a {named} module"
+        if self.match != ("*",):
+            what = f"{what}, named {' or '.join(self.match)}"
+        return what
+
     def _stat(self, t: TensorStats) -> Stat | None:
         live = self._live_range(t)
         if live is None:
@@ -130,6 +140,12 @@ class DeadActivation(_UnitActivity):
 
     def _live_range(self, t: TensorStats) -> tuple[float, float]:
         return (0.0, math.inf)
+
+    def watches(self) -> str:
+        # A name it is given judges that output whatever its module's type (see applies).
+        if any(p != "*" for p in self.match):
+            return f"a module's output named {' or '.join(p for p in self.match if p != '*')}"
+        return super().watches()
 
 
 # SageMaker's saturation bounds are on the pre-activation; the live range of the output is their

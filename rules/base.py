@@ -199,6 +199,14 @@ class Rule:
                 found.append((t, finding))
         return found
 
+    def undecided(self, state: dict[str, Any]) -> dict[str, str]:
+        """The tensors this rule was given but could reach no verdict on, by name, each with
+        why (a clause that follows "could not judge them: "), as its memory ``state`` stands
+        after the last of them: a rule that compares windows of steps and saw fewer steps than
+        it compares. ``tensordbg check`` does not count them as judged. By default none: a rule
+        that judges each tensor as it comes judged every one it was given."""
+        return {}
+
     # --- thresholds ------------------------------------------------------------------------------
 
     def params(self) -> dict[str, Any]:

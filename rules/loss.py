@@ -144,3 +144,16 @@ class LossNotDecreasing(Rule):
                 "too low, or so high that the loss bounces, or the model has learned what it can.",
             )
         return None
+
+    def undecided(self, state: dict[str, Any]) -> dict[str, str]:
+        """The losses whose first two windows never completed: no window was compared."""
+        n, undecided = self.num_steps, {}
+        for name, curve in state.items():
+            if isinstance(curve, _LossCurve) and curve.completed < 2 * n:
+                seen = curve.completed + (curve.count > 0)
+                undecided[name] = (
+                    f"it compares the mean of {name} over {n} steps with its mean over the {n} "
+                    f"before, which takes {2 * n + 1} steps of {name} (a step's verdict comes "
+                    f"with the next step's loss), and it saw {seen}"
+                )
+        return undecided

@@ -762,3 +762,91 @@ def test_a_scalar_loss_is_judged_on_its_range_from_its_dumped_mean(
     assert report.unjudged == [] and report.nothing_judged == []
     assert [(f.tensor, f.step) for f in report.findings] == [("loss", s) for s in range(6)]
     assert report.findings[0].value == load(dump).tensor("loss").stats(0)["mean"]
+
+
+def test_a_rule_whose_window_the_dump_is_too_short_for_is_not_called_clean(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """LossNotDecreasing compares the mean loss of 10 steps with that of the 10 before: on a
+    dump of 6 steps it reached no verdict, and check said "clean" (exit 0). It says what the
+    rule could not judge and why, and exits 2, as for a rule that judged nothing."""
+    from tensordbg.rules import LossNotDecreasing
+
+    dump = write_dump(tmp_path / "run", nan_at=None)
+    report = check_dump(load(dump), rules=[LossNotDecreasing()])
+    assert report.exit_code == 2 and not report.clean
+    assert [(u.rule, u.tensors, u.first_tensor) for u in report.unjudged] == [
+        ("LossNotDecreasing", 6, "loss")
+    ]
+    assert "takes 21 steps of loss" in report.unjudged[0].reason
+    assert report.unjudged[0].reason.endswith("and it saw 6")
+    assert [j.rule for j in report.nothing_judged] == ["LossNotDecreasing"]
+    assert main(["check", str(dump), "--rules", "NaN,LossNotDecreasing", "--json"]) == 2
+    said = json.loads(capsys.readouterr().out)
+    assert said["clean"] is False
+    assert said["unjudged"][0]["reason"].startswith("LossNotDecreasing could not judge 6 tensors:")
+    assert main(["check", str(dump), "--rules", "LossNotDecreasing"]) == 2
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == (
+        f"no rule could judge anything in 54 tensors of 6 steps in {dump}; LossNotDecreasing "
+        "could not judge any of the 6 tensors it watches (see above)"
+    )
+    # A window the dump holds: compared, and clean.
+    short = check_dump(load(dump), rules=[LossNotDecreasing(num_steps=2)])
+    assert short.unjudged == [] and short.nothing_judged == [] and short.exit_code == 0
+
+
+def test_the_table_and_the_json_list_the_findings_in_the_same_execution_order(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The table put a step's origin first, the JSON went by the dumped order, which lists a
+    weight the run read out of turn (its module's output about to be named an origin) after
+    that output; and a pass's finite gradients, judged together at its end, came after a NaN
+    the autograd engine made later. Both now list execution order: the weight before the
+    output its module computed with it, an earlier finding before the origin."""
+    from tensordbg.rules import ExplodingGradient, Overflow
+
+    def entry(name: str, module: str, kind: str, phase: str, **stats: float) -> dict[str, object]:
+        return {"name": name, "module": module, "kind": kind, "phase": phase,
+                "module_type": "Linear", "shape": [4, 4], "dtype": "float32",
+                "stats": {"finite": 1.0, "nan": 0.0, "posinf": 0.0, "neginf": 0.0,
+                          **stats}}  # fmt: skip
+
+    entries = [entry("input[0]", "", "input", "forward", finite=0.0, posinf=1.0),
+               entry("fc.output", "fc", "output", "forward", finite=0.0, nan=3.0),
+               entry("fc.weight", "fc", "param", "forward", finite=0.0, posinf=1.0),
+               entry("fc.weight.grad", "fc", "grad", "backward", l2=1e9),
+               entry("fc.grad_input[0]", "fc", "grad_input", "backward", finite=0.0,
+                     nan=5.0)]  # fmt: skip
+    hit = {"rule": "Overflow", "tensor": "fc.weight", "module": "fc", "kind": "param",
+           "step": 0, "phase": "forward", "origin": True, "value": 1.0, "threshold": None,
+           "id": 0, "call": 0, "message": "fc.weight holds 1 infinite value"}  # fmt: skip
+    rules = [{"name": "NaN"}, {"name": "Overflow"}, {"name": "ExplodingGradient"}]
+    writer = DumpWriter(tmp_path, {"run_id": "r1", "rules": rules})
+    writer.write_step(0, 0, entries, {}, [hit])
+    writer.close()
+    order = ["input[0]", "fc.weight", "fc.output", "fc.weight.grad", "fc.grad_input[0]"]
+    report = check_dump(load(tmp_path), rules=[NaN(), Overflow(), ExplodingGradient()])
+    assert [f.tensor for f in report.findings] == order
+    assert main(["check", str(tmp_path), "--json"]) == 1
+    assert [f["tensor"] for f in json.loads(capsys.readouterr().out)["findings"]] == order
+    assert main(["check", str(tmp_path)]) == 1
+    rows = [line.split()[-1] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("step 0")]  # fmt: skip
+    assert rows == ["input[0]", "origin", *order[2:]]  # fc.weight's row ends "<- origin"
+
+
+def test_a_rule_that_watches_some_module_types_says_so_when_there_are_none(
+    tmp_path: Path,
+) -> None:
+    """SaturatedActivation on a network without Tanh or Sigmoid said the dump holds no "module's
+    output", though every module's output was dumped."""
+    from tensordbg.rules import SaturatedActivation
+
+    report = check_dump(load(write_dump(tmp_path / "run")), rules=[SaturatedActivation()])
+    assert [j.reason for j in report.nothing_judged] == [
+        "nothing to judge for SaturatedActivation: the dump holds no tensor it watches (the "
+        "output of a Tanh or Sigmoid module)"
+    ]
+    named = check_dump(load(tmp_path / "run"), rules=[DeadActivation(match="*.act.output")])
+    assert named.nothing_judged[0].reason.endswith("(a module's output named *.act.output)")

@@ -421,3 +421,30 @@ def test_an_index_line_altered_to_fewer_bytes_is_not_said_to_cut_the_index(
     assert "cut short" not in out and "dumped only" not in out
     assert f"Not compared, unreadable in B: {index} line {at + 1}: the line has no checksum" in out
     assert "(45 tensors of 5 steps)" in out  # the steps after it compared
+
+
+def test_steps_one_run_dumped_alone_lead_the_text_with_their_hits(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A clean run against one that hit NaN at steps it alone dumped read "The runs agree",
+    the steps only in B last. The text leads with B's hits and what was not compared; the
+    exit status stays 0, as for any step dumped in one run only (not compared)."""
+    a = write_dump(tmp_path / "a", steps=[0, 1, 2], nan_at=None)
+    b = write_dump(tmp_path / "b", steps=[0, 1, 2, 3, 4], nan_at=3)
+    assert main(["diff", str(a), str(b)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "B hit at step 3, which only B dumped (the first at its origin: [NaN] net.2.output, "
+        "forward of step 3); step 4 too, without hits: not compared, A's dump ends at step 2.",
+        "On the 3 steps both dumped, the runs agree: 27 tensors within rtol=1e-05, atol=1e-08 "
+        "(27 compared by value).",
+    ]
+    # Steps the other run went past without dumping them are said so.
+    c = write_dump(tmp_path / "c", steps=[0, 1, 3], nan_at=None)
+    d = write_dump(tmp_path / "d", steps=[0, 2, 3], nan_at=None)
+    assert main(["diff", str(c), str(d)]) == 0
+    assert capsys.readouterr().out.splitlines()[:2] == [
+        "Step 1 dumped only in A: not compared, B's run went on past it (it dumped step 3) "
+        "without dumping it.",
+        "Step 2 dumped only in B: not compared, A's run went on past it (it dumped step 3) "
+        "without dumping it.",
+    ]

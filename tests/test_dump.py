@@ -651,3 +651,32 @@ def test_a_dump_dir_that_is_a_file_is_said_to_be_one(tmp_path):
     )
     with pytest.raises(FileExistsError, match="afile is a file, not a directory"):
         DumpWriter(afile)
+
+
+def test_an_entry_without_values_or_statistics_says_so_instead_of_blanks(tmp_path):
+    """A gradient the run judged from another tensor's without keeping it is dumped with only
+    whether it is finite: the replay said "only the statistics were dumped" and showed a row
+    of dashes. The entry says what is known of it."""
+
+    def entry(name, **stats):
+        return {"name": name, "module": "head", "phase": "backward", "kind": "grad_output",
+                "shape": [16, 4], "dtype": "float32", "stats": stats}  # fmt: skip
+
+    writer = DumpWriter(tmp_path, {"run_id": "r1"})
+    writer.write_step(5, 0, [entry("head.grad_output", finite=0.0),
+                             entry("mid.grad_output", finite=1.0), entry("enc.grad_output"),
+                             entry("low.grad_output", finite=0.0, nan=4.0),
+                             entry("out.grad_output", finite=0.0)],
+                      {"out.grad_output": np.zeros((16, 4), np.float32)}, [])  # fmt: skip
+    writer.close()
+    said = {e.name: e.nothing_to_show for e in load(tmp_path).tensors(5)}
+    assert said == {
+        "head.grad_output": "neither the values of head.grad_output nor its statistics were "
+        "dumped at step 5: the run knew only that it holds NaN or Inf, not how many or where",
+        "mid.grad_output": "neither the values of mid.grad_output nor its statistics were "
+        "dumped at step 5: the run knew only that it is finite",
+        "enc.grad_output": "neither the values of enc.grad_output nor its statistics were "
+        "dumped at step 5: the run measured nothing of it",
+        "low.grad_output": "",  # its NaN counted
+        "out.grad_output": "",  # its values dumped
+    }

@@ -35,6 +35,20 @@ class TensorEntry:
     """Whether the tensor is (or is the gradient or update of) a parameter that requires grad:
     rules such as VanishingGradient judge only those."""
 
+    @property
+    def nothing_to_show(self) -> str:
+        """One sentence when the dump holds neither the tensor's values nor any statistic of
+        them beyond whether it is finite (a gradient the run judged from another tensor's,
+        without keeping it): what is known of it, instead of a row of blanks; "" otherwise."""
+        if self.has_value or set(self.stats) - {"finite"}:
+            return ""
+        finite = self.stats.get("finite")
+        known = {None: "the run measured nothing of it", 1.0: "the run knew only that it is "
+                 "finite"}.get(finite, "the run knew only that it holds NaN or Inf, not how "
+                                       "many or where")  # fmt: skip
+        return (f"neither the values of {self.name} nor its statistics were dumped at step "
+                f"{self.step}: {known}")  # fmt: skip
+
 
 MOST = 2**63 - 1  # a step or rank past int64 was not written by tensordbg: no UI could send it
 

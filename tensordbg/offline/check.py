@@ -5,8 +5,10 @@ set (:class:`tensordbg.engine.judge.RuleSet`): steps in order, tensors in execut
 a step, phase-wide rules at the end of each phase, each rule with its memory across steps. A
 statistic a rule needs that the dump does not hold is computed from the tensor's dumped value
 when there is one; when there is none, that rule cannot judge that tensor, and the report says
-so (``unjudged``) instead of counting it as passed; a rule that judged nothing at all (the dump
-holds nothing it watches) is said too (``nothing_judged``), and the dump is not called clean.
+so (``unjudged``) instead of counting it as passed; so are the tensors a rule reached no
+verdict on (:meth:`Rule.undecided`: a window of steps longer than the dump holds). A rule that
+judged nothing at all (the dump holds nothing it watches, or none it could judge) is said too
+(``nothing_judged``), and the dump is not called clean.
 Every values file is read against its checksums first (:meth:`Dump.verify`): a step whose file
 was altered is judged on the statistics of its index, and listed as broken.
 
@@ -62,15 +64,46 @@ class _Tally:
 
     watched: Counter[int] = field(default_factory=Counter)
     judged: Counter[int] = field(default_factory=Counter)
-    unjudged: dict[tuple[str, tuple[str, ...]], Unjudged] = field(default_factory=dict)
+    unjudged: dict[tuple[str, ...], Unjudged] = field(default_factory=dict)
+    by_name: dict[tuple[int, str], list[int]] = field(default_factory=dict)
+    """Of one rank, per rule that may leave tensors undecided (:meth:`Rule.undecided`) and
+    tensor name: how many it judged, and the first step."""
 
-    def cannot_judge(self, rule: str, missing: Sequence[Stat], tensor: str, step: int) -> None:
-        key = (rule, tuple(str(s) for s in missing))
+    def cannot_judge(self, rule: str, missing: Sequence[Stat], tensor: str, step: int,
+                     count: int = 1, reason: str = "") -> None:  # fmt: skip
+        key = (rule, reason, *(str(s) for s in missing))
         found = self.unjudged.get(key)
         if found is None:
-            self.unjudged[key] = Unjudged(rule, list(key[1]), 1, tensor, step)
+            missed = [str(s) for s in missing]
+            self.unjudged[key] = Unjudged(rule, missed, count, tensor, step, reason)
         else:
-            found.tensors += 1
+            found.tensors += count
+
+    def note(self, rule_ids: Iterable[int], ruleset: RuleSet, name: str, step: int) -> None:
+        """Count a tensor as judged by ``rule_ids``, by name for those that may leave some
+        undecided."""
+        for rule_id in rule_ids:
+            self.judged[rule_id] += 1
+            active = ruleset.get(rule_id)
+            if active is not None and type(active.rule).undecided is not Rule.undecided:
+                self.by_name.setdefault((rule_id, name), [0, step])[0] += 1
+
+    def undecided(self, ruleset: RuleSet) -> None:
+        """At the end of a rank: the tensors a rule could reach no verdict on (too few steps
+        for its window) are not judged; they are said with why."""
+        for active in ruleset.active:
+            if type(active.rule).undecided is Rule.undecided:
+                continue
+            try:
+                undecided = active.rule.undecided(active.state)
+            except Exception:  # a rule's own code: what it judged stands
+                continue
+            for name, why in undecided.items():
+                count, first = self.by_name.get((active.id, name), (0, -1))
+                if count:
+                    self.judged[active.id] -= count
+                    self.cannot_judge(active.rule.name, (), name, first, count, str(why))
+        self.by_name = {}
 
 
 def check_dump(
@@ -136,6 +169,7 @@ def check_dump(
             report.steps += 1
             report.tensors += len(entries)
             _judge_step(dump, ruleset, step, rank, entries, report, tally)
+        tally.undecided(ruleset)
     report.unjudged = list(tally.unjudged.values())
     if report.steps:
         report.nothing_judged = _nothing_judged(chosen, tally)
@@ -168,7 +202,12 @@ def _nothing_judged(rules: Sequence[Rule], tally: _Tally) -> list[NothingJudged]
 
 
 def _watches(rule: Rule) -> str:
-    """What a tensor ``rule`` watches is, in words: "a parameter's gradient"."""
+    """What a tensor ``rule`` watches is, in words: "a parameter's gradient"; as the rule says it
+    when it says it (``watches()``: one that picks tensors by more than their kind and name,
+    as SaturatedActivation the outputs of Tanh and Sigmoid modules)."""
+    said = getattr(rule, "watches", None)
+    if callable(said):
+        return str(said())
     kinds = [kind for kind in KINDS if kind in rule.kinds]
     if kinds == ["observed"] and rule.match == ("*loss*",):
         return LOSS
@@ -216,11 +255,24 @@ def _judge_step(
     phase: str | None = None
     records: list[Record] = []
     together: list[tuple[Record, Any, Any]] = []
+    # The step's findings go in execution order: a pass's clean gradients are judged at its
+    # end, a phase-wide rule's findings (order -1) after the phase's last tensor, and a
+    # parameter read in the forward out of turn (the run reads a module's parameters when its
+    # output is about to be named an origin, so it is listed after it) before its module's
+    # output, which its module computed with it.
+    start, last, ends = len(report.findings), -1.0, {}
+    outputs: dict[tuple[str, str], int] = {}
+    for entry in entries:
+        if entry.kind == "output":
+            outputs.setdefault((entry.phase, entry.module), entry.order)
+    used = {e.order: outputs[e.phase, e.module] - 0.25 for e in entries if e.kind == "param"
+            and outputs.get((e.phase, e.module), e.order) < e.order}  # fmt: skip
     for entry in entries:
         if entry.phase != phase:
             _judge_together(ruleset, together, step, rank, report)
-            _end_phase(ruleset, records, rank, report)
+            ends |= {id(f): last + 0.5 for f in _end_phase(ruleset, records, rank, report)}
             phase, records = entry.phase, []
+        last = entry.order
         stats = TensorStats(
             name=entry.name,
             module=entry.module,
@@ -256,12 +308,10 @@ def _judge_step(
         counted = [i for i in applicable.rule_ids
                    if stats.kind != "observed" or ruleset.get(i).rule.stats_for(stats)]  # fmt: skip
         tally.watched.update(counted)
-        if judged == list(applicable.checks):
-            tally.judged.update(counted)  # each rule had what it needs
-        else:  # a rule comparing a phase's tensors judges every one it applies to
-            asked = {active.id for group in judged for active in group}
-            tally.judged.update(i for i in counted
-                                if i in asked or _phase_wide(ruleset, i))  # fmt: skip
+        if judged != list(applicable.checks):  # a rule comparing a phase's tensors judges
+            asked = {active.id for group in judged for active in group}  # every one it applies to
+            counted = [i for i in counted if i in asked or _phase_wide(ruleset, i)]
+        tally.note(counted, ruleset, entry.name, step)
         record.rule_ids = applicable.rule_ids
         record.checks = tuple(judged)
         measure = value.measure if value is not None else None
@@ -272,7 +322,11 @@ def _judge_step(
             _report(ruleset, record, entry, step, rank, report)
         records.append(record)
     _judge_together(ruleset, together, step, rank, report)
-    _end_phase(ruleset, records, rank, report)
+    ends |= {id(f): last + 0.5 for f in _end_phase(ruleset, records, rank, report)}
+    found = report.findings[start:]
+    # Stable: a tensor's rules in their order.
+    found.sort(key=lambda f: ends[id(f)] if id(f) in ends else used.get(f.order, f.order))
+    report.findings[start:] = found
 
 
 def _judge_together(ruleset: RuleSet, together: list[tuple[Record, Any, Any]], step: int,
@@ -293,10 +347,13 @@ def _report(ruleset: RuleSet, record: Record, entry: Any, step: int, rank: int,
         report.findings.append(_finding(ruleset, rule_id, finding, entry, step, rank))
 
 
-def _end_phase(ruleset: RuleSet, records: list[Record], rank: int, report: CheckReport) -> None:
+def _end_phase(ruleset: RuleSet, records: list[Record], rank: int,
+               report: CheckReport) -> list[Finding]:  # fmt: skip
+    """The findings of the rules that compare a phase's tensors, added to the report."""
+    found = []
     for record, rule_id, finding in ruleset.judge_phase(records):
         s = record.stats
-        report.findings.append(
+        found.append(
             Finding(
                 s.step,
                 rank,
@@ -312,6 +369,8 @@ def _end_phase(ruleset: RuleSet, records: list[Record], rank: int, report: Check
                 advice=finding.advice,
             )
         )
+    report.findings += found
+    return found
 
 
 def _phase_wide(ruleset: RuleSet, rule_id: int) -> bool:

@@ -67,13 +67,35 @@ class Finding:
 @dataclass(slots=True)
 class Unjudged:
     """A rule that could not judge some tensors: the dump holds neither the statistics it needs
-    nor the values to compute them from."""
+    (``missing``) nor the values to compute them from; or, ``reason`` given, the rule reached
+    no verdict on them (too few steps of them for the window it compares)."""
 
     rule: str
     missing: list[str]
     tensors: int
     first_tensor: str
     first_step: int
+    reason: str = ""
+    """Why the rule reached no verdict, as it says it (:meth:`Rule.undecided`); "" when it
+    lacked statistics."""
+
+    @property
+    def sentence(self) -> str:
+        """One sentence for a person: which rule, how many tensors, why, and the first."""
+        tensors = plural(self.tensors, "tensor")
+        first = f"(first: {self.first_tensor} at step {self.first_step})"
+        if self.reason:
+            return f"{self.rule} could not judge {tensors}: {self.reason} {first}"
+        missing = listed(list(map(stat_words, self.missing)))
+        if all(m.startswith(("update_", "prev_")) for m in self.missing):
+            # Measured against the parameter before the step, which a dump never holds.
+            return (f"{self.rule} could not judge {tensors}: it asks how the optimizer step "
+                    f"changed them ({missing}), which is measured against the parameter before "
+                    f"the step, and the dump holds no such measure for them {first}")  # fmt: skip
+        it = "it" if len(self.missing) == 1 else "them"
+        return (f"{self.rule} could not judge {tensors}: the dump holds neither their {missing} "
+                f"(a run with {self.rule} on dumps {it}) nor their values to compute {it} from "
+                f"{first}")  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -134,7 +156,7 @@ class CheckReport:
             "reason_incomplete": None if self.complete else self.reason_incomplete,
             "clean": self.clean,
             "findings": [_finding_json(f) for f in self.findings],
-            "unjudged": [asdict(u) for u in self.unjudged],
+            "unjudged": [{**asdict(u), "reason": u.sentence} for u in self.unjudged],
             "nothing_judged": [asdict(j) for j in self.nothing_judged],
             "broken": self.broken,
             "notes": self.notes,
@@ -145,8 +167,9 @@ class CheckReport:
         problem surfaced; with several ranks, by step, a step's origins first), the advice they
         carry (each once), what could not be judged, and the broken steps."""
         lines = []
-        # By step (rank 1's origin stays in view), a step's origins first (a weight's included).
-        rows = sorted(self._rows(), key=lambda row: (row[1].step, not row[1].origin))
+        rows = self._rows()  # in execution order, as the JSON lists them
+        if len(self.ranks) > 1:  # by step (rank 1's origin stays in view), a step's origins first
+            rows.sort(key=lambda row: (row[1].step, not row[1].origin))
         width = max([18, *(len(rules) for rules, _ in rows[:limit])])
         digits = max([1, *(len(str(f.step)) for _, f in rows[:limit])])  # step 9, step 10 aligned
         for rules, f in rows[:limit]:
@@ -158,23 +181,7 @@ class CheckReport:
         if len(rows) > limit:
             lines.append(f"... and {len(rows) - limit} more rows (--json lists every finding)")
         lines.extend(self._advice())
-        for u in self.unjudged:
-            tensors, missing = plural(u.tensors, "tensor"), listed(list(map(stat_words, u.missing)))
-            first = f"(first: {u.first_tensor} at step {u.first_step})"
-            if all(m.startswith(("update_", "prev_")) for m in u.missing):
-                # Measured against the parameter before the step, which a dump never holds.
-                lines.append(
-                    f"{u.rule} could not judge {tensors}: it asks how the optimizer step changed "
-                    f"them ({missing}), which is measured against the parameter "
-                    f"before the step, and the dump holds no such measure for them {first}"
-                )
-            else:
-                it = "it" if len(u.missing) == 1 else "them"
-                lines.append(
-                    f"{u.rule} could not judge {tensors}: the dump holds neither their "
-                    f"{missing} (a run with {u.rule} on dumps {it}) nor their values to compute "
-                    f"{it} from {first}"
-                )
+        lines.extend(u.sentence for u in self.unjudged)
         for b in self.broken:
             if b["step"] < 0:  # the index itself, or its module tree
                 lines.append(f"rank {b['rank']} could not be read whole: {b['reason']}")

@@ -66,6 +66,15 @@ def diff_dumps(
         report.only_in_a = sorted(steps_a - steps_b - set(broken_b))
     if -1 not in broken_a:
         report.only_in_b = sorted(steps_b - steps_a - set(broken_a))
+    # What the text leads with when no step compared differs: the hits of the steps one dump
+    # holds alone, and how far the other dump goes.
+    for side, dump, rank, only, held in (
+        ("A", a, rank_a, report.only_in_a, steps_a | {*broken_a}),
+        ("B", b, rank_b, report.only_in_b, steps_b | {*broken_b}),
+    ):
+        alone = set(only)
+        report.only_hits[side] = [h for h in dump.hits if h.rank == rank and h.step in alone]
+        report.last_dumped[side] = max(held, default=-1)
     compared: list[int] = []
     entered_alike = -1
     for step in sorted((steps_a & steps_b) - set(broken_a) - set(broken_b)):

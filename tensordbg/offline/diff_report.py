@@ -127,6 +127,11 @@ class DiffReport:
     no statistics of a value the model's own code made between two modules (deferred checks
     do not measure it on a clean step): the first difference is then the next module's
     output, and the hit says where the value was made."""
+    only_hits: dict[str, list[Any]] = field(default_factory=dict)
+    """Per side, the hits of the steps dumped in that run only (not compared): the text leads
+    with them, a run that hit where the other has nothing to compare is no agreement."""
+    last_dumped: dict[str, int] = field(default_factory=dict)
+    """Per side, the last step its dump holds (-1: none), readable or not."""
 
     @property
     def exit_code(self) -> int:
@@ -183,6 +188,12 @@ class DiffReport:
     def text(self) -> str:
         lines = []
         compared = f"{plural(self.tensors, 'tensor')} of {plural(self.steps, 'step')}"
+        only, agree = self._only_text(), "The runs agree"
+        # Steps one run dumped alone, a hit among them perhaps, come before any agreement.
+        if self.first is None and self.steps and only:
+            lines += only
+            only, agree = [], f"On the {plural(self.steps, 'step')} both dumped, the runs agree"
+            compared = plural(self.tensors, "tensor")
         if self.first is not None:
             lines.append(f"The runs part at {self.first.sentence()}{self._gap()}.")
             if self.later:  # values are read only up to the first difference
@@ -201,18 +212,16 @@ class DiffReport:
             lines.append("The two dumps have no readable step in common: nothing to compare.")
         elif self.broken:
             lines.append(
-                f"The runs agree on what could be read ({compared}), but not all of it "
+                f"{agree} on what could be read ({compared}), but not all of it "
                 "could be: see below."
             )
         else:
             lines.append(
-                f"The runs agree{' on the tensors both recorded' * bool(self.unpaired)}: "
+                f"{agree}{' on the tensors both recorded' * bool(self.unpaired)}: "
                 f"{compared} within rtol={self.rtol:g}, atol={self.atol:g} ({self.values} "
                 "compared by value)."
             )
-        for side, steps in (("A", self.only_in_a), ("B", self.only_in_b)):
-            if steps:
-                lines.append(f"Steps dumped only in {side} (not compared): {steps_listed(steps)}")
+        lines += only
         lines.extend(self._unpaired_text())
         for b in self.broken:
             if b["step"] < 0:
@@ -223,6 +232,39 @@ class DiffReport:
             else:
                 lines.append(f"Not compared, unreadable in {b['side']}: {b['reason']}")
         return "\n".join(lines)
+
+    def _only_text(self) -> list[str]:
+        """The steps each run dumped alone, not compared: the hits among them first (the first
+        at its origin), then how far the other dump goes."""
+        lines = []
+        for side, other, steps in (("A", "B", self.only_in_a), ("B", "A", self.only_in_b)):
+            if not steps:
+                continue
+            hits = self.only_hits.get(side) or []
+            hit_steps = sorted({h.step for h in hits})
+            if hit_steps:
+                first = next((h for h in hits if h.origin), hits[0])
+                said = (f"{side} hit at {_steps(hit_steps)}, which only {side} dumped (the first"
+                        f"{' at its origin' * first.origin}: [{first.rule}] {first.tensor}, "
+                        f"{first.phase} of step {first.step})")  # fmt: skip
+                rest = [s for s in steps if s not in set(hit_steps)]
+                if rest:
+                    said += f"; {_steps(rest)} too, without hits"
+            else:
+                said = f"{_steps(steps).capitalize()} dumped only in {side}"
+            end = self.last_dumped.get(other, -1)
+            went_on = [s for s in steps if s < end]
+            if end < 0:
+                where = f"{other} holds no step"
+            elif went_on:
+                them = "it" if len(went_on) == 1 else "them"
+                past = them if len(went_on) == len(steps) else _steps(went_on)
+                where = (f"{other}'s run went on past {past} (it dumped step {end}) without "
+                         f"dumping {them}")  # fmt: skip
+            else:
+                where = f"{other}'s dump ends at step {end}"
+            lines.append(f"{said}: not compared, {where}.")
+        return lines
 
     def _gap(self) -> str:
         """A clause naming the steps before the first difference that were not compared."""
@@ -244,6 +286,11 @@ class DiffReport:
             f"Recorded in one dump only, not compared: {first['tensors'][0]} at step "
             f"{first['step']} only in {first['side']}{more}. {first['why']}"
         ]
+
+
+def _steps(steps: list[int]) -> str:
+    """ "step 3", "steps 303 and 304"."""
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps_listed(steps)}"
 
 
 def _nonfinite_words(finite: float | None, counts: list[tuple[str, int]],
