@@ -132,6 +132,76 @@ def test_a_run_that_dumps_counts_a_gradients_nan_as_one_that_does_not(watch, tmp
     assert hit.message.startswith("2.grad_output holds 4 NaN among 24 values."), hit.message
 
 
+class CausalLM(nn.Module):
+    """nn.TransformerEncoder with its causal mask: -inf above the diagonal, made by the model's
+    code and handed to the encoder, which softmax turns into exact zeros."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(50, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, 0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 50)
+
+    def forward(self, x):
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        return self.head(self.enc(self.emb(x), mask=mask, is_causal=True))
+
+
+@pytest.mark.parametrize("sync", MODES)
+def test_an_additive_minus_inf_attention_mask_is_no_overflow_in_any_mode(watch, sync):
+    """The usual causal mask raised an Overflow hit every step in batched checks, the CUDA
+    default ("enc.input.mask holds 120 infinite values ... overflowed"), where the other
+    modes said nothing: Infs the call's outputs do not show were absorbed, not hidden."""
+    model = CausalLM()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    session = watch(model, optimizer=opt, on_hit="record", sync=sync)
+    data = torch.randint(0, 50, (4, 9))
+    for _ in range(3):
+        logits = model(data[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, 50), data[:, 1:].reshape(-1))
+        session.observe("loss", loss)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    session.flush()
+    assert session.hits == []
+
+
+class HidesNaN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, bias):
+        return self.fc(x) + torch.nan_to_num(bias, nan=0.0)
+
+
+class HandsOnNaN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.inner, self.head = nn.Linear(4, 8), HidesNaN(), nn.Linear(8, 2)
+
+    def forward(self, x):
+        bias = torch.log(x[:, :1] * torch.ones(1, 8))  # NaN where x < 0
+        return self.head(self.inner(self.inp(x), bias))
+
+
+@pytest.mark.parametrize("sync", ["eager", "batched"])
+def test_a_nan_the_models_code_hands_to_a_module_that_hides_it_is_seen_where_made(watch, sync):
+    """Eager checks screened a value made between modules only once its call's output showed
+    a problem, so a NaN the call hides (nan_to_num) went unseen, where batched checks named
+    it; the README says eager sees a NaN the model masks. Deferred checks do not: they look
+    at the outputs, the loss and the gradients (README, "What is watched")."""
+    model = HandsOnNaN()
+    session = watch(model, on_hit="record", rules=[NaN()], sync=sync)
+    model(torch.randn(16, 4)).sum().backward()
+    session.flush()
+    assert origins(session, "forward") == [("inner.input[1]", "output")]
+
+
 class Gan(nn.Module):
     def __init__(self):
         super().__init__()

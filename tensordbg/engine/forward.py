@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from tensordbg.engine import origin
 from tensordbg.engine.phases import Enter, Exit
 from tensordbg.engine.records import NONFINITE, Call, Record
 from tensordbg.statistics.torch_kernels import SCREEN, dtype_name, host_stats, watchable
@@ -60,34 +59,15 @@ class ForwardPhase:
         self._boundary()
 
     def collect_input(self, call: Call, record: Record, tensor: torch.Tensor) -> None:
-        """An input made by code between modules. Eager mode screens it only if the call's
-        output turns out bad (then it tells who made the value); other modes collect it."""
-        if not self.sync.screens_inputs_later:
-            self.collect(record, tensor)
-            return
-        self.phases.register(record)
-        self.sync.retain(self, record, tensor)
-        call.unscreened.append((record, tensor))
+        """An input made by code between modules: collected as any tensor, in every mode (a
+        NaN the call hides, ``nan_to_num``, is still seen: eager screened such an input only
+        once the call's output showed a problem, and missed it)."""
+        self.collect(record, tensor)
 
     def enter(self, call: Call) -> None:
         self._process(Enter(call))
 
     def exit(self, call: Call) -> None:
-        if call.unscreened or self.sync.screens_inputs_later:
-            if any(r.conditions for _, r in call.outputs):
-                # Inputs made by code between modules, screened now that it matters: this
-                # call's own, and those it got from its parent unchanged (a wrapper handing its
-                # input to a child: the parent's code made it, not the child).
-                late = {id(r): (r, t) for r, t in call.unscreened}
-                for _, record in call.inputs:
-                    if record.hidden and not record.judged and id(record) not in late:
-                        late[id(record)] = (record, record.held())
-                for record, tensor in late.values():
-                    if tensor is not None and not record.judged:
-                        self.collect(record, tensor)
-                if any(r.conditions for _, r in call.inputs):
-                    origin.enter(call)  # what the inputs showed, now that they are screened
-            call.unscreened = []
         self._process(Exit(call))
 
     def lists_forward(self) -> bool:

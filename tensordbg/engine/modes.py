@@ -49,8 +49,6 @@ class SyncMode:
     on_device = False
     """Statistics stay on the device until the phase's one transfer (batched; deferred on a
     device, for what it screens)."""
-    screens_inputs_later = False
-    """A value made between modules is screened only once its call's output turns out bad."""
     keeps_unscreened = False
     """Tensors are kept unscreened until the phase shows a problem (deferred)."""
     vouches_at_pass_end = False
@@ -115,7 +113,6 @@ class SyncMode:
 class Eager(SyncMode):
     name = "eager"
     immediate = True
-    screens_inputs_later = True
 
     def collect(self, session: Session, record: Record, tensor: torch.Tensor, silent: bool,
                 kept: bool) -> None:  # fmt: skip

@@ -38,7 +38,6 @@ class Call:
     children: list[Call] = field(default_factory=list)
     site: tuple[CodeType, int] | None = None
     # Inputs made by code between modules, screened only if the call's output turns out bad.
-    unscreened: list[tuple[Record, torch.Tensor]] = field(default_factory=list)
     # Origin bookkeeping, by condition (see tensordbg.engine.origin). Immutable sets, replaced when
     # they grow: most calls never see a condition, and this costs them no allocation.
     fired_in: frozenset[int] = frozenset()
