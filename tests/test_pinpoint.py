@@ -364,7 +364,12 @@ def test_the_operation_of_the_loss_code_that_made_its_nan_is_named_in_every_mode
     assert "the first NaN autograd kept came from sqrt (its result" in origin.message
     # A Python number as the divisor: autograd saves it as an integer tensor, once not read.
     origin, _ = _loss_origin(lambda out: nn.functional.mse_loss(out / 0 * 0, out * 0), sync)
-    assert "does not accept: a division by 0 (a number, not a tensor: out / 0)" in (origin.message)
+    assert "does not accept: a division by 0 (one value, 0, as the divisor: a number, or" in (
+        origin.message
+    )
+    # A count as the divisor (a mean over a mask that selects nothing) is not called a number.
+    origin, _ = _loss_origin(lambda out: out.sum() / (out > 1e9).sum(), sync)
+    assert "a number, or a one-element tensor such as a count that came to 0)" in origin.message
 
 
 @pytest.mark.parametrize("sync", ["eager", "deferred", "batched"])

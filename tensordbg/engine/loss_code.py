@@ -70,7 +70,9 @@ def _outside(name: str, node: Any) -> str:
     if not count:
         return ""
     if name == "div" and values.dim() == 0:
-        return "a division by 0 (a number, not a tensor: out / 0)"
+        # A Python number and a one-element count are saved alike (``out / 0``, ``s / m.sum()``)
+        return ("a division by 0 (one value, 0, as the divisor: a number, or a one-element "
+                "tensor such as a count that came to 0)")  # fmt: skip
     least = float(values.min())
     shown = f" (the smallest {least:.4g})" if smallest and math.isfinite(least) else ""
     return what.format(n=f"{count:,}") + shown
