@@ -464,7 +464,7 @@ def test_a_training_ended_by_ctrl_c_is_not_shown_as_simply_finished() -> None:
         async with app.run_test(size=SIZE) as pilot:
             await until(pilot, lambda: app.state == "paused")
             source.state = "finished"
-            source.emit("state", {"state": "finished", "step": 3,
+            source.emit("state", {"state": "finished", "step": 3, "phase": "",
                                   "reason": "interrupted by Ctrl-C"})  # fmt: skip
             await until(pilot, lambda: app.state == "finished")
             assert app.main.title == "FINISHED after step 2 · interrupted by Ctrl-C"
@@ -1466,27 +1466,28 @@ def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 def test_a_ui_on_a_training_that_ended_says_it_exited_and_stops_reconnecting(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``tensordbg tui`` on a training whose script ends: the UI says FINISHED, then that its
-    session has ended (its connection file is gone), once, and stops trying to reconnect (it
-    repeated "cannot read connection file" every second)."""
+    """``tensordbg tui`` on a training whose script ends: the UI says FINISHED, then that the
+    training has finished, once, and does not try to reconnect (it repeated "cannot read
+    connection file" every second; over TCP it said "Reconnecting in the background" to a
+    training that said it had finished)."""
     source, server, app = served(tmp_path, monkeypatch, "end1")
 
     async def flow() -> None:
         async with app.run_test(size=SIZE) as pilot:
             await until(pilot, lambda: app.state == "paused")
             source.state = "finished"
-            source.emit("state", {"state": "finished", "step": 3})
-            source.emit("detach", {"state": "detached", "step": 3})
+            source.emit("state", {"state": "finished", "step": 3, "phase": ""})  # between steps
+            source.emit("detach", {"state": "detached", "step": 3, "phase": ""})
             await until(pilot, lambda: app.state == "finished")
             assert app.main.title.startswith("FINISHED")
             await asyncio.to_thread(server.stop)
             banner = app.query_one(ConnectionBanner)
-            await until(pilot, lambda: "has ended" in text_of(banner))
-            # This process (the training's, here) lives on: the session ended, nothing more.
+            await until(pilot, lambda: "has finished" in text_of(banner))
             # It said it finished: not "its training exited or goes on unwatched".
-            ended = f"The session of run end1 (pid {os.getpid()}) has ended: its training finished."
+            ended = "The training has finished after step 2. The last state stays on screen."
             assert text_of(banner).startswith(ended)
             assert text_of(banner).endswith("Press q to quit.")
+            assert "Reconnecting" not in text_of(banner)
             assert app.main.title.startswith("FINISHED")  # the header says how it ended
             log = app.main.event_log
             errors = len(log.lines)

@@ -94,7 +94,7 @@ def test_the_keys_panel_lists_the_count_keys_once_with_what_they_do() -> None:
         app.action_show_help_panel()
         await until(pilot, lambda: app.screen.query(BindingsTable))
         rows = keys_panel_rows(app)
-        assert sum("Repeat the next key (5s: five steps)" in row for row in rows) == 1, rows
+        assert sum("Steps for the next s (5s: five steps)" in row for row in rows) == 1, rows
         assert not any(row.strip() in {str(d) for d in range(10)} for row in rows), rows
 
     run(FakeSource(), check)
@@ -390,7 +390,7 @@ def test_the_labels_of_a_slice_follow_numpys_indexing() -> None:
         return [None if axis is None else list(axis) for axis in found]
 
     assert labels("[3, 2:5]") == [[2, 3, 4]]  # an integer drops its dim
-    assert labels("[::-3]") == [[7, 4, 1], list(range(10))]
+    assert labels("[1::3]") == [[1, 4, 7], list(range(10))]  # a step, from 1 up
     assert labels("[..., [0, -1]]") == [list(range(8)), [0, 9]]  # negatives as the tensor's
     assert labels("[None, 2]") == [None, list(range(10))]  # a new axis has no index
     assert labels("[[0, 1], [1, 2]]") == [None]  # lists pair up: no single index a position

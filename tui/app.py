@@ -14,12 +14,11 @@ import contextlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from textual.app import App, SystemCommand
+from textual.app import SystemCommand
 from textual.binding import Binding
 from textual.notifications import Notification, Notify
 from textual.reactive import reactive
 from textual.screen import Screen
-from textual.widgets import Input
 
 from tensordbg.sources.contract import SchemaError, Welcome
 from tensordbg.tui import commands
@@ -41,19 +40,20 @@ from tensordbg.tui.screens.main import TABS, MainScreen
 from tensordbg.tui.screens.profile_steps import ProfileStepsScreen
 from tensordbg.tui.screens.ranks import group_jobs
 from tensordbg.tui.screens.session_picker import SessionPicker, session_field
+from tensordbg.tui.step_count import StepCount
 
 FINISHED_GRACE = 0.5
 """Seconds the events after "finished" are still read: the server can send the last status
 behind it (the state events go first when they are posted while it is sending hits)."""
-COUNTING = "Repeat the next key (5s: five steps)"
+COUNTING = "Steps for the next s (5s: five steps)"
 
 
 # Keys of the main screen (a dialog or the session list has its own keys only).
-_MAIN_ACTIONS = frozenset({"control", "count", "tab", "search", "detach", "ignore", "profile",
+_MAIN_ACTIONS = frozenset({"control", "tab", "search", "detach", "ignore", "profile",
                            "ranks", "next_rank", "one_rank"})  # fmt: skip
 
 
-class TensorDbgApp(JobRanks, App[int]):
+class TensorDbgApp(JobRanks, StepCount):
     """The debugger UI on one training session.
 
     ``client`` is a connected client, or an async factory ``connect(path)`` that opens one (and
@@ -86,8 +86,12 @@ class TensorDbgApp(JobRanks, App[int]):
         Binding("k", "control('skip')", "Skip"),
         Binding("k", "refuse_skip", show=False),
         Binding("i", "ignore", "Ignore rule"),
-        Binding("c,s,k", "refuse_control", show=False),
+        # A session that cannot do what a key asks (a recorded run) says why (see check_action).
+        Binding("c,s,k", "refuse('control')", show=False),
+        Binding("i", "refuse('set_rule')", show=False),
+        Binding("P", "refuse('profile')", show=False),
         Binding("escape", "hide_help_panel", "Close the keys panel", show=False),
+        Binding("escape", "forget_count", "Forget the count", show=False),
         Binding("f9", "ranks", "Ranks", show=False),
         Binding("R", "next_rank", "Next rank", show=False),
         Binding("R,f9", "one_rank", show=False, system=True),  # says why they show nothing
@@ -126,7 +130,6 @@ class TensorDbgApp(JobRanks, App[int]):
         self._reconnect_delay = reconnect_delay
         self._lost = asyncio.Event()
         self._lost_reason = ""
-        self._count = 0
         self.farewell = ""  # what run_tui prints once the UI is gone (q detached from a training)
         self.remote = Remote(self._connection_lost, self._request_refused, self.report_error)
         """The typed client widgets ask through (``remote_of(widget).stats(...)``)."""
@@ -194,7 +197,7 @@ class TensorDbgApp(JobRanks, App[int]):
             if client is None:
                 if self._connect is None:
                     return
-                self.main.show_connecting()
+                self.main.banner.connecting()
                 try:
                     client = await self._connect(path)
                 except TrainingExited as e:
@@ -232,11 +235,11 @@ class TensorDbgApp(JobRanks, App[int]):
             if self._switch_path is not None:  # another rank of the job: connect to it now
                 path, self._switch_path = self._switch_path, None
                 continue
-            self.main.show_connection_lost(
-                reason, self.state, reconnecting=self._connect is not None
-            )
-            if self.state not in OVER:  # the header keeps saying how it ended
-                self.state = "disconnected"
+            if self.state in OVER:  # it said it ended: nothing is left to reconnect to
+                self.main.show_training_over()
+                return
+            self.main.show_connection_lost(reason, reconnecting=self._connect is not None)
+            self.state = "disconnected"
             if self._connect is None:
                 return
             await asyncio.sleep(self._reconnect_delay)
@@ -287,15 +290,16 @@ class TensorDbgApp(JobRanks, App[int]):
             self.report_error(e, f"the {event!r} event", f"payload: {payload!r}"[:4000])
             return
         self.main.server_event(event, payload)
-        if event == "state" and payload.get("state") == "finished":
-            # The session's last word: its server stops now. What it sent just before may still
-            # come (the status of the last step): read on for a moment.
+        if event == "state" and payload.get("state") in OVER:
+            # The session's last word (it finished, or was detached): its server stops now.
+            # What it sent just before may still come (the status of the last step): read on
+            # for a moment.
             client = self.remote.client
             self.set_timer(FINISHED_GRACE, lambda: self._finished(client))
 
     def _finished(self, client: DebugClient | None) -> None:
-        if self.remote.client is client:  # still the connection to the session that finished
-            self._connection_lost("the training finished")
+        if self.remote.client is client:  # still the connection to the session that ended
+            self._connection_lost("the training ended")
 
     def _connection_lost(self, reason: str) -> None:
         self._lost_reason = reason
@@ -330,8 +334,10 @@ class TensorDbgApp(JobRanks, App[int]):
             return self.screen is self.main and self.nothing_to_detach()
         if action == "refuse_skip":  # paused after the update: k says why it cannot skip
             return self.screen is self.main and self.state == "paused" and not self.skippable
-        if action in ("replay_step", "refuse_control"):
+        if action == "replay_step":
             return self.screen is self.main and self.remote.serves("goto")
+        if action == "refuse":  # the key's own action is not offered: it cannot be done here
+            return self.screen is self.main and not self.remote.serves(str(parameters[0]))
         if action == "detach" and self.screen is self.main and self.nothing_to_detach():
             return False  # q is "Quit" (leave)
         if action in _MAIN_ACTIONS:
@@ -347,11 +353,9 @@ class TensorDbgApp(JobRanks, App[int]):
                 return True
             if action == "profile":
                 return self.can_profile()
-            if action == "count":  # digits typed into a text box are text
-                return self.state == "paused" and not isinstance(self.focused, Input)
             gone = parameters[0] == "skip" and not self.skippable  # the update is made
             return not gone and parameters[0] in CONTROLS.get(self.state, ())
-        return True
+        return super().check_action(action, parameters)  # the count's keys (StepCount)
 
     def nothing_to_detach(self) -> bool:
         """Whether q only quits: a recorded run, a training that is over, or one that ends
@@ -371,8 +375,7 @@ class TensorDbgApp(JobRanks, App[int]):
         return self.state in ("running", "paused") and not self.main.profiler_view.under_way
 
     def action_control(self, action: str) -> None:
-        n, self._count = max(self._count, 1), 0
-        self.main.show_count(0)
+        n = self.take_count(action)  # 5s steps five times; 5k skips one update
         if self.served("control"):  # else the person is told why the key does nothing
             self._control(action, n)
 
@@ -380,13 +383,12 @@ class TensorDbgApp(JobRanks, App[int]):
         self._replay_step(move)
 
     def action_refuse_skip(self) -> None:
-        why, self._count = commands.cannot_skip(self.main.run_status.paused_at), 0
-        self.main.show_count(0)
+        why = commands.cannot_skip(self.main.run_status.paused_at)
         self.notify(why, title="Cannot skip", severity="warning", markup=False)
         self.main.log_entry(f"k: {why}", "warning")
 
-    def action_refuse_control(self) -> None:
-        self.served("control")  # a recorded run: the person is told it cannot be driven
+    def action_refuse(self, method: str) -> None:
+        self.served(method)  # a recorded run: the person is told why the key does nothing
 
     @work(group="control", exclusive=True)
     async def _replay_step(self, move: int) -> None:
@@ -424,10 +426,6 @@ class TensorDbgApp(JobRanks, App[int]):
 
     def action_tab(self, pane: str) -> None:
         self.main.show_tab(pane, again=True)  # a tab's key on its own tab may do more (F8)
-
-    def action_count(self, digit: int) -> None:
-        self._count = min(self._count * 10 + digit, 1_000_000)
-        self.main.show_count(self._count)
 
     def action_search(self) -> None:
         self.main.focus_search()

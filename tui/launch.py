@@ -38,6 +38,10 @@ def run_tui(
     """
     from tensordbg.transport.connection import ConnectionFileError
 
+    if not wait >= 0:  # NaN too
+        print(f"tensordbg tui: --wait is a number of seconds, 0 or more, not {wait:g}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     try:
         problem = _unreachable(conn, run_id, wait) if alive is None else None
         app = None if problem else session_app(conn, run_id=run_id, wait=wait, alive=alive,
@@ -140,15 +144,35 @@ def session_app(
             path = await wait_for_run(run_id, wait, alive=alive)
         try:
             client = await Client.connect(path, timeout=5.0)
-        except Exception:
+        except Exception as e:
             gone = exited(known.get(str(path)))
             if gone:  # reconnecting cannot succeed: the app says so and stops trying
                 raise TrainingExited(gone) from None
+            if isinstance(e, TimeoutError) and path is not None:
+                raise TimeoutError(f"{e}{why_silent(path)}") from None
             raise
         known[str(path)] = known[client.info.run_id] = client.info
         return client
 
     return TensorDbgApp(connect, sessions=sessions, ends_training=ends_training)
+
+
+def why_silent(path: str) -> str:
+    """What else a session that does not answer may mean, said after the client's sentence: a
+    training on TCP refuses a client whose CURVE keys are not the ones it wrote in this
+    connection file without a word back, as an address out of reach says nothing either."""
+    from tensordbg.transport.connection import ConnectionFileError, read_connection_file
+
+    try:
+        info = read_connection_file(path)
+    except ConnectionFileError:
+        return ""
+    if info.transport != "tcp":
+        return ""
+    return (f" Over TCP the same silence comes from a training that refuses this connection "
+            f"file's client key (use the file this run of the training wrote: every run makes "
+            f"new keys) and from an address out of reach ({info.endpoint}: is the tunnel or "
+            f"the port open?).")  # fmt: skip
 
 
 def exited(info: Any) -> str:

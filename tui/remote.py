@@ -262,14 +262,17 @@ def _shorten(text: str, limit: int) -> str:
     return text if len(text) <= limit else f"{text[: limit - 20]}... ({len(text):,} characters)"
 
 
-def step_phrase(state: str, step: int | None) -> str:
-    """Where the training is, by its step: ``at step 5``; a training that finished (or was
-    detached) is given as the step it ended after (the session's step is then the next one,
-    which never began: steps 0-28 ran, and it says 29)."""
+def step_phrase(state: str, step: int | None, phase: str = "") -> str:
+    """Where the training is, by its step: ``at step 5``. A training that finished (or was
+    detached) in a step's ``phase`` is given as that step and phase (``at step 3 (forward)``);
+    one that ended between two steps as the step it ended after (the session's step is then
+    the next one, which never began: steps 0-28 ran, and it says 29)."""
     if step is None:
         return "at step ?"
     if state not in OVER:
         return f"at step {step}"
+    if phase:
+        return f"at step {step} ({phase})"
     return f"after step {step - 1}" if step > 0 else "before its first step"
 
 

@@ -399,8 +399,8 @@ class Pipeline(Pausing, Pinpointing):
         # The reason is the pause's: "running at step 26 (NaN hit: ...)" read as if it ran
         # because of it. (How a training finished comes with the session's detach.)
         reason = self.controller.reason if state == "paused" else ""
-        self.bus.publish("state", {"state": state, "step": self.step, "reason": reason,
-                                   "skippable": self.skippable()})  # fmt: skip
+        self.bus.publish("state", {"state": state, "step": self.step, "phase": self.where,
+                                   "reason": reason, "skippable": self.skippable()})  # fmt: skip
 
 
 def _measure(measure: Any, tensor: torch.Tensor, stats: TensorStats, wanted: Any) -> list[float]:

@@ -338,8 +338,8 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         self.publish()
         state = "finished" if self._exiting else "detached"  # q: it goes on unwatched
         ended = {"reason": self.ended_by} if self._exiting and self.ended_by else {}
-        self.bus.publish("state", {"state": state, "step": self.step, **ended})
-        self.bus.publish("detach", {"state": "detached", "step": self.step})
+        self.bus.publish("state", {"state": state, "step": self.step, "phase": self.where, **ended})
+        self.bus.publish("detach", {"state": "detached", "step": self.step, "phase": self.where})
         self.handles.close()
         stepping.skip_after_detach(skipping)
         self.control.close()

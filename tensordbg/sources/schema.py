@@ -1,5 +1,4 @@
-"""The schema of every reply and event on the wire between a source and a UI: plain TypedDicts
-(field names are the protocol); :mod:`.checking` validates, :mod:`.contract` pairs requests."""
+"""Every reply and event between a source and a UI: TypedDicts (their fields are the protocol)."""
 
 from __future__ import annotations
 
@@ -320,6 +319,7 @@ class StatusEvent(TypedDict):
 class StateEvent(TypedDict):
     state: TrainingState
     step: int
+    phase: NotRequired[str]  # where in the step ("" between steps: detached after step - 1)
     reason: NotRequired[str]  # why it paused, when it did; how it finished, when not by itself
     unwatched: NotRequired[str]  # as Info's: sent when tensordbg stops watching
     skippable: NotRequired[bool]  # paused where k can still drop an update of the step

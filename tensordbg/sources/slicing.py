@@ -1,9 +1,11 @@
 """Numpy-style slice text, parsed without evaluating anything, and the UI's 2-D window on it.
 
 ``parse_index("[0, :, 3:8:2]")`` gives ``(0, slice(None), slice(3, 8, 2))``, which indexes a torch
-tensor and a numpy array alike. Only integers, ``:``-slices, ``...``, ``None`` (a new axis) and
-short lists of integers are accepted; anything else is refused with the position of the problem.
-This module never imports torch.
+tensor and a numpy array alike. Only integers, ``:``-slices with a positive step (torch has no
+negative one), ``...``, ``None`` (a new axis) and short lists of integers are accepted; anything
+else is refused with the position of the problem. :func:`apply_index` judges an index against the
+shape before indexing, so a live tensor and a dumped array refuse the same index with the same
+sentence. This module never imports torch.
 """
 
 from __future__ import annotations
@@ -44,7 +46,22 @@ def parse_index(text: str) -> Index:
     if not isinstance(node, ast.Subscript) or not isinstance(node.value, ast.Name):
         raise SliceError(f"{text!r} is not one index: write it as [a, b:c, ...]")
     parts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
-    return tuple(_part(p, text) for p in parts)
+    index = tuple(_part(p, text) for p in parts)
+    try:
+        _check_steps(index)
+    except SliceError as e:
+        raise SliceError(f"cannot read slice {text!r}: {e}") from None
+    return index
+
+
+def _check_steps(index: Index) -> None:
+    """Refuse a slice step below 1: numpy reads ``[::-1]`` backwards, torch refuses it, and an
+    index means the same to both."""
+    steps = [p.step for p in index if isinstance(p, slice) and p.step is not None]
+    step = next((step for step in steps if step < 1), None)
+    if step is not None:
+        raise SliceError(f"a slice's step is a whole number from 1 up (a tensor is not read "
+                         f"backwards), not {step}")  # fmt: skip
 
 
 def _balanced_outer(text: str) -> bool:
@@ -60,10 +77,7 @@ def _balanced_outer(text: str) -> bool:
 
 def _part(node: ast.AST, text: str) -> Any:
     if isinstance(node, ast.Slice):
-        bounds = [_int_or_none(n, text) for n in (node.lower, node.upper, node.step)]
-        if bounds[2] == 0:
-            raise SliceError("slice step cannot be zero")
-        return slice(*bounds)
+        return slice(*[_int_or_none(n, text) for n in (node.lower, node.upper, node.step)])
     if isinstance(node, ast.Constant) and node.value is Ellipsis:
         return Ellipsis
     if isinstance(node, ast.Constant) and node.value is None:
@@ -121,6 +135,7 @@ def result_shape(shape: tuple[int, ...], index: Index) -> tuple[int, ...]:
     """The shape ``x[index]`` would have, worked out from the index alone (numpy's rules, for
     the parts :func:`parse_index` accepts), so that a request is judged before anything is
     computed. Integers and list entries out of range are refused here too."""
+    _check_steps(index)
     parts = _expanded(shape, index)
     out: list[int] = []
     lists: list[int] = []
@@ -189,23 +204,24 @@ def axis_labels(shape: tuple[int, ...], index: Index) -> list[Sequence[int] | No
 
 
 def apply_index(x: Any, index: Index, max_elements: int | None = None) -> Any:
-    """``x[index]`` for a torch tensor or numpy array, with a clear error for a misfit. With
+    """``x[index]`` for a torch tensor or numpy array. The index is judged against the shape
+    first, by the same rules for both (:func:`result_shape`): a misfit gets the same sentence
+    whichever holds the values, not torch's words live and numpy's in a replay. With
     ``max_elements``, an index whose result would hold more values is refused before it is
     evaluated (a short list index can ask for many copies of a large tensor)."""
     if not index:
         return x
     shape = "x".join(map(str, tuple(x.shape))) or "scalar"
-    if max_elements is not None:
-        try:
-            size = math.prod(result_shape(tuple(x.shape), index))
-        except SliceError as e:
-            raise SliceError(f"{format_index(index)} does not fit a tensor of shape {shape}: "
-                             f"{e}") from None  # fmt: skip
-        if size > max_elements:
-            raise SliceError(
-                f"{format_index(index)} would make {size:,} values; a slice may make at most "
-                f"{max_elements:,} (as many as the tensor holds, or 2**20): narrow it"
-            )
+    try:
+        size = math.prod(result_shape(tuple(x.shape), index))
+    except SliceError as e:
+        raise SliceError(f"{format_index(index)} does not fit a tensor of shape {shape}: "
+                         f"{e}") from None  # fmt: skip
+    if max_elements is not None and size > max_elements:
+        raise SliceError(
+            f"{format_index(index)} would make {size:,} values; a slice may make at most "
+            f"{max_elements:,} (as many as the tensor holds, or 2**20): narrow it"
+        )
     try:
         return x[index]
     except (IndexError, TypeError, ValueError, RuntimeError) as e:

@@ -85,7 +85,8 @@ def describe_event(event: str, payload: dict[str, Any]) -> str:
         said = payload.get("state") in ("paused", "finished") and payload.get("reason")
         reason = f" ({payload['reason']})" if said else ""
         state = str(payload.get("state"))
-        return f"{state} {step_phrase(state, payload.get('step'))}{reason}"
+        where = step_phrase(state, payload.get("step"), payload.get("phase", ""))
+        return f"{state} {where}{reason}"
     if event == "log":
         return str(payload.get("message", payload))
     if event == "status":

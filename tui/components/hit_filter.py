@@ -22,6 +22,11 @@ class HitFilter(Input):
             id="hit-filter",
         )
 
+    def on_mount(self) -> None:
+        # Said while the filter shows: the placeholder goes with the first key typed, and a row
+        # whose names lack the word, shown for its message, looked like a filter that failed.
+        self.border_title = "rows whose rule, tensor, module, step, phase or message contain it"
+
     def open(self) -> None:
         self.add_class("-visible")
         self.screen.set_focus(self)  # now: the keys typed right after "/" are the filter's

@@ -29,8 +29,11 @@ COLUMNS = ("step", "phase", "rule", "tensor", "where", "message")
 WHERE = {True: "● origin", False: "↳ passed on"}
 # Where the row does not fit, the rule column gives up cells first (a row two rules share names
 # both: "ExplodingGradient, NaN"), then the tensor's, down to these widths, so that "where"
-# stays whole: it tells the origin from what it passed on. The message is in the detail below.
-NARROWEST = {COLUMNS.index("rule"): 8, COLUMNS.index("tensor"): 16}
+# stays whole: it tells the origin from what it passed on. The message is in the detail below;
+# the rule column gives up cells to leave it MESSAGE_ROOM of them too (at 80 columns a replay's
+# shared rows left it "m…"), the tensor's only where the row does not fit.
+NARROWEST = {COLUMNS.index("rule"): (8, 20), COLUMNS.index("tensor"): (16, 0)}
+"""A column's narrowest width, and the message's room it gives up cells for."""
 
 
 def execution_order(hit: dict[str, Any]) -> tuple[int, bool, int]:
@@ -298,9 +301,9 @@ class HitTable(LineTable):
         """The columns' widths on a screen ``width`` cells wide (see NARROWEST); the message
         takes what is left."""
         widths = list(self._widths)
-        over = sum(widths[:-1]) + GAP * (len(widths) - 1) - width
-        for column, narrowest in NARROWEST.items():
-            cut = max(0, min(over, widths[column] - narrowest))
+        over = sum(widths[:-1]) + GAP * (len(widths) - 1) - width  # the cells the row lacks
+        for column, (narrowest, room) in NARROWEST.items():
+            cut = max(0, min(over + room, widths[column] - narrowest))
             widths[column] -= cut
             over -= cut
         return widths

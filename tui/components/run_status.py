@@ -76,7 +76,7 @@ class RunStatus(VerticalScroll):
 
     def add_status(self, status: dict[str, Any]) -> None:
         """A ``status`` event: one more step's numbers."""
-        if "phase" in status:
+        if "phase" in status and self._state not in OVER:  # its end said where it ended
             self._info["phase"] = status["phase"]
         if "hits_total" in status:  # hits pushed since the status was sent are counted already
             self._info["hits_total"] = max(status["hits_total"], self._info.get("hits_total", 0))
@@ -172,6 +172,19 @@ class RunStatus(VerticalScroll):
         self._draw()
 
     @property
+    def phase(self) -> str:
+        """The phase the training is in, or ended in ("" between two steps)."""
+        return str(self._info.get("phase") or "")
+
+    def holds(self, hit: dict[str, Any]) -> bool:
+        """Whether ``hit``'s tensor can be read now: the training is paused in the hit's step
+        and phase (it holds that phase's tensors), or the run is a recording (its dump serves
+        every hit's tensor, whichever step is shown)."""
+        now = (self._info.get("step"), self.phase)
+        paused = self._state == "paused" and (hit["step"], hit["phase"]) == now
+        return paused or self._recorded
+
+    @property
     def paused_at(self) -> dict[str, Any] | None:
         """The hit the training is paused at, when it is paused at one."""
         return self._info.get("paused_at") if self._state == "paused" else None
@@ -179,7 +192,11 @@ class RunStatus(VerticalScroll):
     def state_event(self, event: dict[str, Any]) -> None:
         """A ``state`` event: the training's state, step and (paused) reason, now. What an
         earlier pause said (its hit, "stepped") is gone with it; the info request that
-        follows a pause brings the new hit."""
+        follows a pause brings the new hit. An event that does not say the phase leaves the
+        one known of its step (a detach sends the state first without it); of another step,
+        the phase is not known."""
+        if "phase" in event or event["step"] != self._info.get("step"):
+            self._info["phase"] = event.get("phase", "")
         self._info["step"] = event["step"]
         said = event["state"] in ("paused", "finished")  # why it paused, how it finished
         self._info["pause_reason"] = event.get("reason", "") if said else ""
@@ -236,7 +253,7 @@ class RunStatus(VerticalScroll):
             last = self._last_connected_state or "unknown"
             line.append(f"  last seen {last} at step {info.get('step', '?')}")
             return line
-        line.append(f"  {step_phrase(state, info.get('step'))}")
+        line.append(f"  {step_phrase(state, info.get('step'), self.phase)}")
         if info.get("phase") and state not in OVER:
             line.append(f", {info['phase']}")
         hit = info.get("paused_at") if state == "paused" else None
@@ -262,7 +279,8 @@ class RunStatus(VerticalScroll):
     def _numbers(self) -> Table:
         hits = "hits in the run" if self._recorded else "hits"  # a replay shows one of its steps
         step = self._info.get("step")
-        over = self._state in OVER and isinstance(step, int) and step > 0
+        # Over between two steps: the step it ended after (in a step: that step, unfinished).
+        over = self._state in OVER and not self.phase and isinstance(step, int) and step > 0
         labels = ("last step" if over else "step", "loss", "gradient norm", "steps/s", hits)
         values = [
             str(step - 1 if over else "–" if step is None else step),

@@ -39,7 +39,7 @@ from tensordbg.tui.components.tensor_inspector import TensorInspector
 from tensordbg.tui.errors import reported, work
 from tensordbg.tui.messages import HitsFound, OpenTensor
 from tensordbg.tui.profiler.view import ProfilerView
-from tensordbg.tui.remote import OVER, RequestFailed, remote_of, session_phrase, step_phrase
+from tensordbg.tui.remote import RequestFailed, remote_of, session_phrase, step_phrase
 
 
 class Tab(NamedTuple):
@@ -93,7 +93,6 @@ class MainScreen(Screen):
         self._state = "connecting"
         self._count = 0
         self._step: int | None = None
-        self._lost_text = ""  # the banner's sentence while the connection is down
         self._focus_switch: bool | None = None  # set by show_tab for the switch it makes
         self._replay_text = ""  # a recorded run: the dumped step shown, for the sub-title
         self._ended_by = ""  # how the training finished when not by itself (a Ctrl-C)
@@ -138,7 +137,6 @@ class MainScreen(Screen):
         """A (re)connection: everything shown is re-read from the hello reply."""
         info, hits = welcome["info"], welcome["hits"]
         self.banner.clear()
-        self._lost_text = ""
         self.app.title = f"tensordbg · {info.get('script', '?')} · run {info.get('run_id', '?')}"
         self.sub_title = session_phrase(info)  # the header, after the state
         self.tensor_inspector.reconnected(info)  # another rank's (R): its tensor is not this one
@@ -151,9 +149,9 @@ class MainScreen(Screen):
         self.counted.clear()
         self._count_hits(hits)
         pid = f", pid {info.get('pid')}" if info.get("live", True) else ""  # a replay has none
+        where = step_phrase(str(info.get("state")), info.get("step"), info.get("phase", ""))
         self.log_entry(f"connected to {info.get('script')} (run {info.get('run_id')}, rank "
-                       f"{info.get('rank')}{pid}): {info.get('state')} "
-                       f"{step_phrase(str(info.get('state')), info.get('step'))}, "
+                       f"{info.get('rank')}{pid}): {info.get('state')} {where}, "
                        f"{plural(len(hits), 'hit')}")  # fmt: skip
         self._state = info.get("state", "running")
         self.app.state = self._state  # type: ignore[attr-defined]
@@ -174,6 +172,9 @@ class MainScreen(Screen):
     def server_event(self, event: str, payload: Any) -> None:
         self._heard = time.monotonic()
         self.run_status.show_running_rule(None)
+        if event == "state":  # logged with its phase, where its step's is known
+            self.run_status.state_event(payload)
+            payload = {**payload, "phase": self.run_status.phase}
         if event != "status":  # a line a step drowned the rest: the Run tab has the numbers
             self.event_log.write_event(event, payload)
         if event == "status":
@@ -188,7 +189,6 @@ class MainScreen(Screen):
             self._count_hits([payload])
             self.run_status.add_hit(self.hit_table.known)
         elif event == "state":
-            self.run_status.state_event(payload)
             self._step = payload["step"]
             self.module_browser.step_moved(self._step)
             self._ended_by = payload.get("reason", "") if payload["state"] == "finished" else ""
@@ -249,34 +249,22 @@ class MainScreen(Screen):
             self._state in ("running", "paused") and self._sync == "deferred"
         )
 
-    def show_connecting(self) -> None:
-        if not self._lost_text:
-            self.banner.show("Connecting to the training…", "connecting")
-
     def show_connect_failed(self, error: str) -> None:
         """An attempt to (re)connect failed; another follows."""
-        if self._lost_text:
-            self.banner.show(f"{self._lost_text} Last attempt: {error}", "lost")
-        else:
-            self.banner.show(f"Cannot connect yet: {error}. Retrying…", "connecting")
-        self.log_entry(f"cannot connect: {error}", "error")
+        self.log_entry(self.banner.connect_failed(error), "error")
 
-    def show_connection_lost(self, reason: str, last_state: str, reconnecting: bool) -> None:
-        if last_state in OVER:
-            what = f"The training has {last_state} and closed the connection"
-        else:
-            what = f"Connection lost ({reason}): the training finished or crashed"
-        then = " Reconnecting in the background…" if reconnecting else ""
-        self._lost_text = f"{what}. The last state stays on screen.{then}"
-        self.banner.show(self._lost_text, "lost")
-        self.log_entry(self._lost_text, "error")
+    def show_connection_lost(self, reason: str, reconnecting: bool) -> None:
+        self.log_entry(self.banner.connection_lost(reason, reconnecting), "error")
+
+    def show_training_over(self) -> None:
+        """The training said it ended (finished, or detached: it goes on unwatched) and its
+        session closed the connection: the app stops there."""
+        where = step_phrase(self._state, self._step, self.run_status.phase)
+        self.log_entry(self.banner.over(self._state, where, self._ended_by), "error")
 
     def show_training_exited(self, reason: str) -> None:
         """The training's process is gone (``reason`` says so): the app stops reconnecting."""
-        kept = " The last state stays on screen." if self._lost_text else ""
-        self._lost_text = f"{reason[:1].upper()}{reason[1:]}.{kept} Press q to quit."
-        self.banner.show(self._lost_text, "lost")
-        self.log_entry(self._lost_text, "error")
+        self.log_entry(self.banner.exited(reason), "error")
 
     def show_count(self, count: int) -> None:
         """The count typed before a key (``5s`` steps five times)."""
@@ -284,7 +272,8 @@ class MainScreen(Screen):
         self._show_title()
 
     def _show_title(self) -> None:
-        step = "" if self._step is None else f" {step_phrase(self._state, self._step)}"
+        where = step_phrase(self._state, self._step, self.run_status.phase)
+        step = "" if self._step is None else f" {where}"
         if self._replay_text:  # a recorded run: the dumped step shown, of how many
             step = f" · {self._replay_text}"
         count = f" · count {self._count}" if self._count else ""
@@ -437,7 +426,8 @@ class MainScreen(Screen):
     @on(HitTable.Highlighted)
     @reported
     def _hit_highlighted(self, message: HitTable.Highlighted) -> None:
-        self.hit_detail.show(message.hit, self.hit_table.filtered_out, message.rules)
+        held = message.hit is not None and self.run_status.holds(message.hit)
+        self.hit_detail.show(message.hit, self.hit_table.filtered_out, message.rules, held)
 
     @on(TabbedContent.TabActivated)
     def _tab_activated(self, event: TabbedContent.TabActivated) -> None:

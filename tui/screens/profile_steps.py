@@ -34,7 +34,9 @@ class ProfileStepsScreen(ModalScreen[tuple[int, bool] | None]):
                 "step) and the Profile tab (F8) fills when they are done.",
                 classes="dialog-doc",
             )
-            yield Input(str(self.steps), id="profile-steps", type="integer")
+            # Text, not type="integer": that dropped every key but a digit or a sign without a
+            # word ("1e3" read as 13); what was typed stays, and is refused with its text.
+            yield Input(str(self.steps), id="profile-steps")
             yield Checkbox("Record input shapes (Operators: g groups by them; slower)",
                            id="profile-shapes")  # fmt: skip
             yield Static("", classes="dialog-error")
