@@ -6,6 +6,13 @@ and how much of it reads tensors (their statistics) rather than keeping Python b
 
 The last column is the median of the time each hook spent reading tensors.
 
+Python's garbage collector is counted apart: its time in the measured steps (in a hook or
+not), how often each generation ran, and how many objects the collector tracks that a step holds
+at the end of its backward pass, attached and bare. The collector runs when the objects made
+since it last ran pass 700, so a step holding more than that runs it every step; and each
+object a collection finds alive moves on, towards the full collection that walks every object
+of the process (torch's too).
+
 Quieter than overhead.py's ratio: it times tensordbg's own code only (perf_counter around each
 hook the session installs, and around the two functions that read a tensor on the host), so the
 noise of a busy machine in the model's kernels stays out of it. The time inside the hooks is
@@ -17,6 +24,7 @@ way to run tensordbg.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -63,6 +71,7 @@ class Clock:
         self.inside: dict[str, float] = defaultdict(float)
         self.reading: dict[str, float] = defaultdict(float)
         self.current: str | None = None  # the outermost hook running
+        self.collections: list[Collector] = []  # one a run
 
     def hook(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -104,6 +113,60 @@ class Clock:
         self.reading.clear()
 
 
+class Collector:
+    """Python's garbage collections while it listens: seconds and count, by generation."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = defaultdict(float)
+        self.count: dict[int, int] = defaultdict(int)
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds[info["generation"]] += time.perf_counter() - self._start
+            self.count[info["generation"]] += 1
+
+    def __enter__(self) -> Collector:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+
+def held_at_backward_end(name: str, attached: bool) -> int:
+    """The objects Python's collector tracks that one step made and still holds right after its
+    backward pass (a warm step: the tenth)."""
+    vocab, seq, dim, layers, heads, batch = CONFIGS[name]
+    torch.manual_seed(0)
+    runner = Runner("attached", GPT(vocab, seq, dim, layers, heads), "cpu", None)
+    if attached:
+        runner.session = tensordbg.attach(runner.model, optimizer=runner.optimizer,
+                                          on_hit="record", server=False)  # fmt: skip
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    for _ in range(9):
+        runner.step(tokens)
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        before = {id(o) for o in gc.get_objects()}
+        logits = runner.model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        if runner.session is not None:
+            runner.session.observe("loss", loss)
+        loss.backward()
+        held = sum(1 for o in gc.get_objects() if id(o) not in before)
+    finally:
+        if enabled:
+            gc.enable()
+    if runner.session is not None:
+        runner.session.detach()
+    return held
+
+
 def run(clock: Clock, name: str, steps: int,
         warmup: int) -> tuple[dict[str, float], dict[str, float], float]:  # fmt: skip
     """One attached model trained ``warmup`` + ``steps`` steps: ms a step inside each hook (and
@@ -118,7 +181,9 @@ def run(clock: Clock, name: str, steps: int,
     for i in range(warmup):
         runner.step(batches[i % len(batches)])
     clock.clear()
-    times = [runner.step(batches[i % len(batches)]) for i in range(steps)]
+    with Collector() as collector:
+        times = [runner.step(batches[i % len(batches)]) for i in range(steps)]
+    clock.collections.append(collector)
     hits = len(runner.session.hits)
     runner.session.detach()
     if hits:
@@ -156,6 +221,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label:56s}{cells}{statistics.median(values):8.2f}{read}")
     steps = "".join(f"{s:8.1f}" for _, _, s in results)
     print(f"{'the attached step (median)':56s}{steps}")
+    collected = [1e3 * sum(c.seconds.values()) / args.steps for c in clock.collections]
+    cells = "".join(f"{v:8.2f}" for v in collected)
+    print(f"{'  of the above, Python collector (mean, in hooks or not)':56s}{cells}"
+          f"{statistics.median(collected):8.2f}")  # fmt: skip
+    runs = len(clock.collections) * args.steps
+    counts = {g: sum(c.count[g] for c in clock.collections) for g in range(3)}
+    full = 1e3 * sum(c.seconds[2] for c in clock.collections) / max(counts[2], 1)
+    print(f"collections in {runs} steps: {counts[0]} young, {counts[1]} middle, {counts[2]} full "
+          f"(the full ones {full:.0f} ms each)")  # fmt: skip
+    print(f"objects the collector tracks that a step holds after its backward pass: "
+          f"{held_at_backward_end(args.model, True)} attached, "
+          f"{held_at_backward_end(args.model, False)} bare")  # fmt: skip
     return 0
 
 
