@@ -645,7 +645,8 @@ def test_ctrl_c_reaches_the_ui_as_how_the_training_ended(tmp_path: Path, monkeyp
     )
     monkeypatch.setattr(sys, "argv", [str(path)])
     assert run_script(str(path), ["4"], on_hit="record", server=False) == 130
-    assert said[-1] == {"state": "finished", "step": 4, "reason": "interrupted by Ctrl-C"}
+    assert said[-1] == {"state": "finished", "step": 4, "phase": "",  # between steps
+                        "reason": "interrupted by Ctrl-C"}  # fmt: skip
 
 
 def test_the_demo_tells_the_ui_why_it_stopped(monkeypatch):
@@ -659,7 +660,7 @@ def test_the_demo_tells_the_ui_why_it_stopped(monkeypatch):
         lambda event, payload: said.append(dict(payload)), {"state"}))  # fmt: skip
     monkeypatch.setattr(demo.time, "sleep", lambda seconds: None)
     demo.train(steps=12, bad_step=5, on_hit="record", server=False)
-    assert said[-1] == {"state": "finished", "step": 9,  # after step 8: the UI says so
+    assert said[-1] == {"state": "finished", "step": 9, "phase": "",  # after step 8
                         "reason": "the demo stopped: its loss was NaN for 3 steps"}  # fmt: skip
 
 
