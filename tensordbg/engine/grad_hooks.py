@@ -20,7 +20,7 @@ import torch
 from torch.nn.parameter import UninitializedParameter
 
 from tensordbg.engine.marks import own_work
-from tensordbg.statistics.torch_kernels import watchable
+from tensordbg.statistics.torch_kernels import rows_of, watchable
 
 if TYPE_CHECKING:
     from tensordbg.engine.handles import HandleGroup
@@ -145,9 +145,7 @@ def param_hook(
         if not session.active:
             return
         try:
-            grad = param.grad
-            if grad is not None and grad.layout is torch.sparse_coo:
-                grad = grad.coalesce().values()  # the rows it has: a sparse embedding's update
+            grad = None if param.grad is None else rows_of(param.grad)
             if grad is not None and watchable(grad):
                 session.param_grad(name, owner, owner_type, grad)
         except Exception as e:

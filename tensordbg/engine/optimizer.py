@@ -23,7 +23,13 @@ from tensordbg.engine.stepping import after_first_call, drop_gradients, skips_in
 from tensordbg.offline.sentences import listed
 from tensordbg.statistics import FINITE, L2, LR_SHARE, MAX, MIN, Stat
 from tensordbg.statistics.batch import norms_of
-from tensordbg.statistics.torch_kernels import device_parts, host_stats, update_stats, watchable
+from tensordbg.statistics.torch_kernels import (
+    device_parts,
+    host_stats,
+    rows_of,
+    update_stats,
+    watchable,
+)
 
 # A parameter's range before and after a step tells cheaply that the step changed it.
 RANGE = (MIN, MAX)
@@ -472,9 +478,8 @@ class OptimizerPhase:
 
 def _final_grads(weights: ParamWatch) -> list[tuple[str, torch.Tensor]]:
     """Each parameter's gradient as the step gets it (a sparse one's rows)."""
-    grads = [(p.name, g) for p in weights.params.values()
-             if (g := p.param.grad) is not None and watchable(g)]  # fmt: skip
-    return [(n, g.coalesce().values() if g.is_sparse else g) for n, g in grads]
+    return [(p.name, g) for p in weights.params.values()
+            if p.param.grad is not None and watchable(g := rows_of(p.param.grad))]  # fmt: skip
 
 
 def _moved(p: Param, previous: torch.Tensor, weights: ParamWatch,

@@ -23,7 +23,7 @@ from tensordbg.engine.phases import Gradient, Judged, ParamGradNote
 from tensordbg.engine.records import Record, param_grad_record
 from tensordbg.statistics import FINITE, L2
 from tensordbg.statistics.batch import norm_only, norms_of
-from tensordbg.statistics.torch_kernels import norm_parts, watchable
+from tensordbg.statistics.torch_kernels import norm_parts, rows_of, watchable
 
 _BY_NORM = (FINITE, L2)  # what most parameter gradients' rules want (the default rules')
 
@@ -70,7 +70,7 @@ class ParamGradients:
                 continue  # not touched by this pass
             seen[name] = (weakref.ref(grad), version)
             if grad.layout is torch.sparse_coo:
-                grad = grad.coalesce().values()  # the rows it has: a sparse embedding's update
+                grad = rows_of(grad)
                 version = grad._version
             made = makings.get(name)
             if made is not None and made.by_norm and not fresh and made.fits(grad, ruleset):

@@ -200,12 +200,9 @@ class Pinpointing:
             return
         # The outputs of the step's root calls: the model's, or a submodule's called alone
         # (Lightning's self.net(x): the LightningModule itself is not called).
-        outputs = [t for calls in self.capture.calls_by_path.values() for call in calls
-                   if call.parent is None
-                   for _, r in call.outputs if (t := r.held()) is not None]  # fmt: skip
-        # Those the phase let go of: still alive where the loss is made of them (a GAN's second
-        # loss, observed after the first one's backward pass).
-        outputs += [t for ref in self.capture.root_outputs if (t := ref()) is not None]
+        # Held weakly by the capture: alive while the loss is made of them, whether or not their
+        # phase let go of them (a GAN's second loss, observed after the first one's backward).
+        outputs = [t for ref in self.capture.root_outputs if (t := ref()) is not None]
         with contextlib.suppress(Exception):  # a courtesy: whatever the graph holds, the hit stands
             hit.message += name_loss_operation(loss, outputs, _names_nan(hit, loss))
 
