@@ -26,6 +26,18 @@ from tensordbg.tui.screens.profile_steps import ProfileStepsScreen
 SMALL = (80, 24)
 
 
+def _counting_connections(source: FakeSource) -> tuple[list[str | None], Any]:
+    """A connect function to ``source`` and the list of the paths it was asked for: how often
+    the UI tried to (re)connect."""
+    connections: list[str | None] = []
+
+    async def connect(path: str | None) -> LocalClient:
+        connections.append(path)
+        return LocalClient(source)
+
+    return connections, connect
+
+
 def test_a_detach_mid_step_is_named_by_its_step_and_phase() -> None:
     """Finding 1, the words: detached in step 3's forward pass, the UI said "after step 2"; the
     training had printed "detached (step 3, forward)". Between two steps the step is the next
@@ -42,11 +54,7 @@ def test_a_second_ui_says_another_one_detached_the_training_and_where() -> None:
     said why (FINISHED had one). It names the step and phase, says the training goes on
     unwatched and what detaches it, and does not try to reconnect to a session that is gone."""
     source = FakeSource()
-    connections: list[str | None] = []
-
-    async def connect(path: str | None) -> LocalClient:
-        connections.append(path)
-        return LocalClient(source)
+    connections, connect = _counting_connections(source)
 
     async def flow() -> None:
         app = TensorDbgApp(connect, reconnect_delay=0.02)
@@ -80,11 +88,7 @@ def test_after_a_training_finished_the_ui_does_not_claim_to_reconnect() -> None:
     closed the connection ... Reconnecting in the background...". A training that said it
     finished has nothing to reconnect to: the banner says it finished, and no attempt follows."""
     source = FakeSource()
-    connections: list[str | None] = []
-
-    async def connect(path: str | None) -> LocalClient:
-        connections.append(path)
-        return LocalClient(source)
+    connections, connect = _counting_connections(source)
 
     async def flow() -> None:
         app = TensorDbgApp(connect, reconnect_delay=0.02)
