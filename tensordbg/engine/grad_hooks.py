@@ -20,7 +20,8 @@ import torch
 from torch.nn.parameter import UninitializedParameter
 
 from tensordbg.engine.marks import own_work
-from tensordbg.statistics.torch_kernels import rows_of, watchable
+from tensordbg.statistics.batch import rows_of
+from tensordbg.statistics.torch_kernels import watchable
 
 if TYPE_CHECKING:
     from tensordbg.engine.handles import HandleGroup

@@ -22,11 +22,10 @@ from tensordbg.engine.sites import user_site
 from tensordbg.engine.stepping import after_first_call, drop_gradients, skips_inside
 from tensordbg.offline.sentences import listed
 from tensordbg.statistics import FINITE, L2, LR_SHARE, MAX, MIN, Stat
-from tensordbg.statistics.batch import norms_of
+from tensordbg.statistics.batch import norms_of, rows_of
 from tensordbg.statistics.torch_kernels import (
     device_parts,
     host_stats,
-    rows_of,
     update_stats,
     watchable,
 )

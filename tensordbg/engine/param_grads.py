@@ -22,8 +22,8 @@ from tensordbg.engine.judge import Prepared
 from tensordbg.engine.phases import Gradient, Judged, ParamGradNote
 from tensordbg.engine.records import Record, param_grad_record
 from tensordbg.statistics import FINITE, L2
-from tensordbg.statistics.batch import norm_only, norms_of
-from tensordbg.statistics.torch_kernels import norm_parts, rows_of, watchable
+from tensordbg.statistics.batch import norm_only, norms_of, rows_of
+from tensordbg.statistics.torch_kernels import norm_parts, watchable
 
 _BY_NORM = (FINITE, L2)  # what most parameter gradients' rules want (the default rules')
 

@@ -63,11 +63,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def rows_of(grad: torch.Tensor) -> torch.Tensor:
-    """A gradient as its checks read it: a sparse one's rows (a sparse embedding's update)."""
-    return grad.coalesce().values() if grad.layout is torch.sparse_coo else grad
-
-
 def watchable(t: object) -> bool:
     """Whether a value is a tensor whose numbers can go wrong: floating point, dense, with data."""
     return (
