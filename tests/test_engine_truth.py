@@ -1839,6 +1839,48 @@ def test_a_forward_nan_in_a_reentrant_checkpoint_is_the_one_origin(watch, sync):
     ], [(h.step, h.phase, h.tensor, h.message) for h in session.hits if h.origin]
 
 
+class CheckpointedChain(nn.Module):
+    """Three blocks run through reentrant checkpointing, the last's forward makes a NaN
+    (sqrt of negatives) when ``bad``: the blocks before it and ``inp`` get NaN gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.head = nn.Linear(8, 8), nn.Linear(8, 1)
+        self.blocks = nn.ModuleList(SqrtBlock() for _ in range(3))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.inp(x)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=True)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("sync", MODES)
+def test_a_forward_nan_after_reentrant_blocks_is_not_a_backward_origin_in_them(watch, sync):
+    """The NaN a later block's forward made flows back into the gradients of every block
+    before it, which no hook sees: each earlier block's parameter gradients were named a second
+    origin ("the backward of blocks.1 or of a module in it made it"). The gradient of a block's
+    outputs came out of a call whose forward had the NaN: they pass it on."""
+    torch.manual_seed(0)
+    model = CheckpointedChain()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = watch(model, optimizer=opt, on_hit="record", sync=sync)
+    for step in range(3):
+        model.blocks[2].bad = step == 1
+        loss = nn.functional.mse_loss(model(torch.randn(8, 8)), torch.randn(8, 1))
+        session.observe("loss", loss)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    session.flush()
+    assert any(h.tensor == "blocks.0.l.weight.grad" for h in session.hits)  # it did reach them
+    assert [(h.step, h.phase, h.tensor) for h in session.hits if h.origin] == [
+        (1, "forward", "blocks.2.output")
+    ], [(h.step, h.phase, h.tensor, h.message) for h in session.hits if h.origin]
+
+
 def test_a_rule_whose_pattern_names_nothing_of_the_model_is_said_at_attach(watch, capsys):
     """--rule "TensorRange(match='*.attn.*', max_gt=1e4)" on a model with no attention ran,
     judged nothing and said nothing. A pattern that names a module, a tensor or a parameter,

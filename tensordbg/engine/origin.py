@@ -257,7 +257,10 @@ class Attribution:
             origin = condition is None or not (
                 condition in self.grad_found
                 or any(condition in c.fired_in or condition in c.fired_out for c in shown)
+                or _came_into(block, condition)
             )
+            if condition is not None:
+                _carries_back(block, condition)
             out.append(Verdict(record, rule_id, finding, origin, call if kind else None, kind,
                                name, unseen=region))  # fmt: skip
         return out
@@ -294,6 +297,22 @@ def _reached(record: Record, fired_roots: list[tuple[frozenset[int], list[Any]]]
                 seen.add(parent)
                 todo.append(parent)
     return found
+
+
+def _came_into(block: Call, condition: int) -> bool:
+    """Whether the unseen gradient of ``block``'s outputs carried ``condition`` in: a call that
+    took one carried it in its backward (a NaN a later forward made flows back through every
+    gradient before it), or a later block's gradients showed it (:func:`_carries_back`)."""
+    return condition in block.fired_grad_out or any(
+        _carried(c, condition) for _, r in block.outputs for c in r.consumers
+        if c is not block and block not in c.ancestors())  # fmt: skip
+
+
+def _carries_back(block: Call, condition: int) -> None:
+    """A gradient of ``block`` showed ``condition``: so, as far as can be told, did the
+    gradients of its inputs, which its backward made."""
+    for c in (c for _, r in block.inputs for c in (r.producer, *r.passed_up) if c is not None):
+        c.fired_grad_out |= {condition}
 
 
 def _fed_unseen(calls: Iterable[Call]) -> Call | None:
