@@ -1895,3 +1895,46 @@ def test_a_rule_whose_pattern_names_nothing_of_the_model_is_said_at_attach(watch
         "tensordbg: TensorRange(match=['*.attn.*']) names no module, tensor or parameter of "
         "Sequential (its names look like '"
     ), said
+
+
+class CarriesState(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.rnn, self.head = (
+            nn.Linear(4, 8),
+            nn.GRU(8, 8, batch_first=True),
+            nn.Linear(8, 1),
+        )
+
+    def forward(self, x, h):
+        out, h = self.rnn(self.emb(x), h)
+        return self.head(out), h
+
+
+@pytest.mark.parametrize("sync", MODES)
+def test_a_hidden_state_carried_from_a_bad_step_is_passed_on_not_a_new_origin(watch, sync):
+    """A NaN in step 1's batch came back in every later step with the GRU's hidden state
+    (``h = h.detach()``), and each step named it an origin that "came in with the batch". It
+    is step 1's output handed back in; a NaN in a new tensor of the same shape still is an
+    origin of its own."""
+    torch.manual_seed(0)
+    model = CarriesState()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = watch(model, optimizer=opt, on_hit="record", sync=sync, rules=[NaN()])
+    h = torch.zeros(1, 2, 8)
+    for step in range(4):
+        x = torch.randn(2, 3, 4)
+        x[0, 0, 0] = float("nan") if step == 1 else x[0, 0, 0]
+        if step == 3:
+            h = torch.full((1, 2, 8), float("nan"))  # not handed back: made anew
+        y, h = model(x, h)
+        h = h.detach()
+        opt.zero_grad()
+        y.pow(2).mean().backward()
+        opt.step()
+    session.flush()
+    inputs = {(h.step, h.tensor): h for h in session.hits if h.tensor.startswith("input")}
+    assert [key for key, hit in sorted(inputs.items()) if hit.origin] == [
+        (1, "input[0]"), (3, "input[1]")], [(k, h.message) for k, h in inputs.items()]  # fmt: skip
+    assert "It is rnn.output[1] of step 1, handed back in" in inputs[2, "input[1]"].message
+    assert "came in with the batch" in inputs[3, "input[1]"].message

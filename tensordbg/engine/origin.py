@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any, NamedTuple
 
+from tensordbg.engine.bad_outputs import CarriedStates, reached_from
 from tensordbg.engine.records import NONFINITE, Call, Record, is_model_output
 from tensordbg.rules.base import Finding
 
@@ -79,13 +80,13 @@ class Attribution:
         finite): each one's place in the forward, by its module's first call."""
         self.fired_roots: list[tuple[frozenset[int], list[Any]]] = []
         """The step's root calls whose outputs showed a condition: what, and those outputs'
-        autograd nodes, for a loss made of several root calls' outputs (:func:`_reached`)."""
+        autograd nodes, for a loss made of several root calls' outputs (``reached_from``)."""
+        self.carried = CarriedStates()  # earlier steps' bad outputs, should they come back
 
     def begin_forward(self) -> None:
         self.loss_fired = set()
         self.root_fired = set()
-        self.grad_found = set()  # a backward to come is another's (and with no optimizer, a
-        # step's end calls no gradients_final)
+        self.grad_found = set()  # a backward to come is another's (with no optimizer too)
 
     def gradients_final(self, records: Iterable[Record]) -> None:
         """The backward passes of the step are done: remember what each parameter's gradient
@@ -126,7 +127,7 @@ class Attribution:
         kind = record.stats.kind
         if kind == "observed":
             self.loss_fired |= record.conditions
-            fired = self.root_fired | _reached(record, self.fired_roots)
+            fired = self.root_fired | reached_from(record, self.fired_roots)
             return [Verdict(record, rule_id, finding, condition_of(record, rule_id) not in fired)
                     for rule_id, finding in record.findings.items()]  # fmt: skip
         if kind == "param":
@@ -148,7 +149,12 @@ class Attribution:
             else:
                 self.param_clean(record.param)
             return out
-        if (kind == "input" and not record.hidden) or kind == "update":
+        if kind == "input" and not record.hidden:
+            back = self.carried.handed_back(record)  # an earlier step's bad output (RNN state)
+            return [Verdict(record, r, back.said(f) if back else f,
+                            back is None or condition_of(record, r) not in back.conditions)
+                    for r, f in record.findings.items()]  # fmt: skip
+        if kind == "update":
             return [Verdict(record, r, f, True) for r, f in record.findings.items()]
         return []
 
@@ -177,6 +183,7 @@ class Attribution:
             self.root_fired = set(call.fired_out)
             if call.fired_out:  # the step's later losses may come of it (model(a) - model(b))
                 held = [r.held() for _, r in call.outputs if r.conditions]
+                self.carried.remember([r for _, r in call.outputs if r.conditions])
                 # The outputs' autograd nodes (the tensors may be freed before the loss is seen);
                 # an output without one (gone, no gradient) makes every loss count it.
                 nodes = [getattr(t, "grad_fn", None) for t in held]
@@ -264,39 +271,6 @@ class Attribution:
             out.append(Verdict(record, rule_id, finding, origin, call if kind else None, kind,
                                name, unseen=region))  # fmt: skip
         return out
-
-
-_GRAPH_LIMIT = 100_000  # autograd nodes walked from a loss at most (a bad step only)
-
-
-def _reached(record: Record, fired_roots: list[tuple[frozenset[int], list[Any]]]) -> set[int]:
-    """The conditions of the step's root outputs that an observed tensor was computed from:
-    a loss of two root calls (``model(a) - model(b)``) comes of the first too, not only of the
-    latest. Found by walking its autograd graph; without one (no gradients) every root output
-    of the step counts, and so does an output whose node is not known."""
-    if not fired_roots:
-        return set()
-    loss = record.held()
-    node = getattr(loss, "grad_fn", None)
-    if node is None:
-        return set().union(*(fired for fired, _ in fired_roots))
-    wanted: dict[Any, frozenset[int]] = {}
-    found: set[int] = set()
-    for fired, nodes in fired_roots:
-        for output in nodes:
-            if output is None:
-                found |= fired  # it cannot be told: counted
-            else:
-                wanted[output] = wanted.get(output, frozenset()) | fired
-    seen, todo = {node}, [node]
-    while todo and wanted and len(seen) < _GRAPH_LIMIT:
-        current = todo.pop()
-        found |= wanted.pop(current, frozenset())
-        for parent, _ in current.next_functions:
-            if parent is not None and parent not in seen:
-                seen.add(parent)
-                todo.append(parent)
-    return found
 
 
 def _came_into(block: Call, condition: int) -> bool:
