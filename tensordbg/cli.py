@@ -88,9 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         command = commands.choices.get(getattr(args, "command", None) or "", parser)
         command.error(f"unrecognized arguments: {' '.join(extra)}")
-    if not getattr(args, "command", None):
-        parser.print_help()
-        return 0
+    if not getattr(args, "command", None):  # a usage error, as argparse's own: status 2
+        parser.print_help(sys.stderr)
+        return 2
     try:
         return int(args.handler(args) or 0)
     except BrokenPipeError:  # `| head` stopped reading: quietly, as other tools (Python's recipe)

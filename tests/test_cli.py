@@ -923,3 +923,14 @@ def test_a_dump_directory_that_cannot_be_written_is_said_in_one_line_before_the_
     assert done.returncode == 2
     assert done.stderr.strip() == "tensordbg run: cannot write a dump in afile/x: Not a directory"
     assert "trained" not in done.stdout
+
+
+def test_tensordbg_without_a_command_is_a_usage_error(capsys):
+    """A bare ``tensordbg`` printed its help and exited 0, so a script that forgot its command
+    went on as if it had run. It exits 2, as argparse does for every other usage error, with
+    the help on stderr."""
+    from tensordbg.cli import main
+
+    assert main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("usage: tensordbg") and "demo" in err
