@@ -405,6 +405,25 @@ def test_an_index_line_whose_step_number_changed_is_not_read_as_that_step(
             "cannot be told (it reads as step 3)") in out  # fmt: skip
 
 
+def test_a_hit_at_a_step_the_other_run_went_past_without_one_is_a_difference(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A NaN run against a clean one that dumped every few steps exited 0 with "agree": true:
+    the NaN step was dumped in the NaN run only. A step with a hit is always dumped, so the
+    clean run went past it without one: the runs differ (1). A hit after the other run's last
+    dumped step cannot be told so: it leads the text, and the status stays 0."""
+    a = write_dump(tmp_path / "a", steps=[0, 1, 2, 5], nan_at=None)
+    b = write_dump(tmp_path / "b", steps=[0, 1, 2, 3], nan_at=3)
+    assert main(["diff", str(a), str(b)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[2] == ("So the runs differ: B hit at step 3; A went on past it without a hit (a "
+                      "step with a hit is always dumped)."), out  # fmt: skip
+    assert main(["diff", "--json", str(a), str(b)]) == 1
+    assert json.loads(capsys.readouterr().out)["agree"] is False
+    c = write_dump(tmp_path / "c", steps=[0, 1, 2], nan_at=None)
+    assert main(["diff", str(c), str(b)]) == 0
+
+
 def test_an_index_line_altered_to_fewer_bytes_is_not_said_to_cut_the_index(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -138,13 +138,24 @@ class DiffReport:
         """0 when the runs agree on every step both dumped, 1 when they differ (or share no
         step to compare), 2 when they agree on what could be read but some of it could not (an
         index that cannot be read whole leaves which steps its dump holds unknown)."""
-        if self.first is not None:
+        if self.first is not None or self.hit_alone():
             return 1
         if any(b["step"] < 0 for b in self.broken) or (self.broken and not self.steps):
             return 2
         if not self.steps:
             return 1
         return 2 if self.broken else 0
+
+    def hit_alone(self) -> tuple[str, str, int] | None:
+        """``(side, other, step)`` of a hit one run dumped at a step the other went past
+        without dumping it: a step with a hit is always dumped, so the other had none there and
+        the runs differ (a NaN run against a clean one dumped every 10 steps)."""
+        for side, other in (("A", "B"), ("B", "A")):
+            end = self.last_dumped.get(other, -1)
+            for hit in self.only_hits.get(side) or ():
+                if hit.step < end:
+                    return side, other, hit.step
+        return None
 
     def as_json(self) -> dict[str, Any]:
         return _jsonable(
@@ -194,6 +205,12 @@ class DiffReport:
             lines += only
             only, agree = [], f"On the {plural(self.steps, 'step')} both dumped, the runs agree"
             compared = plural(self.tensors, "tensor")
+            if alone := self.hit_alone():
+                side, other, step = alone
+                lines.append(
+                    f"So the runs differ: {side} hit at step {step}; {other} went on "
+                    "past it without a hit (a step with a hit is always dumped)."
+                )
         if self.first is not None:
             lines.append(f"The runs part at {self.first.sentence()}{self._gap()}.")
             if self.later:  # values are read only up to the first difference
