@@ -1938,3 +1938,75 @@ def test_a_hidden_state_carried_from_a_bad_step_is_passed_on_not_a_new_origin(wa
         (1, "input[0]"), (3, "input[1]")], [(k, h.message) for k, h in inputs.items()]  # fmt: skip
     assert "It is rnn.output[1] of step 1, handed back in" in inputs[2, "input[1]"].message
     assert "came in with the batch" in inputs[3, "input[1]"].message
+
+
+class CheckpointsItsBody(nn.Module):
+    """A layer whose forward runs its body through a reentrant checkpoint, as Hugging Face's
+    layers do: its own hooks run outside the checkpoint, its submodules' inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8)
+        self.fault = None
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self._body, x, use_reentrant=True)
+
+    def _body(self, x):
+        h = self.fc1(self.ln(x))
+        if self.fault == "forward":
+            h = h + torch.log(h.new_tensor(-1.0))  # the layer's own code makes a NaN
+        elif self.fault == "backward":
+            h = NaNBackward()(h)
+        return x + self.fc2(torch.relu(h))
+
+
+class LayersCheckpointingTheirBodies(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.head = nn.Linear(4, 8), nn.Linear(8, 1)
+        self.layers = nn.ModuleList(CheckpointsItsBody() for _ in range(3))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("sync", MODES)
+@pytest.mark.parametrize("fault", ["forward", "backward"])
+def test_a_layer_that_checkpoints_its_body_has_one_origin_named_alike_in_every_mode(
+    watch, sync, fault
+):
+    """Hugging Face's gradient checkpointing with use_reentrant=True: a NaN layers.1's own code
+    made in forward was named there, and its fc1's parameter gradients a second origin, said to
+    come from "layers.1.fc1 or just after it" (the block run again is layers.1). A NaN its
+    backward made was named at fc1's bias in eager and batched checks, at its weight in
+    deferred ones, which sorted the parameters of a recomputed block by their listing."""
+    model = LayersCheckpointingTheirBodies()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = watch(model, optimizer=opt, on_hit="record", sync=sync)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for step in range(3):
+            model.layers[1].fault = fault if step == 1 else None
+            loss = nn.functional.mse_loss(model(torch.randn(8, 4)), torch.randn(8, 1))
+            session.observe("loss", loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        session.flush()
+    # The re-run that names the operation warned as if the user's checkpoint had no input
+    # that requires grad.
+    assert [str(w.message) for w in said] == []
+    found = {(h.step, h.phase, h.tensor) for h in session.hits if h.origin}
+    if fault == "forward":
+        assert found == {(1, "forward", "layers.1.output")}, found
+    else:
+        assert found == {(1, "backward", "layers.1.fc1.bias.grad")}, found
+        hit = next(h for h in session.hits if h.origin)
+        assert "runs layers.1 again in backward" in hit.message, hit.message

@@ -253,7 +253,7 @@ class Attribution:
         showed. The first gradient of the step's backward that shows it is the origin, said
         to be that block's, unless the forward values of ``calls`` (whose gradient it is)
         showed it; the later ones are passed on."""
-        block = call.unseen_region()
+        block = _region(call)
         region = block.path
         # The block's own forward values count too: a NaN its forward made (sqrt of negatives
         # in it) flows back through every gradient of the block, which passes it on.
@@ -273,20 +273,38 @@ class Attribution:
         return out
 
 
+def _region(call: Call) -> Call:
+    """The block a reentrant checkpoint around ``call`` runs again in backward: the outermost
+    call around it whose gradients no hook saw, or the call whose forward checkpoints its
+    whole body (Hugging Face's layers: their own hooks run outside the checkpoint)."""
+    block = call.unseen_region()
+    parent = block.parent
+    if parent is not None and parent.parent is not None and all(
+            c.unseen_grads for c in parent.children):  # fmt: skip
+        return parent
+    return block
+
+
 def _came_into(block: Call, condition: int) -> bool:
     """Whether the unseen gradient of ``block``'s outputs carried ``condition`` in: a call that
-    took one carried it in its backward (a NaN a later forward made flows back through every
-    gradient before it), or a later block's gradients showed it (:func:`_carries_back`)."""
+    took one, or the code around it that did (its parent's), carried it in its backward (a NaN
+    a later forward made flows back through every gradient before it), or a later block's
+    gradients showed it (:func:`_carries_back`)."""
     return condition in block.fired_grad_out or any(
-        _carried(c, condition) for _, r in block.outputs for c in r.consumers
-        if c is not block and block not in c.ancestors())  # fmt: skip
+        _carried(c, condition) for c in (
+            *(c for _, r in block.outputs for c in r.consumers
+              if c is not block and block not in c.ancestors()),
+            *((block.parent,) if block.parent is not None else ())))  # fmt: skip
 
 
 def _carries_back(block: Call, condition: int) -> None:
     """A gradient of ``block`` showed ``condition``: so, as far as can be told, did the
-    gradients of its inputs, which its backward made."""
-    for c in (c for _, r in block.inputs for c in (r.producer, *r.passed_up) if c is not None):
-        c.fired_grad_out |= {condition}
+    gradients of its inputs and of its calls' inputs, which its backward made."""
+    calls = [block]
+    for call in calls:
+        calls += call.children
+        for c in (c for _, r in call.inputs for c in (r.producer, *r.passed_up) if c is not None):
+            c.fired_grad_out |= {condition}
 
 
 def _fed_unseen(calls: Iterable[Call]) -> Call | None:

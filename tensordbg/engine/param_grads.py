@@ -51,6 +51,8 @@ class ParamGradients:
         by_norm = self._by_norm
         reached, self._pass_made = self._pass_made, None
         idle = self.capture.fed_nothing if self.capture.empty_calls else None
+        if self._accumulated is not None and self.plan is not None:
+            self._learned_order()
         noted = set()
         for p in self._backward_order():
             grad = p.param.grad
@@ -135,6 +137,35 @@ class ParamGradients:
                 if name not in made and name not in apart:
                     grad = param.grad
                     apart[name] = (None, 0) if grad is None else (weakref.ref(grad), grad._version)
+                    if self.plan is not None and name not in self.plan.param_order:
+                        self._learn_accumulation(name, param)
+
+    _accumulated: list[str] | None = None
+    _learning: list[Any]
+
+    def _learn_accumulation(self, name: str, param: torch.Tensor) -> None:
+        """A parameter a pass inside this one accumulates (a reentrant checkpoint's block):
+        its module's graph is recomputed in backward, so no node of the step's forward says in
+        which order autograd accumulates its gradients. A hook on it says, once; until then
+        deferred checks sorted it by its module's listing (weight before bias), where the
+        other modes, whose hooks see the real order, named the bias first."""
+        if self._accumulated is None:
+            self._accumulated, self._learning = [], []
+        said = self._accumulated
+        hook = param.register_post_accumulate_grad_hook(lambda _, n=name: said.append(n))
+        self._learning.append(self.handles.add(hook))
+
+    def _learned_order(self) -> None:
+        """The order the hooks of :meth:`_learn_accumulation` saw, ranked within each module."""
+        said, self._accumulated = self._accumulated or [], None
+        for handle in self._learning:
+            handle.remove()
+        seen: dict[str, int] = {}
+        for name in dict.fromkeys(said):
+            owner = name.rpartition(".")[0]
+            self.plan.param_order.setdefault(name, seen.get(owner, 0))
+            seen[owner] = seen.get(owner, 0) + 1
+        self._order_cache = None
 
     _apart: dict[str, tuple[weakref.ref[torch.Tensor] | None, int]]
     """The gradients of the parameters the backward phase's passes do not reach, as each pass

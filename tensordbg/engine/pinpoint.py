@@ -31,6 +31,7 @@ import linecache
 import os
 import sys
 import tokenize
+import warnings
 from contextlib import contextmanager
 from typing import Any
 
@@ -370,11 +371,15 @@ def _copy(value: Any) -> Any:
 
 @contextmanager
 def _quiet(session: Any):
-    """tensordbg's own hooks do nothing while the forward runs again."""
+    """tensordbg's own hooks do nothing while the forward runs again, and what it warns of is
+    not said: the training's own forward said it, if anything (a re-run under no_grad made
+    torch.utils.checkpoint warn that no input requires grad, as if of the user's code)."""
     capture = session.capture
     capture.suspended = True
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
     finally:
         capture.suspended = False
 
