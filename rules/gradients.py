@@ -26,6 +26,7 @@ from tensordbg.rules.scales import (
     reference_scale,
     typical_scale,
 )
+from tensordbg.rules.weights import note_update, update_moved
 from tensordbg.statistics import (
     ABS_MEAN,
     FINITE,
@@ -268,20 +269,20 @@ class VanishingGradient(Rule):
       exactly zero.
 
     A vanishing gradient must persist ``persist`` (2) judged steps in a row: a mixture of experts
-    gives an expert 1-4 tokens some steps, all classified right already, and its gradient is
-    small at its source that step alone (5 hits in 600 healthy steps, found trying it as a new
-    user); a gradient that vanishes on its way back does so every step. So must an exactly
-    zero gradient on the first step: a zero by construction at initialisation is lifted by the
-    first update (torchvision's ``zero_init_residual=True`` sets the last BatchNorm scale of
-    each residual block to 0, so the convolution before it gets an exactly zero gradient on
-    step 0 only); a dead or detached branch is still dead a step later. Past the first step an
-    exactly zero gradient is reported at once: the parameter receives nothing (a dead or
-    detached branch, a saturated unit). An expert called on an empty batch (no token chose it:
-    ``expert(x[routed])`` with no row routed) gets gradients of zeros that no data made; the
-    engine does not judge a parameter whose module got only empty tensors in the step, as it
-    does not judge one no backward pass reached (34 hits in 60 healthy steps of an 8-expert
-    mixture before, found trying it as a new user).
-    Frozen parameters are never judged.
+    gives an expert 1-4 tokens some steps, all classified right already, and its gradient is small
+    at its source that step alone (5 hits in 600 healthy steps, found trying it as a new user); a
+    gradient that vanishes on its way back does so every step. An exactly zero gradient is not
+    judged until an optimizer step has moved a parameter, then reported at once: a zero by
+    construction is lifted by the first update that moves something (the last BatchNorm scale of
+    torchvision's ``zero_init_residual=True``, a ReZero or LayerScale gate at 0: under a warmup
+    from a learning rate of 0, its branch got zeros on step 1 too, 12 false hits on a healthy
+    transformer); a dead or detached branch is still dead after it. Update records tell (one saying
+    its parameter changed, or an ``lr_share`` above 0; read where WeightNotChanging has them made);
+    with none before a step, step 0's update is taken to have moved. An expert called on an empty
+    batch (no token chose it: ``expert(x[routed])`` with no row routed) gets gradients of zeros
+    that no data made; the engine does not judge a parameter whose module got only empty tensors in
+    the step, as it does not judge one no backward pass reached (34 hits in 60 healthy steps of an
+    8-expert mixture before, found trying it as a new user). Frozen parameters are never judged.
 
     ``threshold`` is a positive number, ``relative`` a positive number or ``math.inf``,
     ``persist`` a whole number of 1 or more.
@@ -295,7 +296,7 @@ class VanishingGradient(Rule):
     Example: ``VanishingGradient(threshold=1e-9)`` uses MindInsight's stricter bound.
     """
 
-    kinds = frozenset({"grad", "observed"})
+    kinds = frozenset({"grad", "observed", "update"})
     # Screened with bounds from the norm; mean |grad| and the share of zeros are computed only
     # for a gradient whose bounds reach neither the threshold nor relative times the model's
     # typical gradient (see _nonzero_mean).
@@ -320,9 +321,9 @@ class VanishingGradient(Rule):
         check_count(self, "persist")
 
     def stats_for(self, t: TensorStats) -> tuple[Stat, ...]:
-        # A loss's value comes with it (observe() measures its mean): asked for nothing, it is
-        # read where it is there, and a dump without it leaves nothing unjudged.
-        return () if t.kind == "observed" else self.needs
+        # A loss's value comes with it (observe() measures its mean), an update's as other rules
+        # ask: asked for nothing, each is read where it is there (a dump without, not unjudged).
+        return () if t.kind in ("observed", "update") else self.needs
 
     def check_many(
         self, tensors: Sequence[TensorStats], state: dict[str, Any]
@@ -359,6 +360,9 @@ class VanishingGradient(Rule):
         if t.kind == "observed":
             note_loss(t, state)
             return None
+        if t.kind == "update":
+            note_update(t, state)
+            return None
         # Noted before a refinement too: the same value again when check is called back.
         scale = note_scale(t, state)
         mean = self._nonzero_mean(t, state) if t.trainable and scale is not None else None
@@ -384,7 +388,9 @@ class VanishingGradient(Rule):
             vanishing = typical is None or mean < self.relative * typical
         bias = _note_weight(t, state, learning=not vanishing)
         streaks: dict[str, int] = state.setdefault("low", {})
-        if mean is None or not vanishing or loss_spent(state, t.step):
+        # Not judged either: a zero by construction (a ReZero gate at 0) no update lifted yet.
+        lifted = mean != 0 or update_moved(state, t.step)
+        if mean is None or not vanishing or loss_spent(state, t.step) or not lifted:
             streaks.pop(t.name, None)
             return None
         if bias:
@@ -396,9 +402,9 @@ class VanishingGradient(Rule):
             if not known and first and mean > 0:
                 return None  # its module's weight comes later in this pass: wait a step for it
         streaks[t.name] = streaks.get(t.name, 0) + 1
-        if streaks[t.name] < self.persist and (mean > 0 or t.step == 0):
-            # A zero at initialisation, which the first update may lift; a small gradient one
-            # step, from a few examples (an expert that got 2 tokens, all right already).
+        if streaks[t.name] < self.persist and mean > 0:
+            # A small gradient one step, from a few examples (an expert that got 2 tokens, all
+            # right already); a zero after an update moved something is reported at once.
             return None
         earlier = state.get("had", {}).get(t.name, math.nan)  # a scale it had (NaN: never)
         return Finding(

@@ -201,6 +201,32 @@ def _settled(name: str, scale: float, state: dict[str, Any]) -> bool:
     return scale <= SETTLED * peak
 
 
+def note_update(t: TensorStats, state: dict[str, Any]) -> None:
+    """Note an optimizer step's update record in ``state``: that updates are watched (the
+    step of the first one), and the first step whose update moved its parameter (a statistic
+    ``update_unchanged`` of 0, with whatever tolerance, or ``update_abs_mean`` above 0) or ran
+    at a learning rate above 0 (``lr_share``)."""
+    if "moved" in state:
+        return
+    state.setdefault("updates", t.step)
+    for stat, value in t.values.items():
+        if (stat.name == "update_unchanged" and value == 0.0) or (
+            stat.name in ("update_abs_mean", "lr_share") and value > 0
+        ):
+            state["moved"] = t.step
+            return
+
+
+def update_moved(state: dict[str, Any], step: int) -> bool:
+    """Whether an optimizer step before ``step`` moved a parameter (:func:`note_update`); with
+    no update record seen before it (none watched), whether ``step`` follows step 0's update."""
+    moved = state.get("moved")
+    if moved is not None:
+        return moved < step
+    seen = state.get("updates")
+    return (seen is None or seen >= step) and step > 0
+
+
 class WeightUpdateRatio(Rule):
     """Optimizer steps that are too large or too small for the size of the parameter.
 

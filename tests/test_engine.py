@@ -1091,14 +1091,15 @@ def test_an_update_is_recorded_when_it_is_news_and_weight_not_changing_sees_ever
     """WeightNotChanging asks of an update only whether it changed the parameter: a parameter
     that keeps changing is recorded once, and again at each step it did not change and at the
     first step it changes again; the rule still fires once per streak, at the right step. (The
-    first step at learning rate 0, step 4, is not measured and gets no record: nothing told to
-    copy the parameter before it, and its norm did not move. Steps 5, 6 and 7 are, each: the
-    rule's third step comes at step 7.)"""
+    first step at learning rate 0, step 4, is measured: a group at a learning rate of 0 is
+    foreseen to leave its parameters be, so they are copied before it. Steps 4, 5 and 6 are
+    unchanged: the rule's third step is step 6. Before, step 4 went unmeasured and the rule
+    fired a step late, at step 7.)"""
     session, made, _ = _update_records(watch, [0.0 if 4 <= s < 10 else 0.1 for s in range(12)])
     both = ["bias", "weight"]
-    assert made == [both, [], [], [], [], *[both] * 5, both, []]
+    assert made == [both, [], [], [], *[both] * 6, both, []]
     assert sorted((h.step, h.tensor) for h in session.hits) == [
-        (7, "bias.update"), (7, "weight.update")
+        (6, "bias.update"), (6, "weight.update")
     ]  # fmt: skip
 
 
@@ -1150,12 +1151,13 @@ def test_a_table_that_changes_where_its_norm_cannot_tell_is_compared_from_a_samp
     leave the table's norm where it was within MindInsight's tolerance (rtol 1e-5). Eager
     checks digest a parameter by its norm, which cannot tell that it changed, so it is a
     suspect every other step; once a full copy showed that a sample of its elements tells, a
-    sample is taken before the step instead of a copy of the table. When it stops changing
-    (learning rate 0 from step 8), the sample cannot tell (step 9, not measured), a copy is
-    taken again, and WeightNotChanging fires on the third unchanged step measured (step 12).
-    Deferred checks digest it by a sample of its elements, which tells at every step that it
-    moved, as the norm does with the default, exact test: nothing is copied or sampled until
-    it stops (step 8, not measured), and the rule fires at step 11."""
+    sample is taken before the step instead of a copy of the table. Deferred checks digest it
+    by a sample of its elements, which tells at every step that it moved, as the norm does
+    with the default, exact test: nothing is copied or sampled. When it stops changing
+    (learning rate 0 from step 8, foreseen before the step), the table is copied whole before
+    each step (a sample proves only a change), and WeightNotChanging fires on the third
+    unchanged step, step 10, in every case (before: step 11, or 12 when a sample could not
+    tell step 9)."""
     torch.manual_seed(0)
     model = nn.Embedding(1000, 64)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -1180,12 +1182,12 @@ def test_a_table_that_changes_where_its_norm_cannot_tell_is_compared_from_a_samp
     copies = [step for step, (copied, _) in enumerate(taken) if copied]
     samples = [step for step, (_, sampled) in enumerate(taken) if sampled]
     if exact or sync == "deferred":
-        assert (copies, samples) == ([9, 10, 11, 12, 13], [])
-        assert [(h.step, h.tensor) for h in session.hits] == [(11, "weight.update")]
+        assert (copies, samples) == ([8, 9, 10, 11, 12, 13], [])
+        assert [(h.step, h.tensor) for h in session.hits] == [(10, "weight.update")]
         return
-    assert copies == [1, 10, 11, 12, 13]  # step 1: the first comparison; then from step 10
-    assert samples == [3, 5, 7, 9]
-    assert [(h.step, h.tensor) for h in session.hits] == [(12, "weight.update")]
+    assert copies == [1, 8, 9, 10, 11, 12, 13]  # step 1: the first comparison; then from 8
+    assert samples == [3, 5, 7]
+    assert [(h.step, h.tensor) for h in session.hits] == [(10, "weight.update")]
 
 
 def test_a_sample_of_a_parameter_proves_a_change_and_nothing_else():

@@ -9,9 +9,11 @@ its elements (one that moved proves the change), and every element only when non
 parameter whose sample told (with a tolerance given to WeightNotChanging, an embedding that Adam
 moves everywhere by steps too small to move its norm past it) is sampled before its next suspect
 step, not copied: a few hundred bytes instead of a copy of the table; a step its sample cannot
-tell goes unmeasured, and it is copied whole before the next one (a parameter that stopped
-changing is found a step later). Rules that measure updates (``update_abs_mean``) get a copy of
-every parameter, the budget rotating over a model larger than it.
+tell goes unmeasured, and it is copied whole before the next one. A step whose learning rate
+is 0 is foreseen to leave its parameters as they are: they are copied before it (not sampled: a
+sample proves only a change), so the first step of a learning rate set to 0, at step 0 or later,
+is measured, not only the steps after it. Rules that measure updates (``update_abs_mean``) get a
+copy of every parameter, the budget rotating over a model larger than it.
 
 When the rules ask of an update only whether it changed the parameter (``update_unchanged``, as
 WeightNotChanging does), a parameter that keeps changing is news only once: its update record is
@@ -168,6 +170,9 @@ class ParamWatch:
         """Parameters whose latest update record did not say "changed" (None: none made yet)."""
         self.lr_peaks: dict[tuple[int, int], float] = {}
         """The largest learning rate of each (optimizer, parameter group) while watched."""
+        self.groups: dict[int, list[dict[str, Any]]] = {}
+        """Each optimizer's parameter groups (by its id), noted as its steps come: their
+        learning rates before a step say which parameters it cannot move."""
         self._offset = 0
         self._turn = 0  # where the next rotation starts
         # The parameters sampled last, their samples, where each lies in the read, and the read
@@ -198,6 +203,7 @@ class ParamWatch:
     ) -> list[Param]:
         """The parameters this optimizer steps; the first optimizer also takes those no
         optimizer holds (a parameter left out of the optimizer is a bug worth seeing)."""
+        self.groups[id(optimizer)] = optimizer.param_groups  # read again before each step
         mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
         if optimizer is optimizers[0]:
             held = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
@@ -208,10 +214,12 @@ class ParamWatch:
                     fused: bool = False, reads_free: Callable[[torch.Tensor], bool] = on_host,
                     ) -> None:  # fmt: skip
         """Note the versions of the parameters about to be stepped, and copy those whose update
-        must be measured exactly (``every``: all of them, within the budget). A fused optimizer
-        (``AdamW(fused=True)``, the Hugging Face Trainer's default) writes without bumping a
-        parameter's version: there a version tells nothing (-1 never matches). A sample stands
-        for a copy only where ``reads_free`` (comparing it after the step reads the host)."""
+        must be measured exactly (``every``: all of them, within the budget): the suspects,
+        and those whose group's learning rate is 0 for this step (:meth:`held_still`). A fused
+        optimizer (``AdamW(fused=True)``, the Hugging Face Trainer's default) writes without
+        bumping a parameter's version: there a version tells nothing (-1 never matches). A
+        sample stands for a copy only where ``reads_free`` (comparing it after the step reads
+        the host)."""
         self.versions = {}
         self.snapshots = {}
         self.samples = {}
@@ -224,10 +232,12 @@ class ParamWatch:
         start = self._offset % len(stepped) if stepped else 0
         taken = 0
         sampling = not every and len(wanted) == 1 and wanted[0].name == "update_unchanged"
+        still = self.held_still()
         for p in stepped[start:] + stepped[:start]:
-            if not (every or p.name in self.suspects):
+            foreseen = bool(still) and id(p.param) in still
+            if not (every or foreseen or p.name in self.suspects):
                 continue
-            if sampling and p.name in self.sample_tells and reads_free(p.param):
+            if sampling and not foreseen and p.name in self.sample_tells and reads_free(p.param):
                 # It keeps changing where its digest cannot tell (an embedding under Adam):
                 # its sample tells, for a few hundred bytes instead of a copy of the table.
                 self.samples[p.name] = sample_of(p.param).clone()
@@ -238,6 +248,22 @@ class ParamWatch:
                 budget -= size
                 taken += 1
         self._offset = start + taken  # a model larger than the budget rotates
+
+    def held_still(self) -> set[int]:
+        """The ids of the parameters in a group whose learning rate is 0 for the step about
+        to be taken: the step is foreseen to leave them as they are (a warmup's first step, a
+        group set to 0 by hand). Without a copy from before it, such a step is not measured
+        (its digest did not move), and the first step of a parameter that stopped changing
+        would never count: it stopped a step before the first one found. A learning rate
+        held in a tensor (``capturable`` optimizers) is not read: that costs a
+        synchronization."""
+        still: set[int] = set()
+        for groups in self.groups.values():
+            for group in groups:
+                lr = group.get("lr")
+                if type(lr) in (float, int) and lr == 0:
+                    still.update(map(id, group["params"]))
+        return still
 
     def sampled(self, params: list[Param]) -> tuple[dict[str, Digest], bool]:
         """Each parameter's digest from ``SAMPLE`` fixed elements, all read in one pass, and
@@ -285,7 +311,12 @@ class ParamWatch:
 
     def sample_verdict(self, p: Param, moved: bool) -> None:
         """Note whether the sample alone told that ``p`` changed at its last exact comparison
-        (then the next one is made from a sample: :meth:`before_step`)."""
+        (then the next one is made from a sample: :meth:`before_step`). Only a suspect's
+        comparison counts, one its digest could not tell: a parameter copied because its
+        learning rate is 0 was not expected to change, and what its sample said then says
+        nothing of how its changes are best seen."""
+        if p.name not in self.suspects:
+            return
         if moved:
             self.sample_tells.add(p.name)
         else:
@@ -386,4 +417,5 @@ class ParamWatch:
         self.by_name = {}
         self.snapshots = {}
         self.samples = {}
+        self.groups = {}
         self._sampling = None

@@ -303,10 +303,12 @@ def _judge_step(
                 else:
                     kept.append(active)
             judged.append(tuple(kept))
-        # A rule that asks nothing of an observed loss only reads it (VanishingGradient: is the
-        # training done?): it does not count as one of the tensors the rule judges.
+        # A rule that asks nothing of an observed loss or an update only reads it
+        # (VanishingGradient: is the training done? did an update move anything yet?): it does
+        # not count as one of the tensors the rule judges.
         counted = [i for i in applicable.rule_ids
-                   if stats.kind != "observed" or ruleset.get(i).rule.stats_for(stats)]  # fmt: skip
+                   if stats.kind not in ("observed", "update")
+                   or ruleset.get(i).rule.stats_for(stats)]  # fmt: skip
         tally.watched.update(counted)
         if judged != list(applicable.checks):  # a rule comparing a phase's tensors judges
             asked = {active.id for group in judged for active in group}  # every one it applies to
