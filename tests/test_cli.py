@@ -554,6 +554,38 @@ def test_ctrl_c_after_tensordbg_detached_does_not_name_a_step_it_no_longer_count
     assert "tensordbg run: interrupted (Ctrl-C); tensordbg had detached at step 4\n" in err, err
 
 
+def test_ctrl_c_at_a_pause_names_where_the_pause_stood(tmp_path: Path, monkeypatch, capsys):
+    """Two ranks paused together at the optimizer's pre-hook, said "training paused (step 3,
+    optimizer)"; Ctrl-C there said "interrupted (Ctrl-C) at step 3, backward": the ranks' safe
+    point, which makes the phase read "optimizer", had ended as the interrupt unwound. The
+    last word names where the pause stood, and that it was paused."""
+    from types import SimpleNamespace
+
+    from tensordbg.engine.control import PauseController
+    from tensordbg.engine.pausing import Pausing
+    from tensordbg.integrations.runner import run_script
+
+    def interrupted(controller, reason, hit=None):
+        raise KeyboardInterrupt
+
+    def at_the_safe_point(session, reason, hit):  # as distributed/coordination.py pauses
+        session.ranks = SimpleNamespace(at_safe_point=True, defer=lambda *_: False)
+        try:
+            block(session, reason, hit)
+        finally:
+            session.ranks = None
+
+    block = Pausing._block
+    monkeypatch.setattr(Pausing, "_block", at_the_safe_point)
+    monkeypatch.setattr(PauseController, "block", interrupted)
+    path = tmp_path / "train.py"
+    path.write_text(SCRIPT)
+    monkeypatch.setattr(sys, "argv", [str(path)])
+    assert run_script(str(path), ["6"], on_hit="pause", server=False) == 130
+    err = capsys.readouterr().err
+    assert "tensordbg run: interrupted (Ctrl-C) at step 3, optimizer while paused\n" in err, err
+
+
 def test_run_says_a_second_model_apart_from_the_watched_one_is_not_watched(
     tmp_path: Path, monkeypatch, capsys
 ):

@@ -305,3 +305,23 @@ def test_a_nan_the_all_reduce_brings_to_a_second_optimizer_s_gradients_is_found_
     assert not [h for h in rank0["hits"] if h["origin"] or "gradient was clean" in h["message"]]
     # The gradient is one tensor of its phase, not the rank's own beside the reduced one.
     assert rank0["named_at_hits"][0].count("3.weight.grad") == 1
+
+
+def test_each_rank_s_summary_says_which_rank_it_is(capsys) -> None:
+    """Under torchrun every rank printed "tensordbg: 217 hits, 1 at their origin." at its exit,
+    interleaved with the others': which rank said which could not be told."""
+    from types import SimpleNamespace
+
+    from tensordbg.engine.hits import print_summary
+
+    def session(rank, ranks):
+        text = "tensordbg: 2 hits, 1 at their origin.\n  step 3"
+        return SimpleNamespace(hitlog=SimpleNamespace(summarized=False), rank=rank, ranks=ranks,
+                               summary=lambda: text)  # fmt: skip
+
+    print_summary(session(1, ranks=object()))
+    print_summary(session(0, ranks=None))  # one process: as before
+    assert capsys.readouterr().err.splitlines() == [
+        "tensordbg (rank 1): 2 hits, 1 at their origin.", "  step 3",
+        "tensordbg: 2 hits, 1 at their origin.", "  step 3",
+    ]  # fmt: skip

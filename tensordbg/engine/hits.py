@@ -34,7 +34,10 @@ def print_summary(session: Any, file: TextIO | None = None) -> None:
     if session.hitlog.summarized:
         return
     session.hitlog.summarized = True
-    print(session.summary(), file=file or sys.stderr, flush=True)
+    text = session.summary()
+    if getattr(session, "ranks", None) is not None:  # torchrun: each rank's, interleaved
+        text = text.replace("tensordbg:", f"tensordbg (rank {session.rank}):", 1)
+    print(text, file=file or sys.stderr, flush=True)
 
 
 class HitLog:

@@ -61,6 +61,9 @@ class Pausing:
         if reason:
             self._block(reason, None)
 
+    stopped_at: tuple[int, str] | None = None
+    """The step and phase of a pause an exception (Ctrl-C) ended."""
+
     def _block(self, reason: str, hit: Hit | None) -> None:
         if self._detach_requested() or self.forked():
             return
@@ -73,6 +76,9 @@ class Pausing:
         started = time.perf_counter()
         try:
             self.controller.block(reason, hit)
+        except BaseException:  # Ctrl-C while paused: where it stood, for the last word
+            self.stopped_at = (self.step, self.where)  # (the ranks' safe point ends after)
+            raise
         finally:
             self.metrics.paused += time.perf_counter() - started  # not the step's own time
         if not self._detach_requested():

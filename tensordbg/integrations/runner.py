@@ -280,8 +280,11 @@ def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = 
         if session is not None and session.detached:  # its step stopped counting there
             where = f"; tensordbg had detached at step {session.step}"
         elif session is not None:  # between two steps (most of a script's time) no phase
-            where = f" at step {session.step}" + (f", {session.where}" if session.where else "")
-        paused = session is not None and session.controller.state == "paused"
+            step, phase = session.stopped_at or (session.step, session.where)
+            where = f" at step {step}" + (f", {phase}" if phase else "")
+        paused = session is not None and (
+            session.controller.state == "paused" or session.stopped_at is not None
+        )
         print(f"tensordbg run: interrupted (Ctrl-C){where}"
               + (" while paused" if paused else ""), file=sys.stderr)  # fmt: skip
         for watched in run.sessions:
