@@ -935,6 +935,18 @@ def test_attaching_twice_or_after_compile_says_what_to_do(watch):
         tensordbg.attach(compiled, server=False)
 
 
+def test_fullgraph_compile_of_a_watched_model_says_why_it_cannot(watch):
+    """torch.compile(model, fullgraph=True) after attach failed at the first call with dynamo's
+    "Skip calling torch.compiler.disable()'d function ... Capture.on_enter (reason: None)": a
+    script that runs bare crashed on tensordbg's internals with no word of what to do."""
+    model = mlp()
+    watch(model)
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match=r"cannot compile a model tensordbg watches") as raised:
+        compiled(torch.randn(3, 4))
+    assert "Compile without fullgraph=True" in str(raised.value)
+
+
 def test_warnings_are_not_raised_for_a_healthy_run(watch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")

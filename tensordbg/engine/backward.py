@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from tensordbg.engine.marks import own_work
+from tensordbg.engine.marks import hook_of_ours, own_work
 from tensordbg.engine.param_grads import ParamGradients
 from tensordbg.engine.pending import LightTensor, resolved
 from tensordbg.engine.phases import ActGradNote, Gradient, Judged, ParamGradNote
@@ -86,7 +86,7 @@ class BackwardPhase(ParamGradients):
             self.plan = None
             self.capture.grad_hooks.hook_parameters()
 
-    @torch.compiler.disable
+    @hook_of_ours
     @own_work
     def pass_started(self, grads: tuple) -> None:
         """The hook of a model output whose gradient is vouched for: it only starts the pass."""

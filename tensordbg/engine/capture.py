@@ -41,7 +41,7 @@ import torch
 from tensordbg.engine.fused import FUSED, GlobalHooks, fused_modules
 from tensordbg.engine.grad_hooks import GradHooks
 from tensordbg.engine.handles import HandleGroup, Unhooked, hide_from_torchscript
-from tensordbg.engine.marks import own_work
+from tensordbg.engine.marks import hook_of_ours, own_work
 from tensordbg.engine.pending import COLD, ForwardLog, PendingForward, Seen, grad_edge
 from tensordbg.engine.pinpoint import draws_random, random_state
 from tensordbg.engine.records import Call, Record, new_record, tensor_leaves
@@ -241,7 +241,7 @@ class Capture(ForwardLog):
 
     # torch.compile must not trace the hooks (they keep Python state): it runs them eagerly, at a
     # graph break around each watched module.
-    @torch.compiler.disable
+    @hook_of_ours
     @own_work
     def on_enter(self, module: torch.nn.Module, args: tuple, kwargs: dict | None) -> None:
         session = self.session
@@ -279,7 +279,7 @@ class Capture(ForwardLog):
         except Exception as e:
             session.fault(e)
 
-    @torch.compiler.disable
+    @hook_of_ours
     @own_work
     def _on_exit(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         session = self.session

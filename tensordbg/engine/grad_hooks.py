@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch.nn.parameter import UninitializedParameter
 
-from tensordbg.engine.marks import own_work
+from tensordbg.engine.marks import hook_of_ours, own_work
 from tensordbg.statistics.batch import rows_of
 from tensordbg.statistics.torch_kernels import watchable
 
@@ -108,7 +108,7 @@ class GradHooks:
         if grad is not None:
             self.on_grad(forward, grad)
 
-    @torch.compiler.disable
+    @hook_of_ours
     @own_work
     def on_grad(self, forward: Record, grad: torch.Tensor) -> None:
         session = self.session
@@ -141,7 +141,7 @@ def param_hook(
 ) -> Callable[[torch.Tensor], None]:
     """A post-accumulate-grad hook that hands the parameter's gradient to the session."""
 
-    @torch.compiler.disable
+    @hook_of_ours
     def hook(param: torch.Tensor) -> None:
         if not session.active:
             return

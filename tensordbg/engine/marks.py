@@ -67,3 +67,19 @@ def profiling() -> Callable[[], None]:
             _profiles[0] -= 1
 
     return stop
+
+
+_GRAPH_BREAK = (
+    "tensordbg's hooks run in Python, at a graph break: torch.compile(..., fullgraph=True) "
+    "cannot compile a model tensordbg watches. Compile without fullgraph=True (the hooks "
+    "then split the graph), or detach tensordbg first."
+)
+
+
+def hook_of_ours(fn: F) -> F:
+    """Keep torch.compile from tracing ``fn`` (a hook keeps Python state): it runs eagerly, at
+    a graph break, and ``fullgraph=True``'s error says why there must be one."""
+    try:
+        return torch.compiler.disable(fn, reason=_GRAPH_BREAK)  # type: ignore[return-value]
+    except TypeError:  # a torch before 2.8 takes no reason
+        return torch.compiler.disable(fn)  # type: ignore[return-value]

@@ -36,7 +36,7 @@ from tensordbg.engine.handles import HandleGroup
 from tensordbg.engine.hits import HitLog, print_summary
 from tensordbg.engine.judge import ActiveRule, RuleSet
 from tensordbg.engine.loss_code import Observations
-from tensordbg.engine.marks import own_work
+from tensordbg.engine.marks import hook_of_ours, own_work
 from tensordbg.engine.metrics import StepMetrics
 from tensordbg.engine.modes import SYNC, choose
 from tensordbg.engine.optimizer import OptimizerPhase
@@ -257,7 +257,7 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         self.materialize_forward()
         return self.phases.by_ref.get(ref)
 
-    @torch.compiler.disable
+    @hook_of_ours
     @own_work
     def observe(self, name: str, tensor: torch.Tensor | float) -> None:
         """Watch any extra tensor (kind ``"observed"``), e.g. the loss: ``session.observe("loss",
