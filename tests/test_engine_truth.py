@@ -2010,3 +2010,20 @@ def test_a_layer_that_checkpoints_its_body_has_one_origin_named_alike_in_every_m
         assert found == {(1, "backward", "layers.1.fc1.bias.grad")}, found
         hit = next(h for h in session.hits if h.origin)
         assert "runs layers.1 again in backward" in hit.message, hit.message
+
+
+def test_learning_a_recomputed_blocks_gradient_order_hooks_each_parameter_once(watch):
+    """Deferred checks hook a reentrant block's parameters once, to learn the order their
+    gradients accumulate in; a parameter no pass reaches (``unused``) was hooked anew at every
+    step, and the session's handles grew with the run."""
+    model = LayersCheckpointingTheirBodies()
+    model.layers[0].unused = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    session = watch(model, optimizer=opt, on_hit="record", sync="deferred")
+    held = []
+    for _ in range(6):
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        held.append(len(session.handles._undo))
+    assert held[1:] == held[:1] * 5, held

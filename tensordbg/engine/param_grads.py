@@ -138,10 +138,11 @@ class ParamGradients:
                     grad = param.grad
                     apart[name] = (None, 0) if grad is None else (weakref.ref(grad), grad._version)
                     if self.plan is not None and name not in self.plan.param_order:
-                        self._learn_accumulation(name, param)
+                        self._learn_accumulation(name, param)  # once
 
     _accumulated: list[str] | None = None
     _learning: list[Any]
+    _learn_tried: frozenset[str] = frozenset()
 
     def _learn_accumulation(self, name: str, param: torch.Tensor) -> None:
         """A parameter a pass inside this one accumulates (a reentrant checkpoint's block):
@@ -149,6 +150,9 @@ class ParamGradients:
         which order autograd accumulates its gradients. A hook on it says, once; until then
         deferred checks sorted it by its module's listing (weight before bias), where the
         other modes, whose hooks see the real order, named the bias first."""
+        if name in self._learn_tried:  # a parameter no pass reaches: not hooked every step
+            return
+        self._learn_tried = self._learn_tried | {name}
         if self._accumulated is None:
             self._accumulated, self._learning = [], []
         said = self._accumulated
