@@ -1839,22 +1839,14 @@ def test_a_forward_nan_in_a_reentrant_checkpoint_is_the_one_origin(watch, sync):
     ], [(h.step, h.phase, h.tensor, h.message) for h in session.hits if h.origin]
 
 
-class CheckpointedChain(nn.Module):
+class CheckpointedChain(Checkpointed):
     """Three blocks run through reentrant checkpointing, the last's forward makes a NaN
     (sqrt of negatives) when ``bad``: the blocks before it and ``inp`` get NaN gradients."""
 
     def __init__(self):
-        super().__init__()
+        nn.Module.__init__(self)
         self.inp, self.head = nn.Linear(8, 8), nn.Linear(8, 1)
         self.blocks = nn.ModuleList(SqrtBlock() for _ in range(3))
-
-    def forward(self, x):
-        from torch.utils.checkpoint import checkpoint
-
-        x = self.inp(x)
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=True)
-        return self.head(x)
 
 
 @pytest.mark.parametrize("sync", MODES)
