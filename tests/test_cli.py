@@ -586,6 +586,52 @@ def test_ctrl_c_at_a_pause_names_where_the_pause_stood(tmp_path: Path, monkeypat
     assert "tensordbg run: interrupted (Ctrl-C) at step 3, optimizer while paused\n" in err, err
 
 
+SCALED = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    for step in range(8):
+        x = torch.randn(32, 16)
+        if step == int(sys.argv[1]):
+            x[0, 0] = float("nan")
+        loss = model(x).pow(2).sum()
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        print(f"{loss.item():.6f}")
+    """
+)
+
+
+def test_run_finds_the_scripts_own_grad_scaler(tmp_path: Path, monkeypatch, capsys):
+    """A healthy script with its own GradScaler raised ExplodingGradient at every step under
+    ``tensordbg run``: its gradients, 65536x their size, were judged as they were, and its
+    loss observed so. ``attach(scaler=)`` knew; the run now finds the script's scaler at its
+    first ``scale(loss)``: the gradients are judged unscaled, and a step it skips for a NaN
+    is said so, not hit again and again."""
+    from tensordbg.integrations.runner import run_script
+
+    path = tmp_path / "train.py"
+    path.write_text(SCALED)
+    monkeypatch.setattr(sys, "argv", [str(path)])
+    assert run_script(str(path), ["-1"], on_hit="record", server=False) == 0
+    out, err = capsys.readouterr()
+    assert "watching the script's GradScaler too" in err, err
+    assert not re.search(r"tensordbg: \d+ hits?,", err), err  # no summary: no hit
+    bare = subprocess.run([sys.executable, str(path), "-1"], capture_output=True, text=True)
+    assert out == bare.stdout  # the same numbers
+    assert run_script(str(path), ["5"], on_hit="record", server=False) == 1
+    err = capsys.readouterr().err
+    assert "steps the GradScaler skipped: [5]" in err and "1 at their origin" in err, err
+
+
 def test_run_says_a_second_model_apart_from_the_watched_one_is_not_watched(
     tmp_path: Path, monkeypatch, capsys
 ):

@@ -42,6 +42,15 @@ class MixedPrecision:
         """Hits on scaled gradients, held until the scaler says whether it skipped the step."""
         self._inv: dict[Any, Any] = {}
 
+    def adopt(self, scaler: Any, handles: HandleGroup, after_update: Callable[[], None]) -> bool:
+        """Take ``scaler`` as the session's, when it has none (``tensordbg run`` finds the
+        script's at its first ``scale(loss)``, before that step's backward): whether it did."""
+        if self.scaler is not None or not _enabled(scaler):
+            return False
+        self.scaler = scaler
+        self.install(handles, after_update)
+        return True
+
     def install(self, handles: HandleGroup, after_update: Callable[[], None]) -> None:
         """Call ``after_update`` after each ``scaler.update()``."""
         scaler = self.scaler

@@ -382,6 +382,12 @@ class Pipeline(Pausing, Pinpointing):
             self.publish()
         return self.published
 
+    def adopt_scaler(self, scaler: Any) -> bool:
+        """A GradScaler found after attach (the script's own, under ``tensordbg run``): as if
+        given as ``attach(scaler=)``, from this step's backward on. Whether it was taken."""
+        after = self._guarded(self._after_scaler_update)  # type: ignore[attr-defined]
+        return self.active and self.amp.adopt(scaler, self.handles, after)
+
     def _after_scaler_update(self) -> None:
         if not self.active:
             return

@@ -62,6 +62,7 @@ class ScriptRun:
         self._watched: set[int] = set()  # the watched model's modules, and those said apart
         self._optimizer_hook: Any = None
         self._backward = torch.Tensor.backward
+        self._scale = torch.amp.GradScaler.scale
         self._optimizer_init = torch.optim.Optimizer.__init__
         self._made: list[weakref.ref[torch.optim.Optimizer]] = []  # the script's optimizers
         self.chosen = _chosen(rules, attach_args)
@@ -83,12 +84,30 @@ class ScriptRun:
         run = self
         original = self._backward
 
+        scaled: list[weakref.ref[torch.Tensor]] = []  # a GradScaler's scaled loss, observed
+
         def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if run.session is not None and tensor.numel() == 1:
+            if scaled and scaled[-1]() is tensor:  # its loss was observed unscaled (below)
+                scaled.clear()
+            elif run.session is not None and tensor.numel() == 1:
                 run.session.observe(loss_name(tensor, sys._getframe(1)), tensor)
             return original(tensor, *args, **kwargs)
 
+        def scale(scaler: Any, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+            # The script's own GradScaler: without it its gradients were judged scaled (65536x
+            # a healthy norm: ExplodingGradient at every step) and its loss observed so.
+            result = self._scale(scaler, outputs, *args, **kwargs)
+            session = run.session
+            if session is not None and session.adopt_scaler(scaler):
+                print("tensordbg: watching the script's GradScaler too: gradients are judged "
+                      "unscaled, and a step it skips is no hit", file=sys.stderr)  # fmt: skip
+            if session is not None and isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
+                session.observe(loss_name(outputs, sys._getframe(1)), outputs)
+                scaled[:] = [weakref.ref(result)]
+            return result
+
         torch.Tensor.backward = backward  # type: ignore[method-assign]
+        torch.amp.GradScaler.scale = scale  # type: ignore[method-assign]
         made, init = self._made, self._optimizer_init
 
         def optimizer_init(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
@@ -115,6 +134,7 @@ class ScriptRun:
         for session in self.framework_sessions:
             session.detach(finished=True)
         torch.Tensor.backward = self._backward  # type: ignore[method-assign]
+        torch.amp.GradScaler.scale = self._scale  # type: ignore[method-assign]
         torch.optim.Optimizer.__init__ = self._optimizer_init  # type: ignore[method-assign]
         self._made = []
         self._unhook_modules()
