@@ -1310,3 +1310,29 @@ def test_a_recheck_at_a_pause_makes_no_hit_twice_and_keeps_passed_on_hits_so(syn
                            for h in weights if h.step == 4)  # fmt: skip
     assert all("before this update already, since step 4" in h.message  # NaN since then
                for h in weights if h.step > 4)  # fmt: skip
+
+
+def test_parameters_the_optimizer_steps_that_are_not_watched_are_said_once(watch, capsys):
+    """A layer appended to the model after attach, its parameters added to the optimizer,
+    and a loss weight that is no parameter of the model: none is watched, and nothing said so
+    (a NaN in the new layer was then named at its parent, "its parameters were clean")."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
+    scale = nn.Parameter(torch.ones(()))  # a learnable loss weight, not the model's
+    opt = torch.optim.SGD([*model.parameters(), scale], lr=0.01)
+    watch(model, optimizer=opt, on_hit="record")
+    for step in range(4):
+        if step == 2:
+            model.append(nn.Linear(8, 2))
+            opt.add_param_group({"params": list(model[2].parameters())})
+        (model(torch.randn(3, 4)).sum() * scale).backward()
+        opt.step()
+        opt.zero_grad()
+    said = [line for line in capsys.readouterr().err.splitlines() if "does not watch" in line]
+    assert said == [
+        "tensordbg: the optimizer steps 1 parameter tensordbg does not watch: 1 that is not the "
+        "model's. Their values, gradients, updates and modules are not checked (tensordbg "
+        "watches what the model held when it attached).",
+        "tensordbg: the optimizer steps 2 parameters tensordbg does not watch: 2.bias, 2.weight, "
+        "added to the model after attach. Their values, gradients, updates and modules are not "
+        "checked (tensordbg watches what the model held when it attached).",
+    ], said

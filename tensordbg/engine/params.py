@@ -25,6 +25,8 @@ transition between changing and not changing.
 from __future__ import annotations
 
 import math
+import sys
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -148,6 +150,8 @@ class ParamWatch:
 
     def __init__(self, model: torch.nn.Module, update_budget: int):
         self.update_budget = update_budget
+        self._model = weakref.ref(model)
+        self._said_unwatched: set[int] = set()
         self.params: dict[int, Param] = {}
         for name, param in model.named_parameters():
             owner = name.rpartition(".")[0]
@@ -205,10 +209,31 @@ class ParamWatch:
         optimizer holds (a parameter left out of the optimizer is a bug worth seeing)."""
         self.groups[id(optimizer)] = optimizer.param_groups  # read again before each step
         mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if len(mine) > len(self.params) or not mine.issubset(self.params):
+            self._say_unwatched(optimizer, mine)
         if optimizer is optimizers[0]:
             held = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
             return [p for key, p in self.params.items() if key in mine or key not in held]
         return [p for key, p in self.params.items() if key in mine]
+
+    def _say_unwatched(self, optimizer: torch.optim.Optimizer, mine: set[int]) -> None:
+        """Say once which parameters the optimizer steps that are not watched: added after
+        attach (a layer appended, ``add_param_group``), or not the model's at all."""
+        new = mine.difference(self.params, self._said_unwatched)
+        if not new:
+            return
+        self._said_unwatched |= new
+        model = self._model()
+        names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        named = [names[key] for key in new if key in names]
+        apart = len(new) - len(named)
+        what = ", ".join(sorted(named)[:4]) + (", ..." if len(named) > 4 else "")
+        said = [f"{what}, added to the model after attach"] if named else []
+        said += [f"{apart} that {'are' if apart > 1 else 'is'} not the model's"] if apart else []
+        print(f"tensordbg: the optimizer steps {len(new)} parameter{'s' * (len(new) > 1)} "
+              f"tensordbg does not watch: {'; '.join(said)}. Their values, gradients, updates "
+              "and modules are not checked (tensordbg watches what the model held when it "
+              "attached).", file=sys.stderr, flush=True)  # fmt: skip
 
     def before_step(self, owned: list[Param], wanted: Sequence[Stat], every: bool,
                     fused: bool = False, reads_free: Callable[[torch.Tensor], bool] = on_host,
