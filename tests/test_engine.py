@@ -1336,3 +1336,20 @@ def test_parameters_the_optimizer_steps_that_are_not_watched_are_said_once(watch
         "added to the model after attach. Their values, gradients, updates and modules are not "
         "checked (tensordbg watches what the model held when it attached).",
     ], said
+
+
+@pytest.mark.parametrize("sync", ["eager", "deferred", "batched"])
+def test_the_steps_gradient_norm_is_that_of_the_gradients_the_step_gets(watch, sync):
+    """With four micro-batches of gradient accumulation, the Run tab's gradient norm summed the
+    squares of every pass's partly accumulated gradients: 7.34 where clip_grad_norm_ gave 4.76."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = watch(model, optimizer=opt, on_hit="record", sync=sync)
+    for _ in range(2):
+        for _ in range(4):
+            (model(torch.randn(4, 8)).pow(2).mean() / 4).backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
+        opt.step()
+        opt.zero_grad()
+        assert session.metrics.last()["grad_norm"] == pytest.approx(norm, rel=1e-5)

@@ -26,15 +26,16 @@ class StepMetrics:
         self._loss: list[float] = []
         self.loss_name: str | None = None
         """The observed scalar the loss curve follows: the first one named like ``loss``."""
-        self._grad_sq = 0.0
-        self._grad_seen = False
+        self._grads: dict[str, float] = {}  # each gradient's latest norm in the step
         self._last = time.perf_counter()
         self.paused = 0.0
         """Seconds the step spent paused: left out of its speed."""
 
     def judged(self, stats: TensorStats) -> None:
-        """A tensor's statistics were judged: they are its latest; a gradient adds to the
-        step's norm."""
+        """A tensor's statistics were judged: they are its latest; a parameter's gradient is
+        one of the step's norm (its latest: with gradient accumulation each pass's record holds
+        what was accumulated so far, and the step's norm is that of the last, not a sum over
+        the passes, which read 1.5x the norm ``clip_grad_norm_`` gives)."""
         last = self.latest.get(stats.name)
         if last is not None and last[0] != stats.step:
             self.previous[stats.name] = last
@@ -42,8 +43,7 @@ class StepMetrics:
         if stats.kind == "grad":
             norm = stats.values.get(L2)
             if norm is not None:
-                self._grad_sq += norm * norm
-                self._grad_seen = True
+                self._grads[stats.name] = norm
 
     def observed(self, stats: TensorStats) -> None:
         """The first observed scalar named like ``loss`` feeds the loss curve, each of its
@@ -63,12 +63,12 @@ class StepMetrics:
         now = time.perf_counter()
         dt, self._last, self.paused = now - self._last - self.paused, now, 0.0
         loss = sum(self._loss) / len(self._loss) if self._loss else None
-        grad_norm = math.sqrt(self._grad_sq) if self._grad_seen else None
+        grads = self._grads.values()
+        grad_norm = math.sqrt(sum(n * n for n in grads)) if grads else None
         rate = 1.0 / dt if dt > 0 else None
         self.history.append((step, loss, grad_norm, rate))
         self._loss = []
-        self._grad_sq = 0.0
-        self._grad_seen = False
+        self._grads = {}
         return {"step": step, "loss": loss, "grad_norm": grad_norm, "steps_per_sec": rate}
 
     def last(self) -> dict[str, float | int | None] | None:
