@@ -535,6 +535,40 @@ def test_paused_in_the_forward_the_modules_not_reached_yet_say_so():
     assert notes["2"] == "not called yet: paused in this step's forward before it", notes
 
 
+def test_paused_in_a_later_micro_batch_a_module_not_reached_says_which_call_it_shows():
+    """Gradient accumulation, paused in the third micro-batch's forward at 1: the Modules tab
+    showed 2's statistics from the second micro-batch, unmarked, as if they were this one's
+    (after c they turned out to be NaN). They say which call of the step they are from."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 8),
+                                torch.nn.Linear(8, 2))  # fmt: skip
+    calls = [0]
+
+    def third_is_bad(module, args, out):
+        calls[0] += 1
+        return out * float("nan") if calls[0] == 3 else out
+
+    model[1].register_forward_hook(third_is_bad)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)  # the three calls are one step
+    session = tensordbg.attach(model, optimizer=opt, server=False, on_hit="pause", sync="eager")
+    stats = {}
+
+    def look():
+        wait_until(lambda: session.controller.state == "paused")
+        stats.update({m["path"]: m["stats"].get("output") for m in LiveSource(session).modules()})
+        session.detach()
+
+    helper = threading.Thread(target=look)
+    helper.start()
+    for _ in range(3):
+        model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    helper.join(30)
+    assert stats["2"]["call"] == 1, stats["2"]
+    from tensordbg.tui.components.module_table import ModuleTable
+
+    assert ModuleTable()._brief(stats["2"]).startswith("#1: n=6 ")
+
+
 def test_a_weight_set_by_hand_has_no_producer_nor_a_forward_line():
     """Provenance of a weight set to Inf between steps said "produced by 0 Linear, call 0" and
     pointed at the line that called the model: no call made its value."""

@@ -122,9 +122,14 @@ class LiveSource(LiveProfiling):
             measured = stats.summary is not None or stats.values
             if stats.kind in _ACTIVATIONS and not record.hidden and measured:
                 latest.setdefault(stats.module, {}).setdefault(stats.kind, _brief(stats))
-        for _, (_, stats) in snapshot.latest.items():
+        newest: dict[tuple[str, str], Any] = {}  # a module's latest call of the step's, each
+        for _, (_, stats) in snapshot.latest.items():  # micro-batch's output named apart
             if stats.module or stats.kind in _ACTIVATIONS:
-                latest.setdefault(stats.module, {}).setdefault(stats.kind, _brief(stats))
+                had = newest.get((stats.module, stats.kind))
+                if had is None or (had.step, had.call) < (stats.step, stats.call):
+                    newest[stats.module, stats.kind] = stats
+        for (module, kind), stats in newest.items():
+            latest.setdefault(module, {}).setdefault(kind, _brief(stats))
         for record in snapshot.records:  # a module returning a child's output has it too
             if record.stats.kind == "output":
                 for call in record.passed_up:

@@ -141,6 +141,8 @@ def brief(stats: TensorStats) -> dict[str, Any]:
     out["shape"] = list(stats.shape)
     out["dtype"] = stats.dtype
     out["step"] = stats.step
+    if stats.call:  # a module's later call in the step (a micro-batch's, a shared module's)
+        out["call"] = stats.call
     return out
 
 

@@ -166,6 +166,9 @@ class ModuleTable(LineTable):
 
     def _brief(self, summary: dict[str, Any] | None) -> str:
         text = brief(summary)
+        call = (summary or {}).get("call")
+        if text and call:  # which call of the step: paused in a later micro-batch's forward,
+            text = f"#{call}: {text}"  # a module it has not reached shows an earlier call's
         step = (summary or {}).get("step")
         if text and step is not None and self._step is not None and step < self._step:
             text = f"{STALE}{step}: {text}"
