@@ -95,10 +95,19 @@ def test_a_slice_typed_fast_goes_to_the_slice_box_not_to_the_count() -> None:
             assert app.focused is box and box.value == "[1:x]"
             await type_at_once(pilot, "[2]\r")
             await until(pilot, lambda: inspector.text == "[2]")
+            # So does "[" after an unclosed slice refused ("'[' was never closed"): it was
+            # appended, "[1, 2:4[1, 2:4]", though an index list cannot begin there.
+            await type_at_once(pilot, "[1, 2:4\r")
+            assert app.focused is box and box.value == "[1, 2:4"
+            await type_at_once(pilot, "[0]\r")
+            await until(pilot, lambda: inspector.text == "[0]")
             box.focus()
             box.value, box.cursor_position = "[[0, 1]]", 1
             await pilot.press("[")
             assert box.value == "[[[0, 1]]"
+            box.value, box.cursor_position = "[0, ", 4  # an index list after a comma
+            await pilot.press("[")
+            assert box.value == "[0, ["
 
     asyncio.run(flow())
 

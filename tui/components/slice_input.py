@@ -44,9 +44,12 @@ class SliceInput(Input):
         self.screen.focus_next()
 
     def insert_text_at_cursor(self, text: str) -> None:
-        """A ``[`` typed after a whole slice (the one applied, or one refused: ``[1:x]``) starts
-        a new one, as ``[`` on the values does: ``[1:x][`` is never what a person means."""
-        value = self.value.strip()
-        if text == "[" and value.endswith("]") and self.cursor_position >= len(self.value):
+        """A ``[`` typed at the end of a slice where no index list can begin (after a whole
+        slice, the one applied or one refused: ``[1:x]``; after an unclosed one refused:
+        ``[1, 2:4``) starts a new one, as ``[`` on the values does: ``[1:x][`` is never what a
+        person means. After ``[`` or ``,`` it opens an index list (``[[0, 2], :]``)."""
+        value = self.value.rstrip()
+        if text == "[" and value and value[-1] not in "[," and (
+                self.cursor_position >= len(self.value)):  # fmt: skip
             self.value = ""
         super().insert_text_at_cursor(text)
