@@ -1314,19 +1314,27 @@ def test_a_recheck_at_a_pause_makes_no_hit_twice_and_keeps_passed_on_hits_so(syn
 
 def test_parameters_the_optimizer_steps_that_are_not_watched_are_said_once(watch, capsys):
     """A layer appended to the model after attach, its parameters added to the optimizer,
-    and a loss weight that is no parameter of the model: none is watched, and nothing said so
-    (a NaN in the new layer was then named at its parent, "its parameters were clean")."""
+    and a loss weight that is no parameter of the model: none is watched, and nothing said so;
+    an Inf set into the new layer was named at its parent with "this module's inputs and
+    parameters were clean"."""
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
     scale = nn.Parameter(torch.ones(()))  # a learnable loss weight, not the model's
     opt = torch.optim.SGD([*model.parameters(), scale], lr=0.01)
-    watch(model, optimizer=opt, on_hit="record")
+    session = watch(model, optimizer=opt, on_hit="record")
     for step in range(4):
         if step == 2:
             model.append(nn.Linear(8, 2))
             opt.add_param_group({"params": list(model[2].parameters())})
+        if step == 3:
+            with torch.no_grad():
+                model[2].weight[0, 0] = float("inf")
         (model(torch.randn(3, 4)).sum() * scale).backward()
         opt.step()
         opt.zero_grad()
+    hit = next(h for h in session.hits if h.origin)
+    assert (hit.step, hit.tensor) == (3, "output")
+    assert ("Its inputs and the parameters tensordbg watches were clean, but parameters added "
+            "after attach, which it does not watch, hold NaN or Inf: 2.weight.") in hit.message
     said = [line for line in capsys.readouterr().err.splitlines() if "does not watch" in line]
     assert said == [
         "tensordbg: the optimizer steps 1 parameter tensordbg does not watch: 1 that is not the "

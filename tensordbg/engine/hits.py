@@ -50,6 +50,8 @@ class HitLog:
     def __init__(self, log: Callable[[str, str], None], model: torch.nn.Module | None = None,
                  max_hits: int = MAX_HITS):  # fmt: skip
         self._model = weakref.ref(model) if model is not None else None
+        # What the model held at attach is watched (a layer appended later is not).
+        self._watched = {id(p) for p in model.parameters()} if model is not None else set()
         self.hits: list[Hit] = []
         self.max_hits = max_hits
         self.capped = False
@@ -167,6 +169,7 @@ class HitLog:
                 else (),
                 unseen,
                 bad_since,
+                self.unwatched_bad(path) if is_origin and kind == "output" else (),
             ),
             ref=stats.ref,
             call=module.index if module is not None else stats.call,
@@ -201,6 +204,15 @@ class HitLog:
         recurse = isinstance(module, FUSED)
         return _not_finite(module.named_parameters(prefix=path, recurse=recurse))
 
+    def unwatched_bad(self, path: str | None) -> list[str]:
+        """The parameters of the module at ``path``, its submodules' included, that are not
+        watched (added after attach) and hold a NaN or Inf: what its output may come of."""
+        module = self._module(path) if path is not None else None
+        if module is None:
+            return []
+        return _not_finite((n, p) for n, p in module.named_parameters(prefix=path)
+                           if id(p) not in self._watched)  # fmt: skip
+
     def _module(self, path: str | None) -> torch.nn.Module | None:
         """The model's module at ``path`` (the model for None); None when the model is gone or
         the path no longer names a module."""
@@ -230,14 +242,16 @@ def _summary(record: Record) -> dict[str, Any]:
 def with_origin(finding: Finding, is_origin: bool, condition: int | None, kind: str,
                 module: str, first: str, bad_buffers: Sequence[str] = (),
                 by_gradient: bool = False, bad_params: Sequence[str] = (),
-                unseen: str = "", bad_since: int | None = None) -> str:  # fmt: skip
+                unseen: str = "", bad_since: int | None = None,
+                unwatched: Sequence[str] = ()) -> str:  # fmt: skip
     """The finding's sentence, followed by where the value came from. Its advice (what the
     condition usually means) is given where the condition arose, not repeated downstream.
     ``bad_buffers``: the module's buffers that are not finite (they fed its output);
     ``by_gradient``: a parameter's, which its gradient held before the step; ``bad_params``:
     the module's own parameters that are not finite (an output passed on from them);
     ``unseen``: the block around it whose gradients no hook saw (origin.py); ``bad_since``: a
-    parameter's, the step since which it has not been finite."""
+    parameter's, the step since which it has not been finite; ``unwatched``: the module's
+    parameters added after attach that are not finite."""
     if condition is None:
         return finding.advised
     if kind == "param" and bad_since is not None:
@@ -265,6 +279,10 @@ def with_origin(finding: Finding, is_origin: bool, condition: int | None, kind: 
                 f"of {unseen} or of a module in it made it, or it came in with the gradient of "
                 f"{unseen}'s output. With use_reentrant=False tensordbg names the "
                 "module.")  # fmt: skip
+    if unwatched:
+        note = (f"Its inputs and the parameters tensordbg watches were clean, but parameters "
+                f"added after attach, which it does not watch, hold NaN or Inf: "
+                f"{_names(unwatched)}.")  # fmt: skip
     if bad_buffers:
         note = (f"Its inputs and parameters were clean, but its buffers {_names(bad_buffers)} "
                 "hold NaN or Inf: "
