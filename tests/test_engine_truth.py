@@ -2019,3 +2019,24 @@ def test_learning_a_recomputed_blocks_gradient_order_hooks_each_parameter_once(w
         opt.zero_grad()
         held.append(len(session.handles._undo))
     assert held[1:] == held[:1] * 5, held
+
+
+@pytest.mark.parametrize("sync", MODES)
+def test_a_nan_among_many_values_says_where_the_first_one_is(watch, sync):
+    """ "input[0] holds 1 NaN among 24576 values ... It came in with the batch": neither the hit
+    nor the Tensor tab said which sample, and the person scrolled through the batch for it."""
+    model = mlp()
+    session = watch(model, on_hit="record", sync=sync, rules=[NaN()])
+    x = torch.randn(6, 4)
+    x[3, 2] = float("nan")
+    model(x).sum().backward()
+    session.flush()
+    hit = next(h for h in session.hits if h.origin)
+    assert hit.tensor == "input[0]" and "holds 1 NaN among 24 values. The first is at [3, 2]." in (
+        hit.message
+    ), hit.message
+    # All of them bad: where the first is says nothing.
+    model(torch.full((6, 4), float("nan"))).sum().backward()
+    session.flush()
+    hit = next(h for h in session.hits if h.origin and h.step == 1)
+    assert "holds 24 NaN among 24 values." in hit.message and "The first" not in hit.message

@@ -19,7 +19,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from tensordbg.engine.fused import FUSED
 from tensordbg.engine.judge import ActiveRule
-from tensordbg.engine.records import Call, Record
+from tensordbg.engine.records import NONFINITE, Call, Record
 from tensordbg.hit import Hit, said_of
 from tensordbg.rules.base import Finding
 from tensordbg.statistics.summaries import summarize
@@ -138,6 +138,8 @@ class HitLog:
         tensor = record.held()
         if is_origin and stats.summary is None and tensor is not None:
             stats.summary = summarize(tensor)  # for the UI; downstream hits skip it
+        if is_origin and condition == NONFINITE and tensor is not None:
+            finding = replace(finding, message=finding.message + _first_bad(tensor, stats))
         kind = kind or stats.kind
         path = module.path if module is not None else stats.module
         # The gradient of a value reported at the call whose own code used it (origin.py).
@@ -223,6 +225,21 @@ class HitLog:
             return model.get_submodule(path) if path is not None else model
         except AttributeError:
             return None
+
+
+def _first_bad(tensor: torch.Tensor, stats: Any) -> str:
+    """Where the first value that is not finite lies, when only some are (a NaN in one sample
+    of a batch of 24,576 values: the person need not scroll to it), else nothing."""
+    summary = stats.summary
+    bad = summary.nan + summary.posinf + summary.neginf if summary is not None else 0
+    if not 0 < bad < tensor.numel() or tensor.layout is not torch.strided or not tensor.dim():
+        return ""
+    try:  # (a dtype isfinite does not take, a tensor freed meanwhile: the hit stands)
+        at = int(torch.isfinite(tensor.detach()).logical_not_().flatten().nonzero()[0])
+    except (RuntimeError, IndexError):
+        return ""
+    index = [int(i) for i in torch.unravel_index(torch.tensor(at), tensor.shape)]
+    return f" The first is at [{', '.join(map(str, index))}]."
 
 
 def _not_finite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
