@@ -569,6 +569,21 @@ def test_paused_in_a_later_micro_batch_a_module_not_reached_says_which_call_it_s
     assert ModuleTable()._brief(stats["2"]).startswith("#1: n=6 ")
 
 
+def test_a_ui_that_connects_to_a_paused_training_is_said_on_its_terminal(capsys):
+    """The pause line said "inspect it: tensordbg tui ..." when a UI waiting with --wait
+    connected a moment later: the terminal never said one had come, and the line stood as if
+    nobody were there."""
+    with PausedTraining() as training:
+        training.wait_paused()
+        source = LiveSource(training.session)
+        source.on_clients(1)
+        source.on_clients(2)  # the second UI is not said again
+        source.on_clients(0)
+        said = [line for line in capsys.readouterr().err.splitlines() if "a UI connected" in line]
+        assert said == [f"tensordbg: a UI connected ({training.session.at}); continue with c "
+                        "there"], said  # fmt: skip
+
+
 def test_a_weight_set_by_hand_has_no_producer_nor_a_forward_line():
     """Provenance of a weight set to Inf between steps said "produced by 0 Linear, call 0" and
     pointed at the line that called the model: no call made its value."""

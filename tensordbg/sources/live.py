@@ -275,12 +275,15 @@ class LiveSource(LiveProfiling):
     # --- the UI's presence ---------------------------------------------------------------------
 
     def on_clients(self, count: int) -> None:
-        """The number of connected UIs changed. The last gone while the training is paused, it
-        resumes after ``ui_timeout`` seconds with blocking watchpoints disarmed."""
+        """The number of connected UIs changed. The last gone while paused, the training resumes
+        after ``ui_timeout`` s with blocking watchpoints disarmed; the first come is said."""
         previous, self._clients = self._clients, count
         timer, self._ui_timer = self._ui_timer, None
         if timer is not None:
             timer.cancel()
+        if count and not previous and self.session.controller.state == "paused":
+            print(f"tensordbg: a UI connected ({self.session.at}); continue with c there",
+                  file=sys.stderr, flush=True)  # fmt: skip
         if count == 0 and previous > 0 and self.ui_timeout is not None:
             with contextlib.suppress(RuntimeError):  # detached meanwhile: nothing to time
                 self._ui_timer = self.session.handles.timer(self.ui_timeout, self._ui_gone)
