@@ -16,11 +16,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from tensordbg.engine.records import Record
+from tensordbg.engine.records import Record, memory_of
 from tensordbg.rules.base import Finding
+from tensordbg.statistics.torch_kernels import watchable
 
 _KEPT = 16  # bad outputs remembered at most (the latest)
 
@@ -49,31 +49,23 @@ class CarriedStates:
         """A root call's outputs that showed a condition (their tensors still held)."""
         for r in outputs:
             t = r.held()
-            if _plain(t):
+            if watchable(t):
                 self._outputs = [*self._outputs[-(_KEPT - 1) :], Carried(
-                    StorageWeakRef(t.untyped_storage()), _where(t), r.stats.step, r.stats.name,
+                    StorageWeakRef(t.untyped_storage()), memory_of(t), r.stats.step, r.stats.name,
                     frozenset(r.conditions))]  # fmt: skip
 
     def handed_back(self, record: Record) -> Carried | None:
         """The bad output of an earlier step that a root input showing a condition is."""
         t = record.held() if record.conditions and self._outputs else None
-        if not _plain(t):
+        if not watchable(t):
             return None
-        where = _where(t)
+        where = memory_of(t)
         for out in reversed(self._outputs):
             if (out.step < record.stats.step and out.where == where
                     and not out.storage.expired()
                     and StorageWeakRef(t.untyped_storage()) == out.storage):  # fmt: skip
                 return out
         return None
-
-
-def _plain(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and not t.is_meta and t.layout is torch.strided
-
-
-def _where(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.data_ptr(), t.device, t.dtype, t.shape, t.stride())
 
 
 _GRAPH_LIMIT = 100_000  # autograd nodes walked from a loss at most (a bad step only)

@@ -44,7 +44,7 @@ from tensordbg.engine.handles import HandleGroup, Unhooked, hide_from_torchscrip
 from tensordbg.engine.marks import hook_of_ours, own_work
 from tensordbg.engine.pending import COLD, ForwardLog, PendingForward, Seen, grad_edge
 from tensordbg.engine.pinpoint import draws_random, random_state
-from tensordbg.engine.records import Call, Record, new_record, tensor_leaves
+from tensordbg.engine.records import Call, Record, memory_of, new_record, tensor_leaves
 from tensordbg.engine.sites import in_reentrant_checkpoint, user_site
 from tensordbg.statistics import FINITE, MEAN
 from tensordbg.statistics.torch_kernels import SCREEN, watchable
@@ -405,7 +405,7 @@ class Capture(ForwardLog):
             elif record.producer is not None and record.producer is not call:
                 record.passed_up_to(call)
             if call.parent is None and not self._structure:
-                self._outputs[_memory(t)] = record
+                self._outputs[memory_of(t)] = record
             call.outputs.append((suffix, record))
             if made is None:
                 self._hook_grad(t, node, record)
@@ -443,7 +443,7 @@ class Capture(ForwardLog):
         """The record of a model output of this step that ``t`` is another tensor of: the same
         memory, shape and version (``fake.detach()`` handed from a GAN's generator to its
         discriminator), while that output lives (its memory is not another tensor's)."""
-        record = self._outputs.get(_memory(t)) if self._outputs else None
+        record = self._outputs.get(memory_of(t)) if self._outputs else None
         if record is None or record.version != version or record.weak is None:
             return None
         return record if record.weak() is not None else None
@@ -474,11 +474,6 @@ class Capture(ForwardLog):
             self._planning.append((record, *node, record.stats.dtype))
         else:
             self.grad_hooks.hook_node(record, *node)
-
-
-def _memory(t: torch.Tensor) -> tuple[Any, ...]:
-    """Where a tensor's values are and how they are laid out: equal for a tensor's aliases."""
-    return (t.data_ptr(), t.device, t.dtype, t.shape, t.stride())
 
 
 def _selected(path: str, include: tuple[str, ...], exclude: tuple[str, ...]) -> bool:

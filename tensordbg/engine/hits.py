@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import sys
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TextIO
 
@@ -48,10 +48,11 @@ class HitLog:
     """
 
     def __init__(self, log: Callable[[str, str], None], model: torch.nn.Module | None = None,
-                 max_hits: int = MAX_HITS):  # fmt: skip
+                 max_hits: int = MAX_HITS, watched: Mapping[int, Any] | None = None):  # fmt: skip
         self._model = weakref.ref(model) if model is not None else None
-        # What the model held at attach is watched (a layer appended later is not).
-        self._watched = {id(p) for p in model.parameters()} if model is not None else set()
+        self._watched = watched
+        """The watched parameters, by id (the session's ParamWatch's: a layer appended after
+        attach is not among them); None: every one is."""
         self.hits: list[Hit] = []
         self.max_hits = max_hits
         self.capped = False
@@ -209,7 +210,7 @@ class HitLog:
     def unwatched_bad(self, path: str | None) -> list[str]:
         """The parameters of the module at ``path``, its submodules' included, that are not
         watched (added after attach) and hold a NaN or Inf: what its output may come of."""
-        module = self._module(path) if path is not None else None
+        module = self._module(path) if path is not None and self._watched is not None else None
         if module is None:
             return []
         return _not_finite((n, p) for n, p in module.named_parameters(prefix=path)

@@ -166,7 +166,7 @@ class ParamGradients:
             handle.remove()
         seen: dict[str, int] = {}
         for name in dict.fromkeys(said):
-            owner = name.rpartition(".")[0]
+            owner = self.weights.by_name[name].owner
             self.plan.param_order.setdefault(name, seen.get(owner, 0))
             seen[owner] = seen.get(owner, 0) + 1
         self._order_cache = None

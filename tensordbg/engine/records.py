@@ -231,6 +231,11 @@ MAX_NESTING = 6
 MAX_LEAVES = 256
 
 
+def memory_of(t: torch.Tensor) -> tuple[Any, ...]:
+    """Where a tensor's values are and how they are laid out: equal for a tensor's aliases."""
+    return (t.data_ptr(), t.device, t.dtype, t.shape, t.stride())
+
+
 def tensor_leaves(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     """Every tensor in a nested output, with its path: ``(output, (h, c))`` gives
     ``[("[0]", output), ("[1][0]", h), ("[1][1]", c)]``; dicts and dataclasses (e.g. Hugging Face

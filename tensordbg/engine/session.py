@@ -131,11 +131,11 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         self.control = ControlPlane(self.controller)
         self.ruleset = RuleSet(default_rules() if rules is None else rules, self.log)
         self.ruleset.keep_refinements = self.sync.on_device
-        self.hitlog = HitLog(self.log, model)
+        self.weights = ParamWatch(model, int(update_budget))
+        self.hitlog = HitLog(self.log, model, watched=self.weights.params)
         self.hitlog.rank = self.rank
         self.phases = PhaseQueue(self.retain_bytes)
         self.metrics = StepMetrics()
-        self.weights = ParamWatch(model, int(update_budget))
         self.vouchers = Vouchers(model, self.retain_bytes)
         if self.sync.vouches_at_pass_end:
             self.plan = GradientPlan(self.vouchers, {p.name: p.param for p in self.params.values()})
