@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import sys
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any, TextIO
 
@@ -48,11 +48,12 @@ class HitLog:
     """
 
     def __init__(self, log: Callable[[str, str], None], model: torch.nn.Module | None = None,
-                 max_hits: int = MAX_HITS, watched: Mapping[int, Any] | None = None):  # fmt: skip
+                 max_hits: int = MAX_HITS, watched: Any = None):  # fmt: skip
         self._model = weakref.ref(model) if model is not None else None
         self._watched = watched
-        """The watched parameters, by id (the session's ParamWatch's: a layer appended after
-        attach is not among them); None: every one is."""
+        """The session's ParamWatch: its ``params`` are the watched parameters, by id (a layer
+        appended after attach is not among them), read when asked (detach empties them, and
+        a copy held here kept them alive); None: every one is watched."""
         self.hits: list[Hit] = []
         self.max_hits = max_hits
         self.capped = False
@@ -214,7 +215,7 @@ class HitLog:
         if module is None:
             return []
         return _not_finite((n, p) for n, p in module.named_parameters(prefix=path)
-                           if id(p) not in self._watched)  # fmt: skip
+                           if id(p) not in self._watched.params)  # fmt: skip
 
     def _module(self, path: str | None) -> torch.nn.Module | None:
         """The model's module at ``path`` (the model for None); None when the model is gone or

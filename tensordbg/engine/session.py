@@ -132,7 +132,7 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         self.ruleset = RuleSet(default_rules() if rules is None else rules, self.log)
         self.ruleset.keep_refinements = self.sync.on_device
         self.weights = ParamWatch(model, int(update_budget))
-        self.hitlog = HitLog(self.log, model, watched=self.weights.params)
+        self.hitlog = HitLog(self.log, model, watched=self.weights)
         self.hitlog.rank = self.rank
         self.phases = PhaseQueue(self.retain_bytes)
         self.metrics = StepMetrics()
