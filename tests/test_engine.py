@@ -1333,8 +1333,10 @@ def test_parameters_the_optimizer_steps_that_are_not_watched_are_said_once(watch
         opt.zero_grad()
     hit = next(h for h in session.hits if h.origin)
     assert (hit.step, hit.tensor) == (3, "output")
-    assert ("Its inputs and the parameters tensordbg watches were clean, but parameters added "
-            "after attach, which it does not watch, hold NaN or Inf: 2.weight.") in hit.message
+    assert (
+        "Its inputs and the parameters tensordbg watches were clean, but parameters added "
+        "after attach, which it does not watch, hold NaN or Inf: 2.weight."
+    ) in hit.message
     said = [line for line in capsys.readouterr().err.splitlines() if "does not watch" in line]
     assert said == [
         "tensordbg: the optimizer steps 1 parameter tensordbg does not watch: 1 that is not the "

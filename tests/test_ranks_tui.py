@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from fake_source import FakeSource
+from test_tui import shown
 from textual import events
 from textual.app import App
 from textual.widgets import DataTable, Static
@@ -223,7 +224,7 @@ def test_the_ui_opens_a_job_once_and_shift_r_moves_to_the_next_rank(
             title = app.query_one("#tensor-title", Static)
             await until(pilot, lambda: str(title.content) == "net.2.output")
             app.action_ranks()
-            await until(pilot, lambda: isinstance(app.screen, RanksScreen))
+            await shown(pilot, RanksScreen)
             table = app.screen.query_one("#ranks-table", DataTable)
             await until(pilot, lambda: table.row_count == 2)
             assert rows(table)[1][0] == "1 *"  # the rank being inspected

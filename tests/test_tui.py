@@ -79,6 +79,12 @@ async def open_tensor(pilot: Pilot, ref: int, name: str, part: type[W]) -> W:
     return app.query_one(part)
 
 
+async def shown(pilot: Pilot, screen: type[Any]) -> None:
+    """Wait until a screen of this type is on top and mounted: a pushed screen is on the stack
+    before its widgets are composed, so querying it at once can find none."""
+    await until(pilot, lambda: isinstance(pilot.app.screen, screen) and pilot.app.screen.is_mounted)
+
+
 async def mounted(pilot: Pilot) -> None:
     """Wait until the tabs that open hidden (mounted after the first frame) are there."""
     await until(pilot, lambda: not pilot.app.screen.query("Lazy"))
@@ -683,7 +689,7 @@ def test_rules_toggle_edit_add_and_recheck() -> None:
         assert source._rules[0]["enabled"] is False
 
         await pilot.press("down", "e")
-        await until(pilot, lambda: isinstance(app.screen, RuleEditScreen))
+        await shown(pilot, RuleEditScreen)
         box = app.screen.query_one(Input)
         assert box.name == "threshold" and box.value == "1e-07"
         box.value = "not a number"
@@ -697,7 +703,7 @@ def test_rules_toggle_edit_add_and_recheck() -> None:
         await until(pilot, lambda: panel.current["params"]["threshold"] == 1e-5)
 
         await pilot.press("a")
-        await until(pilot, lambda: isinstance(app.screen, RuleAddScreen))
+        await shown(pilot, RuleAddScreen)
         # fnmatch's [ab] has the shape of a Rich markup tag: it must show as written.
         app.screen.query_one("#rule-match", Input).value = "net.[ab]*"
         app.screen.query_one(".param-input", Input).value = "100"

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fake_source import FakeSource
-from test_tui import SIZE, mounted, paused_on_the_two_hits, text_of, until
+from test_tui import SIZE, mounted, paused_on_the_two_hits, shown, text_of, until
 from test_tui_errors import in_the_log, log_text
 from test_tui_newcomer import screen_text
 from textual.pilot import Pilot
@@ -54,7 +54,7 @@ async def edit_rule(app: TensorDbgApp, pilot: Pilot, row: int) -> RuleEditScreen
     await until(pilot, lambda: panel.current is not None)
     panel.table.move_cursor(row=row)
     await pilot.press("e")
-    await until(pilot, lambda: isinstance(app.screen, RuleEditScreen))
+    await shown(pilot, RuleEditScreen)
     await pilot.pause(0.1)
     return app.screen  # type: ignore[return-value]
 
@@ -155,7 +155,7 @@ def test_ctrl_q_on_a_dialog_still_detaches_and_quits() -> None:
 
     async def check(app: TensorDbgApp, pilot: Pilot) -> None:
         await pilot.press("P")
-        await until(pilot, lambda: isinstance(app.screen, ProfileStepsScreen))
+        await shown(pilot, ProfileStepsScreen)
         await pilot.press("ctrl+q")
         await until(pilot, lambda: not app.is_running)
 
@@ -171,7 +171,7 @@ def test_the_profile_dialog_opens_in_the_middle_of_the_screen_as_the_others_do()
 
     async def check(app: TensorDbgApp, pilot: Pilot) -> None:
         await pilot.press("P")
-        await until(pilot, lambda: isinstance(app.screen, ProfileStepsScreen))
+        await shown(pilot, ProfileStepsScreen)
         await pilot.pause(0.1)
         dialog = app.screen.query_one(".dialog").region
         width, height = SIZE
@@ -270,7 +270,7 @@ def test_a_rule_the_training_refuses_to_add_keeps_the_add_dialog_open() -> None:
         await pilot.press("f6")
         await until(pilot, lambda: app.main.rule_panel.current is not None)
         await pilot.press("a")
-        await until(pilot, lambda: isinstance(app.screen, RuleAddScreen))
+        await shown(pilot, RuleAddScreen)
         app.screen.query_one("#rule-match", Input).value = "net.*"
         app.screen.query_one("#save").press()
         error = app.screen.query_one(".dialog-error", Static)
@@ -314,7 +314,7 @@ def test_a_rules_description_shows_without_its_restructuredtext_markup() -> None
         await pilot.press("escape")
         await until(pilot, lambda: app.screen is app.main)
         await pilot.press("a")
-        await until(pilot, lambda: isinstance(app.screen, RuleAddScreen))
+        await shown(pilot, RuleAddScreen)
         assert text_of(app.screen.query_one(RuleDoc)) == PLAIN_DOC
 
     run(source, check)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import zmq
 from fake_source import FakeSource
-from test_tui import SIZE, paused_on_the_two_hits, text_of, until
+from test_tui import SIZE, paused_on_the_two_hits, shown, text_of, until
 from test_tui_errors import in_the_log, log_text, notified
 from test_tui_newcomer import screen_text
 from textual.widgets import Input, Static
@@ -181,7 +181,7 @@ def test_the_profile_dialog_keeps_what_was_typed_and_refuses_it_quoted() -> None
         async with app.run_test(size=SMALL) as pilot:
             await paused_on_the_two_hits(pilot)
             await pilot.press("P")
-            await until(pilot, lambda: isinstance(app.screen, ProfileStepsScreen))
+            await shown(pilot, ProfileStepsScreen)
             box = app.screen.query_one(Input)
             for typed in ("0", "99999999", "-3", "1e3", "five"):
                 box.value = ""

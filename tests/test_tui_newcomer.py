@@ -21,7 +21,7 @@ import torch
 from fake_source import FakeSource
 from rich.console import Console
 from rich.text import Text
-from test_tui import SIZE, mounted, open_tensor, paused_on_the_two_hits, text_of, until
+from test_tui import SIZE, mounted, open_tensor, paused_on_the_two_hits, shown, text_of, until
 from textual import events
 from textual.command import CommandPalette
 from textual.pilot import Pilot
@@ -653,7 +653,7 @@ def test_i_ignores_the_rule_of_the_hit_on_its_tensor() -> None:
             titles = [c.title for c in app.get_system_commands(app.screen)]
             assert "Ignore this rule on this tensor" in titles
             await pilot.press("ctrl+p")  # asked again with the palette open, as it asks
-            await until(pilot, lambda: isinstance(app.screen, CommandPalette))
+            await shown(pilot, CommandPalette)
             titles = [c.title for c in app.get_system_commands(app.main)]
             assert "Ignore this rule on this tensor" in titles
             await pilot.press("escape")
@@ -788,7 +788,7 @@ def test_the_add_rule_dialog_keeps_its_buttons_on_screen_at_80_by_24() -> None:
             await pilot.press("f6")
             await until(pilot, lambda: app.main.rule_panel.current is not None)
             await pilot.press("a")
-            await until(pilot, lambda: isinstance(app.screen, RuleAddScreen))
+            await shown(pilot, RuleAddScreen)
             await pilot.pause(0.1)
             for button in ("#save", "#cancel"):
                 region = app.screen.query_one(button).region

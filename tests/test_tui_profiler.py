@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from fake_source import FakeSource
 from profile_fixtures import MIB, big_report, cpu_report, cuda_report
-from test_tui import SIZE, active_tab, footer_keys, mounted, text_of, until
+from test_tui import SIZE, active_tab, footer_keys, mounted, shown, text_of, until
 from textual.pilot import Pilot
 from textual.widgets import Input, TabbedContent, Tabs
 
@@ -35,7 +35,7 @@ from tensordbg.tui.screens.profile_steps import ProfileStepsScreen
 async def ask_for_a_profile(app: TensorDbgApp, pilot: Pilot) -> None:
     """P at a pause, and Enter in its dialog: the default five steps."""
     await pilot.press("P")
-    await until(pilot, lambda: isinstance(app.screen, ProfileStepsScreen))
+    await shown(pilot, ProfileStepsScreen)
     await pilot.press("enter")
 
 
@@ -101,7 +101,7 @@ def test_P_asks_how_many_steps_profiles_them_and_the_views_fill_when_it_is_done(
     async def flow(app: TensorDbgApp, pilot: Pilot) -> None:
         assert "P" in footer_keys(app)
         await pilot.press("P")
-        await until(pilot, lambda: isinstance(app.screen, ProfileStepsScreen))
+        await shown(pilot, ProfileStepsScreen)
         box = app.screen.query_one(Input)
         assert box.value == "5"  # the default
         box.value = ""
@@ -197,7 +197,7 @@ def test_a_step_count_that_is_not_a_positive_number_gets_a_sentence_and_no_profi
 
     async def flow(app: TensorDbgApp, pilot: Pilot) -> None:
         await pilot.press("P")
-        await until(pilot, lambda: isinstance(app.screen, ProfileStepsScreen))
+        await shown(pilot, ProfileStepsScreen)
         for bad in ("0", "-"):
             app.screen.query_one(Input).value = bad
             await pilot.press("enter")

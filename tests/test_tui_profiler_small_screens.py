@@ -11,7 +11,7 @@ from typing import Any
 
 from fake_source import FakeSource
 from profile_fixtures import cpu_report, cuda_report, sleepy_report
-from test_tui import footer_keys, until
+from test_tui import footer_keys, shown, until
 from test_tui_profiler import ask_for_a_profile, drawn, with_report
 from test_tui_profiler import run as profiler_run
 from textual.pilot import Pilot
@@ -202,7 +202,7 @@ def test_p_asks_for_input_shapes_when_they_are_ticked() -> None:
 
         async def flow(app: TensorDbgApp, pilot: Pilot) -> None:
             await pilot.press("P")
-            await until(pilot, lambda: isinstance(app.screen, ProfileStepsScreen))
+            await shown(pilot, ProfileStepsScreen)
             if tick:
                 app.screen.query_one("#profile-shapes").value = True
             await pilot.press("enter")
