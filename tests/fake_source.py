@@ -16,6 +16,7 @@ from tensordbg.sources.contract import (
     EVERY_REQUEST,
     Control,
     EventCallback,
+    Found,
     Histogram,
     Hit,
     Info,
@@ -29,11 +30,13 @@ from tensordbg.sources.contract import (
     Stats,
     Tensor,
 )
+from tensordbg.sources.replay import next_nonfinite_array
 from tensordbg.sources.slicing import (
     SliceError,
     apply_index,
     clamp_window,
     format_index,
+    found,
     parse_index,
     window_of,
 )
@@ -246,6 +249,10 @@ class FakeSource:
             "dtype": "float32",
             "data": WireArray("float32", tuple(grid), block),
         }
+
+    def find(self, ref: int, text: str = "", after: int = -1) -> Found:
+        index, view = self._view(ref, text)
+        return found(ref, index, tuple(view.shape), next_nonfinite_array(view, after))
 
     def histogram(
         self,

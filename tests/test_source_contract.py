@@ -122,6 +122,7 @@ def typical_requests(source: Any) -> dict[str, dict[str, Any]]:
         "tensors": {},
         "stats": {"ref": ref, "text": "[0]"},
         "slice": {"ref": ref, "window": [[0, 2], [0, 2]]},
+        "find": {"ref": ref, "after": 0},
         "histogram": {"ref": ref, "bins": 8},
         "provenance": {"ref": ref},
         "rules": {},
@@ -213,7 +214,8 @@ def test_a_recorded_run_says_it_cannot_be_driven() -> None:
     )
     assert source.controls == [] and source.state == "paused"
     assert refusal("add_rule", READ_ONLY).endswith("it cannot add a rule")
-    readable = {"info", "modules", "hits", "tensors", "stats", "slice", "histogram", "provenance"}
+    readable = {"info", "modules", "hits", "tensors", "stats", "slice", "find", "histogram",
+                "provenance"}  # fmt: skip
     assert readable | {"rules", "profile_report"} == READ_ONLY
 
 

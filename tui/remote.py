@@ -24,6 +24,7 @@ from tensordbg.sources.contract import (
     EVERY_REQUEST,
     REPLIES,
     Control,
+    Found,
     Gpu,
     Histogram,
     Hit,
@@ -160,6 +161,9 @@ class Remote:
 
     async def slice(self, ref: int, text: str = "", window: list[list[int]] | None = None) -> Slice:
         return await self._request("slice", ref=ref, text=text, window=window)
+
+    async def find(self, ref: int, text: str = "", after: int = -1) -> Found:
+        return await self._request("find", ref=ref, text=text, after=after)
 
     async def histogram(self, ref: int, text: str = "", bins: int = 64) -> Histogram:
         return await self._request("histogram", ref=ref, text=text, bins=bins)

@@ -35,30 +35,31 @@ else:
 from tensordbg.sources.checking import SchemaError as SchemaError
 from tensordbg.sources.checking import check as check
 from tensordbg.sources.checking import conforms as conforms
-from tensordbg.sources.schema import EVENTS as EVENTS
-from tensordbg.sources.schema import Advice as Advice
 
 # The schema's names, re-exported: the contract is where a reader looks for them.
+from tensordbg.sources.profile_schema import Advice as Advice
+from tensordbg.sources.profile_schema import BreakdownRow as BreakdownRow
+from tensordbg.sources.profile_schema import Gpu as Gpu
+from tensordbg.sources.profile_schema import GpuDevice as GpuDevice
+from tensordbg.sources.profile_schema import GpuEvent as GpuEvent
+from tensordbg.sources.profile_schema import GpuSample as GpuSample
+from tensordbg.sources.profile_schema import OperatorRow as OperatorRow
+from tensordbg.sources.profile_schema import ProfileEvent as ProfileEvent
+from tensordbg.sources.profile_schema import ProfilePending as ProfilePending
+from tensordbg.sources.profile_schema import ProfileReport as ProfileReport
+from tensordbg.sources.schema import EVENTS as EVENTS
 from tensordbg.sources.schema import ArrayData as ArrayData
 from tensordbg.sources.schema import AvailableRule as AvailableRule
-from tensordbg.sources.schema import BreakdownRow as BreakdownRow
 from tensordbg.sources.schema import CallSite as CallSite
 from tensordbg.sources.schema import Control as Control
-from tensordbg.sources.schema import Gpu as Gpu
-from tensordbg.sources.schema import GpuDevice as GpuDevice
-from tensordbg.sources.schema import GpuEvent as GpuEvent
-from tensordbg.sources.schema import GpuSample as GpuSample
+from tensordbg.sources.schema import Found as Found
 from tensordbg.sources.schema import Histogram as Histogram
 from tensordbg.sources.schema import History as History
 from tensordbg.sources.schema import Hit as Hit
 from tensordbg.sources.schema import Info as Info
 from tensordbg.sources.schema import LogEvent as LogEvent
 from tensordbg.sources.schema import Module as Module
-from tensordbg.sources.schema import OperatorRow as OperatorRow
 from tensordbg.sources.schema import Previous as Previous
-from tensordbg.sources.schema import ProfileEvent as ProfileEvent
-from tensordbg.sources.schema import ProfilePending as ProfilePending
-from tensordbg.sources.schema import ProfileReport as ProfileReport
 from tensordbg.sources.schema import Provenance as Provenance
 from tensordbg.sources.schema import ProvenanceInput as ProvenanceInput
 from tensordbg.sources.schema import Replay as Replay
@@ -147,6 +148,12 @@ class Source(Protocol):
         grid, which is how the UI's grid stays fast on 10^8 elements."""
         ...
 
+    def find(self, ref: int, text: str = "", after: int = -1) -> Found:
+        """The next NaN or Inf of a tensor (or its slice) after the row-major position
+        ``after``, wrapping round to the first when none lies after it: how the UI's grid jumps
+        from one to the next. Read where the tensor lives, a chunk at a time."""
+        ...
+
     def histogram(
         self,
         ref: int,
@@ -228,6 +235,7 @@ METHODS = (
     "tensors",
     "stats",
     "slice",
+    "find",
     "histogram",
     "provenance",
     "rules",

@@ -27,6 +27,7 @@ from tensordbg.engine.session import Session
 from tensordbg.rules.catalog import make_rule
 from tensordbg.sources import contract, recorded
 from tensordbg.sources.contract import EventCallback, SourceError
+from tensordbg.sources.listings import listing, no_output
 from tensordbg.sources.profiling import LiveProfiling
 from tensordbg.sources.provenance import brief as _brief
 from tensordbg.sources.provenance import provenance
@@ -35,12 +36,13 @@ from tensordbg.sources.slicing import (
     apply_index,
     check_histogram,
     format_index,
+    found,
     parse_index,
     slice_frame,
     window_of,
 )
 from tensordbg.statistics import Summary
-from tensordbg.statistics.summaries import streamed_histogram, streamed_summary
+from tensordbg.statistics.summaries import next_nonfinite, streamed_histogram, streamed_summary
 from tensordbg.statistics.torch_kernels import dtype_name
 from tensordbg.transport.wire import DTYPES, MAX_REPLY_BYTES, WireArray
 
@@ -157,7 +159,7 @@ class LiveSource(LiveProfiling):
             if "output" not in row["stats"]:  # a blank would say nothing: say why
                 when = "between" if s.between_steps and paused else s.controller.state
                 when = "forward" if when == "paused" and s.phase == "forward" else when
-                row["note"] = _no_output(id(module) in s.capture.paths, path in inside,
+                row["note"] = no_output(id(module) in s.capture.paths, path in inside,
                                          row["calls"], s.mode, when)  # fmt: skip
             out.append(row)
         return out
@@ -177,7 +179,7 @@ class LiveSource(LiveProfiling):
         return [h.as_dict() for h in list(self.session.hits)[max(0, since) :]]
 
     def tensors(self) -> list[contract.Tensor]:
-        return [_listing(r) for r in self.session.snapshot().records]
+        return [listing(r) for r in self.session.snapshot().records]
 
     def rules(self) -> contract.Rules:
         rules = [recorded.rule_dict(a) for a in self.session.rules]
@@ -372,6 +374,15 @@ class LiveSource(LiveProfiling):
 
         return self._on_training_thread(work)
 
+    def find(self, ref: int, text: str = "", after: int = -1) -> contract.Found:
+        record = self._record(ref)
+
+        def work() -> dict[str, Any]:
+            index, view = self._view(record, text)
+            return found(ref, index, tuple(view.shape), next_nonfinite(view, after))
+
+        return self._on_training_thread(work)
+
     def histogram(
         self,
         ref: int,
@@ -463,38 +474,3 @@ def _wire(block: torch.Tensor, dtype: str) -> WireArray:
     array = words.numpy()
     storage = np.dtype(DTYPES[dtype].storage)
     return WireArray(dtype, tuple(block.shape), array.view(storage))
-
-
-def _listing(record: Record) -> dict[str, Any]:
-    stats = record.stats
-    return {
-        "ref": stats.ref,
-        "name": stats.name,
-        "module": stats.module,
-        "kind": stats.kind,
-        "call": stats.call,
-        "shape": list(stats.shape),
-        "dtype": stats.dtype,
-        "retained": record.held() is not None,
-        "summary": _brief(stats),
-        "passed_up": list(dict.fromkeys(c.path for c in record.passed_up)),  # their lists too
-    }
-
-
-def _no_output(watched: bool, inside: bool, calls: int, mode: str, when: str) -> str:
-    """Why a module's row has no output statistics; ``when``: "between" steps, "forward" (paused
-    in it), or the state."""
-    if not watched:
-        return "a container: see its children"
-    if when == "running":  # each row said "not called this step" while every step called it
-        return "running: its statistics are read when the training pauses"
-    if inside:
-        return "paused inside it"
-    if not calls and when in ("between", "forward"):  # it may yet be called this step
-        return ("not called yet: paused before this step began" if when == "between"
-                else "not called yet: paused in this step's forward before it")  # fmt: skip
-    if not calls:
-        return "not called this step"
-    if mode == "deferred":
-        return "not read (deferred checks read outputs at a problem)"
-    return "no floating-point output"  # eager and batched checks read every one they can

@@ -31,6 +31,7 @@ from tensordbg.sources.slicing import (
     apply_index,
     check_histogram,
     format_index,
+    found,
     parse_index,
     slice_frame,
     window_of,
@@ -287,6 +288,11 @@ class ReplaySource:
         data = WireArray(entry.dtype, tuple(block.shape), block.view(storage))
         return {"ref": ref, "index": index, **frame, "dtype": entry.dtype, "data": data}
 
+    def find(self, ref: int, text: str = "", after: int = -1) -> contract.Found:
+        step, entry = self._entry(ref)
+        index, view = self._view(step, self._valued(step, entry)[0], text)
+        return found(ref, index, tuple(view.shape), next_nonfinite_array(view, after))
+
     def histogram(
         self,
         ref: int,
@@ -463,3 +469,15 @@ class ReplaySource:
             return format_index(index), np.asarray(apply_index(value, index))
         except SliceError as e:
             raise SourceError(str(e)) from None
+
+
+def next_nonfinite_array(x: Any, after: int = -1) -> tuple[int, bool] | None:
+    """:func:`tensordbg.statistics.summaries.next_nonfinite` of a numpy array (a replay's)."""
+    if x.dtype.kind in "biu" or not x.size:
+        return None
+    flat = x.reshape(-1)
+    bad = np.flatnonzero(~np.isfinite(flat if x.dtype.kind in "fc" else flat.astype(np.float32)))
+    if not bad.size:
+        return None
+    later = int(np.searchsorted(bad, after, side="right"))
+    return (int(bad[later]), False) if later < bad.size else (int(bad[0]), True)

@@ -308,3 +308,21 @@ def _unclosed(text: str) -> int | None:
         elif c in "])" and stack:
             stack.pop()
     return stack[0] if stack else None
+
+
+def found(
+    ref: int, index: str, shape: tuple[int, ...], at: tuple[int, bool] | None
+) -> dict[str, Any]:
+    """The reply to ``find``: ``at`` is the flat position of the NaN or Inf found, and whether
+    the search wrapped round to it (None: none in the slice)."""
+    if at is None:
+        return {"ref": ref, "index": index, "shape": list(shape), "at": None, "flat": None,
+                "wrapped": False}  # fmt: skip
+    flat, wrapped = at
+    where, rest = [], flat
+    for size in reversed(shape):  # its index (numpy's unravel_index), the last dim's first
+        rest, i = divmod(rest, size)
+        where.append(i)
+    where.reverse()
+    return {"ref": ref, "index": index, "shape": list(shape), "at": where, "flat": flat,
+            "wrapped": wrapped}  # fmt: skip

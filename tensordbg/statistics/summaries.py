@@ -20,6 +20,7 @@ from tensordbg.statistics.torch_kernels import _F64, _KERNELS, Cache, _aminmax, 
 __all__ = [
     "CHUNK_ELEMENTS",
     "chunks",
+    "next_nonfinite",
     "streamed_histogram",
     "streamed_summary",
     "summarize",
@@ -165,3 +166,36 @@ def streamed_histogram(t: Tensor, bins: int, lo: float, hi: float,
         if x.numel():
             counts += torch.histc(x, bins=bins, min=lo, max=hi).to(torch.int64).cpu()
     return counts.tolist()
+
+
+def next_nonfinite(
+    t: Tensor, after: int = -1, size: int = CHUNK_ELEMENTS
+) -> tuple[int, bool] | None:
+    """Where the next NaN or Inf of ``t`` lies: its flat (row-major) position after ``after``,
+    and False; else the first one at or before ``after`` (the search wrapped round), and True;
+    None when there is none. Read in chunks (:func:`chunks`): what it allocates is a chunk's
+    mask, a byte an element, however large ``t`` is."""
+    if not (t.is_floating_point() or t.is_complex()) or not t.numel():
+        return None
+    wrapped = None
+    start = 0
+    for piece in chunks(t, size):
+        end = start + piece.numel()
+        cut = min(max(0, after + 1 - start), piece.numel())  # this piece's part at or before
+        if cut < piece.numel():
+            found = _first_nonfinite(piece[cut:])
+            if found is not None:
+                return start + cut + found, False
+        if wrapped is None and cut:
+            found = _first_nonfinite(piece[:cut])
+            wrapped = None if found is None else start + found
+        start = end
+    return None if wrapped is None else (wrapped, True)
+
+
+def _first_nonfinite(flat: Tensor) -> int | None:
+    x = flat if flat.is_complex() else _reducible(flat)
+    bad = torch.isfinite(x).logical_not_()
+    if not bool(bad.any()):
+        return None
+    return int(bad.view(torch.uint8).argmax())  # the first of the largest: the first NaN or Inf

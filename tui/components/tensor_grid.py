@@ -101,12 +101,14 @@ class TensorGrid(ScrollView, can_focus=True):
         Binding("pagedown", "pages(1)", "Page down", show=False),
         Binding("home", "rows(-1_000_000_000)", "First row", show=False),
         Binding("end", "rows(1_000_000_000)", "Last row", show=False),
+        Binding("f", "find_bad", "Next NaN/Inf"),
     ]
     COMPONENT_CLASSES: ClassVar[set[str]] = {
         "tensor-grid--index",
         "tensor-grid--nan",
         "tensor-grid--inf",
         "tensor-grid--placeholder",
+        "tensor-grid--found",
     }
 
     class BlockReady(Message):
@@ -133,6 +135,8 @@ class TensorGrid(ScrollView, can_focus=True):
         self._wanted: set[tuple[int, int]] = set()
         self._failed: set[tuple[int, int]] = set()
         self.message = "Open a tensor from the Hits or Modules tab."
+        self._found: tuple[int, int] | None = None
+        """The cell of the NaN or Inf ``f`` found last (row, column), marked on screen."""
         self.open_slice: Callable[[], object] | None = None
         """What ``[`` does on the grid: the Tensor tab focuses its slice box (set by it)."""
 
@@ -174,6 +178,8 @@ class TensorGrid(ScrollView, can_focus=True):
     def _forget(self) -> None:
         """Drop the blocks of the tensor shown; replies still on their way are ignored."""
         self._generation += 1
+        self._found = None
+        self.border_subtitle = ""
         self._blocks.clear()
         self._pending.clear()
         self._wanted.clear()
@@ -227,6 +233,41 @@ class TensorGrid(ScrollView, can_focus=True):
         page = max(self.size.height - 2, 1)
         self.scroll_to(y=max(0, self.scroll_y + n * page), animate=False, immediate=True)
 
+    def action_find_bad(self) -> None:
+        """Jump to the next NaN or Inf of the slice shown (after the one found last), from the
+        start again after the last: the training finds it, a chunk at a time."""
+        if self._ref is None or not self._rows:
+            self.border_subtitle = "no values shown: nothing to search"
+            return
+        after = -1 if self._found is None else self._found[0] * self._cols + self._found[1]
+        self._find(self._generation, after)
+
+    @work(group="grid-find", exclusive=True)
+    async def _find(self, generation: int, after: int) -> None:
+        try:
+            reply = await remote_of(self).find(self._ref, self._text, after)
+        except RequestFailed as e:  # logged by the app
+            if generation == self._generation:
+                self.border_subtitle = f"cannot search: {e.message}"
+            return
+        if generation != self._generation:
+            return
+        if reply["flat"] is None:
+            self._found = None
+            self.border_subtitle = "no NaN or Inf in this slice"
+            self.refresh()
+            return
+        row, col = divmod(reply["flat"], self._cols)
+        self._found = (row, col)
+        where = ", ".join(self._label(a, i) for a, i in enumerate(reply["at"] or []))
+        again = " (from the start again)" if reply["wrapped"] else ""
+        self.border_subtitle = f"f: NaN/Inf at [{where}]{again}"
+        c0, c1 = self._visible_columns()
+        x = self.scroll_x if c0 <= col < c1 else max(0, (col - 1) * CELL)
+        y = min(max(0, row - (self.size.height - 1) // 2), self.max_scroll_y)
+        self.scroll_to(x=x, y=y, animate=False, immediate=True)
+        self.refresh()
+
     # --- drawing -----------------------------------------------------------------------------
 
     def _visible_columns(self) -> tuple[int, int]:
@@ -264,6 +305,7 @@ class TensorGrid(ScrollView, can_focus=True):
 
     def _cells(self, row: int, c0: int, c1: int, base: Style) -> list[Segment]:
         segments: list[Segment] = []
+        marked = self._found[1] if self._found is not None and self._found[0] == row else -1
         br = row // BLOCK_ROWS
         for bc in range(c0 // BLOCK_COLS, (c1 - 1) // BLOCK_COLS + 1):
             lo, hi = max(c0, bc * BLOCK_COLS), min(c1, (bc + 1) * BLOCK_COLS)
@@ -281,13 +323,15 @@ class TensorGrid(ScrollView, can_focus=True):
                 continue
             text, kinds = block[row - br * BLOCK_ROWS]
             start, stop = lo - bc * BLOCK_COLS, hi - bc * BLOCK_COLS
-            if kinds is None:
+            found = marked - bc * BLOCK_COLS  # the found cell's column in this block
+            if kinds is None and not start <= found < stop:
                 segments.append(Segment(text[start * CELL : stop * CELL], base))
                 continue
             for c in range(start, stop):
-                segments.append(
-                    Segment(text[c * CELL : (c + 1) * CELL], self._kind_style(kinds[c], base))
-                )
+                style = self._kind_style(kinds[c], base) if kinds is not None else base
+                if c == found:
+                    style += self.get_component_rich_style("tensor-grid--found", partial=True)
+                segments.append(Segment(text[c * CELL : (c + 1) * CELL], style))
         return segments
 
     def _kind_style(self, kind: int, base: Style) -> Style:
