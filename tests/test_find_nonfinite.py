@@ -90,6 +90,8 @@ def test_a_replay_finds_the_nan_its_dump_holds(tmp_path: Path) -> None:
 
 
 def test_f_in_the_grid_jumps_from_one_nan_to_the_next_and_marks_it() -> None:
+    """Opened, a tensor with a few NaN or Inf among its values shows the first; ``f`` goes on to
+    the next; one without any says so when ``f`` is pressed."""
     source = FakeSource()
     big = source.arrays[5][3]
     big[700, 930] = np.inf  # far down and to the right: the grid must move there
@@ -98,8 +100,7 @@ def test_f_in_the_grid_jumps_from_one_nan_to_the_next_and_marks_it() -> None:
     async def flow() -> None:
         async with app.run_test(size=SIZE) as pilot:
             grid = await open_tensor(pilot, 3, "net.2.output", TensorGrid)
-            await until(pilot, lambda: grid.rows == 8)
-            await pilot.press("f")
+            await until(pilot, lambda: grid.rows == 8)  # opened: its first NaN found at once
             await until(pilot, lambda: grid.border_subtitle == "f: NaN/Inf at [1, 2]")
             await pilot.press("f")
             await until(pilot, lambda: grid.border_subtitle == "f: NaN/Inf at [5, 0]")
@@ -119,8 +120,7 @@ def test_f_in_the_grid_jumps_from_one_nan_to_the_next_and_marks_it() -> None:
             await until(pilot, lambda: grid.border_subtitle == "f: NaN/Inf at [5, 0]")
 
             grid = await open_tensor(pilot, 5, "big.output", TensorGrid)
-            await until(pilot, lambda: grid.rows == 1000)
-            await pilot.press("f")
+            await until(pilot, lambda: grid.rows == 1000)  # opened: the grid goes to its Inf
             await until(pilot, lambda: grid.border_subtitle == "f: NaN/Inf at [700, 930]")
             top = round(grid.scroll_y)
             assert top <= 700 < top + grid.size.height - 1  # its row is on screen

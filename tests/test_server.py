@@ -244,6 +244,7 @@ def test_every_request_is_served(server, source, connect):
         "tensors": {},
         "stats": {"ref": 3, "text": "[1]"},
         "slice": {"ref": 5, "text": "[2:4]", "window": [[0, 2], [10, 20]]},
+        "find": {"ref": 3, "after": 6},
         "histogram": {"ref": 1, "bins": 8},
         "provenance": {"ref": 3},
         "rules": {},
@@ -263,6 +264,7 @@ def test_every_request_is_served(server, source, connect):
     assert [h["id"] for h in got["hits"]] == [1]
     assert len(got["tensors"]) == 6
     assert got["stats"]["index"] == "[1]" and got["stats"]["summary"]["nan"] == 1
+    assert (got["find"]["at"], got["find"]["wrapped"]) == ([5, 0], False)  # (fake_source.py)
     window = got["slice"]["data"]
     assert isinstance(window, WireArray) and window.shape == (2, 10)
     np.testing.assert_array_equal(window.to_numpy(), source.arrays[5][3][2:4, 10:20])

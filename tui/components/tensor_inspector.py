@@ -137,6 +137,7 @@ class TensorInspector(Vertical):
         ref = self.ref
         if ref is None:
             return
+        opening = self._opening
         try:
             stats = await remote_of(self).stats(ref, text)
         except RequestFailed as e:
@@ -164,7 +165,11 @@ class TensorInspector(Vertical):
         self.query_one(HistogramView).values_of = stats.get("values_of", "")
         if not stats["index"]:
             self._whole = tuple(stats["shape"])
-        self.query_one(TensorGrid).show(ref, text, tuple(stats["shape"]), self._labels())
+        grid = self.query_one(TensorGrid)
+        grid.show(ref, text, tuple(stats["shape"]), self._labels())
+        bad = sum(stats["summary"].get(k) or 0 for k in ("nan", "posinf", "neginf"))
+        if opening and 0 < bad < (stats["summary"].get("numel") or 0):
+            grid.action_find_bad()  # opened with a few NaN among many: the first is shown
         await self._histogram(ref, text)
 
     def _title(self) -> Text:
