@@ -517,6 +517,11 @@ def test_an_internal_error_stops_watching_but_never_the_training(watch, monkeypa
         warnings.simplefilter("error")  # no further warning, no exception
         model(torch.randn(3, 4)).sum().backward()
         optimizer.step()
+    # The summary a run ends with says it: no hit after step 0 is not a clean run.
+    assert session.summary().endswith(
+        "\n  tensordbg stopped watching at step 0 (its internal error, RuntimeError: tensordbg "
+        "bug): the steps from there on were not checked, so no hit there says nothing."
+    )
 
 
 # --- what is watched ------------------------------------------------------------------------------
@@ -644,20 +649,23 @@ def test_a_shared_module_is_told_apart_by_call_index(watch, sync):
     assert origins(session)[0].module == ""  # the log between the two calls is the root's code
 
 
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
 @pytest.mark.parametrize("sync", MODES)
 def test_evaluation_under_no_grad_is_judged_as_its_forward_returns_and_training_goes_on(
-    watch, sync
+    watch, sync, context
 ):
-    """No backward follows a forward under no_grad: its hits are complete when it returns (no
-    mode waits for a backward that never comes), and the training step after it is watched
-    backward as usual."""
+    """No backward follows a forward under no_grad or inference_mode: its hits are complete
+    when it returns (no mode waits for a backward that never comes), and the training step
+    after it is watched backward as usual. (Inference tensors have no version counter: reading
+    one stopped the session at the first evaluation, and a later NaN went unseen.)"""
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     session = watch(model, optimizer=optimizer, on_hit="record", rules=[NaN()], sync=sync)
     x = torch.randn(3, 4)
     x[0, 0] = float("nan")
-    with torch.no_grad():
+    with context():
         model(x)  # an evaluation batch holding a NaN; no flush() after it
+    assert not session.broken
     evaluation = [(h.tensor, h.phase, h.origin) for h in session.hits]
     passed_on = [(f"{i}.output", "forward", False) for i in range(5)]
     assert evaluation == [("input[0]", "forward", True), *passed_on]

@@ -44,7 +44,7 @@ from tensordbg.engine.handles import HandleGroup, Unhooked, hide_from_torchscrip
 from tensordbg.engine.marks import hook_of_ours, own_work
 from tensordbg.engine.pending import COLD, ForwardLog, PendingForward, Seen, grad_edge
 from tensordbg.engine.pinpoint import draws_random, random_state
-from tensordbg.engine.records import Call, Record, memory_of, new_record, tensor_leaves
+from tensordbg.engine.records import Call, Record, memory_of, new_record, tensor_leaves, version_of
 from tensordbg.engine.sites import in_reentrant_checkpoint, user_site
 from tensordbg.statistics import FINITE, MEAN
 from tensordbg.statistics.torch_kernels import SCREEN, watchable
@@ -87,7 +87,7 @@ def _as_seen(leaves: list[tuple[str, torch.Tensor]]) -> list[Seen]:
     for suffix, t in leaves:
         if not watchable(t):
             continue
-        seen.append((suffix, t, t._version, grad_edge(t)))
+        seen.append((suffix, t, version_of(t), grad_edge(t)))
     return seen
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tensordbg.engine.records import Record
+from tensordbg.engine.records import Record, version_of
 from tensordbg.statistics import MEAN
 from tensordbg.statistics.torch_kernels import dtype_name, host_stats
 
@@ -64,7 +64,7 @@ class TensorMeta:
     def __init__(self, t: Any) -> None:
         self.shape = t.shape
         self.dtype = t.dtype
-        self._version = t._version
+        self._version = version_of(t)
         self._nbytes = t.numel() * t.element_size()
 
     def numel(self) -> int:
@@ -261,7 +261,7 @@ class ForwardLog:
             if not nbytes:
                 continue
             total += nbytes
-            seen.append((suffix, t, t._version, grad_edge(t)))
+            seen.append((suffix, t, version_of(t), grad_edge(t)))
         self._log_bytes = total
         return seen
 

@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from tensordbg.engine.loss_code import name_loss_operation
-from tensordbg.engine.records import Call, tensor_leaves
+from tensordbg.engine.records import Call, tensor_leaves, version_of
 from tensordbg.engine.sites import user_site
 
 
@@ -237,7 +237,7 @@ def name_operation(session: Any, call: Call, nan: bool) -> dict[str, Any] | None
     if invocation is None:
         return None
     module, args, kwargs, seen, random_state = invocation
-    if any(t._version != version for _, t, version, _ in seen):
+    if any(version_of(t) != version for _, t, version, _ in seen):
         return None  # changed in place since the call: a re-run would not see the same values
     if type(module).__name__ == "OptimizedModule":
         return None  # torch.compile's: its forward is a graph, not lines

@@ -180,7 +180,7 @@ def new_record(
         call=call,
         trainable=trainable,
     )
-    return Record(stats, None, tensor._version, tensor.numel() * tensor.element_size(), **fields)
+    return Record(stats, None, version_of(tensor), tensor.numel() * tensor.element_size(), **fields)
 
 
 def grad_record(forward: Record, grad: torch.Tensor | None, step: int,
@@ -229,6 +229,15 @@ def is_model_output(record: Record) -> bool:
 # How deep tensor_leaves looks into a nested value, and how many tensors it lists at most.
 MAX_NESTING = 6
 MAX_LEAVES = 256
+
+
+def version_of(t: torch.Tensor) -> int:
+    """``t``'s version counter. A tensor made under ``torch.inference_mode()`` has none (it
+    cannot be changed in place outside that mode): 0, always."""
+    try:
+        return t._version
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return 0
 
 
 def memory_of(t: torch.Tensor) -> tuple[Any, ...]:

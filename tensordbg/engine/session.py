@@ -292,6 +292,9 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         text = self.hitlog.summary(self.skipped_steps, origins)
         if self.skipped_updates:
             text += f"\n  updates tensordbg skipped: {self.skipped_updates[:20]}"
+        if self.broken:
+            text += (f"\n  tensordbg stopped watching at step {self._broken_at} ({self.broken}): "
+                     "the steps from there on were not checked, so no hit there says nothing.")
         return text
 
     def flush(self) -> None:
@@ -414,7 +417,8 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         """tensordbg's own fault: say so once, stop watching, never stop the training."""
         if self.broken:
             return
-        self.broken = f"tensordbg's internal error ({type(error).__name__}: {error})"
+        self.broken = f"its internal error, {type(error).__name__}: {error}"
+        self._broken_at = self.step
         detail = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         warnings.warn(
             "tensordbg hit an internal error and stopped watching this training (the training "
@@ -493,7 +497,7 @@ def _detach_at_exit(ref: weakref.ref[Session]) -> None:
     if (session := ref()) is None:
         return
     session.ended_by = session.ended_by or script_ended_by()  # an error, a Ctrl-C: the UI says
-    if session.summary_at_exit and session.hits and not session.detached:
+    if session.summary_at_exit and (session.hits or session.broken) and not session.detached:
         print_summary(session)
     session.detach(finished=True)
     if session.profiling is not None:  # asked for (from the UI) and cut off by the exit

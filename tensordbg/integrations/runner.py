@@ -313,7 +313,7 @@ def run_script(script: str, args: Sequence[str], rules: Sequence[Rule] | None = 
     finally:
         sessions = run.sessions
         for session in sessions:
-            if session.hits:
+            if session.hits or session.broken:  # no hit after a break is not a clean run
                 print_summary(session)
         run.remove()
         sys.argv, sys.path[:] = saved_argv, saved_path

@@ -22,7 +22,7 @@ import torch
 
 from tensordbg.engine.control import NotPaused
 from tensordbg.engine.judge import ActiveRule
-from tensordbg.engine.records import Record
+from tensordbg.engine.records import Record, version_of
 from tensordbg.engine.session import Session
 from tensordbg.rules.catalog import make_rule
 from tensordbg.sources import contract, recorded
@@ -171,7 +171,7 @@ class LiveSource(LiveProfiling):
             stats = record.stats
             if stats.summary is None and not record.hidden:
                 tensor = record.held()
-                if (tensor is not None and tensor._version == record.version
+                if (tensor is not None and version_of(tensor) == record.version
                         and tensor.layout == torch.strided and tensor.numel()):  # fmt: skip
                     stats.summary = streamed_summary(tensor.detach())
 

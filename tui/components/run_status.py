@@ -265,8 +265,10 @@ class RunStatus(VerticalScroll):
             line.append(f"  ({info['pause_reason']})")
         if info.get("unwatched") and state in ("running", "paused"):
             line.append("\nNOT WATCHED: ", style="bold red")
-            line.append(f"{info['unwatched']} stopped the watching; the training goes on without "
-                        "checks (its stderr has the traceback: please report it)")  # fmt: skip
+            line.append(
+                f"tensordbg stopped watching ({info['unwatched']}); the training goes "
+                "on without checks (its stderr has the traceback: report it, please)"
+            )
         running = info.get("running_rule") if state == "running" else None
         if running:
             line.append("\nin rule ", style="bold")
