@@ -527,6 +527,28 @@ def test_an_internal_error_stops_watching_but_never_the_training(watch, monkeypa
 # --- what is watched ------------------------------------------------------------------------------
 
 
+def test_a_child_named_like_a_module_method_is_watched(watch):
+    """``get_submodule("half")`` finds ``nn.Module.half``, a method, and fails: attach raised
+    "`half` is not an nn.Module" on such a model."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.half = nn.Linear(4, 4)  # reached through _modules: self.half is the method
+            self.to = nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self._modules["to"](self._modules["half"](x))
+
+    model = Net()
+    session = watch(model, on_hit="record")
+    x = torch.randn(3, 4)
+    x[0, 0] = float("nan")
+    model(x).sum().backward()
+    assert [(h.tensor, h.module) for h in session.hits if h.origin] == [("input[0]", "")]
+    assert {p.owner_type for p in session.weights.params.values()} == {"Linear"}
+
+
 def test_forward_backward_and_optimizer_tensors_are_all_watched(watch):
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

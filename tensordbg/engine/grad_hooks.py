@@ -20,6 +20,7 @@ import torch
 from torch.nn.parameter import UninitializedParameter
 
 from tensordbg.engine.marks import hook_of_ours, own_work
+from tensordbg.engine.records import submodule
 from tensordbg.statistics.batch import rows_of
 from tensordbg.statistics.torch_kernels import watchable
 
@@ -57,7 +58,7 @@ class GradHooks:
         :meth:`hook_parameters`: deferred checks on the host read them at a pass's end)."""
         for name, param in model.named_parameters():
             owner = name.rpartition(".")[0]
-            self._waiting.append((name, param, owner, type(model.get_submodule(owner)).__name__))
+            self._waiting.append((name, param, owner, type(submodule(model, owner)).__name__))
         self.params_hooked = hooked
         self.watch_waiting()
 

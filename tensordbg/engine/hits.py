@@ -19,7 +19,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from tensordbg.engine.fused import FUSED
 from tensordbg.engine.judge import ActiveRule
-from tensordbg.engine.records import NONFINITE, Call, Record
+from tensordbg.engine.records import NONFINITE, Call, Record, submodule
 from tensordbg.hit import Hit, said_of
 from tensordbg.rules.base import Finding
 from tensordbg.statistics.summaries import summarize
@@ -224,7 +224,7 @@ class HitLog:
         if model is None:
             return None
         try:
-            return model.get_submodule(path) if path is not None else model
+            return submodule(model, path) if path is not None else model
         except AttributeError:
             return None
 

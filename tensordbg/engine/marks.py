@@ -83,3 +83,10 @@ def hook_of_ours(fn: F) -> F:
         return torch.compiler.disable(fn, reason=_GRAPH_BREAK)  # type: ignore[return-value]
     except TypeError:  # a torch before 2.8 takes no reason
         return torch.compiler.disable(fn)  # type: ignore[return-value]
+
+
+def compiled_inner(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The model inside ``torch.compile(model)``'s wrapper; None for any other module."""
+    inner = getattr(module, "_orig_mod", None)
+    compiled = type(module).__name__ == "OptimizedModule" and isinstance(inner, torch.nn.Module)
+    return inner if compiled else None

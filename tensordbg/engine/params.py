@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.nn.parameter import is_lazy
 
-from tensordbg.engine.records import Record, new_record
+from tensordbg.engine.records import Record, new_record, submodule
 from tensordbg.statistics import Stat
 from tensordbg.statistics.batch import on_host
 
@@ -155,7 +155,7 @@ class ParamWatch:
         self.params: dict[int, Param] = {}
         for name, param in model.named_parameters():
             owner = name.rpartition(".")[0]
-            owner_type = type(model.get_submodule(owner)).__name__
+            owner_type = type(submodule(model, owner)).__name__
             self.params[id(param)] = Param(name, param, owner, owner_type)
         self.by_name = {p.name: p for p in self.params.values()}
         self.digests: dict[str, Digest] = {}

@@ -231,6 +231,19 @@ MAX_NESTING = 6
 MAX_LEAVES = 256
 
 
+def submodule(model: torch.nn.Module, path: str) -> torch.nn.Module:
+    """The module at ``path`` ("" for ``model``), found through the children themselves:
+    ``get_submodule`` takes a child named like a method of ``nn.Module`` (``half``, ``float``,
+    ``to``) for that method, and fails. AttributeError when ``path`` names no module."""
+    module = model
+    for name in path.split(".") if path else ():
+        child = module._modules.get(name)
+        if child is None:
+            raise AttributeError(f"{type(module).__name__} has no submodule {name!r}")
+        module = child
+    return module
+
+
 def version_of(t: torch.Tensor) -> int:
     """``t``'s version counter. A tensor made under ``torch.inference_mode()`` has none (it
     cannot be changed in place outside that mode): 0, always."""

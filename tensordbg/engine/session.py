@@ -36,7 +36,7 @@ from tensordbg.engine.handles import HandleGroup
 from tensordbg.engine.hits import HitLog, print_summary
 from tensordbg.engine.judge import ActiveRule, RuleSet
 from tensordbg.engine.loss_code import Observations
-from tensordbg.engine.marks import hook_of_ours, own_work
+from tensordbg.engine.marks import compiled_inner, hook_of_ours, own_work
 from tensordbg.engine.metrics import StepMetrics
 from tensordbg.engine.modes import SYNC, choose
 from tensordbg.engine.optimizer import OptimizerPhase
@@ -293,8 +293,10 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         if self.skipped_updates:
             text += f"\n  updates tensordbg skipped: {self.skipped_updates[:20]}"
         if self.broken:
-            text += (f"\n  tensordbg stopped watching at step {self._broken_at} ({self.broken}): "
-                     "the steps from there on were not checked, so no hit there says nothing.")
+            text += (
+                f"\n  tensordbg stopped watching at step {self._broken_at} ({self.broken}): "
+                "the steps from there on were not checked, so no hit there says nothing."
+            )
         return text
 
     def flush(self) -> None:
@@ -451,13 +453,6 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
                 self.fault(e)
 
         return guarded
-
-
-def compiled_inner(module: torch.nn.Module) -> torch.nn.Module | None:
-    """The model inside ``torch.compile(model)``'s wrapper; None for any other module."""
-    inner = getattr(module, "_orig_mod", None)
-    compiled = type(module).__name__ == "OptimizedModule" and isinstance(inner, torch.nn.Module)
-    return inner if compiled else None
 
 
 def _check_arguments(model: Any, on_hit: Any, interval: int) -> None:

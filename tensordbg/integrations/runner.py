@@ -36,8 +36,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from tensordbg.api import COMMAND_LINE, CommandLine, attach, attached_to
 from tensordbg.engine.fused import quiet_compile_warning
 from tensordbg.engine.hits import print_summary
+from tensordbg.engine.marks import compiled_inner
 from tensordbg.engine.params import held_params, parameter_count
-from tensordbg.engine.session import Session, compiled_inner
+from tensordbg.engine.session import Session
 from tensordbg.hit import WatchpointHit
 from tensordbg.integrations.frameworks import TrainerPatches, TrainingWatch
 from tensordbg.rules import Rule
