@@ -170,6 +170,25 @@ def test_bfloat16_values_are_dumped_as_bfloat16(tmp_path):
     assert value.tobytes() == captured[0].view(torch.int16).numpy().tobytes()
 
 
+@pytest.mark.parametrize("sync", ["eager", "batched", "deferred"])
+def test_a_bfloat16_tensor_with_a_nan_keeps_the_range_of_its_finite_values(tmp_path, sync):
+    """A bfloat16 output is judged in its hook (its range rules), where min and max are one
+    aminmax, NaN when a value is: the index stored that NaN over the hit's finite range, and the
+    replay's Modules tab showed x in [nan, nan] where the live one showed the values' range."""
+    model = _model().to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = tensordbg.attach(model, opt, on_hit="record", server=False, dump_dir=tmp_path,
+                               summary_at_exit=False, sync=sync)  # fmt: skip
+    x = torch.randn(3, 4, dtype=torch.bfloat16)
+    x[1, 2] = float("nan")
+    model(x).float().sum().backward()
+    opt.step()
+    session.detach()
+    stats = tensordbg.load(tmp_path).tensor("input[0]").stats(0)
+    finite = x.float()[x.float().isfinite()]
+    assert stats["nan"] == 1 and (stats["min"], stats["max"]) == (finite.min(), finite.max())
+
+
 def test_on_hit_raise_writes_the_step_before_raising(tmp_path):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -396,11 +396,18 @@ def _values(stats: TensorStats) -> dict[Any, float | int]:
         except (TypeError, ValueError):
             continue
     if stats.summary is not None:
-        known = {str(stat) for stat in values}
+        # The summary's moments are over the finite values; a kernel's min or max of a tensor
+        # holding a NaN is that NaN (one aminmax, in a range rule's hook): the summary's win.
+        known = {str(stat): stat for stat in values}
         for key, value in stats.summary.as_dict().items():
-            if key not in known:
-                values[key] = value
+            stat = known.get(key, key)
+            if stat not in values or (math.isnan(values[stat]) and _finite(value)):
+                values[stat] = value
     return values
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _static(stats: TensorStats) -> tuple[Any, ...]:
