@@ -1506,6 +1506,42 @@ def test_a_ui_on_a_training_that_ended_says_it_exited_and_stops_reconnecting(
         server.stop()
 
 
+def test_a_script_that_detaches_at_its_end_is_finished_once_its_process_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``session.detach()`` at a script's end (the README's example) left the UI saying the
+    training "goes on, unwatched" after its process had exited: once the process is gone, the
+    header and the banner say it has finished, and how."""
+    import tensordbg.transport.connection as connection
+
+    source, server, app = served(tmp_path, monkeypatch, "end2")
+    gone = []
+    monkeypatch.setattr(connection, "is_live", lambda info: not gone)
+
+    async def flow() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "paused")
+            source.state = "detached"
+            source.emit("state", {"state": "detached", "step": 7, "phase": ""})
+            await until(pilot, lambda: app.state == "detached")
+            await asyncio.to_thread(server.stop)
+            banner = app.query_one(ConnectionBanner)
+            await until(pilot, lambda: "goes on, unwatched" in text_of(banner))
+            await pilot.pause(1.5)
+            assert app.state == "detached"  # its process still runs: it may well go on
+            gone.append(True)  # the script exits
+            await until(pilot, lambda: app.state == "finished", timeout=5)
+            said = ("The training has finished after step 6: its script detached tensordbg, "
+                    "then its process exited.")  # fmt: skip
+            await until(pilot, lambda: text_of(banner).startswith(said))
+            assert app.main.title.startswith("FINISHED after step 6 · its script detached")
+
+    try:
+        asyncio.run(flow())
+    finally:
+        server.stop()
+
+
 def test_a_session_whose_process_is_gone_has_exited_and_one_whose_file_is_gone_has_ended(
     tmp_path: Path,
 ) -> None:

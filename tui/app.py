@@ -237,6 +237,7 @@ class TensorDbgApp(JobRanks, StepCount):
                 continue
             if self.state in OVER:  # it said it ended: nothing is left to reconnect to
                 self.main.show_training_over()
+                self.main.watch_exit(getattr(self._connect, "still_running", None))
                 return
             self.main.show_connection_lost(reason, reconnecting=self._connect is not None)
             self.state = "disconnected"

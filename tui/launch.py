@@ -134,6 +134,7 @@ def session_app(
     # Connection file (or run id) -> the session it leads to: as listed, then as reached. A
     # session listed a moment ago may have ended before it was chosen: its file is gone.
     known: dict[str, Any] = {str(s.path): s for s in sessions}
+    reached: list[Any] = [None]  # the session reached last
 
     async def connect(picked: str | None) -> Client:
         path = picked or conn
@@ -151,9 +152,16 @@ def session_app(
             if isinstance(e, TimeoutError) and path is not None:
                 raise TimeoutError(f"{e}{why_silent(path)}") from None
             raise
-        known[str(path)] = known[client.info.run_id] = client.info
+        known[str(path)] = known[client.info.run_id] = reached[0] = client.info
         return client
 
+    def still_running() -> bool | None:
+        """Whether the process of the session reached last still runs (None: none reached)."""
+        from tensordbg.transport.connection import is_live
+
+        return None if reached[0] is None else is_live(reached[0])
+
+    connect.still_running = still_running  # type: ignore[attr-defined]
     return TensorDbgApp(connect, sessions=sessions, ends_training=ends_training)
 
 

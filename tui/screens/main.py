@@ -262,6 +262,19 @@ class MainScreen(Screen):
         where = step_phrase(self._state, self._step, self.run_status.phase)
         self.log_entry(self.banner.over(self._state, where, self._ended_by), "error")
 
+    def watch_exit(self, still_running: Any) -> None:
+        """Detached: once its process is gone (a script detaches at its end), it has ended."""
+
+        def check() -> None:
+            if still_running() is False:
+                timer.stop()
+                self._ended_by = "its script detached tensordbg, then its process exited"
+                self.app.state = "finished"  # type: ignore[attr-defined]
+                self.show_training_over()
+
+        if still_running is not None and self._state == "detached":
+            timer = self.set_interval(1.0, check)
+
     def show_training_exited(self, reason: str) -> None:
         """The training's process is gone (``reason`` says so): the app stops reconnecting."""
         self.log_entry(self.banner.exited(reason), "error")
