@@ -271,6 +271,34 @@ def test_a_discriminator_given_the_detached_fake_is_no_origin_of_the_generators_
 
 
 @pytest.mark.parametrize("sync", MODES)
+def test_submodules_run_by_hand_under_no_grad_pass_a_reshaped_nan_on(watch, sync):
+    """``model.bf(model.conv(x).flatten(1))`` under ``no_grad`` (an evaluation of part of the
+    model): two root calls, no graph between them. ``conv``'s NaN weight makes its output NaN;
+    the flattened view ``bf`` gets is the same values, passed on, not a second origin that
+    "came in with this module's inputs" (and a second pause)."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bf = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.bf(self.conv(x).flatten(1))
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)  # steps are the optimizer's
+    session = watch(model, optimizer=opt, on_hit="record", rules=[NaN()], sync=sync)
+    with torch.no_grad():
+        model.conv.weight[0, 0, 0, 0] = float("nan")
+        model.bf(model.conv(torch.randn(4, 3, 2, 2)).flatten(1))
+        model.bf(model.conv(torch.randn(4, 3, 2, 2)).flatten(1)[:, :8].repeat(1, 2))  # a copy
+    session.flush()
+    assert [(h.tensor, h.call) for h in session.hits if h.origin] == [
+        ("conv.weight", 0), ("bf#1.input[0]", 1)]  # fmt: skip
+
+
+@pytest.mark.parametrize("sync", MODES)
 def test_a_nan_the_discriminator_makes_in_the_generators_update_has_one_origin(watch, sync):
     """D(fake.detach()) and D(real) are clean; D(fake), for G's loss, makes a NaN in its own
     code. Its gradient reaches G's output (the record D(fake.detach()) also read, which no

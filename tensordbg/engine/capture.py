@@ -406,6 +406,8 @@ class Capture(ForwardLog):
                 record.passed_up_to(call)
             if call.parent is None and not self._structure:
                 self._outputs[memory_of(t)] = record
+                if t.is_contiguous():  # its reshapes too: the same values in the same order
+                    self._outputs[memory_of(t, reshaped=True)] = record
             call.outputs.append((suffix, record))
             if made is None:
                 self._hook_grad(t, node, record)
@@ -442,8 +444,11 @@ class Capture(ForwardLog):
     def _alias(self, t: torch.Tensor, version: int) -> Record | None:
         """The record of a model output of this step that ``t`` is another tensor of: the same
         memory, shape and version (``fake.detach()`` handed from a GAN's generator to its
-        discriminator), while that output lives (its memory is not another tensor's)."""
+        discriminator) or a reshape of the same values (``out.flatten(1)``, under ``no_grad``:
+        no graph tells it), while that output lives (its memory is not another tensor's)."""
         record = self._outputs.get(memory_of(t)) if self._outputs else None
+        if record is None and self._outputs and t.is_contiguous():
+            record = self._outputs.get(memory_of(t, reshaped=True))  # out.flatten(1)
         if record is None or record.version != version or record.weak is None:
             return None
         return record if record.weak() is not None else None

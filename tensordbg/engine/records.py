@@ -253,8 +253,11 @@ def version_of(t: torch.Tensor) -> int:
         return 0
 
 
-def memory_of(t: torch.Tensor) -> tuple[Any, ...]:
-    """Where a tensor's values are and how they are laid out: equal for a tensor's aliases."""
+def memory_of(t: torch.Tensor, reshaped: bool = False) -> tuple[Any, ...]:
+    """Where a tensor's values are and how they are laid out: equal for a tensor's aliases;
+    ``reshaped`` (a contiguous tensor): whatever its shape, equal for its reshapes too."""
+    if reshaped:
+        return ("reshaped", t.data_ptr(), t.device, t.dtype, t.numel())
     return (t.data_ptr(), t.device, t.dtype, t.shape, t.stride())
 
 
