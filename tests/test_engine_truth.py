@@ -270,6 +270,38 @@ def test_a_discriminator_given_the_detached_fake_is_no_origin_of_the_generators_
     assert outputs == {("D.2.output", 0), ("D.2#2.output", 2)}
 
 
+class SafeSqrt(nn.Module):
+    """The ``torch.where`` trap: a finite forward, a NaN gradient where ``x < 0``."""
+
+    def forward(self, x):
+        return torch.where(x > 0, x.sqrt(), torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("sync", MODES)
+def test_a_nan_update_from_a_backward_only_nan_has_one_origin_in_every_mode(watch, sync):
+    """Step 0's backward makes a NaN in SafeSqrt; the update writes it into 0.weight. From step
+    1 the forward carries it, masked to zeros by the ``where`` before any output: deferred
+    checks (no forward screened) named SafeSqrt's backward a new origin at every later step,
+    where eager checks said the parameters passed it on; and every mode named the zero
+    gradients of the layer after it a vanishing gradient "of a learning rate far too large"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), SafeSqrt(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = watch(model, optimizer=opt, on_hit="record", sync=sync)
+    x, y = torch.randn(64, 6), torch.rand(64, 1)
+    for _ in range(3):
+        loss = nn.functional.mse_loss(model(x), y)
+        session.observe("loss", loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    session.flush()
+    assert [(h.step, h.tensor) for h in session.hits if h.origin] == [(0, "1.grad_input[0]")]
+    vanished = [h for h in session.hits if h.rule == "VanishingGradient"]
+    assert vanished and all("Parameters hold NaN or Inf since step 0" in h.message
+                            for h in vanished)  # fmt: skip
+
+
 @pytest.mark.parametrize("sync", MODES)
 def test_submodules_run_by_hand_under_no_grad_pass_a_reshaped_nan_on(watch, sync):
     """``model.bf(model.conv(x).flatten(1))`` under ``no_grad`` (an evaluation of part of the

@@ -85,6 +85,12 @@ class ForwardPhase:
         """Whether a root forward that returned ``seen`` (its outputs as its hook saw them) is
         left pending (see pending.py): deferred checks on the host, when nothing needs its
         calls and records now and its outputs are finite (read here: the forward's guard)."""
+        if self.origins.bad_since and self.sync.keeps_unscreened:
+            # A parameter last seen NaN or Inf: the forward carries it, maybe masked before any
+            # output (torch.where), and its backward's NaN is the parameter's. Read as eager
+            # checks read it, or that backward would be named an origin of its own.
+            self.forward_bad = self.triggered = True
+            return False
         listed = self.lists_forward() or self.boundary_wanted()
         if listed and (self.plan is None or self.forward_bad):
             return False

@@ -26,7 +26,7 @@ from tensordbg.engine.judge import ActiveRule
 from tensordbg.engine.pausing import Pausing
 from tensordbg.engine.phases import Enter, Exit, Gradient, Judged, Snapshot
 from tensordbg.engine.pinpoint import Pinpointing
-from tensordbg.engine.records import Record
+from tensordbg.engine.records import NONFINITE, Record
 from tensordbg.hit import CARRIED_KINDS, Hit
 from tensordbg.statistics import Stat, TensorStats
 from tensordbg.statistics.torch_kernels import SCREEN, host_stats
@@ -301,6 +301,8 @@ class Pipeline(Pausing, Pinpointing):
                                verdict.bad_since)  # fmt: skip
         if carried:
             hit.message += f" {carried}"
+        elif hit.origin and record.stats.kind == "grad" and condition != NONFINITE:
+            self._after_bad_params(hit)  # a zero gradient of a NaN masked downstream
         self._name_operation(hit, verdict, record)
         call = verdict.call or record.producer
         if hit.origin and hit.kind == "output" and record.stats.nonfinite and call is not None:
@@ -311,6 +313,19 @@ class Pipeline(Pausing, Pinpointing):
             self.amp.held.append((hit, active))  # the scaler may skip this step: see amp.py
             return
         self._add_hit(hit, active)
+
+    def _after_bad_params(self, hit: Hit) -> None:
+        """A gradient's finding other than NaN or Inf (a gradient that vanished) while
+        parameters hold NaN or Inf is theirs, not a new problem: what they feed is NaN, and a
+        NaN masked to zero downstream (``torch.where``, ``nan_to_num``) gives zero gradients."""
+        bad = self.origins.bad_since
+        if bad and min(bad.values()) < hit.step:
+            names = ", ".join(sorted(bad)[:3]) + (", ..." if len(bad) > 3 else "")
+            hit.origin = False
+            hit.message += (f" Parameters hold NaN or Inf since step {min(bad.values())} "
+                            f"({names}): what they feed is NaN, and a NaN masked to zero "
+                            "downstream (torch.where, nan_to_num) leaves zero gradients; that "
+                            "is the problem to fix first.")  # fmt: skip
 
     def _add_hit(self, hit: Hit, active: ActiveRule | None) -> None:
         if self.ranks is not None:
