@@ -303,6 +303,41 @@ def test_a_nan_update_from_a_backward_only_nan_has_one_origin_in_every_mode(watc
 
 
 @pytest.mark.parametrize("sync", MODES)
+def test_an_inf_masked_in_the_forward_is_named_where_each_mode_can_see_it(watch, sync):
+    """``nan_to_num`` cleans the Inf ``inner`` made; the backward turns it into a NaN
+    (``0 * Inf``). Eager and batched checks read the forward and name ``inner.output``;
+    deferred ones read none of a clean forward: they name the backward where it showed, and
+    say that the forward was not read (they said only that the backward made it)."""
+
+    class Inner(nn.Module):
+        def forward(self, x):
+            return x / (x - x)  # Inf, and NaN where x is 0
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem, self.inner, self.head = nn.Linear(4, 4), Inner(), nn.Linear(4, 1)
+
+        def forward(self, x):
+            y = torch.nan_to_num(self.inner(self.stem(x)), nan=0.0, posinf=0.0, neginf=0.0)
+            return self.head(y)
+
+    torch.manual_seed(0)
+    model = Outer()
+    session = watch(model, on_hit="record", rules=[NaN(), Overflow()], sync=sync)
+    model(torch.rand(3, 4) + 1).sum().backward()
+    session.flush()
+    first = next(h for h in session.hits if h.origin)
+    said = "Deferred checks read no forward value of this step"
+    if sync in ("eager", "batched"):
+        assert (first.tensor, first.phase) == ("inner.output", "forward")
+        assert said not in first.message
+    else:
+        assert (first.tensor, first.phase) == ("inner.grad_input[0]", "backward")
+        assert said in first.message
+
+
+@pytest.mark.parametrize("sync", MODES)
 def test_submodules_run_by_hand_under_no_grad_pass_a_reshaped_nan_on(watch, sync):
     """``model.bf(model.conv(x).flatten(1))`` under ``no_grad`` (an evaluation of part of the
     model): two root calls, no graph between them. ``conv``'s NaN weight makes its output NaN;

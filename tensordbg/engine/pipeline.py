@@ -303,6 +303,12 @@ class Pipeline(Pausing, Pinpointing):
             hit.message += f" {carried}"
         elif hit.origin and record.stats.kind == "grad" and condition != NONFINITE:
             self._after_bad_params(hit)  # a zero gradient of a NaN masked downstream
+        elif (hit.origin and condition == NONFINITE and record.stats.phase == "backward"
+              and self.sync.keeps_unscreened and not self.forward_bad):  # fmt: skip
+            hit.message += (" Deferred checks read no forward value of this step (its outputs "
+                            "and loss were finite): an Inf the forward made and later code "
+                            "masked (nan_to_num, torch.where) would show first here; "
+                            "sync='eager' reads every one.")  # fmt: skip
         self._name_operation(hit, verdict, record)
         call = verdict.call or record.producer
         if hit.origin and hit.kind == "output" and record.stats.nonfinite and call is not None:
