@@ -1342,6 +1342,31 @@ def test_a_recheck_at_a_pause_makes_no_hit_twice_and_keeps_passed_on_hits_so(syn
                for h in weights if h.step > 4)  # fmt: skip
 
 
+def test_an_optimizer_that_stops_stepping_is_said_once_with_how_steps_are_counted(watch, capsys):
+    """Two optimizers; from loop step 2 the first no longer steps. The steps are then counted
+    as each of the second's begins (its forward and backward in the step before), which
+    nothing said: a hit was one step behind the script's own counter without a word."""
+    model = mlp()
+    first = torch.optim.SGD(model[:2].parameters(), lr=0.01)
+    second = torch.optim.SGD(model[2:].parameters(), lr=0.01)
+    session = watch(model, optimizer=[first, second], on_hit="record")
+    for step in range(5):
+        model(torch.randn(3, 4)).sum().backward()
+        if step < 2:
+            first.step()
+        second.step()
+        first.zero_grad()
+        second.zero_grad()
+    said = [line for line in capsys.readouterr().err.splitlines() if "stepped again" in line]
+    assert said == [
+        "tensordbg: step 2: optimizer 2 of 2 (SGD) stepped again before optimizer 1 of 2 (SGD) "
+        "did: from now on a step ends with each step of optimizer 1 of 2 (SGD), and while that "
+        "one does not step, as each step of optimizer 2 of 2 (SGD) begins (its forward and "
+        "backward count in the step before)."
+    ]
+    assert session.step == 4
+
+
 def test_parameters_the_optimizer_steps_that_are_not_watched_are_said_once(watch, capsys):
     """A layer appended to the model after attach, its parameters added to the optimizer,
     and a loss weight that is no parameter of the model: none is watched, and nothing said so;

@@ -19,7 +19,7 @@ from tensordbg.engine.params import Digest, Param, ParamWatch, held_params, samp
 from tensordbg.engine.phases import Judged
 from tensordbg.engine.records import Record, param_grad_record
 from tensordbg.engine.sites import user_site
-from tensordbg.engine.stepping import after_first_call, drop_gradients, skips_inside
+from tensordbg.engine.stepping import after_first_call, drop_gradients, say_apart, skips_inside
 from tensordbg.offline.sentences import listed
 from tensordbg.statistics import FINITE, L2, LR_SHARE, MAX, MIN, Stat
 from tensordbg.statistics.batch import norms_of, rows_of
@@ -259,6 +259,8 @@ class OptimizerPhase:
             return
         try:
             if id(optimizer) in self._stepped:  # again before the others: they step apart
+                if not self._steps_apart:
+                    say_apart(self.step, optimizer, self.optimizers)
                 self._steps_apart = True
                 self._end_step()
             self.end_unseen_pass()

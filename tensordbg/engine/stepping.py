@@ -4,6 +4,7 @@ Used by :mod:`.optimizer` and, after a detach, by the session."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -55,3 +56,17 @@ def skip_after_detach(optimizers: list[torch.optim.Optimizer]) -> None:
             handle.pop().remove()
 
         handle.append(optimizer.register_step_pre_hook(drop))
+
+
+def say_apart(step: int, again: Any, optimizers: list[Any]) -> None:
+    """Once: ``again`` stepped a second time before the other optimizers of the step did, so
+    the steps are counted apart from now on (a WGAN's critic; an optimizer no longer used)."""
+
+    def name(o: Any) -> str:
+        return f"optimizer {optimizers.index(o) + 1} of {len(optimizers)} ({type(o).__name__})"
+
+    waited = " and ".join(name(o) for o in optimizers if o is not again)
+    print(f"tensordbg: step {step}: {name(again)} stepped again before {waited} did: from now "
+          f"on a step ends with each step of {name(optimizers[0])}, and while that one does "
+          f"not step, as each step of {name(again)} begins (its forward and backward count in "
+          "the step before).", file=sys.stderr, flush=True)  # fmt: skip
