@@ -91,6 +91,8 @@ def test_where_one_run_made_a_nan_the_sentence_says_so_in_words(tmp_path: Path) 
         "values differ, the first at [1, 2]: NaN in A, "
     )
     assert "largest difference" not in said
+    # Nor is it 0 in the JSON ("max_abs_diff": 0.0 read as "they agree"): NaN, said "nan".
+    assert math.isnan(diff_dumps(load(c), load(d)).first.values.max_abs_diff)
     # A dump that holds only whether each tensor is finite, and its mean.
     e = write_dump(tmp_path / "e", nan_at=3, values=False, stats=(FINITE, MEAN))
     f = write_dump(tmp_path / "f", nan_at=5, values=False, stats=(FINITE, MEAN))

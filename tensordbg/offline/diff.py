@@ -246,7 +246,7 @@ def _compare_values(x: np.ndarray, y: np.ndarray, report: DiffReport) -> ValueDi
     if x.dtype == y.dtype and np.array_equal(_bytes(x), _bytes(y)):
         return None  # the same bits: no conversion needed
     fx, fy = x.reshape(-1), y.reshape(-1)
-    count, first, worst = 0, -1, 0.0
+    count, first, worst, unmeasured = 0, -1, 0.0, False
     for start in range(0, fx.size, CHUNK):
         cx = np.asarray(fx[start : start + CHUNK], dtype=np.float64)
         cy = np.asarray(fy[start : start + CHUNK], dtype=np.float64)
@@ -259,9 +259,12 @@ def _compare_values(x: np.ndarray, y: np.ndarray, report: DiffReport) -> ValueDi
             if first < 0:
                 first = start + int(np.argmax(bad))
             worst = max(worst, float(np.nanmax(np.where(bad, gaps, 0.0))))
+            unmeasured = unmeasured or bool(np.isnan(gaps[bad]).any())
             count += n
     if not count:
         return None
+    if worst == 0.0 and unmeasured:  # only a NaN against a number: no difference to measure
+        worst = math.nan
     index = [int(i) for i in np.unravel_index(first, x.shape)] if x.ndim else []
     return ValueDifference(count, int(fx.size), index, float(fx[first]), float(fy[first]), worst)
 

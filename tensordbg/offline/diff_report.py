@@ -71,7 +71,8 @@ class Difference:
         if self.values is not None:
             v = self.values
             # A NaN against a number has no difference to measure: then none is said.
-            largest = f" (largest difference {_g(v.max_abs_diff)})" if v.max_abs_diff else ""
+            measured = v.max_abs_diff and not math.isnan(v.max_abs_diff)
+            largest = f" (largest difference {_g(v.max_abs_diff)})" if measured else ""
             parts.append(
                 f"{v.elements} of {v.numel} values differ, the first at {v.first_index}: "
                 f"{_g(v.a)} in A, {_g(v.b)} in B{largest}"
