@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import pytest
 from fake_source import FakeSource
 from rich.console import Group
@@ -1709,5 +1710,21 @@ def test_a_late_focus_message_does_not_switch_back_to_the_tab_the_keys_left() ->
             app.main.event_log.focus()
             await pilot.pause()
             assert tabs.active == "log"
+
+    asyncio.run(flow())
+
+
+def test_a_0d_tensor_shows_its_one_value_without_an_index_over_it() -> None:
+    """A 0-d tensor (a loss) has no index to label a column with: its column said "0", as if
+    it were 1-D."""
+    source = FakeSource()
+    source.arrays[6] = ("loss", "", "observed", np.array(1.5, dtype=np.float32))
+    app = TensorDbgApp(LocalClient(source))
+
+    async def flow() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            grid = await open_tensor(pilot, 6, "loss", TensorGrid)
+            await until(pilot, lambda: grid.rows == 1 and grid.cell_text(0, 0) == "1.5")
+            assert "".join(s.text for s in grid.render_line(0)).strip() == ""
 
     asyncio.run(flow())

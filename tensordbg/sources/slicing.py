@@ -170,7 +170,10 @@ def _expanded(shape: tuple[int, ...], index: Index) -> list[Any]:
         raise SliceError("an index can have only one ...")
     consumed = sum(part is not None and part is not Ellipsis for part in index)
     if consumed > len(shape):
-        raise SliceError(f"{format_index(index)} has {consumed} indices for {len(shape)} dims")
+        raise SliceError(
+            f"{format_index(index)} has {consumed} {_plural(consumed, 'index')} "
+            f"for {len(shape)} {_plural(len(shape), 'dim')}"
+        )
     parts: list[Any] = []
     for part in index:
         if part is Ellipsis:
@@ -211,12 +214,12 @@ def apply_index(x: Any, index: Index, max_elements: int | None = None) -> Any:
     evaluated (a short list index can ask for many copies of a large tensor)."""
     if not index:
         return x
-    shape = "x".join(map(str, tuple(x.shape))) or "scalar"
+    dims = "x".join(map(str, tuple(x.shape)))
+    shape = f"tensor of shape {dims}" if dims else "0-d tensor (one value, no index to take)"
     try:
         size = math.prod(result_shape(tuple(x.shape), index))
     except SliceError as e:
-        raise SliceError(f"{format_index(index)} does not fit a tensor of shape {shape}: "
-                         f"{e}") from None  # fmt: skip
+        raise SliceError(f"{format_index(index)} does not fit a {shape}: {e}") from None
     if max_elements is not None and size > max_elements:
         raise SliceError(
             f"{format_index(index)} would make {size:,} values; a slice may make at most "
@@ -226,7 +229,7 @@ def apply_index(x: Any, index: Index, max_elements: int | None = None) -> Any:
         return x[index]
     except (IndexError, TypeError, ValueError, RuntimeError) as e:
         text = format_index(index)
-        raise SliceError(f"{text} does not fit a tensor of shape {shape}: {e}") from None
+        raise SliceError(f"{text} does not fit a {shape}: {e}") from None
 
 
 def grid_shape(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -326,3 +329,7 @@ def found(
     where.reverse()
     return {"ref": ref, "index": index, "shape": list(shape), "at": where, "flat": flat,
             "wrapped": wrapped}  # fmt: skip
+
+
+def _plural(n: int, word: str) -> str:
+    return word if n == 1 else {"index": "indices"}.get(word, f"{word}s")

@@ -171,7 +171,13 @@ def read_connection_file(path: str | os.PathLike[str]) -> ConnectionInfo:
     path = Path(path)
     try:
         with open(path, "rb") as f:
-            data = json.loads(f.read(_FILE_LIMIT))
+            raw = f.read(_FILE_LIMIT + 1)
+        if len(raw) > _FILE_LIMIT:  # read whole, it would fail as cut JSON: say what it is
+            raise ConnectionFileError(
+                f"{path} is not a tensordbg connection file (one is a few "
+                f"hundred bytes; this is more than {_FILE_LIMIT:,})"
+            )
+        data = json.loads(raw)
     except (OSError, ValueError) as e:
         raise ConnectionFileError(
             f"cannot read connection file {path}: {e}: pass the .json file a training wrote"

@@ -291,8 +291,10 @@ class TensorGrid(ScrollView, can_focus=True):
         if y == 0:
             segments = [Segment(" " * self._label_width, index)]
             last = len(self._shape) - 1
-            segments += [Segment(f"{self._label(last, c):>{CELL - 1}} ", index)
-                         for c in range(c0, c1)]  # fmt: skip
+            segments += [
+                Segment(f"{self._label(last, c) if self._shape else '':>{CELL - 1}} ", index)
+                for c in range(c0, c1)
+            ]  # fmt: skip (0-d: no index)
         else:
             row = round(self.scroll_y) + y - 1
             if row >= self._rows:
