@@ -189,6 +189,22 @@ def test_a_bfloat16_tensor_with_a_nan_keeps_the_range_of_its_finite_values(tmp_p
     assert stats["nan"] == 1 and (stats["min"], stats["max"]) == (finite.min(), finite.max())
 
 
+def test_a_replay_says_why_deferred_checks_dumped_no_activation_gradient_values(tmp_path):
+    """``dump_tensors=["*"]``: a clean step's activation gradients still have no values in a
+    deferred run (parameter gradients vouch for them and none is held). The replay said to
+    widen dump_tensors, which was as wide as it gets."""
+    from tensordbg.sources.contract import SourceError
+    from tensordbg.sources.replay import ReplaySource
+
+    _train_dumped(_model(), tmp_path, 2, dump_every=1, dump_tensors=["*"], sync="deferred")
+    source = ReplaySource(tensordbg.load(tmp_path))
+    held = [t for t in source.tensors() if t["kind"] == "grad_output" and not t["retained"]]
+    assert held
+    with pytest.raises(SourceError, match="deferred checks did not hold it") as refused:
+        source.slice(held[0]["ref"])
+    assert "dump_tensors" not in str(refused.value)
+
+
 def test_on_hit_raise_writes_the_step_before_raising(tmp_path):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

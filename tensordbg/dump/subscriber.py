@@ -109,7 +109,7 @@ class DumpRecorder:
         """Periodic steps not written because the writer fell behind."""
         self.failed: str | None = None
         try:
-            meta = {**_run_meta(session), "dump_every": every}
+            meta = {**_run_meta(session), "dump_every": every, "dump_tensors": list(tensors)}
             self.writer = DumpWriter(dump_dir, meta, rank=session.rank, max_bytes=max_bytes)
         except OSError as e:
             raise ValueError(f"tensordbg cannot write a dump in {dump_dir}: {e}") from None

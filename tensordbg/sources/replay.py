@@ -15,6 +15,7 @@ checksums when the step is shown, never the whole dump. numpy only: it never imp
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import os
 from collections.abc import Callable
@@ -455,6 +456,12 @@ class ReplaySource:
         if any(h["step"] == step for h in self._hits):  # dump_tensors chose nothing there
             return (f"{said}: a step with a hit keeps the values the training still held when "
                     "its phases ended, from the phase that hit on")  # fmt: skip
+        chosen = self.dump.meta.get("dump_tensors") or []
+        if entry.kind in ("grad_output", "grad_input") and _matches(entry.name, chosen):
+            sync = self.dump.meta.get("sync")
+            return (f"{said}: {sync} checks did not hold it (a clean step's activation gradients "
+                    "are vouched for by the parameter gradients, and let go); sync='eager' "
+                    "holds each one for the dump")  # fmt: skip
         return f"{said}: dump_tensors=[pattern] chooses which values a periodic step keeps"
 
     def _view(self, step: int, entry: Any, text: str) -> tuple[str, np.ndarray]:
@@ -481,3 +488,7 @@ def next_nonfinite_array(x: Any, after: int = -1) -> tuple[int, bool] | None:
         return None
     later = int(np.searchsorted(bad, after, side="right"))
     return (int(bad[later]), False) if later < bad.size else (int(bad[0]), True)
+
+
+def _matches(name: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
