@@ -239,6 +239,10 @@ def test_the_ui_says_replay_and_moves_between_steps_with_n_and_p(dump: Path) -> 
             await until(pilot, lambda: source.step == 2 and "step 2 (3 of 6" in str(banner.content))
             tensors = app.main.module_browser
             await until(pilot, lambda: tensors.table.row_count == 5)
+            # The rows are the shown step's: not marked "step 2:" as if of an earlier step
+            # (the hit's step, 3, was taken for the step on show).
+            await until(pilot, lambda: any("μ=" in c for row in tensors.table._cells for c in row))
+            assert not any(c.startswith("step ") for row in tensors.table._cells for c in row)
             app.main.show_tab("modules")  # a module's tensors are the dumped step's, all phases
             await until(pilot, lambda: "in this dumped step" in str(tensors.tensors_title.content))
             await pilot.press("c")  # a recording cannot be driven: it says so

@@ -202,6 +202,7 @@ class MainScreen(Screen):
 
     def show_replay_step(self, info: Info) -> None:
         """A recorded run moved to another dumped step (n / p): its tensors and statistics."""
+        self._step = info["step"]  # its statistics are this step's, not an earlier one's
         self.run_status.show_info(info)
         self._show_replay(info)
         self.log_entry(f"replay: step {info['step']}")
@@ -287,8 +288,7 @@ class MainScreen(Screen):
     def _show_title(self) -> None:
         where = step_phrase(self._state, self._step, self.run_status.phase)
         step = "" if self._step is None else f" {where}"
-        if self._replay_text:  # a recorded run: the dumped step shown, of how many
-            step = f" · {self._replay_text}"
+        step = f" · {self._replay_text}" if self._replay_text else step  # a replay: which step
         count = f" · count {self._count}" if self._count else ""
         ended = f" · {self._ended_by}" if self._ended_by and self._state == "finished" else ""
         self.title = f"{self._state.upper()}{step}{ended}{count}"
