@@ -297,6 +297,7 @@ class FakeSource:
                     "dtype": "float32",
                     "line": summarize_numpy(prev[3]).line(prev[3].shape, "float32"),
                     "nonfinite": False,
+                    **({"made_by": "the batch"} if not prev[1] else {}),  # the model's input
                 }
             )
         return {

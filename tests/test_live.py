@@ -165,6 +165,11 @@ def test_provenance_names_the_producer_its_inputs_and_the_users_line(paused):
     assert prov["producer"] == {"module": "out", "type": "Linear", "call": 0}
     [inp] = prov["inputs"]
     assert inp["name"] == "out.input[0]" and inp["nonfinite"] is True
+    # The root's own code made it (h / 0): not "out" (the UI said "<- out"), and not a module.
+    assert (inp["module"], inp["made_by"]) == ("", "code")
+    first = next(t for t in source.tensors() if t["name"] == "inp.output")
+    [batch] = source.provenance(first["ref"])["inputs"]
+    assert (batch["name"], batch["made_by"]) == ("input[0]", "the batch")
     line = inspect.getsource(Planted.forward).splitlines()
     expected = next(i for i, text in enumerate(line) if "return self.out(h)" in text)
     start = inspect.getsourcelines(Planted.forward)[1]

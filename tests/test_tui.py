@@ -1728,3 +1728,21 @@ def test_a_0d_tensor_shows_its_one_value_without_an_index_over_it() -> None:
             assert "".join(s.text for s in grid.render_line(0)).strip() == ""
 
     asyncio.run(flow())
+
+
+def test_an_input_no_module_returned_says_what_made_it() -> None:
+    """An input that no module returned was labelled with the module that took it ("fc1.input[0]
+    <- fc1", as if fc1 made it): the batch, or its caller's own code, is named instead."""
+    source = FakeSource()
+    app = TensorDbgApp(LocalClient(source))
+
+    async def flow() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await open_tensor(pilot, 1, "net.0.output", TensorGrid)
+            app.main.show_tab("provenance")
+            tree = app.query_one(Tree)
+            await until(pilot, lambda: "net.0.output" in str(tree.root.label))
+            await until(pilot, lambda: len(tree.root.children) > 1)
+            assert "input[0]  ← the batch" in str(tree.root.children[1].children[0].label)
+
+    asyncio.run(flow())

@@ -59,7 +59,7 @@ def provenance(
         "stack": [],
     }
     if producer is not None:
-        out["inputs"] = [_input_dict(r) for _, r in producer.inputs] + _unjudged(producer)
+        out["inputs"] = [_input_dict(r, producer) for _, r in producer.inputs] + _unjudged(producer)
     elif owner is not None and (updater := _updater(session, record, owner)) is not None:
         # A parameter as the update left it: the optimizer's step wrote it, at the line that
         # called step(); the calls of this step's forward used the value before it.
@@ -150,13 +150,18 @@ def _call_dict(call: Call) -> dict[str, Any]:
     return {"module": call.path, "type": call.module_type, "call": call.index}
 
 
-def _input_dict(record: Record) -> dict[str, Any]:
+def _input_dict(record: Record, call: Call) -> dict[str, Any]:
+    """An input of ``call``; ``module``: the module whose output it is, else the one whose own
+    code made it (the caller's), said in ``made_by``."""
     stats = record.stats
     producer = record.producer
+    given = stats.kind == "input" and not stats.module  # the model's own input: the batch
+    made_by = {} if producer else {"made_by": "the batch" if given else "code"}
     return {
+        **made_by,
         "ref": stats.ref,
         "name": stats.name,
-        "module": producer.path if producer else stats.module,
+        "module": producer.path if producer else call.parent.path if call.parent else "",
         "shape": list(stats.shape),
         "dtype": stats.dtype,
         "line": stats.line() if stats.summary else _range_line(stats),

@@ -228,6 +228,7 @@ class ProvenanceInput(TypedDict):
     dtype: str
     line: str
     nonfinite: bool | None  # None: not checked
+    made_by: NotRequired[str]  # "code": its module's own code made it; "the batch": given to it
 
 
 class SourceLine(TypedDict):

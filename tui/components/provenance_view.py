@@ -142,6 +142,10 @@ class ProvenanceView(VerticalScroll):
             label = finiteness(item.get("nonfinite"))
             label.append(f"  {item['name']}  ", style="bold")
             came = item["module"] or ("(model)" if item.get("ref") is not None else "not judged")
+            if item.get("made_by") == "code":  # made between modules, not returned by one
+                came = f"{came}'s own code"
+            elif item.get("made_by"):  # given to the model's first call (its root)
+                came = item["made_by"]
             label.append(f"← {came}  ", style="dim")
             label.append(item.get("line") or f"tensor{item['shape']} {item['dtype']}")
             inputs.add_leaf(label, data=item)
