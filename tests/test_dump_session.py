@@ -205,6 +205,22 @@ def test_a_replay_says_why_deferred_checks_dumped_no_activation_gradient_values(
     assert "dump_tensors" not in str(refused.value)
 
 
+def test_a_dump_ended_by_a_detach_while_the_training_goes_on_says_where(tmp_path, capsys):
+    """q in a UI detaches tensordbg and the training goes on: the dump ended there, complete,
+    and ``check`` said nothing of the steps the script went on to run unwatched."""
+    from tensordbg.offline.check import check_dump
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = tensordbg.attach(model, opt, on_hit="record", server=False, dump_dir=tmp_path,
+                               dump_every=1, summary_at_exit=False)  # fmt: skip
+    _train(model, opt, 3, on_step=lambda step: session.detach() if step == 1 else None)
+    dump = tensordbg.load(tmp_path)
+    assert dump.steps() == [0, 1] and dump.meta["detached"] == "after step 1"
+    said = "the dump ends where tensordbg was detached, after step 1 (a UI's q, or session."
+    assert said in check_dump(dump).table()
+
+
 def test_on_hit_raise_writes_the_step_before_raising(tmp_path):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -143,6 +143,10 @@ class DumpRecorder:
         elif event == "halt":
             self._halt(payload["step"], payload["records"])
         elif event == "detach":
+            if not getattr(self.session, "_exiting", False):  # the training may go on: said
+                step, phase = payload.get("step", 0), payload.get("phase", "")
+                self.writer.meta["detached"] = (f"at step {step} ({phase})" if phase
+                                                else f"after step {step - 1}")  # fmt: skip
             self.close()
 
     def _at(self, step: int) -> _StepBuffer:

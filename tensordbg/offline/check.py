@@ -116,6 +116,11 @@ def check_dump(
     ranks = sorted(dump.ranks if ranks is None else ranks)
     # An index cut short after the run closed it (a copy, a disk) leaves the dump incomplete too.
     cut = [why for (step, rank), why in dump.broken.items() if step == -1 and rank in ranks]
+    if at := dump.meta.get("detached"):  # q in a UI: the training went on
+        notes.append(
+            f"the dump ends where tensordbg was detached, {at} (a UI's q, or "
+            "session.detach() in the script): later steps, if any, were not watched"
+        )
     report = CheckReport(
         path=str(dump.path),
         run_id=str(dump.meta.get("run_id", "")),
