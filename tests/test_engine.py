@@ -1367,6 +1367,27 @@ def test_an_optimizer_that_stops_stepping_is_said_once_with_how_steps_are_counte
     assert session.step == 4
 
 
+def test_the_same_finding_at_every_step_has_one_origin_its_first_step(watch):
+    """A learning rate of 1e6 makes the gradients explode at every step: the summary counted
+    217 origins in 39 steps for one cause. A rule firing on a tensor at every step since an
+    earlier one is at its origin there, once; a step without it ends the streak."""
+    from tensordbg.rules import TensorRange
+
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    session = watch(model, optimizer=optimizer, on_hit="record",
+                    rules=[TensorRange(match="input[[]0]", max_gt=5.0)])  # fmt: skip
+    for step in range(5):
+        x = torch.randn(3, 4)
+        x[0, 0] = 1.0 if step == 2 else 9.0  # above the range but at step 2
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    hits = [(h.step, h.origin) for h in session.hits]
+    assert hits == [(0, True), (1, False), (3, True), (4, False)]
+    assert session.hits[1].message.endswith("So at every step since step 0, where it began.")
+
+
 def test_parameters_the_optimizer_steps_that_are_not_watched_are_said_once(watch, capsys):
     """A layer appended to the model after attach, its parameters added to the optimizer,
     and a loss weight that is no parameter of the model: none is watched, and nothing said so;

@@ -59,6 +59,8 @@ class HitLog:
         self.capped = False
         self.fired_last_step: set[tuple[str, str]] = set()
         self.fired_this_step: set[tuple[str, str]] = set()
+        self.streaks: dict[tuple[str, str], int] = {}
+        """The step each rule began to fire on each tensor, at every step since."""
         self.first_origin: dict[int, str] = {}
         """The first tensor named the origin of each condition this step (for messages)."""
         self._log = log
@@ -83,14 +85,23 @@ class HitLog:
         self.hits.append(hit)
         if active is not None:
             active.hits += 1
-        self.fired_this_step.add((hit.rule, hit.tensor))
+        key = (hit.rule, hit.tensor)
+        if key not in self.fired_last_step and key not in self.fired_this_step:
+            self.streaks[key] = hit.step
+        self.fired_this_step.add(key)
         return True
 
     def repeated(self, hit: Hit) -> bool:
         """Whether the same rule fired on the same tensor in the step before."""
         return (hit.rule, hit.tensor) in self.fired_last_step
 
+    def streak(self, hit: Hit) -> int | None:
+        """The step the same rule began to fire on the same tensor, at every step since, when
+        it fired in the step before; else None."""
+        return self.streaks.get((hit.rule, hit.tensor)) if self.repeated(hit) else None
+
     def end_step(self) -> None:
+        self.streaks = {k: v for k, v in self.streaks.items() if k in self.fired_this_step}
         self.fired_last_step, self.fired_this_step = self.fired_this_step, set()
         self.first_origin = {}
 

@@ -301,14 +301,8 @@ class Pipeline(Pausing, Pinpointing):
                                verdict.bad_since)  # fmt: skip
         if carried:
             hit.message += f" {carried}"
-        elif hit.origin and record.stats.kind == "grad" and condition != NONFINITE:
-            self._after_bad_params(hit)  # a zero gradient of a NaN masked downstream
-        elif (hit.origin and condition == NONFINITE and record.stats.phase == "backward"
-              and self.sync.keeps_unscreened and not self.forward_bad):  # fmt: skip
-            hit.message += (" Deferred checks read no forward value of this step (its outputs "
-                            "and loss were finite): an Inf the forward made and later code "
-                            "masked (nan_to_num, torch.where) would show first here; "
-                            "sync='eager' reads every one.")  # fmt: skip
+        if hit.origin:
+            self._origin_in_context(hit, record, condition)
         self._name_operation(hit, verdict, record)
         call = verdict.call or record.producer
         if hit.origin and hit.kind == "output" and record.stats.nonfinite and call is not None:
@@ -319,6 +313,24 @@ class Pipeline(Pausing, Pinpointing):
             self.amp.held.append((hit, active))  # the scaler may skip this step: see amp.py
             return
         self._add_hit(hit, active)
+
+    def _origin_in_context(self, hit: Hit, record: Record, condition: int | None) -> None:
+        """An origin as the steps around it show it: a gradient that vanished while parameters
+        hold NaN, or the same finding at every step since an earlier one, is not a new problem;
+        a deferred backward origin of a forward it did not read says so."""
+        if condition == NONFINITE:
+            if (record.stats.phase == "backward" and self.sync.keeps_unscreened
+                    and not self.forward_bad):  # fmt: skip
+                hit.message += (" Deferred checks read no forward value of this step (its "
+                                "outputs and loss were finite): an Inf the forward made and "
+                                "later code masked (nan_to_num, torch.where) would show first "
+                                "here; sync='eager' reads every one.")  # fmt: skip
+            return
+        if record.stats.kind == "grad":
+            self._after_bad_params(hit)  # a zero gradient of a NaN masked downstream
+        if hit.origin and (since := self.hitlog.streak(hit)) is not None:
+            hit.origin = False  # one origin for the streak: its first step
+            hit.message += f" So at every step since step {since}, where it began."
 
     def _after_bad_params(self, hit: Hit) -> None:
         """A gradient's finding other than NaN or Inf (a gradient that vanished) while
