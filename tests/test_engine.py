@@ -1388,6 +1388,25 @@ def test_the_same_finding_at_every_step_has_one_origin_its_first_step(watch):
     assert session.hits[1].message.endswith("So at every step since step 0, where it began.")
 
 
+@pytest.mark.parametrize("clips", [True, False])
+def test_a_gradient_hit_says_when_the_script_clipped_the_gradient_before_the_update(watch, clips):
+    """ExplodingGradient judges the gradients the backward made and advises clipping; a script
+    that clips them before the update was told so as if tensordbg had not seen it."""
+    from tensordbg.rules import ExplodingGradient
+
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    session = watch(model, optimizer=optimizer, on_hit="record",
+                    rules=[ExplodingGradient(max_norm=1e-6)])  # fmt: skip
+    model(torch.randn(3, 4)).sum().backward()
+    if clips:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-9)
+    optimizer.step()
+    said = [h for h in session.hits if "The script then changed it before the update" in h.message]
+    assert bool(said) == clips
+    assert all(h.message.endswith("(as clip_grad_norm_ does).") for h in said)
+
+
 def test_parameters_the_optimizer_steps_that_are_not_watched_are_said_once(watch, capsys):
     """A layer appended to the model after attach, its parameters added to the optimizer,
     and a loss weight that is no parameter of the model: none is watched, and nothing said so;

@@ -22,6 +22,7 @@ from tensordbg.engine.judge import ActiveRule
 from tensordbg.engine.records import NONFINITE, Call, Record, submodule
 from tensordbg.hit import Hit, said_of
 from tensordbg.rules.base import Finding
+from tensordbg.statistics import L2
 from tensordbg.statistics.summaries import summarize
 
 MAX_HITS = 100_000
@@ -99,6 +100,27 @@ class HitLog:
         """The step the same rule began to fire on the same tensor, at every step since, when
         it fired in the step before; else None."""
         return self.streaks.get((hit.rule, hit.tensor)) if self.repeated(hit) else None
+
+    def changed_before_step(self, step: int, records: dict[int, Record],
+                            params: dict[str, Any]) -> None:  # fmt: skip
+        """Before the step's first update: a parameter gradient a hit of this step was found on
+        that the script changed since (``clip_grad_norm_``) says so, with both norms
+        (ExplodingGradient advised clipping to a script that clips, as if unseen)."""
+        for hit in reversed(self.hits):
+            if hit.step != step:
+                return
+            record = records.get(hit.ref) if hit.kind == "grad" and hit.origin else None
+            p = params.get(hit.tensor.removesuffix(".grad")) if record is not None else None
+            before = record.stats.values.get(L2) if record is not None else None
+            grad = p.param.grad if p is not None else None
+            if before is None or grad is None or grad.is_sparse or not math.isfinite(before):
+                continue
+            now = float(torch.linalg.vector_norm(grad.detach(), dtype=torch.float64))
+            if abs(now - before) > 1e-3 * before:
+                hit.message += (
+                    f" The script then changed it before the update: its norm "
+                    f"{before:.3g} became {now:.3g} (as clip_grad_norm_ does)."
+                )
 
     def end_step(self) -> None:
         self.streaks = {k: v for k, v in self.streaks.items() if k in self.fired_this_step}

@@ -287,6 +287,7 @@ class OptimizerPhase:
                 self.origins.gradients_final(self.phases.records)
                 if self.origins.grad_fired:  # spread by the script's code since (clipping)?
                     self.origins.spread_before_step(_final_grads(self.weights))
+                self.hitlog.changed_before_step(self.step, self.phases.by_ref, self.weights.by_name)
             self._start_phase("optimizer")
             for record, grad in self._brought:  # judged after the backward phase had ended
                 self.phases.adopt(record)
