@@ -338,6 +338,30 @@ def test_an_inf_masked_in_the_forward_is_named_where_each_mode_can_see_it(watch,
 
 
 @pytest.mark.parametrize("sync", MODES)
+def test_a_training_forward_after_a_bad_evaluation_names_its_own_source(watch, sync):
+    """An evaluation under no_grad meets a NaN batch; the training forward after it in the same
+    step gets its NaN from a weight set by hand. Its passed-on hits said "first produced at
+    input[0]", the evaluation's batch, which does not feed it: they name the weight."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    session = watch(model, optimizer=opt, on_hit="record", rules=[NaN()], sync=sync)
+    with torch.no_grad():
+        bad = torch.randn(3, 4)
+        bad[0, 0] = float("nan")
+        model(bad)  # the evaluation's NaN: its batch
+        model[1].weight[0, 0] = float("nan")  # then a weight, by hand
+    loss = model(torch.randn(3, 4)).sum()
+    session.observe("loss", loss)
+    loss.backward()
+    opt.step()
+    said = {h.tensor: h.message for h in session.hits if h.step == 0 and h.phase == "forward"}
+    assert "(first produced at input[0])" in said["2.output"]  # the evaluation's own
+    assert "(first produced at 1.weight)" in said["2#1.output"]
+    assert "(first produced at 1.weight)" in said["loss"]
+
+
+@pytest.mark.parametrize("sync", MODES)
 def test_submodules_run_by_hand_under_no_grad_pass_a_reshaped_nan_on(watch, sync):
     """``model.bf(model.conv(x).flatten(1))`` under ``no_grad`` (an evaluation of part of the
     model): two root calls, no graph between them. ``conv``'s NaN weight makes its output NaN;

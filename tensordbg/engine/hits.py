@@ -64,6 +64,9 @@ class HitLog:
         """The step each rule began to fire on each tensor, at every step since."""
         self.first_origin: dict[int, str] = {}
         """The first tensor named the origin of each condition this step (for messages)."""
+        self.first_in_root: dict[tuple[int, int], str] = {}
+        self.latest_root_first: dict[int, str] = {}
+        """The same, by root call of the step (by ``id``), and a parameter that passed it on."""
         self._log = log
         self.rank = 0
         """The session's rank: every hit logged carries it."""
@@ -125,7 +128,7 @@ class HitLog:
     def end_step(self) -> None:
         self.streaks = {k: v for k, v in self.streaks.items() if k in self.fired_this_step}
         self.fired_last_step, self.fired_this_step = self.fired_this_step, set()
-        self.first_origin = {}
+        self.first_origin, self.first_in_root, self.latest_root_first = {}, {}, {}
 
     def summary(self, skipped_steps: list[int], origins: int = 5) -> str:
         """The hits in a few lines: those at their origin first."""
@@ -182,6 +185,15 @@ class HitLog:
             and module is not record.grad_of.producer  # fmt: skip
         if name:  # named where it was made: the sentence says the same
             finding = replace(finding, message=said_of(finding.message, stats.name, name))
+        # Where it was first produced: in the same root call when one there was (an
+        # evaluation between steps does not feed the training forward after it).
+        root = _root_call(module or record.producer) if stats.phase == "forward" else None
+        first = self.first_origin.get(condition, "")
+        first = self.first_in_root.get((id(root), condition), first) if root else first
+        if kind == "observed":  # a loss: of the latest root call that had one, if any did
+            first = self.latest_root_first.get(condition, first)
+        bad_params = (self.bad_params(path) if not is_origin and kind == "output"
+                      and path is not None else ())  # fmt: skip
         hit = Hit(
             rule=active.rule.name,
             tensor=name or stats.name,
@@ -198,12 +210,10 @@ class HitLog:
                 condition,
                 "grad_code" if own_code else kind,
                 path,
-                self.first_origin.get(condition, ""),
+                first,
                 self.bad_buffers(path) if is_origin and kind == "output" and path else (),
                 by_gradient,
-                self.bad_params(path)
-                if not is_origin and kind == "output" and path is not None
-                else (),
+                bad_params,
                 unseen,
                 bad_since,
                 self.unwatched_bad(path) if is_origin and kind == "output" else (),
@@ -215,6 +225,10 @@ class HitLog:
         )
         if is_origin and condition is not None:
             self.first_origin.setdefault(condition, hit.tensor)
+        if root is not None and condition is not None and (is_origin or bad_params):
+            self.first_in_root.setdefault((id(root), condition),
+                                          hit.tensor if is_origin else bad_params[0])  # fmt: skip
+            self.latest_root_first[condition] = self.first_in_root[(id(root), condition)]
         return hit
 
     def bad_buffers(self, path: str | None = None) -> list[str]:
@@ -405,3 +419,9 @@ _ORIGIN_NOTE = {
     ("update", True): "It was produced by the optimizer step.",
     ("observed", True): "The model's outputs were clean: the code that computes it made it.",
 }
+
+
+def _root_call(call: Call | None) -> Call | None:
+    while call is not None and call.parent is not None:
+        call = call.parent
+    return call
