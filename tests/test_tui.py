@@ -1746,3 +1746,28 @@ def test_an_input_no_module_returned_says_what_made_it() -> None:
             assert "input[0]  ← the batch" in str(tree.root.children[1].children[0].label)
 
     asyncio.run(flow())
+
+
+def test_enter_right_after_a_search_opens_the_found_modules_tensors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """/ net.2, Enter (back to the modules), Enter: the second Enter did nothing, for the
+    module's tensors were listed only once the cursor had rested on it (a loaded machine
+    stretches that moment: here, to 5 s)."""
+    import tensordbg.tui.components.module_browser as browser
+
+    monkeypatch.setattr(browser, "SETTLE", 5.0)
+    source = FakeSource()
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            table = app.main.module_browser.table
+            await until(pilot, lambda: table.row_count > 0)
+            app.main.show_tab("modules")
+            await pilot.press("slash", *"net.2", "enter", "enter")
+            tensors = app.main.module_browser.tensor_table
+            assert table.current is not None and table.current["path"] == "net.2"
+            assert app.focused is tensors and tensors.row_count == 1
+
+    asyncio.run(flow())

@@ -100,7 +100,13 @@ class ModuleBrowser(Vertical):
         self._pending = self.set_timer(SETTLE, lambda: self._show_tensors(event.module))
 
     @on(ModuleTable.Selected)
-    def _selected(self) -> None:
+    def _selected(self, event: ModuleTable.Selected) -> None:
+        # Its tensors now, not when the cursor would have rested: right after a search (or a
+        # quick move) the list still showed the module before, or none, and Enter did nothing.
+        if self._pending is not None:
+            self._pending.stop()
+            self._pending = None
+        self._show_tensors(event.module)
         if self.tensor_table.row_count:
             self.tensor_table.focus()
 
