@@ -23,6 +23,7 @@ and float8 are raw bytes under their safetensors dtype and come back through ``m
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import math
 import os
@@ -280,3 +281,9 @@ def array_bytes(array: np.ndarray) -> memoryview:
     """The raw C-order bytes of an array, without a copy when it is contiguous."""
     array = np.ascontiguousarray(array)
     return memoryview(array.reshape(-1).view(np.uint8))
+
+
+def chosen(name: str, patterns: Iterable[str]) -> bool:
+    """Whether ``dump_tensors`` patterns choose the tensor ``name`` (fnmatch, case-sensitive):
+    what a periodic step keeps the values of, as the run and its replay both read it."""
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)

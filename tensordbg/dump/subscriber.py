@@ -23,7 +23,6 @@ marks the dump incomplete, and the training goes on without dumps.
 
 from __future__ import annotations
 
-import fnmatch
 import math
 import queue
 import sys
@@ -186,7 +185,7 @@ class DumpRecorder:
             if self.failed is not None:
                 continue
             name = record.stats.name
-            if copy_all or (self.patterns and _matches(name, self.patterns)):
+            if copy_all or (self.patterns and fmt.chosen(name, self.patterns)):
                 self._copy(buffer, record, makers)
         buffer.values_from_hits |= copy_all
 
@@ -376,10 +375,6 @@ def check_settings(every: Any, max_bytes: Any) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name} is {what}, not {value!r}")
-
-
-def _matches(name: str, patterns: tuple[str, ...]) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:

@@ -23,7 +23,7 @@ from tensordbg.engine.records import NONFINITE, Call, Record, submodule
 from tensordbg.hit import Hit, said_of
 from tensordbg.rules.base import Finding
 from tensordbg.statistics import L2
-from tensordbg.statistics.summaries import summarize
+from tensordbg.statistics.summaries import next_nonfinite, summarize
 
 MAX_HITS = 100_000
 
@@ -65,8 +65,8 @@ class HitLog:
         self.first_origin: dict[int, str] = {}
         """The first tensor named the origin of each condition this step (for messages)."""
         self.first_in_root: dict[tuple[int, int], str] = {}
-        self.latest_root_first: dict[int, str] = {}
-        """The same, by root call of the step (by ``id``), and a parameter that passed it on."""
+        """The same, by root call of the step (by ``id``, in the order they had one), or the
+        parameter that passed it on there."""
         self._log = log
         self.rank = 0
         """The session's rank: every hit logged carries it."""
@@ -128,7 +128,7 @@ class HitLog:
     def end_step(self) -> None:
         self.streaks = {k: v for k, v in self.streaks.items() if k in self.fired_this_step}
         self.fired_last_step, self.fired_this_step = self.fired_this_step, set()
-        self.first_origin, self.first_in_root, self.latest_root_first = {}, {}, {}
+        self.first_origin, self.first_in_root = {}, {}
 
     def summary(self, skipped_steps: list[int], origins: int = 5) -> str:
         """The hits in a few lines: those at their origin first."""
@@ -191,7 +191,8 @@ class HitLog:
         first = self.first_origin.get(condition, "")
         first = self.first_in_root.get((id(root), condition), first) if root else first
         if kind == "observed":  # a loss: of the latest root call that had one, if any did
-            first = self.latest_root_first.get(condition, first)
+            first = next((v for (_, c), v in reversed(self.first_in_root.items())
+                          if c == condition), first)  # fmt: skip
         bad_params = (self.bad_params(path) if not is_origin and kind == "output"
                       and path is not None else ())  # fmt: skip
         hit = Hit(
@@ -228,7 +229,6 @@ class HitLog:
         if root is not None and condition is not None and (is_origin or bad_params):
             self.first_in_root.setdefault((id(root), condition),
                                           hit.tensor if is_origin else bad_params[0])  # fmt: skip
-            self.latest_root_first[condition] = self.first_in_root[(id(root), condition)]
         return hit
 
     def bad_buffers(self, path: str | None = None) -> list[str]:
@@ -283,11 +283,13 @@ def _first_bad(tensor: torch.Tensor, stats: Any) -> str:
     bad = summary.nan + summary.posinf + summary.neginf if summary is not None else 0
     if not 0 < bad < tensor.numel() or tensor.layout is not torch.strided or not tensor.dim():
         return ""
-    try:  # (a dtype isfinite does not take, a tensor freed meanwhile: the hit stands)
-        at = int(torch.isfinite(tensor.detach()).logical_not_().flatten().nonzero()[0])
-    except (RuntimeError, IndexError):
+    try:  # (read a chunk at a time, as the UI's f finds it; a dtype it cannot read: no more)
+        at = next_nonfinite(tensor)
+    except RuntimeError:
         return ""
-    index = [int(i) for i in torch.unravel_index(torch.tensor(at), tensor.shape)]
+    if at is None:
+        return ""
+    index = [int(i) for i in torch.unravel_index(torch.tensor(at[0]), tensor.shape)]
     return f" The first is at [{', '.join(map(str, index))}]."
 
 

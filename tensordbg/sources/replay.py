@@ -15,7 +15,6 @@ checksums when the step is shown, never the whole dump. numpy only: it never imp
 
 from __future__ import annotations
 
-import fnmatch
 import math
 import os
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from tensordbg.dump import format as dump_format
 from tensordbg.sources import contract, recorded
 from tensordbg.sources.contract import EventCallback, SourceError
 from tensordbg.sources.replay_previous import in_words, previous
@@ -457,7 +457,7 @@ class ReplaySource:
             return (f"{said}: a step with a hit keeps the values the training still held when "
                     "its phases ended, from the phase that hit on")  # fmt: skip
         chosen = self.dump.meta.get("dump_tensors") or []
-        if entry.kind in ("grad_output", "grad_input") and _matches(entry.name, chosen):
+        if entry.kind in ("grad_output", "grad_input") and dump_format.chosen(entry.name, chosen):
             sync = self.dump.meta.get("sync")
             return (f"{said}: {sync} checks did not hold it (a clean step's activation gradients "
                     "are vouched for by the parameter gradients, and let go); sync='eager' "
@@ -488,7 +488,3 @@ def next_nonfinite_array(x: Any, after: int = -1) -> tuple[int, bool] | None:
         return None
     later = int(np.searchsorted(bad, after, side="right"))
     return (int(bad[later]), False) if later < bad.size else (int(bad[0]), True)
-
-
-def _matches(name: str, patterns: list[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
