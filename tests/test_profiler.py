@@ -453,7 +453,10 @@ def test_tensordbg_s_own_work_as_a_forward_begins_is_tensordbg_s_not_other(monke
     batches = [(torch.randn(8, 16), torch.ones(8, 2))] * 5  # no loading to speak of
     _, handle, _, _ = train(batches, steps=5, profile_at=1, profile_steps=2, compute=0.0)
     report = handle.report
-    assert report.share("tensordbg") > 0.5 and report.share("other") < 0.3, report.breakdown
+    # The sleep is in tensordbg's time of each step, not in "other" (in seconds: the rest of
+    # a step takes as long as a loaded machine makes it, so its shares move).
+    for row in report.breakdown:
+        assert row["tensordbg"] >= 0.019 and row["other"] < 0.01, report.breakdown
     assert not any(a["rule"] == "OutsideThePhases" for a in report.advice)
 
 

@@ -124,11 +124,11 @@ class Capture(ForwardLog):
                 continue
             self.paths[id(module)] = path
             self.types[id(module)] = type(module).__name__
+        named = {id(p): n for n, p in model.named_parameters()}  # a tied one by its first name
         for path, module in model.named_modules():
-            if id(module) in self.paths:
-                # A fused layer's kernel uses its submodules' parameters without calling them.
+            if id(module) in self.paths:  # (a fused kernel uses its submodules' parameters)
                 held = {} if isinstance(module, FUSED) else self.paths
-                self.direct_params[id(module)] = _held_params(module, path, held)
+                self.direct_params[id(module)] = _held_params(module, path, held, named)
         self.stack: list[Call] = []
         self.root: Call | None = None
         self.calls_by_path: dict[str, list[Call]] = {}
@@ -487,13 +487,14 @@ def _selected(path: str, include: tuple[str, ...], exclude: tuple[str, ...]) -> 
     return not any(fnmatchcase(path, p) for p in exclude)
 
 
-def _held_params(module: torch.nn.Module, path: str, watched: Mapping[int, str]) -> tuple[str, ...]:
+def _held_params(module: torch.nn.Module, path: str, watched: Mapping[int, str],
+                 named: Mapping[int, str]) -> tuple[str, ...]:  # fmt: skip
     """A watched module's own parameters, and those of its submodules that are not watched
-    (left out by ``include``/``exclude``): to the call tree they are its own code's. A NaN
-    weight of an unwatched layer then explains the outputs of the call around it at every
-    later step, instead of making each one an origin "made by its own code"."""
-    names = [f"{path}.{n}" if path else n for n, _ in module.named_parameters(recurse=False)]
+    (left out by ``include``/``exclude``): to the call tree they are its own code's (a NaN
+    weight of an unwatched layer explains the outputs of the call around it, not "made by its
+    own code"). By the names they are watched under (``named``: a tied one by its first)."""
+    names = [named.get(id(p), n) for n, p in module.named_parameters(prefix=path, recurse=False)]
     for name, child in module.named_children():
         if id(child) not in watched:
-            names += _held_params(child, f"{path}.{name}" if path else name, watched)
-    return tuple(names)
+            names += _held_params(child, f"{path}.{name}" if path else name, watched, named)
+    return tuple(dict.fromkeys(names))

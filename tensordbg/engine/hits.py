@@ -253,7 +253,12 @@ class HitLog:
             return []
         # A fused layer's kernel used its submodules' parameters (fused.py).
         recurse = isinstance(module, FUSED)
-        return _not_finite(module.named_parameters(prefix=path, recurse=recurse))
+        watched = self._watched.params if self._watched is not None else {}
+        # A tied weight by the name it is watched (and opened) under: its first module's.
+        return _not_finite(
+            (getattr(watched.get(id(p)), "name", n), p)
+            for n, p in module.named_parameters(prefix=path, recurse=recurse)
+        )
 
     def unwatched_bad(self, path: str | None) -> list[str]:
         """The parameters of the module at ``path``, its submodules' included, that are not
