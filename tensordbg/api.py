@@ -17,6 +17,7 @@ import torch
 from tensordbg.distributed.identity import RankIdentity
 from tensordbg.distributed.models import unwrap, watch_local_shards
 from tensordbg.engine.capture import Capture
+from tensordbg.engine.marks import recompile
 from tensordbg.engine.session import (
     DEFAULT_RETAIN,
     DEFAULT_UPDATE_BUDGET,
@@ -203,7 +204,8 @@ def attach(
     if replaced is not None:  # the run id printed for it is not this session's
         print(f"tensordbg: this attach() replaces the session tensordbg run made for the model "
               f"(run {replaced}): run {session.run_id}", file=sys.stderr, flush=True)  # fmt: skip
-    for unmatched in filter(None, (_unmatched(model, session.capture), _naming_nothing(session))):
+    notices = (_unmatched(model, session.capture), _naming_nothing(session), recompile(model))
+    for unmatched in filter(None, notices):
         session.log(unmatched, "warning")
         print(f"tensordbg: {unmatched}", file=sys.stderr, flush=True)
     # An uncaught hit, or a Ctrl-C at a pause, shows the user's frames only (tracebacks.py).

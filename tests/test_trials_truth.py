@@ -52,3 +52,54 @@ def test_a_tied_weight_set_to_nan_by_hand_is_named_itself_where_the_head_meets_i
     assert not head.origin
     assert "passed on from this module's own parameters emb.weight" in head.message
     assert "were clean" not in head.message
+
+
+class Compiled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 1)
+        self.bad = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.b(torch.relu(self.a(x)))
+        if self.bad:  # log(0) = -inf; tanh(-inf) = -1: a finite forward, a NaN backward
+            h = torch.log(h.abs())
+        return self.c(torch.tanh(h))
+
+
+def _compiled_steps(model, steps, bad_at, session=None):
+    torch.manual_seed(1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    compiled = torch.compile(model, backend="eager")
+    for step in range(steps):
+        x, y = torch.randn(16, 8), torch.randn(16, 1)
+        if step == bad_at:
+            model.bad = True
+            with torch.no_grad():
+                model.b.weight[5].zero_()
+                model.b.bias[5] = 0.0
+        loss = (compiled(x) - y).pow(2).mean()
+        if session is not None:
+            session.observe("loss", loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("sync", ["eager", "deferred"])
+def test_a_class_compiled_before_attach_is_compiled_again_with_the_hooks(watch, sync, capsys):
+    """A bare compiled run of the class first (a baseline, a notebook cell run again): the
+    attached model reused its compiled code, which calls no hook added since, so tensordbg
+    saw no submodule call and named a.weight.grad the origin, "the gradient of its output was
+    clean". That code is dropped at attach (said once), and the model's own code is named."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    _compiled_steps(Compiled(), steps=2, bad_at=1)  # its code with the fault, compiled too
+    torch.manual_seed(0)
+    model = Compiled()
+    session = watch(model, on_hit="record", sync=sync)
+    assert "torch.compile had compiled Compiled.forward" in capsys.readouterr().err
+    _compiled_steps(model, steps=4, bad_at=3, session=session)
+    first = [(h.step, h.tensor, h.module) for h in session.hits if h.origin][:1]
+    assert first == [(3, "b.grad_output", "")]
+    assert not any(h.origin and h.tensor.startswith("a.") for h in session.hits)

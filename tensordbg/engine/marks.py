@@ -90,3 +90,28 @@ def compiled_inner(module: torch.nn.Module) -> torch.nn.Module | None:
     inner = getattr(module, "_orig_mod", None)
     compiled = type(module).__name__ == "OptimizedModule" and isinstance(inner, torch.nn.Module)
     return inner if compiled else None
+
+
+def recompile(model: torch.nn.Module) -> str:
+    """Drop what torch.compile made of the model's forwards before tensordbg watched it, and
+    say so (else nothing). Compiled code does not look for hooks added since it was made
+    (``torch._dynamo.config.skip_nnmodule_hook_guards``), and it serves every instance of the
+    class: a model compiled once, or another of its class (a run before the debugging one),
+    ran its submodules without tensordbg's hooks, whose backward then looked "clean"."""
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list, reset_code
+    except ImportError:  # a torch without them: nothing was compiled through them
+        return ""
+    kinds = dict.fromkeys(type(m) for m in model.modules())
+    codes = {f"{kind.__qualname__}.forward": getattr(kind.forward, "__code__", None)
+             for kind in kinds}  # fmt: skip
+    codes["torch.nn.Module._call_impl"] = torch.nn.Module._call_impl.__code__
+    dropped = [name for name, code in codes.items()
+               if code is not None and _debug_get_cache_entry_list(code)]  # fmt: skip
+    for name in dropped:
+        reset_code(codes[name])
+    if not dropped:
+        return ""
+    return (f"torch.compile had compiled {', '.join(dropped)} before tensordbg watched the "
+            "model, and compiled code calls no hook added since: that code is dropped, and "
+            "the next call compiles it again, with tensordbg's hooks (once)")  # fmt: skip
