@@ -362,6 +362,14 @@ def test_the_operation_of_the_loss_code_that_made_its_nan_is_named_in_every_mode
     assert "a division by 0 (16 zeros in the divisor)" in origin.message
     origin, _ = _loss_origin(lambda out: torch.sqrt(out - 100).mean(), sync)
     assert "the first NaN autograd kept came from sqrt (its result" in origin.message
+    # An overflow by a number (a bad temperature): the multiplication keeps nothing, and
+    # log_softmax keeps only its result. Its inputs held Inf: not called finite.
+    origin, _ = _loss_origin(
+        lambda out: nn.functional.cross_entropy(out * 1e38 * 1e38, torch.zeros(len(out)).long()),
+        sync,
+    )
+    assert "came from log_softmax (its result; autograd kept none of its inputs" in origin.message
+    assert "inputs were finite" not in origin.message
     # A Python number as the divisor: autograd saves it as an integer tensor, once not read.
     origin, _ = _loss_origin(lambda out: nn.functional.mse_loss(out / 0 * 0, out * 0), sync)
     assert "does not accept: a division by 0 (one value, 0, as the divisor: a number, or" in (

@@ -144,8 +144,12 @@ def name_loss_operation(loss: torch.Tensor, outputs: list[torch.Tensor], nan: bo
         name = _op(node)
         result = _saved(node, "_saved_result")
         if result is not None and not _finite(result):
+            inputs_were = ("its inputs were finite" if inputs else "autograd kept none of its "
+                           "inputs: an earlier operation that keeps none, such as a "
+                           "multiplication or an addition of a number, may have made a NaN or "
+                           "Inf that it passed on")  # fmt: skip
             return (f" Between the model's outputs and it, the first {what} autograd kept came "
-                    f"from {name} (its result; its inputs were finite).")  # fmt: skip
+                    f"from {name} (its result; {inputs_were}).")  # fmt: skip
         outside = _outside(name, node)
         if outside:
             return (f" Between the model's outputs and it, the first operation given values it "
