@@ -408,7 +408,7 @@ class VanishingGradient(Rule):
             return None
         earlier = state.get("had", {}).get(t.name, math.nan)  # a scale it had (NaN: never)
         return Finding(
-            mean, self.threshold, self._message(t, mean, typical, bias, earlier, largest)
+            mean, self.threshold, *self._message(t, mean, typical, bias, earlier, largest)
         )
 
     def _nonzero_mean(self, t: TensorStats, state: dict[str, Any]) -> float | Refine | None:
@@ -451,27 +451,29 @@ class VanishingGradient(Rule):
         return typical is not None and bound >= self.relative * typical
 
     def _message(self, t: TensorStats, mean: float, typical: float | None, bias: bool,
-                 earlier: float = math.nan, largest: bool = False) -> str:  # fmt: skip
+                 earlier: float = math.nan, largest: bool = False) -> tuple[str, str]:  # fmt: skip
+        """What the finding says, and its advice (what it usually means: not repeated where
+        the engine finds that something else made it)."""
         if mean == 0 and earlier > 0:  # it is connected: it had one
             return (
                 f"{t.name} receives no gradient at all (mean |grad| 0, threshold "
                 f"{self.threshold:.3g}), though it had one before (root-mean-square "
-                f"{earlier:.3g}): the units it feeds have died or saturated since, as a learning "
-                "rate far too large makes them (WeightUpdateRatio measures the updates)."
+                f"{earlier:.3g}).",
+                "The units it feeds have died or saturated since, as a learning rate far too "
+                "large makes them (WeightUpdateRatio measures the updates).",
             )
         if mean == 0:
-            message = (
-                f"{t.name} receives no gradient at all (mean |grad| 0, threshold "
-                f"{self.threshold:.3g}); the parameter is not connected to the loss, or sits "
-                "behind dead units, saturated units or a detached branch."
-            )
+            advice = ("The parameter is not connected to the loss, or sits behind dead units, "
+                      "saturated units or a detached branch.")  # fmt: skip
             if bias and _attention_like(t):
-                message += (
+                advice += (
                     " An attention key bias gets none by construction (softmax ignores a "
                     "shift shared by all keys); this one is left alone once its projection's "
                     f"weight is seen learning, or for good with exclude='{t.name}'."
                 )
-            return message
+            message = (f"{t.name} receives no gradient at all (mean |grad| 0, threshold "
+                       f"{self.threshold:.3g}).")  # fmt: skip
+            return message, advice
         zeros = t.get(ZERO_FRAC) or 0.0
         nonzero = f" over its {round(t.numel * (1 - zeros))} nonzero values" if zeros else ""
         relative = ""
@@ -488,9 +490,9 @@ class VanishingGradient(Rule):
             )
         return (
             f"{t.name} has mean |grad| {mean:.3g}{nonzero}, below {self.threshold:.3g}"
-            f"{relative}; the gradient vanishes on its way back: look for saturated "
-            "activations upstream, add normalisation or residual connections, or check the "
-            "initialisation."
+            f"{relative}.",
+            "The gradient vanishes on its way back: look for saturated activations upstream, "
+            "add normalisation or residual connections, or check the initialisation.",
         )
 
 

@@ -103,3 +103,32 @@ def test_a_class_compiled_before_attach_is_compiled_again_with_the_hooks(watch, 
     first = [(h.step, h.tensor, h.module) for h in session.hits if h.origin][:1]
     assert first == [(3, "b.grad_output", "")]
     assert not any(h.origin and h.tensor.startswith("a.") for h in session.hits)
+
+
+@pytest.mark.parametrize("sync", MODES)
+def test_zero_gradients_of_a_loss_with_no_terms_are_passed_on_from_that_loss(watch, sync):
+    """A batch whose every label is ignored: the loss is 0/0, NaN, rightly the origin; its
+    gradients are zeros. Each weight's gradient was a VanishingGradient origin of its own,
+    "the units it feeds have died or saturated since, as a learning rate far too large makes
+    them": nothing had died (28 such origins in one step of a small GPT-2)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 50))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    session = watch(model, optimizer=optimizer, on_hit="record", sync=sync)
+    for step in range(8):
+        ids = torch.randint(1, 50, (4, 12))
+        labels = ids.clone()
+        if step == 5:
+            labels[:] = -100
+        logits = model(ids).flatten(0, 1)
+        loss = nn.functional.cross_entropy(logits, labels.flatten(), ignore_index=-100)
+        session.observe("loss", loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert [(h.step, h.tensor) for h in session.hits if h.origin] == [(5, "loss")]
+    vanished = [h for h in session.hits if h.rule == "VanishingGradient"]
+    assert vanished and all(h.step == 5 for h in vanished)
+    for hit in vanished:
+        assert "This step's loss is not finite" in hit.message
+        assert "died" not in hit.message and "learning rate" not in hit.message

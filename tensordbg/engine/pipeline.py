@@ -302,7 +302,7 @@ class Pipeline(Pausing, Pinpointing):
         if carried:
             hit.message += f" {carried}"
         if hit.origin:
-            self._origin_in_context(hit, record, condition)
+            self._origin_in_context(hit, record, condition, verdict.finding)
         self._name_operation(hit, verdict, record)
         call = verdict.call or record.producer
         if hit.origin and hit.kind == "output" and record.stats.nonfinite and call is not None:
@@ -314,7 +314,8 @@ class Pipeline(Pausing, Pinpointing):
             return
         self._add_hit(hit, active)
 
-    def _origin_in_context(self, hit: Hit, record: Record, condition: int | None) -> None:
+    def _origin_in_context(self, hit: Hit, record: Record, condition: int | None,
+                           finding: Any) -> None:  # fmt: skip
         """An origin as the steps around it show it: a gradient that vanished while parameters
         hold NaN, or the same finding at every step since an earlier one, is not a new problem;
         a deferred backward origin of a forward it did not read says so."""
@@ -327,23 +328,35 @@ class Pipeline(Pausing, Pinpointing):
                                 "here; sync='eager' reads every one.")  # fmt: skip
             return
         if record.stats.kind == "grad":
-            self._after_bad_params(hit)  # a zero gradient of a NaN masked downstream
+            self._after_bad_params(hit, finding)  # a zero gradient of a NaN masked downstream
         if hit.origin and (since := self.hitlog.streak(hit)) is not None:
             hit.origin = False  # one origin for the streak: its first step
             hit.message += f" So at every step since step {since}, where it began."
 
-    def _after_bad_params(self, hit: Hit) -> None:
+    def _after_bad_params(self, hit: Hit, finding: Any) -> None:
         """A gradient's finding other than NaN or Inf (a gradient that vanished) while
         parameters hold NaN or Inf is theirs, not a new problem: what they feed is NaN, and a
-        NaN masked to zero downstream (``torch.where``, ``nan_to_num``) gives zero gradients."""
+        NaN masked to zero downstream (``torch.where``, ``nan_to_num``) gives zero gradients.
+        So is one in a step whose observed loss is not finite. What the finding usually
+        means (its advice) is not said of it then."""
         bad = self.origins.bad_since
         if bad and min(bad.values()) < hit.step:
             names = ", ".join(sorted(bad)[:3]) + (", ..." if len(bad) > 3 else "")
             hit.origin = False
-            hit.message += (f" Parameters hold NaN or Inf since step {min(bad.values())} "
-                            f"({names}): what they feed is NaN, and a NaN masked to zero "
-                            "downstream (torch.where, nan_to_num) leaves zero gradients; that "
-                            "is the problem to fix first.")  # fmt: skip
+            hit.message = (f"{finding.message} Parameters hold NaN or Inf since step "
+                           f"{min(bad.values())} ({names}): what they feed is NaN, and a NaN "
+                           "masked to zero downstream (torch.where, nan_to_num) leaves zero "
+                           "gradients; that is the problem to fix first.")  # fmt: skip
+            return
+        losses = [name for name, (step, stats) in self.metrics.latest.items()
+                  if step == hit.step and stats.kind == "observed" and stats.nonfinite]  # fmt: skip
+        if losses:  # a mean of no terms (every label ignored) is NaN, and its gradients 0
+            hit.origin = False
+            hit.message = (f"{finding.message} This step's {losses[0]} is not finite (a hit "
+                           "of its own): its gradients say nothing of the model. A loss "
+                           "averaged over no terms (every label ignored, an empty mask) is "
+                           "0/0 and gives zero gradients; that is the problem to fix "
+                           "first.")  # fmt: skip
 
     def _add_hit(self, hit: Hit, active: ActiveRule | None) -> None:
         if self.ranks is not None:
