@@ -132,3 +132,38 @@ def test_zero_gradients_of_a_loss_with_no_terms_are_passed_on_from_that_loss(wat
     for hit in vanished:
         assert "This step's loss is not finite" in hit.message
         assert "died" not in hit.message and "learning rate" not in hit.message
+
+
+@pytest.mark.parametrize("sync", ["eager", "deferred"])
+def test_an_inf_a_sigmoid_hides_on_a_dumped_step_is_found_live_and_by_check(
+    watch, sync, tmp_path, capsys
+):
+    """A dumped step reads every activation, so deferred checks saw the Inf a Sigmoid hid
+    (its mean) and raised nothing, while ``check`` of the dump said NaN, from the index's
+    "not finite" alone. Seen, it is judged, as eager checks judge it: an Overflow, live and
+    offline."""
+    from tensordbg.cli import main
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Sigmoid(), nn.Linear(8, 1))
+    with torch.no_grad():
+        model[0].weight[0] = 1.0  # its unit 0 sums the input
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = watch(model, optimizer=optimizer, on_hit="record", sync=sync,
+                    dump_dir=tmp_path / "run", dump_every=1)  # fmt: skip
+    for step in range(3):
+        x = torch.randn(16, 4)
+        if step == 1:
+            x[0] = 3e38  # +Inf in 0.output; the Sigmoid maps it to 1
+        loss = model(x).pow(2).mean()
+        session.observe("loss", loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert [(h.step, h.tensor, h.rule) for h in session.hits] == [(1, "0.output", "Overflow")]
+    session.detach()
+    capsys.readouterr()
+    assert main(["check", str(tmp_path / "run")]) == 1
+    said = capsys.readouterr().out
+    assert "step 1 forward   Overflow           0.output  <- origin" in said
+    assert "by Overflow (1)" in said

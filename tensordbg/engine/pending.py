@@ -307,6 +307,8 @@ class ForwardLog:
                 mean = host_stats(t, (MEAN,))[0]
                 if math.isfinite(mean):
                     self._hot[id(t)] = (version, mean)  # once: a wrapper returns its child's
+                else:  # seen, so judged: the phase shows a problem (a sigmoid may hide it)
+                    self.session.triggered = True
 
 
 def grad_edge(t: torch.Tensor) -> tuple[Any, int] | bool | None:
