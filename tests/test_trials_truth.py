@@ -167,3 +167,46 @@ def test_an_inf_a_sigmoid_hides_on_a_dumped_step_is_found_live_and_by_check(
     said = capsys.readouterr().out
     assert "step 1 forward   Overflow           0.output  <- origin" in said
     assert "by Overflow (1)" in said
+
+
+@pytest.mark.parametrize("eps", [1e-8, 0.0])
+def test_a_weight_set_to_inf_behind_a_tanh_is_not_blamed_on_the_update_in_deferred_checks(
+    watch, eps
+):
+    """A weight set to Inf between steps, its Linear's output hidden by a Tanh: deferred
+    checks read it first after the update, and said "produced by optimizer Adam.step" at the
+    line calling step() (eager checks name it in the forward). Its gradient and Adam's state
+    are finite and eps > 0, so the update added finite values: it was so before the step.
+    With eps = 0 the update can make a NaN itself (0/0): then the optimizer stays a suspect."""
+    from tensordbg.sources.live import LiveSource
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, eps=eps)
+    producers = []  # the Provenance tab's, asked while the phase is open (as paused)
+
+    def provenance(hit):
+        if hit.origin:
+            producers.append(LiveSource(session).provenance(hit.ref)["producer"])
+
+    session = watch(model, optimizer=optimizer, on_hit=provenance, sync="deferred")
+    for step in range(8):
+        x = torch.randn(32, 8)
+        if step == 4:
+            with torch.no_grad():
+                model[0].weight[2, 3] = float("inf")
+        loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+        session.observe("loss", loss)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    [hit] = [h for h in session.hits if h.origin]
+    assert (hit.step, hit.tensor, hit.phase) == (4, "0.weight", "optimizer")
+    [producer] = producers
+    if eps:
+        assert "it was so before this step (set between steps by hand" in hit.message
+        assert "the optimizer step or the code around it made it" not in hit.message
+        assert producer is None
+    else:
+        assert "the optimizer step or the code around it made it" in hit.message
+        assert producer["module"] == "optimizer"

@@ -404,6 +404,18 @@ def _names(names: Sequence[str]) -> str:
     return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
+UPDATE_MADE = (
+    "The gradient was clean: the optimizer step or the code around it made it "
+    "(learning rate, eps, a manual edit), or the parameter was loaded this way."
+)
+BEFORE_UPDATE = (
+    "Its gradient and the optimizer's state for it are finite, so the update "
+    "added only finite values: it was so before this step (set between steps by "
+    "hand, or loaded so), and the update did not make it. Deferred checks read a "
+    "parameter after its update, or where a forward's output shows it; this "
+    "step's forward hid it (a saturated tanh or sigmoid). sync='eager' names it in "
+    "that forward."
+)
 _ORIGIN_NOTE = {
     ("input", False): "It came in with the batch: look at the data and its preprocessing.",
     ("input", True): "It came in with this module's inputs.",
@@ -421,8 +433,7 @@ _ORIGIN_NOTE = {
     ("grad_code", False): "It was produced in backward by the model's own code between its "
     "submodules: the gradients flowing into that code were clean.",
     ("grad_output", False): "It comes from the loss's backward: the loss itself was clean.",
-    ("param", True): "The gradient was clean: the optimizer step or the code around it made it "
-    "(learning rate, eps, a manual edit), or the parameter was loaded this way.",
+    ("param", True): UPDATE_MADE,
     ("update", True): "It was produced by the optimizer step.",
     ("observed", True): "The model's outputs were clean: the code that computes it made it.",
 }

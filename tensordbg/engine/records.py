@@ -117,6 +117,8 @@ class Record:
     grad_hooked: bool = False
     weak: weakref.ref[torch.Tensor] | None = None
     voucher: str = ""  # a gradient not kept, judged from this parameter's (engine/vouching.py)
+    before_update: bool = False  # a parameter's NaN/Inf found after its update, which did not
+    # make it (engine/pipeline.py: _bad_before_update)
 
     def find(self, rule_id: int, finding: Any) -> None:
         """Add a rule's finding."""
