@@ -217,7 +217,8 @@ class Deferred(SyncMode):
             return (
                 "deferred checks (the CPU's default) measure a clean step's activations only "
                 "when its output, loss or gradients show a problem; sync='eager' measures each "
-                "one every step"
+                "one every step, but only what its rules ask for (with the default rules, "
+                "whether it is finite: not these statistics)"
             )
         return super().why_not_measured(record, interval)
 
