@@ -1012,3 +1012,22 @@ def test_tensordbg_without_a_command_is_a_usage_error(capsys):
     assert main([]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("usage: tensordbg") and "demo" in err
+
+
+def test_ctrl_c_while_the_tui_waits_for_a_training_is_one_line_and_status_130():
+    """The waiting line says "(Ctrl-C stops waiting)"; Ctrl-C then printed a traceback."""
+    import signal
+
+    waiting = subprocess.Popen(
+        [sys.executable, "-m", "tensordbg.cli", "tui", "--wait", "60"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert waiting.stderr.readline().startswith("tensordbg tui: waiting up to 60 s")
+        waiting.send_signal(signal.SIGINT)
+        err = waiting.stderr.read()
+        assert waiting.wait(30) == 130
+    finally:
+        waiting.kill()
+    assert err == "tensordbg tui: stopped waiting (Ctrl-C)\n", err

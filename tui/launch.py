@@ -48,6 +48,9 @@ def run_tui(
                                                ends_training=ends_training)  # fmt: skip
     except ConnectionFileError as e:  # the runtime directory is not private, say
         problem = str(e)
+    except KeyboardInterrupt:  # Ctrl-C while it waited for a training: one line, as run's
+        print("tensordbg tui: stopped waiting (Ctrl-C)", file=sys.stderr)
+        return 130
     if problem is not None:  # a mistyped path or run: say so at once, not in a UI that retries
         print(f"tensordbg tui: {problem}", file=sys.stderr)
         return 2
