@@ -100,6 +100,25 @@ def test_the_keys_panel_lists_the_count_keys_once_with_what_they_do() -> None:
     run(FakeSource(), check)
 
 
+def test_question_mark_opens_the_keys_panel_but_not_in_the_slice_box() -> None:
+    """? did nothing: the keys were only under ctrl+p, Keys (found by a new user's trial). In
+    the Tensor tab's slice box a ? is text."""
+
+    async def check(app: TensorDbgApp, pilot: Pilot) -> None:
+        await pilot.press("question_mark")
+        await until(pilot, lambda: app.screen.query(BindingsTable))
+        await pilot.press("escape")
+        await until(pilot, lambda: not app.screen.query("HelpPanel"))
+        box = Input()
+        await app.screen.mount(box)
+        box.focus()
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert box.value == "?" and not app.screen.query("HelpPanel")
+
+    run(FakeSource(), check)
+
+
 def test_escape_closes_the_keys_panel() -> None:
     """It took ctrl+p and Keys again to close it (found trying the UI as a new user)."""
 

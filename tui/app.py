@@ -90,6 +90,7 @@ class TensorDbgApp(JobRanks, StepCount):
         Binding("c,s,k", "refuse('control')", show=False),
         Binding("i", "refuse('set_rule')", show=False),
         Binding("P", "refuse('profile')", show=False),
+        Binding("question_mark", "show_help_panel", "Keys", show=False),
         Binding("escape", "hide_help_panel", "Close the keys panel", show=False),
         Binding("escape", "forget_count", "Forget the count", show=False),
         Binding("f9", "ranks", "Ranks", show=False),
