@@ -189,6 +189,13 @@ def test_the_advice_takes_the_machine_and_the_session_as_they_are():
         device="cpu", breakdown=ours, host={"rules": 0}))}  # fmt: skip
     assert said["DebuggerShare"].startswith("This session only profiles")
     assert "interval" not in said["DebuggerShare"]
+    # The cheaper mode is advised to a session that runs another one only (it was advised
+    # "if another mode was chosen" to one that ran deferred checks already).
+    for sync, cheaper in (("deferred", False), ("eager", True), ("batched", True)):
+        said = {a["rule"]: a["message"] for a in advise(report_with(
+            device="cpu", breakdown=ours, host={"rules": 5, "sync": sync}))}  # fmt: skip
+        assert "interval=N" in said["DebuggerShare"]
+        assert ("sync='deferred'" in said["DebuggerShare"]) == cheaper, sync
 
 
 def test_no_number_no_advice():

@@ -370,10 +370,12 @@ class DebuggerShare(ShareOfStep):
                 "module call and gradient (a cost per call, large on a small model's short "
                 "steps): profile with torch.profiler alone to measure the bare training."
             )
+        cheaper = {"eager": "; or sync='deferred' (the CPU's default, the cheapest)",
+                   "batched": "; or, on the CPU, sync='deferred' (the cheapest)"}  # fmt: skip
         return (
             "Check less often: attach(..., interval=N) screens NaN/Inf every step and the other "
-            "statistics every N-th; exclude= modules you do not need watched; or sync='deferred' "
-            "(the CPU's default) if another mode was chosen."
+            "statistics every N-th; exclude= modules you do not need watched"
+            f"{cheaper.get(report.host.get('sync', ''), '')}."
         )
 
 

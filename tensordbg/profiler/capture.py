@@ -113,6 +113,7 @@ class Profiler:
             }
             run = _Run(handle, options, _directory(session, directory))
             run.rules = len(session.rules)  # none: tensordbg.profile's session (the advice)
+            run.sync = session.mode
             self._run, self.handle = run, handle
         session.control.submit(lambda: self._arm(run))
         return handle
@@ -338,6 +339,7 @@ class _Run:
         self.device_index = 0
         self.thread_id = 0
         self.rules = -1  # the session's rules as the profile began
+        self.sync = ""  # and its sync mode
         self.clock: tuple[float, float] | None = None
         self.wall = self.cpu = 0.0
         self._open: dict[str, Any] = {}
@@ -428,6 +430,7 @@ def _host(run: _Run) -> dict[str, Any]:
         "cores": cores,
         "cpu_utilization": run.cpu / run.wall if run.wall > 0 else None,
         "rules": run.rules,
+        "sync": run.sync,
     }
 
 

@@ -83,8 +83,9 @@ class ProfileReport:
     "h2d_bytes", "h2d_time"}`` (shares in 0..1) that the advisor reads; None on a CPU."""
     host: dict[str, Any] = field(default_factory=dict)
     """The process during the profile: ``{"threads", "interop_threads", "cores",
-    "cpu_utilization", "rules"}`` (``cpu_utilization``: process CPU time over wall time, 1.0 = a
-    core; ``rules``: how many rules the session had, 0 for ``tensordbg.profile``'s)."""
+    "cpu_utilization", "rules", "sync"}`` (``cpu_utilization``: process CPU time over wall
+    time, 1.0 = a core; ``rules``: how many rules the session had, 0 for
+    ``tensordbg.profile``'s; ``sync``: its mode)."""
     message: str = ""
     """What the person should know about how the profile went (a shortened run, say)."""
     version: int = VERSION
