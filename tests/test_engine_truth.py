@@ -2049,7 +2049,9 @@ def test_a_hidden_state_carried_from_a_bad_step_is_passed_on_not_a_new_origin(wa
     assert [key for key, hit in sorted(inputs.items()) if hit.origin] == [
         (1, "input[0]"), (3, "input[1]")], [(k, h.message) for k, h in inputs.items()]  # fmt: skip
     assert "It is rnn.output[1] of step 1, handed back in" in inputs[2, "input[1]"].message
-    assert "came in with the batch" in inputs[3, "input[1]"].message
+    assert "came in with the batch" in inputs[1, "input[0]"].message
+    # A later argument, not the batch: a value the script hands in (this one made anew).
+    assert "a state it carries from step to step" in inputs[3, "input[1]"].message
 
 
 class CheckpointsItsBody(nn.Module):

@@ -210,3 +210,40 @@ def test_a_weight_set_to_inf_behind_a_tanh_is_not_blamed_on_the_update_in_deferr
     else:
         assert "the optimizer step or the code around it made it" in hit.message
         assert producer["module"] == "optimizer"
+
+
+class CarriedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lstm = nn.Embedding(30, 16), nn.LSTM(16, 24, batch_first=True)
+        self.out = nn.Linear(24, 30)
+
+    def forward(self, ids, state):
+        y, state = self.lstm(self.emb(ids), state)
+        return self.out(y), state
+
+
+@pytest.mark.parametrize("sync", ["eager", "deferred"])
+def test_a_carried_state_the_loop_broke_is_not_said_to_come_with_the_batch(watch, sync):
+    """The loop's own code made the LSTM state it hands back in NaN: the hit named it
+    (input[1][0]) and advised "It came in with the batch: look at the data"."""
+    torch.manual_seed(0)
+    model = CarriedLM()
+    optimizer = torch.optim.Adam(model.parameters(), 1e-3)
+    session = watch(model, optimizer=optimizer, on_hit="record", sync=sync)
+    state = None
+    for step in range(8):
+        ids = torch.randint(0, 30, (4, 9))
+        out, state = model(ids[:, :-1], state)
+        if step == 5:
+            state = (state[0] * float("nan"), state[1])  # a bug corrupts the carried state
+        state = tuple(t.detach() for t in state)
+        loss = nn.functional.cross_entropy(out.reshape(-1, 30), ids[:, 1:].reshape(-1))
+        session.observe("loss", loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    first = next(h for h in session.hits if h.origin)
+    assert (first.step, first.tensor) == (6, "input[1][0]")
+    assert "the batch" not in first.message
+    assert "a state it carries from step to step" in first.message

@@ -209,7 +209,7 @@ class HitLog:
                 finding,
                 is_origin,
                 condition,
-                "grad_code" if own_code else kind,
+                "grad_code" if own_code else _input_kind(kind, name or stats.name, path),
                 path,
                 first,
                 self.bad_buffers(path) if is_origin and kind == "output" and path else (),
@@ -404,6 +404,11 @@ def _names(names: Sequence[str]) -> str:
     return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
+LATER_INPUT = (
+    "It came in with the model's inputs, not as its first argument: a value the "
+    "script hands in (a state it carries from step to step, a mask) or data; look "
+    "at the code that computes it."
+)
 UPDATE_MADE = (
     "The gradient was clean: the optimizer step or the code around it made it "
     "(learning rate, eps, a manual edit), or the parameter was loaded this way."
@@ -418,6 +423,8 @@ BEFORE_UPDATE = (
 )
 _ORIGIN_NOTE = {
     ("input", False): "It came in with the batch: look at the data and its preprocessing.",
+    ("later_input", False): LATER_INPUT,
+    ("later_input", True): LATER_INPUT,
     ("input", True): "It came in with this module's inputs.",
     ("output", True): "It was produced here: this module's inputs and parameters were clean.",
     ("output", False): "It was produced by the model's own forward code between its submodules.",
@@ -437,6 +444,13 @@ _ORIGIN_NOTE = {
     ("update", True): "It was produced by the optimizer step.",
     ("observed", True): "The model's outputs were clean: the code that computes it made it.",
 }
+
+
+def _input_kind(kind: str, name: str, module: str | None) -> str:
+    """The model's input after its first argument (``input[1][0]``: an LSTM's state handed
+    back in) is not said to be the batch."""
+    later = kind == "input" and not module and name.startswith("input[") and name[6:8] != "0]"
+    return "later_input" if later else kind
 
 
 def _root_call(call: Call | None) -> Call | None:
