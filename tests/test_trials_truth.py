@@ -247,3 +247,36 @@ def test_a_carried_state_the_loop_broke_is_not_said_to_come_with_the_batch(watch
     assert (first.step, first.tensor) == (6, "input[1][0]")
     assert "the batch" not in first.message
     assert "a state it carries from step to step" in first.message
+
+
+class Several(nn.Module):
+    """A module of four outputs, the last one alone used by the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 5)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * 3, h.sum(), h.mean(0), h + 1
+
+
+def test_the_model_tree_says_which_output_each_column_is_of(watch):
+    """A module's output column showed its output[0] (n=20, mean 3) beside the gradient of its
+    output[3] (n=1), nothing saying they were different tensors."""
+    from tensordbg.sources.live import LiveSource
+    from tensordbg.tui.components.module_table import ModuleTable
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Several())
+    session = watch(model, on_hit="record", sync="eager")
+    model(torch.randn(4, 4))[3].pow(2).sum().backward()
+    [row] = [m for m in LiveSource(session).modules() if m["path"] == "0"]
+    assert row["stats"]["output"]["tensor"] == "0.output[0]"
+    assert row["stats"]["grad_output"]["tensor"] == "0.grad_output[3]"
+    table = ModuleTable()
+    table.set_modules([row])
+    cells = table._cells_of(row)
+    assert cells[-2].startswith("[0] ") and cells[-1].startswith("[3] "), cells
+    single = {**row, "stats": {"output": {**row["stats"]["output"], "tensor": "0.output"}}}
+    assert not table._cells_of(single)[-2].startswith("[")

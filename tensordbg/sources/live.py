@@ -123,7 +123,7 @@ class LiveSource(LiveProfiling):
             stats = record.stats
             measured = stats.summary is not None or stats.values
             if stats.kind in _ACTIVATIONS and not record.hidden and measured:
-                latest.setdefault(stats.module, {}).setdefault(stats.kind, _brief(stats))
+                latest.setdefault(stats.module, {}).setdefault(stats.kind, _named(stats))
         newest: dict[tuple[str, str], Any] = {}  # a module's latest call of the step's, each
         for _, (_, stats) in snapshot.latest.items():  # micro-batch's output named apart
             if stats.module or stats.kind in _ACTIVATIONS:
@@ -131,17 +131,18 @@ class LiveSource(LiveProfiling):
                 if had is None or (had.step, had.call) < (stats.step, stats.call):
                     newest[stats.module, stats.kind] = stats
         for (module, kind), stats in newest.items():
-            latest.setdefault(module, {}).setdefault(kind, _brief(stats))
+            latest.setdefault(module, {}).setdefault(kind, _named(stats))
         for record in snapshot.records:  # a module returning a child's output has it too
             if record.stats.kind == "output":
                 for call in record.passed_up:
-                    latest.setdefault(call.path, {})["output"] = _brief(record.stats)
+                    latest.setdefault(call.path, {})["output"] = _named(record.stats)
         hits: dict[str, int] = {}
         for hit in list(s.hits):
             hits[hit.module] = hits.get(hit.module, 0) + 1
             if hit.kind == "output" and hit.step == s.step and "numel" in hit.summary:
                 # The call whose own code made it (block.output, listed as block.fc2.output)
-                latest.setdefault(hit.module, {}).setdefault("output", dict(hit.summary))
+                latest.setdefault(hit.module, {}).setdefault("output", {**hit.summary,
+                                                                        "tensor": hit.tensor})
         calls = snapshot.calls
         inside = {call.path for call in list(s.capture.stack)}  # the calls not returned yet
         paused = s.controller.state == "paused"
@@ -474,3 +475,9 @@ def _wire(block: torch.Tensor, dtype: str) -> WireArray:
     array = words.numpy()
     storage = np.dtype(DTYPES[dtype].storage)
     return WireArray(dtype, tuple(block.shape), array.view(storage))
+
+
+def _named(stats: Any) -> dict[str, Any]:
+    """A module's latest statistics of a kind, with the tensor they are of (which of its
+    outputs: the tree's columns may show two different ones)."""
+    return {**_brief(stats), "tensor": stats.name}

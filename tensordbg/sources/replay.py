@@ -188,7 +188,8 @@ class ReplaySource:
         calls: dict[str, int] = {}
         for entry in entries.values():
             if entry.module or entry.kind in _ACTIVATIONS:
-                latest.setdefault(entry.module, {}).setdefault(entry.kind, _summary(entry, self))
+                latest.setdefault(entry.module, {}).setdefault(
+                    entry.kind, {**_summary(entry, self), "tensor": entry.name})
             if entry.kind == "output":
                 calls[entry.module] = calls.get(entry.module, 0) + 1
         hits: dict[str, int] = {}

@@ -34,6 +34,7 @@ class Summary(TypedDict, total=False):
     shape: list[int]
     dtype: str
     step: int
+    tensor: str  # in the model tree: the tensor they are of (a module with several outputs)
 
 
 class Hit(TypedDict):

@@ -160,12 +160,15 @@ class ModuleTable(LineTable):
             m["type"],
             count(m.get("params", 0)),
             hits,
-            *(self._brief(stats.get(k)) or (m.get("note", "") if k == "output" else "")
+            *(self._brief(stats.get(k), k) or (m.get("note", "") if k == "output" else "")
               for k in self._kinds),
         )  # fmt: skip
 
-    def _brief(self, summary: dict[str, Any] | None) -> str:
+    def _brief(self, summary: dict[str, Any] | None, kind: str = "output") -> str:
         text = brief(summary)
+        part = _part(str((summary or {}).get("tensor", "")), kind)
+        if text and part:  # which of several outputs: the two columns may show different ones
+            text = f"{part} {text}"
         call = (summary or {}).get("call")
         if text and call:  # which call of the step: paused in a later micro-batch's forward,
             text = f"#{call}: {text}"  # a module it has not reached shows an earlier call's
@@ -262,3 +265,11 @@ class ModuleTable(LineTable):
             for cell in self._cells[i][3:]
         ]
         return [first, dim, dim, hit, *stats], base
+
+
+def _part(tensor: str, kind: str) -> str:
+    """``[0]`` of ``block.output[0]`` (``kind`` "output"): which of a module's outputs."""
+    _, found, after = tensor.rpartition(f".{kind}")
+    if not found:
+        after = tensor[len(kind) :] if tensor.startswith(kind) else ""
+    return after.partition("#")[0]  # (a later call's number is said apart)
