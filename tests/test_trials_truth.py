@@ -280,3 +280,39 @@ def test_the_model_tree_says_which_output_each_column_is_of(watch):
     assert cells[-2].startswith("[0] ") and cells[-1].startswith("[3] "), cells
     single = {**row, "stats": {"output": {**row["stats"]["output"], "tensor": "0.output"}}}
     assert not table._cells_of(single)[-2].startswith("[")
+
+
+class TwoFaults(nn.Module):
+    def forward(self, h):
+        a = h * 1.0
+        a[0, 0] = float("nan")
+        b = h * 2.0
+        b[1, 1] = float("inf")  # its own Inf, never in a
+        return a, b
+
+
+class Sibling(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bad, self.fc2 = nn.Linear(8, 8), TwoFaults(), nn.Linear(8, 1)
+
+    def forward(self, x):
+        a, b = self.bad(self.fc1(x))
+        return self.fc2(a) + self.fc2(b)
+
+
+@pytest.mark.parametrize("sync", MODES)
+def test_outputs_beside_the_origin_are_said_to_come_of_the_same_call(watch, sync):
+    """A call's second output, with an Inf of its own, was "passed on from upstream (first
+    produced at bad.output[0])": nothing upstream made it. The call is the origin once; its
+    other outputs are its work too."""
+    torch.manual_seed(0)
+    model = Sibling()
+    session = watch(model, on_hit="record", sync=sync)
+    model(torch.randn(4, 8)).sum().backward()
+    session.flush()
+    hits = {h.tensor: h for h in session.hits if h.phase == "forward"}
+    assert hits["bad.output[0]"].origin and not hits["bad.output[1]"].origin
+    said = hits["bad.output[1]"].message
+    assert "produced by the same call as bad.output[0], the origin" in said
+    assert "upstream" not in said

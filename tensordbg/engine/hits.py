@@ -195,6 +195,9 @@ class HitLog:
                           if c == condition), first)  # fmt: skip
         bad_params = (self.bad_params(path) if not is_origin and kind == "output"
                       and path is not None else ())  # fmt: skip
+        maker = module or record.producer  # an output beside the origin, of the same call
+        sibling = bool(not is_origin and kind == "output" and first and maker is not None
+                       and any(r.stats.name == first for _, r in maker.outputs))  # fmt: skip
         hit = Hit(
             rule=active.rule.name,
             tensor=name or stats.name,
@@ -218,6 +221,7 @@ class HitLog:
                 unseen,
                 bad_since,
                 self.unwatched_bad(path) if is_origin and kind == "output" else (),
+                sibling,
             ),
             ref=stats.ref,
             call=module.index if module is not None else stats.call,
@@ -316,7 +320,7 @@ def with_origin(finding: Finding, is_origin: bool, condition: int | None, kind: 
                 module: str, first: str, bad_buffers: Sequence[str] = (),
                 by_gradient: bool = False, bad_params: Sequence[str] = (),
                 unseen: str = "", bad_since: int | None = None,
-                unwatched: Sequence[str] = ()) -> str:  # fmt: skip
+                unwatched: Sequence[str] = (), sibling: bool = False) -> str:  # fmt: skip
     """The finding's sentence, followed by where the value came from. Its advice (what the
     condition usually means) is given where the condition arose, not repeated downstream.
     ``bad_buffers``: the module's buffers that are not finite (they fed its output);
@@ -343,6 +347,9 @@ def with_origin(finding: Finding, is_origin: bool, condition: int | None, kind: 
             return (f"{finding.message} It was passed on from this module's own parameters "
                     f"{_names(bad_params)}, which held NaN or Inf before this forward{source}, "
                     "not produced here.")  # fmt: skip
+        if sibling:  # one origin a call: its other outputs are its work too
+            return (f"{finding.message} It was produced by the same call as {first}, the "
+                    "origin (named once a call).")  # fmt: skip
         return f"{finding.message} It was passed on from upstream{source}, not produced here."
     note = _ORIGIN_NOTE.get((kind, bool(module)), _ORIGIN_NOTE[kind, True])
     if unseen:
