@@ -7,7 +7,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tensordbg.rules.base import Finding, Rule, check_count, check_number, loss_name
+from tensordbg.rules.base import (
+    Finding,
+    Rule,
+    check_count,
+    check_number,
+    first_call_name,
+    loss_name,
+)
 from tensordbg.rules.scales import SPENT, gradients_spent
 from tensordbg.statistics import MEAN, TensorStats
 
@@ -105,7 +112,9 @@ class LossNotDecreasing(Rule):
         value = t.get(MEAN)
         if value is None or not math.isfinite(value):
             return None
-        curve: _LossCurve = state.setdefault(t.name, _LossCurve())
+        # One curve a loss: a step's later observations (loss#1, loss#2: micro-batches of
+        # gradient accumulation) join its mean, not curves of their own.
+        curve: _LossCurve = state.setdefault(first_call_name(t.name), _LossCurve())
         if not curve.add(t.step, value):
             return None
         n = self.num_steps
@@ -130,7 +139,7 @@ class LossNotDecreasing(Rule):
                 f"{self.increase_threshold_percent:g}%); training is diverging: lower the "
                 "learning rate, or look for a bad batch or a bug in the data.",
             )
-        decrease = -change
+        decrease = 0.0 - change  # (not -0.0)
         if decrease < self.diff_percent:
             if decrease > 0:
                 what = f"decreased by only {decrease:.3g}%"

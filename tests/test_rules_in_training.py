@@ -313,6 +313,25 @@ def test_loss_not_decreasing_on_an_observed_loss(watch):
     assert "over steps 10-19 against" in hit.message and "over steps 0-9" in hit.message
 
 
+def test_loss_not_decreasing_takes_a_step_s_micro_batches_as_one_loss(watch):
+    """Four micro-batches a step, each loss observed (loss, loss#1, loss#2, loss#3): each was
+    a curve of its own, and every verdict came four times."""
+    model = net(nn.Linear(2, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    session = watch(model, optimizer=optimizer, on_hit="record", rules=[LossNotDecreasing()])
+    for step in range(31):
+        for micro in range(4):
+            loss = model(torch.ones(1, 2)).sum() * 0 + 1.0 + 0.01 * step + 0.001 * micro
+            session.observe("loss", loss)
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    found = hits_of(session, "LossNotDecreasing")
+    assert [(h.step, h.tensor) for h in found] == [(20, "loss"), (30, "loss")]
+    # The step's mean of its four: steps 10-19 against 0-9.
+    assert "mean 1.147 over steps 10-19 against 1.047 over steps 0-9" in found[0].message
+
+
 def test_tensor_range_on_a_pattern(watch):
     model = net(nn.Linear(8, 8), nn.Linear(8, 1))
     session = watch(model, on_hit="record", rules=[TensorRange(match="0.output", max_gt=1e3)])
