@@ -12,7 +12,8 @@ from tensordbg.statistics import Stat, TensorStats, dead_unit_frac
 
 def _unit_dim(t: TensorStats) -> int:
     # NCHW / NCDHW convolution maps have their units (channels) on dim 1; everything else
-    # (Linear outputs, transformer hidden states) on the last one.
+    # (Linear outputs, transformer hidden states) on the last one. A Conv1d map (N, C, L) is
+    # 3-D as a sequence's (N, T, D) is, and is judged along its last dim: not per channel.
     return 1 if len(t.shape) in (4, 5) else -1
 
 
