@@ -446,3 +446,13 @@ def _coerce(rule: str, key: str, old: Any, new: Any) -> Any:
 
 def _article(word: str) -> str:
     return "an" if word[:1] in "aeiou" else "a"
+
+
+def apart(value: float, bound: float) -> tuple[str, str]:
+    """``value`` and the ``bound`` it crossed, to 3 significant digits, or as many more as
+    tell them apart: a norm of 1,002,000 against 1e6 read "1e+06, above 1e+06"."""
+    for digits in range(3, 10):
+        said = f"{value:.{digits}g}", f"{bound:.{digits}g}"
+        if said[0] != said[1]:
+            return said
+    return f"{value:.10g}", f"{bound:.10g}"

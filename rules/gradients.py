@@ -12,6 +12,7 @@ from tensordbg.rules.base import (
     Refine,
     Rule,
     among,
+    apart,
     check_count,
     check_number,
     nonfinite_count,
@@ -221,11 +222,12 @@ class ExplodingGradient(Rule):
         )
 
     def _too_large(self, t: TensorStats, norm: float) -> Finding:
+        said, bound = apart(norm, self.max_norm)
         return Finding(
             norm,
             self.max_norm,
-            f"{t.name} has norm {norm:.3g}, above {self.max_norm:.3g}; gradients are exploding: "
-            "lower the learning rate or clip gradients (torch.nn.utils.clip_grad_norm_).",
+            f"{t.name} has norm {said}, above {bound}; gradients are exploding: lower the "
+            "learning rate or clip gradients (torch.nn.utils.clip_grad_norm_).",
         )
 
 
@@ -489,8 +491,7 @@ class VanishingGradient(Rule):
                 f"(threshold {self.relative:g}x)"
             )
         return (
-            f"{t.name} has mean |grad| {mean:.3g}{nonzero}, below {self.threshold:.3g}"
-            f"{relative}.",
+            f"{t.name} has mean |grad| {mean:.3g}{nonzero}, below {self.threshold:.3g}{relative}.",
             "The gradient vanishes on its way back: look for saturated activations upstream, "
             "add normalisation or residual connections, or check the initialisation.",
         )

@@ -5,7 +5,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from tensordbg.rules.base import Finding, Rule, among, check_number, nonfinite_count, refusal
+from tensordbg.rules.base import (
+    Finding,
+    Rule,
+    among,
+    apart,
+    check_number,
+    nonfinite_count,
+    refusal,
+)
 from tensordbg.statistics import (
     ABS_MEAN,
     FINITE,
@@ -133,8 +141,8 @@ class Overflow(Rule):
         return Finding(
             peak,
             limit,
-            f"{t.name} reaches {peak:.3g}, {peak / FLOAT_MAX[t.dtype]:.0%} of the largest "
-            f"{t.dtype} {FLOAT_MAX[t.dtype]:.5g} (threshold {self.near:g} of it).",
+            f"{t.name} reaches {apart(peak, limit)[0]}, {peak / FLOAT_MAX[t.dtype]:.1%} of the "
+            f"largest {t.dtype} {FLOAT_MAX[t.dtype]:.5g} (threshold {self.near:g} of it).",
             "It is about to overflow: scale the loss down (GradScaler), normalise the inputs or "
             "run this operation in float32.",
         )
@@ -321,7 +329,8 @@ class TensorRange(Rule):
         for key, stat, label, op in _SIMPLE_BOUNDS:
             bound, value = getattr(self, key), t.get(stat)
             if bound is not None and value is not None and _crosses(value, op, bound):
-                fired.append((value, bound, f"{label} {value:.3g} {op} {bound:.3g}"))
+                shown, limit = apart(value, bound)
+                fired.append((value, bound, f"{label} {shown} {op} {limit}"))
         in_range = self._range()
         frac = t.get(in_range) if in_range is not None else None
         if frac is not None:

@@ -1060,3 +1060,15 @@ def test_third_party_rules_come_through_entry_points(monkeypatch):
     assert any("'Broken' failed to load: no module named 'missing'" in m for m in messages)
     assert any("'NotARule' is not a tensordbg.rules.Rule subclass" in m for m in messages)
     assert judge(found["LargeActivation"](), np.array([2e4]), name="x", kind="output").value == 2e4
+
+
+def test_a_value_past_its_bound_is_never_shown_equal_to_it():
+    """A norm of 1,002,000 against max_norm 1e6 read "norm 1e+06, above 1e+06"; a max of 10.01
+    against 10, "max 10 > 10" (found by a new user's trial)."""
+    from tensordbg.rules.base import apart
+
+    assert apart(1_002_000.0, 1e6) == ("1.002e+06", "1e+06")
+    assert apart(10.01, 10.0) == ("10.01", "10")
+    assert apart(3.5, 1.0) == ("3.5", "1")
+    found = judge(ExplodingGradient(), np.full(4, 501_000.0), {}, **GRAD)
+    assert "has norm 1.002e+06, above 1e+06" in found.message

@@ -126,12 +126,12 @@ def test_a_bias_judged_before_its_weight_waits_for_it_unless_it_is_exactly_zero(
 
 def test_advice_on_attention_key_biases_is_given_for_attention_modules_only():
     attention = grad(VanishingGradient(), np.zeros(8), {}, f"{KEY}.bias", step=1)
-    assert attention is not None and "attention key bias" in attention.message
-    assert f"exclude='{KEY}.bias.grad'" in attention.message
+    assert attention is not None and "attention key bias" in attention.advised
+    assert f"exclude='{KEY}.bias.grad'" in attention.advised
     conv = grad(VanishingGradient(), np.zeros(8), {}, "layer1.0.conv1.bias", step=1,
                 module_type="Conv2d")  # fmt: skip
     assert conv is not None
-    assert "key" not in conv.message and "attention" not in conv.message
+    assert "key" not in conv.advised and "attention" not in conv.advised
 
 
 # --- growth against the model ----------------------------------------------------------------
