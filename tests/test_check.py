@@ -705,6 +705,24 @@ def test_the_last_line_names_every_rule_that_found_the_origin(tmp_path: Path) ->
     assert "it arose at 1.output, step 0 (NaN, Overflow); " in check_dump(load(tmp_path)).table()
 
 
+def test_the_last_line_says_there_are_other_origins_when_there_are(tmp_path: Path) -> None:
+    """A NaN at step 0 and a new one at step 2 that came in with the batch, both origins: the
+    line said the second spread from the first."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    session = tensordbg.attach(model, rules=[NaN()], on_hit="record", server=False,
+                               dump_dir=tmp_path, summary_at_exit=False)  # fmt: skip
+    for step in range(3):
+        x = torch.randn(3, 4)
+        if step == 2:
+            x[0, 0] = float("nan")
+        with torch.no_grad():
+            model(torch.log(x - 10) if step == 0 else x)
+    session.detach()
+    table = check_dump(load(tmp_path)).table()
+    assert "(1 other origin after it, above, each a problem of its own);" in table, table
+    assert "findings are where they spread" in table
+
+
 class _Normalize(nn.Module):
     """Its own code divides by each row's norm: 0/0 on a constant row."""
 

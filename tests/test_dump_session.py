@@ -120,7 +120,8 @@ def test_a_dumped_step_reads_each_module_output_in_its_hook_not_again_after_the_
 ):
     """On a dumped step deferred mode screens each module's output while it is in the cache
     (read again after the forward, it was 2-3 % of the step); a value it finds not finite is
-    dumped as such (the NaN inside, which nan_to_num hides from every guard)."""
+    dumped as such (the NaN inside, which nan_to_num hides from every guard), and judged, as
+    eager checks judge it (it was dumped, and no hit said so)."""
     from tensordbg.engine.pipeline import Pipeline
 
     torch.manual_seed(0)
@@ -134,11 +135,14 @@ def test_a_dumped_step_reads_each_module_output_in_its_hook_not_again_after_the_
         real(self, record, tensor, *extra)
 
     monkeypatch.setattr(Pipeline, "screen", screen)
+    # A clean model's dumped steps: read after the forward only the model's output (a guard).
+    clean = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.ReLU(), nn.Linear(8, 2))
+    _train_dumped(clean, tmp_path / "clean", steps=2, dump_every=1, sync="deferred")
+    assert sorted(set(read_after)) == ["3.output"]
     session = _train_dumped(model, tmp_path, steps=2, dump_every=1, sync="deferred")
-    assert session.hits == []  # deferred mode does not see a NaN that no guard shows
-    # Read once more after the forward: only the one not finite, and the model's output
-    # (a guard, always read there).
-    assert sorted(set(read_after)) == ["1.log.output", "3.output"]
+    # Deferred checks see no NaN that no guard shows, but a dumped step reads every output.
+    origins = [(h.step, h.tensor) for h in session.hits if h.origin]
+    assert origins == [(0, "1.log.output"), (1, "1.log.output")], origins
     dump = tensordbg.load(tmp_path)
     for step in (0, 1):
         stats = {e.name: e.stats for e in dump.tensors(step)}

@@ -205,9 +205,13 @@ class CheckReport:
             # Each origin of that first step (a NaN and an Inf made by one module): all named.
             rules = ", ".join(dict.fromkeys(f.rule for f in origins if f.step == first.step
                                             and f.shown == first.shown))  # fmt: skip
-            lines.append(f"it arose at {first.shown}, step {first.step}{rank} ({rules}); "
-                         f"{spread} finding{'s are' if spread != 1 else ' is'} where it "
-                         "spread")  # fmt: skip
+            places = dict.fromkeys((f.shown, f.step, f.rank) for f in origins)
+            others = len(places) - 1  # problems of their own, elsewhere or later
+            also = (f" ({plural(others, 'other origin')} after it, above, each a problem of "
+                    "its own)" if others else "")  # fmt: skip
+            lines.append(f"it arose at {first.shown}, step {first.step}{rank} ({rules}){also}; "
+                         f"{spread} finding{'s are' if spread != 1 else ' is'} where "
+                         f"{'they' if others else 'it'} spread")  # fmt: skip
         return "\n".join(lines)
 
     def _verdict(self, rows: int) -> str:
