@@ -678,3 +678,20 @@ def test_hf_trainer_under_torchrun_has_a_session_per_rank_and_rank_1_names_its_m
     # Rank 0's own forward of step 2 was clean; what it received later is passed on.
     assert not [h for h in ranks[0]["hits"] if h[0] <= 2 and h[2] == "output"]
     assert ranks[0]["hits"] and not [h for h in ranks[0]["hits"] if h[3]], ranks[0]["hits"][:3]
+
+
+def test_a_trainer_callback_s_summary_says_its_rank_in_a_job_of_several(capsys):
+    """Each rank of a job prints its summary, interleaved: a plain attach's says "tensordbg
+    (rank 1):", the trainer callbacks' said "tensordbg:" (found by a new user's trial)."""
+    from types import SimpleNamespace
+
+    from tensordbg.integrations.frameworks import TrainingWatch
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    watch = TrainingWatch({"on_hit": "record", "server": False})
+    session = watch.begin(model, [optimizer], scaler=None, rank=1)
+    model(torch.full((2, 4), float("nan"))).sum().backward()
+    session.ranks = SimpleNamespace(at_safe_point=False)  # as a job of several ranks (api.py)
+    watch.end()
+    assert capsys.readouterr().err.startswith("tensordbg (rank 1): ")

@@ -174,6 +174,23 @@ def test_a_jobs_ranks_agree_on_its_run_id():
     assert (me.rank, me.local_rank, me.world_size, me.distributed) == (3, 1, 4, True)
 
 
+def test_a_launcher_that_sets_no_rank_is_read_from_the_process_group(monkeypatch):
+    """Lightning's own DDP launcher sets no RANK nor WORLD_SIZE: every rank called itself rank
+    0 of one, so a replica split went unseen and a pause named the wrong rank. The process
+    group the job started says which rank this is (found by a new user's trial)."""
+    import tensordbg.distributed.identity as identity
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "LOCAL_RANK": "1"}
+    monkeypatch.setattr(identity, "_process_group", lambda: (1, 2))
+    me = RankIdentity.from_environment(env)
+    assert (me.rank, me.local_rank, me.world_size) == (1, 1, 2)
+    other = RankIdentity.from_environment({**env, "LOCAL_RANK": "0"})
+    assert me.run_id is not None and me.run_id == other.run_id  # one job: they find each other
+    monkeypatch.setattr(identity, "_process_group", lambda: None)  # no group: one process
+    alone = RankIdentity.from_environment(env)
+    assert (alone.rank, alone.world_size, alone.distributed) == (0, 1, False)
+
+
 def test_rank_divergence_compares_norms_with_a_relative_tolerance():
     rule = RankDivergence(rtol=1e-5)
     assert rule.compare("fc.weight", 2.0, 2.0, rank=1) is None

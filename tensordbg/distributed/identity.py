@@ -41,14 +41,32 @@ class RankIdentity:
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str] | None = None) -> RankIdentity:
+        """From the launcher's variables; where it set none (Lightning's own DDP launcher sets
+        no ``RANK``), from the process group the job started, when there is one: else every
+        rank called itself rank 0 of one."""
         env = os.environ if env is None else env
-        rank = _int(env.get("RANK"), 0)
-        world = max(1, _int(env.get("WORLD_SIZE"), 1))
+        rank, world = _int(env.get("RANK"), -1), _int(env.get("WORLD_SIZE"), 0)
+        group = _process_group() if rank < 0 or world < 1 else None
+        if group is not None:
+            rank, world = (group[0] if rank < 0 else rank), (group[1] if world < 1 else world)
+        rank, world = max(rank, 0), max(world, 1)
         local = _int(env.get("LOCAL_RANK"), rank)
-        return cls(job_run_id(env), rank, local, world)
+        return cls(job_run_id(env, world), rank, local, world)
 
 
-def job_run_id(env: Mapping[str, str]) -> str | None:
+def _process_group() -> tuple[int, int] | None:
+    """This process's rank and the world size of the default process group, if one is up."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except Exception:  # a torch without it, a group torn down: as if none
+        return None
+    return None
+
+
+def job_run_id(env: Mapping[str, str], world: int | None = None) -> str | None:
     """The run id every rank of a job agrees on: ``TENSORDBG_RUN_ID`` when set, else torchrun's
     ``TORCHELASTIC_RUN_ID`` (``torchrun --rdzv-id``; ``--standalone`` makes a fresh one), else one
     derived from the rendezvous address the ranks share. None outside a launcher."""
@@ -59,7 +77,7 @@ def job_run_id(env: Mapping[str, str]) -> str | None:
     if elastic and elastic != "none":
         return _UNSAFE.sub("_", elastic)[:64]
     addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
-    if addr and port and _int(env.get("WORLD_SIZE"), 1) > 1:
+    if addr and port and (world if world is not None else _int(env.get("WORLD_SIZE"), 1)) > 1:
         restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")
         digest = hashlib.sha256(f"{addr}:{port}:{restart}".encode()).hexdigest()[:8]
         return f"job{digest}"

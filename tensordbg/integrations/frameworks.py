@@ -74,13 +74,17 @@ class TrainingWatch:
         session = self.session
         if session is None or session.detached:
             return
+        ranked = getattr(session, "ranks", None) is not None  # (detach lets go of the ranks)
         session.detach()
         if summary and session.summary_at_exit and session.hits:
+            text = session.summary()
+            if ranked:  # each rank prints its own, interleaved: which one, as attach's does
+                text = text.replace("tensordbg:", f"tensordbg (rank {session.rank}):", 1)
             raised = sys.exc_info()[1]  # ended by a hit raised on its way up: said after it
             if isinstance(raised, WatchpointHit) and shows_hits():
-                raised.summary_after = session.summary()
+                raised.summary_after = text
             else:
-                print(session.summary(), file=sys.stderr, flush=True)
+                print(text, file=sys.stderr, flush=True)
 
 
 def _check_attach_args(owner: str, attach_args: Mapping[str, Any]) -> None:
