@@ -223,12 +223,9 @@ class ExplodingGradient(Rule):
 
     def _too_large(self, t: TensorStats, norm: float) -> Finding:
         said, bound = apart(norm, self.max_norm)
-        return Finding(
-            norm,
-            self.max_norm,
-            f"{t.name} has norm {said}, above {bound}; gradients are exploding: lower the "
-            "learning rate or clip gradients (torch.nn.utils.clip_grad_norm_).",
-        )
+        return Finding(norm, self.max_norm, f"{t.name} has norm {said}, above {bound}; gradients "
+                       "are exploding: lower the learning rate or clip gradients "
+                       "(torch.nn.utils.clip_grad_norm_).")  # fmt: skip
 
 
 def _calm(name: str, history: list[float], streaks: dict[str, int],
@@ -454,8 +451,7 @@ class VanishingGradient(Rule):
 
     def _message(self, t: TensorStats, mean: float, typical: float | None, bias: bool,
                  earlier: float = math.nan, largest: bool = False) -> tuple[str, str]:  # fmt: skip
-        """What the finding says, and its advice (what it usually means: not repeated where
-        the engine finds that something else made it)."""
+        """What the finding says, and its advice (not said where something else made it)."""
         if mean == 0 and earlier > 0:  # it is connected: it had one
             return (
                 f"{t.name} receives no gradient at all (mean |grad| 0, threshold "

@@ -1022,6 +1022,9 @@ def test_ctrl_c_while_the_tui_waits_for_a_training_is_one_line_and_status_130():
         [sys.executable, "-m", "tensordbg.cli", "tui", "--wait", "60"],
         stderr=subprocess.PIPE,
         text=True,
+        # As a terminal starts it: pytest-xdist's workers ignore SIGINT, and a child inherits
+        # that (then Ctrl-C did nothing, and the wait ran its 60 s out).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert waiting.stderr.readline().startswith("tensordbg tui: waiting up to 60 s")
