@@ -35,10 +35,15 @@ def print_summary(session: Any, file: TextIO | None = None) -> None:
     if session.hitlog.summarized:
         return
     session.hitlog.summarized = True
+    ranked = getattr(session, "ranks", None) is not None
+    print(ranked_summary(session, ranked), file=file or sys.stderr, flush=True)
+
+
+def ranked_summary(session: Any, ranked: bool) -> str:
+    """``session.summary()``, saying which rank it is of in a job of several (``ranked``):
+    each rank prints its own, interleaved."""
     text = session.summary()
-    if getattr(session, "ranks", None) is not None:  # torchrun: each rank's, interleaved
-        text = text.replace("tensordbg:", f"tensordbg (rank {session.rank}):", 1)
-    print(text, file=file or sys.stderr, flush=True)
+    return text.replace("tensordbg:", f"tensordbg (rank {session.rank}):", 1) if ranked else text
 
 
 class HitLog:
@@ -212,7 +217,7 @@ class HitLog:
                 finding,
                 is_origin,
                 condition,
-                "grad_code" if own_code else _input_kind(kind, name or stats.name, path),
+                "grad_code" if own_code else _note_kind(kind, name or stats.name, path, record),
                 path,
                 first,
                 self.bad_buffers(path) if is_origin and kind == "output" and path else (),
@@ -351,7 +356,7 @@ def with_origin(finding: Finding, is_origin: bool, condition: int | None, kind: 
             return (f"{finding.message} It was produced by the same call as {first}, the "
                     "origin (named once a call).")  # fmt: skip
         return f"{finding.message} It was passed on from upstream{source}, not produced here."
-    note = _ORIGIN_NOTE.get((kind, bool(module)), _ORIGIN_NOTE[kind, True])
+    note = _ORIGIN_NOTE.get((kind, bool(module))) or _ORIGIN_NOTE[kind, not module]
     if unseen:
         note = (f"It first showed here, in {unseen} or just after it in backward: "
                 f"torch.utils.checkpoint with use_reentrant=True runs {unseen} again in "
@@ -411,27 +416,11 @@ def _names(names: Sequence[str]) -> str:
     return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
-LATER_INPUT = (
-    "It came in with the model's inputs, not as its first argument: a value the "
-    "script hands in (a state it carries from step to step, a mask) or data; look "
-    "at the code that computes it."
-)
-UPDATE_MADE = (
-    "The gradient was clean: the optimizer step or the code around it made it "
-    "(learning rate, eps, a manual edit), or the parameter was loaded this way."
-)
-BEFORE_UPDATE = (
-    "Its gradient and the optimizer's state for it are finite, so the update "
-    "added only finite values: it was so before this step (set between steps by "
-    "hand, or loaded so), and the update did not make it. Deferred checks read a "
-    "parameter after its update, or where a forward's output shows it; this "
-    "step's forward hid it (a saturated tanh or sigmoid). sync='eager' names it in "
-    "that forward."
-)
 _ORIGIN_NOTE = {
     ("input", False): "It came in with the batch: look at the data and its preprocessing.",
-    ("later_input", False): LATER_INPUT,
-    ("later_input", True): LATER_INPUT,
+    ("later_input", False): "It came in with the model's inputs, not as its first argument: a "
+    "value the script hands in (a state it carries from step to step, a mask) or data; look at "
+    "the code that computes it.",
     ("input", True): "It came in with this module's inputs.",
     ("output", True): "It was produced here: this module's inputs and parameters were clean.",
     ("output", False): "It was produced by the model's own forward code between its submodules.",
@@ -447,17 +436,25 @@ _ORIGIN_NOTE = {
     ("grad_code", False): "It was produced in backward by the model's own code between its "
     "submodules: the gradients flowing into that code were clean.",
     ("grad_output", False): "It comes from the loss's backward: the loss itself was clean.",
-    ("param", True): UPDATE_MADE,
+    ("param", True): "The gradient was clean: the optimizer step or the code around it made it "
+    "(learning rate, eps, a manual edit), or the parameter was loaded this way.",
+    ("param_before", True): "Its gradient and the optimizer's state for it are finite, so the "
+    "update added only finite values: it was so before this step (set between steps by hand, or "
+    "loaded so), and the update did not make it. Deferred checks read a parameter after its "
+    "update, or where a forward's output shows it; this step's forward hid it (a saturated tanh "
+    "or sigmoid). sync='eager' names it in that forward.",
     ("update", True): "It was produced by the optimizer step.",
     ("observed", True): "The model's outputs were clean: the code that computes it made it.",
 }
 
 
-def _input_kind(kind: str, name: str, module: str | None) -> str:
-    """The model's input after its first argument (``input[1][0]``: an LSTM's state handed
-    back in) is not said to be the batch."""
-    later = kind == "input" and not module and name.startswith("input[") and name[6:8] != "0]"
-    return "later_input" if later else kind
+def _note_kind(kind: str, name: str, module: str | None, record: Record) -> str:
+    """Which of :data:`_ORIGIN_NOTE`'s sentences an origin of ``kind`` takes: the model's input
+    after its first argument (``input[1][0]``: an LSTM's state handed back in) is not said to
+    be the batch; a parameter the update did not make (``record.before_update``) says so."""
+    if kind == "input" and not module and name.startswith("input[") and name[6:8] != "0]":
+        return "later_input"
+    return "param_before" if kind == "param" and record.before_update else kind
 
 
 def _root_call(call: Call | None) -> Call | None:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from tensordbg.engine import origin
-from tensordbg.engine.hits import BEFORE_UPDATE, UPDATE_MADE, large_params
+from tensordbg.engine.hits import large_params
 from tensordbg.engine.judge import ActiveRule
 from tensordbg.engine.pausing import Pausing
 from tensordbg.engine.phases import Enter, Exit, Gradient, Judged, Snapshot
@@ -302,6 +302,8 @@ class Pipeline(Pausing, Pinpointing):
         condition = origin.condition_of(record, verdict.rule_id)
         if verdict.origin and self.ranks is not None and record.stats.kind in CARRIED_KINDS:
             carried = self.ranks.carried(record.stats.step)
+        if verdict.origin and record.stats.kind == "param" and record.stats.phase == "optimizer":
+            record.before_update = self._bad_before_update(record)  # said by its hit's note
         hit = self.hitlog.make(record, active, verdict.finding, verdict.origin and not carried,
                                condition, verdict.call, verdict.kind, verdict.name,
                                verdict.by_gradient, verdict.unseen,
@@ -326,8 +328,6 @@ class Pipeline(Pausing, Pinpointing):
         """An origin as the steps around it show it: a gradient that vanished while parameters
         hold NaN, or the same finding at every step since an earlier one, is not a new problem;
         a deferred backward origin of a forward it did not read says so."""
-        if record.stats.kind == "param" and record.stats.phase == "optimizer" and hit.origin:
-            self._bad_before_update(hit, record)
         if condition == NONFINITE:
             if (record.stats.phase == "backward" and self.sync.keeps_unscreened
                     and not self.forward_bad):  # fmt: skip
@@ -342,31 +342,29 @@ class Pipeline(Pausing, Pinpointing):
             hit.origin = False  # one origin for the streak: its first step
             hit.message += f" So at every step since step {since}, where it began."
 
-    def _bad_before_update(self, hit: Hit, record: Record) -> None:
-        """A parameter found not finite after its update (deferred checks read none before it)
-        whose gradient and optimizer state are finite: the update added only finite values
-        to values far from float's largest, so it was so before the step (set by hand between
-        steps: a forward that hid it, a saturated tanh, did not show it). Read on this path
-        only."""
+    def _bad_before_update(self, record: Record) -> bool:
+        """Whether a parameter found not finite after its update (deferred checks read none
+        before it) was so before the step: its gradient, optimizer state and hyper-parameters
+        are finite, so the update added only finite values to values far from float's largest
+        (set by hand between steps: a forward that hid it, a saturated tanh, did not show it).
+        Read on this path only."""
         p = self.weights.by_name.get(record.param)
         groups = [(opt, group) for opt in self.optimizers for group in opt.param_groups
                   if p is not None and any(q is p.param for q in group["params"])]  # fmt: skip
-        if p is None or UPDATE_MADE not in hit.message or not groups:
-            return
+        if p is None or not record.stats.nonfinite or not groups:
+            return False
         for opt, group in groups:  # an update of finite values is finite: known optimizers only
             rates = [float(group.get(k, 1.0)) for k in ("lr", "eps", "weight_decay")]
             if not isinstance(opt, _FINITE_UPDATES) or not all(map(math.isfinite, rates)):
-                return
+                return False
             if "eps" in group and not rates[1] > 0:
-                return  # m / (sqrt(v) + 0) is 0/0 where v is 0: the update can make a NaN
+                return False  # m / (sqrt(v) + 0) is 0/0 where v is 0: the update can make NaN
         state = [v for opt, _ in groups for v in opt.state.get(p.param, {}).values()]
         inputs = [t for t in (p.param.grad, *state)
                   if isinstance(t, torch.Tensor) and t.is_floating_point()]  # fmt: skip
         values = p.param.detach()
         largest = values.abs().nan_to_num(0.0, 0.0, 0.0).max() if values.numel() else 0.0
-        if all(bool(t.isfinite().all()) for t in inputs) and float(largest) < 1e30:
-            record.before_update = True
-            hit.message = hit.message.replace(UPDATE_MADE, BEFORE_UPDATE)
+        return all(bool(t.isfinite().all()) for t in inputs) and float(largest) < 1e30
 
     def _after_bad_params(self, hit: Hit, finding: Any) -> None:
         """A gradient's finding other than NaN or Inf (a gradient that vanished) while
