@@ -115,7 +115,11 @@ class Rule:
         match: str | Sequence[str] = "*",
         exclude: str | Sequence[str] = (),
         kinds: Iterable[str] | None = None,
+        **unknown: Any,
     ):
+        if unknown:  # a mistyped threshold a subclass handed on: named as the rule's own
+            raise TypeError(f"{type(self).__name__} has no {next(iter(unknown))}=; it takes "
+                            f"{', '.join(keywords_of(type(self)))}")  # fmt: skip
         self.match = (match,) if isinstance(match, str) else tuple(match)
         self.exclude = (exclude,) if isinstance(exclude, str) else tuple(exclude)
         if kinds is not None:
@@ -456,3 +460,10 @@ def apart(value: float, bound: float) -> tuple[str, str]:
         if said[0] != said[1]:
             return said
     return f"{value:.10g}", f"{bound:.10g}"
+
+
+def keywords_of(cls: type) -> list[str]:
+    """The keyword arguments a rule class takes: its thresholds, then the selection."""
+    own = [n for n, p in inspect.signature(cls.__init__).parameters.items()
+           if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]  # fmt: skip
+    return [*own, *(n for n in SELECTION_ARGS if n not in own)]

@@ -8,7 +8,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from tensordbg.rules.activations import DeadActivation, SaturatedActivation
-from tensordbg.rules.base import ENTRY_POINT_GROUP, SELECTION_ARGS, Rule
+from tensordbg.rules.base import ENTRY_POINT_GROUP, Rule, keywords_of
 from tensordbg.rules.distributed import RankDivergence
 from tensordbg.rules.gradients import ExplodingGradient, VanishingGradient
 from tensordbg.rules.loss import LossNotDecreasing
@@ -108,7 +108,7 @@ def make_rule(name: str, kwargs: dict[str, Any]) -> Rule:
     cls = available_rules().get(name)
     if cls is None:
         raise ValueError(unknown_rule(name))
-    named = _keywords(cls)
+    named = keywords_of(cls)
     for key in kwargs:
         if key not in named:
             raise ValueError(f"{cls.__name__} has no {key}=; it takes {', '.join(named)}")
@@ -118,10 +118,19 @@ def make_rule(name: str, kwargs: dict[str, Any]) -> Rule:
         raise ValueError(str(e)) from None
 
 
-def _keywords(cls: type) -> list[str]:
-    """The keyword arguments a rule class takes: its thresholds, then the selection."""
-    import inspect
-
-    own = [n for n, p in inspect.signature(cls.__init__).parameters.items()
-           if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]  # fmt: skip
-    return [*own, *(n for n in SELECTION_ARGS if n not in own)]
+def with_given(named: list[Rule], given: list[Rule]) -> list[Rule]:
+    """The rules of ``--rules`` (``named``) with those of ``--rule`` (``given``, each with its
+    arguments). A given rule takes the place of the named rules of its class, so that the
+    default ExplodingGradient with another ``max_norm`` judges each gradient once, with that
+    bound, not beside the default's; several given rules of one class all apply (TensorRange
+    on different names)."""
+    classes = {type(rule) for rule in given}
+    rules: list[Rule] = []
+    for rule in named:
+        kind = type(rule)
+        if kind not in classes:
+            rules.append(rule)
+        elif not any(type(r) is kind for r in rules):
+            rules.extend(r for r in given if type(r) is kind)
+    placed = {type(rule) for rule in rules}
+    return rules + [rule for rule in given if type(rule) not in placed]

@@ -160,12 +160,15 @@ class WeightNotChanging(Rule):
             # Not measured, or no gradient of this step was: a parameter this step did not
             # reach (a branch, an expert without tokens) has no reason to move.
             return None
-        # Per tensor: [length of the current streak, whether it has been reported].
-        streak = state.setdefault(t.name, [0, False])
+        # Per tensor: [length of the current streak, whether it has been reported, its first
+        # step].
+        streak = state.setdefault(t.name, [0, False, t.step])
         share = t.get(LR_SHARE)  # the learning rate against its largest (a schedule's tail)
         if unchanged != 1.0 or had[1] or (share is not None and share < self.decayed):
-            streak[:] = [0, False]
+            streak[:] = [0, False, t.step]
             return None
+        if not streak[0]:
+            streak[2:] = [t.step]
         streak[0] += 1
         if streak[1] or streak[0] < self.num_steps:
             return None
@@ -175,10 +178,15 @@ class WeightNotChanging(Rule):
             if self.rtol or self.atol
             else "not one element moved"
         )
+        # Checked every few steps (``interval``), a streak counts the steps measured.
+        span = t.step - streak[2] + 1
+        steps = (f"for {streak[0]} optimizer steps" if span == streak[0] else
+                 f"in the {streak[0]} optimizer steps measured from step {streak[2]} to "
+                 f"{t.step} (the steps between were not)")  # fmt: skip
         return Finding(
             float(streak[0]),
             float(self.num_steps),
-            f"{_param(t)} has not changed for {streak[0]} optimizer steps ({within}, threshold "
+            f"{_param(t)} has not changed {steps} ({within}, threshold "
             f"{self.num_steps} steps) though its gradient is not negligible; it is not learning: "
             "its learning rate may be zero or too small for its dtype to register, or it may be "
             "missing from the optimizer's parameter groups.",

@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="SPEC",
-        help="a rule with its arguments, added to --rules (repeatable), e.g. "
+        help="a rule with its arguments, in place of --rules' rule of its class (repeatable), e.g. "
         "\"TensorRange(match='*.attn.*', max_gt=1e4)\"; read as data, never run as code",
     )
     run.add_argument(
@@ -381,6 +381,7 @@ def _run(args: argparse.Namespace) -> int:
     from tensordbg.dump.writer import unwritable_reason
     from tensordbg.integrations.runner import run_script
     from tensordbg.rules import default_rules
+    from tensordbg.rules.catalog import with_given
 
     if args.script is None and not args.module:
         print("tensordbg run: which script? e.g. tensordbg run train.py --epochs 3, or -m "
@@ -401,7 +402,7 @@ def _run(args: argparse.Namespace) -> int:
                  "dump_max_bytes": args.dump_max_bytes}  # fmt: skip
     rules = None if args.rules is None else _rules(args.rules)
     if args.rule:
-        rules = [*(default_rules() if rules is None else rules), *map(_rule, args.rule)]
+        rules = with_given(default_rules() if rules is None else rules, [*map(_rule, args.rule)])
     if rules == []:
         print("tensordbg run: no rules (--rules ''): statistics are kept, nothing can hit",
               file=sys.stderr)  # fmt: skip

@@ -253,6 +253,29 @@ def test_a_nan_gradient_is_one_row_naming_both_rules_that_found_it(
     assert sorted(f["rule"] for f in findings) == ["ExplodingGradient", "NaN"]
 
 
+def test_a_rule_given_with_arguments_takes_the_place_of_the_default_one_of_its_class(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--rule "NaN()"`` without ``--rules`` is the default set with that NaN, not a second NaN
+    beside the default's: each NaN is found once. Two given rules of one class both apply."""
+    nan_grad = (3, "net.2.weight.grad", (0, 0), float("nan"))
+    dump = str(write_dump(tmp_path / "run", nan_at=None, change=nan_grad))
+    assert main(["check", dump, "--json", "--rule", "NaN()"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert sorted(f["rule"] for f in report["findings"]) == ["ExplodingGradient", "NaN"]
+    assert [r.split("(")[0] for r in report["rules"]].count("NaN") == 1
+    assert main(["check", dump, "--json", "--rule", "ExplodingGradient(max_norm=1e-9)"]) == 1
+    rules = json.loads(capsys.readouterr().out)["rules"]
+    assert [r for r in rules if r.startswith("ExplodingGradient")] == [
+        next(r for r in rules if "1e-09" in r)
+    ]
+    given = ["--rule", "TensorRange(match='net.0.*', max_gt=1e9)",
+             "--rule", "TensorRange(match='net.2.*', max_gt=1e9)"]  # fmt: skip
+    assert main(["check", dump, "--json", "--rules", "NaN", *given]) == 1
+    rules = json.loads(capsys.readouterr().out)["rules"]
+    assert [r.split("(")[0] for r in rules] == ["NaN", "TensorRange", "TensorRange"]
+
+
 def test_the_json_report_follows_its_schema(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -8,12 +8,13 @@ from typing import Any
 
 import pytest
 from fake_source import FakeSource
-from test_tui import shown
+from test_tui import shown, until
 from textual import events
 from textual.app import App
 from textual.widgets import DataTable, Static
 
 from tensordbg.transport.client import LocalClient
+from tensordbg.tui.app import TensorDbgApp
 from tensordbg.tui.launch import session_app
 from tensordbg.tui.messages import OpenTensor
 from tensordbg.tui.screens.ranks import RanksScreen, group_jobs, job_sessions
@@ -324,5 +325,48 @@ def test_r_and_f9_say_why_there_is_no_other_rank_to_show(state: str, said: str) 
                     if list(app._notifications):
                         break
                 assert [str(n.message) for n in app._notifications] == [said], key
+
+    asyncio.run(flow())
+
+
+def test_the_hits_of_every_rank_are_listed_in_the_order_they_happened() -> None:
+    """A hit's id counts its own rank's hits: sorted by it, rank 1's update hit of step 5 came
+    before rank 0's forward hit of that step, which had ten hits before it."""
+
+    def hit(rank: int, id_: int, step: int, phase: str) -> dict[str, Any]:
+        return {"rank": rank, "id": id_, "step": step, "phase": phase, "rule": "NaN",
+                "tensor": f"{phase}.{id_}", "origin": True}  # fmt: skip
+
+    async def flow() -> None:
+        clients = {0: LocalClient(FakeRank(0)), 1: LocalClient(FakeRank(0))}
+        app = Host(RanksScreen("job7", clients, current=0, every=60))
+        async with app.run_test(size=(120, 40)) as pilot:
+            screen = app.ranks_screen
+            await pilot.pause(0.1)
+            screen.hits = {0: [hit(0, 10, 5, "forward"), hit(0, 11, 5, "optimizer")],
+                           1: [hit(1, 3, 5, "optimizer"), hit(1, 2, 5, "backward")]}  # fmt: skip
+            screen._show_hits()
+            listed = [(r[0], r[2]) for r in rows(screen.query_one("#ranks-hits", DataTable))]
+            assert listed == [("0", "forward"), ("1", "backward"), ("0", "optimizer"),
+                              ("1", "optimizer")]  # fmt: skip
+
+    asyncio.run(flow())
+
+
+def test_q_on_one_rank_of_a_job_says_the_other_ranks_are_still_watched() -> None:
+    """q on rank 0 of a two-rank job detaches rank 0's session only: "the training goes on
+    unwatched" was untrue while rank 1 still watched."""
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(FakeRank(1)))
+        async with app.run_test(size=(120, 40)) as pilot:
+            await until(pilot, lambda: app.state == "paused" and app.info.get("rank") == 1)
+            helps = {c.title: c.help for c in app.get_system_commands(app.screen)}
+            assert "rank 1 goes on unwatched; rank 0 is still watched" in helps["Detach and quit"]
+            await pilot.press("q")
+            await until(pilot, lambda: not app.is_running)
+        assert app.farewell.endswith(
+            "; rank 1 goes on unwatched; rank 0 is still watched (tensordbg tui reaches them)"
+        )
 
     asyncio.run(flow())

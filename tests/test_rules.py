@@ -37,7 +37,7 @@ from tensordbg.rules import (
     default_rules,
 )
 from tensordbg.rules.base import SELECTION_ARGS, judge_array
-from tensordbg.rules.catalog import builtin_rules
+from tensordbg.rules.catalog import builtin_rules, with_given
 from tensordbg.statistics import (
     ABS_MEAN,
     FINITE,
@@ -533,6 +533,22 @@ def test_weight_not_changing_fires_once_per_streak_and_rearms():
     assert fired == [2, 8]
     assert (found[2].value, found[2].threshold) == (3.0, 3.0)
     assert "fc.weight has not changed for 3 optimizer steps" in found[2].message
+
+
+def test_weight_not_changing_under_an_interval_says_which_steps_it_measured():
+    """Checked every 5th step, three unchanged updates span 11 steps: not "has not changed for 3
+    optimizer steps", of which 8 were not measured."""
+    rule, state, w = WeightNotChanging(), {}, np.ones(8)
+    found = []
+    for step in (5, 10, 15):
+        g = tensor(rule, np.full(8, 0.1), step=step, **GRAD_OF_UPDATE)
+        assert rule.check(g, state) is None
+        found.append(
+            rule.check(tensor(rule, w.copy(), prev=w, step=step, trainable=True, **UPDATE), state)
+        )
+    assert found[:2] == [None, None]
+    said = "fc.weight has not changed in the 3 optimizer steps measured from step 5 to 15"
+    assert f"{said} (the steps between were not)" in found[2].message
 
 
 def test_weight_not_changing_skips_unmeasured_steps_and_frozen_parameters():
@@ -1072,3 +1088,29 @@ def test_a_value_past_its_bound_is_never_shown_equal_to_it():
     assert apart(3.5, 1.0) == ("3.5", "1")
     found = judge(ExplodingGradient(), np.full(4, 501_000.0), {}, **GRAD)
     assert "has norm 1.002e+06, above 1e+06" in found.message
+
+
+@pytest.mark.parametrize(
+    "make_it",
+    [lambda: ExplodingGradient(maxnorm=5), lambda: NaN(mach="x"), lambda: TensorRange(maxgt=1)],
+)
+def test_a_mistyped_keyword_in_python_names_the_rule_and_what_it_takes(make_it):
+    """Not "Rule.__init__() got an unexpected keyword argument": the rule the person made, and
+    its keywords, as --rule says it."""
+    with pytest.raises(TypeError) as caught:
+        make_it()
+    message = str(caught.value)
+    assert "Rule.__init__" not in message and "; it takes " in message
+    assert message.split(" has no ")[0] in {"ExplodingGradient", "NaN", "TensorRange"}
+    assert message.endswith("match, exclude, kinds")
+
+
+def test_a_rule_given_on_the_command_line_replaces_the_named_rule_of_its_class():
+    bound = ExplodingGradient(max_norm=10)
+    ranges = [TensorRange(match="a.*", max_gt=1), TensorRange(match="b.*", max_gt=1)]
+    rules = with_given(default_rules(), [bound, *ranges])
+    assert [type(r).__name__ for r in rules] == [type(r).__name__ for r in default_rules()] + [
+        "TensorRange",
+        "TensorRange",
+    ]
+    assert [r for r in rules if isinstance(r, ExplodingGradient)] == [bound]

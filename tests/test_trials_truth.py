@@ -316,3 +316,24 @@ def test_outputs_beside_the_origin_are_said_to_come_of_the_same_call(watch, sync
     said = hits["bad.output[1]"].message
     assert "produced by the same call as bad.output[0], the origin" in said
     assert "upstream" not in said
+
+
+@pytest.mark.parametrize("sync", MODES)
+def test_a_weight_found_bad_at_attach_is_said_to_have_come_with_the_model(watch, sync):
+    """attach's own check found a NaN weight before any step and said "Its gradient and the
+    optimizer's state for it are finite, so the update added only finite values ... this
+    step's forward hid it": no step, forward or update had run. Nor did an update make it."""
+    from tensordbg.sources.live import LiveSource
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[2].weight[0, 1] = float("nan")
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=optimizer, on_hit="record", sync=sync)
+    [hit] = [h for h in session.hits if h.origin]
+    assert (hit.step, hit.tensor) == (0, "2.weight")
+    assert "tensordbg found it when it attached, before the first step" in hit.message
+    for untrue in ("update", "gradient", "forward"):
+        assert untrue not in hit.message.split(". ", 2)[-1], hit.message
+    assert LiveSource(session).provenance(hit.ref)["producer"] is None

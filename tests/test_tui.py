@@ -212,7 +212,7 @@ def test_ctrl_q_detaches_like_q_and_the_palette_quits_one_way() -> None:
             await mounted(pilot)
             helps = {c.title: c.help for c in app.get_system_commands(app.screen)}
             assert "Detach and quit" in helps and "Quit" not in helps
-            assert "the training goes on unwatched (q)" in helps["Detach and quit"]
+            assert "the training goes on, unwatched (q)" in helps["Detach and quit"]
             await pilot.press("ctrl+q")
             await until(pilot, lambda: not app.is_running)
         assert source.controls == [("detach", 1)]
@@ -1659,7 +1659,7 @@ def test_the_log_says_a_state_once_when_it_is_sent_again() -> None:
             await pilot.pause()
             text = "\n".join(line.text for line in log.lines)
             assert text.count("state: detached after step 11") == 1, text
-            assert text.count("state: running at step 12") == 1, text
+            assert text.count("state: running after step 11") == 1, text
 
     asyncio.run(flow())
 

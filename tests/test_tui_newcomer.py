@@ -143,8 +143,8 @@ def test_the_state_shown_is_the_state_the_training_is_in_now() -> None:
             source.emit("state", {"state": "running", "step": 5})
             await until(pilot, lambda: app.state == "running")
             line = state_line(app)
-            assert "RUNNING" in line and "at step 5" in line and "pause" not in line
-            assert app.main.title == "RUNNING at step 5"
+            assert "RUNNING" in line and "after step 4" in line and "pause" not in line
+            assert app.main.title == "RUNNING after step 4"
 
     asyncio.run(flow())
 
@@ -564,7 +564,7 @@ def test_the_log_gives_a_state_the_reason_of_that_state_not_of_the_last_pause() 
         f"paused at step 25 ({hit})"
     )
     line = describe_event("state", {"state": "running", "step": 29, "reason": hit})
-    assert line == "running at step 29"
+    assert line == "running after step 28"  # between steps: the last it ended
     # Detached or finished, the step given is the next one, which never began (steps 0-28
     # ran): the last step is named, as the header names it.
     line = describe_event("state", {"state": "detached", "step": 29, "reason": hit})

@@ -22,7 +22,7 @@ from textual.screen import Screen
 
 from tensordbg.sources.contract import SchemaError, Welcome
 from tensordbg.tui import commands
-from tensordbg.tui.commands import CONTROLS, DETACHED, ENDS_WITH_UI, palette
+from tensordbg.tui.commands import CONTROLS, ENDS_WITH_UI, detached, palette
 from tensordbg.tui.errors import CrashFile, work
 from tensordbg.tui.job import JobRanks
 from tensordbg.tui.profiler.view import DEFAULT_STEPS
@@ -458,7 +458,7 @@ class TensorDbgApp(JobRanks, StepCount):
         if self.ends_training and self.state in ("running", "paused"):
             what = f"q quits, and {ENDS_WITH_UI}"
         elif self.remote.serves("control") and self.state in ("running", "paused"):
-            what = f"q detaches the debugger and quits: {DETACHED}"
+            what = f"q detaches the debugger and quits: {detached(self.info)}"
         else:
             what = "q quits"
         self.notify(f"Ctrl-C does not quit the UI: {what}.", title="Quit?", markup=False)
@@ -479,7 +479,7 @@ class TensorDbgApp(JobRanks, StepCount):
                 await self.remote.control("detach")
             # Said in the terminal once the UI is gone (it quit without a word).
             run = f"run {self.info.get('run_id')} ({self.info.get('script')})"
-            self.farewell = f"tensordbg tui: detached from {run}; the training goes on, unwatched"
+            self.farewell = f"tensordbg tui: detached from {run}; {detached(self.info)}"
         client, self.remote.client = self.remote.client, None
         if client is not None:
             with contextlib.suppress(Exception):

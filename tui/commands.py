@@ -13,9 +13,21 @@ from tensordbg.tui.profiler.view import VIEWS
 from tensordbg.tui.remote import OVER
 from tensordbg.tui.screens.main import TABS
 
-DETACHED = "the training goes on unwatched"
+DETACHED = "the training goes on, unwatched"
 """What q does to the training (one that ends with the UI, tensordbg demo's, is not detached)."""
 ENDS_WITH_UI = "the training stops with the UI, as tensordbg demo's does"
+
+
+def detached(info: dict[str, Any]) -> str:
+    """What q leaves of the training whose ``info`` the UI shows: of a job of several ranks,
+    only this rank's session detaches, and the others still watch theirs."""
+    ranks, rank = info.get("world_size") or 1, info.get("rank") or 0
+    if not isinstance(ranks, int) or ranks < 2:
+        return DETACHED
+    others = [str(r) for r in range(ranks) if r != rank]
+    still = f"rank {others[0]} is" if len(others) == 1 else f"ranks {', '.join(others)} are"
+    return f"rank {rank} goes on unwatched; {still} still watched (tensordbg tui reaches them)"
+
 
 # Which control actions make sense in which state of the training.
 CONTROLS = {"paused": ("continue", "next", "step", "skip"), "running": ("pause",)}
@@ -83,7 +95,9 @@ def palette(app: Any, screen: Screen, own: Iterable[SystemCommand]) -> Iterable[
         yield SystemCommand("Quit", f"Quit: {ENDS_WITH_UI} (q)", app.action_leave)
     else:
         yield SystemCommand(
-            "Detach and quit", f"Detach the debugger and quit: {DETACHED} (q)", app.action_detach
+            "Detach and quit",
+            f"Detach the debugger and quit: {detached(app.info)} (q)",
+            app.action_detach,
         )
     yield SystemCommand(
         "Search", "Filter the hits on the Hits tab, else the model tree (/)", app.action_search

@@ -270,10 +270,13 @@ def step_phrase(state: str, step: int | None, phase: str = "") -> str:
     """Where the training is, by its step: ``at step 5``. A training that finished (or was
     detached) in a step's ``phase`` is given as that step and phase (``at step 3 (forward)``);
     one that ended between two steps as the step it ended after (the session's step is then
-    the next one, which never began: steps 0-28 ran, and it says 29)."""
+    the next one, which never began: steps 0-28 ran, and it says 29). A running training is
+    known between steps only (each step's end tells the UI): the step it last ended, which is
+    true while the next runs and after the last ("RUNNING at step 14" was said of a script
+    that ran 14 steps and was saving)."""
     if step is None:
         return "at step ?"
-    if state not in OVER:
+    if state not in OVER and (phase or state != "running"):
         return f"at step {step}"
     if phase:
         return f"at step {step} ({phase})"

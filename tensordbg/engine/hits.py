@@ -443,6 +443,8 @@ _ORIGIN_NOTE = {
     "loaded so), and the update did not make it. Deferred checks read a parameter after its "
     "update, or where a forward's output shows it; this step's forward hid it (a saturated tanh "
     "or sigmoid). sync='eager' names it in that forward.",
+    ("param_attach", True): "tensordbg found it when it attached, before the first step: the "
+    "model came with it (its initialization, or a checkpoint or state loaded so).",
     ("update", True): "It was produced by the optimizer step.",
     ("observed", True): "The model's outputs were clean: the code that computes it made it.",
 }
@@ -454,6 +456,8 @@ def _note_kind(kind: str, name: str, module: str | None, record: Record) -> str:
     be the batch; a parameter the update did not make (``record.before_update``) says so."""
     if kind == "input" and not module and name.startswith("input[") and name[6:8] != "0]":
         return "later_input"
+    if kind == "param" and record.at_attach:
+        return "param_attach"
     return "param_before" if kind == "param" and record.before_update else kind
 
 

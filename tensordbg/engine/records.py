@@ -119,6 +119,7 @@ class Record:
     voucher: str = ""  # a gradient not kept, judged from this parameter's (engine/vouching.py)
     before_update: bool = False  # a parameter's NaN/Inf found after its update, which did not
     # make it (engine/pipeline.py: _bad_before_update)
+    at_attach: bool = False  # a parameter read by attach's check, before any step
 
     def find(self, rule_id: int, finding: Any) -> None:
         """Add a rule's finding."""

@@ -63,7 +63,10 @@ def check(args: argparse.Namespace, *, rules: Parser, rule: Parser) -> int:
 
     chosen = None
     if args.rules is not None or args.rule:
-        chosen = [*rules("default" if args.rules is None else args.rules), *map(rule, args.rule)]
+        from tensordbg.rules.catalog import with_given
+
+        named = rules("default" if args.rules is None else args.rules)
+        chosen = with_given(named, [*map(rule, args.rule)])
         if not chosen:  # a lint with nothing to judge would pass anything (an empty variable)
             print("tensordbg check: no rules to judge with (--rules '' names none): name some, "
                   "or leave --rules out for the run's own", file=sys.stderr)  # fmt: skip

@@ -21,6 +21,7 @@ from textual.widgets import DataTable, Footer, Label
 from tensordbg.tui.components.table import Table
 from tensordbg.tui.errors import reported, work
 
+_PHASES = {"forward": 0, "backward": 1, "optimizer": 2}
 COMPARED = ("numel", "nan", "posinf", "neginf", "min", "max", "mean", "std", "l2")
 
 
@@ -150,7 +151,9 @@ class RanksScreen(Screen[int | None]):
         table.clear()
         ranks = self.clients if self.only is None else [self.only]
         merged = [h | {"rank": r} for r in ranks for h in self.hits.get(r, [])]
-        merged.sort(key=lambda h: (h["step"], h["id"], h["rank"]))
+        # In the order they happened: by step, then phase; a hit's id counts its own rank's
+        # hits only (rank 0's 10th hit of step 5 came before rank 1's 3rd, of step 5's update).
+        merged.sort(key=lambda h: (h["step"], _PHASES.get(h["phase"], 3), h["rank"], h["id"]))
         self._listed = merged
         for i, h in enumerate(merged):
             table.add_row(str(h["rank"]), str(h["step"]), h["phase"], h["rule"], h["tensor"],
