@@ -60,3 +60,31 @@ def test_an_encoder_that_never_gets_a_gradient_is_named_once(sync, capsys):
 def test_a_training_whose_parameters_all_learn_names_none():
     said, hits = train(reentrant=False, sync="deferred", steps=WATCH_STEPS + 5)
     assert not said and not hits
+
+
+def test_a_module_left_out_of_the_optimizer_is_not_said_to_be_stepped(capsys):
+    """A submodule the forward does not call and the optimizer does not hold: "2 trainable
+    parameters the optimizer steps had no gradient: aux.weight, aux.bias ... Give the
+    optimizer only what trains" was said of a script that did just that."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.aux, self.head = nn.Linear(8, 8), nn.Linear(8, 1), nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.body(x))
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD([*model.body.parameters(), *model.head.parameters()], lr=0.01)
+    session = tensordbg.attach(model, optimizer=opt, on_hit="record", server=False,
+                               summary_at_exit=False)  # fmt: skip
+    try:
+        for _ in range(WATCH_STEPS + 2):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        session.detach()
+    assert "had no gradient" not in capsys.readouterr().err

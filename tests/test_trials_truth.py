@@ -337,3 +337,90 @@ def test_a_weight_found_bad_at_attach_is_said_to_have_come_with_the_model(watch,
     for untrue in ("update", "gradient", "forward"):
         assert untrue not in hit.message.split(". ", 2)[-1], hit.message
     assert LiveSource(session).provenance(hit.ref)["producer"] is None
+
+
+@pytest.mark.parametrize("sync", MODES)
+def test_a_nan_loss_of_a_decoder_apart_is_not_said_to_come_of_the_loss_code(watch, sync):
+    """An encoder watched, its decoder trained by the same optimizer but not watched (PyTorch's
+    seq2seq tutorial's layout): an Inf set in the decoder's weight made the loss NaN, and the
+    hit said "The model's outputs were clean: the code that computes it made it"."""
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(8, 32), nn.Tanh())
+    dec = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 2))
+    optimizer = torch.optim.Adam([*enc.parameters(), *dec.parameters()], lr=1e-3)
+    session = watch(enc, optimizer=optimizer, on_hit="record", sync=sync)
+    for step in range(4):
+        if step == 2:
+            with torch.no_grad():
+                dec[2].weight[1, 4] = float("inf")
+        x = torch.randn(16, 8)
+        loss = nn.functional.cross_entropy(dec(enc(x)), (x[:, 0] > 0).long())
+        session.observe("loss", loss)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    [hit] = [h for h in session.hits if h.origin]
+    assert (hit.step, hit.tensor) == (2, "loss")
+    assert "the code that computes it made it" not in hit.message
+    assert "its optimizer also steps 4 parameters tensordbg does not watch" in hit.message
+    assert "1 of them, of shape (2, 32), holds NaN or Inf" in hit.message
+
+
+@pytest.mark.parametrize("sync", MODES)
+def test_a_loss_of_a_model_rebuilt_for_a_resume_is_said_to_be_unwatched(watch, sync):
+    """A resume into a freshly built model and optimizer (load_state_dict): the watched model
+    is no longer called, the losses go on. A NaN made in the new model was "step 20 backward:
+    loss#10 ... The model's outputs were clean: the code that computes it made it", and
+    nothing said the rest of the run was unwatched."""
+    logged = []
+
+    def make():
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    model, optimizer = make()
+    session = watch(model, optimizer=optimizer, on_hit="record", sync=sync)
+    session.bus.subscribe(lambda e, p: logged.append(p["message"]), events={"log"})
+    for step in range(12):
+        if step == 4:
+            state = model.state_dict(), optimizer.state_dict()
+            model, optimizer = make()
+            model.load_state_dict(state[0])
+            optimizer.load_state_dict(state[1])
+        if step == 8:
+            with torch.no_grad():
+                model[2].weight[0, 0] = float("nan")
+        x = torch.randn(16, 8)
+        loss = nn.functional.cross_entropy(model(x), (x[:, 0] > 0).long())
+        session.observe("loss", loss)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    said = [m for m in logged if "with no call of the watched model" in m]
+    assert len(said) == 1 and said[0].startswith("step 4: loss was observed 3 times"), logged
+    origins = [h for h in session.hits if h.origin]
+    assert origins and all("The watched model was not called for it" in h.message
+                           and "the code that computes it made it" not in h.message
+                           and "were finite" not in h.message for h in origins)  # fmt: skip
+
+
+def test_two_losses_of_one_forward_under_one_name_are_the_models(watch):
+    """Observing one name twice a forward (a script's two heads) is not a model apart."""
+    logged = []
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    session = watch(model, optimizer=optimizer, on_hit="record")
+    session.bus.subscribe(lambda e, p: logged.append(p["message"]), events={"log"})
+    for _ in range(6):
+        out = model(torch.randn(4, 8))
+        first, second = out[:, :2].pow(2).mean(), out[:, 2:].log().mean()  # NaN: log < 0
+        session.observe("loss", first)
+        session.observe("loss", second)
+        (first + second).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert not [m for m in logged if "with no call of the watched model" in m]
+    hit = next(h for h in session.hits if h.origin and h.kind == "observed")
+    assert "the code that computes it made it" in hit.message

@@ -227,6 +227,7 @@ class HitLog:
                 bad_since,
                 self.unwatched_bad(path) if is_origin and kind == "output" else (),
                 sibling,
+                self.stepped_apart() if is_origin and kind == "observed" else (0, ()),
             ),
             ref=stats.ref,
             call=module.index if module is not None else stats.call,
@@ -278,6 +279,17 @@ class HitLog:
         return _not_finite((n, p) for n, p in module.named_parameters(prefix=path)
                            if id(p) not in self._watched.params)  # fmt: skip
 
+    def stepped_apart(self) -> tuple[int, list[str]]:
+        """The parameters the watched optimizers step that are not watched (a decoder beside
+        the watched encoder, trained by the same optimizer): how many, and the shapes of those
+        that hold a NaN or Inf."""
+        if self._watched is None:
+            return 0, []
+        watched = self._watched.params
+        apart = {id(p): p for groups in list(self._watched.groups.values()) for group in groups
+                 for p in group["params"] if id(p) not in watched}  # fmt: skip
+        return len(apart), _not_finite((str(tuple(p.shape)), p) for p in apart.values())
+
     def _module(self, path: str | None) -> torch.nn.Module | None:
         """The model's module at ``path`` (the model for None); None when the model is gone or
         the path no longer names a module."""
@@ -325,7 +337,8 @@ def with_origin(finding: Finding, is_origin: bool, condition: int | None, kind: 
                 module: str, first: str, bad_buffers: Sequence[str] = (),
                 by_gradient: bool = False, bad_params: Sequence[str] = (),
                 unseen: str = "", bad_since: int | None = None,
-                unwatched: Sequence[str] = (), sibling: bool = False) -> str:  # fmt: skip
+                unwatched: Sequence[str] = (), sibling: bool = False,
+                apart: tuple[int, Sequence[str]] = (0, ())) -> str:  # fmt: skip
     """The finding's sentence, followed by where the value came from. Its advice (what the
     condition usually means) is given where the condition arose, not repeated downstream.
     ``bad_buffers``: the module's buffers that are not finite (they fed its output);
@@ -333,7 +346,8 @@ def with_origin(finding: Finding, is_origin: bool, condition: int | None, kind: 
     the module's own parameters that are not finite (an output passed on from them);
     ``unseen``: the block around it whose gradients no hook saw (origin.py); ``bad_since``: a
     parameter's, the step since which it has not been finite; ``unwatched``: the module's
-    parameters added after attach that are not finite."""
+    parameters added after attach that are not finite; ``apart``: of a loss, the parameters
+    its optimizers step that are not watched, and the shapes of those not finite."""
     if condition is None:
         return finding.advised
     if kind == "param" and bad_since is not None:
@@ -368,6 +382,15 @@ def with_origin(finding: Finding, is_origin: bool, condition: int | None, kind: 
         note = (f"Its inputs and the parameters tensordbg watches were clean, but parameters "
                 f"added after attach, which it does not watch, hold NaN or Inf: "
                 f"{_names(unwatched)}.")  # fmt: skip
+    if apart[0]:  # a loss of a model apart too: its outputs were not seen
+        n = len(apart[1])
+        bad = (f"; {n} of them, of shape{'s' * (n > 1)} {_names(apart[1])}, hold"
+               f"{'s' * (n == 1)} NaN or Inf" if n else "")  # fmt: skip
+        note = (f"The watched model's outputs were clean, but its optimizer also steps "
+                f"{apart[0]} parameters tensordbg does not watch (a model apart: a decoder "
+                f"beside the watched encoder){bad}. What runs with them between the model and "
+                "the loss may have made it, or the code that computes the loss. Attach a "
+                "module holding every model the optimizer steps to see inside them.")  # fmt: skip
     if bad_buffers:
         note = (f"Its inputs and parameters were clean, but its buffers {_names(bad_buffers)} "
                 "hold NaN or Inf: "
@@ -445,6 +468,8 @@ _ORIGIN_NOTE = {
     "or sigmoid). sync='eager' names it in that forward.",
     ("param_attach", True): "tensordbg found it when it attached, before the first step: the "
     "model came with it (its initialization, or a checkpoint or state loaded so).",
+    ("observed_apart", True): "The watched model was not called for it: it comes of a model "
+    "tensordbg does not watch (built anew for a resume?); attach again to that one.",
     ("update", True): "It was produced by the optimizer step.",
     ("observed", True): "The model's outputs were clean: the code that computes it made it.",
 }
@@ -458,6 +483,8 @@ def _note_kind(kind: str, name: str, module: str | None, record: Record) -> str:
         return "later_input"
     if kind == "param" and record.at_attach:
         return "param_attach"
+    if kind == "observed" and record.apart:
+        return "observed_apart"
     return "param_before" if kind == "param" and record.before_update else kind
 
 

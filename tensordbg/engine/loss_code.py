@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Callable
 from types import CodeType
 from typing import Any
@@ -164,11 +165,33 @@ class Observations:
     def __init__(self) -> None:
         self._counts: dict[str, int] = {}
         self._sites: dict[str, tuple[CodeType, int] | None] = {}
+        self._since: dict[str, tuple[int, int]] = {}  # name -> (root forwards, times since)
+        self.apart = False
+        """The latest observed value came of no call of the watched model (see :meth:`note`)."""
+        self._said_apart = False
 
-    def note(self, name: str, frame: Any, tensor: torch.Tensor, begin: Callable) -> int:
+    def note(self, name: str, frame: Any, tensor: torch.Tensor, begin: Callable,
+             watched: tuple[int, Callable[[str, str], None], str] = (0, print, "")
+             ) -> int:  # fmt: skip
         """Count one more ``name``, observed from ``frame``: its index in the step. A backward
         pass through ``tensor`` calls ``begin`` before its own node runs: the forward phase ends
-        (and is judged) while the loss code's saved tensors are still there to be read."""
+        (and is judged) while the loss code's saved tensors are still there to be read.
+        ``watched``: the watched model's root calls so far, the session's log, the step. A name
+        observed a third time with no call of the model since is of a model apart (rebuilt for
+        a resume): :attr:`apart`, said once. (Twice is a script's two losses of one forward.)"""
+        forwards, log, step = watched
+        last, times = self._since.get(name, (-1, 0))
+        times = times + 1 if last == forwards else 1
+        self._since[name] = (forwards, times)
+        self.apart = times >= 3
+        if self.apart and not self._said_apart:
+            self._said_apart = True
+            said = (f"{step}: {name} was observed {times} times with no call of the watched "
+                    "model between them: it comes of a model tensordbg does not watch (built "
+                    "anew for a resume?). tensordbg watches the model it attached to: attach "
+                    "again to the one the script trains now")  # fmt: skip
+            log(said, "warning")
+            print(f"tensordbg: {said}", file=sys.stderr, flush=True)
         call = self._counts.get(name, 0)
         self._counts[name] = call + 1
         site = user_site(frame)

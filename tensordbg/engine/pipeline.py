@@ -331,7 +331,7 @@ class Pipeline(Pausing, Pinpointing):
         a deferred backward origin of a forward it did not read says so."""
         if condition == NONFINITE:
             if (record.stats.phase == "backward" and self.sync.keeps_unscreened
-                    and not self.forward_bad):  # fmt: skip
+                    and not self.forward_bad and not record.apart):  # fmt: skip
                 hit.message += (" Deferred checks read no forward value of this step (its "
                                 "outputs and loss were finite): an Inf the forward made and "
                                 "later code masked (nan_to_num, torch.where) would show first "

@@ -120,6 +120,7 @@ class Record:
     before_update: bool = False  # a parameter's NaN/Inf found after its update, which did not
     # make it (engine/pipeline.py: _bad_before_update)
     at_attach: bool = False  # a parameter read by attach's check, before any step
+    apart: bool = False  # an observed value of no call of the watched model (loss_code.py)
 
     def find(self, rule_id: int, finding: Any) -> None:
         """Add a rule's finding."""

@@ -273,9 +273,11 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         try:
             # The k-th of a name in a step is name#k, as a module's k-th call is (a loss at each
             # micro-batch: one name, and a dump kept only the last of its values).
-            call = self.observed.note(name, sys._getframe(1), tensor, self.pass_started)
+            watched = (self._root_forwards, self.log, f"step {self.step}")
+            call = self.observed.note(name, sys._getframe(1), tensor, self.pass_started, watched)
             named = f"{name}#{call}" if call else name
             record = new_record(tensor, named, "observed", self.phase, self.step, call=call)
+            record.apart = self.observed.apart
             self.collect(record, tensor, extra=(MEAN,))
             self._after_hook()
         except Exception as e:
@@ -397,8 +399,7 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         self.bus.publish("log", {"level": level, "message": message, "step": self.step})
 
     def status(self) -> dict[str, Any]:
-        """Where the training is, and the numbers of the last completed step (published after
-        every step)."""
+        """Where the training is, and the last completed step's numbers (after every step)."""
         return {
             "state": self.controller.state,
             "step": self.step,

@@ -239,7 +239,8 @@ class ScriptRun:
               f"parameters), a model apart from the watched {type(watched).__name__}, runs "
               "too and is not watched; to watch both, attach tensordbg in the script to a "
               "module holding them, with their optimizers: tensordbg.attach(torch.nn.ModuleDict("
-              "{'G': your generator, 'D': this model}), optimizer=[both optimizers])",
+              "{'a': the watched model, 'b': this one}), optimizer=[their optimizers]) (a GAN's "
+              "generator and discriminator, an encoder and its decoder)",
               file=sys.stderr, flush=True)  # fmt: skip
 
     def _on_optimizer(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
