@@ -283,7 +283,8 @@ def test_the_json_report_follows_its_schema(
     assert main(["check", dump, "--json", "--rule", "TensorRange(max_gt=1e9)"]) == 1
     report = json.loads(capsys.readouterr().out)
     keys = "schema dump run_id rules ranks steps tensors complete clean findings unjudged"
-    assert set(report) == {*keys.split(), "reason_incomplete", "nothing_judged", "broken", "notes"}
+    assert set(report) == {*keys.split(), "reason_incomplete", "nothing_judged", "broken", "notes",
+                           "unchecked_rules"}  # fmt: skip
     assert report["schema"] == 1 and report["clean"] is False and report["run_id"] == "replay01"
     assert report["rules"][-1].startswith("TensorRange(")
     first = report["findings"][0]
@@ -709,6 +710,43 @@ def test_a_run_whose_rules_cannot_be_rebuilt_is_checked_with_the_defaults_and_sa
     notes = []
     assert [repr(r) for r in recorded_rules({"rules": "junk"}, notes)] == defaults
     assert len(notes) == 1 and "not a list (str)" in notes[0]
+
+
+def test_a_run_of_a_rule_not_installed_here_is_never_called_clean(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run hit 8 times by its own rule, not installed where check runs: check said "clean",
+    exit 0, with --strict too, a CI gate passing a dump that records hits."""
+    from tensordbg.rules import Finding, Rule
+    from tensordbg.statistics import MAX
+
+    class LargeActivation(Rule):
+        needs = (MAX,)
+        kinds = frozenset({"output"})
+
+        def check(self, t, state):
+            peak = t.values.get(MAX)
+            return Finding(peak, 0.0, f"{t.name} reaches {peak:.3g}.") if peak > 0 else None
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    session = tensordbg.attach(model, rules=[LargeActivation()], on_hit="record", server=False,
+                               dump_dir=tmp_path / "run", summary_at_exit=False)  # fmt: skip
+    for _ in range(4):
+        model(torch.randn(8, 4))
+    session.detach()
+    recorded = len(load(tmp_path / "run").hits)
+    assert recorded >= 4
+    assert main(["check", str(tmp_path / "run"), "--strict"]) == 2
+    out = capsys.readouterr().out
+    assert "clean" not in out.splitlines()[-1]
+    assert (
+        f"the run's rule LargeActivation could not be checked here: the run recorded {recorded}"
+        in out
+    )
+    assert main(["check", str(tmp_path / "run"), "--json"]) == 2
+    report = json.loads(capsys.readouterr().out)
+    assert report["clean"] is False and report["unchecked_rules"] == {"LargeActivation": recorded}
 
 
 def test_the_last_line_names_every_rule_that_found_the_origin(tmp_path: Path) -> None:

@@ -774,6 +774,11 @@ def test_a_runs_dump_is_bounded_from_the_command_line_and_keeps_its_hit(cli, scr
     assert 3 in steps and 39 in steps  # the hit's step stays; the latest steps are there
     assert len(steps) < 40  # the oldest steps without hits went
     assert "steps with hits went to keep the dump under max_bytes=24,576" in err  # said
+    # Which ones is in the dump, for check and diff: a step with a hit is dumped, but these.
+    took = [s for s, _ in dump.meta["evicted_hit_steps"]]
+    assert took and not set(took) & set(steps)
+    code, out, _ = cli("check", str(script.parent / "dbg"))
+    assert f"but for {len(took)} with hits that max_bytes took" in out
     size = sum(f.stat().st_size for f in (script.parent / "dbg").rglob("*") if f.is_file())
     assert size < 3 * 24 * 2**10
     for text, said in [("0", "a size such as 500M or 2G, not '0'"), ("lots", "not 'lots'")]:

@@ -418,8 +418,8 @@ def test_a_hit_at_a_step_the_other_run_went_past_without_one_is_a_difference(
     b = write_dump(tmp_path / "b", steps=[0, 1, 2, 3], nan_at=3)
     assert main(["diff", str(a), str(b)]) == 1
     out = capsys.readouterr().out.splitlines()
-    assert out[2] == ("So the runs differ: B hit at step 3; A went on past it without a hit (a "
-                      "step with a hit is always dumped)."), out  # fmt: skip
+    said = "B hit here, A went on past this step without a hit (a step with a hit is always dumped)"
+    assert out[0] == f"The runs part at step 3, forward, net.2.output: {said}.", out
     assert main(["diff", "--json", str(a), str(b)]) == 1
     assert json.loads(capsys.readouterr().out)["agree"] is False
     c = write_dump(tmp_path / "c", steps=[0, 1, 2], nan_at=None)
@@ -469,3 +469,51 @@ def test_steps_one_run_dumped_alone_lead_the_text_with_their_hits(
         "Step 2 dumped only in B: not compared, A's run went on past it (it dumped step 3) "
         "without dumping it.",
     ]
+
+
+def test_a_tensor_all_nan_in_one_run_is_compared_without_a_numpy_warning() -> None:
+    """Every element of a tensor NaN in B, finite in A: numpy's "All-NaN slice encountered",
+    with its source line, reached the person's terminal twice."""
+    import warnings
+
+    import numpy as np
+
+    from tensordbg.offline.diff import DiffReport, _compare_values
+
+    report = DiffReport(a="a", b="b", ranks=(0, 0), rtol=1e-5, atol=1e-8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        found = _compare_values(np.ones((4, 3)), np.full((4, 3), np.nan), report)
+    assert found is not None and found.elements == 12 and math.isnan(found.max_abs_diff)
+
+
+def test_the_runs_part_at_the_hit_the_other_run_went_past_not_at_a_later_compared_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A clean run dumped every 5 steps against one that hit at step 3 and differs at step 5
+    too: "The runs part at step 5 ... (steps 3 and 4 were not compared: the runs may have parted
+    there)", and ``first.step`` 5, though step 3's hit is a known difference."""
+    a = write_dump(tmp_path / "a", steps=[0, 5, 6], nan_at=None)
+    b = write_dump(tmp_path / "b", steps=[0, 3, 5, 6], nan_at=3,
+                   change=(5, "net.2.output", (0, 0), 1.0))  # fmt: skip
+    assert main(["diff", "--json", str(a), str(b)]) == 1
+    first = json.loads(capsys.readouterr().out)["first"]
+    assert (first["step"], first["tensor"], first["what"]) == (3, "net.2.output", "hit only in b")
+    assert main(["diff", str(a), str(b)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("The runs part at step 3, forward, net.2.output: B hit here")
+    assert "(steps 1 and 2 were not dumped: the runs may have parted there)" in out
+
+
+def test_a_dump_whose_bound_took_steps_with_hits_is_not_said_to_have_gone_past_without_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With max_bytes, steps with hits can go: "B went on past it without a hit (a step with a
+    hit is always dumped)" was said of a run that hit there as the other did."""
+    a = write_dump(tmp_path / "a", steps=[0, 1, 2, 5], nan_at=None)
+    meta_path = a / "rank-0" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**meta, "evicted_hit_steps": [[3, 0]]}))
+    b = write_dump(tmp_path / "b", steps=[0, 1, 2, 3], nan_at=3)
+    main(["diff", str(a), str(b)])
+    assert "without a hit" not in capsys.readouterr().out

@@ -208,6 +208,8 @@ class DumpWriter:
         elif reason:
             self.meta["complete"] = False
             self.meta["reason_incomplete"] = reason
+        if self.evicted_hits:  # a step with a hit is dumped, unless the bound took it
+            self.meta["evicted_hit_steps"] = sorted([s, r] for s, r in self.evicted_hits)
         with contextlib.suppress(OSError):
             self._write_meta()
 

@@ -29,7 +29,7 @@ from tensordbg.engine.judge import RuleSet
 from tensordbg.engine.records import Record
 from tensordbg.offline.check_report import CheckReport, Finding, NothingJudged, Unjudged
 from tensordbg.offline.recorded_rules import recorded_rules
-from tensordbg.offline.sentences import plural
+from tensordbg.offline.sentences import plural, steps_listed
 from tensordbg.offline.values import DumpedValue, stats_of
 from tensordbg.rules import Rule
 from tensordbg.statistics import FINITE, KINDS, Stat, TensorStats
@@ -112,7 +112,8 @@ def check_dump(
     """Judge every dumped step of ``ranks`` (all by default) with ``rules`` (the run's own, as
     its metadata names them, else the default rules)."""
     notes: list[str] = []
-    chosen = list(rules) if rules is not None else recorded_rules(dump.meta, notes)
+    unchecked: list[str] = []  # the run's rules that cannot be rebuilt here
+    chosen = list(rules) if rules is not None else recorded_rules(dump.meta, notes, unchecked)
     ranks = sorted(dump.ranks if ranks is None else ranks)
     # An index cut short after the run closed it (a copy, a disk) leaves the dump incomplete too.
     cut = [why for (step, rank), why in dump.broken.items() if step == -1 and rank in ranks]
@@ -121,6 +122,7 @@ def check_dump(
             f"the dump ends where tensordbg was detached, {at} (a UI's q, or "
             "session.detach() in the script): later steps, if any, were not watched"
         )
+    hits = [h for h in dump.hits if h.rank in ranks] if unchecked else []
     report = CheckReport(
         path=str(dump.path),
         run_id=str(dump.meta.get("run_id", "")),
@@ -131,6 +133,7 @@ def check_dump(
         complete=bool(dump.meta.get("complete", True)) and not cut,
         reason_incomplete=str(dump.meta.get("reason_incomplete") or (cut[0] if cut else "")),
         notes=notes,
+        unchecked={name: sum(h.rule == name for h in hits) for name in unchecked},
     )
     # The rules that compare a tensor with its earlier steps, as the note on undumped steps says.
     history = [HISTORY_RULES[r.name] for r in chosen if r.name in HISTORY_RULES]
@@ -157,6 +160,10 @@ def check_dump(
                 every, f" (the dump holds one step in {every} and the steps with hits)"
             )
             were = "was" if missing == 1 else "were"
+            took = [st for st, r in dump.meta.get("evicted_hit_steps") or () if r == rank]
+            if took:  # max_bytes took steps with hits too: the dump does not hold them all
+                held = (f"{held[:-1]}, but for {len(took)} with hits that max_bytes took: "
+                        f"steps {steps_listed(took)})")  # fmt: skip
             notes.append(
                 f"rank {rank}: {missing} of steps 0-{dumped[-1]} {were} not dumped{held}: rules "
                 f"that compare a tensor with its earlier steps ({', '.join(history)}) saw only "

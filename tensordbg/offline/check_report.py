@@ -126,16 +126,20 @@ class CheckReport:
     complete: bool = True
     reason_incomplete: str = ""
     notes: list[str] = field(default_factory=list)  # rules of the run that were not checked
+    unchecked: dict[str, int] = field(default_factory=dict)
+    """The run's rules that could not be rebuilt here, and the hits the run recorded of each."""
 
     @property
     def exit_code(self) -> int:
         """0 when no rule fired, 1 when one did, 2 when none did on what could be read and
         judged but not all of it could be: a step or file could not be read, the dump is
         incomplete (its run did not finish, or its writer stopped or fell behind), or a rule
-        judged nothing (the dump holds nothing it can judge)."""
+        judged nothing (the dump holds nothing it can judge), or a rule of the run's could not be
+        rebuilt here (not installed: the dump may record its hits)."""
         if self.findings:
             return 1
-        return 2 if self.broken or self.nothing_judged or not self.complete else 0
+        unread = self.broken or self.nothing_judged or self.unchecked
+        return 2 if unread or not self.complete else 0
 
     @property
     def clean(self) -> bool:
@@ -160,6 +164,7 @@ class CheckReport:
             "nothing_judged": [asdict(j) for j in self.nothing_judged],
             "broken": self.broken,
             "notes": self.notes,
+            "unchecked_rules": self.unchecked,
         }
 
     def table(self, limit: int = 50) -> str:
@@ -233,6 +238,9 @@ class CheckReport:
         caveats = [j.reason for j in self.nothing_judged]
         caveats += [f"{rule} could not judge {plural(count, 'tensor')} (see above)"
                     for rule, count in unjudged.items()]  # fmt: skip
+        for rule, hits in self.unchecked.items():  # a run's own rule, not installed here
+            recorded = f": the run recorded {plural(hits, 'hit')} of it" if hits else ""
+            caveats.append(f"the run's rule {rule} could not be checked here{recorded}")
         if self.broken:
             caveats.append("not all of the dump could be read (see above)")
         elif not self.complete:  # what was written was read whole, but not all was written

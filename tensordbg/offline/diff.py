@@ -75,6 +75,10 @@ def diff_dumps(
         alone = set(only)
         report.only_hits[side] = [h for h in dump.hits if h.rank == rank and h.step in alone]
         report.last_dumped[side] = max(held, default=-1)
+        # Its max_bytes took steps with hits: one it lacks may have hit (see hit_alone).
+        report.hits_evicted[side] = any(
+            r == rank for _, r in dump.meta.get("evicted_hit_steps") or ()
+        )
     compared: list[int] = []
     entered_alike = -1
     for step in sorted((steps_a & steps_b) - set(broken_a) - set(broken_b)):
@@ -118,6 +122,13 @@ def diff_dumps(
         why = _why_unpaired(step, sync, hit_steps, kinds)
         report.unpaired += [{"step": step, "side": side, "tensors": names, "why": why}
                             for side, names in unpaired.items() if names]  # fmt: skip
+    alone = report.hit_alone()
+    if alone is not None and (report.first is None or alone[2].step < report.first.step):
+        side, _, hit = alone  # a hit one run made at a step the other went past without one
+        if report.first is not None:
+            report.later += 1
+        report.first = Difference(hit.step, hit.phase, hit.tensor, hit.module, hit.kind,
+                                  f"hit only in {side.lower()}")  # fmt: skip
     if report.first is not None:
         before = [s for s in compared if s < report.first.step]
         start = before[-1] + 1 if before else 0
@@ -258,8 +269,11 @@ def _compare_values(x: np.ndarray, y: np.ndarray, report: DiffReport) -> ValueDi
         if n:
             if first < 0:
                 first = start + int(np.argmax(bad))
-            worst = max(worst, float(np.nanmax(np.where(bad, gaps, 0.0))))
-            unmeasured = unmeasured or bool(np.isnan(gaps[bad]).any())
+            apart = gaps[bad]
+            measured = apart[~np.isnan(apart)]  # a NaN against a number has no gap to measure
+            if measured.size:
+                worst = max(worst, float(measured.max()))
+            unmeasured = unmeasured or measured.size < apart.size
             count += n
     if not count:
         return None

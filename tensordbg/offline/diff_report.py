@@ -47,7 +47,7 @@ class Difference:
     tensor: str
     module: str
     kind: str
-    what: str  # "shape", "dtype", "statistics", "values", "only in a" or "only in b"
+    what: str  # "shape", "dtype", "statistics", "values", "only in a/b", "hit only in a/b"
     stats: list[StatDifference] = field(default_factory=list)
     values: ValueDifference | None = None
     a_shape: list[int] | None = None
@@ -59,6 +59,11 @@ class Difference:
             return f"{where}: shape {self.a_shape} in A, {self.b_shape} in B"
         if self.what == "dtype":
             return f"{where}: its dtype differs"
+        if self.what.startswith("hit only in"):
+            side = self.what[-1].upper()
+            other = "B" if side == "A" else "A"
+            return (f"{where}: {side} hit here, {other} went on past this step without a hit "
+                    "(a step with a hit is always dumped)")  # fmt: skip
         if self.what.startswith("only in"):
             side = self.what[-1].upper()
             return f"{where}: dumped only in {side}, where it is not finite"
@@ -129,6 +134,9 @@ class DiffReport:
     do not measure it on a clean step): the first difference is then the next module's
     output, and the hit says where the value was made."""
     only_hits: dict[str, list[Any]] = field(default_factory=dict)
+    hits_evicted: dict[str, bool] = field(default_factory=dict)
+    """Whether each side's ``max_bytes`` took steps with hits (then a step it lacks may have
+    had one)."""
     """Per side, the hits of the steps dumped in that run only (not compared): the text leads
     with them, a run that hit where the other has nothing to compare is no agreement."""
     last_dumped: dict[str, int] = field(default_factory=dict)
@@ -147,16 +155,26 @@ class DiffReport:
             return 1
         return 2 if self.broken else 0
 
-    def hit_alone(self) -> tuple[str, str, int] | None:
-        """``(side, other, step)`` of a hit one run dumped at a step the other went past
-        without dumping it: a step with a hit is always dumped, so the other had none there and
-        the runs differ (a NaN run against a clean one dumped every 10 steps)."""
+    def hit_alone(self) -> tuple[str, str, Any] | None:
+        """``(side, other, hit)`` of the first hit one run dumped at a step the other went past
+        without dumping it (its origin, if that step has one): a step with a hit is always
+        dumped, so the other had none there and the runs differ (a NaN run against a clean
+        one dumped every 10 steps). Not where the other's ``max_bytes`` took steps with hits:
+        it may have had one there."""
+        found = []
         for side, other in (("A", "B"), ("B", "A")):
             end = self.last_dumped.get(other, -1)
-            for hit in self.only_hits.get(side) or ():
-                if hit.step < end:
-                    return side, other, hit.step
-        return None
+            if self.hits_evicted.get(other):
+                continue
+            hits = [h for h in self.only_hits.get(side) or () if h.step < end]
+            if hits:
+                step = min(h.step for h in hits)
+                at = [h for h in hits if h.step == step]
+                found.append((step, side, other, next((h for h in at if h.origin), at[0])))
+        if not found:
+            return None
+        _, side, other, hit = min(found, key=lambda f: f[0])
+        return side, other, hit
 
     def as_json(self) -> dict[str, Any]:
         return _jsonable(
@@ -207,7 +225,7 @@ class DiffReport:
             only, agree = [], f"On the {plural(self.steps, 'step')} both dumped, the runs agree"
             compared = plural(self.tensors, "tensor")
             if alone := self.hit_alone():
-                side, other, step = alone
+                side, other, step = alone[0], alone[1], alone[2].step
                 lines.append(
                     f"So the runs differ: {side} hit at step {step}; {other} went on "
                     "past it without a hit (a step with a hit is always dumped)."

@@ -11,11 +11,12 @@ from typing import Any
 from tensordbg.rules import Rule, available_rules, default_rules
 
 
-def recorded_rules(meta: dict[str, Any], notes: list[str] | None = None) -> list[Rule]:
+def recorded_rules(meta: dict[str, Any], notes: list[str] | None = None,
+                   unchecked: list[str] | None = None) -> list[Rule]:  # fmt: skip
     """The rules a dump's metadata names, with their thresholds and selections, else the
     default rules. A rule that cannot be rebuilt here (not installed, thresholds it no longer
-    takes) is left out, with a sentence in ``notes``; so is falling back on the default rules
-    when none is left."""
+    takes) is left out, with a sentence in ``notes`` and its name in ``unchecked``; so is
+    falling back on the default rules when none is left."""
     recorded = meta.get("rules")
     if not recorded:
         return default_rules()
@@ -33,6 +34,7 @@ def recorded_rules(meta: dict[str, Any], notes: list[str] | None = None) -> list
         cls = available.get(name)
         if cls is None:
             _note(notes, f"the run's rule {name} is not installed here: it was not checked")
+            _note(unchecked, name)
             continue
         selection = {k: spec[k] for k in ("match", "exclude", "kinds") if spec.get(k)}
         params = {k: _number(v) for k, v in (spec.get("params") or {}).items() if v is not None}
@@ -40,6 +42,7 @@ def recorded_rules(meta: dict[str, Any], notes: list[str] | None = None) -> list
             out.append(cls(**selection, **params))
         except (TypeError, ValueError) as e:
             _note(notes, f"the run's rule {name} cannot be rebuilt here ({e}): it was not checked")
+            _note(unchecked, name)
     if not out:
         _note(notes, "none of the run's rules can be used here: checked with the default rules "
                      "instead")  # fmt: skip
