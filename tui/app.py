@@ -36,6 +36,7 @@ from tensordbg.tui.remote import (
     RequestFailed,
     TrainingExited,
 )
+from tensordbg.tui.replay_moves import ReplayMoves
 from tensordbg.tui.screens.main import TABS, MainScreen
 from tensordbg.tui.screens.profile_steps import ProfileStepsScreen
 from tensordbg.tui.screens.ranks import group_jobs
@@ -53,7 +54,7 @@ _MAIN_ACTIONS = frozenset({"control", "tab", "search", "detach", "ignore", "prof
                            "ranks", "next_rank", "one_rank"})  # fmt: skip
 
 
-class TensorDbgApp(JobRanks, StepCount):
+class TensorDbgApp(JobRanks, ReplayMoves, StepCount):
     """The debugger UI on one training session.
 
     ``client`` is a connected client, or an async factory ``connect(path)`` that opens one (and
@@ -381,9 +382,6 @@ class TensorDbgApp(JobRanks, StepCount):
         if self.served("control"):  # else the person is told why the key does nothing
             self._control(action, n)
 
-    def action_replay_step(self, move: int) -> None:
-        self._replay_step(move)
-
     def action_refuse_skip(self) -> None:
         why = commands.cannot_skip(self.main.run_status.paused_at)
         self.notify(why, title="Cannot skip", severity="warning", markup=False)
@@ -391,18 +389,6 @@ class TensorDbgApp(JobRanks, StepCount):
 
     def action_refuse(self, method: str) -> None:
         self.served(method)  # a recorded run: the person is told why the key does nothing
-
-    @work(group="control", exclusive=True)
-    async def _replay_step(self, move: int) -> None:
-        try:
-            info = await self.remote.goto(move=move)
-        except RequestFailed:
-            return  # the Log tab says why
-        where = info.get("replay") or {}
-        if where.get("index") == (where.get("steps", 0) - 1 if move > 0 else 0):
-            end = "last" if move > 0 else "first"  # said at once: the key may have done nothing
-            self.notify(f"Step {info['step']} is the {end} dumped step.", title="Replay")
-        self.main.show_replay_step(info)
 
     @work(group="control", exclusive=True)
     async def _control(self, action: str, n: int) -> None:
