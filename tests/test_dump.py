@@ -680,3 +680,27 @@ def test_an_entry_without_values_or_statistics_says_so_instead_of_blanks(tmp_pat
         "low.grad_output": "",  # its NaN counted
         "out.grad_output": "",  # its values dumped
     }
+
+
+def test_one_ranks_unreadable_metadata_loses_that_rank_alone(tmp_path: Path) -> None:
+    """rank-1/meta.json overwritten: every rank was unreadable, the intact rank 0 too (load,
+    replay --rank 0, diff). Now rank 0 opens, and the dump says what was lost."""
+    import shutil
+
+    from dumps import write_dump
+
+    from tensordbg.offline.check import check_dump
+
+    dump = write_dump(tmp_path / "d")
+    shutil.copytree(dump / "rank-0", dump / "rank-1")
+    (dump / "rank-1" / "meta.json").write_text("garbage")
+    opened = load(dump)
+    assert opened.ranks == [0] and opened.steps(0)
+    assert opened.meta["complete"] is False
+    assert (
+        "rank-1/meta.json cannot be read as the dump's metadata" in opened.meta["reason_incomplete"]
+    )
+    assert check_dump(opened).exit_code == 1  # its NaN is still found
+    (dump / "rank-0" / "meta.json").write_text("garbage")  # no rank left: one sentence
+    with pytest.raises(DumpError, match="cannot be read as the dump's metadata"):
+        load(dump)

@@ -7,9 +7,8 @@ library only: this never imports torch, so dumps open where torch is absent.
 >>> dump.tensor("blocks.1.attn.output").value(12)[0, :4]      # memory-mapped: reads only that
 array([0.1, nan, 0.3, -0.2], dtype=float32)
 
-Listing (steps, hits, statistics) reads only each rank's ``meta.json`` and ``index.jsonl``. A
-step whose file is missing, cut short or altered is listed in :attr:`Dump.broken` with a
-sentence, and reading it raises :class:`DumpError`; every other step stays readable.
+Listing reads only each rank's ``meta.json`` and ``index.jsonl``. A step (or rank) that cannot
+be read is in :attr:`Dump.broken` with a sentence; every other stays readable.
 """
 
 from __future__ import annotations
@@ -100,17 +99,13 @@ class Dump:
 
     Attributes: ``path``, ``meta`` (the run: ``format_version``, ``run_id``, ``created``,
     ``torch_version``, ``device``, ``argv``, ``rules``, ``complete``, ``reason_incomplete``),
-    ``ranks``, ``hits``, ``modules``, ``broken`` ((step, rank) -> sentence; ``(-1, rank)`` for an
-    index cut short or a line of it that names no step it can be trusted for).
-
-    ``meta["complete"]`` is False when the run recorded the dump incomplete, and when its index
-    is found cut short or with a line naming no step it can be trusted for (which steps the
-    dump holds is then unknown); ``meta["reason_incomplete"]`` says why.
-
-    ``broken`` holds at load what costs no read of a values file: an index line that cannot
-    be read, a values file missing or of the wrong size. A file whose bytes changed but whose
-    size did not (a header or a value altered) joins it only when :meth:`verify` reads it
-    whole, or a value read from it fails its checksum.
+    ``ranks`` (those whose metadata can be read), ``hits``, ``modules``, ``broken`` ((step,
+    rank) -> sentence; ``(-1, rank)`` for a rank's metadata that cannot be read, or its index
+    cut short or a line of it that names no step it can be trusted for: then ``meta["complete"]``
+    is False, as when the run recorded it so, and ``meta["reason_incomplete"]`` says why).
+    ``broken`` holds at load what costs no read of a values file: an index line that cannot be
+    read, a values file missing or of the wrong size. A file whose bytes changed but whose size
+    did not joins it only when :meth:`verify` reads it, or a value read fails its checksum.
     """
 
     def __init__(self, path: str | os.PathLike[str]):
@@ -128,10 +123,19 @@ class Dump:
             if (self.path / fmt.META).is_file() and fmt.RANK_DIR.match(self.path.name):
                 raise DumpError(f"{self.path} is one rank of a dump: open {self.path.parent}")
             raise DumpError(f"{self.path} is not a tensordbg dump (it holds no rank-N/{fmt.META})")
-        self.ranks: list[int] = ranks
         self.broken: dict[tuple[int, int], str] = {}
         self.modules: list[dict[str, Any]] = []
-        self._metas = {rank: self._read_meta(rank) for rank in ranks}
+        self._metas: dict[int, dict[str, Any]] = {}
+        for rank in ranks:  # a rank whose metadata cannot be read is lost alone
+            try:
+                self._metas[rank] = self._read_meta(rank)
+            except DumpError as e:
+                if len(ranks) == 1:
+                    raise
+                self.broken[-1, rank] = str(e)
+        if not self._metas:
+            raise DumpError(" ".join(self.broken.values()))
+        self.ranks: list[int] = (ranks := sorted(self._metas))
         self._steps: dict[tuple[int, int], IndexStep] = {}
         for rank in ranks:
             self._read_index(rank)
