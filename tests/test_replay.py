@@ -48,7 +48,7 @@ def test_a_replay_opens_at_its_first_hit_and_says_it_is_a_recording(dump: Path) 
     assert info["step"] == 3 and info["paused_at"]["tensor"] == "net.2.output"
     assert info["replay"] == {"path": str(dump), "recorded": "2026-11-24T10:30:00+00:00",
                               "complete": True, "steps": 6, "index": 3, "broken": "",
-                              "lost": ""}  # fmt: skip
+                              "lost": "", "stopped": False}  # fmt: skip
     assert info["run_id"] == "replay01" and info["script"] == "train.py"
     assert info["capabilities"] == sorted(REPLAY)
     with pytest.raises(SourceError) as refused:
@@ -599,3 +599,24 @@ def test_n_and_p_pressed_faster_than_a_step_loads_move_one_step_each(dump: Path)
             await until(pilot, lambda: "step 2 (3 of 6" in str(banner.content))
 
     asyncio.run(flow())
+
+
+def test_an_index_line_lost_from_its_middle_is_not_said_to_cut_its_end(dump: Path) -> None:
+    """Line 4 of a closed run's index deleted (a copy): "index.jsonl is cut short ...: the
+    steps after its last line are missing", and the banner said "the run stopped before its
+    dump was closed", though the run closed it and the last step is there."""
+    index = dump / "rank-0" / "index.jsonl"
+    lines = index.read_bytes().splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if b'"step":2,' in line)
+    index.write_bytes(b"".join(lines[:at] + lines[at + 1 :]))
+    opened = load(dump)
+    lost = opened.broken[-1, 0]
+    assert "lacks lines before its last" in lost and "after its last line" not in lost
+    assert 5 in opened.steps() and 2 not in opened.steps()
+    info = ReplaySource(opened).info()
+    assert info["replay"]["stopped"] is False and info["replay"]["complete"] is False
+
+    async def check(app: TensorDbgApp, pilot: Pilot, banner: str) -> None:
+        assert "the run stopped before its dump was closed" not in banner
+
+    in_replay_ui(dump, "lacks lines", check)

@@ -351,11 +351,11 @@ class Dump:
                 self._lose((-1, rank), f"{path} line {number} was altered ({why}): {what}")
         expected = self._metas.get(rank, {}).get("index_bytes")
         if isinstance(expected, int) and len(data) < expected and (cut or not altered):
-            # Whole lines gone (a copy cut short, a disk that lost them): no line's checksum
-            # can tell, the length the writer noted in meta.json can. A line altered to fewer
-            # bytes is said above, as that line.
-            self._lose((-1, rank), f"{path} is cut short ({len(data)} of {expected} bytes): the "
-                                   "steps after its last line are missing")  # fmt: skip
+            size = f"({len(data)} of {expected} bytes)"  # whole lines gone: meta.json tells
+            ends = not cut and self._metas[rank].get("last_step") in {s for _, s in listed}
+            self._lose((-1, rank), f"{path} lacks lines before its last {size}: a copy or an edit "
+                       "lost them, which steps is unknown" if ends else f"{path} is cut short "
+                       f"{size}: the steps after its last line are missing")  # fmt: skip
 
     def _lose(self, key: tuple[int, int], why: str) -> None:
         """``why`` joins what is said of ``key`` (several lines may name no step)."""

@@ -237,7 +237,12 @@ class DumpWriter:
         ranks = [rank] if rank is not None else list(self._dirs)
         for r in ranks:
             # The index's length as it stands: a reader finds an index cut short of it.
-            meta = {**self.meta, "rank": r, "index_bytes": self._index_bytes.get(r, 0)}
+            meta = {
+                **self.meta,
+                "rank": r,
+                "index_bytes": self._index_bytes.get(r, 0),
+                "last_step": max((s for s, rr in self._written if rr == r), default=None),
+            }
             text = fmt.json.dumps(meta, indent=1, allow_nan=True).encode()
             path = fmt.rank_dir(self.root, r) / fmt.META
             try:

@@ -5,8 +5,8 @@ A replay is read, never driven: it serves :data:`~tensordbg.sources.contract.REP
 between them. Statistics come from the dump's index; values, slices and histograms from the
 memory-mapped safetensors file, so a slice of a huge tensor reads only that slice. A step whose
 file is broken is shown as broken (``info["replay"]["broken"]``) with the statistics of its
-index, and every other step stays readable: the file of a step is read whole against its
-checksums when the step is shown, never the whole dump. numpy only: it never imports torch.
+index, and every other stays readable: a step's file is read whole against its checksums when
+it is shown, never the whole dump. numpy only.
 
 >>> source = ReplaySource(tensordbg.load("runs/dbg"))
 >>> source.goto(move=1)["step"]
@@ -147,6 +147,8 @@ class ReplaySource:
                 "path": str(self.dump.path),
                 "recorded": str(meta.get("created", "")),
                 "complete": bool(meta.get("complete", True)),
+                # Incomplete as its run recorded it, not (only) as the dump is found damaged.
+                "stopped": _stopped(meta, self._broken.get(-1, "")),
                 "steps": len(self.steps),
                 "index": self.index,
                 "broken": self.broken(),
@@ -189,7 +191,8 @@ class ReplaySource:
         for entry in entries.values():
             if entry.module or entry.kind in _ACTIVATIONS:
                 latest.setdefault(entry.module, {}).setdefault(
-                    entry.kind, {**_summary(entry, self), "tensor": entry.name})
+                    entry.kind, {**_summary(entry, self), "tensor": entry.name}
+                )
             if entry.kind == "output":
                 calls[entry.module] = calls.get(entry.module, 0) + 1
         hits: dict[str, int] = {}
@@ -489,3 +492,9 @@ def next_nonfinite_array(x: Any, after: int = -1) -> tuple[int, bool] | None:
         return None
     later = int(np.searchsorted(bad, after, side="right"))
     return (int(bad[later]), False) if later < bad.size else (int(bad[0]), True)
+
+
+def _stopped(meta: dict[str, Any], lost: str) -> bool:
+    """Whether the run left the dump incomplete, not only a reader finding it damaged (lost)."""
+    reason = str(meta.get("reason_incomplete") or "")
+    return not meta.get("complete", True) and not (lost and reason.endswith(lost))

@@ -218,7 +218,7 @@ class MainScreen(Screen):
         recorded = f" recorded {replay['recorded']}" if replay["recorded"] else ""
         where = f"step {info['step']} ({replay['index'] + 1} of {replay['steps']} dumped)"
         text = f"Replay of run {info['run_id']} ({info['script']}){recorded} · {where}"
-        if not replay["complete"]:
+        if replay.get("stopped", not replay["complete"]):  # not a copy damaged since
             text += " · the run stopped before its dump was closed"
         lost = replay.get("lost", "")  # the dump's own damage: steps that cannot be listed
         if replay["broken"]:
