@@ -73,9 +73,7 @@ class WeightNotChanging(Rule):
     to 0, AdamW's updates fall below half a float32 step of a weight near 1 and no element
     moves, by design (a transformer trained 1,500 steps with a cosine schedule from 3e-3, in its
     last 12 steps, found trying it as a new user). A learning rate of zero from the start has
-    no largest rate to decay from: it is still reported, unless another parameter group of the
-    optimizer learns (the script holds this group at 0 on purpose: a head warmed up later).
-    ``decayed=0`` judges every step.
+    no largest rate to decay from: it is still reported. ``decayed=0`` judges every step.
 
     ``num_steps`` is a whole number of 1 or more; ``rtol`` and ``atol`` are numbers of 0 or more
     (below 0 not even a parameter left as it was would count as unchanged); ``decayed`` is a

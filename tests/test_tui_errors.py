@@ -169,7 +169,7 @@ def test_ctrl_c_says_what_quitting_does_to_the_training(ends_training: bool) -> 
     that the training goes on unwatched (Textual's own said only "ctrl+q to quit"); in
     tensordbg demo, whose training ends with its UI, that q quits and the training stops."""
     source = FakeSource()
-    said = "the training stops with the UI" if ends_training else "goes on unwatched."
+    said = "the training stops with the UI" if ends_training else "goes on, unwatched."
 
     async def flow() -> None:
         app = TensorDbgApp(LocalClient(source), ends_training=ends_training)

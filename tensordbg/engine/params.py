@@ -194,16 +194,12 @@ class ParamWatch:
     def learning_rate_shares(self, optimizer: torch.optim.Optimizer) -> dict[int, float]:
         """Each parameter's learning rate now as a share of the largest its group has had
         (by ``id``); none for a group whose rate was never above 0 (a learning rate of zero
-        from the start is a fault, not a schedule), unless another group of the optimizer
-        learns: then the script holds this one at 0 (a head warmed up later), and its share is
-        0."""
+        from the start is a fault, not a schedule)."""
         shares: dict[int, float] = {}
-        rates = [_rate(group.get("lr")) for group in optimizer.param_groups]
-        learning = any(lr is not None and lr > 0 for lr in rates)
-        for i, (group, lr) in enumerate(zip(optimizer.param_groups, rates, strict=True)):
-            peak = self.lr_peaks.get((id(optimizer), i), 0.0)
-            if lr is not None and (peak > 0 or (lr == 0 and learning)):
-                shares.update(dict.fromkeys(map(id, group["params"]), lr / peak if peak else 0.0))
+        for i, group in enumerate(optimizer.param_groups):
+            lr, peak = _rate(group.get("lr")), self.lr_peaks.get((id(optimizer), i), 0.0)
+            if lr is not None and peak > 0:
+                shares.update(dict.fromkeys(map(id, group["params"]), lr / peak))
         return shares
 
     def owned(

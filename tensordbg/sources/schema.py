@@ -77,6 +77,7 @@ class Replay(TypedDict):
     index: int  # the position of the shown step among them, from 0
     broken: str  # why the shown step cannot be read; "" when it can
     lost: str  # why some steps are not listed (an index cut short); "" when none is lost
+    stopped: bool  # incomplete as its run recorded it (not only damaged since: ``lost``)
 
 
 class Info(TypedDict):
