@@ -583,22 +583,19 @@ def test_a_hit_on_a_parameter_opens_the_value_it_was_about_not_the_one_after_the
 
 def test_n_and_p_pressed_faster_than_a_step_loads_move_one_step_each(dump: Path) -> None:
     """n n n in a burst moved one step: each press cancelled the request of the one before."""
-    source = ReplaySource(load(dump))
 
-    async def flow() -> None:
-        app = TensorDbgApp(LocalClient(source))
-        async with app.run_test(size=SIZE) as pilot:
-            banner = app.query_one(ConnectionBanner)
-            await until(pilot, lambda: app.state == "replay" and source.step == 3)
-            for _ in range(3):  # in one burst, before any reply
-                app.action_replay_step(-1)
-            await until(pilot, lambda: "step 0 (1 of 6" in str(banner.content))
-            assert source.step == 0
-            app.action_replay_step(1)
-            app.action_replay_step(1)
-            await until(pilot, lambda: "step 2 (3 of 6" in str(banner.content))
+    async def check(app: TensorDbgApp, pilot: Pilot, banner: str) -> None:
+        source = app.remote.client.source
+        shown = app.query_one(ConnectionBanner)
+        for _ in range(3):  # in one burst, before any reply
+            app.action_replay_step(-1)
+        await until(pilot, lambda: "step 0 (1 of 6" in str(shown.content))
+        assert source.step == 0
+        app.action_replay_step(1)
+        app.action_replay_step(1)
+        await until(pilot, lambda: "step 2 (3 of 6" in str(shown.content))
 
-    asyncio.run(flow())
+    in_replay_ui(dump, "step 3 (4 of 6", check)
 
 
 def test_an_index_line_lost_from_its_middle_is_not_said_to_cut_its_end(dump: Path) -> None:

@@ -171,8 +171,7 @@ class Observations:
         self._said_apart = False
 
     def note(self, name: str, frame: Any, tensor: torch.Tensor, begin: Callable,
-             watched: tuple[int, Callable[[str, str], None], str] = (0, print, "")
-             ) -> int:  # fmt: skip
+             watched: tuple[int, Callable[[str, str], None], int]) -> int:  # fmt: skip
         """Count one more ``name``, observed from ``frame``: its index in the step. A backward
         pass through ``tensor`` calls ``begin`` before its own node runs: the forward phase ends
         (and is judged) while the loss code's saved tensors are still there to be read.
@@ -186,7 +185,7 @@ class Observations:
         self.apart = times >= 3
         if self.apart and not self._said_apart:
             self._said_apart = True
-            said = (f"{step}: {name} was observed {times} times with no call of the watched "
+            said = (f"step {step}: {name} was observed {times} times with no call of the watched "
                     "model between them: it comes of a model tensordbg does not watch (built "
                     "anew for a resume?). tensordbg watches the model it attached to: attach "
                     "again to the one the script trains now")  # fmt: skip

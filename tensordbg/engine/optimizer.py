@@ -278,7 +278,7 @@ class OptimizerPhase:
                     return
             owned = self.weights.owned(optimizer, self.optimizers)
             if self.ruleset.active and not self.gradless.done:  # before a skip drops them
-                held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+                held = held_params(optimizer)
                 self.gradless.note([p for p in owned if id(p.param) in held], self.step)
             if self._skip_requested:
                 drop_gradients(optimizer)

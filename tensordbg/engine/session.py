@@ -273,7 +273,7 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         try:
             # The k-th of a name in a step is name#k, as a module's k-th call is (a loss at each
             # micro-batch: one name, and a dump kept only the last of its values).
-            watched = (self._root_forwards, self.log, f"step {self.step}")
+            watched = (self._root_forwards, self.log, self.step)
             call = self.observed.note(name, sys._getframe(1), tensor, self.pass_started, watched)
             named = f"{name}#{call}" if call else name
             record = new_record(tensor, named, "observed", self.phase, self.step, call=call)
