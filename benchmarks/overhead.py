@@ -381,7 +381,8 @@ def _switch_off(session: tensordbg.Session, capabilities: int) -> None:
     """Switch the capabilities after the first ``capabilities`` off, through the session's
     internals: a measurement of where the cost goes, not a way to run tensordbg."""
     if capabilities == 0:
-        session.broken = True  # as after an internal error: every hook returns at once
+        session.broken, session.active = True, False  # as after an internal error: every
+        # hook returns at once
         return
     if capabilities < 3:  # no activation gradient is hooked, no parameter gradient read
         session.plan_gradients = lambda *args: []

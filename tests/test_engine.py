@@ -1112,6 +1112,38 @@ def test_noted_module_calls_are_replayed_into_the_records_the_hooks_would_have_m
     assert "blocks.1.shared#1.output" in names
 
 
+class _DetachedBetween(nn.Module):
+    """Its own code changes a module's output between two calls without a new version."""
+
+    def __init__(self, seen: list) -> None:
+        super().__init__()
+        self.a, self.b, self.seen = nn.Linear(4, 4), nn.Linear(4, 2), seen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        self.seen.append(("a", h._version, h.grad_fn))
+        h.detach_()  # the same tensor, the same version: it needs no gradient any more
+        self.seen.append(("b", h._version, h.grad_fn))
+        return self.b(h)
+
+
+def test_a_tensor_noted_again_is_noted_as_it_is_then(watch):
+    """A call's input that the call before returned is taken from what its hook noted (2 reads
+    instead of 8): only while it is the same tensor as it was. ``detach_()`` keeps the version
+    and drops the gradient's edge: the second note must say it needs none."""
+    seen: list = []
+    model = _DetachedBetween(seen)
+    session = watch(model, sync="deferred", rules=[NaN()])
+    noted: list = []
+    note = session.capture._note
+    session.capture._note = lambda leaves: noted.append(note(leaves)) or noted[-1]
+    model(torch.randn(3, 4))
+    edges = [(s[0][3] if s else None) for s in noted]  # a's input, a's output, b's input, ...
+    assert seen[0][2] is not None and seen[1][2] is None and seen[0][1] == seen[1][1]
+    assert edges[1][0] is seen[0][2]  # a's output: made by a's Linear
+    assert edges[2] is False  # b's input: the same tensor, detached since
+
+
 def test_float16_activations_are_handled_in_their_hooks_where_their_range_rules_speak(watch):
     """The Overflow rule reads a float16 activation's range: a deferred forward is not only
     noted then, so the hit comes in the hook of the module that came near the float16 maximum,

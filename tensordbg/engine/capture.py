@@ -45,7 +45,7 @@ from tensordbg.engine.marks import hook_of_ours, own_work
 from tensordbg.engine.pending import COLD, ForwardLog, PendingForward, Seen, grad_edge
 from tensordbg.engine.pinpoint import draws_random, random_state
 from tensordbg.engine.records import Call, Record, memory_of, new_record, tensor_leaves, version_of
-from tensordbg.engine.sites import in_reentrant_checkpoint, user_site
+from tensordbg.engine.sites import HOOK_CALLER, in_reentrant_checkpoint, user_site
 from tensordbg.statistics import FINITE, MEAN
 from tensordbg.statistics.torch_kernels import SCREEN, watchable
 
@@ -59,9 +59,8 @@ class Sink(Protocol):
 
     passthrough: tuple[type[BaseException], ...]
     step: int
+    active: bool
 
-    @property
-    def active(self) -> bool: ...
     def begin_forward(self) -> None: ...
     def collect(self, record: Record, tensor: torch.Tensor) -> None: ...
     def collect_input(self, call: Call, record: Record, tensor: torch.Tensor) -> None: ...
@@ -147,6 +146,7 @@ class Capture(ForwardLog):
         self._log: list[tuple[int | None, list[Seen], tuple[CodeType, int] | None, Any]] | None
         self._log = None
         self._log_bytes = 0
+        self._last_noted = ()  # what the last hook noted (pending.py)
         self._log_dtypes: frozenset[torch.dtype] = frozenset()
         self._log_room = 0
         self._log_whole = True
@@ -215,7 +215,7 @@ class Capture(ForwardLog):
         self.root = None
         self._skipping = 0
         self._log = self._hot = None
-        self._log_bytes = 0
+        self._log_bytes, self._last_noted = 0, ()
 
     def new_step(self) -> None:
         """A step ended: forget its calls (nothing is kept across steps)."""
@@ -252,7 +252,7 @@ class Capture(ForwardLog):
                 # A forward recomputed during backward (activation checkpointing): skip it all.
                 self._skipping += 1
                 return
-            site = user_site(sys._getframe(1))
+            site = user_site(sys._getframe(HOOK_CALLER))
             if (self._open and self._root_grad and not torch.is_grad_enabled()
                     and in_reentrant_checkpoint(sys._getframe(1))):  # fmt: skip
                 self._checkpointed.add(self.paths[id(module)])
@@ -419,7 +419,7 @@ class Capture(ForwardLog):
         if self._listing:
             session.exit(call)
         if not self.stack and made is None:
-            self._log = self._hot = None
+            self._log, self._hot, self._last_noted = None, None, ()
             self.grad_hooks.watch_waiting()  # a lazy module's parameters have their shapes now
             if self._planning:
                 self._plan(seen, call)

@@ -120,6 +120,10 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         self.phase = "forward"
         self.broken = ""  # why tensordbg stopped watching (its own fault), once it did
         self.detached = False
+        self.active = True
+        """Whether the hooks still do anything: not after detach (a hook installed on this
+        step's autograd graph can still fire), nor after an internal error (an attribute: every
+        hook reads it)."""
         self.triggered = False
         """Deferred mode: the phase showed a problem, so everything it kept is screened."""
         self.server: Any = None  # what serves it to the UI, set by attach (never the engine)
@@ -242,12 +246,6 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         return self.weights.by_name
 
     @property
-    def active(self) -> bool:
-        """Whether the hooks still do anything: not after detach (a hook installed on this
-        step's autograd graph can still fire), nor after an internal error."""
-        return not (self.broken or self.detached)
-
-    @property
     def records(self) -> list[Record]:
         """The watched tensors of the current (or last) phase, in execution order."""
         self.materialize_forward()
@@ -340,7 +338,7 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         if (self.step_open or (not self.optimizers and self._root_forwards)) and not self.broken:
             self.flush()  # the step's end would come with the next call or optimizer: none will
             self._finish_step()
-        self.detached = True
+        self.detached, self.active = True, False
         self._accumulators = None  # autograd's nodes that hold each parameter
         self.publish()
         state = "finished" if self._exiting else "detached"  # q: it goes on unwatched
@@ -421,6 +419,7 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         if self.broken:
             return
         self.broken = f"its internal error, {type(error).__name__}: {error}"
+        self.active = False
         self._broken_at = self.step
         detail = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         warnings.warn(
