@@ -251,7 +251,8 @@ class ForwardLog:
         (a call's input is most often the output of the call before it) is taken from there
         when it is the same version and still needs a gradient (``detach_()`` keeps the
         version): 2 reads of it instead of 8, ~1.5 us each in the cold cache a module's kernels
-        leave behind."""
+        leave behind. What is kept of a tensor: (itself, version, requires_grad, gradient
+        edge, bytes)."""
         seen: list[Seen] = []
         total = self._log_bytes
         before, noted = self._last_noted, []
@@ -259,31 +260,24 @@ class ForwardLog:
             for was in before:
                 if was[0] is t and was[1] == version_of(t) and was[2] is t.requires_grad:
                     break
-            else:
-                was = self._tensor_noted(t)
-                if was is None:
+            else:  # (not a method of its own: most outputs are new, and a call costs a miss)
+                if type(t) not in _PLAIN or t.layout is not _STRIDED or t.is_meta:
                     continue
-                if was is False:
-                    return None
+                dtype = t.dtype
+                if dtype not in self._log_dtypes:
+                    if dtype.is_floating_point:
+                        return None
+                    continue
+                nbytes = t.nbytes
+                if not nbytes:
+                    continue
+                edge = grad_edge(t)
+                was = (t, version_of(t), edge is not False, edge, nbytes)
             total += was[4]
             seen.append((suffix, t, was[1], was[3]))
             noted.append(was)
         self._log_bytes, self._last_noted = total, noted
         return seen
-
-    def _tensor_noted(self, t: torch.Tensor) -> tuple[Any, ...] | bool | None:
-        """What :meth:`_note` keeps of a tensor: (itself, version, requires_grad, gradient
-        edge, bytes); None when it is not noted, False when its dtype stops the log."""
-        if type(t) not in _PLAIN or t.layout is not _STRIDED or t.is_meta:
-            return None
-        dtype = t.dtype
-        if dtype not in self._log_dtypes:
-            return False if dtype.is_floating_point else None
-        nbytes = t.nbytes
-        if not nbytes:
-            return None
-        edge = grad_edge(t)
-        return (t, version_of(t), edge is not False, edge, nbytes)
 
     def _noted(self) -> None:
         """The log grew: replay it when it passes the phase's budget, or when the training must
