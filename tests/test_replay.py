@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 from dumps import weight_checked_twice, write_dump
 from test_tui import SIZE, until
+from test_tui_first_use import keys_panel_rows
 from textual.pilot import Pilot
 from textual.widgets import Footer
+from textual.widgets._key_panel import BindingsTable
 
 from tensordbg.cli import main
 from tensordbg.dump import load
@@ -213,6 +215,25 @@ def test_a_dump_without_steps_says_why_instead_of_a_replay_of_step_1_of_0(
 
 
 # --- the UI ------------------------------------------------------------------------------
+
+
+def test_every_key_the_keys_panel_lists_in_a_replay_says_what_it_does(dump: Path) -> None:
+    """c, s, k, i and P do not drive a recording: they say why. The keys panel (?) listed them
+    with no description ("c s k", "P", "i" and nothing beside them)."""
+    rows: list[str] = []
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(ReplaySource(load(dump))))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "replay")
+            app.action_show_help_panel()
+            await until(pilot, lambda: app.screen.query(BindingsTable))
+            rows.extend(keys_panel_rows(app))
+
+    asyncio.run(flow())
+    assert "n  Next dumped step" in rows
+    assert [row for row in rows if not row.split("  ", 1)[1].strip()] == []
+    assert "c s k  Continue, step, skip (not here: says why)" in rows
 
 
 def test_the_ui_says_replay_and_moves_between_steps_with_n_and_p(dump: Path) -> None:

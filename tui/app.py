@@ -85,12 +85,14 @@ class TensorDbgApp(JobRanks, ReplayMoves, StepCount):
         Binding("slash", "search", "Search"),
         Binding("P", "profile", "Profile"),
         Binding("k", "control('skip')", "Skip"),
-        Binding("k", "refuse_skip", show=False),
+        Binding("k", "refuse_skip", "Skip (too late: says why)", show=False),
         Binding("i", "ignore", "Ignore rule"),
         # A session that cannot do what a key asks (a recorded run) says why (see check_action).
-        Binding("c,s,k", "refuse('control')", show=False),
-        Binding("i", "refuse('set_rule')", show=False),
-        Binding("P", "refuse('profile')", show=False),
+        Binding(
+            "c,s,k", "refuse('control')", "Continue, step, skip (not here: says why)", show=False
+        ),
+        Binding("i", "refuse('set_rule')", "Ignore rule (not here: says why)", show=False),
+        Binding("P", "refuse('profile')", "Profile (not here: says why)", show=False),
         Binding("question_mark", "show_help_panel", "Keys", show=False),
         Binding("escape", "hide_help_panel", "Close the keys panel", show=False),
         Binding("escape", "forget_count", "Forget the count", show=False),
