@@ -29,6 +29,7 @@ from tensordbg.transport.client import LocalClient
 from tensordbg.tui.app import TensorDbgApp
 from tensordbg.tui.components.connection_banner import ConnectionBanner
 from tensordbg.tui.components.histogram_view import HistogramView
+from tensordbg.tui.components.hit_detail import HitDetail
 from tensordbg.tui.components.stats_compare import StatsCompare
 from tensordbg.tui.components.tensor_grid import TensorGrid
 from tensordbg.tui.messages import OpenTensor
@@ -234,6 +235,24 @@ def test_every_key_the_keys_panel_lists_in_a_replay_says_what_it_does(dump: Path
     assert "n  Next dumped step" in rows
     assert [row for row in rows if not row.split("  ", 1)[1].strip()] == []
     assert "c s k  Continue, step, skip (not here: says why)" in rows
+
+
+def test_a_recording_without_hits_is_not_said_to_have_none_yet(tmp_path: Path) -> None:
+    """The Hits tab of a clean recording said "No hits yet.", as of a training that may still
+    hit: a recording is over."""
+    said: list[str] = []
+
+    async def flow() -> None:
+        clean = write_dump(tmp_path / "clean", nan_at=None)
+        app = TensorDbgApp(LocalClient(ReplaySource(load(clean))))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "replay")
+            detail = app.query_one(HitDetail)
+            await until(pilot, lambda: "hits" in str(detail.render()))
+            said.append(str(detail.render()))
+
+    asyncio.run(flow())
+    assert said == ["This recorded run holds no hits."]
 
 
 def test_the_ui_says_replay_and_moves_between_steps_with_n_and_p(dump: Path) -> None:

@@ -461,6 +461,28 @@ def test_a_ui_opened_on_a_pause_after_the_steps_update_offers_no_skip() -> None:
     asyncio.run(flow())
 
 
+def test_a_training_that_finishes_without_a_hit_is_not_said_to_have_none_yet() -> None:
+    """"No hits yet." is what a running training has; once it finished it has had none."""
+    source = FakeSource()
+    source._hits, source.paused_at, source.state = [], None, "running"
+    said: list[str] = []
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "running")
+            detail = app.main.hit_detail
+            await until(pilot, lambda: "hits" in str(detail.render()))
+            said.append(str(detail.render()))
+            source.state = "finished"
+            source.emit("state", {"state": "finished", "step": 3, "phase": ""})
+            await until(pilot, lambda: "finished" in str(detail.render()))
+            said.append(str(detail.render()))
+
+    asyncio.run(flow())
+    assert said == ["No hits yet.", "No hits: the training finished without one."]
+
+
 def test_a_training_ended_by_ctrl_c_is_not_shown_as_simply_finished() -> None:
     """The session's last word says how the script ended when it did not end by itself: the
     header and the Run tab say so next to FINISHED."""

@@ -21,12 +21,29 @@ UNCOUNTED = "no counts were kept with the hit: its message says what its rule fo
 now (a gradient checked in batched mode keeps no statistics with its hit)."""
 
 
+NO_HITS = {
+    "replay": "This recorded run holds no hits.",
+    "finished": "No hits: the training finished without one.",
+}
+"""What the detail says with no hit to show, by the app's state: "No hits yet." while a training
+may still hit (it said so of a recording and of a finished training)."""
+
+
 class HitDetail(Static):
     """Fed with a hit dict (``Hit.as_dict``)."""
 
     def __init__(self) -> None:
         super().__init__("", id="hit-detail")
         self._hit: dict[str, Any] | None = None
+        self._filtered_out = ""
+
+    def on_mount(self) -> None:
+        if hasattr(self.app, "state"):  # a training that ends with no hit: "yet" is over
+            self.watch(self.app, "state", self._state_changed, init=False)
+
+    def _state_changed(self) -> None:
+        if self._hit is None:
+            self.show(None, self._filtered_out)
 
     def show(self, hit: dict[str, Any] | None, filtered_out: str = "",
              rules: list[str] | None = None, measurable: bool = False) -> None:  # fmt: skip
@@ -34,12 +51,14 @@ class HitDetail(Static):
         ``measurable``: the hit's tensor is held now (the training is paused in the hit's
         phase), so a summary without counts is completed from its statistics."""
         self._hit = hit
+        self._filtered_out = filtered_out
         if hit is None and filtered_out:
             self.update(Text(f"No hit matches the filter '{filtered_out}': press / and clear "
                              "it to see them all.", style="dim"))  # fmt: skip
             return
         if hit is None:
-            self.update(Text("No hits yet.", style="dim"))
+            state = str(getattr(self.app, "state", ""))
+            self.update(Text(NO_HITS.get(state, "No hits yet."), style="dim"))
             return
         rules = rules or [hit["rule"]]
         summary = hit.get("summary") or {}
