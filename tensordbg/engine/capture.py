@@ -146,7 +146,7 @@ class Capture(ForwardLog):
         self._log: list[tuple[int | None, list[Seen], tuple[CodeType, int] | None, Any]] | None
         self._log = None
         self._log_bytes = 0
-        self._last_noted = ()  # what the last hook noted (pending.py)
+        self._last_noted: list[tuple[Any, ...]] | tuple[()] = ()  # the last hook's (pending.py)
         self._log_dtypes: frozenset[torch.dtype] = frozenset()
         self._log_room = 0
         self._log_whole = True
@@ -214,8 +214,7 @@ class Capture(ForwardLog):
         self.stack.clear()
         self.root = None
         self._skipping = 0
-        self._log = self._hot = None
-        self._log_bytes, self._last_noted = 0, ()
+        self._end_log()
 
     def new_step(self) -> None:
         """A step ended: forget its calls (nothing is kept across steps)."""
@@ -419,7 +418,7 @@ class Capture(ForwardLog):
         if self._listing:
             session.exit(call)
         if not self.stack and made is None:
-            self._log, self._hot, self._last_noted = None, None, ()
+            self._end_log()
             self.grad_hooks.watch_waiting()  # a lazy module's parameters have their shapes now
             if self._planning:
                 self._plan(seen, call)

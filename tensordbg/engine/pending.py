@@ -175,9 +175,7 @@ class ForwardLog:
         """The root returned with finite outputs, in deferred checks on the host: its calls and
         records are not made (pending.py); the light pass tells what the backward needs."""
         root = self.stack.pop()
-        log = [*(self._log or ()), (None, seen, None, None)]
-        self._log = self._hot = None
-        self._last_noted = ()
+        log = [*(self._end_log() or ()), (None, seen, None, None)]
         pending = PendingForward(root, log, self.session.phase_mark(), dict(self._counts),
                                  self.session.phase_serial)  # fmt: skip
         needing, leaves = pending.light_pass(self.paths, self._known)
@@ -288,8 +286,7 @@ class ForwardLog:
     def replay(self, resume: bool = True) -> None:
         """Turn the module calls the hooks only noted into calls and records, in their order, in
         one warm loop (see :meth:`Sink.logs_forward`); ``resume``: note again after it."""
-        log, self._log = self._log, None
-        self._log_bytes, self._last_noted = 0, ()
+        log = self._end_log(keep_hot=True)
         self._replay(log or ())
         if resume and self.stack:
             self._start_log(whole=False)
@@ -302,13 +299,22 @@ class ForwardLog:
             else:
                 self._enter(key, seen, site, invocation)
 
+    def _end_log(self, keep_hot: bool = False) -> list[Entry] | None:
+        """End the log (its root returned, a replay, a new root): its entries. What the last
+        hook noted goes with it, and the tensors it holds; ``keep_hot``: the outputs screened
+        in their hooks stay, for a replay to read."""
+        log, self._log = self._log, None
+        self._log_bytes, self._last_noted = 0, ()
+        if not keep_hot:
+            self._hot = None
+        return log
+
     def _start_log(self, whole: bool = True) -> None:
         """Note the calls from here on; ``whole``: from the root's start (else the log follows a
         replay in the middle of the forward, and only a whole log can be left pending)."""
         self._log_whole = whole
         self._log_dtypes = self.session.logs_forward()
         self._log = [] if self._log_dtypes else None
-        self._last_noted: list[tuple[Any, ...]] | tuple[()] = ()
         self._log_room = self.session.log_budget()
         self._hot = {} if self._log is not None and self.session.screens_noted() else None
 

@@ -134,11 +134,11 @@ class DiffReport:
     do not measure it on a clean step): the first difference is then the next module's
     output, and the hit says where the value was made."""
     only_hits: dict[str, list[Any]] = field(default_factory=dict)
+    """Per side, the hits of the steps dumped in that run only (not compared): the text leads
+    with them, a run that hit where the other has nothing to compare is no agreement."""
     hits_evicted: dict[str, bool] = field(default_factory=dict)
     """Whether each side's ``max_bytes`` took steps with hits (then a step it lacks may have
     had one)."""
-    """Per side, the hits of the steps dumped in that run only (not compared): the text leads
-    with them, a run that hit where the other has nothing to compare is no agreement."""
     last_dumped: dict[str, int] = field(default_factory=dict)
     """Per side, the last step its dump holds (-1: none), readable or not."""
 
