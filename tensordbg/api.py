@@ -227,7 +227,7 @@ def attach(
             _link_ranks(session, identity)
         if server:
             _start_server(session, remote, ui_timeout)
-        session.check_parameters()
+        session.check_parameters("attach")
         if under_run:
             COMMAND_LINE.sessions.append(session)
     except BaseException as e:

@@ -32,7 +32,8 @@ class Hit:
     step: int
     """Optimizer steps completed before this hit (without an optimizer: root forward calls)."""
     phase: str
-    """``forward``, ``backward`` or ``optimizer``."""
+    """``forward``, ``backward`` or ``optimizer``; ``attach`` for attach's check of the
+    parameters (before step 0), ``check`` for :meth:`Session.check_parameters` between steps."""
     origin: bool
     """True where the problem was produced; False where a value was only passed on."""
     value: float

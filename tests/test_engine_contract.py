@@ -77,6 +77,29 @@ def test_a_hit_at_attach_in_raise_mode_leaves_nothing_installed(private_runtime_
     assert session.step == 1 and session.hits == []
 
 
+def test_a_hit_at_attach_is_said_to_be_attachs_not_an_optimizer_phase_that_never_ran(watch):
+    """Found by attach's check, a weight's Inf was listed "step 0 optimizer", as if a step's
+    update had made it; no optimizer had run. Its phase is attach's, wherever it is shown; the
+    training paused there can still skip step 0's update, and a check asked for between steps
+    says it is one."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.no_grad():
+        model[2].weight[0, 0] = float("inf")
+    session = watch(model, optimizer=optimizer, on_hit="record")
+    [hit] = session.hits
+    assert (hit.tensor, hit.step, hit.phase, hit.origin) == ("2.weight", 0, "attach", True)
+    assert "step 0 attach (origin)" in str(hit)
+    assert "step 0 attach: [Overflow] 2.weight" in session.summary()
+    with torch.no_grad():
+        model[2].weight[0, 0] = 0.0
+    train_step(model, optimizer, torch.randn(3, 4))
+    with torch.no_grad():
+        model[0].weight[1, 1] = float("nan")
+    session.check_parameters()
+    assert [(h.tensor, h.step, h.phase) for h in session.hits[1:]] == [("0.weight", 1, "check")]
+
+
 # --- rules edited while the training runs ------------------------------------------------------
 
 

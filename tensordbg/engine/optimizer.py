@@ -148,12 +148,12 @@ class OptimizerPhase:
             except Exception as e:
                 self.fault(e)
 
-    def check_parameters(self) -> None:
-        """Check every parameter now (``attach`` does it once: a NaN or a poor initialization
-        is found before the first step)."""
+    def check_parameters(self, phase: str = "check") -> None:
+        """Check every parameter now, in its own phase (``attach`` does it once, in phase
+        ``"attach"``: a NaN or a poor initialization is found before the first step)."""
         if not self.active:
             return
-        self._start_phase("optimizer")
+        self._start_phase(phase)
         params = list(self.weights.params.values())
         self._param_versions = [p.param._version for p in params]
         self._check_parameters(params, None, after_step=False)
@@ -387,7 +387,7 @@ class OptimizerPhase:
                     if recorded:
                         self._listed(p, {FINITE: 1.0, MIN: lo, MAX: hi})
                     continue
-            record = p.record("param", p.name, self.step)
+            record = p.record("param", p.name, self.step, self.phase)
             record.at_attach = not after_step  # no update made it: the model came so
             self.collect(record, p.param.detach(), extra=ranged)
             ranges[p.name] = Digest.of_range(

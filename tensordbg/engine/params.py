@@ -96,9 +96,10 @@ class Param:
     owner: str
     owner_type: str
 
-    def record(self, kind: str, name: str, step: int) -> Record:
-        """A record of the parameter (``kind="param"``) or of its update (``"update"``)."""
-        return new_record(self.param, name, kind, "optimizer", step, module=self.owner,
+    def record(self, kind: str, name: str, step: int, phase: str = "optimizer") -> Record:
+        """A record of the parameter (``kind="param"``) or of its update (``"update"``), in
+        ``phase`` (an optimizer's, or attach's check)."""
+        return new_record(self.param, name, kind, phase, step, module=self.owner,
                           module_type=self.owner_type, trainable=self.param.requires_grad,
                           param=self.name)  # fmt: skip
 

@@ -98,7 +98,7 @@ class Pausing:
         ``max_skipped_steps`` in a row the training cannot recover this way, and the hit is
         raised. A hit after the update (a parameter) can only be recorded, and so can one of
         a forward without gradients (an evaluation under ``no_grad``): no update comes of it."""
-        if self.phase == "optimizer" and not self._stepping:
+        if self.phase in ("optimizer", "attach", "check") and not self._stepping:
             return
         if self.phase == "forward" and not self.capture.with_grad:
             return

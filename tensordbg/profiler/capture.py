@@ -403,7 +403,8 @@ def _between_steps(session: Any) -> bool:
     if getattr(session, "_root_forwards", 1) == 0:
         return True
     stepping = getattr(session, "_stepping", None)
-    return bool(session.optimizers) and session.phase == "optimizer" and not stepping
+    between = session.phase in ("optimizer", "check")  # after a step's update, or a check then
+    return bool(session.optimizers) and between and not stepping
 
 
 def _directory(session: Any, directory: str | os.PathLike[str] | None) -> Path:

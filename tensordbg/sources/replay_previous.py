@@ -18,7 +18,8 @@ from tensordbg.sources.contract import SourceError
 from tensordbg.statistics import summarize_numpy
 
 PHASES = {"optimizer": "after the optimizer step", "backward": "after the backward pass",
-          "forward": "in the forward pass"}  # fmt: skip
+          "forward": "in the forward pass", "attach": "as attach found it",
+          "check": "as a check between steps found it"}  # fmt: skip
 """A phase in words, after the tensor's name: ``fc2.weight after the optimizer step``."""
 
 

@@ -21,7 +21,7 @@ from textual.widgets import DataTable, Footer, Label
 from tensordbg.tui.components.table import Table
 from tensordbg.tui.errors import reported, work
 
-_PHASES = {"forward": 0, "backward": 1, "optimizer": 2}
+_PHASES = {"attach": -1, "forward": 0, "backward": 1, "optimizer": 2, "check": 3}
 COMPARED = ("numel", "nan", "posinf", "neginf", "min", "max", "mean", "std", "l2")
 
 
