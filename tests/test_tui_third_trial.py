@@ -269,10 +269,15 @@ def test_a_slice_says_why_it_has_no_previous_step_to_compare_with() -> None:
     run(WholeOnly(), check)
 
     async def seen(app: TensorDbgApp, pilot: Pilot) -> None:  # at 80x24 it was cut off
+        # The slice's histogram shows first (it has values where the comparison has dashes);
+        # the comparison and its sentence are where the side column scrolls to.
         compare = await open_tensor(pilot, 3, "net.2.output", StatsCompare)
         await type_slice(pilot, "[1]")
         await pilot.press("enter")
         await until(pilot, lambda: compare.content.title is not None)
+        await pilot.pause()
+        assert "histogram of the finite values" in screen_text(app)
+        app.query_one("#tensor-side").scroll_end(animate=False)
         await pilot.pause()
         assert "to compare them" in " ".join(screen_text(app).split())
 

@@ -52,9 +52,12 @@ class TensorInspector(Vertical):
             grid = TensorGrid()
             grid.open_slice = self.action_edit_slice  # "[" on the grid, in order with what follows
             yield grid
-            with VerticalScroll(id="tensor-side"):  # a short terminal scrolls to the histogram
-                yield StatsCompare()
+            # The histogram first: it has the values of any tensor opened, where the previous
+            # step's column is often blank (deferred checks measure a clean step's activations
+            # only on a problem); a short terminal scrolls to the comparison.
+            with VerticalScroll(id="tensor-side"):
                 yield HistogramView()
+                yield StatsCompare()
 
     def open(self, ref: int, name: str = "", text: str = "", focus: bool = True,
              step: int | None = None, shown: int | None = None) -> None:  # fmt: skip
