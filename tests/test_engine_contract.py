@@ -97,7 +97,10 @@ def test_a_hit_at_attach_is_said_to_be_attachs_not_an_optimizer_phase_that_never
     with torch.no_grad():
         model[0].weight[1, 1] = float("nan")
     session.check_parameters()
-    assert [(h.tensor, h.step, h.phase) for h in session.hits[1:]] == [("0.weight", 1, "check")]
+    [checked] = session.hits[1:]
+    assert (checked.tensor, checked.step, checked.phase) == ("0.weight", 1, "check")
+    assert "when it attached" not in checked.message  # said of attach's check only
+    assert "session.check_parameters() found it between steps" in checked.message
 
 
 # --- rules edited while the training runs ------------------------------------------------------

@@ -468,6 +468,8 @@ _ORIGIN_NOTE = {
     "or sigmoid). sync='eager' names it in that forward.",
     ("param_attach", True): "tensordbg found it when it attached, before the first step: the "
     "model came with it (its initialization, or a checkpoint or state loaded so).",
+    ("param_check", True): "session.check_parameters() found it between steps, before the next "
+    "update: it was set so since (by hand, or loaded so).",
     ("observed_apart", True): "The watched model was not called for it: it comes of a model "
     "tensordbg does not watch (built anew for a resume?); attach again to that one.",
     ("update", True): "It was produced by the optimizer step.",
@@ -481,8 +483,8 @@ def _note_kind(kind: str, name: str, module: str | None, record: Record) -> str:
     be the batch; a parameter the update did not make (``record.before_update``) says so."""
     if kind == "input" and not module and name.startswith("input[") and name[6:8] != "0]":
         return "later_input"
-    if kind == "param" and record.at_attach:
-        return "param_attach"
+    if kind == "param" and record.at_attach:  # no update made it: attach's check, or one asked
+        return "param_attach" if record.stats.phase == "attach" else "param_check"
     if kind == "observed" and record.apart:
         return "observed_apart"
     return "param_before" if kind == "param" and record.before_update else kind
