@@ -144,3 +144,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         for watched in list(engine._attached.values()):
             watched.summary_at_exit = False
             watched.detach()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests marked slow first, in their order, then the others in theirs: with several
+    workers a long test that starts last (test_zoo's, last by name) leaves the others idle
+    while it ends the run."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
