@@ -1483,6 +1483,19 @@ def test_the_comparison_writes_non_finite_statistics_as_the_grid_does() -> None:
     ]  # fmt: skip
 
 
+def test_a_change_to_or_from_a_non_finite_value_is_not_written_as_a_missing_one() -> None:
+    """The Δ column wrote "–" both where a step recorded no value and where this step's mean
+    was NaN or Inf: a person read "not recorded" where the value had gone bad."""
+    from tensordbg.tui.components.stats_compare import delta
+
+    changes = [(math.nan, 0.5), (math.inf, 1.0), (-math.inf, 1.0), (0.5, math.nan), (0.5, None),
+               (None, 0.5), (0.75, 0.5)]  # fmt: skip
+    assert [delta(now, before, "mean").plain for now, before in changes] == [
+        "NaN", "+Inf", "-Inf", "NaN", "–", "–", "+0.25"
+    ]  # fmt: skip
+    assert "red" in str(delta(math.nan, 0.5, "mean").style)  # gone bad: as the NaN count is
+
+
 def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
            run_id: str) -> tuple[FakeSource, Server, TensorDbgApp]:  # fmt: skip
     """A FakeSource served as run ``run_id`` in a private runtime directory, and the app

@@ -50,7 +50,9 @@ def delta(now: Any, before: Any, key: str) -> Text:
     if key in COUNTS:
         return Text(f"{d:+,}" if d else "0", style="bold red" if d > 0 and key in ALARMS else "")
     if not (math.isfinite(now) and math.isfinite(before)):
-        return Text("–", style="dim")
+        # What the subtraction gives (NaN, or an infinity), as the grid writes it: "–" is kept
+        # for a value no step recorded.
+        return Text(fmt(d), style="bold red" if not math.isfinite(now) else "dim")
     relative = abs(d) / max(abs(before), 1e-30)
     return Text(f"{d:+.3g}", style="yellow" if relative > 0.5 else "")
 
