@@ -79,9 +79,8 @@ def test_a_hit_at_attach_in_raise_mode_leaves_nothing_installed(private_runtime_
 
 def test_a_hit_at_attach_is_said_to_be_attachs_not_an_optimizer_phase_that_never_ran(watch):
     """Found by attach's check, a weight's Inf was listed "step 0 optimizer", as if a step's
-    update had made it; no optimizer had run. Its phase is attach's, wherever it is shown; the
-    training paused there can still skip step 0's update, and a check asked for between steps
-    says it is one."""
+    update had made it; no optimizer had run. Its phase is attach's, wherever it is shown, and a
+    check asked for between steps says it is one."""
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with torch.no_grad():
@@ -101,6 +100,23 @@ def test_a_hit_at_attach_is_said_to_be_attachs_not_an_optimizer_phase_that_never
     assert (checked.tensor, checked.step, checked.phase) == ("0.weight", 1, "check")
     assert "when it attached" not in checked.message  # said of attach's check only
     assert "session.check_parameters() found it between steps" in checked.message
+
+
+def test_on_hit_skip_does_not_skip_step_0_for_a_weight_found_bad_at_attach(watch):
+    """A hit of attach's check (its phase is no longer the optimizer's) is recorded as a
+    parameter's hit after an update is: skipping step 0's update would not mend the weight."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.no_grad():
+        model[2].weight[0, 0] = float("inf")
+    session = watch(model, optimizer=optimizer, on_hit="skip")
+    assert [h.phase for h in session.hits] == ["attach"]
+    with torch.no_grad():
+        model[2].weight[0, 0] = 0.0
+    before = [p.detach().clone() for p in model.parameters()]
+    train_step(model, optimizer, torch.randn(3, 4))
+    assert session.skipped_steps == []
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
 
 
 # --- rules edited while the training runs ------------------------------------------------------

@@ -19,7 +19,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from tensordbg.engine.fused import FUSED
 from tensordbg.engine.judge import ActiveRule
-from tensordbg.engine.records import NONFINITE, Call, Record, submodule
+from tensordbg.engine.records import CHECKS, NONFINITE, Call, Record, submodule
 from tensordbg.hit import Hit, said_of
 from tensordbg.rules.base import Finding
 from tensordbg.statistics import L2
@@ -483,8 +483,8 @@ def _note_kind(kind: str, name: str, module: str | None, record: Record) -> str:
     be the batch; a parameter the update did not make (``record.before_update``) says so."""
     if kind == "input" and not module and name.startswith("input[") and name[6:8] != "0]":
         return "later_input"
-    if kind == "param" and record.at_attach:  # no update made it: attach's check, or one asked
-        return "param_attach" if record.stats.phase == "attach" else "param_check"
+    if kind == "param" and record.stats.phase in CHECKS:  # no update made it
+        return f"param_{record.stats.phase}"
     if kind == "observed" and record.apart:
         return "observed_apart"
     return "param_before" if kind == "param" and record.before_update else kind

@@ -388,7 +388,6 @@ class OptimizerPhase:
                         self._listed(p, {FINITE: 1.0, MIN: lo, MAX: hi})
                     continue
             record = p.record("param", p.name, self.step, self.phase)
-            record.at_attach = not after_step  # no update made it: the model came so
             self.collect(record, p.param.detach(), extra=ranged)
             ranges[p.name] = Digest.of_range(
                 record.stats.values.get(MIN), record.stats.values.get(MAX)

@@ -13,6 +13,7 @@ from typing import Any
 from tensordbg.engine import origin
 from tensordbg.engine.control import DETACHED, STEP
 from tensordbg.engine.phases import records_of
+from tensordbg.engine.records import CHECKS
 from tensordbg.hit import Hit, WatchpointHit
 
 FORKED_SAID = 20  # hits a forked process prints at most
@@ -98,7 +99,7 @@ class Pausing:
         ``max_skipped_steps`` in a row the training cannot recover this way, and the hit is
         raised. A hit after the update (a parameter) can only be recorded, and so can one of
         a forward without gradients (an evaluation under ``no_grad``): no update comes of it."""
-        if self.phase in ("optimizer", "attach", "check") and not self._stepping:
+        if (self.phase == "optimizer" or self.phase in CHECKS) and not self._stepping:
             return
         if self.phase == "forward" and not self.capture.with_grad:
             return

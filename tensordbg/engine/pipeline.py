@@ -302,8 +302,7 @@ class Pipeline(Pausing, Pinpointing):
         condition = origin.condition_of(record, verdict.rule_id)
         if verdict.origin and self.ranks is not None and record.stats.kind in CARRIED_KINDS:
             carried = self.ranks.carried(record.stats.step)
-        if (verdict.origin and record.stats.kind == "param" and record.stats.phase == "optimizer"
-                and not record.at_attach):  # fmt: skip
+        if verdict.origin and record.stats.kind == "param" and record.stats.phase == "optimizer":
             record.before_update = self._bad_before_update(record)  # said by its hit's note
         hit = self.hitlog.make(record, active, verdict.finding, verdict.origin and not carried,
                                condition, verdict.call, verdict.kind, verdict.name,

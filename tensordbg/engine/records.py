@@ -89,6 +89,11 @@ dict of its own at its first (:meth:`Record.find`). So do its conditions, consum
 calls it was passed up to (a frozenset, tuples): a clean step's records allocate none."""
 
 
+CHECKS = ("attach", "check")
+"""The phases of a check of the parameters outside any step's update: attach's, and one asked
+for between steps (``session.check_parameters()``). No update made what they find."""
+
+
 @dataclass(eq=False, slots=True)
 class Record:
     """One watched tensor (one version of it) within a phase: its statistics and, while the
@@ -119,7 +124,6 @@ class Record:
     voucher: str = ""  # a gradient not kept, judged from this parameter's (engine/vouching.py)
     before_update: bool = False  # a parameter's NaN/Inf found after its update, which did not
     # make it (engine/pipeline.py: _bad_before_update)
-    at_attach: bool = False  # a parameter read by attach's check, before any step
     apart: bool = False  # an observed value of no call of the watched model (loss_code.py)
 
     def find(self, rule_id: int, finding: Any) -> None:

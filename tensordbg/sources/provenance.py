@@ -110,8 +110,7 @@ def provenance(
 def _updater(session: Any, record: Record, owner: Any) -> tuple[Any, Any] | None:
     """For a parameter's record of the optimizer phase (its value after the update): the
     optimizer that holds it and the user's line that called its ``step()`` (None if unknown)."""
-    if (record.stats.kind != "param" or record.stats.phase != "optimizer" or record.before_update
-            or record.at_attach):  # fmt: skip
+    if record.stats.kind != "param" or record.stats.phase != "optimizer" or record.before_update:
         return None
     for optimizer in session.optimizers:
         if any(p is owner.param for group in optimizer.param_groups for p in group["params"]):
