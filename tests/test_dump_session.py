@@ -723,3 +723,50 @@ def test_a_hit_steps_clean_activations_are_dumped_with_their_mean(tmp_path, sync
     for name in ("input[0]", "0.output", "1.output"):
         assert entries[name].stats["finite"] == 1.0 and "mean" in entries[name].stats, (
             name, entries[name].stats)  # fmt: skip
+
+
+def test_a_weight_bad_at_attach_is_dumped_as_it_was_there_beside_its_value_after_the_update(
+    tmp_path,
+):
+    """attach's check found a +Inf in 2.weight, and the step's optimizer phase checked it again:
+    the dump kept one value a name a step, the later one, so the replay of the attach hit showed
+    the weight after the update and said that its value at the hit "was not dumped"."""
+    from tensordbg.sources.replay import ReplaySource
+
+    model = _model()
+    with torch.no_grad():
+        model[2].weight[0, 0] = float("inf")
+        model[2].bias.fill_(float("nan"))  # so the update writes NaN into the weight
+    at_attach = model[2].weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = tensordbg.attach(model, opt, on_hit="record", server=False, dump_dir=tmp_path,
+                               summary_at_exit=False)  # fmt: skip
+    assert (session.hits[0].tensor, session.hits[0].phase) == ("2.weight", "attach")
+    _train(model, opt, 1)
+    session.detach()
+    dump = tensordbg.load(tmp_path)
+    there = dump.tensor("2.weight", phase="attach").value(0)
+    assert there.tobytes() == at_attach.numpy().tobytes()
+    after = dump.tensor("2.weight").value(0)
+    assert np.isnan(after).all() and after.tobytes() == model[2].weight.detach().numpy().tobytes()
+    assert dump.verify() == {}
+    replay = ReplaySource(dump)
+    shown = replay.stats(replay.paused_at["ref"])
+    summary = shown["summary"]
+    assert (shown["name"], summary["posinf"], summary["nan"]) == ("2.weight", 1, 0)
+    assert "not dumped" not in shown["line"]
+
+
+def test_a_clean_run_with_a_dump_directory_says_that_nothing_was_dumped_and_why(tmp_path, capsys):
+    """A healthy run given a dump directory said nothing of it at exit: a CI job could not tell
+    a clean run from a dump that was never written (found trying the product as a new user)."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = tensordbg.attach(model, opt, on_hit="record", server=False, dump_dir=tmp_path,
+                               summary_at_exit=False)  # fmt: skip
+    _train(model, opt, 3)
+    session.detach()
+    assert not session.hits
+    said = capsys.readouterr().err
+    assert f"tensordbg: no step dumped in {tmp_path}: none hit" in said
+    assert tensordbg.load(tmp_path).steps() == []

@@ -113,7 +113,7 @@ def test_a_weights_forward_hit_is_a_parameter_no_call_made_not_its_modules_grad_
         await pilot.press("enter", "f5")
         tree = app.query_one(Tree)
         await until(pilot, lambda: "fc2.weight" in str(tree.root.label))
-        assert str(tree.root.label) == "fc2.weight  (param)"
+        assert str(tree.root.label) == "fc2.weight  (param, step 6)"
         leaves = [str(node.label) for node in tree.root.children]
         assert leaves[0].startswith("a parameter: no call of this step made its value")
         assert not any("produced by" in leaf for leaf in leaves)
@@ -190,9 +190,12 @@ def test_the_previous_column_is_computed_from_dumped_values_and_names_each_phase
         "this step's column is fc2.weight in the forward pass, step 3's after the optimizer step "
         "(step 3 did not dump it in the forward pass)"
     )
-    sliced = source.stats(ref, "[3]")  # the values shown: after the update, as step 3's
+    # The values shown are the hit's own (the step that hit keeps its value in the forward
+    # beside the one after the update): step 3's column is still after the update, and says so.
+    sliced = source.stats(ref, "[3]")
+    assert "+Inf×1" in sliced["line"] and "not dumped" not in sliced["line"]
     assert sliced["previous"]["summary"]["min"] == pytest.approx(float(step3[3].min()))
-    assert "previous_why" not in sliced
+    assert sliced["previous_why"] == stats["previous_why"]
     # A tensor checked in the same phase at both steps compares that phase, no note.
     grad = next(t for t in source.tensors() if t["name"] == "fc2.weight.grad")
     assert "previous_why" not in source.stats(grad["ref"])
@@ -205,11 +208,10 @@ def test_the_previous_column_is_computed_from_dumped_values_and_names_each_phase
         assert "step 3's after the optimizer step" in str(table.title)
         assert "recorded only" not in str(table.title)
         assert "–" not in list(table.columns[2].cells)  # every row of step 3 is known
+        # The histogram is of the value at the hit, its +Inf (not the NaN after the update).
         histogram = app.query_one(HistogramView)
-        await until(pilot, lambda: "values are NaN" in text_of(histogram))
-        assert text_of(histogram).startswith(
-            "Of fc2.weight after the optimizer step of step 6:\nAll 256 values are NaN"
-        )
+        await until(pilot, lambda: "+Inf 1" in text_of(histogram))
+        assert "NaN 0" in text_of(histogram) and not text_of(histogram).startswith("Of ")
 
     in_ui(dump, check)
 

@@ -277,7 +277,7 @@ class Dump:
                         "changed after writing"
                     )
                     return
-                self._checked.add((record.step, record.rank, raw["name"]))
+                self._checked.add((record.step, record.rank, raw["key"]))
 
     # --- inside --------------------------------------------------------------------------------
 
@@ -416,7 +416,8 @@ class Dump:
                 f"{self._where(step, rank)} holds statistics of {name} but not its value "
                 "(dump_tensors= chooses which values a periodic step keeps)"
             )
-        raw = next(e for e in record.raw["entries"] if e.get("key") and e["name"] == name)
+        held = [e for e in record.raw["entries"] if e.get("key") and e["name"] == name]
+        raw = next((e for e in held if e.get("order") == entry.order), held[0])  # its phase's
         buffer, data_start = self._map(record)
         start, end = raw["offsets"]
         dtype = fmt.stored_dtype(entry.dtype)
@@ -426,11 +427,9 @@ class Dump:
         count = (end - start) // dtype.itemsize
         if data_start + end > len(buffer) or count != int(np.prod(entry.shape, dtype=np.int64)):
             raise DumpError(f"{path} does not hold {name} where its index says")
-        check = (step, rank, name)
+        check, crc = (step, rank, raw["key"]), raw.get("crc")
         if check not in self._checked and end - start <= VERIFY_ON_READ:
-            if zlib.crc32(memoryview(buffer)[data_start + start : data_start + end]) != raw.get(
-                "crc"
-            ):
+            if zlib.crc32(memoryview(buffer)[data_start + start : data_start + end]) != crc:
                 message = f"{path} fails its checksum at {name}: its bytes changed after writing"
                 self.broken[(step, rank)] = message
                 raise DumpError(message)

@@ -8,7 +8,8 @@ synchronization). Values are what the engine still holds when a phase ends (with
 seen and those the training keeps alive, such as activations saved for the backward pass):
 
 - a step with a hit: the values of the phase that hit and of the later phases of that step (the
-  earlier phases' tensors were let go before anyone knew), each with its provenance;
+  earlier phases' tensors were let go before anyone knew), each with its provenance; a weight
+  checked in two of them (at attach's check or in the forward, and after the update) keeps both;
 - every ``dump_every``-th step: the values of the tensors whose names match ``dump_tensors``.
 
 Copies are bounded: at most ``retain_bytes`` of values per step, and ``QUEUE_STEPS`` steps'
@@ -64,18 +65,21 @@ class _StepBuffer:
     step: int
     stats: list[TensorStats] = field(default_factory=list)
     seen: set[int] = field(default_factory=set)
-    values: dict[str, torch.Tensor] = field(default_factory=dict)
+    values: dict[Any, torch.Tensor] = field(default_factory=dict)
+    """By name (its latest phase's), and by (name, phase) for a hit's earlier one."""
     provenance: dict[int, Any] = field(default_factory=dict)
     hits: list[dict[str, Any]] = field(default_factory=list)
     value_bytes: int = 0
     values_from_hits: bool = False
+    at_hit: dict[str, str] = field(default_factory=dict)
+    """The phase of each value copied because the step hit (kept beside a later phase's)."""
 
 
 @dataclass(slots=True)
 class _Job:
     step: int
     stats: list[TensorStats]
-    values: dict[str, torch.Tensor]
+    values: dict[Any, torch.Tensor]
     provenance: dict[int, Any]
     hits: list[dict[str, Any]]
     modules: list[dict[str, Any]] | None
@@ -186,7 +190,7 @@ class DumpRecorder:
                 continue
             name = record.stats.name
             if copy_all or (self.patterns and fmt.chosen(name, self.patterns)):
-                self._copy(buffer, record, makers)
+                self._copy(buffer, record, makers, copy_all)
         buffer.values_from_hits |= copy_all
 
     def _screen_unscreened(self, records: list[Any]) -> None:
@@ -210,7 +214,8 @@ class DumpRecorder:
             record.stats.values = dict(zip(wanted, values[slot], strict=True))
             record.lazy = False
 
-    def _copy(self, buffer: _StepBuffer, record: Any, makers: dict[tuple[str, Any], Any]) -> None:
+    def _copy(self, buffer: _StepBuffer, record: Any, makers: dict[tuple[str, Any], Any],
+              at_hit: bool) -> None:  # fmt: skip
         tensor = record.held()
         if tensor is None or tensor.layout != torch.strided:
             return
@@ -223,7 +228,16 @@ class DumpRecorder:
                           "dumped (their statistics were)")  # fmt: skip
             return
         # The device-to-host copy: the one cost the training thread pays for values.
-        buffer.values[record.stats.name] = tensor.detach().to("cpu", copy=True)
+        copied = tensor.detach().to("cpu", copy=True)
+        name, phase = record.stats.name, record.stats.phase
+        earlier = buffer.at_hit.pop(name, None)
+        if earlier is not None and earlier != phase and name in buffer.values:
+            # A weight that hit in attach's check (or in the forward) and is checked again
+            # after the update: its value at the hit stays, beside the later one.
+            buffer.values[(name, earlier)] = buffer.values.pop(name)
+        buffer.values[name] = copied
+        if at_hit:
+            buffer.at_hit[name] = phase
         buffer.value_bytes += nbytes
         # Every dumped value keeps where it came from (a hit step's, and a periodic step's
         # dump_tensors): the replay's Provenance tab shows it.
@@ -316,6 +330,9 @@ class DumpRecorder:
                 print(f"tensordbg: {plural(gone, 'step')} with hits went to keep the "
                       f"dump under max_bytes={self.writer.max_bytes:,} (the first step with hits "
                       "and the newest stay)", file=sys.stderr)  # fmt: skip
+        elif self.session.rank == 0:  # a clean run: the dump is there, and why it is empty
+            print(f"tensordbg: no step dumped in {root}: none hit (a step is dumped when it "
+                  "hits, and every N-th with dump_every=N)", file=sys.stderr)  # fmt: skip
 
     # --- the writer thread -------------------------------------------------------------------
 
@@ -347,7 +364,7 @@ class DumpRecorder:
             entry = _entry(stats)
             entry["provenance"] = prov
             entries.append(entry)
-        values = {name: _numpy(t) for name, t in job.values.items()}
+        values = {key: _numpy(t) for key, t in job.values.items()}
         self.writer.write_step(job.step, self.writer.rank, entries, values, job.hits,
                                modules=job.modules, numbers=job.numbers)  # fmt: skip
 

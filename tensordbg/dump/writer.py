@@ -51,11 +51,13 @@ class DumpWriter:
     ``entries`` are the step's watched tensors in execution order (``name``, ``module``,
     ``phase``, ``kind``, ``shape``, ``dtype``, ``stats`` and optionally ``provenance``,
     ``module_type``, ``call``); ``values`` maps some of their names to numpy arrays (bfloat16 and
-    float8 as ``ml_dtypes`` arrays). Under ``max_bytes`` the oldest steps without hits go first;
-    when the steps with hits alone pass it (a NaN that stays, hitting every step), those go
-    too, oldest first, but for the first (where the problem arose) and the newest. Writing the
-    same step again replaces it. Errors (a full disk) raise ``OSError``: the caller decides;
-    :meth:`fail` marks the dump incomplete.
+    float8 as ``ml_dtypes`` arrays), a name's latest value; ``(name, phase)`` maps an earlier
+    phase's value of the name (a weight at the hit of attach's check, then after the update).
+    Under ``max_bytes`` the oldest steps without hits go first; when the steps with hits alone
+    pass it (a NaN that stays, hitting every step), those go too, oldest first, but for the
+    first (where the problem arose) and the newest. Writing the same step again replaces it.
+    Errors (a full disk) raise ``OSError``: the caller decides; :meth:`fail` marks the dump
+    incomplete.
     """
 
     def __init__(
@@ -102,7 +104,7 @@ class DumpWriter:
         step: int,
         rank: int,
         entries: Sequence[Mapping[str, Any]],
-        values: Mapping[str, np.ndarray],
+        values: Mapping[Any, np.ndarray],
         hits: Sequence[Mapping[str, Any]],
         modules: Sequence[Mapping[str, Any]] | None = None,
         numbers: Mapping[str, Any] | None = None,
@@ -113,15 +115,20 @@ class DumpWriter:
         directory = self._dir(rank)
         if modules is not None:
             self._append(rank, {"type": "modules", "modules": list(modules)})
-        # A name seen twice in a step (a parameter checked in two phases) has its value, which
-        # is the latest, stored with its last entry.
+        # A name seen twice in a step (a parameter checked in two phases) has its latest value
+        # stored with its last entry, and an earlier phase's, if kept, with that phase's last.
         names = [e.name if type(e) is fmt.Encoded else str(e["name"]) for e in entries]
-        last = {name: order for order, name in enumerate(names)}
+        last: dict[Any, int] = {name: order for order, name in enumerate(names)}
+        earlier = {key[0] for key in values if type(key) is tuple}
+        for order, entry in enumerate(entries):
+            if names[order] in earlier:
+                phase = (entry.as_dict() if type(entry) is fmt.Encoded else entry).get("phase")
+                last[(names[order], str(phase))] = order
         arrays: dict[str, np.ndarray] = {}
         out_entries: list[dict[str, Any] | str] = []
         for order, entry in enumerate(entries):
             if type(entry) is fmt.Encoded:
-                if names[order] not in values:
+                if names[order] not in values and names[order] not in earlier:
                     out_entries.append(entry.text(order))  # the common case: as it is
                     continue
                 entry = entry.as_dict()
@@ -129,12 +136,18 @@ class DumpWriter:
             record.setdefault("order", order)
             record["shape"] = [int(d) for d in record.get("shape", ())]
             name = str(record["name"])
-            if name in values and last[name] == order:
-                array = arrays[name] = np.asarray(values[name])
-                record.update(key=name, shape=list(array.shape), dtype=fmt.dtype_name(array.dtype))
+            key: Any = name if name in values and last[name] == order else None
+            kept = (name, str(record.get("phase")))
+            if key is None and kept in values and last.get(kept) == order:
+                key = kept
+            if key is not None:
+                stored = name if key == name else _free_key(f"{name}@{kept[1]}", last, arrays)
+                array = arrays[stored] = np.asarray(values[key])
+                record.update(key=stored, shape=list(array.shape),
+                              dtype=fmt.dtype_name(array.dtype))  # fmt: skip
             out_entries.append(record)
         for name, array in values.items():
-            if name not in last:  # a value with no entry still gets one
+            if type(name) is str and name not in last:  # a value with no entry still gets one
                 array = arrays[name] = np.asarray(array)
                 out_entries.append({"name": name, "order": len(out_entries), "key": name,
                                     "shape": list(array.shape),
@@ -365,3 +378,10 @@ def unwritable_reason(directory: str | os.PathLike[str]) -> str:
     except OSError as e:
         return e.strerror or str(e)
     return "" if os.access(directory, os.W_OK | os.X_OK) else "permission denied"
+
+
+def _free_key(key: str, names: Mapping[Any, Any], arrays: Mapping[str, Any]) -> str:
+    """A file key for an earlier phase's value that no name of the step has."""
+    while key in names or key in arrays:
+        key += "@"
+    return key
