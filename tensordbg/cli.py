@@ -93,6 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args.handler(args) or 0)
+    except KeyboardInterrupt:  # before a script ran, or its own handling (importing torch)
+        print(f"tensordbg {args.command}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        return 130
     except BrokenPipeError:  # `| head` stopped reading: quietly, as other tools (Python's recipe)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
@@ -407,20 +410,10 @@ def _run(args: argparse.Namespace) -> int:
         print("tensordbg run: no rules (--rules ''): statistics are kept, nothing can hit",
               file=sys.stderr)  # fmt: skip
     # Only the flags given (None: not given): they apply over a script's own attach() too.
-    return run_script(
-        args.script,
-        args.args,
-        rules=rules,
-        on_hit=args.on_hit,
-        sync=args.sync,
-        include=args.include or None,
-        exclude=args.exclude or None,
-        interval=args.interval,
-        remote=args.listen or args.remote or None,
-        **dumps,
-        profile_steps=args.profile,
-        module=args.module,
-    )
+    return run_script(args.script, args.args, rules=rules, on_hit=args.on_hit, sync=args.sync,
+                      include=args.include or None, exclude=args.exclude or None,
+                      interval=args.interval, remote=args.listen or args.remote or None, **dumps,
+                      profile_steps=args.profile, module=args.module)  # fmt: skip
 
 
 def _tui(args: argparse.Namespace) -> int:

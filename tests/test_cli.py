@@ -7,10 +7,12 @@ import argparse
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -494,6 +496,24 @@ def test_ctrl_c_in_a_watched_script_ends_it_with_one_line_and_no_traceback(tmp_p
     # Between two steps: no phase is under way (it said "step 6, optimizer").
     assert "tensordbg run: interrupted (Ctrl-C) at step 6\n" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/PID/maps")
+def test_ctrl_c_while_tensordbg_run_starts_up_is_one_line_and_status_130(script: Path):
+    """Ctrl-C in the seconds `tensordbg run` spends importing torch, before the script runs,
+    printed 16 to 74 lines of traceback ending in KeyboardInterrupt (found trying the product
+    as a new user); `run`, `check` and `demo` now say it in one line, with status 130."""
+    child = subprocess.Popen([sys.executable, "-m", "tensordbg.cli", "run", str(script), "6"],
+                             cwd=script.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)  # fmt: skip
+    maps, deadline = Path(f"/proc/{child.pid}/maps"), time.monotonic() + 60
+    while "libtorch" not in maps.read_text() and time.monotonic() < deadline:
+        time.sleep(0.01)  # torch's library is loaded: the handler is importing torch
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=60)
+    assert child.returncode == 130, err
+    assert err.startswith("tensordbg run: interrupted (Ctrl-C)") and err.count("\n") == 1, err
+    assert "trained" not in out
 
 
 CTRL_C_INSIDE = textwrap.dedent(
