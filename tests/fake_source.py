@@ -304,6 +304,7 @@ class FakeSource:
             "ref": ref,
             "name": name,
             "kind": kind,
+            "step": self.step,
             "producer": {"module": module, "type": "Linear", "call": 0},
             "returned_by": None,
             "inputs": inputs,

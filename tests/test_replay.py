@@ -657,3 +657,36 @@ def test_an_index_line_lost_from_its_middle_is_not_said_to_cut_its_end(dump: Pat
         assert "the run stopped before its dump was closed" not in banner
 
     in_replay_ui(dump, "lacks lines", check)
+
+
+def test_an_input_made_by_the_models_own_code_is_named_as_live_names_it(tmp_path: Path) -> None:
+    """The Provenance tab of a replay listed an input that the model's own code made (not
+    dumped: no ref) as "✓ finite  norm.input[0]  ← not judged", where live it reads "← (model)'s
+    own code" (found trying the product as a new user): the replay dropped ``made_by``."""
+    inputs = [{"name": "head.input[0]", "module": "", "shape": [2], "dtype": "float32",
+               "line": "tensor[2] float32", "nonfinite": False, "made_by": "code"}]  # fmt: skip
+    entry = {"name": "head.output", "module": "head", "phase": "forward", "kind": "output",
+             "shape": [2], "dtype": "float32", "stats": {"finite": 1.0},
+             "provenance": {"producer": {"module": "head", "type": "Linear", "call": 0},
+                            "inputs": inputs}}  # fmt: skip
+    writer = DumpWriter(tmp_path / "run", {"run_id": "r1"})
+    writer.write_step(0, 0, [entry], {"head.output": np.zeros(2, np.float32)}, [])
+    writer.close()
+    source = ReplaySource(load(tmp_path / "run"))
+    [listed] = source.provenance(ref_of(source, "head.output"))["inputs"]
+    assert (listed["ref"], listed["made_by"]) == (None, "code")
+
+    async def flow() -> None:
+        app = TensorDbgApp(LocalClient(source))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state == "replay")
+            app.main.post_message(OpenTensor(ref_of(source, "head.output"), "head.output"))
+            await until(pilot, lambda: app.query("#tensor-title"))
+            app.main.show_tab("provenance")
+            tree = app.query_one("Tree")
+            await until(pilot, lambda: len(tree.root.children) > 1
+                        and tree.root.children[1].children)  # fmt: skip
+            label = str(tree.root.children[1].children[0].label)
+            assert "head.input[0]  ← (model)'s own code" in label and "not judged" not in label
+
+    asyncio.run(flow())

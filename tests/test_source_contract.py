@@ -280,3 +280,15 @@ def test_only_a_strict_check_refuses_keys_the_schema_does_not_name() -> None:
         check(reply, Control, strict=True)
     # A summary holds whatever statistics the rules computed, by name.
     check({"numel": 4, "zero_frac": 0.25}, Summary, strict=True)
+
+
+def test_a_tensors_provenance_names_its_step(scene: Scene) -> None:
+    """After `s` the Provenance tab still showed the hit's tensor of the step before, and did
+    not say so: the header read "PAUSED at step 13" over step 12's provenance (found trying the
+    product as a new user). Every source names the step (the tab shows it)."""
+    source = scene.source
+    paused = source.info()["paused_at"]
+    if paused is None or "provenance" not in capabilities_of(source):
+        pytest.skip("this source is not paused at a hit")
+    prov = roundtrip(dispatch(source, "provenance", {"ref": paused["ref"]}))
+    assert prov["step"] == paused["step"]

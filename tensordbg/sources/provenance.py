@@ -51,6 +51,7 @@ def provenance(
         "ref": ref,
         "name": name,
         "kind": "grad_input" if taker is not None else record.stats.kind,
+        "step": record.stats.step,
         "producer": _call_dict(producer) if producer else None,
         "returned_by": _call_dict(returned_by) if returned_by else None,
         "inputs": [],

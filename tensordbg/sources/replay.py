@@ -201,17 +201,10 @@ class ReplaySource:
         out = []
         for module in self.dump.modules:
             path = str(module.get("path", ""))
-            out.append(
-                {
-                    "path": path,
-                    "type": str(module.get("type", "")),
-                    "depth": int(module.get("depth", path.count(".") + 1 if path else 0)),
-                    "params": int(module.get("params", 0)),
-                    "hits": hits.get(path, 0),
-                    "calls": calls.get(path, 0),
-                    "stats": latest.get(path, {}),
-                }
-            )
+            depth = int(module.get("depth", path.count(".") + 1 if path else 0))
+            out.append({"path": path, "type": str(module.get("type", "")), "depth": depth,
+                        "params": int(module.get("params", 0)), "hits": hits.get(path, 0),
+                        "calls": calls.get(path, 0), "stats": latest.get(path, {})})  # fmt: skip
         return out
 
     def profile_report(self) -> dict[str, Any] | None:
@@ -362,8 +355,10 @@ class ReplaySource:
                 continue
             name = str(item.get("name", ""))
             source = entries.get(name)
+            made_by = {"made_by": str(item["made_by"])} if item.get("made_by") else {}
             inputs.append(
                 {
+                    **made_by,  # the batch, or code between modules: said as live says it
                     "ref": self._ref(step, name) if source is not None else None,
                     "name": name,
                     "module": str(item.get("module", "")),
@@ -379,6 +374,7 @@ class ReplaySource:
             "ref": ref,
             "name": shown,
             "kind": kind,
+            "step": step,
             "producer": recorded.call_site(producer),
             "returned_by": recorded.call_site(made.get("returned_by")),
             "inputs": inputs,

@@ -248,6 +248,7 @@ class Provenance(TypedDict):
     ref: int
     name: str
     kind: str
+    step: NotRequired[int]  # the step whose tensor it is (the UI names it: a step on, it stays)
     producer: CallSite | None
     returned_by: CallSite | None  # a submodule that returned what its parent's own code made
     inputs: list[ProvenanceInput]

@@ -111,7 +111,9 @@ class ProvenanceView(VerticalScroll):
     def show(self, prov: dict[str, Any]) -> None:
         tree: Tree[dict[str, Any] | None] = self.query_one(Tree)
         tree.clear()
-        tree.root.set_label(Text.assemble((prov["name"], "bold"), f"  ({prov['kind']})"))
+        # Its step: after `s` or `c` the tab still shows the tensor it was opened on.
+        step = f", step {prov['step']}" if "step" in prov else ""
+        tree.root.set_label(Text.assemble((prov["name"], "bold"), f"  ({prov['kind']}{step})"))
         producer = prov.get("producer")
         if producer:
             label = Text("produced by ", style="dim")
@@ -143,7 +145,7 @@ class ProvenanceView(VerticalScroll):
             label.append(f"  {item['name']}  ", style="bold")
             came = item["module"] or ("(model)" if item.get("ref") is not None else "not judged")
             if item.get("made_by") == "code":  # made between modules, not returned by one
-                came = f"{came}'s own code"
+                came = f"{item['module'] or '(model)'}'s own code"  # judged or not
             elif item.get("made_by"):  # given to the model's first call (its root)
                 came = item["made_by"]
             label.append(f"← {came}  ", style="dim")
