@@ -1616,6 +1616,13 @@ def test_k_says_that_the_update_will_be_skipped_and_how_to_go_on() -> None:
             assert source.controls[-1] == ("skip", 1)
             assert f"The update of step {source.step} will be skipped" in text
             assert "c continues" in text
+            # Asked for: the footer no longer offers k at this pause (it did), and does at
+            # the next one.
+            await until(pilot, lambda: "k" not in footer_keys(app))
+            await pilot.press("c")
+            await until(pilot, lambda: app.state == "running")
+            source.pause_on_hit()
+            await until(pilot, lambda: app.state == "paused" and "k" in footer_keys(app))
 
     asyncio.run(flow())
 
@@ -1810,5 +1817,27 @@ def test_enter_right_after_a_search_opens_the_found_modules_tensors(
             tensors = app.main.module_browser.tensor_table
             assert table.current is not None and table.current["path"] == "net.2"
             assert app.focused is tensors and tensors.row_count == 1
+
+    asyncio.run(flow())
+
+
+def test_an_observed_losss_hit_is_not_said_to_come_from_a_modules_call() -> None:
+    """A NaN loss given to observe() read "[NaN] loss  observed of (model), call 0" (found trying
+    the product as a new user): no module and no call made it. A parameter's hit names its
+    module without a call, which any call of it uses."""
+    from tensordbg.tui.components.hit_detail import HitDetail
+
+    source = FakeSource()
+    source._hits[0].update(kind="observed", module="", tensor="loss")
+    source._hits[1].update(kind="param", module="net.2", tensor="net.2.weight")
+    app = TensorDbgApp(LocalClient(source))
+
+    async def flow() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            detail = app.query_one(HitDetail)
+            await until(pilot, lambda: "loss  observed  step" in str(detail.render()))
+            assert "(model)" not in str(detail.render()) and "call" not in str(detail.render())
+            await pilot.press("down")
+            await until(pilot, lambda: "net.2.weight  param of net.2  step" in str(detail.render()))
 
     asyncio.run(flow())

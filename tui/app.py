@@ -146,6 +146,7 @@ class TensorDbgApp(JobRanks, ReplayMoves, StepCount):
         self._of_this_pause: list[Notification] = []  # see notify_of_pause
         self.ignoring: set[tuple[Any, ...]] = set()  # what i made rules ignore (commands.py)
         self.skippable = True  # whether k can drop the paused step's update (main.py sets it)
+        self.skip_asked = False  # k was pressed at this pause: the footer offers it no more
 
     def get_default_screen(self) -> Screen:
         return self.main
@@ -313,6 +314,7 @@ class TensorDbgApp(JobRanks, ReplayMoves, StepCount):
     def watch_state(self, state: str) -> None:
         self.main.show_state(state)
         if state != "paused":
+            self.skip_asked = False  # the next pause is another one
             for note in self._of_this_pause:  # Textual has no public way to close one toast
                 if note in self._notifications:
                     self._unnotify(note)
@@ -358,7 +360,7 @@ class TensorDbgApp(JobRanks, ReplayMoves, StepCount):
                 return True
             if action == "profile":
                 return self.can_profile()
-            gone = parameters[0] == "skip" and not self.skippable  # the update is made
+            gone = parameters[0] == "skip" and (not self.skippable or self.skip_asked)
             return not gone and parameters[0] in CONTROLS.get(self.state, ())
         return super().check_action(action, parameters)  # the count's keys (StepCount)
 
@@ -402,6 +404,8 @@ class TensorDbgApp(JobRanks, ReplayMoves, StepCount):
         # be older than them (the training resumed and hit again before the reply was sent).
         self.main.log_entry(f"control {action} (n={n}): {reply['state']} at step {reply['step']}")
         if action == "skip":  # nothing else changes on screen: the training stays paused
+            self.skip_asked = True
+            self.refresh_bindings()
             said = reply.get("skipped") or (
                 f"The update of step {reply['step']} will be skipped: its gradients are dropped, "
                 "the weights and the optimizer state stay as they are."

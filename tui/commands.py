@@ -77,8 +77,8 @@ def palette(app: Any, screen: Screen, own: Iterable[SystemCommand]) -> Iterable[
         return
     drivable = app.remote.serves("control")  # a recorded run cannot be driven
     for action, title, help in COMMANDS:
-        if action == "skip" and not app.skippable:
-            continue  # the update is made: k says why, the footer leaves it out
+        if action == "skip" and (not app.skippable or app.skip_asked):
+            continue  # the update is made (k says why), or k was pressed at this pause
         if drivable and action in CONTROLS.get(app.state, ()):
             yield SystemCommand(title, help, lambda a=action: app.action_control(a))
     if app.can_ignore():  # not check_action: the palette, not the main screen, is on top

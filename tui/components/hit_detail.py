@@ -85,7 +85,13 @@ class HitDetail(Static):
         text.append(f"[{', '.join(rules)}] ", style="bold")
         text.append(hit["tensor"], style="bold red" if hit["origin"] else "bold")
         where = "where the problem was produced" if hit["origin"] else "passed on from upstream"
-        text.append(f"  {hit['kind']} of {hit['module'] or '(model)'}, call {hit['call']}")
+        kind, module = hit["kind"], hit["module"] or "(model)"
+        if kind == "observed":  # a loss given to observe(): no module made it, no call
+            text.append("  observed")
+        elif kind in ("param", "grad", "update"):  # a parameter's: its module, any call
+            text.append(f"  {kind} of {module}")
+        else:
+            text.append(f"  {kind} of {module}, call {hit['call']}")
         text.append(f"  step {hit['step']} {hit['phase']}  ({where})\n")
         if line:
             text.append(f"{line}   ")
