@@ -100,6 +100,10 @@ def test_a_hit_at_attach_is_said_to_be_attachs_not_an_optimizer_phase_that_never
     assert (checked.tensor, checked.step, checked.phase) == ("0.weight", 1, "check")
     assert "when it attached" not in checked.message  # said of attach's check only
     assert "session.check_parameters() found it between steps" in checked.message
+    # Another phase's name would tell the person that an update made what the check found.
+    with pytest.raises(ValueError, match="phase must be 'attach' or 'check', not 'optimizer'"):
+        session.check_parameters("optimizer")
+    assert len(session.hits) == 2 and session.phase == "check"
 
 
 def test_on_hit_skip_does_not_skip_step_0_for_a_weight_found_bad_at_attach(watch):

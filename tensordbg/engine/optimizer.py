@@ -17,7 +17,7 @@ from tensordbg.engine.marks import own_work
 from tensordbg.engine.origin import Verdict
 from tensordbg.engine.params import Digest, Param, ParamWatch, held_params, sample_moved
 from tensordbg.engine.phases import Judged
-from tensordbg.engine.records import Record, param_grad_record
+from tensordbg.engine.records import CHECKS, Record, param_grad_record
 from tensordbg.engine.sites import user_site
 from tensordbg.engine.stepping import after_first_call, drop_gradients, say_apart, skips_inside
 from tensordbg.offline.sentences import listed
@@ -149,8 +149,9 @@ class OptimizerPhase:
                 self.fault(e)
 
     def check_parameters(self, phase: str = "check") -> None:
-        """Check every parameter now, in its own phase (``attach`` does it once, in phase
-        ``"attach"``: a NaN or a poor initialization is found before the first step)."""
+        """Check every parameter now: between steps, or at attach (a NaN, a poor init)."""
+        if phase not in CHECKS:  # another's would say that an update or a pass made its hits
+            raise ValueError(f"phase must be {' or '.join(map(repr, CHECKS))}, not {phase!r}")
         if not self.active:
             return
         self._start_phase(phase)

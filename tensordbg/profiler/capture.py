@@ -38,6 +38,7 @@ from torch.profiler import ProfilerActivity, schedule
 
 from tensordbg.engine.handles import HandleGroup
 from tensordbg.engine.marks import outside, profiling
+from tensordbg.engine.records import CHECKS
 from tensordbg.profiler.handle import ProfileHandle
 from tensordbg.profiler.report import ProfileReport
 
@@ -403,7 +404,7 @@ def _between_steps(session: Any) -> bool:
     if getattr(session, "_root_forwards", 1) == 0:
         return True
     stepping = getattr(session, "_stepping", None)
-    between = session.phase in ("optimizer", "check")  # after a step's update, or a check then
+    between = session.phase in ("optimizer", *CHECKS)  # after a step's update, or a check then
     return bool(session.optimizers) and between and not stepping
 
 
