@@ -40,6 +40,13 @@ def dump(tmp_path: Path) -> Path:
     return write_dump(tmp_path / "run", values=[1, 2, 3])  # 0, 4, 5: statistics only
 
 
+async def opened(app: TensorDbgApp, pilot: Pilot, source: ReplaySource, name: str) -> None:
+    """The replay's tensor ``name`` opened, as Enter on it opens it."""
+    await until(pilot, lambda: app.state == "replay")
+    app.main.post_message(OpenTensor(ref_of(source, name), name))
+    await until(pilot, lambda: app.query("#tensor-title"))
+
+
 def ref_of(source: ReplaySource, name: str) -> int:
     return next(t["ref"] for t in source.tensors() if t["name"] == name)
 
@@ -313,9 +320,7 @@ def test_a_tensor_left_open_on_n_says_which_steps_values_it_shows(dump: Path) ->
     async def flow() -> None:
         app = TensorDbgApp(LocalClient(source))
         async with app.run_test(size=SIZE) as pilot:
-            await until(pilot, lambda: app.state == "replay")
-            app.main.post_message(OpenTensor(ref_of(source, "net.2.output"), "net.2.output"))
-            await until(pilot, lambda: app.query("#tensor-title"))
+            await opened(app, pilot, source, "net.2.output")
             title = app.query_one("#tensor-title", Static)
             await until(pilot, lambda: str(title.content) == "net.2.output")
             await pilot.press("n")
@@ -679,9 +684,7 @@ def test_an_input_made_by_the_models_own_code_is_named_as_live_names_it(tmp_path
     async def flow() -> None:
         app = TensorDbgApp(LocalClient(source))
         async with app.run_test(size=SIZE) as pilot:
-            await until(pilot, lambda: app.state == "replay")
-            app.main.post_message(OpenTensor(ref_of(source, "head.output"), "head.output"))
-            await until(pilot, lambda: app.query("#tensor-title"))
+            await opened(app, pilot, source, "head.output")
             app.main.show_tab("provenance")
             tree = app.query_one("Tree")
             await until(pilot, lambda: len(tree.root.children) > 1
