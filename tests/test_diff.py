@@ -517,3 +517,39 @@ def test_a_dump_whose_bound_took_steps_with_hits_is_not_said_to_have_gone_past_w
     b = write_dump(tmp_path / "b", steps=[0, 1, 2, 3], nan_at=3)
     main(["diff", str(a), str(b)])
     assert "without a hit" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("every", [8, None], ids=["every-8", "hits-only"])
+def test_a_clean_run_that_trained_past_the_other_runs_nan_is_a_difference(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], every: int | None
+) -> None:
+    """Two 24-step runs, B's batch NaN at step 20: A dumped steps 0, 8 and 16 (or none: hits
+    only), and the diff said "the runs agree" (or "nothing to compare"), exit 0, for A's dump
+    ended at step 16: nothing said that A trained on to step 23 (found trying the product as a
+    new user). The dump now says which steps its run went through."""
+    import torch
+    from torch import nn
+
+    import tensordbg
+
+    for run, bad_step in (("a", None), ("b", 20)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        session = tensordbg.attach(model, opt, on_hit="record", server=False,
+                                   dump_dir=tmp_path / run, dump_every=every,
+                                   summary_at_exit=False)  # fmt: skip
+        for step in range(24):
+            x = torch.randn(8, 4)
+            if step == bad_step:
+                x[0, 0] = float("nan")
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        session.detach()
+    assert load(tmp_path / "a").meta["last_step_run"] == 23
+    report = diff_dumps(load(tmp_path / "a"), load(tmp_path / "b"))
+    assert (report.first.step, report.first.what) == (20, "hit only in b")
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    said = capsys.readouterr().out
+    assert "A went on past this step without a hit" in said

@@ -313,6 +313,9 @@ class DumpRecorder:
         self._queue.put(None)
         self._thread.join(timeout=120)
         self._thread = None  # type: ignore[assignment]
+        # The steps the run went through, dumped or not: a diff tells a clean run that went
+        # past another's hit from one whose dump ends before it.
+        self.writer.meta["last_step_run"] = self.session.step - 1
         if self.dropped:
             reason = f"the writer fell behind and dropped periodic steps {_steps(self.dropped)}"
             self.writer.close(complete=False, reason=self.failed or reason)

@@ -75,6 +75,8 @@ def diff_dumps(
         alone = set(only)
         report.only_hits[side] = [h for h in dump.hits if h.rank == rank and h.step in alone]
         report.last_dumped[side] = max(held, default=-1)
+        ran = dump.meta.get("last_step_run")  # (a dump of an older version does not say)
+        report.ran_to[side] = ran if isinstance(ran, int) else -1
         # Its max_bytes took steps with hits: one it lacks may have hit (see hit_alone).
         report.hits_evicted[side] = any(
             r == rank for _, r in dump.meta.get("evicted_hit_steps") or ()

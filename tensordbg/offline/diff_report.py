@@ -140,6 +140,8 @@ class DiffReport:
     """Whether each side's ``max_bytes`` took steps with hits (then a step it lacks may have
     had one)."""
     last_dumped: dict[str, int] = field(default_factory=dict)
+    ran_to: dict[str, int] = field(default_factory=dict)
+    """Each side's last step run, dumped or not (-1: its dump does not say)."""
     """Per side, the last step its dump holds (-1: none), readable or not."""
 
     @property
@@ -163,10 +165,9 @@ class DiffReport:
         it may have had one there."""
         found = []
         for side, other in (("A", "B"), ("B", "A")):
-            end = self.last_dumped.get(other, -1)
             if self.hits_evicted.get(other):
                 continue
-            hits = [h for h in self.only_hits.get(side) or () if h.step < end]
+            hits = [h for h in self.only_hits.get(side) or () if self.went_past(other, h.step)]
             if hits:
                 step = min(h.step for h in hits)
                 at = [h for h in hits if h.step == step]
@@ -175,6 +176,10 @@ class DiffReport:
             return None
         _, side, other, hit = min(found, key=lambda f: f[0])
         return side, other, hit
+
+    def went_past(self, side: str, step: int) -> bool:
+        """Whether ``side``'s run went through ``step`` (a later step dumped, or run)."""
+        return step < self.last_dumped.get(side, -1) or step <= self.ran_to.get(side, -1)
 
     def as_json(self) -> dict[str, Any]:
         return _jsonable(
@@ -288,15 +293,17 @@ class DiffReport:
                     said += f"; {_steps(rest)} too, without hits"
             else:
                 said = f"{_steps(steps).capitalize()} dumped only in {side}"
-            end = self.last_dumped.get(other, -1)
-            went_on = [s for s in steps if s < end]
-            if end < 0:
-                where = f"{other} holds no step"
-            elif went_on:
+            end, ran = self.last_dumped.get(other, -1), self.ran_to.get(other, -1)
+            went_on = [s for s in steps if self.went_past(other, s)]
+            if went_on:
                 them = "it" if len(went_on) == 1 else "them"
                 past = them if len(went_on) == len(steps) else _steps(went_on)
-                where = (f"{other}'s run went on past {past} (it dumped step {end}) without "
-                         f"dumping {them}")  # fmt: skip
+                how = f"it ran to step {ran}" if ran >= end else f"it dumped step {end}"
+                where = f"{other}'s run went on past {past} ({how}) without dumping {them}"
+            elif ran >= 0:
+                where = f"{other}'s run ended at step {ran}"
+            elif end < 0:
+                where = f"{other} holds no step"
             else:
                 where = f"{other}'s dump ends at step {end}"
             lines.append(f"{said}: not compared, {where}.")
