@@ -9,6 +9,9 @@ import io
 import math
 import multiprocessing
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import warnings
@@ -2162,3 +2165,33 @@ def test_a_nan_among_many_values_says_where_the_first_one_is(watch, sync):
     session.flush()
     hit = next(h for h in session.hits if h.origin and h.step == 1)
     assert "holds 24 NaN among 24 values." in hit.message and "The first" not in hit.message
+
+
+def test_a_scripts_once_only_warning_is_not_said_again_after_attach_or_detach(tmp_path):
+    """Attaching to a model with a fused module (a TransformerEncoder) added a warnings filter
+    through filterwarnings(), which makes every module forget the warnings it said once: under
+    `tensordbg run`, torch's once-only "mismatched src_key_padding_mask" warning of a script's
+    first forward was said again at its next (found trying the product as a new user)."""
+    script = tmp_path / "warns.py"
+    script.write_text(
+        textwrap.dedent("""
+        import warnings, torch, tensordbg
+        from torch import nn
+
+        def said_once():
+            warnings.warn("said once here", UserWarning)
+
+        layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+        model = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        torch.optim.SGD(model.parameters(), lr=0.1)  # (imports what a training imports)
+        said_once()
+        session = tensordbg.attach(model, server=False, summary_at_exit=False)
+        said_once()
+        session.detach()
+        said_once()
+    """)
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("UserWarning: said once here") == 1, done.stderr

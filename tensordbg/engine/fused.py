@@ -22,6 +22,7 @@ wrapper, and the script did not install them.
 
 from __future__ import annotations
 
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterable
@@ -81,15 +82,15 @@ class GlobalHooks:
 def quiet_compile_warning() -> Callable[[], None]:
     """Hide torch.compile's warning of global module hooks until the returned function is
     called (the hooks are gone): it speaks of hooks the script did not install."""
-    warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there "
-                            "are global hooks")  # fmt: skip
-    entry = warnings.filters[0]
+    # As filterwarnings() would make it, put in place without telling the caches: that makes
+    # every module forget which warnings it said once, and a script's once-only warning said
+    # before attach (or detach) was said again. An "ignore" is never cached, so none is stale.
+    message = re.compile(r"Using `torch\.compile\(module\)` when there are global hooks", re.I)
+    entry = ("ignore", message, Warning, None, 0)
+    warnings.filters.insert(0, entry)
 
     def undo() -> None:
         if entry in warnings.filters:
             warnings.filters.remove(entry)
-            mutated = getattr(warnings, "_filters_mutated", None)  # the caches see it gone
-            if mutated is not None:
-                mutated()
 
     return undo
