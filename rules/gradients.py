@@ -477,14 +477,14 @@ class VanishingGradient(Rule):
         relative = ""
         if typical is not None and largest:  # the typical gradient vanished with it
             relative = (
-                f" and {mean / typical:.2g}x the step's largest gradient {typical:.3g} "
-                f"(threshold {self.relative:g}x; the model's typical gradient is below that "
-                "too: most of the model's gradients vanish)"
+                f" and {mean / typical:.2g}x the largest gradient of this step or the last "
+                f"(root-mean-square {typical:.3g}; threshold {self.relative:g}x; the model's "
+                "typical gradient is below that too: most of the model's gradients vanish)"
             )
         elif typical is not None:
             relative = (
-                f" and {mean / typical:.2g}x the model's typical gradient {typical:.3g} "
-                f"(threshold {self.relative:g}x)"
+                f" and {mean / typical:.2g}x the model's typical gradient (the median "
+                f"root-mean-square of its others, {typical:.3g}; threshold {self.relative:g}x)"
             )
         return (
             f"{t.name} has mean |grad| {mean:.3g}{nonzero}, below {self.threshold:.3g}{relative}.",

@@ -76,7 +76,8 @@ def test_a_gradient_small_like_the_rest_of_its_model_is_not_vanishing():
     assert grad(rule, np.full(64, 1e-8), state, "attn.q.weight") is None  # 1e-2 of the model's
     found = grad(rule, np.full(64, 1e-12), state, "attn.k.weight")  # 1e-6 of it
     assert found is not None
-    assert "1e-06x the model's typical gradient 1e-06 (threshold 1e-05x)" in found.message
+    said = "1e-06x the model's typical gradient (the median root-mean-square of its others, "
+    assert f"{said}1e-06; threshold 1e-05x)" in found.message
 
 
 def test_relative_inf_judges_on_the_threshold_alone_as_sagemaker_does():
