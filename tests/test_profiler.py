@@ -421,6 +421,14 @@ def test_a_report_of_one_step_says_one_step_not_steps():
                           breakdown=[{"step": s, "forward": 0.01, "total": 0.01}
                                      for s in (2, 3, 4)])  # fmt: skip
     assert three.text().startswith("tensordbg profile: 3 steps (2..4) on cpu, median step ")
+    # An even count's median is the mean of the middle two, as the outlier advice's is: the
+    # header said 18 ms where the advice said "4.3x the median 14.3 ms" (a new user's profile).
+    totals = (0.018, 0.01057, 0.00967, 0.0611)
+    four = ProfileReport(device="cpu", steps=[1, 2, 3, 4],
+                         breakdown=[{"step": s, "forward": t, "total": t}
+                                    for s, t in enumerate(totals, 1)])  # fmt: skip
+    said = "tensordbg profile: 4 steps (1..4) on cpu, median step 14.28 ms"
+    assert four.text().startswith(said)
 
 
 def test_the_demo_shows_the_end_of_its_training_and_a_profile_report_its_exit_printed_whole():

@@ -23,6 +23,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,7 +126,7 @@ class ProfileReport:
         times = sorted(self.step_times)
         if not times:
             return f"{TITLE} no step was profiled. {self.message}".rstrip()
-        median = times[len(times) // 2]
+        median = statistics.median(times)  # as the advice's (an even count's mean of the two)
         first, last = self.steps[0], self.steps[-1]
         span = f"{first}..{last}" if last != first else f"{first}"
         lines = [
