@@ -191,3 +191,20 @@ def test_a_loss_observed_at_each_micro_batch_is_a_tensor_per_micro_batch(watch, 
     names = [e.name for e in dump.tensors(1) if e.kind == "observed"]
     assert names == ["loss", "loss#1", "loss#2", "loss#3"]
     assert math.isnan(dump.tensor("loss#1").value(1)) and dump.tensor("loss#3").value(1) > 2
+
+
+def test_the_last_state_of_a_pause_ctrl_c_ended_is_where_the_pause_was(watch):
+    """Two ranks paused at step 5 before the update (their safe point, "optimizer"): Ctrl-C
+    ended both, each saying "interrupted (Ctrl-C) at step 5, optimizer while paused", and the UI
+    then read "FINISHED at step 5 (backward)": detach published the phase the safe point had
+    left, not the pause's (found trying two ranks as a new user)."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=opt, on_hit="record")
+    model(torch.randn(3, 4)).sum().backward()  # step 0, backward
+    events: list[dict] = []
+    session.bus.subscribe(lambda e, p: events.append(p), events={"state"})
+    session.stopped_at = (0, "optimizer")  # as a Ctrl-C at the ranks' safe point leaves it
+    session.detach(finished=True)
+    last = events[-1]  # (the controller says "detached" first; a UI keeps the last)
+    assert (last["state"], last["step"], last["phase"]) == ("finished", 0, "optimizer")

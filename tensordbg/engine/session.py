@@ -145,9 +145,7 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
             self.plan = GradientPlan(self.vouchers, {p.name: p.param for p in self.params.values()})
             self.plan.take = self.phases.take
         self._grads_seen: dict[str, tuple[weakref.ref[torch.Tensor], int]] = {}
-        self._grad_makings = {}
-        self._by_norm = []
-        self._apart = {}
+        self._grad_makings, self._by_norm, self._apart = {}, [], {}
         self._unlisted: tuple[Call, int] | None = None  # a root forward not listed, where it goes
         self.phase_serial = 0  # phases started so far: which one a pending forward belongs to
         self.amp = MixedPrecision(scaler, int(max_skipped_steps))
@@ -343,8 +341,10 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
         self.publish()
         state = "finished" if self._exiting else "detached"  # q: it goes on unwatched
         ended = {"reason": self.ended_by} if self._exiting and self.ended_by else {}
-        self.bus.publish("state", {"state": state, "step": self.step, "phase": self.where, **ended})
-        self.bus.publish("detach", {"state": "detached", "step": self.step, "phase": self.where})
+        stopped = self.stopped_at if self.stopped_at and self.stopped_at[0] == self.step else None
+        step, where = stopped or (self.step, self.where)  # a pause Ctrl-C ended: where it stood
+        self.bus.publish("state", {"state": state, "step": step, "phase": where, **ended})
+        self.bus.publish("detach", {"state": "detached", "step": step, "phase": where})
         self.handles.close()
         stepping.skip_after_detach(skipping)
         self.control.close()
