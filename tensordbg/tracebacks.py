@@ -60,7 +60,15 @@ def format_user_traceback(error: BaseException) -> str:
 
 def print_script_error(error: BaseException) -> None:
     """An exception a script run by ``tensordbg run`` raised, as ``python script.py`` prints it:
-    from the script's own first frame (the runner's and runpy's frames before it left out)."""
+    from the script's own first frame (the runner's and runpy's frames before it left out).
+    An error the excepthook would say in its own words is said so (a rank's collective that
+    failed as another rank stopped the job: one line, not gloo's traceback)."""
+    hook: Any = sys.excepthook
+    while hook is not None:
+        handle = getattr(hook, "handle", None)
+        if handle is not None and handle(error):
+            return
+        hook = getattr(hook, "previous", None)
     tb = error.__traceback__
     while tb is not None and tb.tb_next is not None and _hidden(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next

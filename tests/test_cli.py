@@ -1059,3 +1059,30 @@ def test_ctrl_c_while_the_tui_waits_for_a_training_is_one_line_and_status_130():
     finally:
         waiting.kill()
     assert err == "tensordbg tui: stopped waiting (Ctrl-C)\n", err
+
+
+def test_a_scripts_error_that_a_hook_of_ours_says_in_one_line_is_not_printed_whole(capsys):
+    """Under torchrun, `tensordbg run --on-hit raise`: rank 0's all-reduce failed as rank 1
+    raised, and the runner printed gloo's traceback ("Connection closed by peer") under the
+    line saying that rank 1 stopped the job, where a script's own attach() says it in one line
+    (found trying two ranks as a new user): the runner caught the error before the excepthook
+    that says it could. It now asks that hook first."""
+    from tensordbg.tracebacks import chain_excepthook, print_script_error
+
+    said: list[str] = []
+
+    def stopped_by_another_rank(error: BaseException) -> bool:  # as the ranks' hook decides
+        if "closed by peer" not in str(error):
+            return False
+        said.append("(RuntimeError in rank 0 after that, from a collective rank 1 left)")
+        return True
+
+    undo = chain_excepthook(stopped_by_another_rank)
+    try:
+        print_script_error(RuntimeError("Connection closed by peer"))
+        print_script_error(ValueError("the script's own"))
+    finally:
+        undo()
+    err = capsys.readouterr().err
+    assert len(said) == 1 and "closed by peer" not in err
+    assert "ValueError: the script's own" in err
