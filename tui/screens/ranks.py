@@ -250,7 +250,9 @@ async def _summary_of(client: Any, hit: dict[str, Any]) -> tuple[dict[str, Any] 
         return None, f"no module {hit['module']} on it"
     stats = module["stats"].get(hit["kind"])
     if stats is None:
-        return None, f"no statistics of {hit['module']}'s {hit['kind']} yet"
+        # Deferred checks measure no clean activation: none may ever come, "yet" promised one.
+        return None, (f"no statistics of {hit['module']}'s {hit['kind']} on it (a clean one is "
+                      "screened, not measured, by the default checks)")  # fmt: skip
     return stats, ""
 
 
