@@ -251,3 +251,18 @@ def test_fsdp2_parameters_are_checked_on_the_local_shard_without_a_collective(on
         steps(1)
     assert [(h.rule, h.tensor, h.kind) for h in session.hits][:1] == [("NaN", "0.weight",
                                                                        "param")]  # fmt: skip
+
+
+def test_the_lines_each_rank_prints_say_which_rank_printed_them():
+    """Both ranks of a job printed "tensordbg: watching DistributedDataParallel ..." and "a UI
+    connected (...)" (twice: F9 reaches every rank), none saying whose (found trying two ranks
+    as a new user); a rank's summary said so already."""
+    from types import SimpleNamespace
+
+    from tensordbg.engine.hits import ranked_line
+
+    rank1 = SimpleNamespace(ranks=object(), rank=1)
+    said = ranked_line(rank1, "tensordbg: a UI connected (step 5, optimizer)")
+    assert said == "tensordbg (rank 1): a UI connected (step 5, optimizer)"
+    alone = SimpleNamespace(ranks=None, rank=0)
+    assert ranked_line(alone, "tensordbg: watching Net") == "tensordbg: watching Net"

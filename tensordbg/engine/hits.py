@@ -40,9 +40,13 @@ def print_summary(session: Any, file: TextIO | None = None) -> None:
 
 
 def ranked_summary(session: Any, ranked: bool) -> str:
-    """``session.summary()``, saying which rank it is of in a job of several (``ranked``):
-    each rank prints its own, interleaved."""
-    text = session.summary()
+    """``session.summary()``, saying which rank's in a job of several (``ranked``): interleaved."""
+    return ranked_line(session, session.summary()) if ranked else session.summary()
+
+
+def ranked_line(session: Any, text: str) -> str:
+    """A line ``"tensordbg: ..."`` saying which rank said it, in a job of several ranks."""
+    ranked = getattr(session, "ranks", None) is not None
     return text.replace("tensordbg:", f"tensordbg (rank {session.rank}):", 1) if ranked else text
 
 

@@ -35,7 +35,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tensordbg.api import COMMAND_LINE, CommandLine, attach, attached_to
 from tensordbg.engine.fused import quiet_compile_warning
-from tensordbg.engine.hits import print_summary
+from tensordbg.engine.hits import print_summary, ranked_line
 from tensordbg.engine.marks import compiled_inner
 from tensordbg.engine.params import held_params, parameter_count
 from tensordbg.engine.session import Session
@@ -169,13 +169,11 @@ class ScriptRun:
             self.profiling = session.profile(self.profile_steps)
         model = session.model
         if model is not None:
-            print(
-                f"tensordbg: watching {type(model).__name__} "
-                f"({parameter_count(model):,} parameters) through its "
-                f"trainer, run {session.run_id}",
-                file=sys.stderr,
-                flush=True,
+            said = (
+                f"tensordbg: watching {type(model).__name__} ({parameter_count(model):,} "
+                f"parameters) through its trainer, run {session.run_id}"
             )
+            print(ranked_line(session, said), file=sys.stderr, flush=True)
 
     def _on_module(self, module: torch.nn.Module, args: tuple) -> None:
         if self.session is not None:
@@ -215,13 +213,11 @@ class ScriptRun:
             self.session.capture.on_enter(module, args, {})
         if self.profile_steps:
             self.profiling = self.session.profile(self.profile_steps)
-        print(
+        said = (
             f"tensordbg: watching {type(watched).__name__} "
-            f"({parameter_count(watched):,} parameters), "
-            f"run {self.session.run_id}",
-            file=sys.stderr,
-            flush=True,
+            f"({parameter_count(watched):,} parameters), run {self.session.run_id}"
         )
+        print(ranked_line(self.session, said), file=sys.stderr, flush=True)
 
     def _another_model(self, module: torch.nn.Module) -> None:
         """A model apart from the watched one, called during the first step (a GAN's

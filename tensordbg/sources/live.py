@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from tensordbg.engine.control import NotPaused
+from tensordbg.engine.hits import ranked_line
 from tensordbg.engine.judge import ActiveRule
 from tensordbg.engine.records import Record, version_of
 from tensordbg.engine.session import Session
@@ -285,8 +286,8 @@ class LiveSource(LiveProfiling):
         if timer is not None:
             timer.cancel()
         if count and not previous and self.session.controller.state == "paused":
-            print(f"tensordbg: a UI connected ({self.session.at}); continue with c there",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            said = f"tensordbg: a UI connected ({self.session.at}); continue with c there"
+            print(ranked_line(self.session, said), file=sys.stderr, flush=True)
         if count == 0 and previous > 0 and self.ui_timeout is not None:
             with contextlib.suppress(RuntimeError):  # detached meanwhile: nothing to time
                 self._ui_timer = self.session.handles.timer(self.ui_timeout, self._ui_gone)
