@@ -244,3 +244,21 @@ def test_help_of_attach_says_what_every_option_does_and_completion_offers_the_ap
         assert f"\n    {name}:" in doc or f"\n{name}:" in doc, name
     assert {"attach", "load", "profile", "Session", "rules"} <= set(dir(tensordbg))
     assert "__version__" in dir(tensordbg)
+
+
+def test_a_summary_with_no_hit_at_its_origin_still_shows_where_the_first_came_from(watch):
+    """Rank 0 of a job whose NaN rank 1 made ended with "tensordbg (rank 0): 192 hits, 0 at
+    their origin." alone, though each of its hits said "It came from rank 1 ..." (found trying
+    two ranks as a new user): with no origin here, the summary shows the first hit."""
+    model = mlp()
+    session = watch(model, on_hit="record")
+    x = torch.randn(3, 4)
+    x[0, 0] = float("nan")
+    model(x).sum().backward()
+    for hit in session.hits:  # as the ranks make them: passed on, from another rank
+        hit.origin = False
+    session.hits[0].message += " It came from rank 1 (NaN at mid.1.output)."
+    lines = session.summary().splitlines()
+    assert lines[0].endswith("hits, 0 at their origin.")
+    assert lines[1].startswith(f"  step 0 forward: [NaN] {session.hits[0].tensor}")
+    assert lines[2].endswith("It came from rank 1 (NaN at mid.1.output).")

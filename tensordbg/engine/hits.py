@@ -35,8 +35,7 @@ def print_summary(session: Any, file: TextIO | None = None) -> None:
     if session.hitlog.summarized:
         return
     session.hitlog.summarized = True
-    ranked = getattr(session, "ranks", None) is not None
-    print(ranked_summary(session, ranked), file=file or sys.stderr, flush=True)
+    print(ranked_line(session, session.summary()), file=file or sys.stderr, flush=True)
 
 
 def ranked_summary(session: Any, ranked: bool) -> str:
@@ -140,7 +139,8 @@ class HitLog:
         self.first_origin, self.first_in_root = {}, {}
 
     def summary(self, skipped_steps: list[int], origins: int = 5) -> str:
-        """The hits in a few lines: those at their origin first."""
+        """The hits in a few lines: those at their origin first, else the first hit (another
+        rank's NaN that the all-reduce brought says where it came from)."""
         if not self.hits:
             return "tensordbg: no hits."
         first = [h for h in self.hits if h.origin]
@@ -151,7 +151,7 @@ class HitLog:
             else f"{'' if first else 'not '}at its origin"
         )
         lines = [f"tensordbg: {total} hit{'s' * (total != 1)}, {where}."]
-        for hit in first[:origins]:
+        for hit in first[:origins] or self.hits[:1]:
             lines.append(f"  step {hit.step} {hit.phase}: [{hit.rule}] {hit.tensor}")
             lines.append(f"    {hit.message}")
         if len(first) > origins:

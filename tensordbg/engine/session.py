@@ -280,7 +280,7 @@ class Session(Pipeline, ForwardPhase, BackwardPhase, OptimizerPhase):
             self.fault(e)
 
     def summary(self, origins: int = 5) -> str:
-        """The hits in a few lines: those at their origin first.
+        """The hits in a few lines: those at their origin first (none: the first hit).
 
         >>> print(session.summary())
         tensordbg: 4756 hits, 1 at their origin.
