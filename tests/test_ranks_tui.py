@@ -160,27 +160,34 @@ class RunningRank(WeightGradRank):
         return listed if self.rank == 1 else [t for t in listed if t["kind"] != "grad"]
 
 
-def test_a_ranks_column_of_dashes_says_why() -> None:
-    """F9's side-by-side table showed a running rank's column as dashes with no reason: a
-    gradient's statistics are the hit's, or its phase's while the rank is in it."""
-    title: list[str] = []
+def compare_title(rank_type: type[FakeRank], said: str) -> tuple[str, dict[str, list[str]]]:
+    """F9's side-by-side table of a 2-rank job of ``rank_type``: its title once it holds
+    ``said`` (or after 5 s), and its rows by statistic."""
+    seen: list[tuple[str, dict[str, list[str]]]] = []
 
     async def flow() -> None:
-        clients = {0: LocalClient(RunningRank(0)), 1: LocalClient(RunningRank(1))}
+        clients = {0: LocalClient(rank_type(0)), 1: LocalClient(rank_type(1))}
         app = Host(RanksScreen("job7", clients, current=0, every=0.2))
         async with app.run_test(size=(160, 40)) as pilot:
             label = app.ranks_screen.query_one("#ranks-compare-title")
             for _ in range(100):
                 await pilot.pause(0.05)
-                if "on every rank" in str(label.content):
+                if said in str(label.content):
                     break
             compare = app.ranks_screen.query_one("#ranks-compare", DataTable)
-            assert {r[0]: r[1:] for r in rows(compare)}["numel"] == ["-", "32"]
-            title.append(str(label.content))
+            seen.append((str(label.content), {r[0]: r[1:] for r in rows(compare)}))
 
     asyncio.run(flow())
-    assert "- for rank 0: no hit on it" in title[0], title
-    assert "rank 1:" not in title[0]
+    return seen[0]
+
+
+def test_a_ranks_column_of_dashes_says_why() -> None:
+    """F9's side-by-side table showed a running rank's column as dashes with no reason: a
+    gradient's statistics are the hit's, or its phase's while the rank is in it."""
+    title, table = compare_title(RunningRank, "on every rank")
+    assert table["numel"] == ["-", "32"]
+    assert "- for rank 0: no hit on it" in title, title
+    assert "rank 1:" not in title
 
 
 def test_a_jobs_ranks_are_one_entry_of_the_session_list() -> None:
@@ -391,19 +398,6 @@ def test_a_ranks_missing_statistics_of_a_clean_output_are_not_said_to_come_yet()
     """F9's title said "for rank 0: no statistics of mid.1's output yet" of a rank already in
     its optimizer phase: under the default checks a clean output is screened, never measured,
     so none would come (found trying two ranks as a new user)."""
-    title: list[str] = []
-
-    async def flow() -> None:
-        clients = {0: LocalClient(UnmeasuredRank(0)), 1: LocalClient(UnmeasuredRank(1))}
-        app = Host(RanksScreen("job7", clients, current=0, every=0.2))
-        async with app.run_test(size=(160, 40)) as pilot:
-            label = app.ranks_screen.query_one("#ranks-compare-title")
-            for _ in range(100):
-                await pilot.pause(0.05)
-                if "for rank 0" in str(label.content):
-                    break
-            title.append(str(label.content))
-
-    asyncio.run(flow())
-    assert "for rank 0: no statistics of net.2's output on it (a clean one is screened" in title[0]
-    assert "yet" not in title[0]
+    title, _ = compare_title(UnmeasuredRank, "for rank 0")
+    assert "for rank 0: no statistics of net.2's output on it (a clean one is screened" in title
+    assert "yet" not in title
