@@ -16,7 +16,7 @@ import os
 import sys
 import sysconfig
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -63,12 +63,8 @@ def print_script_error(error: BaseException) -> None:
     from the script's own first frame (the runner's and runpy's frames before it left out).
     An error the excepthook would say in its own words is said so (a rank's collective that
     failed as another rank stopped the job: one line, not gloo's traceback)."""
-    hook: Any = sys.excepthook
-    while hook is not None:
-        handle = getattr(hook, "handle", None)
-        if handle is not None and handle(error):
-            return
-        hook = getattr(hook, "previous", None)
+    if any(handle(error) for handle in _handlers()):
+        return
     tb = error.__traceback__
     while tb is not None and tb.tb_next is not None and _hidden(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
@@ -78,12 +74,18 @@ def print_script_error(error: BaseException) -> None:
 
 def shows_hits() -> bool:
     """Whether an uncaught WatchpointHit is printed by :func:`install_excepthook`'s hook."""
+    return any(handle is _print_users_frames for handle in _handlers())
+
+
+def _handlers() -> Iterator[Callable[[BaseException], bool]]:
+    """The handlers :func:`chain_excepthook` put before the interpreter's excepthook, outermost
+    first."""
     hook: Any = sys.excepthook
     while hook is not None:
-        if getattr(hook, "handle", None) is _print_users_frames:
-            return True
+        handle = getattr(hook, "handle", None)
+        if handle is not None:
+            yield handle
         hook = getattr(hook, "previous", None)
-    return False
 
 
 def chain_excepthook(handle: Callable[[BaseException], bool]) -> Callable[[], None]:

@@ -38,14 +38,11 @@ def print_summary(session: Any, file: TextIO | None = None) -> None:
     print(ranked_line(session, session.summary()), file=file or sys.stderr, flush=True)
 
 
-def ranked_summary(session: Any, ranked: bool) -> str:
-    """``session.summary()``, saying which rank's in a job of several (``ranked``): interleaved."""
-    return ranked_line(session, session.summary()) if ranked else session.summary()
-
-
-def ranked_line(session: Any, text: str) -> str:
-    """A line ``"tensordbg: ..."`` saying which rank said it, in a job of several ranks."""
-    ranked = getattr(session, "ranks", None) is not None
+def ranked_line(session: Any, text: str, ranked: bool | None = None) -> str:
+    """A line ``"tensordbg: ..."`` (a summary) saying which rank said it, in a job of several
+    ranks (``ranked``: whether it is one, known before a detach let go of the ranks)."""
+    if ranked is None:
+        ranked = getattr(session, "ranks", None) is not None
     return text.replace("tensordbg:", f"tensordbg (rank {session.rank}):", 1) if ranked else text
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from tensordbg.api import attach
-from tensordbg.engine.hits import ranked_summary
+from tensordbg.engine.hits import ranked_line
 from tensordbg.engine.session import ON_HIT, Session
 from tensordbg.hit import WatchpointHit
 from tensordbg.tracebacks import shows_hits
@@ -78,7 +78,7 @@ class TrainingWatch:
         ranked = getattr(session, "ranks", None) is not None  # (detach lets go of the ranks)
         session.detach()
         if summary and session.summary_at_exit and session.hits:
-            text = ranked_summary(session, ranked)  # which rank's, as attach's says
+            text = ranked_line(session, session.summary(), ranked)  # which rank's, as attach's
             raised = sys.exc_info()[1]  # ended by a hit raised on its way up: said after it
             if isinstance(raised, WatchpointHit) and shows_hits():
                 raised.summary_after = text
