@@ -503,14 +503,30 @@ def test_ctrl_c_while_tensordbg_run_starts_up_is_one_line_and_status_130(script:
     """Ctrl-C in the seconds `tensordbg run` spends importing torch, before the script runs,
     printed 16 to 74 lines of traceback ending in KeyboardInterrupt (found trying the product
     as a new user); `run`, `check` and `demo` now say it in one line, with status 130."""
-    child = subprocess.Popen([sys.executable, "-m", "tensordbg.cli", "run", str(script), "6"],
-                             cwd=script.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)  # fmt: skip
-    maps, deadline = Path(f"/proc/{child.pid}/maps"), time.monotonic() + 60
-    while "libtorch" not in maps.read_text() and time.monotonic() < deadline:
-        time.sleep(0.01)  # torch's library is loaded: the handler is importing torch
-    child.send_signal(signal.SIGINT)
-    out, err = child.communicate(timeout=60)
+    said = script.parent / "stderr.txt"
+    with said.open("w") as stderr:
+        child = subprocess.Popen([sys.executable, "-m", "tensordbg.cli", "run", str(script), "6"],
+                                 cwd=script.parent, stdout=subprocess.PIPE, stderr=stderr,
+                                 text=True)  # fmt: skip
+    try:
+        maps, deadline = Path(f"/proc/{child.pid}/maps"), time.monotonic() + 60
+        while "libtorch" not in maps.read_text() and time.monotonic() < deadline:
+            time.sleep(0.01)  # torch's library is loaded: the handler is importing torch
+        # A Ctrl-C that lands while torch's C extension initialises is lost in it, as it is for
+        # `python train.py` (its C code clears the error of a Python call it makes): pressed
+        # again, as a person would, until the command says it was interrupted.
+        for _ in range(20):
+            child.send_signal(signal.SIGINT)
+            try:
+                child.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                if "interrupted" not in said.read_text():
+                    continue
+            break
+        out, _ = child.communicate(timeout=60)
+    finally:
+        child.kill()  # (a lost Ctrl-C let the script run to its pause: no UI will come)
+    err = said.read_text()
     assert child.returncode == 130, err
     assert err.startswith("tensordbg run: interrupted (Ctrl-C)") and err.count("\n") == 1, err
     assert "trained" not in out
