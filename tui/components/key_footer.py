@@ -17,6 +17,7 @@ from textual.app import ComposeResult
 from textual.widgets import Footer
 
 if TYPE_CHECKING:
+    from textual.screen import Screen
     from textual.widgets._footer import FooterKey  # what Footer.compose yields
 
 # The cells a key takes around its key and description, as Textual's FooterKey CSS lays it out:
@@ -38,8 +39,31 @@ class KeyFooter(Footer):
     def __init__(self) -> None:
         super().__init__()
         self._width = 0  # the width it was laid out for
+        self._shows: tuple[object, ...] | None = None  # what it was laid out with (_showing)
+
+    def bindings_changed(self, screen: Screen) -> None:
+        """Textual's footer is built anew whenever the screen's bindings are looked at again (a
+        focus move, a state the app's ``check_action`` reads: most messages from a training),
+        each build restyling every key: this one only when what it shows would change."""
+        self._bindings_ready = True
+        if screen.app.app_focus and self.is_attached and screen is self.screen:
+            self.call_after_refresh(self._rebuild_if_changed)
+
+    async def _rebuild_if_changed(self) -> None:
+        if self.is_attached and self._showing() != self._shows:
+            await self.recompose()
+
+    def _showing(self) -> tuple[object, ...]:
+        """Every key the footer could show, as it would show it, and the width it has."""
+        app = self.app
+        return (self.size.width or self.screen.size.width, *(
+            (binding.key, binding.description, binding.action, enabled, tooltip, node is app)
+            for node, binding, enabled, tooltip in self.screen.active_bindings.values()
+            if binding.show
+        ))  # fmt: skip
 
     def compose(self) -> ComposeResult:
+        self._shows = self._showing() if self._bindings_ready else None
         keys = list(super().compose())
         if not keys:
             return
