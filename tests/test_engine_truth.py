@@ -560,6 +560,40 @@ def test_every_mode_names_where_a_backward_nan_was_made_and_the_same_hits(watch,
         assert verdicts["deferred"]["1.grad_output"] == 1.0, verdicts
 
 
+class LoRA(nn.Module):
+    """A frozen Linear with a low-rank adapter beside it: ``x`` goes to ``base`` and into the
+    adapter's own ``x @ A.T``, whose backward makes NaN (sqrt's derivative at 0, times 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(8, 8).requires_grad_(False)
+        self.A = nn.Parameter(torch.randn(2, 8))
+        self.B = nn.Parameter(torch.randn(8, 2))
+
+    def forward(self, x):
+        xa = x @ self.A.T
+        return self.base(x) + (xa + torch.sqrt(xa * 0)) @ self.B.T
+
+
+def test_every_mode_names_an_adapter_not_the_frozen_layer_it_hands_its_input_to(watch):
+    """A NaN made in a LoRA adapter's backward was named ``base.grad_input[0]`` with "the
+    gradient of its output was clean" (found trying the product as a new user): the gradient
+    of ``x`` sums the adapter's backward and base's, and only the adapter's made it."""
+    found = {}
+    for sync in MODES:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), LoRA(), nn.Linear(8, 2))
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
+        session = watch(model, optimizer=opt, on_hit="record", rules=[NaN()], sync=sync)
+        model(torch.randn(3, 4)).sum().backward()
+        session.flush()
+        found[sync] = sorted(origins(session))
+        session.detach()
+    assert ("1.grad_input[0]", "grad_input") in found["eager"], found["eager"]
+    assert not [t for t, _ in found["eager"] if t.startswith("1.base.")], found["eager"]
+    assert all(found[sync] == found["eager"] for sync in MODES), found
+
+
 class Checkpointed(nn.Module):
     """Two blocks run through torch.utils.checkpoint with use_reentrant=True; the second's
     ``bad`` makes a NaN in backward only, between its two Linears."""

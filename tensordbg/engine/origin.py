@@ -411,9 +411,9 @@ def grad(record: Record, loss_fired: set[int]) -> dict[int, tuple[Call | None, s
         for call in () if carried else taking:
             if _carried(call, condition):
                 continue
-            _mark(call, condition, below=False)
             if reported is None:
-                reported = (call, "grad_input", True)
+                reported = (_summed_in(call, taking, condition), "grad_input", True)
+            _mark(call, condition, below=False)
         if reported is None and not carried:
             user = _own_code(forward)
             if user is not None and _made_in_backward(user, condition, forward):
@@ -440,6 +440,22 @@ def grad(record: Record, loss_fired: set[int]) -> dict[int, tuple[Call | None, s
                 reported = (consumers[0] if consumers else None, "grad_input", False)
         out[condition] = reported
     return out
+
+
+def _summed_in(call: Call, taking: list[Call], condition: int) -> Call:
+    """The call whose backward made the gradient of a value ``call`` took: ``call``, unless a
+    call around it took the value too, made an output of its own and already made the condition
+    in its own backward (a parameter of its own). A LoRA layer hands ``x`` to its frozen
+    ``base`` and uses it in ``x @ A.T``: the gradient of ``x`` sums both backwards, and a NaN
+    the adapter made (A's gradient too) was named ``base``'s (found trying the product as a
+    new user). A residual block whose own code only adds ``x`` is passed over."""
+    took, named = {id(c) for c in taking}, call
+    for outer in call.ancestors():
+        if id(outer) in took and condition in outer.grad_origin_below and not (
+            outer.outputs and all(r.producer is call or any(c is call for c in r.passed_up)
+                                  for _, r in outer.outputs)):  # fmt: skip
+            named = outer
+    return named
 
 
 def _carried(call: Call, condition: int) -> bool:
