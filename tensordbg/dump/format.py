@@ -287,3 +287,12 @@ def chosen(name: str, patterns: Iterable[str]) -> bool:
     """Whether ``dump_tensors`` patterns choose the tensor ``name`` (fnmatch, case-sensitive):
     what a periodic step keeps the values of, as the run and its replay both read it."""
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def chooses_gradients(patterns: Iterable[str], paths: Iterable[str]) -> bool:
+    """Whether ``dump_tensors`` patterns choose the gradient of an input or output of a module
+    at one of ``paths`` (``blocks.0.fc.grad_input[0]``): a periodic step then keeps those,
+    which deferred checks otherwise judge from the parameters' gradients without reading."""
+    kinds = ("grad_output", "grad_output[0]", "grad_input[0]")
+    return any(chosen(f"{path}.{kind}" if path else kind, patterns)
+               for path in paths for kind in kinds)  # fmt: skip

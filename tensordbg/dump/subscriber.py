@@ -30,6 +30,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -107,6 +108,8 @@ class DumpRecorder:
         self.session = session
         self.every = every
         self.patterns = tuple(tensors)
+        self.chooses = partial(fmt.chosen, patterns=self.patterns)  # a tensor's name: its values?
+        self.copies_grads = fmt.chooses_gradients(self.patterns, session.capture.paths.values())
         self.value_budget = max(int(session.retain_bytes), 1)
         self.dropped: list[int] = []
         """Periodic steps not written because the writer fell behind."""
@@ -119,13 +122,11 @@ class DumpRecorder:
         self._buffer = _StepBuffer(session.step)
         self._encoder = fmt.EntryEncoder()  # the writer thread's
         self._modules_written = False
-        self._said_behind = False
-        self._said_budget = False
+        self._said_behind = self._said_budget = False
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=QUEUE_MAX)
         self._queued_bytes = 0  # of values, in the queue or being written
         self._queued_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._write_loop, name="tensordbg-dump",
-                                        daemon=True)  # fmt: skip
+        self._thread = threading.Thread(target=self._write_loop, name="tensordbg-dump", daemon=True)
         self._thread.start()
         self._unsubscribe = session.bus.subscribe(
             self._on_event, {"phase_end", "hit", "step_end", "halt", "detach"}
@@ -189,7 +190,7 @@ class DumpRecorder:
             if self.failed is not None:
                 continue
             name = record.stats.name
-            if copy_all or (self.patterns and fmt.chosen(name, self.patterns)):
+            if copy_all or (self.patterns and self.chooses(name)):
                 self._copy(buffer, record, makers, copy_all)
         buffer.values_from_hits |= copy_all
 

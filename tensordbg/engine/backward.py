@@ -104,9 +104,10 @@ class BackwardPhase(ParamGradients):
         hook; the others are vouched for at the end of the pass (see :mod:`.vouching`).
         ``calls``: each module's calls since the last pass; ``roots``: the autograd nodes of
         the forward's outputs."""
-        if self.plan is None or self.forward_bad:
-            # Every gradient is hooked: several ranks; or a forward that showed a problem (its
-            # saved NaN or Inf make gradients that no voucher can tell apart): read like eager.
+        if self.plan is None or self.forward_bad or self.dumps_gradients():
+            # Every gradient is hooked: several ranks; a forward that showed a problem (its
+            # saved NaN or Inf make gradients that no voucher can tell apart); or a dumped step
+            # that keeps their values: read like eager.
             return [item[:3] for item in seen]
         quiet, loud = [], []
         for item in seen:
@@ -154,7 +155,9 @@ class BackwardPhase(ParamGradients):
         read at its end (never in a hook: the vouched gradients' verdicts come only then)."""
         if self.ruleset.grads_quiet(dtype_name(grad.dtype)):
             if host_stats(grad, SCREEN)[0] == 1.0:
-                self.phases.pending.append(ActGradNote(forward, grad.shape, grad.dtype, None))
+                kept = self.dumps_gradients() and self.phases.take(grad.nbytes)  # for its values
+                note = ActGradNote(forward, grad.shape, grad.dtype, grad if kept else None)
+                self.phases.pending.append(note)
                 return
             self._pass_bad = True
         self._collect_late(grad_record(self._record_of(forward), grad, self.step), grad)

@@ -121,6 +121,8 @@ class Eager(SyncMode):
         session.report(record)
 
     def retain(self, session: Session, record: Record, tensor: torch.Tensor) -> bool:
+        if session.dumps_all() and session.dumps.chooses(record.stats.name):
+            return session.phases.keep(record, tensor)  # a dumped step's dump_tensors
         session.phases.keep_recent(record, tensor)
         return True
 

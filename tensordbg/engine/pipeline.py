@@ -74,6 +74,11 @@ class Pipeline(Pausing, Pinpointing):
         activation gradients' too, read on a device with the phase's transfer)."""
         return self.dumps is not None and self.dumps.periodic(self.step)
 
+    def dumps_gradients(self) -> bool:
+        """Whether this step's dump keeps values of activation gradients (``dump_tensors``
+        names some): deferred checks then read and keep them, rather than vouch for them."""
+        return self.dumps_all() and self.dumps.copies_grads
+
     # --- statistics and judging (the sync modes call these) --------------------------------
 
     def screen(self, record: Record, tensor: torch.Tensor, extra: tuple[Stat, ...] = ()) -> None:

@@ -458,10 +458,9 @@ class ReplaySource:
                     "its phases ended, from the phase that hit on")  # fmt: skip
         chosen = self.dump.meta.get("dump_tensors") or []
         if entry.kind in ("grad_output", "grad_input") and dump_format.chosen(entry.name, chosen):
-            sync = self.dump.meta.get("sync")
-            return (f"{said}: {sync} checks did not hold it (a clean step's activation gradients "
-                    "are vouched for by the parameter gradients, and let go); sync='eager' "
-                    "holds each one for the dump")  # fmt: skip
+            return (f"{said}: the training did not hold it when its phase ended (values past "
+                    "retain_bytes are not kept; an older tensordbg's deferred checks let a clean "
+                    "step's activation gradients go)")  # fmt: skip
         return f"{said}: dump_tensors=[pattern] chooses which values a periodic step keeps"
 
     def _view(self, step: int, entry: Any, text: str) -> tuple[str, np.ndarray]:
