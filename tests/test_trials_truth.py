@@ -340,6 +340,26 @@ def test_a_weight_found_bad_at_attach_is_said_to_have_come_with_the_model(watch,
 
 
 @pytest.mark.parametrize("sync", MODES)
+def test_a_weight_set_bad_after_attach_before_any_step_is_not_blamed_on_an_update(watch, sync):
+    """A LoRA B set to Inf after attach and before the first step was said to be made by "the
+    optimizer step or the code around it (learning rate, eps, a manual edit)": no optimizer
+    step had run (found trying the product as a new user)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=optimizer, on_hit="record", sync=sync)
+    with torch.no_grad():
+        model[2].weight[0, 1] = float("inf")
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    [hit] = [h for h in session.hits if h.origin]
+    assert (hit.step, hit.tensor, hit.phase) == (0, "2.weight", "forward"), hit
+    assert "no optimizer step ran since: the code between attach and this forward" in hit.message
+    assert "optimizer step or the code around it" not in hit.message
+
+
+@pytest.mark.parametrize("sync", MODES)
 def test_a_nan_loss_of_a_decoder_apart_is_not_said_to_come_of_the_loss_code(watch, sync):
     """An encoder watched, its decoder trained by the same optimizer but not watched (PyTorch's
     seq2seq tutorial's layout): an Inf set in the decoder's weight made the loss NaN, and the

@@ -83,11 +83,8 @@ class HitLog:
         if len(self.hits) >= self.max_hits and not hit.origin:
             if not self.capped:
                 self.capped = True
-                self._log(
-                    f"{self.max_hits} hits recorded: hits not at their origin are no "
-                    "longer kept (raise max_hits to keep more)",
-                    "warning",
-                )
+                self._log(f"{self.max_hits} hits recorded: hits not at their origin are no "
+                          "longer kept (raise max_hits to keep more)", "warning")  # fmt: skip
             return False
         hit.id = len(self.hits)
         hit.rank = self.rank
@@ -471,6 +468,8 @@ _ORIGIN_NOTE = {
     "model came with it (its initialization, or a checkpoint or state loaded so).",
     ("param_check", True): "session.check_parameters() found it between steps, before the next "
     "update: it was set so since (by hand, or loaded so).",
+    ("param_unstepped", True): "It was clean when tensordbg attached, and no optimizer step ran "
+    "since: the code between attach and this forward made it (set by hand, or loaded so).",
     ("observed_apart", True): "The watched model was not called for it: it comes of a model "
     "tensordbg does not watch (built anew for a resume?); attach again to that one.",
     ("update", True): "It was produced by the optimizer step.",
@@ -486,6 +485,8 @@ def _note_kind(kind: str, name: str, module: str | None, record: Record) -> str:
         return "later_input"
     if kind == "param" and record.stats.phase in CHECKS:  # no update made it
         return f"param_{record.stats.phase}"
+    if kind == "param" and record.stats.phase == "forward" and record.stats.step == 0:
+        return "param_unstepped"  # checked whole at attach, and nothing stepped since
     if kind == "observed" and record.apart:
         return "observed_apart"
     return "param_before" if kind == "param" and record.before_update else kind
