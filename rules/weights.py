@@ -72,8 +72,11 @@ class WeightNotChanging(Rule):
     its parameter group had breaks the streak too: at the tail of a cosine or linear schedule
     to 0, AdamW's updates fall below half a float32 step of a weight near 1 and no element
     moves, by design (a transformer trained 1,500 steps with a cosine schedule from 3e-3, in its
-    last 12 steps, found trying it as a new user). A learning rate of zero from the start has
-    no largest rate to decay from: it is still reported. ``decayed=0`` judges every step.
+    last 12 steps, found trying it as a new user). So does a rate a scheduler holds at zero
+    before raising it (a warm-up from 0: its group's ``initial_lr`` is above 0; an LSTM's
+    embedding and recurrent weights held 20 steps, a new user's healthy run that hit). A
+    learning rate of zero from the start, with no scheduler, has no rate to decay from or rise
+    to: it is still reported. ``decayed=0`` judges every step.
 
     ``num_steps`` is a whole number of 1 or more; ``rtol`` and ``atol`` are numbers of 0 or more
     (below 0 not even a parameter left as it was would count as unchanged); ``decayed`` is a

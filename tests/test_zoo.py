@@ -143,6 +143,40 @@ def test_a_layer_whose_learning_rate_is_zero_is_not_changing_but_its_key_bias_is
     assert_no_hit_but(session, "WeightNotChanging")
 
 
+@pytest.mark.parametrize("scheduled", [True, False], ids=["warm-up", "no-scheduler"])
+def test_a_group_a_scheduler_holds_at_zero_before_warming_up_is_not_reported(watch, scheduled):
+    """A LambdaLR that holds the body's group at 0 for its first steps, then raises it (a
+    frozen-then-unfrozen warm-up): WeightNotChanging reported the body's weights on a healthy
+    run (an LSTM's, found trying the product as a new user). The same rate of 0 with no
+    scheduler to raise it is still a weight that cannot learn."""
+    nn = torch.nn
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    body, head = list(model[0].parameters()), list(model[2].parameters())
+    held = 0.0 if not scheduled else 1e-2  # the scheduler's base rate for the body
+    optimizer = torch.optim.Adam([{"params": body, "lr": held}, {"params": head}], lr=1e-2)
+    schedule = None
+    if scheduled:
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, [lambda s: 0.0 if s < 6 else 1.0, lambda s: 1.0]
+        )
+    session = watch(model, optimizer=optimizer, on_hit="record")
+    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+    for _ in range(10):
+        loss = nn.functional.cross_entropy(model(x), y)
+        session.observe("loss", loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if schedule is not None:
+            schedule.step()
+    if scheduled:
+        assert_no_hit(session)
+    else:
+        assert set(hits_of(session, "WeightNotChanging")) == {"0.weight.update", "0.bias.update"}
+        assert_no_hit_but(session, "WeightNotChanging")
+
+
 def test_a_head_left_out_of_the_optimizer_is_not_changing(watch):
     run = zoo.resnet()
     head = {id(p) for p in run.model.fc.parameters()}

@@ -193,12 +193,14 @@ class ParamWatch:
                 peaks[(id(optimizer), i)] = lr
 
     def learning_rate_shares(self, optimizer: torch.optim.Optimizer) -> dict[int, float]:
-        """Each parameter's learning rate now as a share of the largest its group has had
-        (by ``id``); none for a group whose rate was never above 0 (a learning rate of zero
-        from the start is a fault, not a schedule)."""
+        """Each parameter's learning rate now as a share of the largest its group has had, or
+        was given by a scheduler (``initial_lr``, which torch's schedulers set: a warm-up from 0
+        holds the rate at 0 first), by ``id``; none for a group whose rate was never above 0
+        (a learning rate of zero from the start, no schedule to raise it, is a fault)."""
         shares: dict[int, float] = {}
         for i, group in enumerate(optimizer.param_groups):
             lr, peak = _rate(group.get("lr")), self.lr_peaks.get((id(optimizer), i), 0.0)
+            peak = max(peak, _rate(group.get("initial_lr")) or 0.0)
             if lr is not None and peak > 0:
                 shares.update(dict.fromkeys(map(id, group["params"]), lr / peak))
         return shares
