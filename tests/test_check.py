@@ -631,14 +631,21 @@ def test_the_verdict_says_which_rules_found_something_and_which_ran_without(
     assert "over 9 tensors of 1 step in" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("damage", ["no index", "wrong version", "not json"])
+@pytest.mark.parametrize("damage", ["no index", "no meta", "wrong version", "not json"])
 def test_an_unreadable_dump_is_one_sentence_naming_the_file_and_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str
 ) -> None:
+    """A deleted meta.json was "not a tensordbg dump (it holds no rank-N/meta.json)" beside
+    its index and steps, and ``check --json`` printed nothing for a CI job to parse (found
+    trying the product as a new user)."""
+    import json
+
     dump = write_dump(tmp_path / "run")
     meta = dump / "rank-0" / "meta.json"
     if damage == "no index":
         (dump / "rank-0" / "index.jsonl").unlink()
+    elif damage == "no meta":
+        meta.unlink()
     elif damage == "wrong version":
         meta.write_text(meta.read_text().replace('"format_version": 1', '"format_version": 99'))
     else:
@@ -647,6 +654,9 @@ def test_an_unreadable_dump_is_one_sentence_naming_the_file_and_exit_2(
         assert main(command) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "Traceback" not in err and str(dump / "rank-0") in err
+    assert main(["check", str(dump), "--json"]) == 2
+    said = json.loads(capsys.readouterr().out)
+    assert said["dump"] == str(dump) and str(dump / "rank-0") in said["error"]
 
 
 def test_a_rule_on_updates_that_a_dump_cannot_judge_is_said_in_words() -> None:

@@ -117,7 +117,8 @@ class Dump:
         ranks = sorted(
             int(m.group(1))
             for child in self.path.iterdir()
-            if (m := fmt.RANK_DIR.match(child.name)) and (child / fmt.META).is_file()
+            if (m := fmt.RANK_DIR.match(child.name))
+            and ((child / fmt.META).is_file() or (child / fmt.INDEX).is_file())  # (meta lost)
         )
         if not ranks:
             if (self.path / fmt.META).is_file() and fmt.RANK_DIR.match(self.path.name):

@@ -9,14 +9,19 @@ from collections.abc import Callable
 from typing import Any
 
 
-def _open_dump(path: str, command: str) -> Any:
-    """The dump at ``path``, or None after one sentence on stderr saying why it cannot be read."""
+def _open_dump(path: str, command: str, as_json: bool = False) -> Any:
+    """The dump at ``path``, or None after one sentence on stderr saying why it cannot be read
+    (``as_json``: and on stdout, as ``{"schema": 1, "dump": path, "error": why}``)."""
+    import json
+
     from tensordbg.dump import DumpError, load
 
     try:
         return load(path)
     except DumpError as e:
         print(f"tensordbg {command}: {e}", file=sys.stderr)
+        if as_json:  # a CI job that parses the report reads why, not nothing
+            print(json.dumps({"schema": 1, "dump": path, "error": str(e)}))
         return None
 
 
@@ -56,7 +61,7 @@ def replay(args: argparse.Namespace, **_: Parser) -> int:
 def check(args: argparse.Namespace, *, rules: Parser, rule: Parser) -> int:
     import json
 
-    dump = _open_dump(args.dump, "check")
+    dump = _open_dump(args.dump, "check", as_json=args.json)
     if dump is None:
         return 2
     from tensordbg.offline.check import check_dump
