@@ -27,6 +27,7 @@ from tensordbg.rules.scales import (
     reference_scale,
     typical_scale,
 )
+from tensordbg.rules.streaks import calm, once_a_step, said_this_step
 from tensordbg.rules.weights import note_update, update_moved
 from tensordbg.statistics import (
     ABS_MEAN,
@@ -130,6 +131,7 @@ class ExplodingGradient(Rule):
         peaks: dict[str, float] = state.setdefault("peaks", {})
         growth, window, warmup, max_norm = self.growth, self.window, self.warmup, self.max_norm
         for t in tensors:
+            once_a_step(t.name, t.step, state, streaks, peaks)
             values = t.values
             norm = values.get(L2)
             history = state.get(t.name)
@@ -142,18 +144,23 @@ class ExplodingGradient(Rule):
                 or len(history) < warmup
                 or not ((low := min(history)) > 0 and norm <= growth * low)
             ):
-                verdicts.append(self.check(t, state))
+                verdicts.append(self._check(t, state))
                 continue
             history.append(norm)
             if len(history) > window:
                 del history[:-window]
-            _calm(t.name, history, streaks, peaks)
+            calm(t.name, history, streaks, peaks)
             quiet.append(t)
             verdicts.append(None)
         note_scales(quiet, state)
         return verdicts
 
     def check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
+        once_a_step(t.name, t.step, state, state.setdefault("above", {}),
+                    state.setdefault("peaks", {}))  # fmt: skip
+        return self._check(t, state)
+
+    def _check(self, t: TensorStats, state: dict[str, Any]) -> Finding | None:
         if t.nonfinite:
             overflow = "lower the learning rate, clip gradients, or with float16 use a GradScaler."
             if t.has_nan and t.has_inf is False:  # 0/0 or 0 * Inf: rarely a rate too high
@@ -194,8 +201,8 @@ class ExplodingGradient(Rule):
         if len(history) > self.window:
             del history[: -self.window]
         scale = note_scale(t, state)
-        if norm > self.max_norm:
-            return self._too_large(t, norm)
+        if norm > self.max_norm:  # (once a step: its later passes show it again)
+            return None if said_this_step(t.name, t.step, state) else self._too_large(t, norm)
         # Over a median of zero (a gradient that was exactly zero so far) growth means nothing.
         # The bar is also the largest norm it had before the streak, over the whole run: late
         # in a run, hard batches send a gradient up for a step or two, never past the norms of
@@ -206,12 +213,12 @@ class ExplodingGradient(Rule):
         typical = typical_scale(state, t.name, before=t.step) if above else None
         if not above or norm <= highest or (scale is not None and typical is not None
                                             and scale < typical):  # fmt: skip
-            _calm(t.name, history, streaks, peaks)  # (or catching up with the model's)
+            calm(t.name, history, streaks, peaks)  # (or catching up with the model's)
             return None
         ratio = norm / median
         streaks[t.name] = streaks.get(t.name, 0) + 1
-        if streaks[t.name] < self.persist:
-            return None  # one step above the bar: a spike, however far above
+        if streaks[t.name] < self.persist or said_this_step(t.name, t.step, state):
+            return None  # one step above the bar: a spike, however far above (or said)
         return Finding(
             ratio,
             self.growth,
@@ -226,16 +233,6 @@ class ExplodingGradient(Rule):
         return Finding(norm, self.max_norm, f"{t.name} has norm {said}, above {bound}; gradients "
                        "are exploding: lower the learning rate or clip gradients "
                        "(torch.nn.utils.clip_grad_norm_).")  # fmt: skip
-
-
-def _calm(name: str, history: list[float], streaks: dict[str, int],
-          peaks: dict[str, float]) -> None:  # fmt: skip
-    """The gradient's latest norm (``history[-1]``) is not exploding: a streak above the bar
-    before it is over, and its norms and this one count among the largest it had."""
-    k = streaks.pop(name, 0) if streaks else 0
-    top = max(history[-(k + 1) :])
-    if top > peaks.get(name, 0.0):
-        peaks[name] = top
 
 
 class VanishingGradient(Rule):

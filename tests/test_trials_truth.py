@@ -9,6 +9,8 @@ import torch
 from conftest import DEFERRED_ON_DEVICE
 from torch import nn
 
+from tensordbg.rules import ExplodingGradient
+
 MODES = ("eager", "batched", "deferred", DEFERRED_ON_DEVICE)
 
 
@@ -444,3 +446,29 @@ def test_two_losses_of_one_forward_under_one_name_are_the_models(watch):
     assert not [m for m in logged if "with no call of the watched model" in m]
     hit = next(h for h in session.hits if h.origin and h.kind == "observed")
     assert "the code that computes it made it" in hit.message
+
+
+@pytest.mark.parametrize("sync", MODES)
+def test_gradients_accumulated_over_micro_batches_count_each_step_once(watch, sync):
+    """Four micro-batches a step: ExplodingGradient counted each backward pass as a step ("over
+    the 49 steps before it grew" at step 41, "for 2 steps in a row", then 3, in one step: two
+    origins of one tensor; found trying the product as a new user)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    session = watch(model, optimizer=optimizer, on_hit="record", sync=sync,
+                    rules=[ExplodingGradient()])  # fmt: skip
+    for step in range(34):
+        for _ in range(4):
+            loss = model(torch.randn(16, 8)).pow(2).mean() / 4 * (1e4 if step >= 30 else 1.0)
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    origins = [h for h in session.hits if h.origin]
+    assert {h.tensor for h in origins} == {"0.weight.grad", "0.bias.grad", "2.weight.grad",
+                                           "2.bias.grad"}, origins  # fmt: skip
+    assert all(h.step == 31 for h in origins), origins
+    assert all("over the 30 steps before it grew" in h.message for h in origins), origins
+    assert all("for 2 steps in a row" in h.message for h in origins), origins
+    each = [(h.step, h.tensor) for h in session.hits]
+    assert len(each) == len(set(each)), each  # one a step, however many passes
