@@ -443,17 +443,13 @@ def grad(record: Record, loss_fired: set[int]) -> dict[int, tuple[Call | None, s
 
 
 def _summed_in(call: Call, taking: list[Call], condition: int) -> Call:
-    """The call whose backward made the gradient of a value ``call`` took: ``call``, unless a
-    call around it took the value too, made an output of its own and already made the condition
-    in its own backward (a parameter of its own). A LoRA layer hands ``x`` to its frozen
-    ``base`` and uses it in ``x @ A.T``: the gradient of ``x`` sums both backwards, and a NaN
-    the adapter made (A's gradient too) was named ``base``'s (found trying the product as a
-    new user). A residual block whose own code only adds ``x`` is passed over."""
-    took, named = {id(c) for c in taking}, call
+    """Who made the gradient of a value ``call`` took: ``call``, or a call around it that took
+    it too, returns outputs of its own and made the condition in its own backward: a LoRA
+    layer's ``x`` goes to ``base`` and into ``x @ A.T`` (its NaN was named ``base``'s)."""
+    named = call
     for outer in call.ancestors():
-        if id(outer) in took and condition in outer.grad_origin_below and not (
-            outer.outputs and all(r.producer is call or any(c is call for c in r.passed_up)
-                                  for _, r in outer.outputs)):  # fmt: skip
+        if any(c is outer for c in taking) and condition in outer.grad_origin_below and not all(
+                r.producer is call or call in r.passed_up for _, r in outer.outputs):  # fmt: skip
             named = outer
     return named
 
@@ -461,12 +457,8 @@ def _summed_in(call: Call, taking: list[Call], condition: int) -> Call:
 def _carried(call: Call, condition: int) -> bool:
     """Whether ``condition`` came into ``call``'s backward rather than being made there: the
     gradient of its output showed it, a call inside it made it, or its forward values had it."""
-    return (
-        condition in call.fired_grad_out
-        or condition in call.grad_origin_below
-        or condition in call.fired_in
-        or condition in call.fired_out
-    )
+    return any(condition in seen for seen in (call.fired_grad_out, call.grad_origin_below,
+                                              call.fired_in, call.fired_out))  # fmt: skip
 
 
 def _own_code(forward: Record) -> Call | None:
