@@ -148,15 +148,17 @@ def test_from_the_origin_hit_to_its_values_and_back_to_training() -> None:
 
             await type_slice(pilot, "[1]")
             await pilot.press("enter")
-            await until(pilot, lambda: inspector.text == "[1]" and grid.cell_text(0, 3))
+            await until(pilot, lambda: inspector.text == "[1]" and grid.cell_text(3, 0))
             summary = text_of(app.query_one("#tensor-summary", Static))
             assert summary.startswith("tensor[4] float32 n=4") and "NaN×1!" in summary
-            assert (grid.rows, grid.cols) == (1, 4)
-            assert grid.cell_text(0, 2) == "NaN"
+            # A 1-D slice reads down, one value a row labelled with its index (at 80x24 a row
+            # of values showed 3 of 4, found trying the product as a new user).
+            assert (grid.rows, grid.cols) == (4, 1)
+            assert grid.cell_text(2, 0) == "NaN"
             assert grid.cell_text(0, 0) == f"{h2[1, 0]:.4g}"
-            header, row = grid.render_line(0).text, grid.render_line(1).text
-            assert header.split() == ["0", "1", "2", "3"]
-            assert "NaN" in row and f"{h2[1, 3]:.4g}" in row
+            assert grid.render_line(0).text.split() == []
+            rows = [grid.render_line(y).text.split() for y in range(1, 5)]
+            assert rows == [[str(i), "NaN" if i == 2 else f"{h2[1, i]:.4g}"] for i in range(4)]
             histogram = app.query_one(HistogramView)
             await until(pilot, lambda: "NaN 1" in text_of(histogram))
             compare = app.query_one("#stats-compare", Static)
@@ -171,11 +173,14 @@ def test_from_the_origin_hit_to_its_values_and_back_to_training() -> None:
             assert text_of(error) == ""
             await pilot.press("enter")
             await until(pilot, lambda: "does not fit a tensor of shape 8x4" in text_of(error))
-            assert inspector.text == "[1]" and grid.cell_text(0, 2) == "NaN"  # still shown
+            assert inspector.text == "[1]" and grid.cell_text(2, 0) == "NaN"  # still shown
             await type_slice(pilot, "[:, 0]")
             await pilot.press("enter")
-            await until(pilot, lambda: inspector.text == "[:, 0]" and grid.cell_text(0, 5))
-            assert text_of(error) == "" and grid.cell_text(0, 5) == "NaN"
+            await until(pilot, lambda: inspector.text == "[:, 0]" and grid.cell_text(5, 0))
+            assert text_of(error) == "" and grid.cell_text(5, 0) == "NaN"
+            grid.focus()
+            await pilot.press("f")  # the NaN found in the column: its row, by its index
+            await until(pilot, lambda: grid.border_subtitle == "f: NaN/Inf at [5]")
 
             app.main.show_tab("provenance")
             tree = app.query_one(Tree)

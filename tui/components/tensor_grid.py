@@ -1,6 +1,8 @@
 """The values of a tensor slice as a virtual grid that asks only for what is on screen.
 
-The slice is viewed as 2-D (dims before the last flattened into rows, as ``slice()`` sends it).
+The slice is viewed as 2-D (dims before the last flattened into rows, as ``slice()`` sends it);
+a 1-D slice is shown as a column, one value a row, so that a bias or a row of a matrix reads
+down the screen (at 80x24 a row of values showed 3 of them, and the fourth took Tab and End).
 The grid is cut into blocks of ``BLOCK_ROWS`` x ``BLOCK_COLS``; drawing a line asks for the blocks
 it needs with ``slice(ref, text, window=...)``, shows placeholders until they arrive, and keeps
 the last ``MAX_BLOCKS`` blocks. So scrolling a 10^8-element tensor moves a few kilobytes.
@@ -128,6 +130,7 @@ class TensorGrid(ScrollView, can_focus=True):
         self._text = ""
         self._shape: tuple[int, ...] = ()
         self._rows = self._cols = 0
+        self._column = False  # a 1-D slice, shown down (the source's grid is one row of it)
         self._label_width = 0
         self._labels: Sequence[Sequence[int] | None] | None = None
         self._blocks: OrderedDict[tuple[int, int], list[BlockRow]] = OrderedDict()
@@ -151,6 +154,9 @@ class TensorGrid(ScrollView, can_focus=True):
         self._ref, self._text, self._shape = ref, text, tuple(shape)
         self._labels = labels if labels is not None and len(labels) == len(shape) else None
         self._rows, self._cols = grid_shape(self._shape)
+        self._column = len(self._shape) == 1
+        if self._column:
+            self._rows, self._cols = self._cols, self._rows
         if math.prod(self._shape) == 0:
             self._rows = self._cols = 0
         self._label_width = max(self._widest_row_label(), 1) + 1 if self._rows else 1
@@ -196,6 +202,8 @@ class TensorGrid(ScrollView, can_focus=True):
     def _row_label(self, row: int) -> str:
         """The index of a grid row in the tensor: ``12``, or ``2,5`` when rows are flattened."""
         lead = self._shape[:-1]
+        if self._column:
+            return self._label(0, row)
         if len(lead) <= 1:
             return self._label(0, row) if lead else ""
         return ",".join(self._label(a, int(i)) for a, i in enumerate(np.unravel_index(row, lead)))
@@ -207,7 +215,7 @@ class TensorGrid(ScrollView, can_focus=True):
         return str(labels[position] if labels is not None else position)
 
     def _widest_row_label(self) -> int:
-        rows = self._labels[0] if self._labels is not None and len(self._shape) == 2 else None
+        rows = self._labels[0] if self._labels is not None and len(self._shape) in (1, 2) else None
         if isinstance(rows, range):  # monotonic: its ends are its widest
             return max(len(str(rows[0])), len(str(rows[-1])))
         if rows is not None:  # a list (4,096 at most), in any order
@@ -292,7 +300,7 @@ class TensorGrid(ScrollView, can_focus=True):
             segments = [Segment(" " * self._label_width, index)]
             last = len(self._shape) - 1
             segments += [
-                Segment(f"{self._label(last, c) if self._shape else '':>{CELL - 1}} ", index)
+                Segment(f"{self._label(last, c) if last > 0 else '':>{CELL - 1}} ", index)
                 for c in range(c0, c1)
             ]  # fmt: skip (0-d: no index)
         else:
@@ -376,6 +384,8 @@ class TensorGrid(ScrollView, can_focus=True):
             [br * BLOCK_ROWS, min((br + 1) * BLOCK_ROWS, self._rows)],
             [bc * BLOCK_COLS, min((bc + 1) * BLOCK_COLS, self._cols)],
         ]
+        if self._column:  # the source's grid of it is one row
+            window.reverse()
         try:
             reply = await remote_of(self).slice(self._ref, self._text, window)
         except RequestFailed as e:  # logged by the app; the block shows "?" rather than retrying
@@ -395,6 +405,8 @@ class TensorGrid(ScrollView, can_focus=True):
         if data.dtype == "bfloat16" or data.dtype.startswith("float8"):
             values = values.astype(np.float32)  # exact; numpy prints and tests only its own floats
         values = values.reshape(values.shape[0] if values.ndim else 1, -1)
+        if self._column:
+            values = values.reshape(-1, 1)
         self.post_message(self.BlockReady(generation, key, format_block(values)))
 
     @on(BlockReady)
