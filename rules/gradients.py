@@ -27,7 +27,7 @@ from tensordbg.rules.scales import (
     reference_scale,
     typical_scale,
 )
-from tensordbg.rules.streaks import calm, once_a_step, said_this_step
+from tensordbg.rules.streaks import calm, once_a_step, passes_of, said_this_step
 from tensordbg.rules.weights import note_update, update_moved
 from tensordbg.statistics import (
     ABS_MEAN,
@@ -130,8 +130,9 @@ class ExplodingGradient(Rule):
         streaks: dict[str, int] = state.setdefault("above", {})
         peaks: dict[str, float] = state.setdefault("peaks", {})
         growth, window, warmup, max_norm = self.growth, self.window, self.warmup, self.max_norm
+        passes = passes_of(state)
         for t in tensors:
-            once_a_step(t.name, t.step, state, streaks, peaks)
+            once_a_step(t.name, t.step, state, streaks, peaks, passes)
             values = t.values
             norm = values.get(L2)
             history = state.get(t.name)

@@ -8,15 +8,16 @@ from typing import Any
 
 
 def once_a_step(name: str, step: int, state: dict[str, Any], streaks: dict[str, int],
-                peaks: dict[str, float]) -> None:  # fmt: skip
+                peaks: dict[str, float], passes: dict[str, Any] | None = None) -> None:  # fmt: skip
     """Before gradient ``name`` of ``step`` is judged: at a later backward pass of a step that
     judged it already (gradients accumulated over micro-batches), its history (``state[name]``),
     streak and peak go back to what they were before that step, so that a step counts once,
     with its last pass's norm: ExplodingGradient said "over the 49 steps before it grew" at
     step 41 of a run accumulating 4 micro-batches a step, and "for 2 steps in a row", then 3,
     within one step (found trying the product as a new user). Nothing is copied until a step
-    shows a second pass: that first one keeps only its own last norm."""
-    passes = _passes(state)
+    shows a second pass: that first one keeps only its own last norm. ``passes``: this memory
+    (:func:`passes_of`), looked up once for a pass's gradients."""
+    passes = passes_of(state) if passes is None else passes
     at, before = passes["at"], passes["before"]
     history = state.get(name)
     if at.get(name) == step:  # a later pass of this step
@@ -38,14 +39,15 @@ def once_a_step(name: str, step: int, state: dict[str, Any], streaks: dict[str, 
 def said_this_step(name: str, step: int, state: dict[str, Any]) -> bool:
     """Whether a finding on gradient ``name`` was made at ``step`` already (a later backward
     pass of the step shows the same growth again); notes that one is made now otherwise."""
-    said = _passes(state)["said"]
+    said = passes_of(state)["said"]
     if said.get(name) == step:
         return True
     said[name] = step
     return False
 
 
-def _passes(state: dict[str, Any]) -> dict[str, Any]:
+def passes_of(state: dict[str, Any]) -> dict[str, Any]:
+    """The rule's memory of the steps and backward passes that judged each gradient."""
     passes = state.get("_passes")
     if passes is None:
         passes = state["_passes"] = {"at": {}, "before": {}, "length": {}, "said": {},

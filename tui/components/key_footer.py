@@ -39,7 +39,7 @@ class KeyFooter(Footer):
     def __init__(self) -> None:
         super().__init__()
         self._width = 0  # the width it was laid out for
-        self._shows: tuple[object, ...] | None = None  # what it was laid out with (_showing)
+        self._shows: tuple[object, ...] | None = None  # what it was last rebuilt for (_showing)
 
     def bindings_changed(self, screen: Screen) -> None:
         """Textual's footer is built anew whenever the screen's bindings are looked at again (a
@@ -50,7 +50,11 @@ class KeyFooter(Footer):
             self.call_after_refresh(self._rebuild_if_changed)
 
     async def _rebuild_if_changed(self) -> None:
-        if self.is_attached and self._showing() != self._shows:
+        if not self.is_attached:
+            return
+        showing = self._showing()  # (each look runs the app's check_action on every binding)
+        if showing != self._shows:
+            self._shows = showing
             await self.recompose()
 
     def _showing(self) -> tuple[object, ...]:
@@ -63,7 +67,6 @@ class KeyFooter(Footer):
         ))  # fmt: skip
 
     def compose(self) -> ComposeResult:
-        self._shows = self._showing() if self._bindings_ready else None
         keys = list(super().compose())
         if not keys:
             return
