@@ -270,6 +270,16 @@ class TensorGrid(ScrollView, can_focus=True):
         where = ", ".join(self._label(a, i) for a, i in enumerate(reply["at"] or []))
         again = " (from the start again)" if reply["wrapped"] else ""
         self.border_subtitle = f"f: NaN/Inf at [{where}]{again}"
+        self._show_found()
+        # Again once the layout is done: a grid just opened may not have its size yet, and a
+        # scroll limited by it stopped short of the row (row 700 of 1,000 left off screen).
+        self.call_after_refresh(self._show_found)
+
+    def _show_found(self) -> None:
+        """Bring the cell found last into view, its row in the middle when it can be."""
+        if self._found is None:
+            return
+        row, col = self._found
         c0, c1 = self._visible_columns()
         x = self.scroll_x if c0 <= col < c1 else max(0, (col - 1) * CELL)
         y = min(max(0, row - (self.size.height - 1) // 2), self.max_scroll_y)
