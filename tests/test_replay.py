@@ -324,10 +324,10 @@ def test_a_tensor_left_open_on_n_says_which_steps_values_it_shows(dump: Path) ->
             title = app.query_one("#tensor-title", Static)
             await until(pilot, lambda: str(title.content) == "net.2.output")
             await pilot.press("n")
-            said = "net.2.output  (step 3's: reopen at step 4)"
+            said = "net.2.output  (step 3's values; the replay is at step 4: open it again)"
             await until(pilot, lambda: str(title.content) == said)
             await pilot.press("n")
-            said = "net.2.output  (step 3's: reopen at step 5)"
+            said = "net.2.output  (step 3's values; the replay is at step 5: open it again)"
             await until(pilot, lambda: str(title.content) == said)
 
     asyncio.run(flow())

@@ -164,7 +164,8 @@ def test_a_later_hit_opened_on_a_small_screen_keeps_its_step_when_n_moves(dump: 
         await pilot.press("enter")
         await until(pilot, lambda: str(title.content) == "output  (step 9's)")
         await pilot.press("n")
-        await until(pilot, lambda: str(title.content) == "output  (step 9's: reopen at step 6)")
+        said = "output  (step 9's values; the replay is at step 6: open it again)"
+        await until(pilot, lambda: str(title.content) == said)
 
     in_ui(dump, check, SMALL)
 

@@ -91,7 +91,7 @@ class TensorInspector(Vertical):
             self.query_one("#tensor-title", Static).update(self._title())
             return
         shown = "an earlier step's" if self.step is None else f"step {self.step}'s"
-        self.moved_on(f"{shown}: reopen at step {step}")
+        self.moved_on(f"{shown} values; the replay is at step {step}: open it again")
 
     def moved_on(self, note: str) -> None:
         """The training or the replay left the phase of the open tensor: its values stay, said
