@@ -80,8 +80,8 @@ class OptimizerPhase:
 
     def skippable(self) -> bool:
         """Whether a skip can still drop an update: not while paused after every update of
-        the step (a parameter's hit); the UI offers ``k`` only when it can."""
-        return not (self.controller.state == "paused" and self.update_made())
+        the step (a parameter's hit) or in an evaluation; the UI offers ``k`` only then."""
+        return not (self.controller.state == "paused" and (self.update_made() or self.evaluating()))
 
     def skipping(self) -> str:
         """What a skip asked for now drops, as a person reads it: the step's updates not yet

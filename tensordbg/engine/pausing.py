@@ -101,7 +101,7 @@ class Pausing:
         a forward without gradients (an evaluation under ``no_grad``): no update comes of it."""
         if (self.phase == "optimizer" or self.phase in CHECKS) and not self._stepping:
             return
-        if self.phase == "forward" and not self.capture.with_grad:
+        if self.evaluating():
             return
         if self._skips_in_row >= self.amp.max_skipped_steps:
             # Raised with the origin of what it kept skipping (a weight set to Inf at the first
@@ -128,7 +128,20 @@ class Pausing:
         """
         return self.control.submit(self._skip).result()
 
+    def evaluating(self) -> bool:
+        """Whether the training is in a forward without gradients (an evaluation under
+        ``no_grad``): no update comes of it, and the next one is a later step's."""
+        return self.phase == "forward" and not self.capture.with_grad
+
     def _skip(self) -> int:
+        if self.evaluating():
+            # k at a validation batch's NaN dropped the next step's clean update, where
+            # on_hit="skip" drops none (found trying the UI as a new user).
+            raise ValueError(
+                "this is a forward without gradients (an evaluation under no_grad): no update "
+                "comes of it, so there is none to skip; a skip drops an update from a pause in "
+                "the training's forward or backward phase"
+            )
         if self.update_made():
             raise ValueError(
                 f"step {self.step}'s update is made already (this hit was found after "
