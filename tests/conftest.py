@@ -144,6 +144,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         for watched in list(engine._attached.values()):
             watched.summary_at_exit = False
             watched.detach()
+    zygote = sys.modules.get("zygote")  # this worker's preloaded interpreter (zygote.py)
+    if zygote is not None:
+        zygote.close()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

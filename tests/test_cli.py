@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import zygote
 
 from tensordbg.cli import build_parser
 from tensordbg.dump import load as tensordbg_load
@@ -44,11 +45,11 @@ SCRIPT = textwrap.dedent(
 
 def tensordbg(*args: str, cwd: Path, timeout: float = 120,
               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
-    return subprocess.run(
+    """``python -m tensordbg.cli *args``, as ``subprocess.run`` gives it (zygote.py: forked from
+    an interpreter that has imported torch, not started and importing it each time)."""
+    return zygote.run(
         [sys.executable, "-m", "tensordbg.cli", *args],
         cwd=cwd,
-        capture_output=True,
-        text=True,
         timeout=timeout,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
@@ -564,8 +565,7 @@ def test_ctrl_c_inside_tensordbg_shows_the_users_frames_only(tmp_path: Path):
     tensordbg's, PyTorch's and threading's under the user's line (found trying the product as a
     new user); it shows the user's line, as an uncaught hit does. The exit stays Python's."""
     (tmp_path / "train.py").write_text(CTRL_C_INSIDE)
-    done = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    done = zygote.run([sys.executable, "train.py"], cwd=tmp_path, timeout=120)
     assert done.returncode in (-2, 130), done.stderr  # killed by SIGINT, as python is
     assert "frames left out" in done.stderr and "# the user's line" in done.stderr
     assert "tensordbg/engine" not in done.stderr and "torch/nn" not in done.stderr
@@ -915,8 +915,7 @@ def test_a_script_that_attaches_and_exits_with_hits_prints_the_summary(tmp_path:
             "session = tensordbg.attach(model, optimizer=optimizer, on_hit='record')",
         )
     )
-    done = subprocess.run([sys.executable, str(path), "5"], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)  # fmt: skip
+    done = zygote.run([sys.executable, str(path), "5"], timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "at their origin." in done.stderr and "input[0]" in done.stderr
 
@@ -1030,7 +1029,7 @@ def test_a_script_that_attached_itself_tells_the_ui_how_it_ended(tmp_path: Path,
             model(torch.randn(3, 4)).sum().backward(); opt.step(); opt.zero_grad()
         {ending}
     """))  # fmt: skip
-    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=60)
+    done = zygote.run([sys.executable, str(path)], timeout=60)
     last = json.loads(done.stdout.strip().splitlines()[-1])
     assert last["state"] == "finished" and last.get("reason") == said, done.stdout + done.stderr
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import inspect
 import math
 import re
-import subprocess
 import sys
 import threading
 import time
@@ -15,6 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
+import zygote
 from torch import nn
 
 import tensordbg
@@ -392,10 +392,10 @@ for step in range(6):
 
 def test_tensordbg_run_writes_a_dump_without_changing_the_script(tmp_path):
     (tmp_path / "train.py").write_text(RUN_SCRIPT)
-    done = subprocess.run(
+    done = zygote.run(
         [sys.executable, "-m", "tensordbg.cli", "run", "--on-hit", "dump", "--dump-dir", "dbg",
          "--dump-every", "2", "--dump-tensors", "*.weight", "train.py"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path, timeout=120,
     )  # fmt: skip
     assert done.returncode == 1, done.stderr  # a watchpoint hit, as with --on-hit record
     dump = tensordbg.load(tmp_path / "dbg")

@@ -9,7 +9,6 @@ import io
 import math
 import multiprocessing
 import os
-import subprocess
 import sys
 import textwrap
 import threading
@@ -18,6 +17,7 @@ import warnings
 
 import pytest
 import torch
+import zygote
 from conftest import DEADLINE, DEFERRED_ON_DEVICE, wait_until
 from models import mlp
 from paused import PausedTraining
@@ -1307,6 +1307,58 @@ def test_a_nan_in_an_evaluation_under_no_grad_skips_no_update(watch):
     assert {h.step for h in session.hits if h.origin and h.phase == "forward"} == {1, 2, 3, 4, 5}
 
 
+@pytest.mark.parametrize("sync", ["auto", "eager"])
+def test_k_on_a_hit_in_an_evaluation_is_refused_and_the_next_update_lands(watch, sync):
+    """Paused on a validation batch's NaN (a forward under no_grad between two steps), k
+    (``skip_step``) dropped the next step's clean update, where on_hit="skip" drops none
+    (found trying the UI as a new user): the losses left the bare run's. No update comes of an
+    evaluation: k is refused, saying so, the UI is not offered it, and the training's numbers
+    stay the bare run's."""
+    from tensordbg.sources.contract import SourceError
+
+    def train(attach: bool) -> list[float]:
+        torch.manual_seed(0)
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        said: dict = {}
+        if attach:
+            session = watch(model, optimizer=opt, on_hit="pause", rules=[NaN()], sync=sync)
+
+            def press():
+                try:
+                    wait_until(lambda: session.controller.state == "paused")
+                    said["offered"] = LiveSource(session).info()["skippable"]
+                    try:
+                        LiveSource(session).control("skip")
+                    except SourceError as e:
+                        said["error"] = str(e)
+                finally:
+                    session.controller.resume()
+
+            helper = threading.Thread(target=press)
+            helper.start()
+        losses = []
+        for step in range(4):
+            loss = model(torch.randn(3, 4)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if step == 1:
+                bad = torch.randn(3, 4)
+                bad[0, 0] = float("nan")
+                with torch.no_grad():  # the evaluation: its NaN pauses
+                    model(bad)
+        if attach:
+            helper.join(DEADLINE)
+            assert "no update comes of it, so there is none to skip" in said["error"]
+            assert said["offered"] is False
+            assert session.skipped_updates == []
+        return losses
+
+    assert train(attach=True) == train(attach=False)
+
+
 def test_a_skipped_step_that_left_batchnorm_statistics_nan_says_so_and_so_do_later_hits(
     watch, capsys
 ):
@@ -2225,7 +2277,6 @@ def test_a_scripts_once_only_warning_is_not_said_again_after_attach_or_detach(tm
         said_once()
     """)
     )
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = zygote.run([sys.executable, str(script)], timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("UserWarning: said once here") == 1, done.stderr

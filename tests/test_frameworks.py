@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import zygote
 from torch import nn
 
 transformers = pytest.importorskip(
@@ -486,10 +487,8 @@ LIGHTNING_SCRIPT = """
 def test_tensordbg_run_watches_a_framework_script_without_changing_it(tmp_path, script, where):
     path = tmp_path / "train.py"
     path.write_text(f"OUT = {str(tmp_path / 'out')!r}\n" + textwrap.dedent(script))
-    done = subprocess.run(
-        [sys.executable, "-m", "tensordbg.cli", "run", "--on-hit", "record", str(path)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
+    done = zygote.run([sys.executable, "-m", "tensordbg.cli", "run", "--on-hit", "record",
+                       str(path)], timeout=300, cwd=tmp_path)  # fmt: skip
     assert "trained" in done.stdout, done.stderr[-3000:]
     assert "through its trainer" in done.stderr
     assert where in done.stderr, done.stderr[-3000:]
@@ -503,11 +502,8 @@ def test_tensordbg_run_profiles_a_framework_script(tmp_path, script):
     found, nothing was profiled")."""
     path = tmp_path / "train.py"
     path.write_text(f"OUT = {str(tmp_path / 'out')!r}\n" + textwrap.dedent(script))
-    done = subprocess.run(
-        [sys.executable, "-m", "tensordbg.cli", "run", "--on-hit", "record", "--profile", "2",
-         str(path)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
+    done = zygote.run([sys.executable, "-m", "tensordbg.cli", "run", "--on-hit", "record",
+                       "--profile", "2", str(path)], timeout=300, cwd=tmp_path)  # fmt: skip
     assert "trained" in done.stdout, done.stderr[-3000:]
     assert "tensordbg profile: 2 steps" in done.stderr, done.stderr[-3000:]
     assert "nothing was profiled" not in done.stderr
@@ -527,8 +523,7 @@ def test_an_uncaught_hit_in_lightning_shows_the_users_frames_then_the_summary(tm
     )
     path = tmp_path / "train.py"
     path.write_text(textwrap.dedent(script))
-    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path)  # fmt: skip
+    done = zygote.run([sys.executable, str(path)], timeout=300, cwd=tmp_path)
     err = done.stderr
     assert done.returncode == 1 and "trained" not in done.stdout, err[-3000:]
     start = err.index(
@@ -602,8 +597,7 @@ def test_lightning_ddp_two_processes_each_rank_has_its_session_and_rank_1_names_
 
     path = tmp_path / "train_ddp.py"
     path.write_text(f"OUT = {str(tmp_path)!r}\n" + textwrap.dedent(DDP_SCRIPT))
-    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path)  # fmt: skip
+    done = zygote.run([sys.executable, str(path)], timeout=300, cwd=tmp_path)
     assert done.returncode == 0, ranks_said(done.stderr)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["rank"] for r in ranks] == [0, 1]

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import zygote
 from fake_source import FakeSource
 from rich.console import Console
 from rich.text import Text
@@ -760,7 +761,7 @@ def test_on_hit_raise_shows_the_users_frames_and_the_summary_last(tmp_path: Path
         command = [sys.executable, "-m", "tensordbg.cli", "run", "--on-hit", "raise", str(script)]
     else:
         command = [sys.executable, str(script)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    done = zygote.run(command, timeout=120, cwd=tmp_path)
     assert done.returncode == 1, done.stderr
     err = done.stderr
     assert "Traceback" in err and "WatchpointHit" in err
