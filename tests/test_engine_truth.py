@@ -1307,6 +1307,26 @@ def test_a_nan_in_an_evaluation_under_no_grad_skips_no_update(watch):
     assert {h.step for h in session.hits if h.origin and h.phase == "forward"} == {1, 2, 3, 4, 5}
 
 
+def _press_k_when_paused(session, said: dict) -> threading.Thread:
+    """A person at a UI opened at the next pause: what it offers (``said["offered"]``), then
+    ``k`` (its refusal in ``said["error"]``), then ``c``."""
+
+    def press():
+        try:
+            wait_until(lambda: session.controller.state == "paused")
+            said["offered"] = LiveSource(session).info()["skippable"]  # a UI opened now
+            try:
+                LiveSource(session).control("skip")
+            except SourceError as e:
+                said["error"] = str(e)
+        finally:
+            session.controller.resume()
+
+    helper = threading.Thread(target=press)
+    helper.start()
+    return helper
+
+
 @pytest.mark.parametrize("sync", ["auto", "eager"])
 def test_k_on_a_hit_in_an_evaluation_is_refused_and_the_next_update_lands(watch, sync):
     """Paused on a validation batch's NaN (a forward under no_grad between two steps), k
@@ -1314,7 +1334,6 @@ def test_k_on_a_hit_in_an_evaluation_is_refused_and_the_next_update_lands(watch,
     (found trying the UI as a new user): the losses left the bare run's. No update comes of an
     evaluation: k is refused, saying so, the UI is not offered it, and the training's numbers
     stay the bare run's."""
-    from tensordbg.sources.contract import SourceError
 
     def train(attach: bool) -> list[float]:
         torch.manual_seed(0)
@@ -1324,19 +1343,7 @@ def test_k_on_a_hit_in_an_evaluation_is_refused_and_the_next_update_lands(watch,
         if attach:
             session = watch(model, optimizer=opt, on_hit="pause", rules=[NaN()], sync=sync)
 
-            def press():
-                try:
-                    wait_until(lambda: session.controller.state == "paused")
-                    said["offered"] = LiveSource(session).info()["skippable"]
-                    try:
-                        LiveSource(session).control("skip")
-                    except SourceError as e:
-                        said["error"] = str(e)
-                finally:
-                    session.controller.resume()
-
-            helper = threading.Thread(target=press)
-            helper.start()
+            helper = _press_k_when_paused(session, said)
         losses = []
         for step in range(4):
             loss = model(torch.randn(3, 4)).square().mean()
@@ -1686,8 +1693,6 @@ def test_k_on_a_hit_found_after_the_update_is_refused_and_not_offered(watch, syn
     step 1 will be skipped" and the summary listed it as skipped, while the weights had
     changed (found trying the UI as a new user). The update is made: k is refused, saying so,
     the state the UI reads offers no k, and nothing is counted as skipped."""
-    from tensordbg.sources.contract import SourceError
-
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1e30)  # the update overflows the weights
     session = watch(model, optimizer=opt, on_hit="pause", rules=[NaN(), Overflow()], sync=sync)
@@ -1695,19 +1700,7 @@ def test_k_on_a_hit_found_after_the_update_is_refused_and_not_offered(watch, syn
     session.bus.subscribe(lambda event, payload: states.append(payload), ["state"])
     said = {}
 
-    def press():
-        try:
-            wait_until(lambda: session.controller.state == "paused")
-            said["offered"] = LiveSource(session).info()["skippable"]  # a UI opened now
-            try:
-                LiveSource(session).control("skip")
-            except SourceError as e:
-                said["error"] = str(e)
-        finally:
-            session.controller.resume()
-
-    helper = threading.Thread(target=press)
-    helper.start()
+    helper = _press_k_when_paused(session, said)
     (model(torch.randn(3, 4)).sum() * 1e30).backward()  # large, finite gradients
     before = copy.deepcopy(model.state_dict())
     opt.step()  # pauses on the Inf weight it wrote
