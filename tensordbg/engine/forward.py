@@ -18,8 +18,10 @@ from typing import Any
 
 import torch
 
+from tensordbg.engine.buffers import BufferWatch, Owner
+from tensordbg.engine.origin import Verdict
 from tensordbg.engine.phases import Enter, Exit
-from tensordbg.engine.records import NONFINITE, Call, Record
+from tensordbg.engine.records import NONFINITE, Call, Record, new_record
 from tensordbg.statistics.torch_kernels import SCREEN, dtype_name, host_stats, watchable
 
 NOTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # logs_forward
@@ -53,6 +55,10 @@ class ForwardPhase:
             # generator, after its discriminator's forward and update).
             self._skip_requested = False
         self._root_forwards += 1
+        if self._buffer_watch is None and (model := self.model) is not None:
+            self._buffer_watch = BufferWatch(model)  # as the model is before its first forward
+        if self._buffer_watch is not None:
+            self._buffer_watch.begin()
         self._start_phase("forward")
         self._forward_open = True
         self.origins.begin_forward()
@@ -169,6 +175,7 @@ class ForwardPhase:
         (else :meth:`_list_forward` lists them if the phase shows a problem). ``deferred``:
         they were not made (its outputs were screened finite), and whether one needs a
         gradient."""
+        self._screen_buffers()
         if deferred is not None:
             self._after_hook()
             if not (torch.is_grad_enabled() and deferred):
@@ -191,6 +198,64 @@ class ForwardPhase:
         backward_expected = torch.is_grad_enabled() and any(r.grad_hooked for _, r in root.outputs)
         if not backward_expected:
             self._end_phase()
+
+    _buffer_watch: BufferWatch | None = None
+    _buffers_written: list[tuple[Owner, str, torch.Tensor]] | None = None
+
+    def _screen_buffers(self) -> None:
+        """At a root forward's end: the buffers it wrote (BatchNorm's running statistics),
+        judged at the phase's end (:meth:`_judge_buffers`; see :mod:`.buffers`)."""
+        watch = self._buffer_watch
+        changed = watch.changed() if watch is not None else []
+        if changed:
+            self._buffers_written = (self._buffers_written or []) + changed
+
+    def _buffers_to_batch(self) -> None:
+        """On a device: the norms of the buffers the phase's forwards wrote join its transfer."""
+        written = self._buffers_written
+        if written and self.sync.on_device and self._buffer_watch is not None:
+            self.phases.buffer_norms = self.phases.batch.add_parts(
+                self._buffer_watch.norms(written), None)  # fmt: skip
+
+    def _judge_buffers(self) -> None:
+        """At the phase's end, after its other hits: each buffer its forwards wrote that is
+        not finite is a hit, once while it stays so. On the host the sum of their norms is
+        read now; on a device it came with the transfer. Read one by one only when it is not
+        finite."""
+        written, self._buffers_written = self._buffers_written, None
+        watch = self._buffer_watch
+        if not written or watch is None:
+            return
+        if self.sync.on_device:
+            finite, self.phases.buffers_finite = self.phases.buffers_finite, True
+        else:
+            finite = watch.all_finite(written)
+        if finite:
+            watch.fired.difference_update(name for _, name, _ in written)
+        else:
+            watch.read_each(written, self._report_buffer)
+
+    def _report_buffer(self, owner: Owner, name: str, tensor: torch.Tensor) -> None:
+        """A buffer not finite: a record in the forward phase, judged by the rules that look
+        at buffers. Its forward is the origin, unless that forward's own NaN or Inf came
+        first (a bad batch: the buffer took it in), or the model came with it."""
+        tensor = tensor.detach()
+        record = new_record(tensor, name, "buffer", self.phase, self.step, module=owner.path,
+                            module_type=owner.type_name)  # fmt: skip
+        watch = self._buffer_watch
+        record.before_update = watch is not None and name in watch.came_bad
+        if watch is not None:
+            watch.came_bad.discard(name)
+        applicable = self.ruleset.applicable(record.stats)
+        record.rule_ids, record.checks = applicable.rule_ids, applicable.checks
+        record.wanted = applicable.wanted or SCREEN
+        self.screen(record, tensor)
+        self.phases.register(record)
+        self.judge(record, tensor)
+        made_here = not any(h.origin and h.step == self.step and h.phase == self.phase
+                            for h in self.hits)  # fmt: skip
+        for rule_id, finding in record.findings.items():
+            self._hit(Verdict(record, rule_id, finding, made_here))
 
     def logs_forward(self) -> frozenset[torch.dtype]:
         """Activation dtypes whose module calls the hooks may only note (see capture.py): in

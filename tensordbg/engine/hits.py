@@ -19,7 +19,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from tensordbg.engine.fused import FUSED
 from tensordbg.engine.judge import ActiveRule
-from tensordbg.engine.records import CHECKS, NONFINITE, Call, Record, submodule
+from tensordbg.engine.origin_notes import ORIGIN_NOTE, note_kind
+from tensordbg.engine.records import NONFINITE, Call, Record, submodule
 from tensordbg.hit import Hit, said_of
 from tensordbg.rules.base import Finding
 from tensordbg.statistics import L2
@@ -215,7 +216,7 @@ class HitLog:
                 finding,
                 is_origin,
                 condition,
-                "grad_code" if own_code else _note_kind(kind, name or stats.name, path, record),
+                "grad_code" if own_code else note_kind(kind, name or stats.name, path, record),
                 path,
                 first,
                 self.bad_buffers(path) if is_origin and kind == "output" and path else (),
@@ -368,7 +369,7 @@ def with_origin(finding: Finding, is_origin: bool, condition: int | None, kind: 
             return (f"{finding.message} It was produced by the same call as {first}, the "
                     "origin (named once a call).")  # fmt: skip
         return f"{finding.message} It was passed on from upstream{source}, not produced here."
-    note = _ORIGIN_NOTE.get((kind, bool(module))) or _ORIGIN_NOTE[kind, not module]
+    note = ORIGIN_NOTE.get((kind, bool(module))) or ORIGIN_NOTE[kind, not module]
     if unseen:
         note = (f"It first showed here, in {unseen} or just after it in backward: "
                 f"torch.utils.checkpoint with use_reentrant=True runs {unseen} again in "
@@ -394,6 +395,8 @@ def with_origin(finding: Finding, is_origin: bool, condition: int | None, kind: 
                 "hold NaN or Inf: "
                 "an earlier forward wrote them (BatchNorm's running statistics after a bad "
                 "batch); reset them or load a checkpoint.")  # fmt: skip
+    if kind.startswith("buffer"):  # the rule's advice (a learning rate) is not a buffer's
+        return f"{finding.message} {note}"
     return f"{finding.advised} {note}"
 
 
@@ -435,61 +438,6 @@ def large_params(params: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 def _names(names: Sequence[str]) -> str:
     return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-
-
-_ORIGIN_NOTE = {
-    ("input", False): "It came in with the batch: look at the data and its preprocessing.",
-    ("later_input", False): "It came in with the model's inputs, not as its first argument: a "
-    "value the script hands in (a state it carries from step to step, a mask) or data; look at "
-    "the code that computes it.",
-    ("input", True): "It came in with this module's inputs.",
-    ("output", True): "It was produced here: this module's inputs and parameters were clean.",
-    ("output", False): "It was produced by the model's own forward code between its submodules.",
-    ("grad_input", True): "It was produced by this module's backward: the gradient of its "
-    "output was clean.",
-    ("grad_input", False): "It was produced by the model's backward: the gradient of its "
-    "output was clean.",
-    ("grad", True): "It was produced by this module's backward: the gradient of its output "
-    "was clean.",
-    ("grad_output", True): "It was produced in backward between modules.",
-    ("grad_code", True): "It was produced in backward by this module's own code between its "
-    "submodules: the gradients flowing into that code were clean.",
-    ("grad_code", False): "It was produced in backward by the model's own code between its "
-    "submodules: the gradients flowing into that code were clean.",
-    ("grad_output", False): "It comes from the loss's backward: the loss itself was clean.",
-    ("param", True): "The gradient was clean: the optimizer step or the code around it made it "
-    "(learning rate, eps, a manual edit), or the parameter was loaded this way.",
-    ("param_before", True): "Its gradient and the optimizer's state for it are finite, so the "
-    "update added only finite values: it was so before this step (set between steps by hand, or "
-    "loaded so), and the update did not make it. Deferred checks read a parameter after its "
-    "update, or where a forward's output shows it; this step's forward hid it (a saturated tanh "
-    "or sigmoid). sync='eager' names it in that forward.",
-    ("param_attach", True): "tensordbg found it when it attached, before the first step: the "
-    "model came with it (its initialization, or a checkpoint or state loaded so).",
-    ("param_check", True): "session.check_parameters() found it between steps, before the next "
-    "update: it was set so since (by hand, or loaded so).",
-    ("param_unstepped", True): "It was clean when tensordbg attached, and no optimizer step ran "
-    "since: the code between attach and this forward made it (set by hand, or loaded so).",
-    ("observed_apart", True): "The watched model was not called for it: it comes of a model "
-    "tensordbg does not watch (built anew for a resume?); attach again to that one.",
-    ("update", True): "It was produced by the optimizer step.",
-    ("observed", True): "The model's outputs were clean: the code that computes it made it.",
-}
-
-
-def _note_kind(kind: str, name: str, module: str | None, record: Record) -> str:
-    """Which of :data:`_ORIGIN_NOTE`'s sentences an origin of ``kind`` takes: the model's input
-    after its first argument (``input[1][0]``: an LSTM's state handed back in) is not said to
-    be the batch; a parameter the update did not make (``record.before_update``) says so."""
-    if kind == "input" and not module and name.startswith("input[") and name[6:8] != "0]":
-        return "later_input"
-    if kind == "param" and record.stats.phase in CHECKS:  # no update made it
-        return f"param_{record.stats.phase}"
-    if kind == "param" and record.stats.phase == "forward" and record.stats.step == 0:
-        return "param_unstepped"  # checked whole at attach, and nothing stepped since
-    if kind == "observed" and record.apart:
-        return "observed_apart"
-    return "param_before" if kind == "param" and record.before_update else kind
 
 
 def _root_call(call: Call | None) -> Call | None:

@@ -115,6 +115,9 @@ class PhaseQueue:
         """The batch's slot of the norms of the gradients a deferred pass kept unread."""
         self.kept_finite = True
         """Whether those norms came back finite (a pass without them: True)."""
+        self.buffer_norms = -1
+        """The batch's slot of the norms of the buffers a forward wrote (engine/buffers.py)."""
+        self.buffers_finite = True
 
     released = False
     """Whether the phase ended and let go of its tensors (a pause that comes after it, at a
@@ -124,6 +127,7 @@ class PhaseQueue:
         self.release()
         self.released = False
         self.kept_norms, self.kept_finite = -1, True
+        self.buffer_norms, self.buffers_finite = -1, True
         self.records = []
         self.by_ref = {}
         self.phase = phase
@@ -180,6 +184,9 @@ class PhaseQueue:
         if self.kept_norms >= 0:
             self.kept_finite = all(math.isfinite(v) for v in values[self.kept_norms])
             self.kept_norms = -1
+        if self.buffer_norms >= 0:
+            self.buffers_finite = all(math.isfinite(v) for v in values[self.buffer_norms])
+            self.buffer_norms = -1
         filled = []
         for event in self.pending:
             if type(event) is Judged and event.record.slot >= 0:

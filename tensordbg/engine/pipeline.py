@@ -215,6 +215,7 @@ class Pipeline(Pausing, Pinpointing):
     def _fetch(self) -> None:
         """The phase's transfer (batched statistics to the host, if any wait). A deferred phase
         on a device whose screened tensors show a NaN or Inf is settled: what it kept is read."""
+        self._buffers_to_batch()
         filled = self.phases.fetch()
         if self.sync.keeps_unscreened and (
             any(r.stats.nonfinite for r in filled) or not self.phases.kept_finite
@@ -280,6 +281,7 @@ class Pipeline(Pausing, Pinpointing):
         self._drain()
         if self._records_late:
             self._records_in_execution_order()
+        self._judge_buffers()  # after the forward's own hits: a buffer's NaN may be theirs
         self._judge_phase()
         self._publish_phase()
         self._pause_if_needed()

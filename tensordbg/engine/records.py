@@ -123,7 +123,7 @@ class Record:
     weak: weakref.ref[torch.Tensor] | None = None
     voucher: str = ""  # a gradient not kept, judged from this parameter's (engine/vouching.py)
     before_update: bool = False  # a parameter's NaN/Inf found after its update, which did not
-    # make it (engine/pipeline.py: _bad_before_update)
+    # make it (engine/pipeline.py: _bad_before_update); a buffer's the model came with
     apart: bool = False  # an observed value of no call of the watched model (loss_code.py)
 
     def find(self, rule_id: int, finding: Any) -> None:

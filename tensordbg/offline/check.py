@@ -49,6 +49,7 @@ WATCHED = {
     "grad_input": "the gradient of a module's input",
     "param": "a parameter",
     "grad": "a parameter's gradient",
+    "buffer": "a module's buffer (BatchNorm's running statistics), read after a forward wrote it",
     "update": "a parameter's update (batched checks record one every step, deferred ones on the "
     "step after a hit)",
     "observed": "a value the training observes: observe it with session.observe(name, value)",

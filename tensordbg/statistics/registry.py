@@ -27,8 +27,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-# Kinds of watched tensors.
-KINDS = ("input", "output", "grad_output", "grad_input", "param", "grad", "update", "observed")
+KINDS = ("input", "output", "grad_output", "grad_input", "param", "grad", "update", "buffer",
+         "observed")  # fmt: skip
 
 # Largest finite value of each floating dtype, by torch's dtype name.
 FLOAT_MAX: dict[str, float] = {

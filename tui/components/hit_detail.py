@@ -88,7 +88,7 @@ class HitDetail(Static):
         kind, module = hit["kind"], hit["module"] or "(model)"
         if kind == "observed":  # a loss given to observe(): no module made it, no call
             text.append("  observed")
-        elif kind in ("param", "grad", "update"):  # a parameter's: its module, any call
+        elif kind in ("param", "grad", "update", "buffer"):  # its module's, of no one call
             text.append(f"  {kind} of {module}")
         else:
             text.append(f"  {kind} of {module}, call {hit['call']}")
