@@ -109,3 +109,30 @@ def test_a_buffer_set_bad_by_hand_is_not_blamed_on_an_evaluation_that_only_read_
     hit = next(h for h in session.hits if h.origin)
     assert hit.module == "1"
     assert "its buffers 1.running_var hold NaN or Inf" in hit.message
+
+
+class _Masked(nn.Module):
+    """An additive causal mask kept as a buffer: -inf above the diagonal, by design, refreshed
+    in place by each forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.zeros(5, 5))
+
+    def forward(self, x):
+        self.mask.copy_(torch.full((5, 5), float("-inf")).triu(1))
+        scores = x @ x.transpose(-1, -2) + self.mask
+        return self.proj(torch.softmax(scores, -1) @ x)
+
+
+def test_an_attention_mask_s_minus_inf_written_by_a_forward_is_no_hit(watch):
+    torch.manual_seed(0)
+    model = _Masked()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=opt, on_hit="record")
+    for _ in range(3):
+        model(torch.randn(2, 5, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert not session.hits

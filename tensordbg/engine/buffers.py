@@ -15,7 +15,9 @@ phase's transfer); only a sum that is not finite reads them one by one.
 A buffer found not finite is a hit once (the forward that made it is its origin) and then not
 again while it stays so: it is read at each training forward, but its state is the same news.
 One that held NaN or Inf when tensordbg attached came with the model (loaded so), and its hit
-says that. Modules given buffers after attach are not watched.
+says that. Only NaN and +Inf count: an additive attention mask holds -inf by design (a
+running statistic that overflows holds +Inf: its variance does). Modules given buffers after
+attach are not watched.
 """
 
 from __future__ import annotations
@@ -58,10 +60,8 @@ class BufferWatch:
         self._versions: dict[str, tuple[int, ...]] = {}
         self.fired: set[str] = set()
         """Buffers found not finite and reported: not again while they stay so."""
-        self.came_bad: set[str] = set()
+        self.came_bad = {name for owner in self.owners for name, b in _floating(owner) if _bad(b)}
         """Buffers that held NaN or Inf when tensordbg attached: the model came with them."""
-        for owner in self.owners:
-            self.came_bad.update(name for name, b in _floating(owner) if not _finite(b))
 
     def begin(self) -> None:
         """A root forward starts: its buffers' versions now (a change between forwards, a
@@ -87,7 +87,7 @@ class BufferWatch:
         """Each of ``changed`` read alone: the sum of their norms was not finite (squares of
         large finite values can overflow it: those stay unreported)."""
         for owner, name, b in changed:
-            if _finite(b):
+            if not _bad(b):
                 self.fired.discard(name)
             elif name not in self.fired:
                 self.fired.add(name)
@@ -107,5 +107,10 @@ def _floating(owner: Owner) -> list[tuple[str, torch.Tensor]]:
     return [(n, b) for n, b in owner.buffers() if watchable(b)]
 
 
-def _finite(b: torch.Tensor) -> bool:
-    return host_stats(b.detach(), SCREEN)[0] == 1.0
+def _bad(b: torch.Tensor) -> bool:
+    """NaN, or +Inf: an additive attention mask holds -inf by design (a running statistic
+    that overflows holds +Inf: a variance, and a mean's square in it)."""
+    b = b.detach()
+    if host_stats(b, SCREEN)[0] == 1.0:
+        return False
+    return bool(torch.isnan(b).any() or torch.isposinf(b).any())
