@@ -17,7 +17,8 @@ class Hit:
     >>> hit.rule, hit.module, hit.kind, hit.step, hit.origin
     ('NaN', 'layers.1.attn', 'output', 12, True)
     >>> print(hit.message)
-    NaN in layers.1.attn.output at step 12: 16 of 32768 values are NaN ...
+    layers.1.attn.output holds 16 NaN among 32768 values. ... It was produced here: this module's
+    inputs and parameters were clean.
     """
 
     rule: str
@@ -27,8 +28,8 @@ class Hit:
     module: str
     """Path from ``model.named_modules()``; ``""`` is the root model."""
     kind: str
-    """``input``, ``output``, ``grad_output``, ``grad_input``, ``param``, ``grad``, ``update`` or
-    ``observed``."""
+    """``input``, ``output``, ``grad_output``, ``grad_input``, ``param``, ``grad``, ``update``,
+    ``buffer`` (one a forward wrote: BatchNorm's running statistics) or ``observed``."""
     step: int
     """Optimizer steps completed before this hit (without an optimizer: root forward calls)."""
     phase: str
