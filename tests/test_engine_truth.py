@@ -361,8 +361,8 @@ def test_a_training_forward_after_a_bad_evaluation_names_its_own_source(watch, s
     opt.step()
     said = {h.tensor: h.message for h in session.hits if h.step == 0 and h.phase == "forward"}
     assert "(first produced at input[0])" in said["2.output"]  # the evaluation's own
-    assert "(first produced at 1.weight)" in said["2#1.output"]
-    assert "(first produced at 1.weight)" in said["loss"]
+    assert "(from 1.weight, which held NaN or Inf before this forward)" in said["2#1.output"]
+    assert "(from 1.weight, which held NaN or Inf before this forward)" in said["loss"]
 
 
 @pytest.mark.parametrize("sync", MODES)
@@ -2273,3 +2273,33 @@ def test_a_scripts_once_only_warning_is_not_said_again_after_attach_or_detach(tm
     done = zygote.run([sys.executable, str(script)], timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("UserWarning: said once here") == 1, done.stderr
+
+
+@pytest.mark.parametrize("sync", MODES)
+def test_weights_an_earlier_update_made_nan_are_not_said_to_be_where_it_was_first_produced(
+    watch, sync
+):
+    """A NaN batch at step 1, its update landing (on_hit="record"): at step 2 every layer's
+    weights hold NaN. The hits of that forward said "first produced at 0.weight" for the
+    layers after it, whose own weights the update had made NaN (found trying the product as a
+    new user): 0.weight was where this forward met it first, and produced nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=opt, on_hit="record", rules=[NaN()], sync=sync)
+    for step in range(3):
+        x = torch.randn(6, 4)
+        if step == 1:
+            x[0, 0] = float("nan")
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    said = {h.tensor: h.message for h in session.hits if h.step == 2 and h.phase == "forward"}
+    assert "first produced at" not in " ".join(said.values())
+    assert said["1.output"].endswith(
+        "passed on from upstream (from 0.weight, which held NaN or Inf before this forward), "
+        "not produced here."
+    )
+    assert said["2.output"].endswith(
+        "own parameters 2.weight, which held NaN or Inf before this forward, not produced here."
+    )

@@ -72,7 +72,10 @@ class HitLog:
         """The first tensor named the origin of each condition this step (for messages)."""
         self.first_in_root: dict[tuple[int, int], str] = {}
         """The same, by root call of the step (by ``id``, in the order they had one), or the
-        parameter that passed it on there."""
+        parameter that passed it on there (:attr:`carried`)."""
+        self.carried: set[str] = set()
+        """Parameters named there that held it before the forward: an earlier step made them
+        so, so the values after them were not "first produced" there."""
         self._log = log
         self.rank = 0
         """The session's rank: every hit logged carries it."""
@@ -131,7 +134,7 @@ class HitLog:
     def end_step(self) -> None:
         self.streaks = {k: v for k, v in self.streaks.items() if k in self.fired_this_step}
         self.fired_last_step, self.fired_this_step = self.fired_this_step, set()
-        self.first_origin, self.first_in_root = {}, {}
+        self.first_origin, self.first_in_root, self.carried = {}, {}, set()
 
     def summary(self, skipped_steps: list[int], origins: int = 5) -> str:
         """The hits in a few lines: those at their origin first, else the first hit (another
@@ -227,6 +230,7 @@ class HitLog:
                 self.unwatched_bad(path) if is_origin and kind == "output" else (),
                 sibling,
                 self.stepped_apart() if is_origin and kind == "observed" else (0, ()),
+                carried=first in self.carried,
             ),
             ref=stats.ref,
             call=module.index if module is not None else stats.call,
@@ -238,6 +242,8 @@ class HitLog:
         if root is not None and condition is not None and (is_origin or bad_params):
             self.first_in_root.setdefault((id(root), condition),
                                           hit.tensor if is_origin else bad_params[0])  # fmt: skip
+            if not is_origin and self.first_in_root[id(root), condition] == bad_params[0]:
+                self.carried.add(bad_params[0])
         return hit
 
     def bad_buffers(self, path: str | None = None) -> list[str]:
@@ -337,7 +343,8 @@ def with_origin(finding: Finding, is_origin: bool, condition: int | None, kind: 
                 by_gradient: bool = False, bad_params: Sequence[str] = (),
                 unseen: str = "", bad_since: int | None = None,
                 unwatched: Sequence[str] = (), sibling: bool = False,
-                apart: tuple[int, Sequence[str]] = (0, ())) -> str:  # fmt: skip
+                apart: tuple[int, Sequence[str]] = (0, ()),
+                carried: bool = False) -> str:  # fmt: skip
     """The finding's sentence, followed by where the value came from. Its advice (what the
     condition usually means) is given where the condition arose, not repeated downstream.
     ``bad_buffers``: the module's buffers that are not finite (they fed its output);
@@ -346,13 +353,16 @@ def with_origin(finding: Finding, is_origin: bool, condition: int | None, kind: 
     ``unseen``: the block around it whose gradients no hook saw (origin.py); ``bad_since``: a
     parameter's, the step since which it has not been finite; ``unwatched``: the module's
     parameters added after attach that are not finite; ``apart``: of a loss, the parameters
-    its optimizers step that are not watched, and the shapes of those not finite."""
+    its optimizers step that are not watched, and the shapes of those not finite; ``carried``:
+    ``first`` is a parameter that held it before this forward (not produced there)."""
     if condition is None:
         return finding.advised
     if kind == "param" and bad_since is not None:
         return f"{finding.message} {_still_bad(is_origin, by_gradient, bad_since, first)}"
     if not is_origin:
         source = f" (first produced at {first})" if first else ""
+        if carried:  # an earlier step's update made it so: nothing here produced it
+            source = f" (from {first}, which held NaN or Inf before this forward)"
         if kind == "param" and by_gradient:
             return (f"{finding.message} The update wrote it in from the gradient, which held it "
                     f"already{source}. It has landed: to keep the weights clean, skip such an "
@@ -363,8 +373,8 @@ def with_origin(finding: Finding, is_origin: bool, condition: int | None, kind: 
                     "make it.")  # fmt: skip
         if bad_params:
             return (f"{finding.message} It was passed on from this module's own parameters "
-                    f"{_names(bad_params)}, which held NaN or Inf before this forward{source}, "
-                    "not produced here.")  # fmt: skip
+                    f"{_names(bad_params)}, which held NaN or Inf before this forward"
+                    f"{'' if carried else source}, not produced here.")  # fmt: skip
         if sibling:  # one origin a call: its other outputs are its work too
             return (f"{finding.message} It was produced by the same call as {first}, the "
                     "origin (named once a call).")  # fmt: skip
