@@ -2303,3 +2303,22 @@ def test_weights_an_earlier_update_made_nan_are_not_said_to_be_where_it_was_firs
     assert said["2.output"].endswith(
         "own parameters 2.weight, which held NaN or Inf before this forward, not produced here."
     )
+
+
+def test_parameters_the_optimizer_holds_frozen_are_said_once(watch, capsys):
+    """A layer left frozen by mistake (requires_grad=False, still in the optimizer) never
+    learns, and nothing said so in 56 steps of a new user's run: its gradient and update are
+    not checked, so tensordbg says it once, at the optimizer's first step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=opt, on_hit="record")
+    for _ in range(3):
+        model(torch.randn(6, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    err = capsys.readouterr().err
+    assert err.count("do not require grad") == 1
+    assert "the optimizer holds 2 parameters that do not require grad (0.bias, 0.weight)" in err
+    assert not session.hits

@@ -211,14 +211,31 @@ class ParamWatch:
     ) -> list[Param]:
         """The parameters this optimizer steps; the first optimizer also takes those no
         optimizer holds (a parameter left out of the optimizer is a bug worth seeing)."""
+        first = id(optimizer) not in self.groups
         self.groups[id(optimizer)] = optimizer.param_groups  # read again before each step
         mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if first:
+            self._say_frozen(mine)
         if len(mine) > len(self.params) or not mine.issubset(self.params):
             self._say_unwatched(optimizer, mine)
         if optimizer is optimizers[0]:
             held = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
             return [p for key, p in self.params.items() if key in mine or key not in held]
         return [p for key, p in self.params.items() if key in mine]
+
+    def _say_frozen(self, mine: set[int]) -> None:
+        """Say once, at an optimizer's first step, which of the model's parameters it holds
+        that do not require grad: frozen on purpose (a backbone) or by mistake (a layer left
+        frozen), nothing of theirs is checked, and nothing else would mention them."""
+        frozen = sorted(p.name for key, p in self.params.items()
+                        if key in mine and not p.param.requires_grad)  # fmt: skip
+        if frozen:
+            what = ", ".join(frozen[:4]) + (", ..." if len(frozen) > 4 else "")
+            print(f"tensordbg: the optimizer holds {len(frozen)} parameter"
+                  f"{'s' * (len(frozen) > 1)} that do{'es' * (len(frozen) == 1)} not require "
+                  f"grad ({what}): frozen, they get no gradient and no update, and tensordbg "
+                  "checks neither. Set requires_grad=True if they should learn.",
+                  file=sys.stderr, flush=True)  # fmt: skip
 
     def _say_unwatched(self, optimizer: torch.optim.Optimizer, mine: set[int]) -> None:
         """Say once which parameters the optimizer steps that are not watched: added after
