@@ -1626,6 +1626,18 @@ def test_an_overflow_made_of_a_huge_finite_weight_names_that_weight(watch, sync)
     assert not any("so large" in h.message for h in session.hits), session.hits
 
 
+def _train_with_a_nan_batch(model: nn.Module, opt, steps: int, at: int,
+                            batch: tuple[int, int]) -> None:  # fmt: skip
+    """Train ``steps`` steps of random batches, the one of step ``at`` with a NaN."""
+    for step in range(steps):
+        x = torch.randn(*batch)
+        if step == at:
+            x[0, 0] = float("nan")
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def _train_with_a_weight_set_to_nan_at_step_1(model: nn.Module, opt, steps: int = 3) -> None:
     """Steps of ``mlp()``'s training; before step 1, one element of its first weight is set
     to NaN by hand, and stays so."""
@@ -1861,13 +1873,7 @@ def test_an_optimizer_whose_step_calls_its_parents_counts_one_step(watch, sync):
     model = mlp()
     opt = ClampedSGD(model.parameters(), lr=0.1)
     session = watch(model, optimizer=opt, on_hit="record", rules=[NaN()], sync=sync)
-    for step in range(4):
-        x = torch.randn(3, 4)
-        if step == 2:
-            x[0, 0] = float("nan")
-        model(x).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    _train_with_a_nan_batch(model, opt, steps=4, at=2, batch=(3, 4))
     assert session.step == 4
     first = next(h for h in session.hits if h.origin)
     assert (first.step, first.phase) == (2, "forward")
@@ -2287,13 +2293,7 @@ def test_weights_an_earlier_update_made_nan_are_not_said_to_be_where_it_was_firs
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     session = watch(model, optimizer=opt, on_hit="record", rules=[NaN()], sync=sync)
-    for step in range(3):
-        x = torch.randn(6, 4)
-        if step == 1:
-            x[0, 0] = float("nan")
-        model(x).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    _train_with_a_nan_batch(model, opt, steps=3, at=1, batch=(6, 4))
     said = {h.tensor: h.message for h in session.hits if h.step == 2 and h.phase == "forward"}
     assert "first produced at" not in " ".join(said.values())
     assert said["1.output"].endswith(
