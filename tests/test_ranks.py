@@ -198,7 +198,9 @@ def test_every_rank_pauses_together_and_continue_resumes_them_all(job, private_r
 
 def test_detaching_one_rank_while_the_job_is_paused_is_clean(job, private_runtime_dir):
     """q on rank 0's UI while both ranks were paused at the step's safe point: rank 0 said
-    "internal error ... optimizers[0]: IndexError" (its hook went on after detaching)."""
+    "internal error ... optimizers[0]: IndexError" (its hook went on after detaching). The
+    detach resumes rank 1 too (a resumed rank writes the pause it leaves): the test's own
+    continue to rank 1 raced with rank 1 ending the job, and lost in a loaded CI."""
     j = job("pause")
     deadline = time.monotonic() + DEADLINE
     sessions = _sessions_of(j, private_runtime_dir, deadline)
@@ -207,8 +209,7 @@ def test_detaching_one_rank_while_the_job_is_paused_is_clean(job, private_runtim
         while any(c.call("info")["state"] != "paused" for c in clients):
             assert time.monotonic() < deadline, "not all paused"
             time.sleep(0.2)
-        clients[0].call("control", action="detach")  # q on rank 0
-        clients[1].call("control", action="continue")
+        clients[0].call("control", action="detach")  # q on rank 0: the job goes on
         output = j.wait()
     finally:
         for c in clients:
