@@ -2322,3 +2322,60 @@ def test_parameters_the_optimizer_holds_frozen_are_said_once(watch, capsys):
     assert err.count("do not require grad") == 1
     assert "the optimizer holds 2 parameters that do not require grad (0.bias, 0.weight)" in err
     assert not session.hits
+
+
+class _MaskedAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        scores = self.q(x) @ x.transpose(-1, -2) + mask  # an additive mask: 0 or -inf
+        return torch.softmax(scores, -1) @ x
+
+
+class _MaskingModel(nn.Module):
+    """Attention given an additive mask, either the model's own input or built by its code."""
+
+    def __init__(self, builds_mask: bool):
+        super().__init__()
+        self.attn, self.out, self.builds_mask = _MaskedAttention(), nn.Linear(8, 1), builds_mask
+
+    def forward(self, x, keep):
+        mask = torch.zeros(keep.shape).masked_fill(~keep, float("-inf")) if self.builds_mask \
+            else keep  # fmt: skip
+        return self.out(self.attn(x, mask))
+
+
+@pytest.mark.parametrize(
+    "builds_mask", [True, False], ids=["mask-built-by-the-model", "mask-input"]
+)
+@pytest.mark.parametrize("sync", MODES)
+def test_a_softmax_over_a_row_a_mask_left_all_minus_inf_is_named_at_the_attention(
+    watch, sync, builds_mask
+):
+    """A row the mask leaves all -inf makes softmax NaN inside the attention module. The mask's
+    -inf is by design, yet it made the NaN "come in with the mask" (or with the model code
+    that built it) and the attention module got no hit (found trying the product as a new
+    user on a GPT-2-style fine-tune)."""
+    torch.manual_seed(0)
+    model = _MaskingModel(builds_mask)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = watch(model, optimizer=opt, on_hit="record", sync=sync)
+    keep = torch.ones(2, 4, 4, dtype=torch.bool).tril()
+    x = torch.randn(2, 4, 8)
+    clean = keep if builds_mask else torch.zeros(2, 4, 4).masked_fill(~keep, float("-inf"))
+    model(x, clean).sum().backward()  # a causal mask: healthy
+    opt.step()
+    opt.zero_grad()
+    assert not session.hits
+    keep[1, 0, :] = False  # a row with nothing to attend to
+    bad = keep if builds_mask else torch.zeros(2, 4, 4).masked_fill(~keep, float("-inf"))
+    model(x, bad).sum().backward()
+    opt.step()
+    origins = [h for h in session.hits if h.origin]
+    assert [(h.tensor, h.module, h.step, h.phase) for h in origins] == [
+        ("attn.output", "attn", 1, "forward")
+    ]
+    assert "torch.softmax" in origins[0].message or "softmax" in origins[0].message
+    assert not [h for h in session.hits if h.kind == "input"]

@@ -99,6 +99,7 @@ class Pipeline(Pausing, Pinpointing):
         """Run the per-tensor rules that apply to a record on its statistics."""
         measure = None if tensor is None else partial(_measure, self.measure, tensor)
         self.ruleset.judge(record, measure)
+        record.forgive_mask(tensor)  # an attention mask's -inf is by design
         if record.findings and tensor is not None and record.tensor is None:
             record.tensor = tensor  # a hit's own tensor is always kept for inspection
         self.metrics.judged(record.stats)

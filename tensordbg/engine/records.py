@@ -8,6 +8,7 @@ sources can all speak of the same objects without importing each other.
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 from collections.abc import Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, field
@@ -149,6 +150,25 @@ class Record:
         if type(self.passed_up) is tuple:
             self.passed_up = []
         self.passed_up.append(call)  # type: ignore[attr-defined]
+
+    def forgive_mask(self, tensor: torch.Tensor | None) -> None:
+        """An input not finite that is an additive attention mask (zeros and -inf, by design:
+        the model's, or one its code built and handed to a module) went nowhere wrong: the
+        rules that speak only of NaN and Inf say nothing of it, and it carries no condition,
+        so the module whose softmax turns a row of it all -inf into NaN is that NaN's origin.
+        It was said to come in with the mask, or with the code that built it (found trying the
+        product as a new user). A module's output of zeros and -inf is a log of zeros, not a
+        mask: it stays an origin. Read only in that case."""
+        if tensor is None or NONFINITE not in self.conditions or self.stats.kind != "input":
+            return
+        t = tensor.detach()
+        if not bool(((t == 0) | (t == -math.inf)).all()):
+            return
+        silent = {active.id for active in self.checks[1]} if len(self.checks) > 1 else set()
+        self.findings = {r: f for r, f in self.findings.items() if r not in silent} or NO_FINDINGS
+        self.conditions = frozenset(
+            c for c in self.conditions if c != NONFINITE and c not in silent
+        )
 
     def held(self) -> torch.Tensor | None:
         """The tensor, if it can still be shown: kept by the session, or (eager mode, which keeps
