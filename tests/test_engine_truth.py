@@ -2379,3 +2379,29 @@ def test_a_softmax_over_a_row_a_mask_left_all_minus_inf_is_named_at_the_attentio
     ]
     assert "torch.softmax" in origins[0].message or "softmax" in origins[0].message
     assert not [h for h in session.hits if h.kind == "input"]
+
+
+@pytest.mark.parametrize("observed", [False, True], ids=["loss-not-observed", "loss-observed"])
+def test_a_nan_loss_no_one_observed_is_not_said_to_be_finite(watch, observed):
+    """A hand-written mean over the real tokens of a batch that has none: 0/0. Without
+    observe(), deferred checks name the backward where the NaN showed and said "its outputs and
+    loss were finite" of a loss they never read (found trying the product as a new user);
+    with the loss observed, it is named at its line."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    session = watch(model, on_hit="record", rules=[NaN()], sync="deferred")
+    out = model(torch.randn(6, 4)).squeeze(-1)
+    real = torch.zeros(6)  # every token is padding
+    loss = (out * real).sum() / real.sum()
+    if observed:
+        session.observe("loss", loss)
+    loss.backward()
+    session.flush()
+    first = next(h for h in session.hits if h.origin)
+    if observed:
+        assert (first.tensor, first.phase) == ("loss", "forward")
+    else:
+        assert first.phase == "backward"
+        assert "loss were finite" not in first.message
+        assert "no loss was observed" in first.message
+        assert "session.observe('loss', loss)" in first.message

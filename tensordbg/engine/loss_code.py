@@ -210,6 +210,22 @@ class Observations:
         site = self._sites.get(named)
         return f"{os.path.basename(site[0].co_filename)}:{site[1]}" if site else ""
 
+    def unread_forward(self) -> str:
+        """What a deferred backward origin says of the forward values it did not read: the
+        model's outputs were finite, and so was the loss if this step observed one. Else a
+        NaN the loss code made (0/0 in a hand-written mean over no tokens) shows first in
+        backward, and the sentence says so: it said "its outputs and loss were finite" of a
+        loss no one watched (found trying the product as a new user)."""
+        masked = ("an Inf the forward made and later code masked (nan_to_num, torch.where) "
+                  "would show first here; sync='eager' reads every one.")  # fmt: skip
+        if self._counts:
+            return (" Deferred checks read no forward value of this step (its outputs and loss "
+                    f"were finite): {masked}")  # fmt: skip
+        return (" Deferred checks read no forward value of this step but its outputs, which "
+                "were finite, and no loss was observed: a NaN the loss code made (0/0 in a mean "
+                "over no tokens) shows first here, and session.observe('loss', loss) or "
+                f"tensordbg run names it at its line. Or {masked}")  # fmt: skip
+
     def clear(self) -> None:
         """A step ended: count anew (the lines stay: a hit is shown after its step)."""
         self._counts.clear()

@@ -339,10 +339,7 @@ class Pipeline(Pausing, Pinpointing):
         if condition == NONFINITE:
             if (record.stats.phase == "backward" and self.sync.keeps_unscreened
                     and not self.forward_bad and not record.apart):  # fmt: skip
-                hit.message += (" Deferred checks read no forward value of this step (its "
-                                "outputs and loss were finite): an Inf the forward made and "
-                                "later code masked (nan_to_num, torch.where) would show first "
-                                "here; sync='eager' reads every one.")  # fmt: skip
+                hit.message += self.observed.unread_forward()
             return
         if record.stats.kind == "grad":
             self._after_bad_params(hit, finding)  # a zero gradient of a NaN masked downstream
