@@ -40,15 +40,15 @@ class Owner:
         self.module = weakref.ref(module)
         self.path = path
         self.type_name = type(module).__name__
-        self.names = tuple(module._buffers)
+        prefix = f"{path}." if path else ""
+        self.names = tuple((n, f"{prefix}{n}") for n in module._buffers)  # (own, full)
 
     def buffers(self) -> list[tuple[str, torch.Tensor]]:
         """Its buffers now (a script may assign a new tensor to one), by full name."""
         module = self.module()
         if module is None:
             return []
-        prefix = f"{self.path}." if self.path else ""
-        found = [(f"{prefix}{n}", module._buffers.get(n)) for n in self.names]
+        found = [(full, module._buffers.get(n)) for n, full in self.names]
         return [(name, b) for name, b in found if b is not None]
 
 
@@ -57,7 +57,7 @@ class BufferWatch:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.owners = [Owner(path, m) for path, m in model.named_modules() if m._buffers]
-        self._versions: dict[str, tuple[int, ...]] = {}
+        self._versions: list[tuple[int, ...]] = []
         self.fired: set[str] = set()
         """Buffers found not finite and reported: not again while they stay so."""
         self.came_bad = {name for owner in self.owners for name, b in _floating(owner) if _bad(b)}
@@ -66,17 +66,12 @@ class BufferWatch:
     def begin(self) -> None:
         """A root forward starts: its buffers' versions now (a change between forwards, a
         hand's, is no forward's)."""
-        self._versions = {owner.path: _versions(owner) for owner in self.owners}
+        self._versions = [_versions(owner) for owner in self.owners]
 
     def changed(self) -> list[tuple[Owner, str, torch.Tensor]]:
         """The floating-point buffers of the modules whose buffers moved since :meth:`begin`."""
-        out = []
-        for owner in self.owners:
-            now = _versions(owner)
-            if now != self._versions.get(owner.path):
-                self._versions[owner.path] = now
-                out += [(owner, name, b) for name, b in _floating(owner)]
-        return out
+        return [(owner, name, b) for owner, before in zip(self.owners, self._versions, strict=False)
+                if _versions(owner) != before for name, b in _floating(owner)]  # fmt: skip
 
     def all_finite(self, written: list[tuple[Owner, str, torch.Tensor]]) -> bool:
         """On the host: whether the sum of their norms is finite (one read of them all)."""

@@ -246,16 +246,24 @@ class ForwardPhase:
         record.before_update = watch is not None and name in watch.came_bad
         if watch is not None:
             watch.came_bad.discard(name)
-        applicable = self.ruleset.applicable(record.stats)
-        record.rule_ids, record.checks = applicable.rule_ids, applicable.checks
-        record.wanted = applicable.wanted or SCREEN
+        self._read_alone(record)
         self.screen(record, tensor)
         self.phases.register(record)
         self.judge(record, tensor)
-        made_here = not any(h.origin and h.step == self.step and h.phase == self.phase
-                            for h in self.hits)  # fmt: skip
+        made_here = True
+        for h in reversed(self.hits):  # the step's hits are the last ones
+            if h.step != self.step:
+                break
+            made_here = made_here and not (h.origin and h.phase == self.phase)
         for rule_id, finding in record.findings.items():
             self._hit(Verdict(record, rule_id, finding, made_here))
+
+    def _read_alone(self, record: Record) -> None:
+        """Give a record read out of turn (a parameter, a buffer) its rules and what they
+        want: its screen at least."""
+        applicable = self.ruleset.applicable(record.stats)
+        record.rule_ids, record.checks = applicable.rule_ids, applicable.checks
+        record.wanted = applicable.wanted or SCREEN
 
     def logs_forward(self) -> frozenset[torch.dtype]:
         """Activation dtypes whose module calls the hooks may only note (see capture.py): in
@@ -298,9 +306,7 @@ class ForwardPhase:
             return
         record = p.record("param", p.name, self.step)
         record.stats.phase = self.phase
-        applicable = self.ruleset.applicable(record.stats)
-        record.rule_ids, record.checks = applicable.rule_ids, applicable.checks
-        record.wanted = applicable.wanted or SCREEN
+        self._read_alone(record)
         tensor = p.param.detach()
         self.screen(record, tensor)
         if record.stats.nonfinite:

@@ -78,6 +78,12 @@ def provenance(
         calls = session.capture.calls_by_path.get(owner.owner, [])
         out["consumers"] = [_call_dict(c) for c in calls]
         site = None
+    elif record.stats.kind == "buffer":
+        # A buffer its module's forward wrote (BatchNorm's running statistics): that module.
+        calls = session.capture.calls_by_path.get(record.stats.module, [])
+        out["producer"] = {"module": record.stats.module, "type": record.stats.module_type,
+                           "call": calls[-1].index if calls else 0}  # fmt: skip
+        site = calls[-1] if calls else None
     elif owner is not None:
         # Its gradient, made by its module's backward (its update: by the optimizer, no call).
         calls = session.capture.calls_by_path.get(owner.owner, [])
