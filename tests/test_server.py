@@ -434,6 +434,7 @@ def test_a_status_goes_out_in_the_order_it_was_posted_among_the_events() -> None
                       on_clients=None, submit=lambda identity, message: None)  # fmt: skip
     sent: list[tuple[str, Any]] = []
     loop._broadcast = lambda router, event, payload: sent.append((event, payload["step"]))
+    loop._clients[b"ui"] = time.monotonic()  # one client (with none, nothing is queued)
     loop.post_event("status", {"step": 1})
     loop.post_event("state", {"step": 1})  # paused
     loop.post_event("status", {"step": 2})  # running again: the only status kept
@@ -446,6 +447,19 @@ def test_a_status_goes_out_in_the_order_it_was_posted_among_the_events() -> None
     loop._send_events(router=None, last=True)  # the server stops: its last word goes out
     assert sent == [("state", 1), ("status", 2), ("log", 2), ("status", 3), ("state", 3),
                     ("status", 4)]  # fmt: skip
+
+
+def test_with_no_client_an_event_is_dropped_without_waking_the_socket_thread() -> None:
+    """Each phase's events woke the socket thread though no UI was connected, and the training
+    thread then waited for the GIL: ~0.5 ms a step (py-spy, benchmarks/overhead.py)."""
+    loop = SocketLoop(MessageCodec(os.urandom(32), side="server"), client_timeout=5.0,
+                      on_clients=None, submit=lambda identity, message: None)  # fmt: skip
+    loop.post_event("status", {"step": 1})
+    loop.post_event("phase_end", {"step": 1})
+    assert not loop._events and not loop._latest_status and not loop.wakeup._pending
+    loop._clients[b"ui"] = time.monotonic()
+    loop.post_event("phase_end", {"step": 2})
+    assert list(loop._events)[-1][1:] == ("phase_end", {"step": 2}) and loop.wakeup._pending
 
 
 def test_emitting_never_waits_for_a_client_that_does_not_read(server, source, connect):
