@@ -6,6 +6,7 @@ module whose backward made it, as eager mode finds it."""
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 import torch
@@ -254,3 +255,63 @@ def test_a_backward_nan_made_by_a_modules_own_code_is_named_at_that_module(watch
     assert f"It was produced in backward by {own} own code between its submodules" in (
         origin.message
     )
+
+
+def test_a_pause_asked_while_a_clean_pass_is_judged_lists_each_parameter_gradient():
+    """A clean pass's parameter gradients are judged without records (param_grads.py: they
+    cost ~0.5 ms a step); a pause asked while their rules run (a person pressing pause in the
+    UI then) still lists each of them, as the phase's own records, judged and finite."""
+    import threading
+
+    import tensordbg
+    from tensordbg.rules import Rule, default_rules
+    from tensordbg.statistics import FINITE, L2
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    held: dict[str, tensordbg.Session] = {}
+
+    class PressesPause(Rule):
+        """Stands for the person: asks for a pause while step 3's gradients are judged."""
+
+        kinds = frozenset({"grad"})
+        needs = (L2,)
+
+        def check(self, t, state):
+            if t.step == 3 and t.name == "2.weight.grad":
+                held["session"].controller.request_pause()
+            return None
+
+    done = threading.Event()
+
+    def train() -> None:
+        session = held["session"] = tensordbg.attach(
+            model, optimizer=optimizer, rules=[*default_rules(), PressesPause()], server=False
+        )
+        try:
+            for _ in range(5):
+                model(torch.randn(16, 4)).square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        finally:
+            session.detach()
+            done.set()
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not ("session" in held and held["session"].controller.state == "paused"):
+        assert time.monotonic() < deadline and not done.is_set(), "never paused"
+        time.sleep(0.01)
+    session = held["session"]
+    try:
+        grads = {r.param: r for r in session.records if r.stats.kind == "grad" and r.param}
+        assert session.phase == "backward" and session.step == 3
+        assert set(grads) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+        for record in grads.values():
+            assert record.judged and record.stats.values[FINITE] == 1.0 and record.stats.ref >= 0
+            assert record.stats.values[L2] == pytest.approx(float(record.held().norm()))
+    finally:
+        session.controller.resume()
+    assert done.wait(30)

@@ -202,6 +202,7 @@ class BackwardPhase(ParamGradients):
         clean, bad, unread, read = self.plan.judged(finite)
         listed = bad or self._pass_bad or self.triggered or self.dumps_all()
         if listed:  # the phase's records list every watched gradient, these as finite
+            self.listed()
             forwards = [self._record_of(p.forward) for p in clean]
             self.phases.pending += [ActGradNote(f, *_like(f), None) for f in forwards]
         for p, grad in read:  # kept: read now that its voucher is not finite (finite or not)
@@ -232,7 +233,7 @@ class BackwardPhase(ParamGradients):
     def _vouchers(self, noted: set[str]) -> dict[str, Any]:
         """The statistics of each parameter gradient of this pass (``noted``), as its record
         has them; screened now where no rule asked (a rule on activation gradients only)."""
-        found: dict[str, Any] = {}
+        found: dict[str, Any] = self._clean_gradients()
         for record in self.phases.records:
             if record.stats.kind == "grad" and record.param in noted:
                 stats = record.stats
@@ -353,6 +354,7 @@ class BackwardPhase(ParamGradients):
         pass: what they show decides about the rest); activation gradients too once the pass
         showed a problem. Gradients whose rules ask only whether they are finite and their
         norm are measured together (:func:`norms_of`: one pass over all of them)."""
+        self._judge_light()
         notes = (ParamGradNote, ActGradNote) if gradients_of_activations else (ParamGradNote,)
         pending = self.phases.pending
         together, self._by_norm = self._by_norm, []  # noted with their records: measured below

@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
 
-import torch
-
 from tensordbg.engine.records import NONFINITE, Record
 from tensordbg.rules import Rule
 from tensordbg.rules.base import Finding, Refine
@@ -65,42 +63,6 @@ class Applicable:
     """Per-tensor rules: those that can speak about a finite tensor, then the others."""
     silent: bool
     """All of them are silent on a finite tensor (a deferred session may leave it unscreened)."""
-
-
-@dataclass(slots=True, frozen=True)
-class Prepared:
-    """What a tensor's record was prepared with, to make the next one of the same tensor (a
-    parameter's gradient, every step) without asking again: its rules, whether its norm
-    alone gives what they want, its size."""
-
-    dtype: torch.dtype
-    shape: torch.Size
-    stats: TensorStats
-    rules: Applicable
-    by_norm: bool
-    """Its statistics all come from its norm (and the rules want some)."""
-    nbytes: int
-    param: str
-    key: tuple[Any, ...] = field(init=False)
-    """What decides which rules apply to it (:meth:`RuleSet.still` looks it up)."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "key", _key(self.stats))
-
-    def record(self, owner: str, owner_type: str, step: int, version: int) -> Record:
-        """A new record of the tensor, as prepared: its statistics not computed yet."""
-        was, rules = self.stats, self.rules
-        stats = TensorStats(was.name, owner, was.kind, was.phase, step, was.shape, was.dtype,
-                            {}, owner_type, 0, was.trainable)  # fmt: skip
-        return Record(stats, None, version, self.nbytes, param=self.param,
-                      rule_ids=rules.rule_ids, checks=rules.checks,
-                      wanted=rules.wanted)  # fmt: skip
-
-    def fits(self, tensor: torch.Tensor, ruleset: RuleSet) -> bool:
-        """Whether ``tensor``'s record is prepared as this one was: the same dtype and shape,
-        and the same rules (none added, changed or disabled since)."""
-        return (tensor.dtype is self.dtype and tensor.shape == self.shape
-                and ruleset.still(self.key, self.rules))  # fmt: skip
 
 
 class RuleSet:
@@ -173,7 +135,7 @@ class RuleSet:
         """The rules that apply to a tensor and what they need (cached per tensor identity);
         ``screen_only`` keeps just the NaN/Inf screen of the statistics (between interval
         steps)."""
-        key = _key(stats)
+        key = applicability_key(stats)
         found = self._applicable.get(key)
         if found is None:
             found = self._applicable[key] = self._find(stats, self._refined.get(key, ()))
@@ -184,8 +146,8 @@ class RuleSet:
 
     def still(self, key: tuple[Any, ...], applicable: Applicable) -> bool:
         """Whether ``applicable`` (an answer of :meth:`applicable` for a tensor of ``key``,
-        :func:`_key`, not ``screen_only``) is still the answer: no rule was added, changed or
-        disabled."""
+        :func:`applicability_key`, not ``screen_only``) is still the answer: no rule was
+        added, changed or disabled."""
         return self._applicable.get(key) is applicable
 
     def _find(self, stats: TensorStats, refined: tuple[Stat, ...]) -> Applicable:
@@ -309,58 +271,73 @@ class RuleSet:
         """:meth:`judge` of many records known finite, each rule called once for all those it
         looks at (:meth:`Rule.check_many`, in their order): a clean pass's parameter gradients.
         A rule that raises is disabled and says nothing of any of them."""
-        alike: dict[tuple[ActiveRule, ...], list[Record]] = {}  # most: the same rules
         for record in records:
             record.judged = True
-            loud = record.checks[0] if record.checks else ()  # the others are silent
-            same = alike.get(loud)
-            if same is None:
-                alike[loud] = [record]
-            else:
-                same.append(record)
-        by_rule: dict[int, tuple[ActiveRule, list[Record]]] = {}
-        if len(alike) == 1:
-            for loud, same in alike.items():
-                by_rule = {active.id: (active, same) for active in loud}
-        else:  # each rule's in their order
-            for record in records:
-                for active in record.checks[0] if record.checks else ():
-                    mine = by_rule.get(active.id)
-                    if mine is None:
-                        by_rule[active.id] = (active, [record])
-                    else:
-                        mine[1].append(record)
-        stats_of: dict[int, list[TensorStats]] = {}  # by list: the rules share one, most often
-        for active, mine in by_rule.values():
-            if not active.enabled:
-                continue
-            self.running = (active, mine[0].stats, perf_counter())
-            try:
-                tensors = stats_of.get(id(mine))
-                if tensors is None:
-                    tensors = stats_of[id(mine)] = [r.stats for r in mine]
-                verdicts = active.rule.check_many(list(tensors), active.state)  # its own
-                if len(verdicts) != len(mine):
-                    raise ValueError(f"check_many gave {len(verdicts)} verdicts for {len(mine)}")
-                found = []
-                for record, finding in zip(mine, verdicts, strict=True):
-                    if finding is None:  # most: nothing to check
-                        continue
-                    finding = answer(finding)
-                    if isinstance(finding, Refine):
-                        finding = self._refine(record.stats, finding, active, measure(record))
-                    if finding is not None:
-                        found.append((record, finding))
-                for record, finding in found:
-                    record.find(active.id, finding)
-            except Exception as e:
-                self.disable(active, e)
-            finally:
-                self.running = None
+        found = self.judge_clean([r.stats for r in records], [r.checks for r in records],
+                                 lambda i: measure(records[i]))  # fmt: skip
+        for i, rule_id, finding in found:
+            records[i].find(rule_id, finding)
         for record in records:
             for rule_id in record.findings:
                 if self.propagates(rule_id):
                     record.fire(rule_id)
+
+    def judge_clean(self, tensors: Sequence[TensorStats], checks: Sequence[tuple[Any, ...]],
+                    measure: Callable[[int], Measure | None]
+                    ) -> list[tuple[int, int, Finding]]:  # fmt: skip
+        """The findings, as (index, rule, finding) in the rules' order, of finite tensors'
+        statistics with their rules (an :class:`Applicable`'s ``checks`` each), each rule called
+        once for all it looks at; ``measure(i)`` computes more of the ``i``-th tensor for a rule
+        that asks (None: it is gone). Records need not exist: a clean pass's parameter
+        gradients get theirs only if a finding, a pause or a listing asks (param_grads.py)."""
+        alike: dict[tuple[ActiveRule, ...], list[int]] = {}  # most: the same rules
+        for i, its in enumerate(checks):
+            loud = its[0] if its else ()  # the others are silent
+            same = alike.get(loud)
+            if same is None:
+                alike[loud] = [i]
+            else:
+                same.append(i)
+        by_rule: dict[int, tuple[ActiveRule, list[int]]] = {}
+        if len(alike) == 1:
+            for loud, same in alike.items():
+                by_rule = {active.id: (active, same) for active in loud}
+        else:  # each rule's in their order
+            for i, its in enumerate(checks):
+                for active in its[0] if its else ():
+                    mine = by_rule.get(active.id)
+                    if mine is None:
+                        by_rule[active.id] = (active, [i])
+                    else:
+                        mine[1].append(i)
+        found: list[tuple[int, int, Finding]] = []
+        stats_of: dict[int, list[TensorStats]] = {}  # by list: the rules share one, most often
+        for active, mine in by_rule.values():
+            if not active.enabled:
+                continue
+            self.running = (active, tensors[mine[0]], perf_counter())
+            try:
+                given = stats_of.get(id(mine))
+                if given is None:
+                    given = stats_of[id(mine)] = [tensors[i] for i in mine]
+                verdicts = active.rule.check_many(list(given), active.state)  # its own
+                if len(verdicts) != len(mine):
+                    raise ValueError(f"check_many gave {len(verdicts)} verdicts for {len(mine)}")
+                its_findings = []
+                for i, finding in zip(mine, verdicts, strict=True):
+                    if finding is None:  # most: nothing to check
+                        continue
+                    finding = answer(finding)
+                    if isinstance(finding, Refine):
+                        finding = self._refine(tensors[i], finding, active, measure(i))
+                    if finding is not None:
+                        its_findings.append((i, active.id, finding))
+                found += its_findings
+            except Exception as e:
+                self.disable(active, e)
+            finally:
+                self.running = None
+        return found
 
     def _refine(
         self, stats: TensorStats, ask: Refine, active: ActiveRule, measure: Measure | None
@@ -371,7 +348,7 @@ class RuleSet:
             if not missing:
                 break
             if self.keep_refinements:  # from the next step on, in the phase's one transfer
-                key = _key(stats)
+                key = applicability_key(stats)
                 self._refined[key] = tuple(dict.fromkeys(self._refined.get(key, ()) + missing))
                 self._applicable.pop(key, None)
             if measure is None:
@@ -472,7 +449,7 @@ def answer(found: Any) -> Finding | Refine | None:
     return found
 
 
-def _key(stats: TensorStats) -> tuple[Any, ...]:
+def applicability_key(stats: TensorStats) -> tuple[Any, ...]:
     """What decides which rules apply to a tensor and what they need."""
     return (stats.kind, stats.name, stats.module_type, stats.dtype, len(stats.shape),
             stats.trainable)  # fmt: skip

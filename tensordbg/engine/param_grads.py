@@ -4,7 +4,7 @@ made, their records, their norms, and the rules judged on all of them at once.
 On the host a parameter has no hook: when the pass ends, each gradient that changed (a new
 tensor, or a new version: gradients accumulate) is measured by one norm (a BLAS dot), and each
 rule judges all of them together (:meth:`~tensordbg.rules.Rule.check_many`). A gradient whose
-record is prepared as its last step's (:class:`~.judge.Prepared`: the same rules, dtype and
+record is prepared as its last step's (:class:`Prepared`: the same rules, dtype and
 shape) gets its record without asking the rules again: most of them, most steps. On a device
 the norms join the phase's one transfer. Part of :class:`~.backward.BackwardPhase`.
 """
@@ -13,19 +13,64 @@ from __future__ import annotations
 
 import math
 import weakref
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from tensordbg.engine.judge import Prepared
+from tensordbg.engine.judge import Applicable, RuleSet, applicability_key
 from tensordbg.engine.phases import Gradient, Judged, ParamGradNote
 from tensordbg.engine.records import Record, param_grad_record
-from tensordbg.statistics import FINITE, L2
+from tensordbg.statistics import FINITE, L2, TensorStats
 from tensordbg.statistics.batch import norm_only, norms_of, rows_of
 from tensordbg.statistics.torch_kernels import norm_parts, watchable
 
 _BY_NORM = (FINITE, L2)  # what most parameter gradients' rules want (the default rules')
+
+
+@dataclass(slots=True, frozen=True)
+class Prepared:
+    """What a tensor's record was prepared with, to make the next one of the same tensor (a
+    parameter's gradient, every step) without asking again: its rules, whether its norm
+    alone gives what they want, its size."""
+
+    dtype: torch.dtype
+    shape: torch.Size
+    stats: TensorStats
+    rules: Applicable
+    by_norm: bool
+    """Its statistics all come from its norm (and the rules want some)."""
+    nbytes: int
+    param: str
+    key: tuple[Any, ...] = field(init=False)
+    """What decides which rules apply to it (:meth:`RuleSet.still` looks it up)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", applicability_key(self.stats))
+
+    def record(self, owner: str, owner_type: str, step: int, version: int) -> Record:
+        """A new record of the tensor, as prepared: its statistics not computed yet."""
+        return self.record_of(self.stats_of(owner, owner_type, step, {}), version)
+
+    def stats_of(self, owner: str, owner_type: str, step: int, values: dict) -> TensorStats:
+        """The tensor's statistics at ``step``, as prepared, holding ``values``."""
+        was = self.stats
+        return TensorStats(was.name, owner, was.kind, was.phase, step, was.shape, was.dtype,
+                           values, owner_type, 0, was.trainable)  # fmt: skip
+
+    def record_of(self, stats: TensorStats, version: int) -> Record:
+        rules = self.rules
+        return Record(stats, None, version, self.nbytes, param=self.param,
+                      rule_ids=rules.rule_ids, checks=rules.checks,
+                      wanted=rules.wanted)  # fmt: skip
+
+    def fits(self, tensor: torch.Tensor, ruleset: RuleSet) -> bool:
+        """Whether ``tensor``'s record is prepared as this one was: the same dtype and shape,
+        and the same rules (none added, changed or disabled since)."""
+        return (tensor.dtype is self.dtype and tensor.shape == self.shape
+                and ruleset.still(self.key, self.rules))  # fmt: skip
 
 
 class ParamGradients:
@@ -49,6 +94,7 @@ class ParamGradients:
         ruleset, step = self.ruleset, self.step
         fresh = self.interval > 1 and step % self.interval != 0  # prepared anew between steps
         by_norm = self._by_norm
+        light = self._light = [] if self._goes_light() else None
         reached, self._pass_made = self._pass_made, None
         idle = self.capture.fed_nothing if self.capture.empty_calls else None
         if self._accumulated is not None and self.plan is not None:
@@ -76,16 +122,113 @@ class ParamGradients:
                 version = grad._version
             made = makings.get(name)
             if made is not None and made.by_norm and not fresh and made.fits(grad, ruleset):
-                record = made.record(p.owner, p.owner_type, step, version)
-                self._place(record, grad)
-                by_norm.append((record, grad))
-                pending += [Judged(record), Gradient(record)]
+                if light is not None:
+                    light.append((made, p, grad, version))
+                else:
+                    record = made.record(p.owner, p.owner_type, step, version)
+                    self._place(record, grad)
+                    by_norm.append((record, grad))
+                    pending += [Judged(record), Gradient(record)]
                 noted.add(name)
             elif watchable(grad):
+                if light:  # in execution order: the gradients before it get their records now
+                    self._light_records()
+                light = None
                 pending.append(ParamGradNote(name, p.owner, p.owner_type, grad))
                 noted.add(name)
         self._apart = {}
         return noted
+
+    _light: list[tuple[Prepared, Any, torch.Tensor, int]] | tuple = ()
+    """The parameter gradients of this pass noted without records (:meth:`_goes_light`)."""
+
+    def _goes_light(self) -> bool:
+        """Whether this pass's parameter gradients can go without records while they are clean
+        (deferred on the host, the common case): a record, its events and its place in the
+        phase cost ~10 us each in the cold cache a backward pass leaves (53 of them: ~0.5 ms
+        a step), and a clean gradient's is read by nothing but a pause or a listing at this
+        phase's end. Their statistics are still made, judged by every rule as before, and
+        kept as the latest; a finding, a pause, a dump, a listing or a rule comparing a
+        phase's tensors gives them their records as before (:meth:`listed`)."""
+        return not (self.sync.on_device or self.triggered or self.amp.scaler is not None
+                    or self.dumps_all() or self.boundary_wanted() or self.bus.wants("phase_end")
+                    or any(a.phase_wide and a.enabled for a in self.ruleset.active))  # fmt: skip
+
+    def _light_records(self, judged: list[TensorStats] | None = None, events: bool = True
+                       ) -> list[Record]:  # fmt: skip
+        """Give the gradients noted without records theirs, in their order, as the records
+        they would have had: ``judged``, their statistics as judged (findings are given to the
+        records by the caller), else to be measured and judged (:attr:`_by_norm`); ``events``:
+        their events too (else only listed in the phase: a pause after it was drained)."""
+        light, self._light = self._light, []
+        pending, made_now = self.phases.pending, []
+        for i, (made, p, grad, version) in enumerate(light):
+            if judged is None:
+                record = made.record(p.owner, p.owner_type, self.step, version)
+                self._place(record, grad)
+                self._by_norm.append((record, grad))
+            else:
+                record = made.record_of(judged[i], version)
+                record.judged = True
+                self._place(record, grad)
+            if events:
+                pending += [Judged(record), Gradient(record)]
+            made_now.append(record)
+        return made_now
+
+    def _judge_light(self) -> None:
+        """Measure and judge the gradients noted without records (their norms, all at once),
+        as :meth:`_judge_norms` judges records; they get records only if a rule finds
+        something (or one is not finite: then as before, through their records)."""
+        light = self._light
+        if not light:
+            return
+        norms = norms_of([item[2] for item in light])
+        if not all(map(math.isfinite, norms)):
+            self._light_records()  # judged as records, from the first not finite
+            return
+        step, judged = self.step, self.metrics.judged
+        stats = []
+        for (made, p, _, _), norm in zip(light, norms, strict=True):
+            wanted = made.rules.wanted
+            values = {FINITE: 1.0, L2: norm}
+            if wanted != _BY_NORM:
+                values = {s: values[s] for s in wanted}
+            stats.append(made.stats_of(p.owner, p.owner_type, step, values))
+        found = self.ruleset.judge_clean(
+            stats, [made.rules.checks for made, *_ in light],
+            lambda i: partial(_measure, self.measure, light[i][2]))  # fmt: skip
+        for t in stats:
+            judged(t)
+        self.phases.unlisted = (light, stats)  # until the phase ends
+        if found:
+            records = self.listed()
+            for i, rule_id, finding in found:
+                records[i].find(rule_id, finding)
+            for record, (_, _, grad, _) in zip(records, light, strict=True):
+                for rule_id in record.findings:
+                    if self.ruleset.propagates(rule_id):
+                        record.fire(rule_id)
+                if record.findings and record.tensor is None:
+                    record.tensor = grad  # a hit's own tensor is always kept for inspection
+            self.triggered = True
+
+    def listed(self, events: bool = True) -> list[Record]:
+        """The records of the clean gradients judged without them, made now (in their order;
+        ``events``: theirs at the end of pending): a finding, a listing or a pause at the end
+        of their phase."""
+        light_judged, self.phases.unlisted = self.phases.unlisted, None
+        if light_judged is None:
+            return []
+        self._light, stats = light_judged
+        return self._light_records(stats, events)
+
+    def _clean_gradients(self) -> dict[str, TensorStats]:
+        """The statistics of this pass's gradients judged clean without records, by parameter."""
+        if self.phases.unlisted is None:
+            return {}
+        light, stats = self.phases.unlisted
+        return {made.param: t for (made, *_), t in zip(light, stats, strict=True)}
 
     def _backward_order(self) -> list[Any]:
         """The parameters in the order a backward pass makes their gradients, as their hooks
@@ -289,3 +432,7 @@ class ParamGradients:
         clean = [r for r in grads if not r.judged and r.stats.values.get(FINITE) == 1.0]
         if clean:
             self.judge_finite(clean, [r.held() for r in clean])
+
+
+def _measure(measure: Any, tensor: torch.Tensor, stats: TensorStats, wanted: Any) -> list[float]:
+    return measure(stats, tensor, wanted)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from tensordbg.engine.records import Call, Record
+from tensordbg.statistics import TensorStats
 from tensordbg.statistics.batch import StatsBatch
 
 # Eager mode holds the last few tensors it saw (within retain_bytes), so that a hit's neighbours
@@ -119,6 +120,9 @@ class PhaseQueue:
         """The batch's slot of the norms of the buffers a forward wrote (engine/buffers.py)."""
         self.buffers_finite = True
 
+    unlisted: tuple[list[Any], list[TensorStats]] | None = None
+    """A clean pass's parameter gradients judged without records, and their statistics:
+    listed only if something asks before the phase ends (engine/param_grads.py)."""
     released = False
     """Whether the phase ended and let go of its tensors (a pause that comes after it, at a
     job's safe point or a step's end, still lists its records)."""
@@ -239,6 +243,7 @@ class PhaseQueue:
         for record in self.records:
             record.tensor = None
         self.released = True
+        self.unlisted = None  # (it holds the gradients)
         self.retained = 0
         self.window.clear()
 

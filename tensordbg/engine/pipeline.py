@@ -240,6 +240,7 @@ class Pipeline(Pausing, Pinpointing):
         if self.phase == "forward":
             self.capture.forget_invocations()
         self.vouchers.unsettled()  # a pass that did not end: its notes are gone
+        self._light = []
         self._loose = None
         self._pass_bad = False
         self._unlisted = None
