@@ -6,6 +6,7 @@ the line that ran it (pinpoint.py).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from types import CodeType
 from typing import Any
@@ -77,6 +78,7 @@ _FRAMEWORKS = frozenset({"lightning", "pytorch_lightning", "lightning_fabric", "
                          "accelerate"})  # fmt: skip
 
 
+@functools.lru_cache(maxsize=1024)  # a path split each observed loss: ~10 us of its step
 def in_framework(code: CodeType) -> bool:
     """Whether ``code`` is a training framework's own (Lightning, transformers, accelerate)."""
     return not _FRAMEWORKS.isdisjoint(Path(code.co_filename).parts)
