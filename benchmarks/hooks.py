@@ -50,6 +50,7 @@ from tensordbg.engine.vouching import GradientPlan
 HOOKS = [
     (Capture, "on_enter", "module pre-hooks"),
     (Capture, "_on_exit", "module post-hooks (the root's: the forward's records)"),
+    (Capture, "_on_leaf_exit", "leaf modules' post-hooks (their calls entered there)"),
     (GradHooks, "_on_node_grad", "activation-gradient hooks"),
     (GradHooks, "on_grad", "activation-gradient hooks"),
     (GradientPlan, "_keep", "activation gradients kept for a voucher (residuals)"),
