@@ -15,10 +15,9 @@ import numpy as np
 import pytest
 from dumps import weight_checked_twice, write_dump
 from test_tui import SIZE, until
-from test_tui_first_use import keys_panel_rows
+from test_tui_first_use import open_keys_panel
 from textual.pilot import Pilot
 from textual.widgets import Footer
-from textual.widgets._key_panel import BindingsTable
 
 from tensordbg.cli import main
 from tensordbg.dump import load
@@ -234,9 +233,7 @@ def test_every_key_the_keys_panel_lists_in_a_replay_says_what_it_does(dump: Path
         app = TensorDbgApp(LocalClient(ReplaySource(load(dump))))
         async with app.run_test(size=SIZE) as pilot:
             await until(pilot, lambda: app.state == "replay")
-            app.action_show_help_panel()
-            await until(pilot, lambda: app.screen.query(BindingsTable))
-            rows.extend(keys_panel_rows(app))
+            rows.extend(await open_keys_panel(app, pilot))
 
     asyncio.run(flow())
     assert "n  Next dumped step" in rows
