@@ -177,6 +177,7 @@ class ParamWatch:
         self.lr_peaks: dict[tuple[int, int], float] = {}
         """The largest learning rate of each (optimizer, parameter group) while watched."""
         self.groups: dict[int, list[dict[str, Any]]] = {}
+        self._owned: dict[int, tuple[tuple[Any, ...], list[Param]]] = {}  # (see owned)
         """Each optimizer's parameter groups (by its id), noted as its steps come: their
         learning rates before a step say which parameters it cannot move."""
         self._offset = 0
@@ -213,6 +214,14 @@ class ParamWatch:
         optimizer holds (a parameter left out of the optimizer is a bug worth seeing)."""
         first = id(optimizer) not in self.groups
         self.groups[id(optimizer)] = optimizer.param_groups  # read again before each step
+        # The same groups holding the same lists of the same lengths as at the last step (a
+        # scheduler changes only their rates): the same answer, without two sets of ids.
+        shape = (optimizer is optimizers[0], len(self.params),
+                 *((id(o), *((id(g["params"]), len(g["params"])) for g in o.param_groups))
+                   for o in optimizers))  # fmt: skip
+        cached = self._owned.get(id(optimizer))
+        if cached is not None and cached[0] == shape:
+            return cached[1]
         mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
         if first:
             self._say_frozen(mine)
@@ -220,8 +229,11 @@ class ParamWatch:
             self._say_unwatched(optimizer, mine)
         if optimizer is optimizers[0]:
             held = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
-            return [p for key, p in self.params.items() if key in mine or key not in held]
-        return [p for key, p in self.params.items() if key in mine]
+            owned = [p for key, p in self.params.items() if key in mine or key not in held]
+        else:
+            owned = [p for key, p in self.params.items() if key in mine]
+        self._owned[id(optimizer)] = (shape, owned)
+        return owned
 
     def _say_frozen(self, mine: set[int]) -> None:
         """Say once, at an optimizer's first step, which of the model's parameters it holds
@@ -470,4 +482,5 @@ class ParamWatch:
         self.snapshots = {}
         self.samples = {}
         self.groups = {}
+        self._owned = {}
         self._sampling = None

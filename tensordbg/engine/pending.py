@@ -65,7 +65,7 @@ class TensorMeta:
         self.shape = t.shape
         self.dtype = t.dtype
         self._version = version_of(t)
-        self._nbytes = t.numel() * t.element_size()
+        self._nbytes = t.nbytes
 
     def numel(self) -> int:
         return math.prod(self.shape)
