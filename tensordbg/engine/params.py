@@ -35,57 +35,13 @@ import numpy as np
 import torch
 from torch.nn.parameter import is_lazy
 
+from tensordbg.engine.digests import Digest, view_of
 from tensordbg.engine.records import Record, new_record, submodule
 from tensordbg.statistics import Stat
 from tensordbg.statistics.batch import on_host
 
 # Update statistics that need a copy of the parameter from before the step.
 SNAPSHOT_STATS = frozenset({"update_abs_mean", "prev_abs_mean"})
-
-
-@dataclass(slots=True)
-class Digest:
-    """What tells cheaply that a step changed a parameter: its range (minimum, maximum), or its
-    norm (float32 and float64 parameters: one pass over all of them). A digest that moved by more
-    than the tolerance proves that an element did: an element moves by at most
-    ``atol + rtol * |x|`` unless it changed, so the range by at most that much, and the norm by
-    at most ``atol * sqrt(n) + rtol * norm`` (the triangle inequality)."""
-
-    kind: str
-    values: tuple[float | None, ...]
-    numel: int = 1
-
-    @classmethod
-    def of_range(cls, lo: float | None, hi: float | None) -> Digest:
-        return cls("range", (lo, hi))
-
-    @classmethod
-    def of_norm(cls, norm: float, numel: int) -> Digest:
-        return cls("norm", (norm,), numel)
-
-    @classmethod
-    def of_sample(cls, values: tuple[float, ...]) -> Digest:
-        """The values of ``SAMPLE`` fixed elements (:func:`sample_of`): one that moved by more
-        than the tolerance proves the change."""
-        return cls("sample", values, len(values))
-
-    @property
-    def complete(self) -> bool:
-        return self.kind == "sample" or all(v is not None for v in self.values)
-
-    def moved_from(self, before: Digest, rtol: float, atol: float) -> bool:
-        if before.kind != self.kind:
-            return False
-        if self.kind == "sample":
-            if not (rtol or atol):
-                return self.values != before.values
-            return any(abs(a - b) > atol + rtol * abs(b)
-                       for a, b in zip(self.values, before.values, strict=True))  # fmt: skip
-        slack = atol * math.sqrt(self.numel) if self.kind == "norm" else atol
-        return any(
-            a is not None and b is not None and abs(a - b) > slack + rtol * abs(b)
-            for a, b in zip(self.values, before.values, strict=True)
-        )
 
 
 @dataclass(eq=False)
@@ -178,6 +134,9 @@ class ParamWatch:
         """The largest learning rate of each (optimizer, parameter group) while watched."""
         self.groups: dict[int, list[dict[str, Any]]] = {}
         self._owned: dict[int, tuple[tuple[Any, ...], list[Param]]] = {}  # (see owned)
+        self._blocks: tuple[Any, np.ndarray] | None = None  # the last step's samples (sampled)
+        self._pair: tuple[np.ndarray, np.ndarray, list[Any]] | None = None  # and the one before
+        self._starts: tuple[Any, ...] = (None,)  # where each parameter's samples start in them
         """Each optimizer's parameter groups (by its id), noted as its steps come: their
         learning rates before a step say which parameters it cannot move."""
         self._offset = 0
@@ -348,8 +307,13 @@ class ParamWatch:
             self._sampling = cached if contiguous else None
         _, views, spans, out = cached
         if type(out) is np.ndarray:  # on the host: one numpy call, ~0.2 ms less than torch's
-            np.concatenate(views, out=out)
-            finite = bool(np.isfinite(out).all())
+            # A new array each step: the digests are views of it, and :meth:`moving` compares
+            # it with the last step's all at once (53 tuples and comparisons: ~0.3 ms a step).
+            now = np.concatenate(views)
+            last, self._blocks = self._blocks, (key, now)
+            self._pair = (now, last[1], spans) if last is not None and last[0] == key else None
+            return {name: Digest("sample", now[a:b], b - a) for name, a, b in spans}, bool(
+                np.isfinite(now).all())  # fmt: skip
         else:
             torch.cat(views, out=out)
             finite = math.isfinite(out.sum(dtype=torch.float64).item())
@@ -444,13 +408,30 @@ class ParamWatch:
             return set()
         rtol, atol = wanted[0].params
         moving = set()
+        now, last, spans = self._pair or (None, None, ())
+        moved: dict[str, bool] = {}
+        if now is not None:  # this step's samples against the last step's, all at once
+            if self._starts[0] is not spans:
+                starts = [a for _, a, b in spans] if all(a < b for _, a, b in spans) else None
+                self._starts = (spans, starts, [name for name, _, _ in spans])
+            _, starts, names = self._starts
+            if starts is not None:
+                tol = atol + rtol * abs(last)
+                apart = abs(now - last) > tol if rtol or atol else now != last
+                flags = np.logical_or.reduceat(apart, starts).tolist()
+                moved = dict(zip(names, flags, strict=True))
         for p in owned:
             name = p.name
             version = self.versions.get(name)
             if name in self.unsettled or version is None or p.param._version == version:
                 continue
             before, after = self.digests.get(name), ranges.get(name)
-            if before is not None and after is not None and after.moved_from(before, rtol, atol):
+            if before is None or after is None:
+                continue
+            if name in moved and view_of(before, last) and view_of(after, now):
+                if moved[name]:
+                    moving.add(name)
+            elif after.moved_from(before, rtol, atol):
                 moving.add(name)
         return moving
 
@@ -483,4 +464,5 @@ class ParamWatch:
         self.samples = {}
         self.groups = {}
         self._owned = {}
+        self._blocks = self._pair = None
         self._sampling = None
