@@ -977,6 +977,21 @@ def test_fullgraph_compile_of_a_watched_model_says_why_it_cannot(watch):
     assert "Compile without fullgraph=True" in str(raised.value)
 
 
+def test_a_watched_model_compiled_after_attach_is_watched_and_warns_of_nothing_of_ours(watch):
+    """The hooks skip dynamo's disable wrapper where nothing is compiled (marks.py); a model
+    compiled after attach still runs them at its graph breaks, through that wrapper, and the
+    first version of the skip made dynamo warn that it cannot trace one of our calls."""
+    torch.manual_seed(0)
+    model = mlp()
+    session = watch(model, on_hit="record")
+    compiled = torch.compile(model, backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(torch.full((3, 4), float("nan"))).sum().backward()
+    assert not [w for w in caught if "tensordbg" in str(w.message) or "Dynamo" in str(w.message)]
+    assert any(hit.origin and hit.kind == "input" for hit in session.hits), session.hits
+
+
 def test_warnings_are_not_raised_for_a_healthy_run(watch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -84,20 +84,22 @@ def hook_of_ours(fn: F) -> F:
     callback set aside and put back, its stance, its knobs), ~5 us a hook in the cold cache a
     module's kernels leave, ~60 hooks a step. Where no compiled code runs on this thread (its
     eval-frame callback is unset: an eager model, the common case) nothing is there to keep
-    out, and the hook is called directly; else through dynamo's wrapper. Dynamo's tracing sees
-    the markers of a disabled function on it either way."""
+    out, and the hook is called directly; else through dynamo's wrapper. Dynamo's tracing,
+    which inlines it, takes ``is_compiling()`` for True and meets dynamo's wrapper (it warned
+    of the callback, a builtin it cannot trace)."""
     try:
         guarded = torch.compiler.disable(fn, reason=_GRAPH_BREAK)
     except TypeError:  # a torch before 2.8 takes no reason
         guarded = torch.compiler.disable(fn)
     callback = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
     callback = getattr(callback, "get_eval_frame_callback", None)
-    if callback is None:  # a torch without it: always through dynamo's wrapper
+    is_compiling = getattr(torch.compiler, "is_compiling", None)  # True while dynamo traces
+    if callback is None or is_compiling is None:  # an older torch: always dynamo's wrapper
         return guarded  # type: ignore[return-value]
 
     @functools.wraps(fn)
     def hook(*args: Any, **kwargs: Any) -> Any:
-        if callback() is None:
+        if not is_compiling() and callback() is None:
             return fn(*args, **kwargs)
         return guarded(*args, **kwargs)
 

@@ -416,8 +416,9 @@ class ParamWatch:
                 self._starts = (spans, starts, [name for name, _, _ in spans])
             _, starts, names = self._starts
             if starts is not None:
-                tol = atol + rtol * abs(last)
-                apart = abs(now - last) > tol if rtol or atol else now != last
+                with np.errstate(invalid="ignore", over="ignore"):  # an Inf moved nowhere
+                    bound = atol + rtol * abs(last) if rtol or atol else None
+                    apart = now != last if bound is None else abs(now - last) > bound
                 flags = np.logical_or.reduceat(apart, starts).tolist()
                 moved = dict(zip(names, flags, strict=True))
         for p in owned:
