@@ -202,7 +202,7 @@ class BackwardPhase(ParamGradients):
         clean, bad, unread, read = self.plan.judged(finite)
         listed = bad or self._pass_bad or self.triggered or self.dumps_all()
         if listed:  # the phase's records list every watched gradient, these as finite
-            self.listed()
+            self.record_clean_gradients()
             forwards = [self._record_of(p.forward) for p in clean]
             self.phases.pending += [ActGradNote(f, *_like(f), None) for f in forwards]
         for p, grad in read:  # kept: read now that its voucher is not finite (finite or not)

@@ -43,14 +43,21 @@ class Digest:
             return False
         if self.kind == "sample":  # (numpy views on the host: ParamWatch.sampled)
             a, b = np.asarray(self.values), np.asarray(before.values)
-            if a.shape != b.shape:
-                return True
-            return bool((a != b if not (rtol or atol) else abs(a - b) > atol + rtol * abs(b)).any())
+            return a.shape != b.shape or bool(samples_apart(a, b, rtol, atol).any())
         slack = atol * math.sqrt(self.numel) if self.kind == "norm" else atol
         return any(
             a is not None and b is not None and abs(a - b) > slack + rtol * abs(b)
             for a, b in zip(self.values, before.values, strict=True)
         )
+
+
+def samples_apart(now: np.ndarray, before: np.ndarray, rtol: float, atol: float) -> np.ndarray:
+    """Which sampled elements moved by more than ``atol + rtol * |before|`` (exactly: any
+    change, with no tolerance); an element Inf in both moved nowhere."""
+    if not (rtol or atol):
+        return now != before
+    with np.errstate(invalid="ignore", over="ignore"):
+        return abs(now - before) > atol + rtol * abs(before)
 
 
 def view_of(digest: Digest, samples: np.ndarray | None) -> bool:

@@ -275,6 +275,11 @@ class RuleSet:
             record.judged = True
         found = self.judge_clean([r.stats for r in records], [r.checks for r in records],
                                  lambda i: measure(records[i]))  # fmt: skip
+        self.give(records, found)
+
+    def give(self, records: Sequence[Record], found: list[tuple[int, int, Finding]]) -> None:
+        """Give records their findings (:meth:`judge_clean`'s, by index), and the conditions
+        that those of propagating rules carry."""
         for i, rule_id, finding in found:
             records[i].find(rule_id, finding)
         for record in records:

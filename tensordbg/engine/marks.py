@@ -85,8 +85,9 @@ def hook_of_ours(fn: F) -> F:
     module's kernels leave, ~60 hooks a step. Where no compiled code runs on this thread (its
     eval-frame callback is unset: an eager model, the common case) nothing is there to keep
     out, and the hook is called directly; else through dynamo's wrapper. Dynamo's tracing,
-    which inlines it, takes ``is_compiling()`` for True and meets dynamo's wrapper (it warned
-    of the callback, a builtin it cannot trace)."""
+    which inlines this one, takes ``is_compiling()`` for True and meets its own wrapper, so
+    it breaks the graph there with the reason above (it warned of the callback, a builtin it
+    cannot trace, when that came first)."""
     try:
         guarded = torch.compiler.disable(fn, reason=_GRAPH_BREAK)
     except TypeError:  # a torch before 2.8 takes no reason
@@ -103,10 +104,6 @@ def hook_of_ours(fn: F) -> F:
             return fn(*args, **kwargs)
         return guarded(*args, **kwargs)
 
-    for name, value in vars(guarded).items():
-        if name.startswith("_torchdynamo_"):
-            setattr(hook, name, value)
-    hook._torchdynamo_wrapper_id = id(hook)  # type: ignore[attr-defined]
     return hook  # type: ignore[return-value]
 
 

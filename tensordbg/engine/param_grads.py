@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
@@ -149,7 +148,7 @@ class ParamGradients:
         a step), and a clean gradient's is read by nothing but a pause or a listing at this
         phase's end. Their statistics are still made, judged by every rule as before, and
         kept as the latest; a finding, a pause, a dump, a listing or a rule comparing a
-        phase's tensors gives them their records as before (:meth:`listed`)."""
+        phase's tensors gives them their records as before (:meth:`record_clean_gradients`)."""
         return not (self.sync.on_device or self.triggered or self.amp.scaler is not None
                     or self.dumps_all() or self.boundary_wanted() or self.bus.wants("phase_end")
                     or any(a.phase_wide and a.enabled for a in self.ruleset.active))  # fmt: skip
@@ -195,25 +194,20 @@ class ParamGradients:
             if wanted != _BY_NORM:
                 values = {s: values[s] for s in wanted}
             stats.append(made.stats_of(p.owner, p.owner_type, step, values))
-        found = self.ruleset.judge_clean(
-            stats, [made.rules.checks for made, *_ in light],
-            lambda i: partial(_measure, self.measure, light[i][2]))  # fmt: skip
+        found = self.ruleset.judge_clean(stats, [made.rules.checks for made, *_ in light],
+                                         lambda i: self.measuring(light[i][2]))  # fmt: skip
         for t in stats:
             judged(t)
         self.phases.unlisted = (light, stats)  # until the phase ends
         if found:
-            records = self.listed()
-            for i, rule_id, finding in found:
-                records[i].find(rule_id, finding)
+            records = self.record_clean_gradients()
+            self.ruleset.give(records, found)
             for record, (_, _, grad, _) in zip(records, light, strict=True):
-                for rule_id in record.findings:
-                    if self.ruleset.propagates(rule_id):
-                        record.fire(rule_id)
                 if record.findings and record.tensor is None:
                     record.tensor = grad  # a hit's own tensor is always kept for inspection
             self.triggered = True
 
-    def listed(self, events: bool = True) -> list[Record]:
+    def record_clean_gradients(self, events: bool = True) -> list[Record]:
         """The records of the clean gradients judged without them, made now (in their order;
         ``events``: theirs at the end of pending): a finding, a listing or a pause at the end
         of their phase."""
@@ -432,7 +426,3 @@ class ParamGradients:
         clean = [r for r in grads if not r.judged and r.stats.values.get(FINITE) == 1.0]
         if clean:
             self.judge_finite(clean, [r.held() for r in clean])
-
-
-def _measure(measure: Any, tensor: torch.Tensor, stats: TensorStats, wanted: Any) -> list[float]:
-    return measure(stats, tensor, wanted)

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch.nn.parameter import is_lazy
 
-from tensordbg.engine.digests import Digest, view_of
+from tensordbg.engine.digests import Digest, samples_apart, view_of
 from tensordbg.engine.records import Record, new_record, submodule
 from tensordbg.statistics import Stat
 from tensordbg.statistics.batch import on_host
@@ -134,9 +134,8 @@ class ParamWatch:
         """The largest learning rate of each (optimizer, parameter group) while watched."""
         self.groups: dict[int, list[dict[str, Any]]] = {}
         self._owned: dict[int, tuple[tuple[Any, ...], list[Param]]] = {}  # (see owned)
-        self._blocks: tuple[Any, np.ndarray] | None = None  # the last step's samples (sampled)
-        self._pair: tuple[np.ndarray, np.ndarray, list[Any]] | None = None  # and the one before
-        self._starts: tuple[Any, ...] = (None,)  # where each parameter's samples start in them
+        self._samples: tuple[Any, ...] | None = None  # the last samples taken (sampled)
+        self._samples_before: np.ndarray | None = None  # the ones before, of the same params
         """Each optimizer's parameter groups (by its id), noted as its steps come: their
         learning rates before a step say which parameters it cannot move."""
         self._offset = 0
@@ -300,23 +299,25 @@ class ParamWatch:
             out = torch.empty(start, dtype=torch.float64 if wide else torch.float32)
             if all(v.is_cpu and v.dtype in (torch.float32, torch.float64) for v in views):
                 views, out = [v.numpy() for v in views], out.numpy()  # numpy's calls cost less
-            cached = (key, views, spans, out)
+            # Where each parameter's samples start, to tell them apart in one call (none if
+            # one has no elements: numpy's reduceat would count its neighbour's).
+            starts = [a for _, a, b in spans] if all(a < b for _, a, b in spans) else None
+            cached = (key, views, spans, out, starts)
             # Views of the parameters' memory, kept while it stays (an optimizer updates in
             # place); a parameter that is not contiguous gives a copy, made again each time.
             contiguous = all(p.param.is_contiguous() for p in params)
             self._sampling = cached if contiguous else None
-        _, views, spans, out = cached
+        _, views, spans, out, starts = cached
         if type(out) is np.ndarray:  # on the host: one numpy call, ~0.2 ms less than torch's
             # A new array each step: the digests are views of it, and :meth:`moving` compares
             # it with the last step's all at once (53 tuples and comparisons: ~0.3 ms a step).
             now = np.concatenate(views)
-            last, self._blocks = self._blocks, (key, now)
-            self._pair = (now, last[1], spans) if last is not None and last[0] == key else None
-            return {name: Digest("sample", now[a:b], b - a) for name, a, b in spans}, bool(
-                np.isfinite(now).all())  # fmt: skip
-        else:
-            torch.cat(views, out=out)
-            finite = math.isfinite(out.sum(dtype=torch.float64).item())
+            last, self._samples = self._samples, (key, now, spans, starts)
+            self._samples_before = last[1] if last is not None and last[0] == key else None
+            digests = {name: Digest("sample", now[a:b], b - a) for name, a, b in spans}
+            return digests, bool(np.isfinite(now).all())
+        torch.cat(views, out=out)
+        finite = math.isfinite(out.sum(dtype=torch.float64).item())
         flat = out.tolist()
         of_sample = Digest.of_sample
         return {name: of_sample(tuple(flat[a:b])) for name, a, b in spans}, finite
@@ -408,19 +409,12 @@ class ParamWatch:
             return set()
         rtol, atol = wanted[0].params
         moving = set()
-        now, last, spans = self._pair or (None, None, ())
+        _, now, spans, starts = self._samples or (None, None, (), None)
+        last = self._samples_before
         moved: dict[str, bool] = {}
-        if now is not None:  # this step's samples against the last step's, all at once
-            if self._starts[0] is not spans:
-                starts = [a for _, a, b in spans] if all(a < b for _, a, b in spans) else None
-                self._starts = (spans, starts, [name for name, _, _ in spans])
-            _, starts, names = self._starts
-            if starts is not None:
-                with np.errstate(invalid="ignore", over="ignore"):  # an Inf moved nowhere
-                    bound = atol + rtol * abs(last) if rtol or atol else None
-                    apart = now != last if bound is None else abs(now - last) > bound
-                flags = np.logical_or.reduceat(apart, starts).tolist()
-                moved = dict(zip(names, flags, strict=True))
+        if last is not None and starts is not None:  # this step's samples against the last's
+            flags = np.logical_or.reduceat(samples_apart(now, last, rtol, atol), starts)
+            moved = dict(zip((name for name, _, _ in spans), flags.tolist(), strict=True))
         for p in owned:
             name = p.name
             version = self.versions.get(name)
@@ -465,5 +459,5 @@ class ParamWatch:
         self.samples = {}
         self.groups = {}
         self._owned = {}
-        self._blocks = self._pair = None
+        self._samples = self._samples_before = None
         self._sampling = None

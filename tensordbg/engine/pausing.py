@@ -26,7 +26,7 @@ class Pausing:
         if not self._pausing:
             return
         pausing, self._pausing = self._pausing, []
-        self.listed(events=False)  # what the halt and the pause list (param_grads.py)
+        self.record_clean_gradients(events=False)  # what the halt and the pause list
         first = next((h for h in pausing if h.origin), pausing[0])
         if self.on_hit in ("raise", "pause") and self.bus.wants("halt"):
             self.bus.publish("halt", {"step": self.step, "phase": self.phase,
@@ -73,7 +73,7 @@ class Pausing:
             return  # every rank pauses together at its next safe point (distributed/)
         _print_pause(self, reason, hit)
         self.materialize_forward()  # what a person may look at while it is paused
-        self.listed(events=False)
+        self.record_clean_gradients(events=False)
         self.publish()
         self.bus.publish("pause", {"state": "paused", "step": self.step, "reason": reason})
         started = time.perf_counter()

@@ -95,10 +95,13 @@ class Pipeline(Pausing, Pinpointing):
         values = host_stats(tensor, wanted)
         return self.amp.unscale(wanted, values) if self.amp.scales(stats) else values
 
+    def measuring(self, tensor: torch.Tensor | None) -> Any:
+        """How a rule that asks for more statistics of ``tensor`` gets them (None: it is gone)."""
+        return None if tensor is None else partial(_measure, self.measure, tensor)
+
     def judge(self, record: Record, tensor: torch.Tensor | None) -> None:
         """Run the per-tensor rules that apply to a record on its statistics."""
-        measure = None if tensor is None else partial(_measure, self.measure, tensor)
-        self.ruleset.judge(record, measure)
+        self.ruleset.judge(record, self.measuring(tensor))
         record.forgive_mask(tensor)  # an attention mask's -inf is by design
         if record.findings and tensor is not None and record.tensor is None:
             record.tensor = tensor  # a hit's own tensor is always kept for inspection
@@ -107,8 +110,7 @@ class Pipeline(Pausing, Pinpointing):
     def judge_finite(self, records: list[Record], tensors: list[torch.Tensor | None]) -> None:
         """:meth:`judge` of many finite records at once (each rule called once for all)."""
         held = {id(r): t for r, t in zip(records, tensors, strict=True)}
-        self.ruleset.judge_finite(records, lambda r: None if held[id(r)] is None else
-                                  partial(_measure, self.measure, held[id(r)]))  # fmt: skip
+        self.ruleset.judge_finite(records, lambda r: self.measuring(held[id(r)]))
         judged = self.metrics.judged
         for record, tensor in zip(records, tensors, strict=True):
             if record.findings and record.tensor is None and tensor is not None:
