@@ -40,11 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import CONFIGS, GPT, Runner, machine
 
 import tensordbg
+from tensordbg.engine import vouching
 from tensordbg.engine.capture import Capture
 from tensordbg.engine.grad_hooks import GradHooks
 from tensordbg.engine.params import ParamWatch
 from tensordbg.engine.session import Session
-from tensordbg.engine.vouching import GradientPlan
 
 # The hooks, as the session installs them: (class, method, what the table calls it).
 HOOKS = [
@@ -53,7 +53,8 @@ HOOKS = [
     (Capture, "_on_leaf_exit", "leaf modules' post-hooks (their calls entered there)"),
     (GradHooks, "_on_node_grad", "activation-gradient hooks"),
     (GradHooks, "on_grad", "activation-gradient hooks"),
-    (GradientPlan, "_keep", "activation gradients kept for a voucher (residuals)"),
+    # (a residual's gradient is kept by a builtin hook, no Python: only a split's is timed)
+    (vouching, "_keep_one", "activation gradients kept for a voucher (residuals)"),
     (Session, "param_grad", "parameter-gradient hooks (several ranks, eager)"),
     (Session, "pass_started", "start of the backward pass"),
     (Session, "_end_backward", "end of the backward pass (parameter gradients, rules)"),

@@ -303,6 +303,43 @@ def test_a_backward_pass_no_hook_sees_is_checked_before_the_update(watch, sync):
     assert (first.tensor, first.step, first.phase) == ("0.weight.grad", 0, "backward")
 
 
+@pytest.mark.parametrize("budget", [1 << 20, 0])
+def test_a_carried_gradient_is_kept_by_its_nodes_hook_alone_within_the_budget(budget):
+    """A carried planned tensor's gradient is kept as its node received it, its own alone (a
+    split's other output's is not held), only while the phase's budget allows when the pass
+    starts; once judged, the hook is gone and nothing is held."""
+    from types import SimpleNamespace
+
+    from tensordbg.engine.vouching import GradientPlan, Planned
+
+    model = nn.Linear(4, 4)
+    plan = GradientPlan(Vouchers(model, budget), dict(model.named_parameters()))
+    taken: list[int] = []
+    plan.take = lambda nbytes: (taken.append(nbytes), sum(taken) <= budget)[1]
+    x = torch.randn(3, 4, requires_grad=True)
+    whole = x * 3  # one output
+    first, second = (x * 5).split(2, dim=1)  # a node with two outputs
+    out = model(whole + torch.cat([first * 7, second * 11], 1))
+    planned = [Planned(SimpleNamespace(nbytes=t.nbytes), t.grad_fn, t.output_nr, "float32",
+                       "weight", "", carried=True) for t in (whole, second)]  # fmt: skip
+    for p in planned:
+        GradientPlan.keep(p)
+    plan.planned = list(planned)
+    out.grad_fn.register_prehook(lambda grads: (plan.not_computed(), None)[1])
+    out.sum().backward()
+    assert taken == [whole.nbytes, second.nbytes]
+    kept = [p.kept() for p in planned]
+    if budget:
+        expected = model.weight.sum(0).expand(3, 4)  # d out.sum() / d whole
+        torch.testing.assert_close(kept[0], expected)
+        torch.testing.assert_close(kept[1], 11 * expected[:, 2:])
+        assert planned[1].box[-1][0] is None  # the split's first output: not held
+    else:
+        assert kept == [None, None]
+    plan.judged({"weight": True})
+    assert all(p.kept() is None and p.handle is None for p in planned)
+
+
 def test_a_clean_step_keeps_no_plan_and_reads_no_vouched_gradient(watch, monkeypatch):
     """The GPT of the tests: in its clean steps only the attention's output gradients (made
     by code between modules, which no parameter takes whole) are read in their hooks, and

@@ -240,11 +240,14 @@ class Capture(ForwardLog):
         nothing of ours runs inside it, so the log is the same, and a clean forward makes
         fewer hook calls (the benchmark's model: 28 of 65, each ~10 us in the cold cache its
         module's kernels leave)."""
-        self._entering(module, args, kwargs)
+        self._entering(module, args, kwargs, leaf=True)
         self._leaving(module, args, kwargs, output)
 
-    def _entering(self, module: torch.nn.Module, args: tuple, kwargs: dict | None) -> None:
-        """A module's call starts (called by its hook: the user's line is found past it)."""
+    def _entering(self, module: torch.nn.Module, args: tuple, kwargs: dict | None,
+                  leaf: bool = False) -> None:  # fmt: skip
+        """A module's call starts (called by its hook: the user's line is found past it).
+        ``leaf``: left at once (:meth:`_on_leaf_exit`), whose noting of the log's growth
+        counts this entry too."""
         session = self.session
         if not session.active or self.suspended:
             return
@@ -274,7 +277,8 @@ class Capture(ForwardLog):
             invocation = None if kwargs is None else (module, args, kwargs, seen, drawn)
             if self._log is not None and self._open > 1:
                 self._log.append((id(module), seen, site, invocation))
-                self._noted()
+                if not leaf:
+                    self._noted()
                 return
             self._enter(id(module), seen, site, invocation, is_root=self._open == 1)
         except Exception as e:

@@ -37,6 +37,7 @@ def own_work(fn: F) -> F:
             handle, _inside.handle = _inside.handle, None  # (:func:`outside` may renew it)
             torch.ops.profiler._record_function_exit._RecordFunction(handle)
 
+    marked.__own_work__ = fn  # type: ignore[attr-defined]  # (hook_of_ours calls it directly)
     return marked  # type: ignore[return-value]
 
 
@@ -87,7 +88,10 @@ def hook_of_ours(fn: F) -> F:
     out, and the hook is called directly; else through dynamo's wrapper. Dynamo's tracing,
     which inlines this one, takes ``is_compiling()`` for True and meets its own wrapper, so
     it breaks the graph there with the reason above (it warned of the callback, a builtin it
-    cannot trace, when that came first)."""
+    cannot trace, when that came first).
+
+    A hook marked :func:`own_work` under it is called past that mark too while no profile
+    records: one Python call less a hook."""
     try:
         guarded = torch.compiler.disable(fn, reason=_GRAPH_BREAK)
     except TypeError:  # a torch before 2.8 takes no reason
@@ -98,9 +102,13 @@ def hook_of_ours(fn: F) -> F:
     if callback is None or is_compiling is None:  # an older torch: always dynamo's wrapper
         return guarded  # type: ignore[return-value]
 
+    unmarked = getattr(fn, "__own_work__", fn)
+
     @functools.wraps(fn)
     def hook(*args: Any, **kwargs: Any) -> Any:
         if not is_compiling() and callback() is None:
+            if not _profiles[0]:
+                return unmarked(*args, **kwargs)
             return fn(*args, **kwargs)
         return guarded(*args, **kwargs)
 

@@ -45,13 +45,15 @@ class LightCall:
 
 class LightTensor:
     """A forward tensor noted in the log, stood for until its record is made (``record``): what
-    the vouchers ask of a :class:`Record`, and its dtype."""
+    the vouchers ask of a :class:`Record`, its dtype and its size (of one that needs a
+    gradient: its gradient's, which a voucher may keep)."""
 
-    __slots__ = ("dtype", "producer", "record")
+    __slots__ = ("dtype", "nbytes", "producer", "record")
 
-    def __init__(self, producer: LightCall | None, dtype: str) -> None:
+    def __init__(self, producer: LightCall | None, dtype: str, nbytes: int = 0) -> None:
         self.producer = producer
         self.dtype = dtype
+        self.nbytes = nbytes
         self.record: Record | None = None
 
 
@@ -59,12 +61,12 @@ class TensorMeta:
     """What a let-go tensor was, for the record that may still be made of it (its shape, dtype
     and size; the version the hook saw is in the log)."""
 
-    __slots__ = ("__weakref__", "_nbytes", "_version", "dtype", "shape")
+    __slots__ = ("__weakref__", "_nbytes", "dtype", "shape")
+    _version = 0  # (a record made of it takes the version its hook saw, from the log)
 
     def __init__(self, t: Any) -> None:
         self.shape = t.shape
         self.dtype = t.dtype
-        self._version = version_of(t)
         self._nbytes = t.nbytes
 
     def numel(self) -> int:
@@ -123,7 +125,8 @@ class PendingForward:
                     if record is not None:
                         light = record  # one of the root's inputs: its record is made
                     else:
-                        light = LightTensor(call if key is None else None, dtype_name(t.dtype))
+                        light = LightTensor(call if key is None else None, dtype_name(t.dtype),
+                                            t.nbytes if node else 0)  # fmt: skip
                         if node:
                             needing.append((light, *node, light.dtype))
                         elif node is None:

@@ -25,10 +25,11 @@ _INTERNAL_CODE: dict[int, tuple[CodeType, bool]] = {}
 whole contents: by id the lookup is ~8 us cheaper a module call in a cold cache). The entry holds
 the code, so its id is not reused while it is there."""
 
-HOOK_CALLER = 3
+HOOK_CALLER = 2
 """How deep a module hook of tensordbg's looks for the user's line: past its own frame and its
-two wrappers (:func:`~.marks.own_work`, then :func:`~.marks.hook_of_ours`'s), which are never the
-user's. Each frame walked costs ~3 us in the cold cache that a module's kernels leave."""
+wrapper (:func:`~.marks.hook_of_ours`'s, which calls it directly outside a profile), which are
+never the user's; in a profile :func:`~.marks.own_work`'s is one more, walked past as
+tensordbg's. Each frame walked costs ~3 us in the cold cache that a module's kernels leave."""
 
 
 def user_site(frame: Any, until: CodeType | None = None) -> tuple[CodeType, int] | None:

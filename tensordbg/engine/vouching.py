@@ -218,7 +218,8 @@ class Planned:
     of the pass from the voucher's norm. ``forward``: its record, or what stands for it until
     the record is made (engine/pending.py)."""
 
-    __slots__ = ("carried", "dtype", "forward", "node", "output_nr", "owner", "voucher")
+    __slots__ = ("box", "carried", "dtype", "forward", "handle", "node", "output_nr", "owner",
+                 "voucher")  # fmt: skip
 
     def __init__(self, forward: Any, node: Any, output_nr: int, dtype: str, voucher: str,
                  owner: str, carried: bool = False):  # fmt: skip
@@ -234,6 +235,18 @@ class Planned:
         gradient may hold others too (``x + f(x)``: ``x``'s gradient adds ``f``'s backward), so
         a voucher that is not finite says nothing of it by itself: it is kept and read then,
         or judged from the graph (:meth:`GradientPlan._carried_verdicts`)."""
+        self.box: list[tuple] | None = None
+        """A carried one's: the gradients its node received, in the pass that ran it (see
+        :meth:`GradientPlan.keep`)."""
+        self.handle: Any = None
+        """The hook that fills :attr:`box`."""
+
+    def kept(self) -> torch.Tensor | None:
+        """A carried one's gradient, as its node received it last (None: not kept)."""
+        if not self.box:
+            return None
+        grads = self.box[-1]
+        return grads[self.output_nr] if self.output_nr < len(grads) else None
 
 
 class GradientPlan:
@@ -255,9 +268,6 @@ class GradientPlan:
         self._accumulators: dict[int, tuple[torch.Tensor, Any]] = {}
         self.roots: list[Any] = []
         """The output nodes of the forwards whose gradients are planned (kept while some are)."""
-        self.kept: dict[int, torch.Tensor] = {}
-        """The gradients of carried planned tensors (by the Planned's id), kept until their
-        voucher's verdict: read only if it is not finite (their gradient may be finite then)."""
         self.take: Callable[[int], bool] = lambda nbytes: False
         """Whether ``nbytes`` more may be kept (the session's phase budget, retain_bytes)."""
 
@@ -289,16 +299,23 @@ class GradientPlan:
                 hook.append((forward, node, nr))
                 continue
             planned = Planned(forward, node, nr, dtype, via.voucher, via.owner, carried=True)
-            node.register_prehook(partial(self._keep, planned))
+            self.keep(planned)
             self.planned.append(planned)
         return hook + self.unsound(calls)
 
-    @own_work
-    def _keep(self, planned: Planned, grads: tuple) -> None:
-        """A carried planned tensor's gradient: kept (a reference, not read) within budget."""
-        grad = grads[planned.output_nr] if planned.output_nr < len(grads) else None
-        if grad is not None and self.take(grad.nbytes):
-            self.kept[id(planned)] = grad
+    @staticmethod
+    def keep(planned: Planned) -> None:
+        """Keep a carried planned tensor's gradient (a reference, not read) until its voucher's
+        verdict: read only if that is not finite (its gradient may be finite then). The hook
+        is the box's own ``append``, a builtin: no Python runs for it in the backward pass
+        (a Python hook there took ~25 us, 13 a step in the benchmark's model). A node with
+        several outputs (a split) hands the hook all their gradients, which would be kept
+        too: its hook is Python's, keeping its own alone. The budget is counted when a pass
+        starts (:meth:`not_computed`)."""
+        box: list[tuple] = []
+        outputs = getattr(planned.node, "_input_metadata", ())  # (torch >= 2.1)
+        hook = box.append if len(outputs) == 1 else partial(_keep_one, box, planned.output_nr)
+        planned.box, planned.handle = box, planned.node.register_prehook(hook)
 
     def unsound(self, calls: dict[str, int]) -> list[tuple[Any, Any, int]]:
         """The planned gradients whose voucher can no longer vouch (taken out of the plan): its
@@ -329,6 +346,8 @@ class GradientPlan:
             if not will(p.node):
                 keep.append(p)  # not in this pass
                 continue
+            if p.handle is not None and not self.take(p.forward.nbytes):
+                _unboxed(p)  # past the phase's budget: its gradient is not kept
             ok = executes.get(p.voucher)
             if ok is None:
                 param = self.params[p.voucher]
@@ -361,17 +380,15 @@ class GradientPlan:
         if any(p.carried for p in bad):
             guessed = []
             for p in bad:
-                grad = self.kept.pop(id(p), None) if p.carried else None
+                grad = p.kept() if p.carried else None
                 if grad is None:
                     guessed.append(p)
                 else:
                     read.append((p, grad))
             bad, more_clean, unread = self._carried_verdicts(clean, guessed, finite)
             clean += more_clean
-        for p in clean:
-            self.kept.pop(id(p), None)
         if not keep:
-            self.roots, self.kept = [], {}
+            self.roots = []
         _released(clean + bad + unread + [p for p, _ in read])
         return clean, bad, unread, read
 
@@ -401,7 +418,7 @@ class GradientPlan:
 
     def clear(self) -> None:
         _released(self.planned)
-        self.planned, self.roots, self.kept = [], [], {}
+        self.planned, self.roots = [], []
 
     def _accumulator(self, param: torch.Tensor) -> Any:
         """The autograd node that accumulates ``param``'s gradient, kept: the same one from
@@ -415,7 +432,7 @@ class GradientPlan:
         """Let go of every parameter (at detach)."""
         _released(self.planned)
         self.planned, self.params, self._names = [], {}, {}
-        self._accumulators, self.roots, self.kept = {}, [], {}
+        self._accumulators, self.roots = {}, []
 
     def _learn_order(self, path: str, node: Any) -> None:
         """The order in which autograd accumulates module ``path``'s parameter gradients, from
@@ -440,14 +457,31 @@ class GradientPlan:
 
 def _released(planned: list[Planned]) -> list[tuple[Any, Any, int]]:
     """Planned gradients taken out of the plan let go of their nodes: each forward tensor, its
-    node and output number. A carried one's node holds a hook that holds it (:meth:`_keep`), a
-    cycle through autograd's C++ that Python's collector cannot break: kept, it kept the node
-    and every node before it in the graph alive, a step's worth at each step."""
+    node and output number. A carried one's hook is removed and its box emptied: the node
+    would keep the gradients it holds (a graph kept for another pass would add more); and a
+    Planned that held its node while a hook held the Planned made a cycle through autograd's
+    C++ that Python's collector cannot break (a step's graph kept alive at each step)."""
     taken = []
     for p in planned:
         taken.append((p.forward, p.node, p.output_nr))
         p.node = None
+        if p.handle is not None:
+            _unboxed(p)
     return taken
+
+
+@own_work
+def _keep_one(box: list[tuple], output_nr: int, grads: tuple) -> None:
+    """The hook of a carried planned tensor made by a node with several outputs: its own
+    gradient kept, in its place (:meth:`Planned.kept`)."""
+    if output_nr < len(grads):
+        box.append((None,) * output_nr + (grads[output_nr],))
+
+
+def _unboxed(p: Planned) -> None:
+    """A carried planned gradient's hook removed and what it kept let go."""
+    p.handle.remove()
+    p.handle = p.box = None
 
 
 _WIDE_NAMES = frozenset(str(d).removeprefix("torch.") for d in WIDE)
