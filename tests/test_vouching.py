@@ -306,8 +306,8 @@ def test_a_backward_pass_no_hook_sees_is_checked_before_the_update(watch, sync):
 @pytest.mark.parametrize("budget", [1 << 20, 0])
 def test_a_carried_gradient_is_kept_by_its_nodes_hook_alone_within_the_budget(budget):
     """A carried planned tensor's gradient is kept as its node received it, its own alone (a
-    split's other output's is not held), only while the phase's budget allows when the pass
-    starts; once judged, the hook is gone and nothing is held."""
+    split's other output's is not held), by a hook its pass registers when it starts, while
+    the phase's budget allows; once judged, the hook is gone and nothing is held."""
     from types import SimpleNamespace
 
     from tensordbg.engine.vouching import GradientPlan, Planned
@@ -322,8 +322,6 @@ def test_a_carried_gradient_is_kept_by_its_nodes_hook_alone_within_the_budget(bu
     out = model(whole + torch.cat([first * 7, second * 11], 1))
     planned = [Planned(SimpleNamespace(nbytes=t.nbytes), t.grad_fn, t.output_nr, "float32",
                        "weight", "", carried=True) for t in (whole, second)]  # fmt: skip
-    for p in planned:
-        GradientPlan.keep(p)
     plan.planned = list(planned)
     out.grad_fn.register_prehook(lambda grads: (plan.not_computed(), None)[1])
     out.sum().backward()

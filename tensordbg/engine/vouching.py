@@ -299,7 +299,6 @@ class GradientPlan:
                 hook.append((forward, node, nr))
                 continue
             planned = Planned(forward, node, nr, dtype, via.voucher, via.owner, carried=True)
-            self.keep(planned)
             self.planned.append(planned)
         return hook + self.unsound(calls)
 
@@ -310,8 +309,9 @@ class GradientPlan:
         is the box's own ``append``, a builtin: no Python runs for it in the backward pass
         (a Python hook there took ~25 us, 13 a step in the benchmark's model). A node with
         several outputs (a split) hands the hook all their gradients, which would be kept
-        too: its hook is Python's, keeping its own alone. The budget is counted when a pass
-        starts (:meth:`not_computed`)."""
+        too: its hook is Python's, keeping its own alone. Registered when a pass starts,
+        within the phase's budget (:meth:`not_computed`): a pass that none of the session's
+        hooks sees keeps none."""
         box: list[tuple] = []
         outputs = getattr(planned.node, "_input_metadata", ())  # (torch >= 2.1)
         hook = box.append if len(outputs) == 1 else partial(_keep_one, box, planned.output_nr)
@@ -338,7 +338,9 @@ class GradientPlan:
     def not_computed(self) -> list[tuple[Record, Any, int]]:
         """At a pass's start: the planned gradients this pass computes while their voucher's
         gradient is not computed (``torch.autograd.grad``, ``backward(inputs=...)``), taken out
-        of the plan, to be hooked."""
+        of the plan, to be hooked. The carried ones it computes with their voucher's get the
+        hook that keeps their gradient (:meth:`keep`), within the phase's budget: before any
+        of their nodes runs, for the model's outputs come first in the pass."""
         will = torch._C._will_engine_execute_node
         executes: dict[str, bool] = {}
         keep, out = [], []
@@ -346,13 +348,13 @@ class GradientPlan:
             if not will(p.node):
                 keep.append(p)  # not in this pass
                 continue
-            if p.handle is not None and not self.take(p.forward.nbytes):
-                _unboxed(p)  # past the phase's budget: its gradient is not kept
             ok = executes.get(p.voucher)
             if ok is None:
                 param = self.params[p.voucher]
                 ok = executes[p.voucher] = param.requires_grad and will(self._accumulator(param))
             (keep if ok else out).append(p)
+            if ok and p.carried and p.box is None and self.take(p.forward.nbytes):
+                self.keep(p)  # within the phase's budget: its gradient is kept
         self.planned = keep
         return _released(out)
 
