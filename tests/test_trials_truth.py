@@ -171,6 +171,39 @@ def test_an_inf_a_sigmoid_hides_on_a_dumped_step_is_found_live_and_by_check(
     assert "by Overflow (1)" in said
 
 
+@pytest.mark.parametrize("sync", ["eager", "deferred"])
+@pytest.mark.parametrize("stateful", [True, False])
+def test_a_weight_set_to_inf_between_steps_is_said_to_be_set_then_not_a_learning_rate(
+    watch, sync, stateful
+):
+    """Trial 25: a weight set to Inf between steps, met by the next forward, led with the
+    Overflow rule's advice ("too high a learning rate") and said "the optimizer step ... made
+    it". Adam's state for it is finite, so its last update added finite values: it was set
+    after that update, and the advice about how an update overflows is left out. Plain SGD
+    keeps no state and its gradient is gone by then (zero_grad): nothing says so, nor is
+    it claimed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    make = torch.optim.AdamW if stateful else torch.optim.SGD
+    optimizer = make(model.parameters(), lr=1e-3)
+    session = watch(model, optimizer=optimizer, on_hit="record", sync=sync)
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+    for step in range(5):
+        if step == 3:
+            with torch.no_grad():
+                model[2].weight[1, 3] = float("inf")
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        session.observe("loss", loss)
+        loss.backward()
+        optimizer.step()
+    [hit] = [h for h in session.hits if h.origin]
+    assert (hit.step, hit.phase, hit.tensor) == (3, "forward", "2.weight")
+    said = "it was set so after that update, between steps (by hand, or loaded so)"
+    assert (said in hit.message) is stateful
+    assert ("learning rate" in hit.message) is not stateful
+
+
 @pytest.mark.parametrize("eps", [1e-8, 0.0])
 def test_a_weight_set_to_inf_behind_a_tanh_is_not_blamed_on_the_update_in_deferred_checks(
     watch, eps

@@ -19,7 +19,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from tensordbg.engine.fused import FUSED
 from tensordbg.engine.judge import ActiveRule
-from tensordbg.engine.origin_notes import ORIGIN_NOTE, note_kind
+from tensordbg.engine.origin_notes import ORIGIN_NOTE, SET_APART, note_kind
 from tensordbg.engine.records import NONFINITE, Call, Record, submodule
 from tensordbg.hit import Hit, said_of
 from tensordbg.rules.base import Finding
@@ -405,8 +405,8 @@ def with_origin(finding: Finding, is_origin: bool, condition: int | None, kind: 
                 "hold NaN or Inf: "
                 "an earlier forward wrote them (BatchNorm's running statistics after a bad "
                 "batch); reset them or load a checkpoint.")  # fmt: skip
-    if kind.startswith("buffer"):  # the rule's advice (a learning rate) is not a buffer's
-        return f"{finding.message} {note}"
+    if kind.startswith("buffer") or kind in SET_APART:  # the rule's advice (a learning rate)
+        return f"{finding.message} {note}"  # is not a buffer's, nor a weight's set by hand
     return f"{finding.advised} {note}"
 
 

@@ -32,6 +32,9 @@ ORIGIN_NOTE = {
     "loaded so), and the update did not make it. Deferred checks read a parameter after its "
     "update, or where a forward's output shows it; this step's forward hid it (a saturated tanh "
     "or sigmoid). sync='eager' names it in that forward.",
+    ("param_between", True): "The optimizer's state for it is finite, so its last update "
+    "added only finite values: it was set so after that update, between steps (by hand, or "
+    "loaded so), and no update made it.",
     ("param_attach", True): "tensordbg found it when it attached, before the first step: the "
     "model came with it (its initialization, or a checkpoint or state loaded so).",
     ("param_check", True): "session.check_parameters() found it between steps, before the next "
@@ -68,4 +71,11 @@ def note_kind(kind: str, name: str, module: str | None, record: Record) -> str:
         return "observed_apart"
     if kind == "buffer" and record.before_update:
         return "buffer_attach"
-    return "param_before" if kind == "param" and record.before_update else kind
+    if kind == "param" and record.before_update:
+        return "param_between" if record.stats.phase == "forward" else "param_before"
+    return kind
+
+
+SET_APART = frozenset({"param_before", "param_between", "param_check", "param_unstepped"})
+"""A parameter's notes that say what set it, apart from any update: the rule's advice (a
+learning rate too high) is not theirs."""

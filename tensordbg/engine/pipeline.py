@@ -313,7 +313,7 @@ class Pipeline(Pausing, Pinpointing):
         condition = origin.condition_of(record, verdict.rule_id)
         if verdict.origin and self.ranks is not None and record.stats.kind in CARRIED_KINDS:
             carried = self.ranks.carried(record.stats.step)
-        if verdict.origin and record.stats.kind == "param" and record.stats.phase == "optimizer":
+        if verdict.origin and record.stats.kind == "param" and record.stats.phase != "backward":
             record.before_update = self._bad_before_update(record)  # said by its hit's note
         hit = self.hitlog.make(record, active, verdict.finding, verdict.origin and not carried,
                                condition, verdict.call, verdict.kind, verdict.name,
@@ -352,10 +352,10 @@ class Pipeline(Pausing, Pinpointing):
 
     def _bad_before_update(self, record: Record) -> bool:
         """Whether a parameter found not finite after its update (deferred checks read none
-        before it) was so before the step: its gradient, optimizer state and hyper-parameters
-        are finite, so the update added only finite values to values far from float's largest
-        (set by hand between steps: a forward that hid it, a saturated tanh, did not show it).
-        Read on this path only."""
+        before it), or in a forward after one, was so before that update: its gradient (if
+        still there), optimizer state and hyper-parameters are finite (one of them at least),
+        so the update added only finite values to values far from float's largest (set by hand
+        between steps). Read on this path only."""
         p = self.weights.by_name.get(record.param)
         groups = [(opt, group) for opt in self.optimizers for group in opt.param_groups
                   if p is not None and any(q is p.param for q in group["params"])]  # fmt: skip
@@ -371,7 +371,7 @@ class Pipeline(Pausing, Pinpointing):
         inputs = [t for t in (p.param.grad, *state)
                   if isinstance(t, torch.Tensor) and t.is_floating_point()]  # fmt: skip
         values = p.param.detach()
-        largest = values.abs().nan_to_num(0.0, 0.0, 0.0).max() if values.numel() else 0.0
+        largest = values.abs().nan_to_num(0.0, 0.0, 0.0).max() if inputs else math.inf
         return all(bool(t.isfinite().all()) for t in inputs) and float(largest) < 1e30
 
     def _after_bad_params(self, hit: Hit, finding: Any) -> None:
