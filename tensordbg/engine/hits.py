@@ -357,7 +357,7 @@ def with_origin(finding: Finding, is_origin: bool, condition: int | None, kind: 
     ``first`` is a parameter that held it before this forward (not produced there)."""
     if condition is None:
         return finding.advised
-    if kind == "param" and bad_since is not None:
+    if kind in ("param", "param_between") and bad_since is not None:  # (the last update skipped)
         return f"{finding.message} {_still_bad(is_origin, by_gradient, bad_since, first)}"
     if not is_origin:
         source = f" (first produced at {first})" if first else ""
