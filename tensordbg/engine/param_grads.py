@@ -131,8 +131,8 @@ class ParamGradients:
                 noted.add(name)
             elif watchable(grad):
                 if light:  # in execution order: the gradients before it get their records now
-                    self._light_records()
-                light = None
+                    self._light_records(light)
+                light, self._light = None, ()
                 pending.append(ParamGradNote(name, p.owner, p.owner_type, grad))
                 noted.add(name)
         self._apart = {}
@@ -153,13 +153,13 @@ class ParamGradients:
                     or self.dumps_all() or self.boundary_wanted() or self.bus.wants("phase_end")
                     or any(a.phase_wide and a.enabled for a in self.ruleset.active))  # fmt: skip
 
-    def _light_records(self, judged: list[TensorStats] | None = None, events: bool = True
-                       ) -> list[Record]:  # fmt: skip
-        """Give the gradients noted without records theirs, in their order, as the records
-        they would have had: ``judged``, their statistics as judged (findings are given to the
-        records by the caller), else to be measured and judged (:attr:`_by_norm`); ``events``:
-        their events too (else only listed in the phase: a pause after it was drained)."""
-        light, self._light = self._light, []
+    def _light_records(self, light: list[Any], judged: list[TensorStats] | None = None,
+                       events: bool = True) -> list[Record]:  # fmt: skip
+        """Give gradients noted without records (:attr:`_light`'s) theirs, in their order, as
+        the records they would have had: ``judged``, their statistics as judged (findings are
+        given to the records by the caller), else to be measured and judged (:attr:`_by_norm`);
+        ``events``: their events too (else only listed in the phase: a pause after it was
+        drained)."""
         pending, made_now = self.phases.pending, []
         for i, (made, p, grad, version) in enumerate(light):
             if judged is None:
@@ -179,12 +179,12 @@ class ParamGradients:
         """Measure and judge the gradients noted without records (their norms, all at once),
         as :meth:`_judge_norms` judges records; they get records only if a rule finds
         something (or one is not finite: then as before, through their records)."""
-        light = self._light
+        light, self._light = self._light, ()
         if not light:
             return
         norms = norms_of([item[2] for item in light])
         if not all(map(math.isfinite, norms)):
-            self._light_records()  # judged as records, from the first not finite
+            self._light_records(light)  # judged as records, from the first not finite
             return
         step, judged = self.step, self.metrics.judged
         stats = []
@@ -203,8 +203,7 @@ class ParamGradients:
             records = self.record_clean_gradients()
             self.ruleset.give(records, found)
             for record, (_, _, grad, _) in zip(records, light, strict=True):
-                if record.findings and record.tensor is None:
-                    record.tensor = grad  # a hit's own tensor is always kept for inspection
+                record.keep_if_found(grad)
             self.triggered = True
 
     def record_clean_gradients(self, events: bool = True) -> list[Record]:
@@ -214,8 +213,7 @@ class ParamGradients:
         light_judged, self.phases.unlisted = self.phases.unlisted, None
         if light_judged is None:
             return []
-        self._light, stats = light_judged
-        return self._light_records(stats, events)
+        return self._light_records(*light_judged, events)
 
     def _clean_gradients(self) -> dict[str, TensorStats]:
         """The statistics of this pass's gradients judged clean without records, by parameter."""

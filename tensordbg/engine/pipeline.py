@@ -103,8 +103,7 @@ class Pipeline(Pausing, Pinpointing):
         """Run the per-tensor rules that apply to a record on its statistics."""
         self.ruleset.judge(record, self.measuring(tensor))
         record.forgive_mask(tensor)  # an attention mask's -inf is by design
-        if record.findings and tensor is not None and record.tensor is None:
-            record.tensor = tensor  # a hit's own tensor is always kept for inspection
+        record.keep_if_found(tensor)
         self.metrics.judged(record.stats)
 
     def judge_finite(self, records: list[Record], tensors: list[torch.Tensor | None]) -> None:
@@ -113,8 +112,7 @@ class Pipeline(Pausing, Pinpointing):
         self.ruleset.judge_finite(records, lambda r: self.measuring(held[id(r)]))
         judged = self.metrics.judged
         for record, tensor in zip(records, tensors, strict=True):
-            if record.findings and record.tensor is None and tensor is not None:
-                record.tensor = tensor  # a hit's own tensor is always kept for inspection
+            record.keep_if_found(tensor)
             judged(record.stats)
 
     def report(self, record: Record) -> None:

@@ -133,6 +133,12 @@ class Record:
             self.findings = {}
         self.findings[rule_id] = finding  # type: ignore[index]
 
+    def keep_if_found(self, tensor: torch.Tensor | None) -> None:
+        """A hit's own tensor is always kept for inspection: ``tensor`` if a rule found
+        something in it and none is held."""
+        if self.findings and self.tensor is None and tensor is not None:
+            self.tensor = tensor
+
     def fire(self, condition: int) -> None:
         """Add a condition it carries (:mod:`.origin`: NaN/Inf, or a rule that propagates)."""
         if type(self.conditions) is frozenset:

@@ -468,7 +468,8 @@ def _released(planned: list[Planned]) -> list[tuple[Any, Any, int]]:
         taken.append((p.forward, p.node, p.output_nr))
         p.node = None
         if p.handle is not None:
-            _unboxed(p)
+            p.handle.remove()
+            p.handle = p.box = None
     return taken
 
 
@@ -478,12 +479,6 @@ def _keep_one(box: list[tuple], output_nr: int, grads: tuple) -> None:
     gradient kept, in its place (:meth:`Planned.kept`)."""
     if output_nr < len(grads):
         box.append((None,) * output_nr + (grads[output_nr],))
-
-
-def _unboxed(p: Planned) -> None:
-    """A carried planned gradient's hook removed and what it kept let go."""
-    p.handle.remove()
-    p.handle = p.box = None
 
 
 _WIDE_NAMES = frozenset(str(d).removeprefix("torch.") for d in WIDE)
